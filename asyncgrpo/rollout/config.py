@@ -1,0 +1,207 @@
+"""Settings of the rollout side: how completions are sampled and how rollouts are scheduled.
+
+Two keyword-only dataclasses, ``GenerationConfig`` (what vLLM is asked for) and
+``RolloutConfig`` (concurrency, queueing, scoring, retries). ``asyncgrpo.config`` nests them
+in the run's ``TrainingConfig``; every field's ``help`` doubles as CLI help.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from asyncgrpo.errors import ConfigError
+
+RequestMode = Literal["n", "per_sample"]
+
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+@dataclass(kw_only=True)
+class GenerationConfig:
+    """Sampling parameters sent to ``/v1/completions`` for every rollout.
+
+    ``temperature`` also reaches the trainer (through each ``Sample``): vLLM's
+    ``processed_logprobs`` are taken after temperature, so the trainer divides its logits by it.
+    """
+
+    num_generations: int = field(
+        default=8,
+        metadata={"help": "G: completions per prompt; advantages are normalised within a group."},
+    )
+    max_completion_length: int = field(
+        default=256,
+        metadata={"help": "Maximum new tokens per completion (vLLM `max_tokens`)."},
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "Sampling temperature (> 0). The trainer scales its logits by it too."},
+    )
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass, in (0, 1]."})
+    top_k: int = field(default=-1, metadata={"help": "Top-k sampling; -1 disables it."})
+    min_p: float = field(default=0.0, metadata={"help": "Min-p sampling, in [0, 1]; 0 disables."})
+    repetition_penalty: float = field(
+        default=1.0, metadata={"help": "vLLM repetition penalty (> 0); 1.0 disables it."}
+    )
+    stop: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Stop strings; generation ends before them (vLLM `stop`)."},
+    )
+    seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "Base sampling seed. None: vLLM samples freely. Set: each request gets "
+            "`seed + request index`, so a run's rollouts are reproducible for a fixed schedule."
+        },
+    )
+    request_mode: RequestMode = field(
+        default="n",
+        metadata={
+            "help": "'n': one request with n=G per prompt (vLLM prefills once; single-turn "
+            "tasks). 'per_sample': G requests with n=1 (turns that diverge)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2:
+            raise ConfigError(
+                f"generation.num_generations={self.num_generations}: GRPO needs at least 2 "
+                "completions per prompt to compute group advantages; set it to 2 or more"
+            )
+        if self.max_completion_length < 1:
+            raise ConfigError(
+                f"generation.max_completion_length={self.max_completion_length}: set it to 1 "
+                "or more"
+            )
+        if not self.temperature > 0:
+            raise ConfigError(
+                f"generation.temperature={self.temperature}: must be > 0 (greedy decoding "
+                "gives identical completions and zero advantages); use e.g. 1.0"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"generation.top_p={self.top_p}: must be in (0, 1]; use 1.0")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ConfigError(
+                f"generation.top_k={self.top_k}: use -1 to disable or a positive integer"
+            )
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"generation.min_p={self.min_p}: must be in [0, 1]; use 0.0")
+        if not self.repetition_penalty > 0:
+            raise ConfigError(
+                f"generation.repetition_penalty={self.repetition_penalty}: must be > 0; use 1.0"
+            )
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.request_mode not in ("n", "per_sample"):
+            raise ConfigError(
+                f"generation.request_mode={self.request_mode!r}: use 'n' (one request with n=G) "
+                "or 'per_sample' (G requests)"
+            )
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Scheduling of rollouts: concurrency caps, the sample queue, scoring and retries.
+
+    ``max_inflight`` counts completions, not HTTP requests: a request with ``n=G`` holds G.
+    """
+
+    max_inflight: int = field(
+        default=64,
+        metadata={
+            "help": "Global cap on completions being generated at once (a request with n=G "
+            "counts G). Too low and extra replicas sit idle; must be >= num_generations."
+        },
+    )
+    max_inflight_per_replica: int | None = field(
+        default=None,
+        metadata={
+            "help": "Optional cap per replica, applied when the client talks to replicas "
+            "directly (several base URLs). None: only the global cap."
+        },
+    )
+    queue_maxsize: int = field(
+        default=256,
+        metadata={
+            "help": "Capacity of the scored-sample queue, in samples (rounded up to whole "
+            "groups: a group is pushed whole). A full queue blocks scoring, then generation."
+        },
+    )
+    reward_funcs: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Reward functions as import paths 'pkg.module:fn', called as "
+            "fn(prompts, completions, **kwargs) -> list[float | None] once per group."
+        },
+    )
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "Weights of reward_funcs in the combined reward; None: all 1.0."},
+    )
+    reward_max_threads: int = field(
+        default=4,
+        metadata={"help": "Worker threads shared by synchronous reward functions."},
+    )
+    request_timeout_s: float = field(
+        default=600.0,
+        metadata={"help": "Deadline of one completion request, seconds (then it is retried)."},
+    )
+    retries: int = field(
+        default=5,
+        metadata={
+            "help": "Retries of a request after a transport error (connection refused/reset, "
+            "HTTP 5xx, timeout). HTTP 4xx is never retried."
+        },
+    )
+    retry_backoff_s: float = field(
+        default=0.5,
+        metadata={"help": "First retry delay, seconds; doubles on each retry (capped at 30 s)."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_inflight < 1:
+            raise ConfigError(f"rollout.max_inflight={self.max_inflight}: set it to 1 or more")
+        if self.max_inflight_per_replica is not None and self.max_inflight_per_replica < 1:
+            raise ConfigError(
+                f"rollout.max_inflight_per_replica={self.max_inflight_per_replica}: set it to "
+                "1 or more, or None for no per-replica cap"
+            )
+        if self.queue_maxsize < 1:
+            raise ConfigError(f"rollout.queue_maxsize={self.queue_maxsize}: set it to 1 or more")
+        if isinstance(self.reward_funcs, str):
+            self.reward_funcs = [self.reward_funcs]
+        for path in self.reward_funcs:
+            if not isinstance(path, str) or not _IMPORT_PATH.match(path):
+                raise ConfigError(
+                    f"rollout.reward_funcs entry {path!r}: write it as an import path "
+                    "'package.module:function'"
+                )
+        if self.reward_weights is not None and len(self.reward_weights) != len(
+            self.reward_funcs
+        ):
+            raise ConfigError(
+                f"rollout.reward_weights has {len(self.reward_weights)} entries for "
+                f"{len(self.reward_funcs)} reward_funcs: give one weight per function, or None"
+            )
+        if self.reward_max_threads < 1:
+            raise ConfigError(
+                f"rollout.reward_max_threads={self.reward_max_threads}: set it to 1 or more"
+            )
+        if not self.request_timeout_s > 0:
+            raise ConfigError(
+                f"rollout.request_timeout_s={self.request_timeout_s}: must be > 0 seconds"
+            )
+        if self.retries < 0:
+            raise ConfigError(f"rollout.retries={self.retries}: set it to 0 or more")
+        if self.retry_backoff_s < 0:
+            raise ConfigError(f"rollout.retry_backoff_s={self.retry_backoff_s}: must be >= 0")
+
+    def check_against(self, generation: GenerationConfig) -> None:
+        """Cross-field check: one group must fit under the in-flight cap, or nothing runs."""
+        if generation.request_mode == "n" and self.max_inflight < generation.num_generations:
+            raise ConfigError(
+                f"rollout.max_inflight={self.max_inflight} < generation.num_generations="
+                f"{generation.num_generations}: with request_mode='n' one request holds G "
+                "completions; raise max_inflight to at least num_generations"
+            )
