@@ -1,5 +1,5 @@
 """Rollout side: prompts in, scored and tagged ``Sample``s out into a bounded queue."""
 
-from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
+from asyncgrpo.rollout.config import DatasetConfig, GenerationConfig, RolloutConfig
 
-__all__ = ["GenerationConfig", "RolloutConfig"]
+__all__ = ["DatasetConfig", "GenerationConfig", "RolloutConfig"]

@@ -1,7 +1,8 @@
-"""Settings of the rollout side: how completions are sampled and how rollouts are scheduled.
+"""Settings of the rollout side: which prompts, how completions are sampled, how rollouts run.
 
-Two keyword-only dataclasses, ``GenerationConfig`` (what vLLM is asked for) and
-``RolloutConfig`` (concurrency, queueing, scoring, retries). ``asyncgrpo.config`` nests them
+Three keyword-only dataclasses: ``DatasetConfig`` (where prompts come from, epochs, shuffling),
+``GenerationConfig`` (what vLLM is asked for) and ``RolloutConfig`` (concurrency, queueing,
+scoring, retries). ``asyncgrpo.config`` nests them
 in the run's ``TrainingConfig``; every field's ``help`` doubles as CLI help.
 """
 
@@ -9,13 +10,70 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from asyncgrpo.errors import ConfigError
 
 RequestMode = Literal["n", "per_sample"]
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+@dataclass(kw_only=True)
+class DatasetConfig:
+    """Where prompts come from and in which order.
+
+    Rows are TRL-style: a ``prompt`` column holding a string (plain text, tokenized as is) or a
+    list of chat messages (rendered with the tokenizer's chat template and
+    ``add_generation_prompt=True``). Other columns reach the reward functions as kwargs.
+    """
+
+    path: str | None = field(
+        default=None,
+        metadata={
+            "help": "A local .jsonl/.json file, or a `datasets` name or directory (loaded "
+            "with datasets.load_dataset). Exactly one of path and prompts."
+        },
+    )
+    prompts: list[Any] | None = field(
+        default=None,
+        metadata={"help": "Inline rows: strings, message lists, or dicts with a prompt column."},
+    )
+    subset: str | None = field(
+        default=None, metadata={"help": "`datasets` configuration name (load_dataset's `name`)."}
+    )
+    split: str = field(default="train", metadata={"help": "`datasets` split to read."})
+    prompt_column: str = field(default="prompt", metadata={"help": "Column holding the prompt."})
+    epochs: int | None = field(
+        default=1, metadata={"help": "Passes over the prompts; None: repeat forever."}
+    )
+    shuffle: bool = field(
+        default=True, metadata={"help": "Shuffle each epoch with a permutation seeded by seed."}
+    )
+    seed: int = field(
+        default=0, metadata={"help": "Shuffle seed; epoch e uses a permutation derived from it."}
+    )
+    max_prompt_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Skip (and count) prompts longer than this many tokens; None: keep all."},
+    )
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.prompts is None):
+            raise ConfigError(
+                "dataset: set exactly one of dataset.path (JSONL file or `datasets` name) and "
+                "dataset.prompts (an inline list)"
+            )
+        if self.prompts is not None and not self.prompts:
+            raise ConfigError("dataset.prompts is empty: give at least one prompt")
+        if self.epochs is not None and self.epochs < 1:
+            raise ConfigError(
+                f"dataset.epochs={self.epochs}: set it to 1 or more, or None to repeat forever"
+            )
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError(
+                f"dataset.max_prompt_tokens={self.max_prompt_tokens}: set it to 1 or more, or None"
+            )
 
 
 @dataclass(kw_only=True)
@@ -51,8 +109,8 @@ class GenerationConfig:
     seed: int | None = field(
         default=None,
         metadata={
-            "help": "Base sampling seed. None: vLLM samples freely. Set: each request gets "
-            "`seed + request index`, so a run's rollouts are reproducible for a fixed schedule."
+            "help": "Base sampling seed. None: vLLM samples freely. Set: completion i of the "
+            "prompt at dataset position p uses seed + p * G + i (in both request modes)."
         },
     )
     request_mode: RequestMode = field(
@@ -124,8 +182,8 @@ class RolloutConfig:
     queue_maxsize: int = field(
         default=256,
         metadata={
-            "help": "Capacity of the scored-sample queue, in samples (rounded up to whole "
-            "groups: a group is pushed whole). A full queue blocks scoring, then generation."
+            "help": "Capacity of the scored-sample queue, in samples. A full queue blocks "
+            "scoring (rollout/backpressure_s), which then blocks generation."
         },
     )
     reward_funcs: list[str] = field(
@@ -177,9 +235,7 @@ class RolloutConfig:
                     f"rollout.reward_funcs entry {path!r}: write it as an import path "
                     "'package.module:function'"
                 )
-        if self.reward_weights is not None and len(self.reward_weights) != len(
-            self.reward_funcs
-        ):
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(
                 f"rollout.reward_weights has {len(self.reward_weights)} entries for "
                 f"{len(self.reward_funcs)} reward_funcs: give one weight per function, or None"
