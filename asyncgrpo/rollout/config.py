@@ -168,8 +168,8 @@ class RolloutConfig:
     max_inflight: int = field(
         default=64,
         metadata={
-            "help": "Global cap on completions being generated at once (a request with n=G "
-            "counts G). Too low and extra replicas sit idle; must be >= num_generations."
+            "help": "Global cap on completions admitted at once (a group of G holds G until it "
+            "is handed to scoring). Too low and extra replicas sit idle; >= num_generations."
         },
     )
     max_inflight_per_replica: int | None = field(
@@ -201,6 +201,10 @@ class RolloutConfig:
         default=4,
         metadata={"help": "Worker threads shared by synchronous reward functions."},
     )
+    score_concurrency: int = field(
+        default=4,
+        metadata={"help": "Groups scored at once; generation waits when all are busy."},
+    )
     request_timeout_s: float = field(
         default=600.0,
         metadata={"help": "Deadline of one completion request, seconds (then it is retried)."},
@@ -209,7 +213,7 @@ class RolloutConfig:
         default=5,
         metadata={
             "help": "Retries of a request after a transport error (connection refused/reset, "
-            "HTTP 5xx, timeout). HTTP 4xx is never retried."
+            "HTTP 5xx or 429, timeout). Other HTTP 4xx answers are errors, not retried."
         },
     )
     retry_backoff_s: float = field(
@@ -244,6 +248,10 @@ class RolloutConfig:
             raise ConfigError(
                 f"rollout.reward_max_threads={self.reward_max_threads}: set it to 1 or more"
             )
+        if self.score_concurrency < 1:
+            raise ConfigError(
+                f"rollout.score_concurrency={self.score_concurrency}: set it to 1 or more"
+            )
         if not self.request_timeout_s > 0:
             raise ConfigError(
                 f"rollout.request_timeout_s={self.request_timeout_s}: must be > 0 seconds"
@@ -255,9 +263,9 @@ class RolloutConfig:
 
     def check_against(self, generation: GenerationConfig) -> None:
         """Cross-field check: one group must fit under the in-flight cap, or nothing runs."""
-        if generation.request_mode == "n" and self.max_inflight < generation.num_generations:
+        if self.max_inflight < generation.num_generations:
             raise ConfigError(
                 f"rollout.max_inflight={self.max_inflight} < generation.num_generations="
-                f"{generation.num_generations}: with request_mode='n' one request holds G "
-                "completions; raise max_inflight to at least num_generations"
+                f"{generation.num_generations}: a group of G completions is admitted whole; "
+                "raise max_inflight to at least num_generations"
             )
