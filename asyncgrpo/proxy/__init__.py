@@ -1,0 +1,12 @@
+"""One endpoint in front of many vLLM replicas: KV-prefix-affinity routing, health, broadcast.
+
+``python -m asyncgrpo.proxy --upstream URL --upstream URL`` or, in-process,
+``async with serve_proxy(ProxyConfig(upstreams=(...), port=0)) as url: ...``.
+Needs aiohttp only (uvloop if installed for the CLI), never torch.
+"""
+
+from asyncgrpo.proxy.app import create_app, serve_proxy
+from asyncgrpo.proxy.config import ProxyConfig
+from asyncgrpo.proxy.router import Decision, Router, request_hashes
+
+__all__ = ["Decision", "ProxyConfig", "Router", "create_app", "request_hashes", "serve_proxy"]

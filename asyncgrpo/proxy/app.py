@@ -1,0 +1,462 @@
+"""The proxy's HTTP side: parse, ask the router, forward bytes, report the outcome back.
+
+Generation requests (``/v1/completions``, ``/v1/chat/completions``) are routed by KV-prefix
+affinity and forwarded untouched (the body is parsed only to read ``model``, ``prompt`` /
+``messages`` and ``stream``); streamed answers are passed through chunk by chunk. Control calls
+(``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``, ``/pause``, ``/resume``,
+``/reset_prefix_cache``) go to every replica (see :mod:`asyncgrpo.proxy.broadcast`). Any other GET
+and ``/tokenize``, ``/detokenize`` go to one healthy replica. Every upstream failure is mapped to
+an HTTP status here, in one place (:func:`_forward_generate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from asyncgrpo.errors import NoHealthyReplica
+from asyncgrpo.proxy import broadcast, metrics
+from asyncgrpo.proxy.config import ProxyConfig
+from asyncgrpo.proxy.router import Router, request_hashes
+from asyncgrpo.proxy.state import CONFIG, POOL, ROUTER, STATS, ProxyStats, error_response
+from asyncgrpo.proxy.upstream import Circuit, Upstream, UpstreamPool
+
+__all__ = ["create_app", "serve_proxy"]
+
+log = logging.getLogger(__name__)
+
+#: Block size used for hashing until the replicas' /server_info has been read.
+FALLBACK_BLOCK_SIZE = 16
+
+# Never forwarded: hop-by-hop headers (RFC 9110 7.6.1), the inbound credentials, and headers the
+# client library recomputes for the new connection.
+_DROP_REQUEST = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "authorization",
+        "content-length",
+        "expect",
+    }
+)
+_DROP_RESPONSE = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "date",
+        "server",
+    }
+)
+# Upstream answers that mean "this replica cannot serve now" rather than "this request is bad":
+# retried elsewhere when nothing has reached the client yet.
+_RETRYABLE_STATUS = frozenset({502, 503, 504})
+
+
+def _forward_headers(request: web.Request, pool: UpstreamPool) -> dict[str, str]:
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+    headers.update(pool.headers)
+    return headers
+
+
+def _response_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
+
+
+# -- middlewares ------------------------------------------------------------------------------
+
+
+def _auth_middleware(api_key: str) -> Callable[..., Awaitable[web.StreamResponse]]:
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def auth(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        got = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(got, expected):
+            request.app[STATS].reject(401)
+            return error_response(
+                401, "missing or wrong 'Authorization: Bearer <key>'", kind="AuthenticationError"
+            )
+        return await handler(request)
+
+    return auth
+
+
+@web.middleware
+async def _errors_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge as exc:
+        request.app[STATS].reject(413)
+        return error_response(413, f"request body too large: {exc.text}")
+    except NoHealthyReplica as exc:
+        request.app[STATS].reject(503)
+        return error_response(503, f"no healthy replica: {exc}", kind="ServiceUnavailableError")
+
+
+# -- generation -------------------------------------------------------------------------------
+
+
+async def _parse_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+    body = await request.read()
+    try:
+        parsed = json.loads(body)
+    except ValueError as exc:
+        raise _BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise _BadRequest("request body must be a JSON object")
+    return body, parsed
+
+
+class _BadRequest(Exception):
+    pass
+
+
+class _Retry(Exception):
+    """This attempt failed before anything reached the client: try another replica."""
+
+
+async def handle_generate(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    config, router, pool, stats = app[CONFIG], app[ROUTER], app[POOL], app[STATS]
+    try:
+        body, parsed = await _parse_json(request)
+    except _BadRequest as exc:
+        stats.reject(400)
+        return error_response(400, str(exc))
+    t0 = time.perf_counter()
+    chains = (
+        request_hashes(parsed, pool.block_size or FALLBACK_BLOCK_SIZE)
+        if router.policy == "affinity"
+        else []
+    )
+    stats.route_seconds += time.perf_counter() - t0
+    stream = parsed.get("stream") is True
+    headers = _forward_headers(request, pool)
+    tried: list[str] = []
+    last_error = ""
+    for attempt in range(config.max_attempts):
+        t0 = time.perf_counter()
+        try:
+            decision = router.route(chains, exclude=tried)
+        except NoHealthyReplica:
+            break
+        stats.route_seconds += time.perf_counter() - t0
+        stats.route_count += 1
+        up = pool.upstreams[decision.replica]
+        pool.on_routed(up)
+        tried.append(up.url)
+        ok = False
+        try:
+            response, ok = await _forward_generate(
+                request, config, pool, up, body, headers, request.path_qs, stream
+            )
+            return response
+        except _Retry as exc:
+            last_error = str(exc)
+            if attempt + 1 < config.max_attempts:
+                stats.retries += 1
+                log.info("retrying %s elsewhere after %s", request.path, exc)
+        finally:
+            router.finish(decision, ok=ok)
+    stats.reject(503)
+    return error_response(
+        503,
+        f"no replica could serve the request (tried {len(tried)}): "
+        f"{last_error or 'none in rotation'}",
+        kind="ServiceUnavailableError",
+    )
+
+
+async def _forward_generate(
+    request: web.Request,
+    config: ProxyConfig,
+    pool: UpstreamPool,
+    up: Upstream,
+    body: bytes,
+    headers: dict[str, str],
+    path: str,
+    stream: bool,
+) -> tuple[web.StreamResponse, bool]:
+    """One attempt on one replica. Returns (response, succeeded) or raises :class:`_Retry`."""
+    loop = asyncio.get_running_loop()
+    deadline = asyncio.timeout_at(loop.time() + config.request_timeout_s)
+    up.deadlines.add(deadline)
+    out: web.StreamResponse | None = None
+    try:
+        async with deadline:
+            async with pool.session.post(up.url + path, data=body, headers=headers) as r:
+                status = r.status
+                if status >= 500:
+                    data = await r.read()
+                    pool.on_failure(up, f"http_{status}", data[:200].decode(errors="replace"))
+                    if status in _RETRYABLE_STATUS:
+                        raise _Retry(f"{up.url} answered {status}")
+                    return web.Response(
+                        body=data, status=status, headers=_response_headers(r)
+                    ), False
+                if not stream or status != 200:
+                    data = await r.read()
+                    pool.on_success(up)
+                    return web.Response(
+                        body=data, status=status, headers=_response_headers(r)
+                    ), 200 <= status < 300
+                # Streaming: wait for the first chunk under the request deadline (still
+                # retryable), then pass chunks through as they arrive under the idle deadline.
+                first = await r.content.readany()
+                out = web.StreamResponse(status=status, headers=_response_headers(r))
+                await out.prepare(request)
+                idle = config.stream_idle_timeout_s
+                chunk = first
+                while chunk:
+                    await out.write(chunk)
+                    deadline.reschedule(loop.time() + idle)
+                    chunk = await r.content.readany()
+                await out.write_eof()
+                pool.on_success(up)
+                return out, True
+    except TimeoutError:
+        pool.on_failure(up, "deadline", f"no answer within the deadline on {request.path}")
+        if out is None:
+            raise _Retry(f"{up.url} hit the deadline") from None
+        raise  # mid-stream: the client already has part of the answer; drop the connection
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
+        if out is not None and out.prepared and request.transport is None:
+            raise  # the client went away; not the replica's fault
+        pool.on_failure(up, "disconnect", str(exc))
+        if out is None:
+            raise _Retry(f"{up.url}: {type(exc).__name__}") from None
+        raise
+    except aiohttp.ClientConnectorError as exc:
+        pool.on_failure(up, "connect", str(exc))
+        raise _Retry(f"{up.url}: cannot connect") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        pool.on_failure(up, "disconnect", f"{type(exc).__name__}: {exc}")
+        if out is None:
+            raise _Retry(f"{up.url}: {type(exc).__name__}") from None
+        raise
+    finally:
+        up.deadlines.discard(deadline)
+
+
+# -- read-only pass-through -------------------------------------------------------------------
+
+
+def _pick(pool: UpstreamPool, exclude: list[str]) -> Upstream:
+    """A replica for a non-generation request: round-robin over those in rotation."""
+    router = pool.router
+    candidates = [
+        u for u in pool.upstreams.values() if router.is_available(u.url) and u.url not in exclude
+    ]
+    if not candidates:
+        raise NoHealthyReplica("no replica in rotation")
+    router._rr += 1
+    return candidates[router._rr % len(candidates)]
+
+
+async def handle_passthrough(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    config, pool = app[CONFIG], app[POOL]
+    body = await request.read() if request.can_read_body else None
+    headers = _forward_headers(request, pool)
+    tried: list[str] = []
+    timeout = aiohttp.ClientTimeout(total=config.broadcast_timeout_s)
+    for _ in range(config.max_attempts):
+        up = _pick(pool, tried)
+        tried.append(up.url)
+        try:
+            async with pool.session.request(
+                request.method,
+                up.url + request.path_qs,
+                data=body,
+                headers=headers,
+                timeout=timeout,
+            ) as r:
+                data = await r.read()
+                return web.Response(body=data, status=r.status, headers=_response_headers(r))
+        except aiohttp.ClientConnectorError as exc:
+            pool.on_failure(up, "connect", str(exc))
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            pool.on_failure(up, "disconnect", f"{type(exc).__name__}: {exc}")
+    return error_response(
+        503, f"no replica answered (tried {tried})", kind="ServiceUnavailableError"
+    )
+
+
+async def handle_not_allowed(request: web.Request) -> web.Response:
+    return error_response(
+        404,
+        f"{request.method} {request.path} is not proxied: only GET, generation, tokenize and the "
+        "broadcast control calls are",
+        kind="NotFoundError",
+    )
+
+
+# -- proxy's own endpoints --------------------------------------------------------------------
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    """200 only when every registered replica answers /health; otherwise 503 naming the others."""
+    pool = request.app[POOL]
+    ups = pool.in_rotation()
+    results = await asyncio.gather(*(pool.probe(u) for u in ups))
+    bad = [
+        {"url": u.url, "circuit": u.circuit.value, "error": u.last_error}
+        for u, ok in zip(ups, results, strict=True)
+        if not ok or u.circuit is Circuit.OPEN
+    ]
+    if not ups or bad:
+        return web.json_response(
+            {"status": "unhealthy", "replicas": len(ups), "unhealthy": bad}, status=503
+        )
+    return web.json_response({"status": "ok", "replicas": len(ups)})
+
+
+async def handle_stats(request: web.Request) -> web.Response:
+    app = request.app
+    return web.json_response(metrics.stats_json(app[ROUTER], app[POOL], app[STATS]))
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    app = request.app
+    text = metrics.render(app[ROUTER], app[POOL], app[STATS])
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+async def handle_upstreams(request: web.Request) -> web.Response:
+    pool = request.app[POOL]
+    if request.method == "GET":
+        return web.json_response({"upstreams": [u.as_dict() for u in pool.upstreams.values()]})
+    try:
+        _, parsed = await _parse_json(request)
+    except _BadRequest as exc:
+        return error_response(400, str(exc))
+    url = str(parsed.get("url") or "").rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        return error_response(400, 'body must be {"url": "http://HOST:PORT"}')
+    if request.method == "DELETE":
+        if pool.remove(url) is None:
+            return error_response(404, f"{url} is not an upstream", kind="NotFoundError")
+        log.info("replica %s removed", url)
+        return web.json_response({"removed": url})
+    if url in pool.upstreams:
+        return error_response(400, f"{url} is already an upstream")
+    up = pool.add(url, circuit=Circuit.JOINING)
+    error = await broadcast.replay(pool, up)
+    if error:
+        pool.remove(url)
+        return error_response(502, f"{url} could not join: {error}", kind="BadGatewayError")
+    pool.set_closed(up)
+    log.info("replica %s joined rotation", url)
+    return web.json_response({"added": url, "adapters": sorted(pool.adapters)})
+
+
+# -- application ------------------------------------------------------------------------------
+
+
+def create_app(config: ProxyConfig) -> web.Application:
+    """The proxy as an aiohttp application; the upstream session and health checker live in
+    ``cleanup_ctx``, so they start with the server and stop with it."""
+    middlewares = [_errors_middleware]
+    if config.api_key:
+        middlewares.insert(0, _auth_middleware(config.api_key))
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
+    app[CONFIG] = config
+    app[ROUTER] = Router(
+        imbalance=config.imbalance, max_blocks=config.max_tracked_blocks, policy=config.routing
+    )
+    app[STATS] = ProxyStats()
+    app.cleanup_ctx.append(_upstream_ctx)
+    r = app.router
+    r.add_post("/v1/completions", handle_generate)
+    r.add_post("/v1/chat/completions", handle_generate)
+    r.add_post("/v1/load_lora_adapter", broadcast.handle_load)
+    r.add_post("/v1/unload_lora_adapter", broadcast.handle_unload)
+    for path in ("/pause", "/resume", "/reset_prefix_cache"):
+        r.add_post(path, broadcast.handle_broadcast)
+    r.add_get("/health", handle_health)
+    r.add_get("/metrics", handle_metrics)
+    r.add_get("/proxy/stats", handle_stats)
+    r.add_route("GET", "/proxy/upstreams", handle_upstreams)
+    r.add_route("POST", "/proxy/upstreams", handle_upstreams)
+    r.add_route("DELETE", "/proxy/upstreams", handle_upstreams)
+    r.add_post("/tokenize", handle_passthrough)
+    r.add_post("/detokenize", handle_passthrough)
+    r.add_route("GET", "/{tail:.*}", handle_passthrough)
+    r.add_route("*", "/{tail:.*}", handle_not_allowed)
+    return app
+
+
+async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+    session = aiohttp.ClientSession(
+        connector=connector,
+        auto_decompress=False,  # bodies pass through untouched, Content-Encoding included
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s),
+        skip_auto_headers=("User-Agent",),
+    )
+    pool = app[POOL] = UpstreamPool(config, app[ROUTER], session)
+    if pool.block_size is None:
+        pool.block_size = await pool.discover_block_size()
+    checker = asyncio.create_task(pool.run_health_checks(), name="asyncgrpo-proxy-health")
+    log.info(
+        "proxy over %d replicas (routing=%s, block_size=%s)",
+        len(pool.upstreams),
+        config.routing,
+        pool.block_size,
+    )
+    try:
+        yield
+    finally:
+        checker.cancel()
+        try:
+            await checker
+        except asyncio.CancelledError:
+            pass
+        await session.close()
+
+
+@asynccontextmanager
+async def serve_proxy(config: ProxyConfig) -> AsyncIterator[str]:
+    """Run the proxy in this event loop; yields its base URL (``port=0`` picks a free port)."""
+    app = create_app(config)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port, backlog=1024)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        if ":" in host:
+            host = f"[{host}]"
+        url = f"http://{host}:{port}"
+        log.info("proxy listening on %s", url)
+        yield url
+    finally:
+        await runner.cleanup()

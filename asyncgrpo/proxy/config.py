@@ -1,0 +1,176 @@
+"""Proxy settings: one keyword-only dataclass, embedded as-is in the training config."""
+
+from __future__ import annotations
+
+import ipaddress
+import posixpath
+from dataclasses import dataclass, field
+from typing import Literal
+
+from asyncgrpo.errors import ConfigError
+
+__all__ = ["ProxyConfig", "is_loopback"]
+
+
+def is_loopback(host: str) -> bool:
+    """True for hosts that only this machine can reach (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(kw_only=True)
+class ProxyConfig:
+    """One endpoint in front of many vLLM replicas.
+
+    Groups: where it listens and who may talk to it (``host``, ``port``, ``api_key``,
+    ``max_body_bytes``, ``lora_roots``); where it sends (``upstreams``, ``upstream_api_key``);
+    routing (``routing``, ``block_size``, ``imbalance``, ``max_tracked_blocks``); failure handling
+    (timeouts, circuit breaker, retries); adapter broadcast (``load_deadline_s``, ...).
+    """
+
+    upstreams: tuple[str, ...] = field(
+        default=(), metadata={"help": "Base URLs of the vLLM replicas, e.g. http://10.0.0.2:8000."}
+    )
+    host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "Interface to bind. Anything but loopback requires api_key."},
+    )
+    port: int = field(default=8000, metadata={"help": "Port to bind; 0 picks a free one."})
+    api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={"help": "Bearer token clients must send. Never logged."},
+    )
+    upstream_api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "Bearer token sent to every upstream (e.g. HF_TOKEN for a Hugging Face Job's "
+            "exposed port, or vLLM's --api-key). Never logged."
+        },
+    )
+    lora_roots: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "Absolute directories a /v1/load_lora_adapter lora_path must lie under. "
+            "Empty: any absolute path without '..' (only sensible on loopback)."
+        },
+    )
+    max_body_bytes: int = field(
+        default=32 * 1024 * 1024, metadata={"help": "Largest request body accepted (413 above)."}
+    )
+    routing: Literal["affinity", "round_robin"] = field(
+        default="affinity",
+        metadata={"help": "'affinity' (KV-prefix aware) or 'round_robin' (baseline)."},
+    )
+    block_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "KV block size in tokens. None: read vllm_config.cache_config.block_size from "
+            "the replicas' /server_info (16 on GPU, 128 on CPU)."
+        },
+    )
+    imbalance: int = field(
+        default=8,
+        metadata={
+            "help": "How many more in-flight requests than the least-loaded replica the prefix "
+            "owner may have and still get the request; beyond that it spills."
+        },
+    )
+    max_tracked_blocks: int = field(
+        default=1_000_000,
+        metadata={"help": "LRU cap on tracked prefix blocks (~200 bytes each, see docs/proxy.md)."},
+    )
+    connect_timeout_s: float = field(
+        default=3.0, metadata={"help": "Connecting to a replica; a refused/slow connect retries."}
+    )
+    request_timeout_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "Deadline for a replica to answer a non-streaming request (or send the first "
+            "chunk of a stream). On expiry the replica leaves rotation and the request is retried "
+            "elsewhere: catches a replica whose engine stopped while its HTTP server lingers."
+        },
+    )
+    stream_idle_timeout_s: float = field(
+        default=120.0, metadata={"help": "Largest gap between two chunks of a streamed answer."}
+    )
+    max_attempts: int = field(
+        default=3,
+        metadata={"help": "Tries per request across replicas (connect errors and deadlines)."},
+    )
+    health_interval_s: float = field(
+        default=2.0, metadata={"help": "Period of the background GET /health on every replica."}
+    )
+    health_timeout_s: float = field(
+        default=5.0, metadata={"help": "A health check slower than this counts as a failure."}
+    )
+    circuit_open_s: float = field(
+        default=1.0,
+        metadata={
+            "help": "How long a failed replica stays out before a half-open probe; doubles on "
+            "each consecutive failure, up to 30 s."
+        },
+    )
+    load_deadline_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "How long a /v1/load_lora_adapter keeps retrying a replica that answers "
+            "'No adapter found' (storage lag) before the proxy returns 504."
+        },
+    )
+    load_retry_interval_s: float = field(
+        default=0.5, metadata={"help": "Pause between retries of a lagging adapter load."}
+    )
+    broadcast_timeout_s: float = field(
+        default=60.0,
+        metadata={"help": "Deadline for one replica to answer a broadcast call (load, pause...)."},
+    )
+
+    def __post_init__(self) -> None:
+        self.upstreams = tuple(u.rstrip("/") for u in self.upstreams)
+        self.lora_roots = tuple(self.lora_roots)
+        for u in self.upstreams:
+            if not u.startswith(("http://", "https://")):
+                raise ConfigError(f"upstreams: {u!r} is not an http(s) URL; write http://HOST:PORT")
+        if len(set(self.upstreams)) != len(self.upstreams):
+            raise ConfigError("upstreams: the same URL is listed twice; list each replica once")
+        if not is_loopback(self.host) and not self.api_key:
+            raise ConfigError(
+                f"host={self.host!r} is reachable from other machines: set api_key "
+                "(CLI: export ASYNCGRPO_PROXY_API_KEY) or bind host=127.0.0.1"
+            )
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port={self.port}: use 0..65535 (0 picks a free port)")
+        for root in self.lora_roots:
+            if not posixpath.isabs(root) or ".." in root.split("/"):
+                raise ConfigError(f"lora_roots: {root!r} must be an absolute path without '..'")
+        if self.routing not in ("affinity", "round_robin"):
+            raise ConfigError(f"routing={self.routing!r}: use 'affinity' or 'round_robin'")
+        if self.block_size is not None and self.block_size < 1:
+            raise ConfigError("block_size must be >= 1, or None to read it from the replicas")
+        if self.imbalance < 0:
+            raise ConfigError("imbalance must be >= 0 (0: always least-loaded among owners)")
+        if self.max_tracked_blocks < 1:
+            raise ConfigError("max_tracked_blocks must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes must be >= 1024")
+        if self.max_attempts < 1:
+            raise ConfigError("max_attempts must be >= 1")
+        for name in (
+            "connect_timeout_s",
+            "request_timeout_s",
+            "stream_idle_timeout_s",
+            "health_interval_s",
+            "health_timeout_s",
+            "circuit_open_s",
+            "load_deadline_s",
+            "load_retry_interval_s",
+            "broadcast_timeout_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds")

@@ -1,0 +1,371 @@
+"""KV-prefix-affinity routing: pure, synchronous, deterministic.
+
+No I/O, no clock reads, no aiohttp: the HTTP layer parses a request, asks :func:`request_hashes`
+for its block hashes, asks :meth:`Router.route` for a replica, forwards, and reports the outcome
+with :meth:`Router.finish`.
+
+Why: vLLM caches prefix KV in blocks of ``block_size`` tokens (16 on GPU, 128 on CPU), keyed by
+adapter name. The G rollouts of one GRPO prompt share their prompt; sent to one replica, the first
+computes the prefill and the others reuse it.
+
+**Block hashes.** A prompt becomes a chain of hashes, one per block, where hash *k* covers blocks
+1..k and the chain is seeded with the ``model`` field (the adapter name), so a new adapter version
+is a new namespace, exactly like vLLM's own cache. The trailing partial block gets a hash too: vLLM
+caches only full blocks, but the tail tells prompts apart that share every full block (it makes a
+shared template block grow several successors, see below) and the G rollouts of one prompt still
+share it.
+
+* Token-id prompts (what our rollout client sends): exact blocks of ``block_size`` token ids, the
+  same boundaries vLLM uses.
+* String prompts and chat ``messages``: UTF-8 bytes in chunks of ``block_size * BYTES_PER_TOKEN``
+  bytes. For chat we render the messages deterministically (role, a separator, the content; list
+  contents and ``tools`` as sorted-key JSON) instead of applying the model's chat template or
+  calling the replica's ``/tokenize``: a ``/tokenize`` round trip per request would cost more than
+  the whole proxy hop, and the template only adds bytes that are identical for every request (its
+  KV is shared anyway). Routing does not need vLLM's exact block boundaries, only the property that
+  two requests share a leading chunk iff they share a leading stretch of prompt, which the rendering
+  keeps. ~4 bytes per BPE token keeps one chunk close to one KV block, so "prompt-specific matched
+  chunks" ranks replicas the way matched KV blocks would.
+* Batched prompts (a list of prompts in one request): routed by the first prompt; all of them are
+  recorded, since they all land on the chosen replica.
+
+**State.** An LRU map ``hash -> _Block(owners, successor, common)``: ``owners`` is a bitmask of the
+replica slots that served the block; ``successor`` is the first hash seen after it; ``common`` turns
+true when a second, different successor appears. Memory is bounded by ``max_blocks`` (evictions are
+counted); see ``docs/proxy.md`` for the measured bytes per tracked block.
+
+**Common blocks.** A block with several successors (chat template, shared system prompt, few-shot
+header) identifies no prompt; matches on it are ignored. The brief's second rule, "every replica has
+it", is deliberately dropped: it is what made a spilled prompt (now owned by every replica) lose its
+affinity for good and pushed "unmatched" far above the 1/G floor. A template is still caught by the
+successor rule as soon as two different prompts have used it.
+
+**Decision.** Score each available replica by the number of prompt-specific blocks of the request it
+owns. Among owners, by score then fewest in flight, the first that is at most ``imbalance`` requests
+ahead of the least-loaded available replica wins ("affinity"): a prompt served by several replicas
+keeps affinity to the least-loaded of its owners. If no owner is within the bound, the least-loaded
+replica wins ("spill"). An unknown prompt goes to the least-loaded replica, round-robin on ties
+("unmatched").
+
+**Ownership is claimed at route time** (the G rollouts of a prompt arrive together, long before the
+first completes) and **withdrawn on failure**: :meth:`Router.finish` with ``ok=False`` clears the
+claims this request made, so a failed request never records affinity; ``ok=True`` re-confirms them.
+In-flight counts only routed generation requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from asyncgrpo.errors import NoHealthyReplica
+
+__all__ = [
+    "BYTES_PER_TOKEN",
+    "Decision",
+    "Router",
+    "chat_bytes",
+    "request_hashes",
+]
+
+#: Bytes of rendered text that approximate one token when chunking strings and chat messages.
+BYTES_PER_TOKEN = 4
+
+DecisionKind = Literal["affinity", "spill", "unmatched"]
+
+
+def _seed(model: str) -> int:
+    return int.from_bytes(hashlib.blake2b(model.encode(), digest_size=8).digest(), "little")
+
+
+def token_hashes(model: str, tokens: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of ``tokens`` in blocks of ``block_size`` (plus the partial tail)."""
+    h = _seed(model)
+    out = []
+    for i in range(0, len(tokens), block_size):
+        # Tuples of ints hash deterministically across processes (only str/bytes are salted).
+        h = hash((h, tuple(tokens[i : i + block_size])))
+        out.append(h)
+    return out
+
+
+def byte_hashes(model: str, data: bytes, chunk_bytes: int) -> list[int]:
+    """Chained hashes of ``data`` in chunks of ``chunk_bytes`` (plus the partial tail)."""
+    h = _seed(model)
+    out = []
+    blake = hashlib.blake2b
+    for i in range(0, len(data), chunk_bytes):
+        d = blake(data[i : i + chunk_bytes], digest_size=8, key=h.to_bytes(8, "little")).digest()
+        h = int.from_bytes(d, "little")
+        out.append(h)
+    return out
+
+
+def _content_bytes(content: Any) -> bytes:
+    if isinstance(content, str):
+        return content.encode()
+    if content is None:
+        return b""
+    return json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
+
+
+def chat_bytes(body: dict[str, Any]) -> bytes:
+    """Deterministic rendering of a chat request's prompt: tools first, then each message.
+
+    Tools come first because chat templates put them in the system turn, ahead of every message.
+    """
+    parts = []
+    tools = body.get("tools")
+    if tools:
+        parts.append(b"\x1dtools\x1f" + _content_bytes(tools))
+    for msg in body.get("messages") or ():
+        if not isinstance(msg, dict):
+            parts.append(_content_bytes(msg))
+            continue
+        parts.append(
+            b"\x1e"
+            + str(msg.get("role", "")).encode()
+            + b"\x1f"
+            + _content_bytes(msg.get("content"))
+        )
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if key in msg:
+                parts.append(b"\x1f" + key.encode() + b"=" + _content_bytes(msg[key]))
+    return b"".join(parts)
+
+
+def request_hashes(body: dict[str, Any], block_size: int) -> list[list[int]]:
+    """Block-hash chains for a parsed completions or chat body: one chain per prompt.
+
+    Returns ``[]`` when the body has nothing to route on (the request is then "unmatched").
+    """
+    model = str(body.get("model") or "")
+    chunk = block_size * BYTES_PER_TOKEN
+    if "messages" in body:
+        return [byte_hashes(model, chat_bytes(body), chunk)]
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [byte_hashes(model, prompt.encode(), chunk)]
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, int):
+            return [token_hashes(model, prompt, block_size)]
+        chains = []
+        for p in prompt:
+            if isinstance(p, str):
+                chains.append(byte_hashes(model, p.encode(), chunk))
+            elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+                chains.append(token_hashes(model, p, block_size))
+        return chains
+    return []
+
+
+class _Block:
+    __slots__ = ("common", "owners", "successor")
+
+    def __init__(self) -> None:
+        self.owners = 0
+        self.successor: int | None = None
+        self.common = False
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes and why; hand it back to :meth:`Router.finish`."""
+
+    replica: str
+    kind: DecisionKind
+    matched_blocks: int
+    chains: tuple[tuple[int, ...], ...]
+    claimed: tuple[int, ...]  # hashes whose ownership this request added
+
+
+class Router:
+    """Routing state over a set of replicas, identified by name (their base URL in the proxy).
+
+    ``imbalance``: how many more in-flight requests than the least-loaded available replica an
+    owner may have and still win. ``max_blocks``: LRU cap on tracked blocks.
+    ``policy="round_robin"`` ignores prefixes (the baseline the benchmark compares against).
+    """
+
+    def __init__(
+        self,
+        *,
+        imbalance: int = 8,
+        max_blocks: int = 1_000_000,
+        policy: Literal["affinity", "round_robin"] = "affinity",
+    ) -> None:
+        if imbalance < 0 or max_blocks < 1:
+            raise ValueError("imbalance must be >= 0 and max_blocks >= 1")
+        self.imbalance = imbalance
+        self.max_blocks = max_blocks
+        self.policy = policy
+        self._blocks: OrderedDict[int, _Block] = OrderedDict()
+        self._slot: dict[str, int] = {}  # replica -> bit index; a re-added replica gets a new one
+        self._next_slot = 0
+        self._inflight: dict[str, int] = {}
+        self._available: dict[str, bool] = {}
+        self._rr = 0
+        self.evictions = 0
+        self.decisions: dict[DecisionKind, int] = {"affinity": 0, "spill": 0, "unmatched": 0}
+
+    # -- replicas ---------------------------------------------------------------------------
+
+    @property
+    def replicas(self) -> list[str]:
+        return list(self._slot)
+
+    def add_replica(self, name: str, *, available: bool = True) -> None:
+        """Register a replica; it owns nothing yet (a new process has an empty cache)."""
+        if name in self._slot:
+            self._available[name] = available
+            return
+        self._slot[name] = self._next_slot
+        self._next_slot += 1
+        self._inflight[name] = 0
+        self._available[name] = available
+
+    def remove_replica(self, name: str) -> None:
+        """Forget a replica; its ownership bits become dead weight that is never matched again."""
+        self._slot.pop(name, None)
+        self._inflight.pop(name, None)
+        self._available.pop(name, None)
+
+    def set_available(self, name: str, available: bool) -> None:
+        """Take a replica out of (or back into) rotation; it keeps what it owns."""
+        if name in self._available:
+            self._available[name] = available
+
+    def is_available(self, name: str) -> bool:
+        return self._available.get(name, False)
+
+    def inflight(self, name: str) -> int:
+        return self._inflight.get(name, 0)
+
+    @property
+    def tracked_blocks(self) -> int:
+        return len(self._blocks)
+
+    # -- decisions --------------------------------------------------------------------------
+
+    def _least_loaded(self, candidates: list[str]) -> str:
+        low = min(self._inflight[r] for r in candidates)
+        tied = [r for r in candidates if self._inflight[r] == low]
+        choice = tied[self._rr % len(tied)]
+        self._rr += 1
+        return choice
+
+    def route(self, chains: Sequence[Sequence[int]], *, exclude: Iterable[str] = ()) -> Decision:
+        """Choose a replica for a request whose prompts hash to ``chains``; counts it in flight.
+
+        Raises :class:`NoHealthyReplica` when no replica outside ``exclude`` is available.
+        """
+        excluded = set(exclude)
+        candidates = [r for r, ok in self._available.items() if ok and r not in excluded]
+        if not candidates:
+            raise NoHealthyReplica("no replica in rotation")
+        frozen = tuple(tuple(c) for c in chains)
+        kind: DecisionKind = "unmatched"
+        matched = 0
+        choice = None
+        if self.policy == "round_robin":
+            choice = candidates[self._rr % len(candidates)]
+            self._rr += 1
+        elif frozen:
+            scores = self._scores(frozen[0], candidates)
+            if scores:
+                low = min(self._inflight[r] for r in candidates)
+                ranked = sorted(scores, key=lambda r: (-scores[r], self._inflight[r]))
+                for r in ranked:
+                    if self._inflight[r] - low <= self.imbalance:
+                        choice, kind, matched = r, "affinity", scores[r]
+                        break
+                else:
+                    kind = "spill"
+        if choice is None:
+            choice = self._least_loaded(candidates)
+        self.decisions[kind] += 1
+        self._inflight[choice] += 1
+        claimed = self._record(frozen, choice) if self.policy == "affinity" else ()
+        return Decision(choice, kind, matched, frozen, claimed)
+
+    def _scores(self, chain: Sequence[int], candidates: list[str]) -> dict[str, int]:
+        bits = {r: 1 << self._slot[r] for r in candidates}
+        scores: dict[str, int] = {}
+        blocks = self._blocks
+        last = len(chain) - 1
+        for i, h in enumerate(chain):
+            block = blocks.get(h)
+            if block is None:
+                break  # chained: nothing after a miss can match
+            if block.common:
+                continue
+            if i < last and block.successor is not None and block.successor != chain[i + 1]:
+                continue  # this request is about to give the block a second successor
+            owners = block.owners
+            for r, bit in bits.items():
+                if owners & bit:
+                    scores[r] = scores.get(r, 0) + 1
+        return scores
+
+    def _record(self, chains: tuple[tuple[int, ...], ...], replica: str) -> tuple[int, ...]:
+        slot = self._slot.get(replica)
+        if slot is None:
+            return ()
+        bit = 1 << slot
+        blocks = self._blocks
+        claimed = []
+        for chain in chains:
+            prev: _Block | None = None
+            for h in chain:
+                block = blocks.get(h)
+                if block is None:
+                    block = blocks[h] = _Block()
+                else:
+                    blocks.move_to_end(h)
+                if not block.owners & bit:
+                    block.owners |= bit
+                    claimed.append(h)
+                if prev is not None and not prev.common:
+                    if prev.successor is None:
+                        prev.successor = h
+                    elif prev.successor != h:
+                        prev.common = True
+                prev = block
+        while len(blocks) > self.max_blocks:
+            blocks.popitem(last=False)
+            self.evictions += 1
+        return tuple(claimed)
+
+    def finish(self, decision: Decision, *, ok: bool) -> None:
+        """Report the outcome: success confirms ownership, failure withdraws its claims."""
+        r = decision.replica
+        if r in self._inflight and self._inflight[r] > 0:
+            self._inflight[r] -= 1
+        if self.policy != "affinity":
+            return
+        if ok:
+            self._record(decision.chains, r)
+            return
+        slot = self._slot.get(r)
+        if slot is None:
+            return
+        mask = ~(1 << slot)
+        for h in decision.claimed:
+            block = self._blocks.get(h)
+            if block is not None:
+                block.owners &= mask
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "decisions": dict(self.decisions),
+            "tracked_blocks": len(self._blocks),
+            "evictions": self.evictions,
+            "inflight": dict(self._inflight),
+            "available": dict(self._available),
+        }

@@ -1,0 +1,44 @@
+"""State shared by the proxy's handlers: typed app keys, counters, the error body."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from asyncgrpo.proxy.config import ProxyConfig
+from asyncgrpo.proxy.router import Router
+from asyncgrpo.proxy.upstream import UpstreamPool
+
+__all__ = ["CONFIG", "POOL", "ROUTER", "STATS", "ProxyStats", "error_response"]
+
+
+class ProxyStats:
+    """Counters the proxy keeps beyond the router's and the replicas' own."""
+
+    def __init__(self) -> None:
+        self.route_seconds = 0.0
+        self.route_count = 0
+        self.retries = 0
+        self.rejected: dict[int, int] = {}
+        self.broadcasts: dict[tuple[str, str], int] = {}
+        self.started = time.time()
+
+    def reject(self, status: int) -> None:
+        self.rejected[status] = self.rejected.get(status, 0) + 1
+
+    def broadcast(self, endpoint: str, outcome: str) -> None:
+        key = (endpoint, outcome)
+        self.broadcasts[key] = self.broadcasts.get(key, 0) + 1
+
+
+CONFIG = web.AppKey("config", ProxyConfig)
+ROUTER = web.AppKey("router", Router)
+POOL = web.AppKey("pool", UpstreamPool)
+STATS = web.AppKey("stats", ProxyStats)
+
+
+def error_response(status: int, message: str, *, kind: str = "BadRequestError") -> web.Response:
+    """An OpenAI-style error body, so SDK clients show the message."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status)

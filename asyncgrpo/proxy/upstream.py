@@ -1,0 +1,278 @@
+"""Replica state: circuit breaker, health checks, and the deadlines of requests in flight.
+
+A replica is in rotation while its circuit is CLOSED (or HALF_OPEN for a single probe request).
+Any refused connection, deadline or 5xx opens the circuit at once; every request still in flight
+on it has its deadline moved to *now*, so none hangs on a replica whose engine has stopped while
+its HTTP server lingers (vLLM draining after SIGTERM). After ``circuit_open_s`` (doubling on each
+consecutive failure) a successful ``GET /health`` moves it to HALF_OPEN: it gets one request, and
+that request's success closes the circuit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+import aiohttp
+
+from asyncgrpo.proxy.config import ProxyConfig
+from asyncgrpo.proxy.router import Router
+
+__all__ = ["Circuit", "Upstream", "UpstreamPool"]
+
+log = logging.getLogger(__name__)
+
+_MAX_OPEN_S = 30.0
+
+
+class Circuit(enum.Enum):
+    JOINING = "joining"  # added at run time, adapters being replayed; not in rotation yet
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class Upstream:
+    """One vLLM replica as the proxy sees it."""
+
+    def __init__(self, url: str, *, circuit: Circuit = Circuit.CLOSED) -> None:
+        self.url = url
+        self.circuit = circuit
+        self.healthy: bool | None = None  # last health check; None before the first
+        self.last_error = ""
+        self.open_until = 0.0
+        self.consecutive_failures = 0
+        self.routed = 0
+        self.failures: Counter[str] = Counter()
+        self.deadlines: set[asyncio.Timeout] = set()
+        self.probe_inflight = False
+
+    def expire_inflight(self) -> int:
+        """Make every in-flight request on this replica hit its deadline now."""
+        now = asyncio.get_running_loop().time()
+        n = 0
+        for t in list(self.deadlines):
+            if not t.expired():
+                t.reschedule(now)
+                n += 1
+        return n
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "circuit": self.circuit.value,
+            "healthy": self.healthy,
+            "last_error": self.last_error,
+            "routed": self.routed,
+            "failures": dict(self.failures),
+        }
+
+
+class UpstreamPool:
+    """The replicas, the router's view of them, and the background health checker."""
+
+    def __init__(self, config: ProxyConfig, router: Router, session: aiohttp.ClientSession):
+        self.config = config
+        self.router = router
+        self.session = session
+        self.upstreams: dict[str, Upstream] = {}
+        self.block_size: int | None = config.block_size
+        self.adapters: dict[str, str] = {}  # loaded through the proxy: name -> lora_path
+        self.paused_query: str | None = None  # query of the last /pause, until /resume
+        self.headers = (
+            {"Authorization": f"Bearer {config.upstream_api_key}"}
+            if config.upstream_api_key
+            else {}
+        )
+        for url in config.upstreams:
+            self.add(url)
+
+    # -- membership -------------------------------------------------------------------------
+
+    def add(self, url: str, *, circuit: Circuit = Circuit.CLOSED) -> Upstream:
+        up = self.upstreams.get(url)
+        if up is None:
+            up = self.upstreams[url] = Upstream(url, circuit=circuit)
+        else:
+            up.circuit = circuit
+        self.router.add_replica(url, available=circuit is Circuit.CLOSED)
+        return up
+
+    def remove(self, url: str) -> Upstream | None:
+        up = self.upstreams.pop(url, None)
+        self.router.remove_replica(url)
+        if up is not None:
+            up.expire_inflight()
+        return up
+
+    def in_rotation(self) -> list[Upstream]:
+        return [u for u in self.upstreams.values() if u.circuit is not Circuit.JOINING]
+
+    def set_closed(self, up: Upstream) -> None:
+        up.circuit = Circuit.CLOSED
+        up.consecutive_failures = 0
+        up.probe_inflight = False
+        self.router.set_available(up.url, True)
+
+    # -- request outcomes -------------------------------------------------------------------
+
+    def on_routed(self, up: Upstream) -> None:
+        up.routed += 1
+        if up.circuit is Circuit.HALF_OPEN:
+            # Only one probe request at a time on a half-open replica.
+            up.probe_inflight = True
+            self.router.set_available(up.url, False)
+
+    def on_success(self, up: Upstream) -> None:
+        if up.circuit is Circuit.HALF_OPEN:
+            log.info("replica %s back in rotation", up.url)
+            self.set_closed(up)
+        elif up.circuit is Circuit.CLOSED:
+            up.consecutive_failures = 0
+
+    def on_failure(self, up: Upstream, kind: str, detail: str = "") -> None:
+        """A refused connection, deadline or 5xx: out of rotation at once."""
+        up.failures[kind] += 1
+        up.last_error = f"{kind}: {detail}"[:300]
+        if up.circuit in (Circuit.CLOSED, Circuit.HALF_OPEN):
+            self._open(up)
+
+    def _open(self, up: Upstream) -> None:
+        up.consecutive_failures += 1
+        wait = min(self.config.circuit_open_s * 2 ** (up.consecutive_failures - 1), _MAX_OPEN_S)
+        up.open_until = time.monotonic() + wait
+        up.circuit = Circuit.OPEN
+        up.probe_inflight = False
+        self.router.set_available(up.url, False)
+        n = up.expire_inflight()
+        log.warning(
+            "replica %s out of rotation for %.1f s (%s); %d in-flight requests expired",
+            up.url,
+            wait,
+            up.last_error,
+            n,
+        )
+
+    # -- health ------------------------------------------------------------------------------
+
+    async def probe(self, up: Upstream) -> bool:
+        """GET /health once; updates ``up.healthy`` and ``up.last_error``."""
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        try:
+            async with self.session.get(
+                up.url + "/health", headers=self.headers, timeout=timeout
+            ) as r:
+                await r.read()
+                ok = r.status == 200
+                if not ok:
+                    up.last_error = f"health: HTTP {r.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            ok = False
+            up.last_error = f"health: {type(exc).__name__}: {exc}"[:300]
+        up.healthy = ok
+        return ok
+
+    async def check(self, up: Upstream) -> None:
+        """One health-check round for one replica, driving its circuit."""
+        if up.circuit is Circuit.JOINING:
+            return
+        if up.circuit is Circuit.OPEN and time.monotonic() < up.open_until:
+            return
+        if up.circuit is Circuit.HALF_OPEN and up.probe_inflight:
+            return
+        ok = await self.probe(up)
+        if up.url not in self.upstreams:
+            return
+        if up.circuit is Circuit.OPEN and ok:
+            error = await self.replay(up)
+            if error:
+                up.last_error = f"replay: {error}"[:300]
+                self._open(up)
+                return
+            log.info("replica %s healthy again: half-open", up.url)
+            up.circuit = Circuit.HALF_OPEN
+            self.router.set_available(up.url, True)
+        elif up.circuit is Circuit.HALF_OPEN and not ok:
+            self._open(up)
+        elif up.circuit is Circuit.CLOSED and not ok:
+            up.failures["health"] += 1
+            self._open(up)
+
+    async def post(
+        self, up: Upstream, path_qs: str, body: bytes | None, timeout_s: float
+    ) -> tuple[int, bytes]:
+        """POST to one replica; raises aiohttp/OS errors and TimeoutError to the caller."""
+        headers = {"Content-Type": "application/json", **self.headers}
+        async with self.session.post(
+            up.url + path_qs,
+            data=body,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as r:
+            return r.status, await r.read()
+
+    async def replay(self, up: Upstream) -> str | None:
+        """Bring a (re)joining replica up to date: loaded adapters, then pause state.
+
+        Returns an error message, or None when the replica may enter rotation.
+        """
+        timeout = self.config.broadcast_timeout_s
+        try:
+            for name, path in list(self.adapters.items()):
+                body = json.dumps({"lora_name": name, "lora_path": path}).encode()
+                status, data = await self.post(up, "/v1/load_lora_adapter", body, timeout)
+                if status != 200 and not (status == 400 and b"already" in data):
+                    return f"load {name}: HTTP {status} {data[:200].decode(errors='replace')}"
+            if self.paused_query is not None:
+                status, data = await self.post(up, "/pause" + self.paused_query, None, timeout)
+                if status != 200:
+                    return f"pause: HTTP {status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    async def discover_block_size(self) -> int | None:
+        """Read ``cache_config.block_size`` from the first replica that answers."""
+        for up in list(self.upstreams.values()):
+            try:
+                async with self.session.get(
+                    up.url + "/server_info",
+                    params={"config_format": "json"},
+                    headers=self.headers,
+                    timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s),
+                ) as r:
+                    if r.status != 200:
+                        continue
+                    info = await r.json(content_type=None)
+                size = _find_block_size(info)
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+                continue
+            if size:
+                log.info("KV block size %d (from %s/server_info)", size, up.url)
+                return size
+        return None
+
+    async def run_health_checks(self) -> None:
+        """Forever: discover the block size until known, probe every replica each interval."""
+        while True:
+            if self.block_size is None:
+                self.block_size = await self.discover_block_size()
+            await asyncio.gather(*(self.check(u) for u in list(self.upstreams.values())))
+            await asyncio.sleep(self.config.health_interval_s)
+
+
+def _find_block_size(info: Any) -> int | None:
+    if not isinstance(info, dict):
+        return None
+    cfg = info.get("vllm_config", info)
+    if isinstance(cfg, str):  # some versions return the config as a string
+        return None
+    cache = cfg.get("cache_config") if isinstance(cfg, dict) else None
+    if isinstance(cache, dict) and isinstance(cache.get("block_size"), int):
+        return cache["block_size"]
+    return None
