@@ -1,0 +1,156 @@
+"""The policy: a transformers causal LM with a peft LoRA adapter, and its per-token logprobs.
+
+Packed rows need no attention mask from us. transformers (5.x) derives a block-diagonal causal
+mask from ``position_ids`` that restart at 0 (``masking_utils.find_packed_sequence_indices``)
+for every attention implementation (eager, sdpa, flex; flash-attention uses the restarts as
+varlen boundaries), but only when ``attention_mask`` is None and there is no KV cache, hence
+``use_cache=False`` below. ``tests/trainer/test_packing.py`` checks that packed and unpacked
+logprobs agree within 1e-5, and that the test notices a mask that lets samples see each other.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.trainer.packing import PackedRow
+
+if TYPE_CHECKING:
+    from asyncgrpo.config import LoraConfig
+
+logger = logging.getLogger(__name__)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on a CUDA device that has it, else float32 (exact on CPU)."""
+    if name == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            name
+        ]
+    except KeyError:
+        raise ConfigError(
+            f"trainer.dtype={name!r}: use auto, float32, bfloat16 or float16"
+        ) from None
+
+
+def _check_packing_support() -> None:
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        masking_utils = None
+    if masking_utils is None or not hasattr(masking_utils, "find_packed_sequence_indices"):
+        raise ConfigError(
+            "this transformers version cannot derive a packed-sequence attention mask from "
+            "position_ids; upgrade transformers (5.x is tested)"
+        )
+
+
+def load_policy(
+    model_path: str | Path,
+    lora: LoraConfig,
+    *,
+    dtype: str = "auto",
+    device: torch.device | str | None = None,
+    gradient_checkpointing: bool = False,
+    attn_implementation: str | None = None,
+) -> Any:
+    """Load the base model, wrap it with a fresh LoRA adapter, and put it in train mode.
+
+    Only the adapter is trainable. peft keeps adapter weights in float32 even on a bfloat16
+    base (``autocast_adapter_dtype``), so AdamW state stays in full precision.
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    _check_packing_support()
+    device = torch.device(device) if device is not None else default_device()
+    torch_dtype = resolve_dtype(dtype, device)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    base = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
+    base.to(device)
+    if gradient_checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.config.use_cache = False
+    peft_config = PeftLoraConfig(
+        task_type="CAUSAL_LM",
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        target_modules=lora.target_modules,
+        lora_dropout=lora.dropout,
+    )
+    model = get_peft_model(base, peft_config)
+    model.train()
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info(
+        "loaded %s (%s on %s) with LoRA r=%d: %d trainable parameters",
+        model_path,
+        torch_dtype,
+        device,
+        lora.r,
+        n_train,
+    )
+    return model
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def row_logprobs(
+    model: torch.nn.Module, row: PackedRow, *, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (with grad) and entropies (without) of a row's completion tokens, in row order.
+
+    Token ``t``'s logprob is ``log_softmax(logits[t - 1] / temperature)[input_ids[t]]``, the same
+    quantity vLLM returns with ``processed_logprobs``. The LM head runs only on the positions
+    that predict completion tokens (``logits_to_keep``), so prompt tokens cost no vocab-sized
+    logits.
+    """
+    device = model_device(model)
+    targets_at = torch.nonzero(row.completion_mask, as_tuple=True)[0]
+    if targets_at.numel() == 0:
+        empty = torch.zeros(0, device=device)
+        return empty, (empty if with_entropy else None)
+    if int(targets_at.min()) == 0:
+        raise ValueError("a completion token at position 0 of a row has no preceding token")
+    predict_from = (targets_at - 1).to(device)
+    out = model(
+        input_ids=row.input_ids.to(device).unsqueeze(0),
+        position_ids=row.position_ids.to(device).unsqueeze(0),
+        use_cache=False,
+        logits_to_keep=predict_from,
+    )
+    logits = out.logits[0].float()
+    temps = row.temperatures.to(device)[targets_at.to(device)].unsqueeze(-1)
+    logp_all = F.log_softmax(logits / temps, dim=-1)
+    targets = row.input_ids.to(device)[targets_at.to(device)]
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def save_adapter(model: Any, path: str | Path) -> Path:
+    """Write the adapter as ``adapter_model.safetensors`` + ``adapter_config.json`` in ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path

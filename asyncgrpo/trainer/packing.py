@@ -1,0 +1,152 @@
+"""Token-budget packing: many samples per padding-free row, one row per micro-batch.
+
+One sequence per micro-batch leaves the accelerator idle (3.9 % MFU in the write-up); packing
+turned 64 micro-batches into 6. A row is the concatenation ``prompt_1 completion_1 prompt_2
+completion_2 ...`` with ``position_ids`` restarting at 0 for every sample; ``trainer.model``
+turns those restarts into a block-diagonal causal mask so samples never attend to each other.
+
+Every per-token tensor of a row is aligned with ``input_ids``: entry ``t`` describes token ``t``
+(its behaviour logprob, its advantage, whether it is a completion token, the sampling
+temperature its logprob was taken at). The model's logprob of token ``t`` comes from the logits
+at ``t - 1``; the first token of each sample is a prompt token, so it is never scored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from asyncgrpo.sample import Sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class PackedRow:
+    """One padding-free row of whole samples (1-D tensors of length ``num_tokens``)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    temperatures: torch.Tensor
+    seq_lens: list[int]
+    sample_indices: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+    @property
+    def cu_seqlens(self) -> list[int]:
+        """Sample boundaries: sample ``i`` spans ``[cu_seqlens[i], cu_seqlens[i + 1])``."""
+        out = [0]
+        for n in self.seq_lens:
+            out.append(out[-1] + n)
+        return out
+
+
+def plan_rows(
+    lengths: Sequence[int], *, token_budget: int | None = None, num_rows: int | None = None
+) -> list[list[int]]:
+    """Assign sample indices to rows, each row's indices in ascending order.
+
+    - ``token_budget``: first-fit decreasing; every row holds at most ``token_budget`` tokens,
+      except that a sample longer than the budget gets a row of its own (with a warning: it
+      cannot be split).
+    - ``num_rows`` (without a budget): longest-first onto the currently shortest row, giving
+      ``min(num_rows, len(lengths))`` rows of similar size.
+    - neither: one sample per row.
+    """
+    if token_budget is not None and token_budget < 1:
+        raise ValueError(f"token_budget={token_budget}: must be >= 1")
+    if num_rows is not None and num_rows < 1:
+        raise ValueError(f"num_rows={num_rows}: must be >= 1")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    if token_budget is not None:
+        free: list[int] = []
+        for i in order:
+            n = lengths[i]
+            if n > token_budget:
+                logger.warning(
+                    "a sample of %d tokens exceeds token_budget=%d; it gets a row of its own "
+                    "(raise trainer.token_budget to bound memory)",
+                    n,
+                    token_budget,
+                )
+                rows.append([i])
+                free.append(0)
+                continue
+            for r, room in enumerate(free):
+                if n <= room:
+                    rows[r].append(i)
+                    free[r] -= n
+                    break
+            else:
+                rows.append([i])
+                free.append(token_budget - n)
+    elif num_rows is not None:
+        rows = [[] for _ in range(min(num_rows, len(lengths)))]
+        sizes = [0] * len(rows)
+        for i in order:
+            r = min(range(len(rows)), key=lambda k: (sizes[k], k))
+            rows[r].append(i)
+            sizes[r] += lengths[i]
+    else:
+        rows = [[i] for i in range(len(lengths))]
+    return [sorted(row) for row in rows]
+
+
+def build_row(samples: Sequence[Sample], indices: Sequence[int]) -> PackedRow:
+    """Concatenate ``samples[i]`` for ``i`` in ``indices`` into one row."""
+    ids: list[int] = []
+    pos: list[int] = []
+    mask: list[bool] = []
+    logps: list[float] = []
+    advs: list[float] = []
+    temps: list[float] = []
+    seq_lens: list[int] = []
+    for i in indices:
+        s = samples[i]
+        if not s.prompt_ids:
+            raise ValueError(
+                f"sample {s.group_id}: empty prompt; the first completion token needs a "
+                "preceding token to be scored"
+            )
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        ids += s.prompt_ids
+        ids += s.completion_ids
+        pos += range(p + c)
+        mask += [False] * p + [True] * c
+        logps += [0.0] * p
+        logps += s.logprobs
+        advs += [0.0] * p + [float(s.advantage)] * c
+        temps += [float(s.temperature)] * (p + c)
+        seq_lens.append(p + c)
+    return PackedRow(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        position_ids=torch.tensor(pos, dtype=torch.long),
+        completion_mask=torch.tensor(mask, dtype=torch.bool),
+        behaviour_logprobs=torch.tensor(logps, dtype=torch.float32),
+        advantages=torch.tensor(advs, dtype=torch.float32),
+        temperatures=torch.tensor(temps, dtype=torch.float32),
+        seq_lens=seq_lens,
+        sample_indices=list(indices),
+    )
+
+
+def pack_samples(
+    samples: Sequence[Sample], *, token_budget: int | None = None, num_rows: int | None = None
+) -> list[PackedRow]:
+    """Pack ``samples`` into rows (see ``plan_rows`` for the two modes)."""
+    plan = plan_rows([s.num_tokens for s in samples], token_budget=token_budget, num_rows=num_rows)
+    return [build_row(samples, indices) for indices in plan]
