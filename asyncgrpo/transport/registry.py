@@ -1,0 +1,102 @@
+"""``open_transport(url)``: pick a transport by URL scheme.
+
+Built in: ``file://`` and plain paths (:mod:`.local`), ``s3://`` (:mod:`.s3`), ``hf://buckets/``
+(:mod:`.hf`). Other packages add schemes without touching asyncgrpo, through the entry point
+group ``asyncgrpo.transports``: the entry point's name is the scheme and it loads a factory
+``factory(url: str, **options) -> Transport``. :func:`register_scheme` does the same at runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.transport.base import Transport
+
+__all__ = ["ACCEPTED_FORMS", "TransportFactory", "open_transport", "register_scheme"]
+
+log = logging.getLogger(__name__)
+
+TransportFactory = Callable[..., Transport]
+ENTRY_POINT_GROUP = "asyncgrpo.transports"
+ACCEPTED_FORMS = (
+    "/abs/or/relative/path",
+    "file:///abs/path",
+    "s3://bucket[/prefix]",
+    "hf://buckets/<namespace>/<bucket>[/prefix]",
+)
+
+_SCHEME_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+_registry: dict[str, TransportFactory] = {}
+
+
+def _local(url: str, **options: Any) -> Transport:
+    from asyncgrpo.transport.local import LocalTransport
+
+    return LocalTransport.from_url(url, **options)
+
+
+def _s3(url: str, **options: Any) -> Transport:
+    from asyncgrpo.transport.s3 import S3Transport
+
+    return S3Transport.from_url(url, **options)
+
+
+def _hf(url: str, **options: Any) -> Transport:
+    from asyncgrpo.transport.hf import HFBucketTransport
+
+    return HFBucketTransport.from_url(url, **options)
+
+
+_BUILTIN: dict[str, TransportFactory] = {"file": _local, "s3": _s3, "hf": _hf}
+
+
+def register_scheme(scheme: str, factory: TransportFactory, *, replace: bool = False) -> None:
+    """Make ``open_transport`` hand URLs of ``scheme://`` to ``factory``."""
+    scheme = scheme.lower()
+    if not replace and (scheme in _registry or scheme in _BUILTIN):
+        raise ConfigError(f"transport scheme {scheme!r} is already registered; pass replace=True")
+    _registry[scheme] = factory
+
+
+def _from_entry_points(scheme: str) -> TransportFactory | None:
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name.lower() == scheme:
+            log.debug("transport scheme %s from entry point %s", scheme, ep.value)
+            factory = ep.load()
+            _registry[scheme] = factory
+            return factory
+    return None
+
+
+def open_transport(url: str | Any, **options: Any) -> Transport:
+    """Open the transport for ``url``; ``options`` go to its constructor as keywords.
+
+    Raises :class:`ConfigError` naming the accepted forms for an unknown scheme or malformed URL.
+    """
+    if hasattr(url, "__fspath__"):
+        url = str(url)
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"transport URL must be a non-empty string; accepted: {_forms()}")
+    match = _SCHEME_RE.match(url)
+    if match is None:
+        if "://" in url or (":" in url.split("/", 1)[0] and not re.match(r"^[A-Za-z]:", url)):
+            raise ConfigError(f"malformed transport URL {url!r}; accepted: {_forms()}")
+        return _local(url, **options)
+    scheme = match.group(1).lower()
+    factory = _registry.get(scheme) or _BUILTIN.get(scheme) or _from_entry_points(scheme)
+    if factory is None:
+        raise ConfigError(
+            f"unknown transport scheme {scheme!r} in {url!r}; accepted: {_forms()} "
+            f"(or a scheme registered via entry point group {ENTRY_POINT_GROUP!r})"
+        )
+    return factory(url, **options)
+
+
+def _forms() -> str:
+    extra = sorted(_registry)
+    return ", ".join([*ACCEPTED_FORMS, *(f"{s}://..." for s in extra)])
