@@ -35,7 +35,10 @@ true when a second, different successor appears. Memory is bounded by ``max_bloc
 counted); see ``docs/proxy.md`` for the measured bytes per tracked block.
 
 **Common blocks.** A block with several successors (chat template, shared system prompt, few-shot
-header) identifies no prompt; matches on it are ignored. The brief's second rule, "every replica has
+header) identifies no prompt; matches on it, and on every block before it in the chain, are
+ignored. A request whose next hash differs from a block's only known successor is about to make it
+common, and is scored as if it already were (else the second prompt behind a template would
+follow the first). The brief's second rule, "every replica has
 it", is deliberately dropped: it is what made a spilled prompt (now owned by every replica) lose its
 affinity for good and pushed "unmatched" far above the 1/G floor. A template is still caught by the
 successor rule as soon as two different prompts have used it.
@@ -295,21 +298,26 @@ class Router:
 
     def _scores(self, chain: Sequence[int], candidates: list[str]) -> dict[str, int]:
         bits = {r: 1 << self._slot[r] for r in candidates}
-        scores: dict[str, int] = {}
         blocks = self._blocks
+        owned: list[int] = []  # owner bitmasks of the prompt-specific matched blocks so far
         last = len(chain) - 1
         for i, h in enumerate(chain):
             block = blocks.get(h)
             if block is None:
                 break  # chained: nothing after a miss can match
-            if block.common:
+            if block.common or (
+                i < last and block.successor is not None and block.successor != chain[i + 1]
+            ):
+                # Shared by several prompts (or about to be, by this one): it and every block
+                # before it identify no prompt.
+                owned.clear()
                 continue
-            if i < last and block.successor is not None and block.successor != chain[i + 1]:
-                continue  # this request is about to give the block a second successor
-            owners = block.owners
-            for r, bit in bits.items():
-                if owners & bit:
-                    scores[r] = scores.get(r, 0) + 1
+            owned.append(block.owners)
+        scores: dict[str, int] = {}
+        for r, bit in bits.items():
+            n = sum(1 for owners in owned if owners & bit)
+            if n:
+                scores[r] = n
         return scores
 
     def _record(self, chains: tuple[tuple[int, ...], ...], replica: str) -> tuple[int, ...]:
