@@ -1,0 +1,292 @@
+"""Rollout batches between machines through a transport: ordered, each batch exactly once.
+
+Used when the rollout client runs on another machine than the trainer. Layout under ``prefix``::
+
+    rollouts/batches/<seq:012d>.agrb    one batch of samples, written create-only
+    rollouts/cursors/<consumer>.json    {"next": seq}: the first batch not yet committed
+
+**Producers** write batch ``seq`` with a create-only put; if another producer took that number
+the put fails with ``AlreadyExists`` and the producer tries the next one, so concurrent producers
+never clobber each other and sequence numbers have no holes (a put is atomic, so a crashed
+producer leaves either a whole batch or nothing). A fresh producer starts after the highest
+batch it can list and after every consumer's cursor (batches may have been compacted away).
+
+**Consumers** read ``seq`` in order. :meth:`RolloutChannel.receive` returns the next batch and,
+on the following call, commits the previous one (writes the cursor), like Kafka's auto-commit:
+a consumer that crashes while working on batch ``k`` gets ``k`` again after restart, and never
+anything it committed. For the trainer, store :attr:`~RolloutChannel.position` in the checkpoint
+meta and :meth:`~RolloutChannel.seek` to it on restore, so the channel and the weights agree.
+With ``compact=True`` a committed batch is overwritten by an empty tombstone (not deleted, so a
+lagging producer's create on that number still fails and nothing is lost).
+
+**Encoding**, measured with ``bench/rollout_encoding.py`` (64 samples x 256 prompt + 1024
+completion tokens, 2 shared CPU cores): the binary ``AGRB`` layout (a JSON header for the scalar
+fields, then int32 token ids and float32 logprobs) is 0.60 MB (7.3 B/token), encodes in 9-31 ms
+and decodes in 5-18 ms; JSONL is 1.83 MB (22.3 B/token), 220-510 ms and 97-125 ms. zlib saves
+only 22 % on the binary form (random-looking ids and logprobs) at 3x the time, so it is off.
+Logprobs are float32, which is exact for what vLLM returns (it computes them in float32).
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import logging
+import struct
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from asyncgrpo.errors import AlreadyExists, ConfigError, IntegrityError, NotFound
+from asyncgrpo.sample import Sample
+from asyncgrpo.transport import Transport, open_transport
+from asyncgrpo.transport.base import join_key
+
+__all__ = [
+    "Batch",
+    "RolloutChannel",
+    "decode_batch",
+    "decode_jsonl",
+    "encode_batch",
+    "encode_jsonl",
+]
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"AGRB"
+FORMAT_VERSION = 1
+_HEAD = struct.Struct("<4sBI")  # magic, format version, header JSON length
+_SCALARS = ("reward", "advantage", "version", "group_id", "temperature", "rewards", "finish_reason")
+_LITTLE = sys.byteorder == "little"
+
+
+# ---- encoding ------------------------------------------------------------------------------------
+def _le(arr: array.array) -> bytes:
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def encode_batch(samples: Sequence[Sample]) -> bytes:
+    """Samples -> ``AGRB`` bytes: header JSON (scalars, lengths), int32 tokens, float32 logprobs."""
+    header: list[dict[str, Any]] = []
+    tokens = array.array("i")
+    logprobs = array.array("f")
+    for s in samples:
+        row = {k: getattr(s, k) for k in _SCALARS}
+        row["np"], row["nc"] = len(s.prompt_ids), len(s.completion_ids)
+        header.append(row)
+        tokens.extend(s.prompt_ids)
+        tokens.extend(s.completion_ids)
+        logprobs.extend(s.logprobs)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return b"".join(
+        [_HEAD.pack(MAGIC, FORMAT_VERSION, len(head)), head, _le(tokens), _le(logprobs)]
+    )
+
+
+def decode_batch(data: bytes) -> list[Sample]:
+    """Inverse of :func:`encode_batch`; :class:`IntegrityError` on anything malformed."""
+    try:
+        magic, fmt, head_len = _HEAD.unpack_from(data)
+        if magic != MAGIC or fmt != FORMAT_VERSION:
+            raise ValueError(f"not an AGRB v{FORMAT_VERSION} batch (magic {magic!r}, v{fmt})")
+        offset = _HEAD.size
+        header = json.loads(data[offset : offset + head_len])
+        offset += head_len
+        n_tok = sum(r["np"] + r["nc"] for r in header)
+        n_lp = sum(r["nc"] for r in header)
+        if len(data) != offset + 4 * n_tok + 4 * n_lp:
+            raise ValueError(f"size {len(data)} does not match header ({n_tok} tokens, {n_lp} lp)")
+        tokens = array.array("i")
+        tokens.frombytes(data[offset : offset + 4 * n_tok])
+        logprobs = array.array("f")
+        logprobs.frombytes(data[offset + 4 * n_tok :])
+        if not _LITTLE:
+            tokens.byteswap()
+            logprobs.byteswap()
+        samples, t, lp = [], 0, 0
+        for row in header:
+            n_p, n_c = row.pop("np"), row.pop("nc")
+            samples.append(
+                Sample(
+                    prompt_ids=tokens[t : t + n_p].tolist(),
+                    completion_ids=tokens[t + n_p : t + n_p + n_c].tolist(),
+                    logprobs=logprobs[lp : lp + n_c].tolist(),
+                    **row,
+                )
+            )
+            t += n_p + n_c
+            lp += n_c
+        return samples
+    except (ValueError, KeyError, TypeError, struct.error) as exc:
+        raise IntegrityError(f"cannot decode rollout batch: {exc}") from exc
+
+
+def encode_jsonl(samples: Sequence[Sample]) -> bytes:
+    """One JSON object per sample; the measured alternative (kept for the bench and debugging)."""
+    from dataclasses import fields
+
+    names = [f.name for f in fields(Sample)]
+    rows = ({n: getattr(s, n) for n in names} for s in samples)
+    return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows)
+
+
+def decode_jsonl(data: bytes) -> list[Sample]:
+    return [Sample(**json.loads(line)) for line in data.splitlines() if line]
+
+
+# ---- channel ---------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One batch as the consumer receives it."""
+
+    seq: int
+    samples: list[Sample]
+
+
+class RolloutChannel:
+    """Producer and consumer ends of one ordered stream of sample batches.
+
+    One instance can do both; each consumer name has its own cursor.
+    """
+
+    def __init__(
+        self,
+        transport: Transport | str,
+        *,
+        prefix: str = "rollouts",
+        consumer: str = "trainer",
+        poll_interval_s: float = 0.2,
+        compact: bool = False,
+    ) -> None:
+        if poll_interval_s <= 0:
+            raise ConfigError(f"poll_interval_s must be > 0, got {poll_interval_s}")
+        if not consumer or "/" in consumer:
+            raise ConfigError(f"consumer name {consumer!r} must be non-empty without '/'")
+        self.transport = open_transport(transport) if isinstance(transport, str) else transport
+        self.prefix = prefix
+        self.consumer = consumer
+        self.poll_interval_s = poll_interval_s
+        self.compact = compact
+        self._next_write: int | None = None
+        self._cursor: int | None = None  # next seq to hand out
+        self._pending: int | None = None  # handed out, not yet committed
+
+    def _batch_key(self, seq: int) -> str:
+        return join_key(self.prefix, "batches", f"{seq:012d}.agrb")
+
+    def _cursor_key(self, consumer: str) -> str:
+        return join_key(self.prefix, "cursors", f"{consumer}.json")
+
+    # ---- producer -----------------------------------------------------------------------------
+    async def _first_free_seq(self) -> int:
+        highest = -1
+        async for info in self.transport.list(join_key(self.prefix, "batches")):
+            name = info.key.rsplit("/", 1)[-1]
+            if name.endswith(".agrb") and name[:-5].isdigit():
+                highest = max(highest, int(name[:-5]))
+        # Read cursors after listing: a consumer writes its cursor before compacting.
+        async for info in self.transport.list(join_key(self.prefix, "cursors")):
+            try:
+                highest = max(
+                    highest, int(json.loads(await self.transport.get(info.key))["next"]) - 1
+                )
+            except (NotFound, ValueError, KeyError):
+                continue
+        return highest + 1
+
+    async def append(self, samples: Sequence[Sample]) -> int:
+        """Write one batch; return its sequence number."""
+        data = encode_batch(samples)
+        if self._next_write is None:
+            self._next_write = await self._first_free_seq()
+        while True:
+            seq = self._next_write
+            try:
+                await self.transport.put(self._batch_key(seq), data, mode="create")
+            except AlreadyExists:
+                self._next_write = seq + 1
+                continue
+            self._next_write = seq + 1
+            log.debug(
+                "appended rollout batch %d (%d samples, %d bytes)", seq, len(samples), len(data)
+            )
+            return seq
+
+    # ---- consumer -----------------------------------------------------------------------------
+    @property
+    def position(self) -> int | None:
+        """The first sequence number not yet committed (None before the first receive/seek)."""
+        if self._pending is not None:
+            return self._pending
+        return self._cursor
+
+    async def _load_cursor(self) -> int:
+        try:
+            raw = await self.transport.get(self._cursor_key(self.consumer))
+        except NotFound:
+            return 0
+        try:
+            return int(json.loads(raw)["next"])
+        except (ValueError, KeyError) as exc:
+            raise IntegrityError(
+                f"consumer cursor {self.consumer} is corrupt: {raw[:80]!r}"
+            ) from exc
+
+    async def seek(self, seq: int) -> None:
+        """Move this consumer's cursor (persisted), e.g. to a position saved in a checkpoint."""
+        if seq < 0:
+            raise ConfigError(f"seek position must be >= 0, got {seq}")
+        self._pending = None
+        await self._store_cursor(seq)
+
+    async def _store_cursor(self, seq: int) -> None:
+        body = json.dumps({"next": seq, "updated_at": time.time()}).encode()
+        await self.transport.put(self._cursor_key(self.consumer), body)
+        self._cursor = seq
+
+    async def commit(self) -> None:
+        """Persist that the last received batch is done; a no-op if nothing is pending."""
+        if self._pending is None:
+            return
+        done = self._pending
+        await self._store_cursor(done + 1)
+        self._pending = None
+        if self.compact:
+            await self.transport.put(self._batch_key(done), b"")  # tombstone, see module doc
+
+    async def receive(self, *, timeout_s: float | None = None) -> Batch:
+        """Commit the previous batch, then wait for and return the next one.
+
+        Raises ``TimeoutError`` if nothing arrives within ``timeout_s``.
+        """
+        await self.commit()
+        if self._cursor is None:
+            self._cursor = await self._load_cursor()
+        with anyio.fail_after(timeout_s):
+            while True:
+                seq = self._cursor
+                try:
+                    data = await self.transport.get(self._batch_key(seq))
+                except NotFound:
+                    await anyio.sleep(self.poll_interval_s)
+                    continue
+                if not data:  # compacted by another consumer group sharing this stream
+                    log.warning(
+                        "rollout batch %d was compacted before %s read it", seq, self.consumer
+                    )
+                    self._cursor = seq + 1
+                    continue
+                samples = decode_batch(data)
+                self._pending = seq
+                self._cursor = seq + 1
+                return Batch(seq=seq, samples=samples)
+
+    async def __aiter__(self) -> AsyncIterator[Batch]:
+        while True:
+            yield await self.receive()
