@@ -138,6 +138,7 @@ async def publish_bundle(
                 f"{transport.url}/{prefix} was published by someone else first"
             ) from exc
         raise
+    await _delete_stale_attempts(transport, prefix, keep=attempt)
     log.info(
         "published %s/%s: %d files, %.1f MB in %.2fs",
         transport.url,
@@ -147,6 +148,20 @@ async def publish_bundle(
         time.perf_counter() - started,
     )
     return manifest
+
+
+async def _delete_stale_attempts(transport: Transport, prefix: str, *, keep: str) -> None:
+    """After winning, drop files of killed or losing attempts (best effort, never fatal)."""
+    try:
+        stale = [
+            info.key
+            async for info in transport.list(prefix)
+            if info.key[len(prefix) + 1 :].startswith("files-")
+            and not info.key[len(prefix) + 1 :].startswith(keep + "/")
+        ]
+        await _gather([_deleter(transport, k) for k in stale], 16)
+    except TransportError as exc:
+        log.warning("could not delete stale uploads under %s/%s: %s", transport.url, prefix, exc)
 
 
 async def read_manifest(transport: Transport, prefix: str) -> dict[str, Any]:
