@@ -197,7 +197,10 @@ class RolloutClient:
             errors = [
                 e for e in _leaves(group) if not isinstance(e, anyio.get_cancelled_exc_class())
             ]
-            if len(errors) == 1:
+            # Concurrent groups often fail alike (a dead server): surface one readable error.
+            if len(errors) == 1 or (errors and all(isinstance(e, ReplicaError) for e in errors)):
+                if len(errors) > 1:
+                    errors[0].add_note(f"({len(errors) - 1} more rollout requests failed alike)")
                 raise errors[0] from None
             raise
         finally:

@@ -1,0 +1,307 @@
+"""The rollout client against a real vLLM replica (shared session fixture), through a small
+aiohttp pass-through where a test must count concurrency or inject failures."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import socket
+import urllib.request
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anyio
+import pytest
+from aiohttp import web
+
+from asyncgrpo.errors import ReplicaError
+from asyncgrpo.rollout.client import RolloutClient
+from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
+from asyncgrpo.rollout.dataset import PromptDataset, load_tokenizer
+from asyncgrpo.rollout.rewards import RewardScorer
+
+pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
+
+WORDS = "cat dog bird fish red blue green sun moon star tree road".split()
+
+
+def length_reward(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+    return [float(len(ids)) for ids in kwargs["completion_ids"]]
+
+
+def make_dataset(tiny_model: Path, n: int, **kwargs: Any) -> PromptDataset:
+    rows = [
+        [{"role": "user", "content": f"{WORDS[i % 12]} {WORDS[(i * 5) % 12]} number {i}"}]
+        for i in range(n)
+    ]
+    return PromptDataset(rows, tokenizer=load_tokenizer(tiny_model), shuffle=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def served(vllm_replicas: list[Any]) -> tuple[str, str]:
+    """(url of replica 0, the name it serves the base model under)."""
+    url = vllm_replicas[0].url
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
+        models = json.load(resp)["data"]
+    return url, next(m["id"] for m in models if m.get("parent") is None)
+
+
+def client_for(
+    served: tuple[str, str],
+    dataset: PromptDataset,
+    *,
+    url: str | list[str] | None = None,
+    generation: dict[str, Any] | None = None,
+    rollout: dict[str, Any] | None = None,
+    scorer: RewardScorer | None = None,
+    version: int = 0,
+) -> RolloutClient:
+    return RolloutClient(
+        base_urls=url or served[0],
+        dataset=dataset,
+        generation=GenerationConfig(
+            **{"num_generations": 4, "max_completion_length": 8, **(generation or {})}
+        ),
+        rollout=RolloutConfig(**{"max_inflight": 16, "retry_backoff_s": 0.05, **(rollout or {})}),
+        scorer=scorer or RewardScorer([length_reward]),
+        policy=(served[1], version),
+    )
+
+
+class PassThrough:
+    """Forwards /v1/completions to a real replica; counts completions in flight; can fail."""
+
+    def __init__(self, upstream: str, *, fail_first: int = 0, mode: str = "503") -> None:
+        self.upstream = upstream
+        self.fail_left = fail_first
+        self.mode = mode
+        self.current = 0
+        self.max_current = 0
+        self.requests = 0
+        self.failed = 0
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests += 1
+        if self.fail_left > 0:
+            self.fail_left -= 1
+            self.failed += 1
+            if self.mode == "drop":
+                assert request.transport is not None
+                request.transport.close()
+            return web.Response(status=503, text="injected failure")
+        n = int(body.get("n", 1))
+        self.current += n
+        self.max_current = max(self.max_current, self.current)
+        try:
+            async with self.session.post(f"{self.upstream}/v1/completions", json=body) as resp:
+                data = await resp.read()
+                return web.Response(body=data, status=resp.status, content_type="application/json")
+        finally:
+            self.current -= n
+
+    @contextlib.asynccontextmanager
+    async def serve(self) -> AsyncIterator[str]:
+        self.session = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            await runner.cleanup()
+            await self.session.close()
+
+
+async def test_groups_logprobs_and_version_tagging(served, tiny_model) -> None:
+    dataset = make_dataset(tiny_model, 6)
+    # One group admitted at a time, 4 samples queued, one scorer: when 8 samples have been
+    # taken, at most groups 2 (queue), 3 (scorer) and 4 (generating) exist, so group 5 is
+    # requested after the switch.
+    rollout = {"queue_maxsize": 4, "max_inflight": 4, "score_concurrency": 1}
+    async with client_for(served, dataset, rollout=rollout, version=1) as client:
+        first = await client.get(8)
+        client.set_policy(served[1], 2)
+        rest = await client.get(100)
+        stats = client.stats()
+        assert client.position == 6
+    samples = first + rest
+    assert len(first) == 8 and len(rest) == 16
+    groups = Counter(s.group_id for s in samples)
+    assert groups == {str(i): 4 for i in range(6)}
+    for s in samples:
+        assert 1 <= len(s.completion_ids) <= 8
+        assert len(s.logprobs) == len(s.completion_ids)
+        assert all(lp <= 0.0 and math.isfinite(lp) for lp in s.logprobs)
+        assert s.prompt_ids == dataset.at(int(s.group_id)).prompt_ids
+        assert s.reward == len(s.completion_ids) and s.rewards == {"length_reward": s.reward}
+    assert {s.version for s in first} == {1}
+    assert {s.version for s in samples if s.group_id == "5"} == {2}
+    for gid in groups:
+        group = [s for s in samples if s.group_id == gid]
+        assert len({s.version for s in group}) == 1, "n=G: one request, one version"
+        rewards = [s.reward for s in group]
+        if len(set(rewards)) > 1:
+            mean = sum(rewards) / 4
+            assert all((s.advantage > 0) == (s.reward > mean) for s in group)
+        else:
+            assert all(s.advantage == 0.0 for s in group)
+    assert stats["rollout/generated_tokens_total"] == sum(len(s.completion_ids) for s in samples)
+    assert stats["rollout/samples_total"] == 24 and stats["rollout/groups_total"] == 6
+    assert stats["rollout/generated_tok_s"] > 0
+
+
+async def test_seed_gives_the_same_completions_in_both_request_modes(served, tiny_model) -> None:
+    results = {}
+    for mode in ("n", "per_sample"):
+        gen = {"seed": 1234, "request_mode": mode}
+        async with client_for(served, make_dataset(tiny_model, 2), generation=gen) as client:
+            samples = await client.get(8)
+        results[mode] = sorted((s.group_id, tuple(s.completion_ids)) for s in samples)
+    assert results["n"] == results["per_sample"]
+    assert len({ids for _, ids in results["n"]}) > 1, "children must not share one seed"
+
+
+async def test_max_inflight_counts_completions(served, tiny_model) -> None:
+    for mode, max_inflight in (("n", 8), ("per_sample", 6)):
+        proxy = PassThrough(served[0])
+        async with proxy.serve() as url:
+            client = client_for(
+                served,
+                make_dataset(tiny_model, 10),
+                url=url,
+                generation={"request_mode": mode, "num_generations": 3},
+                rollout={"max_inflight": max_inflight},
+            )
+            seen_inflight = 0
+            async with client:
+                samples = []
+                while len(samples) < 30:
+                    samples += await client.get(3)
+                    seen_inflight = max(seen_inflight, client.stats()["rollout/inflight"])
+        assert len(samples) == 30
+        assert proxy.max_current <= max_inflight, (mode, proxy.max_current)
+        assert proxy.max_current > 3, f"{mode}: never more than one group in flight"
+        assert seen_inflight <= max_inflight
+        expected_requests = 10 if mode == "n" else 30
+        assert proxy.requests == expected_requests
+
+
+async def test_backpressure_when_nobody_consumes(served, tiny_model) -> None:
+    client = client_for(
+        served,
+        make_dataset(tiny_model, 40),
+        rollout={"queue_maxsize": 4, "max_inflight": 8, "score_concurrency": 1},
+    )
+    async with client:
+        await anyio.sleep(3.0)
+        stats = client.stats()
+        assert stats["rollout/queue_size"] == 4
+        assert stats["rollout/backpressure_s"] > 1.0, stats
+        assert stats["rollout/score_block_s"] > 0.5, stats
+        assert stats["rollout/admitted"] <= 8
+        later = client.stats()
+        assert later["rollout/backpressure_total_s"] >= stats["rollout/backpressure_total_s"]
+        await client.get(8)  # consuming unblocks the pipeline
+        await anyio.sleep(0.5)
+        assert client.stats()["rollout/samples_total"] > 4
+
+
+async def test_raising_reward_function_does_not_kill_the_run(served, tiny_model) -> None:
+    calls = 0
+
+    def flaky(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+        nonlocal calls
+        calls += 1
+        if calls % 2:
+            raise RuntimeError("reward backend down")
+        return [1.0] * len(completions)
+
+    scorer = RewardScorer([flaky, length_reward])
+    async with client_for(served, make_dataset(tiny_model, 4), scorer=scorer) as client:
+        samples = await client.get(100)
+        stats = client.stats()
+    assert len(samples) == 16
+    assert stats["rollout/reward_errors_total"] == 2
+    assert stats["rollout/reward_nan_total"] == 8
+    assert sum(math.isnan(s.rewards["flaky"]) for s in samples) == 8
+    assert all(math.isfinite(s.reward) for s in samples), "length_reward still scores them"
+
+    async def always_raises(prompts: list[Any], completions: list[Any], **kw: Any) -> list[float]:
+        raise ValueError("bad")
+
+    scorer = RewardScorer([always_raises])
+    async with client_for(served, make_dataset(tiny_model, 2), scorer=scorer) as client:
+        samples = await client.get(100)
+    assert len(samples) == 8
+    assert all(math.isnan(s.reward) and s.advantage == 0.0 for s in samples)
+
+
+async def test_retries_connection_errors_and_5xx(served, tiny_model) -> None:
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    async with client_for(served, make_dataset(tiny_model, 3), url=[closed, served[0]]) as client:
+        samples = await client.get(100)
+        assert client.stats()["rollout/retries_total"] >= 1
+    assert len(samples) == 12
+
+    for mode in ("503", "drop"):
+        proxy = PassThrough(served[0], fail_first=2, mode=mode)
+        async with proxy.serve() as url:
+            async with client_for(served, make_dataset(tiny_model, 2), url=url) as client:
+                samples = await client.get(100)
+                assert client.stats()["rollout/retries_total"] == 2
+        assert len(samples) == 8 and proxy.failed == 2
+
+
+async def test_gives_up_after_retries_and_surfaces_4xx(served, tiny_model) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(ReplicaError, match=r"giving up after 3 attempts"):
+        async with client_for(
+            served, make_dataset(tiny_model, 2), url=closed, rollout={"retries": 2}
+        ) as client:
+            await client.get(100)
+
+    bad = RolloutClient(
+        base_urls=served[0],
+        dataset=make_dataset(tiny_model, 2),
+        generation=GenerationConfig(num_generations=2, max_completion_length=4),
+        rollout=RolloutConfig(max_inflight=4),
+        scorer=RewardScorer([length_reward]),
+        policy=("no-such-adapter-v1", 1),
+    )
+    with pytest.raises(ReplicaError, match=r"HTTP 404 for model 'no-such-adapter-v1'"):
+        async with bad:
+            await bad.get(100)
+
+
+async def test_resume_position(served, tiny_model) -> None:
+    dataset = make_dataset(tiny_model, 5, epochs=2)
+    async with client_for(served, dataset, rollout={"max_inflight": 4}) as client:
+        await client.get(12)
+        position = client.position
+    assert 3 <= position <= 5  # 3 groups taken; the queue and the next group may be done too
+    resumed = RolloutClient(
+        base_urls=served[0],
+        dataset=dataset,
+        generation=GenerationConfig(num_generations=4, max_completion_length=4),
+        rollout=RolloutConfig(max_inflight=16),
+        scorer=RewardScorer([length_reward]),
+        policy=(served[1], 0),
+        start_position=7,
+    )
+    async with resumed:
+        samples = await resumed.get(100)
+        assert resumed.position == 10
+    assert sorted({s.group_id for s in samples}) == ["7", "8", "9"]
