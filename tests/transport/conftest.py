@@ -102,9 +102,7 @@ class FaultProxy:
                 request.method, target, headers=headers, data=data, allow_redirects=False
             ) as up:
                 payload = await up.read()
-                out_headers = {
-                    k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS
-                }
+                out_headers = {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS}
                 if request.method == "HEAD":
                     resp = web.StreamResponse(status=up.status, headers=out_headers)
                     await resp.prepare(request)

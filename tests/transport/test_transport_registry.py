@@ -35,7 +35,9 @@ def test_s3_url_with_query_options() -> None:
 
 
 def test_hf_bucket_url() -> None:
-    t = open_transport("hf://buckets/alice/rl-run/adapters", access_key_id="k", secret_access_key="s")
+    t = open_transport(
+        "hf://buckets/alice/rl-run/adapters", access_key_id="k", secret_access_key="s"
+    )
     assert isinstance(t, HFBucketTransport)
     assert (t.namespace, t.bucket, t.prefix) == ("alice", "rl-run", "adapters")
     assert t.url == "hf://buckets/alice/rl-run/adapters"
@@ -85,12 +87,16 @@ def test_register_scheme_at_runtime(tmp_path: Path) -> None:
         registry._registry.pop("memtest", None)
 
 
-def test_third_party_scheme_via_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_third_party_scheme_via_entry_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A real installed-distribution entry point (dist-info on sys.path), no code change here."""
     site = tmp_path / "site"
     dist = site / "thirdparty_transport-1.0.dist-info"
     dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-transport\nVersion: 1.0\n")
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: thirdparty-transport\nVersion: 1.0\n"
+    )
     (dist / "entry_points.txt").write_text("[asyncgrpo.transports]\nzipstore = zipstore_mod:open\n")
     (site / "zipstore_mod.py").write_text(
         textwrap.dedent(

@@ -1,0 +1,213 @@
+"""Faults: transient and permanent S3 errors, a publisher SIGKILLed mid-upload, racing
+publishers, tampered files. Everything runs against the real local store and a real S3
+protocol server (moto), through a fault-injecting proxy where errors are needed."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from asyncgrpo.adapters import AdapterStore
+from asyncgrpo.errors import AlreadyExists, IntegrityError, NotFound, TransportError
+
+pytestmark = pytest.mark.anyio
+
+
+def make_adapter(path: Path, *, seed: int = 0, n_files: int = 1, size: int = 4096) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "r": 1,
+                "lora_alpha": 2,
+                "target_modules": ["q_proj", "v_proj"],
+                "base_model_name_or_path": "tiny/base",
+                "peft_type": "LORA",
+            }
+        )
+    )
+    rnd = __import__("random").Random(seed)
+    for i in range(n_files):
+        name = "adapter_model.safetensors" if i == 0 else f"extra-{i:03d}.bin"
+        (path / name).write_bytes(rnd.randbytes(size))
+    return path
+
+
+# ---- transient / permanent S3 errors ----------------------------------------------------------
+async def test_transient_503s_are_retried(transport_factory, fault_proxy) -> None:
+    t = transport_factory("s3-proxy")
+    fault_proxy.fail_next(3, 503)
+    await t.put("retry/a", b"payload")
+    assert fault_proxy.failed == 3 and fault_proxy.requests == 4
+    fault_proxy.fail_next(2, 503)
+    assert await t.get("retry/a") == b"payload"
+    assert fault_proxy.failed == 5
+
+
+async def test_permanent_error_surfaces_without_retry(transport_factory, fault_proxy) -> None:
+    t = transport_factory("s3-proxy")
+    fault_proxy.fail_next(100, 403)
+    started = time.perf_counter()
+    with pytest.raises(TransportError) as info:
+        await t.put("perm/a", b"x")
+    assert not isinstance(info.value, NotFound)
+    assert fault_proxy.requests == 1, "a 403 must not be retried"
+    assert time.perf_counter() - started < 5
+
+
+async def test_persistent_503_gives_up_after_max_retries(transport_factory, fault_proxy) -> None:
+    t = transport_factory("s3-proxy", max_retries=2)
+    fault_proxy.fail_next(100, 503)
+    with pytest.raises(TransportError):
+        await t.get("whatever")
+    assert fault_proxy.requests == 3  # first try + 2 retries
+
+
+async def test_adapter_publish_survives_transient_errors(
+    transport_factory, fault_proxy, tmp_path: Path
+) -> None:
+    store = AdapterStore(transport_factory("hf"))
+    src = make_adapter(tmp_path / "a", n_files=3)
+    fault_proxy.fail_next(4, 503)
+    await store.publish("run", 1, src, step=4)
+    assert fault_proxy.failed == 4
+    path = await store.fetch("run", 1, tmp_path / "cache")
+    assert (path / "adapter_model.safetensors").read_bytes() == (
+        src / "adapter_model.safetensors"
+    ).read_bytes()
+
+
+# ---- publisher killed mid-upload ------------------------------------------------------------
+PUBLISHER = r"""
+import asyncio, json, sys
+import anyio
+from asyncgrpo.adapters import AdapterStore
+from asyncgrpo.transport.local import LocalTransport
+from asyncgrpo.transport.s3 import S3Transport
+
+spec = json.loads(sys.argv[1])
+if spec["kind"] == "local":
+    transport = LocalTransport(spec["root"])
+else:
+    transport = S3Transport(spec["bucket"], spec["prefix"], **spec["options"])
+
+slow_put_file = transport.put_file
+async def put_file(key, path, **kw):   # a slow link: gives the test time to kill us mid-upload
+    await slow_put_file(key, path, **kw)
+    print("uploaded", key, flush=True)
+    await anyio.sleep(0.2)
+transport.put_file = put_file
+
+asyncio.run(AdapterStore(transport, concurrency=1).publish("run", 1, spec["src"], step=1))
+print("PUBLISHED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+async def test_publisher_sigkilled_mid_upload_leaves_no_version(
+    kind: str, transport_factory, moto_endpoint: str, tmp_path: Path
+) -> None:
+    transport = transport_factory(kind)
+    src = make_adapter(tmp_path / "src", n_files=10, size=64 * 1024)
+    if kind == "local":
+        spec = {"kind": "local", "root": str(transport.root)}
+    else:
+        credentials = {"access_key_id": "testing", "secret_access_key": "testing"}
+        spec = {
+            "kind": "s3",
+            "bucket": transport.bucket,
+            "prefix": transport.prefix,
+            "options": {"endpoint": moto_endpoint, "region": "us-east-1", **credentials},
+        }
+    spec["src"] = str(src)
+    from anyio.streams.buffered import BufferedByteReceiveStream
+
+    async with await anyio.open_process(
+        [sys.executable, "-c", PUBLISHER, json.dumps(spec)], stderr=subprocess.STDOUT
+    ) as proc:
+        assert proc.stdout is not None
+        out = BufferedByteReceiveStream(proc.stdout)
+        uploaded = 0
+        with anyio.fail_after(60):
+            while uploaded < 3:  # three of eleven files are in the store
+                line = await out.receive_until(b"\n", 1 << 16)
+                assert b"PUBLISHED" not in line
+                uploaded += line.startswith(b"uploaded")
+        proc.send_signal(signal.SIGKILL)
+        assert await proc.wait() == -signal.SIGKILL
+    leftovers = [i.key async for i in transport.list("adapters/run/v1")]
+    assert 3 <= len(leftovers) < 11, leftovers  # really killed mid-upload
+    store = AdapterStore(transport)
+    assert await store.versions("run") == []
+    assert await store.latest("run") is None
+    with pytest.raises(NotFound, match="not published"):
+        await store.fetch("run", 1, tmp_path / "cache")
+    assert not (tmp_path / "cache" / "run-v1").exists()
+    # The version number is still free; the winner also sweeps the dead attempt's files.
+    await store.publish("run", 1, src, step=1)
+    files = [i.key async for i in transport.list("adapters/run/v1")]
+    assert len(files) == 12  # 11 files + manifest, leftovers gone
+    path = await store.fetch("run", 1, tmp_path / "cache")
+    assert len(list(path.iterdir())) == 12  # 11 files + local manifest copy
+
+
+# ---- racing publishers -------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["local", "s3", "hf"])
+async def test_two_publishers_same_version_exactly_one_wins(
+    kind: str, transport_factory, tmp_path: Path
+) -> None:
+    transport = transport_factory(kind)
+    srcs = [make_adapter(tmp_path / f"src{i}", seed=i, n_files=4) for i in range(2)]
+    results: dict[int, object] = {}
+
+    async def publisher(i: int) -> None:
+        store = AdapterStore(transport, concurrency=2)
+        try:
+            results[i] = await store.publish("run", 7, srcs[i], step=i)
+        except AlreadyExists as exc:
+            results[i] = exc
+
+    async with anyio.create_task_group() as tg:
+        for i in range(2):
+            tg.start_soon(publisher, i)
+    winners = [i for i, r in results.items() if not isinstance(r, AlreadyExists)]
+    assert len(winners) == 1, results
+    store = AdapterStore(transport)
+    path = await store.fetch("run", 7, tmp_path / "cache")
+    w = srcs[winners[0]]
+    for f in w.iterdir():
+        assert (path / f.name).read_bytes() == f.read_bytes()
+    assert (await store.info("run", 7)).step == winners[0]
+    # the loser cleaned up: only the winner's 5 files and the manifest remain
+    left = [i.key async for i in transport.list("adapters/run/v7")]
+    assert len(left) == 6, (left, winners, {k: str(v)[:300] for k, v in results.items()})
+
+
+# ---- tampering ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["local", "s3"])
+async def test_tampered_file_raises_and_is_not_used(
+    kind: str, transport_factory, tmp_path: Path
+) -> None:
+    transport = transport_factory(kind)
+    store = AdapterStore(transport)
+    src = make_adapter(tmp_path / "src", n_files=2)
+    await store.publish("run", 3, src)
+    listed = [i.key async for i in transport.list("adapters/run/v3")]
+    victim = next(k for k in listed if k.endswith(".safetensors"))
+    good = await transport.get(victim)
+    await transport.put(victim, bytes([good[0] ^ 0xFF]) + good[1:])  # same size, other bytes
+    cache = tmp_path / "cache"
+    with pytest.raises(IntegrityError, match="sha256"):
+        await store.fetch("run", 3, cache)
+    assert not (cache / "run-v3").exists()
+    assert [p.name for p in cache.iterdir()] == []  # no half-verified temp dir either
+    await transport.put(victim, good)  # repaired: now it fetches
+    path = await store.fetch("run", 3, cache)
+    assert (path / "adapter_model.safetensors").read_bytes() == good
