@@ -9,7 +9,7 @@ import math
 import socket
 import urllib.request
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +75,16 @@ def client_for(
 class PassThrough:
     """Forwards /v1/completions to a real replica; counts completions in flight; can fail."""
 
-    def __init__(self, upstream: str, *, fail_first: int = 0, mode: str = "503") -> None:
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        fail_first: int = 0,
+        mode: str = "503",
+        on_request: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.upstream = upstream
+        self.on_request = on_request
         self.fail_left = fail_first
         self.mode = mode
         self.current = 0
@@ -87,6 +95,8 @@ class PassThrough:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests += 1
+        if self.on_request is not None:
+            self.on_request(body)
         if self.fail_left > 0:
             self.fail_left -= 1
             self.failed += 1
@@ -305,3 +315,54 @@ async def test_resume_position(served, tiny_model) -> None:
         samples = await resumed.get(100)
         assert resumed.position == 10
     assert sorted({s.group_id for s in samples}) == ["7", "8", "9"]
+
+
+async def test_adapter_swapped_under_a_request_is_resent_under_the_new_name(
+    served, tiny_model
+) -> None:
+    """A 4xx for an adapter that was replaced meanwhile is resent with the current name."""
+    client: RolloutClient | None = None
+    seen: list[str] = []
+
+    def swap_on_first(body: dict[str, Any]) -> None:
+        seen.append(body["model"])
+        if len(seen) == 1:  # the sync bumps the policy while this request is on its way
+            assert client is not None
+            client.set_policy(served[1], 2)
+
+    proxy = PassThrough(served[0], on_request=swap_on_first)
+    async with proxy.serve() as url:
+        client = client_for(served, make_dataset(tiny_model, 1), url=url)
+        client.set_policy("rollout-test-unloaded-v1", 1)
+        async with client:
+            samples = await client.get(100)
+            assert client.stats()["rollout/retries_total"] == 1
+    assert seen == ["rollout-test-unloaded-v1", served[1]]
+    assert len(samples) == 4 and {s.version for s in samples} == {2}
+
+
+async def test_generates_under_a_loaded_lora_adapter(served, tiny_model, lora_adapter) -> None:
+    name = "rollout-test-lora-v1"
+    url = served[0]
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(lora_adapter)}
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+        try:
+            by_policy = {}
+            for policy in ((served[1], 0), (name, 1)):
+                gen = {"seed": 7, "max_completion_length": 6}
+                client = client_for(served, make_dataset(tiny_model, 1), generation=gen)
+                client.set_policy(*policy)
+                async with client:
+                    by_policy[policy[1]] = await client.get(4)
+        finally:
+            async with session.post(
+                f"{url}/v1/unload_lora_adapter", json={"lora_name": name}
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+    assert {s.version for s in by_policy[1]} == {1}
+    base_lp = [s.logprobs[0] for s in by_policy[0]]
+    lora_lp = [s.logprobs[0] for s in by_policy[1]]
+    assert base_lp != lora_lp, "the adapter's logprobs must differ from the base model's"
