@@ -1,0 +1,146 @@
+"""Training metrics: one JSON object per optimizer step in ``metrics.jsonl``, optionally trackio.
+
+Names follow TRL's async GRPO where the meaning matches (``perf/step_s``, ``ratio``,
+``clip_ratio/low_mean``, ``sample/staleness_mean``...). JSON has no NaN, so a non-finite value is
+written as ``null``; ``read_metrics`` gives NaN back. Means skip NaN (a failed reward is NaN and
+must not turn a whole step's mean into NaN).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def nanmean(values: Iterable[float]) -> float:
+    """Mean of the non-NaN values (None counts as NaN); NaN if there are none."""
+    kept = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    return sum(kept) / len(kept) if kept else math.nan
+
+
+class MetricsBuffer:
+    """Collects values per key between two log calls; ``means()`` averages them skipping NaN."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, list[float]] = defaultdict(list)
+
+    def add(self, key: str, value: float) -> None:
+        self._values[key].append(float(value))
+
+    def update(self, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.add(key, value)
+
+    def means(self) -> dict[str, float]:
+        return {key: nanmean(values) for key, values in self._values.items()}
+
+    def clear(self) -> None:
+        self._values.clear()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return _jsonable(value.item())
+    return value
+
+
+class MetricsWriter:
+    """Appends one line per step to ``run_dir/metrics.jsonl``; mirrors to trackio if enabled.
+
+    Appending (not truncating) lets a resumed run continue the same file; ``read_metrics``
+    keeps the last line of each step, so steps replayed after a crash are not counted twice.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        jsonl: bool = True,
+        trackio: bool = False,
+        project: str | None = None,
+        run_name: str | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS_FILE
+        self._file = None
+        if jsonl:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+        self._trackio = None
+        if trackio:
+            try:
+                import trackio as _trackio
+            except ImportError as exc:
+                raise ConfigError(
+                    "logging.trackio=true but trackio is not installed: pip install trackio, "
+                    "or set logging.trackio=false"
+                ) from exc
+            _trackio.init(project=project or "asyncgrpo", name=run_name, config=config)
+            self._trackio = _trackio
+
+    def log(self, metrics: dict[str, Any], *, step: int) -> None:
+        record = {"step": step, "time": time.time()}
+        record.update({k: _jsonable(v) for k, v in metrics.items()})
+        if self._file is not None:
+            self._file.write(json.dumps(record, sort_keys=False) + "\n")
+            self._file.flush()
+        if self._trackio is not None:
+            numeric = {
+                k: v for k, v in record.items() if isinstance(v, int | float) and k != "step"
+            }
+            self._trackio.log(numeric, step=step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._trackio is not None:
+            self._trackio.finish()
+            self._trackio = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a ``metrics.jsonl`` (or of the run directory holding one), ordered by step.
+
+    ``null`` becomes NaN; when a step appears more than once (a resumed run replayed it), the
+    last record wins. A torn last line (crash mid-write) is skipped.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    by_step: dict[Any, dict[str, Any]] = {}
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for n, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines) - 1:
+                logger.warning("%s: skipping a torn last line", path)
+                continue
+            raise
+        record = {k: (math.nan if v is None else v) for k, v in record.items()}
+        by_step[record.get("step")] = record
+    return sorted(by_step.values(), key=lambda r: r.get("step", 0))

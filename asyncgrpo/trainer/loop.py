@@ -1,0 +1,329 @@
+"""The trainer: one optimizer step at a time over scored samples, read top to bottom.
+
+``Trainer.step(samples)`` does, in order: pack the samples into token-budget rows, run one
+micro-step (forward, loss, backward) per row, clip the gradient, take the AdamW step, advance
+the learning-rate schedule, and return the step's metrics. Everything around it (waiting for
+rollouts, dropping stale samples, publishing adapter versions, checkpoint upload, logging)
+belongs to the caller (``run_training``), so this class knows nothing about HTTP or storage.
+
+Data parallelism (torchrun + FSDP2) is meant to slot in here without a rewrite: rank 0 alone
+owns the rollout client, the adapter sync and checkpoint upload; each ``step`` would receive the
+rank's share of the samples (split by tokens, not count), all-reduce the completion-token count
+before the micro-steps (``grpo_loss``'s ``num_tokens``) and scale the loss by the world size (FSDP
+averages gradients), and all-reduce the metric sums before ``finalize_stats``. ``save_adapter``
+and ``state_dict`` would gather the (tiny) adapter on rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asyncgrpo.sample import Sample
+from asyncgrpo.trainer.advantages import group_stats
+from asyncgrpo.trainer.loss import add_stats, finalize_stats, grpo_loss
+from asyncgrpo.trainer.model import default_device, load_policy, row_logprobs
+from asyncgrpo.trainer.model import save_adapter as _save_adapter
+from asyncgrpo.trainer.packing import pack_samples
+
+if TYPE_CHECKING:
+    from asyncgrpo.config import LoraConfig, TrainerConfig, TrainingConfig
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.pt"
+ADAPTER_DIR = "adapter"
+_STATE_FORMAT = 1
+
+
+def lr_factor(step: int, *, schedule: str, warmup_steps: int, max_steps: int) -> float:
+    """Multiplier of the peak learning rate for optimizer step ``step`` (0-based).
+
+    Warm-up ramps linearly to 1 over ``warmup_steps`` (step 0 already gets ``1/(warmup+1)``, so
+    no step is wasted at lr 0); then ``constant`` stays at 1, ``linear`` and ``cosine`` decay
+    towards 0 at ``max_steps``.
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - progress
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown lr schedule {schedule!r}")
+
+
+def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """Reward and length statistics of a step's samples (NaN rewards skipped)."""
+    rewards = [s.reward for s in samples]
+    mean, _ = group_stats(rewards)
+    groups: dict[str, list[float]] = defaultdict(list)
+    per_fn: dict[str, list[float]] = defaultdict(list)
+    for s in samples:
+        groups[s.group_id].append(s.reward)
+        for name, value in s.rewards.items():
+            per_fn[name].append(value)
+    stds = [std for _, std in map(group_stats, groups.values()) if not math.isnan(std)]
+    out = {
+        "reward": mean,
+        "reward_std": sum(stds) / len(stds) if stds else math.nan,
+        "completions/mean_length": sum(len(s.completion_ids) for s in samples) / len(samples),
+    }
+    for name, values in sorted(per_fn.items()):
+        out[f"rewards/{name}"] = group_stats([float(v) for v in values])[0]
+    return out
+
+
+class Trainer:
+    """A LoRA policy, its AdamW optimizer and schedule, and the GRPO step."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        lora: LoraConfig,
+        trainer: TrainerConfig,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.config = trainer
+        self.device = torch.device(device) if device is not None else default_device()
+        torch.manual_seed(seed)  # the LoRA init (lora_A) draws from torch's RNG
+        random.seed(seed)
+        self.model = load_policy(
+            model_path,
+            lora,
+            dtype=trainer.dtype,
+            device=self.device,
+            gradient_checkpointing=trainer.gradient_checkpointing,
+            attn_implementation=trainer.attn_implementation,
+        )
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: lr_factor(
+                step,
+                schedule=trainer.lr_schedule,
+                warmup_steps=trainer.warmup_steps,
+                max_steps=trainer.max_steps,
+            ),
+        )
+        self.step_count = 0  # optimizer steps taken
+
+    @classmethod
+    def from_config(
+        cls, cfg: TrainingConfig, *, device: torch.device | str | None = None
+    ) -> Trainer:
+        return cls(cfg.model, lora=cfg.lora, trainer=cfg.trainer, seed=cfg.seed, device=device)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -----------------------------------------------------------------------------------------
+    def step(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """One optimizer step over ``samples``; returns its metrics."""
+        cfg = self.config
+        if not samples:
+            raise ValueError("Trainer.step needs at least one sample")
+        self._sync()
+        t_step = time.perf_counter()
+
+        # -- pack: token-budget rows, or gradient_accumulation_steps rows without a budget
+        rows = pack_samples(
+            samples,
+            token_budget=cfg.token_budget,
+            num_rows=None if cfg.token_budget is not None else cfg.gradient_accumulation_steps,
+        )
+        num_tokens = sum(row.num_completion_tokens for row in rows)
+        if num_tokens == 0:
+            raise ValueError("Trainer.step: the samples hold no completion tokens")
+        lr = self.scheduler.get_last_lr()[0]
+
+        # -- micro-steps: forward, loss normalised by the step's completion tokens, backward
+        self.model.train()
+        sums: dict[str, float] = {}
+        loss_total = 0.0
+        fwd_s = fwd_bwd_s = 0.0
+        for row in rows:
+            self._sync()
+            t0 = time.perf_counter()
+            logp, entropy = row_logprobs(self.model, row)
+            self._sync()
+            t1 = time.perf_counter()
+            mask = row.completion_mask
+            device = logp.device
+            loss, part = grpo_loss(
+                logp,
+                row.behaviour_logprobs[mask].to(device),
+                row.advantages[mask].to(device),
+                num_tokens=num_tokens,
+                epsilon_low=cfg.epsilon,
+                epsilon_high=cfg.clip_high,
+                tis_cap=cfg.tis_cap,
+                entropy=entropy,
+            )
+            loss.backward()
+            self._sync()
+            t2 = time.perf_counter()
+            fwd_s += t1 - t0
+            fwd_bwd_s += t2 - t0
+            loss_total += float(loss.detach())
+            add_stats(sums, part)
+
+        # -- clip
+        if cfg.max_grad_norm is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
+        else:
+            grad_norm = float(
+                torch.linalg.vector_norm(
+                    torch.stack(
+                        [
+                            torch.linalg.vector_norm(p.grad)
+                            for p in self.params
+                            if p.grad is not None
+                        ]
+                    )
+                )
+            )
+
+        # -- optimizer step and schedule (a non-finite gradient skips the update)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning(
+                "step %d: gradient norm is %s; update skipped", self.step_count, grad_norm
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step_count += 1
+        self._sync()
+        step_s = time.perf_counter() - t_step
+
+        # -- metrics
+        total_tokens = sum(row.num_tokens for row in rows)
+        metrics = {
+            "loss": loss_total,
+            "grad_norm": grad_norm,
+            "learning_rate": lr,
+            **finalize_stats(sums, with_tis=cfg.tis_cap is not None),
+            **sample_metrics(samples),
+            "batch/samples": float(len(samples)),
+            "batch/tokens": float(total_tokens),
+            "batch/completion_tokens": float(num_tokens),
+            "batch/microbatches_per_step": float(len(rows)),
+            "batch/samples_per_row": len(samples) / len(rows),
+            "batch/row_tokens_max": float(max(row.num_tokens for row in rows)),
+            "perf/fwd_s": fwd_s,
+            "perf/fwd_bwd_s": fwd_bwd_s,
+            "perf/train_step_s": step_s,
+            "perf/tokens_per_s": total_tokens / fwd_bwd_s if fwd_bwd_s > 0 else math.nan,
+        }
+        return metrics
+
+    # -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """The current policy's per-token logprobs of each sample's completion (eval mode).
+
+        For checks, e.g. that vLLM served exactly this policy: compare with ``Sample.logprobs``.
+        """
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out: list[list[float]] = [[] for _ in samples]
+            for row in pack_samples(samples, token_budget=self.config.token_budget):
+                logp, _ = row_logprobs(self.model, row, with_entropy=False)
+                logp = logp.cpu().tolist()
+                start = 0
+                for i in row.sample_indices:
+                    n = len(samples[i].completion_ids)
+                    out[i] = logp[start : start + n]
+                    start += n
+            return out
+        finally:
+            self.model.train(was_training)
+
+    def save_adapter(self, path: str | Path) -> Path:
+        """Write the adapter (safetensors + adapter_config.json) into directory ``path``."""
+        return _save_adapter(self.model, path)
+
+    # -- checkpointing ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-for-bit: adapter, optimizer, schedule, step, RNG."""
+        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {
+            "format": _STATE_FORMAT,
+            "step": self.step_count,
+            "adapter": {
+                name: p.detach().cpu().clone()
+                for name, p in self.model.named_parameters()
+                if p.requires_grad
+            },
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"unsupported trainer state format {state.get('format')!r}")
+        params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        adapter = state["adapter"]
+        if set(adapter) != set(params):
+            missing = sorted(set(params) - set(adapter))[:3]
+            extra = sorted(set(adapter) - set(params))[:3]
+            raise ValueError(
+                "checkpoint adapter does not match this model's LoRA config "
+                f"(missing {missing}, unexpected {extra}); resume with the same lora settings"
+            )
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(adapter[name].to(p.device, p.dtype))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step_count = int(state["step"])
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
+    def save_checkpoint(self, path: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
+        """Write ``trainer_state.pt`` (+ ``adapter/`` for humans and serving) into ``path``.
+
+        ``extra`` is plain data the caller wants back on resume (e.g. its adapter version).
+        The state file is written to a temporary name and renamed, so a crash mid-write leaves
+        the previous checkpoint intact.
+        """
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.save_adapter(path / ADAPTER_DIR)
+        state = self.state_dict()
+        state["extra"] = extra or {}
+        tmp = path / f".{STATE_FILE}.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, path / STATE_FILE)
+        return path
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Restore from ``save_checkpoint``'s directory; returns its ``extra``."""
+        state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+        self.load_state_dict(state)  # AdamW moves its state to the parameters' device
+        return state.get("extra", {})

@@ -1,0 +1,152 @@
+"""TrainingConfig: YAML + typed CLI overrides, unknown keys fatal, validation names the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from asyncgrpo.config import (
+    LoggingConfig,
+    LoraConfig,
+    ServingConfig,
+    TrainerConfig,
+    TrainingConfig,
+    config_from_dict,
+)
+from asyncgrpo.errors import ConfigError
+
+BASE = {"model": "some/model", "dataset": {"prompts": ["hi", "there"]}}
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
+
+
+def _cfg(*overrides: str, **sections) -> TrainingConfig:
+    return TrainingConfig.from_dict({**BASE, **sections}, list(overrides))
+
+
+def test_from_yaml_with_typed_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model: m\n"
+        "dataset: {path: data.jsonl}\n"
+        "trainer: {learning_rate: 3.0e-5, token_budget: 1024}\n"
+        "lora: {r: 2}\n"
+    )
+    cfg = TrainingConfig.from_yaml(
+        path,
+        overrides=[
+            "trainer.learning_rate=1e-4",  # YAML 1.1 would read this as a string
+            "trainer.token_budget=none",
+            "trainer.gradient_checkpointing=true",
+            "lora.target_modules=[q_proj, v_proj]",
+            "generation.stop=</s>,<|im_end|>",
+            "serve.urls=[http://10.0.0.1:8000]",
+            "proxy.upstreams=[http://10.0.0.1:8000]",
+            "seed=3",
+        ],
+    )
+    assert cfg.trainer.learning_rate == 1e-4
+    assert isinstance(cfg.trainer.learning_rate, float)
+    assert cfg.trainer.token_budget is None
+    assert cfg.trainer.gradient_checkpointing is True
+    assert cfg.lora.r == 2
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.generation.stop == ["</s>", "<|im_end|>"]
+    assert cfg.serve.urls == ["http://10.0.0.1:8000"]
+    assert cfg.proxy.upstreams == ("http://10.0.0.1:8000",)
+    assert cfg.seed == 3
+    assert cfg.dataset.path == "data.jsonl"
+
+
+def test_round_trip_to_dict():
+    cfg = _cfg("lora.target_modules=[q_proj]", "proxy.upstreams=[http://a:1]")
+    data = cfg.to_dict()
+    assert isinstance(data["proxy"]["upstreams"], list)
+    assert TrainingConfig.from_dict(data) == cfg
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.lr=1", "unknown key 'trainer.lr'; valid keys are: attn_implementation"),
+        ("nope=1", "unknown key 'nope'"),
+        ("trainer.learning_rate=fast", "trainer.learning_rate='fast': expected a number"),
+        ("trainer.max_steps=1.5", "trainer.max_steps='1.5': expected an integer"),
+        ("trainer.gradient_checkpointing=maybe", "expected true or false"),
+        ("trainer.lr_schedule=step", "lr_schedule='step'"),
+        ("trainer.epsilon=0", "trainer.epsilon=0.0: must be > 0"),
+        ("trainer.max_staleness=-1", "trainer.max_staleness=-1"),
+        ("trainer.weight_sync_steps=0", "trainer.weight_sync_steps=0"),
+        ("trainer.tis_cap=1.1", "must exceed 1 + epsilon_high"),
+        ("lora.r=0", "lora.r=0"),
+        ("lora.dropout=1", "lora.dropout"),
+        ("run_name=a/b", "run_name='a/b'"),
+        ("serve.urls=[localhost:8000]", "not an http(s) URL"),
+        ("rollout.max_inflight=4", "raise max_inflight to at least num_generations"),
+        ("trainer.max_steps", "write it as section.field=value"),
+        ("trainer.max_steps.x=1", "has no fields"),
+    ],
+)
+def test_bad_values_name_field_and_fix(override, message):
+    with pytest.raises(ConfigError, match=None) as info:
+        _cfg(override)
+    assert message in str(info.value)
+
+
+def test_yaml_type_errors_and_missing_keys(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer.samples_per_step=True: expected an integer"):
+        _cfg(trainer={"samples_per_step": True})
+    with pytest.raises(ConfigError, match=r"lora.target_modules=3"):
+        _cfg(lora={"target_modules": 3})
+    with pytest.raises(ConfigError, match=r"unknown key 'serve.replica'"):
+        _cfg(serve={"replica": 2})
+    with pytest.raises(ConfigError, match=r"missing required key.*model"):
+        TrainingConfig.from_dict({"dataset": {"prompts": ["x"]}})
+    with pytest.raises(ConfigError, match="trainer: expected a mapping"):
+        _cfg(trainer=[1])
+    with pytest.raises(ConfigError, match="does not exist"):
+        TrainingConfig.from_yaml(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        TrainingConfig.from_yaml(bad)
+
+
+def test_sections_validate_on_their_own():
+    with pytest.raises(ConfigError, match="serve: no replicas"):
+        ServingConfig(replicas=0)
+    with pytest.raises(ConfigError, match=r"logging\.log_every"):
+        LoggingConfig(log_every=0)
+    assert TrainerConfig(epsilon=0.2).clip_high == 0.2
+    assert TrainerConfig(epsilon=0.2, epsilon_high=0.28).clip_high == 0.28
+    assert config_from_dict(LoraConfig, {"alpha": 4}).alpha == 4.0  # int accepted as float
+
+
+def _all_dataclasses(cls, seen):
+    if cls in seen:
+        return
+    seen.add(cls)
+    import typing
+
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            _all_dataclasses(tp, seen)
+
+
+def test_every_field_has_help_and_sections_are_keyword_only():
+    seen: set = set()
+    _all_dataclasses(TrainingConfig, seen)
+    assert len(seen) == 9
+    for cls in seen:
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
+            assert f.kw_only, f"{cls.__name__}.{f.name} is not keyword-only"
+
+
+def test_example_config_loads():
+    cfg = TrainingConfig.from_yaml(EXAMPLE)
+    assert cfg.serve.replicas == 2
+    assert cfg.trainer.dtype == "float32"
+    assert cfg.run_dir == Path("runs") / "tiny-cpu"
