@@ -112,8 +112,15 @@ class LocalTransport(Transport):
     def _write(self, path: Path, data: bytes | None, src: Path | None, mode: PutMode) -> None:
         if mode == "create" and path.exists():
             raise AlreadyExists(f"{self.url}/{self._rel(path)} already exists")
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp_for(path)
+        for attempt in range(3):  # a concurrent delete may rmdir an empty parent under us
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                tmp.touch(exist_ok=False)
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         try:
             if src is not None:
                 try:
