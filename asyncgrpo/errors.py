@@ -1,0 +1,74 @@
+"""One error tree for the whole library.
+
+Third-party exceptions are translated at the edge (``raise ... from exc``), so callers catch
+ours, or the builtin each one also is::
+
+    AsyncGRPOError
+    ├── ConfigError              (also ValueError)   a setting is wrong; the message names the fix
+    ├── TransportError                               storage failed
+    │   ├── NotFound             (also FileNotFoundError)
+    │   ├── AlreadyExists        (also FileExistsError)
+    │   ├── InvalidKey           (also ValueError)   a key is absolute, empty or has '..'
+    │   └── IntegrityError                           a checksum or manifest does not match
+    ├── ReplicaError                                 a vLLM server misbehaved
+    │   ├── ReplicaHTTPError                         it answered an error status (status, body)
+    │   ├── ReplicaStartError                        it did not become healthy (log tail attached)
+    │   └── NoHealthyReplica                         nothing left in rotation
+    └── SyncError                                    an adapter version did not reach every replica
+"""
+
+from __future__ import annotations
+
+
+class AsyncGRPOError(Exception):
+    """Root of every error asyncgrpo raises on purpose."""
+
+
+class ConfigError(AsyncGRPOError, ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+class TransportError(AsyncGRPOError):
+    """A storage operation failed."""
+
+
+class NotFound(TransportError, FileNotFoundError):
+    """The key, version or checkpoint does not exist."""
+
+
+class AlreadyExists(TransportError, FileExistsError):
+    """A create-only write lost: the key already exists."""
+
+
+class InvalidKey(TransportError, ValueError):
+    """A storage key is empty, absolute or has ``.``/``..`` segments (would escape the root)."""
+
+
+class IntegrityError(TransportError):
+    """Downloaded bytes do not match their manifest (size or sha256)."""
+
+
+class ReplicaError(AsyncGRPOError):
+    """A vLLM replica failed or answered something unexpected."""
+
+
+class ReplicaHTTPError(ReplicaError):
+    """A replica (or the proxy) answered with an error status."""
+
+    def __init__(self, message: str, *, url: str, status: int, body: str) -> None:
+        super().__init__(message)
+        self.url = url
+        self.status = status
+        self.body = body
+
+
+class ReplicaStartError(ReplicaError):
+    """A replica exited or timed out before becoming healthy."""
+
+
+class NoHealthyReplica(ReplicaError):
+    """No replica is in rotation."""
+
+
+class SyncError(AsyncGRPOError):
+    """An adapter version could not be loaded on every replica."""

@@ -1,0 +1,126 @@
+"""Settings of local vLLM replicas and the exact command line and environment they get."""
+
+from __future__ import annotations
+
+import bisect
+import ipaddress
+import os
+import sys
+from dataclasses import dataclass, field
+
+from asyncgrpo.errors import ConfigError
+
+#: vLLM accepts only these values for ``--max-lora-rank``.
+ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def round_lora_rank(r: int) -> int:
+    """The smallest rank vLLM accepts that holds an adapter of rank ``r``."""
+    i = bisect.bisect_left(ALLOWED_LORA_RANKS, r)
+    if r < 1 or i == len(ALLOWED_LORA_RANKS):
+        raise ConfigError(f"LoRA rank {r} is outside vLLM's range 1..{ALLOWED_LORA_RANKS[-1]}")
+    return ALLOWED_LORA_RANKS[i]
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(kw_only=True)
+class ServeConfig:
+    """How to start local vLLM replicas."""
+
+    model: str = field(metadata={"help": "model directory (or Hugging Face id) to serve"})
+    replicas: int = field(default=1, metadata={"help": "number of replicas to start"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address the replicas bind"})
+    port: int | None = field(
+        default=None, metadata={"help": "first port (replica i gets port+i); None picks free ports"}
+    )
+    lora_rank: int = field(
+        default=8, metadata={"help": "largest adapter rank to serve; rounded up to vLLM's set"}
+    )
+    max_staleness: int = field(
+        default=4, metadata={"help": "adapter versions kept besides the newest (sizes --max-loras)"}
+    )
+    max_loras: int | None = field(
+        default=None,
+        metadata={"help": "LoRA slots; default max_staleness + 2 (load before unload)"},
+    )
+    dtype: str = field(default="auto", metadata={"help": "--dtype: auto, float32, bfloat16, ..."})
+    max_model_len: int | None = field(default=None, metadata={"help": "--max-model-len"})
+    kv_cache_gib: float | None = field(
+        default=None, metadata={"help": "CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"}
+    )
+    gpu_memory_utilization: float | None = field(
+        default=None, metadata={"help": "--gpu-memory-utilization on GPU hosts"}
+    )
+    api_key: str | None = field(
+        default=None, metadata={"help": "--api-key; required when host is not loopback"}
+    )
+    extra_args: list[str] = field(
+        default_factory=list, metadata={"help": "more vLLM flags, passed through verbatim"}
+    )
+    startup_timeout_s: float = field(
+        default=600.0, metadata={"help": "seconds to wait for each replica's /health"}
+    )
+    log_dir: str | None = field(
+        default=None, metadata={"help": "where replica logs go; default a temporary directory"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError("serve.replicas must be >= 1")
+        if self.max_staleness < 0:
+            raise ConfigError("serve.max_staleness must be >= 0")
+        if self.max_loras is not None and self.max_loras < self.max_staleness + 2:
+            raise ConfigError(
+                f"serve.max_loras={self.max_loras} < max_staleness + 2 = {self.max_staleness + 2}: "
+                "the sync loads the new version before unloading the oldest, and vLLM would "
+                "silently evict a policy with rollouts still in flight; raise max_loras"
+            )
+        if not is_loopback(self.host) and not self.api_key:
+            raise ConfigError(
+                f"serve.host={self.host!r} is not loopback: set serve.api_key so the replicas "
+                "do not accept unauthenticated requests from the network"
+            )
+        round_lora_rank(self.lora_rank)
+
+    @property
+    def lora_slots(self) -> int:
+        return self.max_loras if self.max_loras is not None else self.max_staleness + 2
+
+    def command(self, port: int) -> list[str]:
+        """The replica's argv. ``python -m``: the ``vllm`` console script fails under vllm-cpu."""
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--host", self.host,
+            "--port", str(port),
+            "--enable-lora",
+            "--max-lora-rank", str(round_lora_rank(self.lora_rank)),
+            "--max-loras", str(self.lora_slots),
+            "--logprobs-mode", "processed_logprobs",
+            "--dtype", self.dtype,
+        ]  # fmt: skip
+        if self.max_model_len is not None:
+            argv += ["--max-model-len", str(self.max_model_len)]
+        if self.gpu_memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        return argv + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        """The replica's environment: runtime LoRA endpoints and dev-mode pause/resume/server_info."""
+        env = dict(os.environ)
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        if self.kv_cache_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = f"{self.kv_cache_gib:g}"
+        if self.api_key:
+            # Passed by environment, not argv, so it never shows in `ps` or our logs.
+            env["VLLM_API_KEY"] = self.api_key
+        return env

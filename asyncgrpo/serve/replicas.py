@@ -1,0 +1,227 @@
+"""Start vLLM replicas as subprocesses and make sure none outlives its owner.
+
+Each replica runs in its own session (process group), so the API server, its engine-core
+process and any workers can be signalled together. Shutdown sends SIGTERM to the group, waits,
+then SIGKILLs whatever is left, including descendants that moved to another group; it runs in
+a shielded scope so cancellation and Ctrl-C still clean up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import anyio
+import anyio.abc
+from anyio.abc import Process
+
+from asyncgrpo.errors import ReplicaStartError
+from asyncgrpo.serve.config import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 40
+STOP_GRACE_S = 15.0
+
+
+@dataclass(eq=False)
+class Replica:
+    """One running vLLM server."""
+
+    index: int
+    host: str
+    port: int
+    log_path: Path
+    process: Process = field(repr=False)
+    started_s: float = 0.0  #: seconds from spawn to healthy
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the API server process only (e.g. SIGTERM to make vLLM drain)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+
+    def descendants(self) -> list[int]:
+        """PIDs of the API server and every process below it."""
+        return _process_tree(self.pid)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process tree at once (simulates a crashed host)."""
+        pids = self.descendants()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _process_tree(pid: int) -> list[int]:
+    try:
+        import psutil
+    except ImportError:  # vLLM depends on psutil; without it the process group covers most cases
+        return [pid]
+    try:
+        proc = psutil.Process(pid)
+        return [pid, *(c.pid for c in proc.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+async def _wait_healthy(replica: Replica, timeout_s: float, api_key: str | None) -> None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(headers=headers) as session:
+        while True:
+            if replica.process.returncode is not None:
+                raise ReplicaStartError(
+                    f"vLLM replica {replica.index} (port {replica.port}) exited with code "
+                    f"{replica.process.returncode} before becoming healthy; log "
+                    f"{replica.log_path}, last lines:\n{replica.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise ReplicaStartError(
+                    f"vLLM replica {replica.index} (port {replica.port}) not healthy after "
+                    f"{timeout_s:.0f} s (raise serve.startup_timeout_s if the host is slow); log "
+                    f"{replica.log_path}, last lines:\n{replica.log_tail()}"
+                )
+            try:
+                async with session.get(
+                    f"{replica.url}/health", timeout=aiohttp.ClientTimeout(total=2)
+                ) as resp:
+                    if resp.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await anyio.sleep(0.5)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    try:
+        import psutil
+    except ImportError:
+        return []
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+async def _wait_gone(replica: Replica, pids: list[int], timeout_s: float) -> bool:
+    with anyio.move_on_after(timeout_s):
+        await replica.process.wait()
+        while _alive(pids):  # the engine core may outlive the API server by a moment
+            await anyio.sleep(0.1)
+        return True
+    return False
+
+
+async def _stop(replica: Replica) -> None:
+    pids = replica.descendants()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(replica.pid, signal.SIGTERM)
+    if await _wait_gone(replica, pids, STOP_GRACE_S):
+        return
+    logger.warning("replica %d ignored SIGTERM for %.0f s; killing it", replica.index, STOP_GRACE_S)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(replica.pid, signal.SIGKILL)
+    for pid in _alive(pids):  # descendants that left the group
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    await _wait_gone(replica, pids, 10)
+
+
+def _log_paths(config: ServeConfig) -> list[Path]:
+    log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="asyncgrpo-vllm-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return [log_dir / f"replica-{i}.log" for i in range(config.replicas)]
+
+
+@contextlib.asynccontextmanager
+async def launch_replicas(config: ServeConfig) -> AsyncIterator[list[Replica]]:
+    """Start ``config.replicas`` vLLM servers, wait until all are healthy, stop all on exit.
+
+    Raises :class:`ReplicaStartError` quoting the failing replica's log tail if any replica
+    exits or misses ``startup_timeout_s``; the others are stopped before it propagates.
+    """
+    replicas: list[Replica] = []
+    try:
+        for i, log_path in enumerate(_log_paths(config)):
+            port = config.port + i if config.port is not None else free_port(config.host)
+            with log_path.open("ab") as log:
+                process = await anyio.open_process(
+                    config.command(port),
+                    stdin=None,
+                    stdout=log,
+                    stderr=log,
+                    env=config.env(),
+                    start_new_session=True,
+                )
+            replicas.append(Replica(i, config.host, port, log_path, process, time.monotonic()))
+            logger.info("replica %d starting on port %d (log %s)", i, port, log_path)
+
+        failures: list[ReplicaStartError] = []
+
+        async def wait(replica: Replica, tg: anyio.abc.TaskGroup) -> None:
+            spawned = replica.started_s
+            try:
+                await _wait_healthy(replica, config.startup_timeout_s, config.api_key)
+            except ReplicaStartError as exc:
+                failures.append(exc)
+                tg.cancel_scope.cancel()  # fail fast: no point waiting for the others
+                return
+            replica.started_s = time.monotonic() - spawned
+            logger.info(
+                "replica %d healthy at %s after %.1f s",
+                replica.index,
+                replica.url,
+                replica.started_s,
+            )
+
+        async with anyio.create_task_group() as tg:
+            for replica in replicas:
+                tg.start_soon(wait, replica, tg)
+        if failures:
+            raise failures[0]
+        yield replicas
+    finally:
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for replica in replicas:
+                    tg.start_soon(_stop, replica)
+            for replica in replicas:
+                await replica.process.aclose()

@@ -1,0 +1,162 @@
+"""The one place that knows vLLM's HTTP API (and so the proxy's, which looks like one vLLM).
+
+Errors name the server flag or environment variable to change, because that is what a user can
+act on: a 404 from ``/v1/load_lora_adapter`` with no ``No adapter found`` in the body means the
+runtime LoRA endpoints are off, not that the adapter is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from asyncgrpo.errors import ConfigError, ReplicaError, ReplicaHTTPError
+
+ADAPTER_NOT_FOUND = "No adapter found"
+
+
+class VLLMClient:
+    """Async client for one vLLM OpenAI server (or the asyncgrpo proxy in front of several)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        session: aiohttp.ClientSession | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session = session
+        self._own_session = session is None
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def __aenter__(self) -> VLLMClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: Mapping[str, str] | None = None,
+    ) -> tuple[int, str]:
+        url = self.base_url + path
+        try:
+            async with self.session.request(
+                method, url, json=json_body, params=params, headers=self._headers,
+                timeout=self._timeout,
+            ) as resp:  # fmt: skip
+                return resp.status, await resp.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ReplicaError(f"{method} {url} failed: {exc!r}") from exc
+
+    async def _ok(self, method: str, path: str, **kw: Any) -> str:
+        status, body = await self._request(method, path, **kw)
+        if status >= 400:
+            raise ReplicaHTTPError(
+                f"{method} {self.base_url}{path} -> {status}: {body[:500]}",
+                url=self.base_url + path, status=status, body=body,
+            )  # fmt: skip
+        return body
+
+    async def health(self) -> bool:
+        try:
+            status, _ = await self._request("GET", "/health")
+        except ReplicaError:
+            return False
+        return status == 200
+
+    async def models(self) -> list[str]:
+        body = json.loads(await self._ok("GET", "/v1/models"))
+        return [m["id"] for m in body.get("data", [])]
+
+    async def server_info(self) -> dict[str, Any]:
+        """``/server_info?config_format=json`` (needs ``VLLM_SERVER_DEV_MODE=1`` on the server)."""
+        status, body = await self._request("GET", "/server_info", params={"config_format": "json"})
+        if status == 404:
+            raise ConfigError(
+                f"{self.base_url}/server_info is not served: start vLLM with VLLM_SERVER_DEV_MODE=1"
+            )
+        if status >= 400:
+            raise ReplicaHTTPError(
+                f"GET {self.base_url}/server_info -> {status}: {body[:500]}",
+                url=self.base_url + "/server_info", status=status, body=body,
+            )  # fmt: skip
+        return json.loads(body)
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        status, body = await self._request(
+            "POST", "/v1/load_lora_adapter", json_body={"lora_name": name, "lora_path": path}
+        )
+        if status < 400:
+            return
+        if status == 404 and ADAPTER_NOT_FOUND not in body:
+            raise ConfigError(
+                f"{self.base_url} has no runtime LoRA loading: start vLLM with --enable-lora and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
+            )
+        raise ReplicaHTTPError(
+            f"loading adapter {name!r} from {path} on {self.base_url} failed ({status}): {body[:500]}",
+            url=self.base_url + "/v1/load_lora_adapter", status=status, body=body,
+        )  # fmt: skip
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._ok("POST", "/v1/unload_lora_adapter", json_body={"lora_name": name})
+
+    async def pause(self, mode: str = "keep") -> None:
+        await self._ok("POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        await self._ok("POST", "/resume")
+
+    async def metrics_text(self) -> str:
+        return await self._ok("GET", "/metrics")
+
+    async def completions(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        return json.loads(await self._ok("POST", "/v1/completions", json_body=payload))
+
+
+def check_lora_capacity(info: Mapping[str, Any], *, lora_rank: int, max_staleness: int) -> int:
+    """Validate a ``/server_info`` document for async GRPO; return the KV block size.
+
+    Refuses, naming the flag to change, when LoRA is off, the rank is too small, or there are
+    fewer than ``max_staleness + 2`` slots (load-before-unload would make vLLM silently evict a
+    policy that still has rollouts in flight).
+    """
+    config = info.get("vllm_config", info)
+    lora = config.get("lora_config")
+    if not lora:
+        raise ConfigError("vLLM has LoRA disabled: start it with --enable-lora")
+    if lora["max_lora_rank"] < lora_rank:
+        raise ConfigError(
+            f"vLLM --max-lora-rank is {lora['max_lora_rank']} but the adapter has r={lora_rank}: "
+            "raise --max-lora-rank (allowed 1, 8, 16, 32, 64, 128, 256, 320, 512)"
+        )
+    need = max_staleness + 2
+    if lora["max_loras"] < need:
+        raise ConfigError(
+            f"vLLM --max-loras is {lora['max_loras']} but max_staleness={max_staleness} needs "
+            f">= {need} (max_staleness + 2: load before unload); raise --max-loras or lower "
+            "max_staleness"
+        )
+    return int(config.get("cache_config", {}).get("block_size", 16))

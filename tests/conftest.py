@@ -1,0 +1,80 @@
+"""Shared fixtures: a tiny local model, a LoRA adapter for it, and real vLLM replicas.
+
+The two replicas start once per test session (start-up is the expensive part on CPU) and are
+shared by every test that asks for ``vllm_replicas``: such tests must not kill them, must unload
+what they load, and should use unique adapter names. Tests that kill a replica start their own
+with :func:`asyncgrpo.testing.tiny_serve_config` + :func:`asyncgrpo.serve.launch_replicas`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from asyncgrpo.serve import Replica, launch_replicas
+from asyncgrpo.testing import tiny_serve_config
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from asyncgrpo.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def lora_adapter(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from asyncgrpo.testing import make_lora_adapter
+
+    return make_lora_adapter(tiny_model, tmp_path_factory.mktemp("lora") / "adapter", seed=1)
+
+
+@pytest.fixture(scope="session")
+def vllm_replicas(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[Replica]]:
+    """Two real vLLM replicas for the whole session, run on a background event loop."""
+    from anyio.from_thread import start_blocking_portal
+
+    log_dir = os.environ.get("ASYNCGRPO_TEST_LOG_DIR") or str(tmp_path_factory.mktemp("vllm-logs"))
+    config = tiny_serve_config(tiny_model, replicas=2, log_dir=log_dir)
+    with (
+        start_blocking_portal() as portal,
+        portal.wrap_async_context_manager(launch_replicas(config)) as replicas,
+    ):
+        yield replicas
+
+
+def _vllm_processes_under(root: str) -> list[int]:
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if proc.info["pid"] != os.getpid() and "vllm" in cmdline and root in cmdline:
+            found.append(proc.info["pid"])
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if any vLLM process serving a test model outlived the session."""
+    import time
+
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is None:
+        return
+    root = str(factory.getbasetemp())
+    deadline = time.monotonic() + 10
+    while (orphans := _vllm_processes_under(root)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if orphans:
+        print(f"\nERROR: vLLM processes outlived the test session: {orphans}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,0 +1,161 @@
+"""Real vLLM replicas on CPU: exact LoRA logprobs, clear failures, no orphan processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+
+from asyncgrpo.errors import ConfigError, ReplicaHTTPError, ReplicaStartError
+from asyncgrpo.serve import Replica, ServeConfig, launch_replicas, round_lora_rank
+from asyncgrpo.testing import reference_logprobs, tiny_serve_config
+from asyncgrpo.vllm_client import VLLMClient, check_lora_capacity
+
+pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
+
+
+def _alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
+def _prompt_ids(model: Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def test_flags() -> None:
+    assert [round_lora_rank(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
+    with pytest.raises(ConfigError):
+        round_lora_rank(513)
+    cfg = ServeConfig(model="m", lora_rank=3, max_staleness=4)
+    argv = cfg.command(8000)
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--max-lora-rank") + 1] == "8"
+    assert argv[argv.index("--max-loras") + 1] == "6"
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
+    env = cfg.env()
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == env["VLLM_SERVER_DEV_MODE"] == "1"
+    with pytest.raises(ConfigError, match="max_loras"):
+        ServeConfig(model="m", max_staleness=4, max_loras=5)
+    with pytest.raises(ConfigError, match="api_key"):
+        ServeConfig(model="m", host="0.0.0.0")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_lora_logprobs_equal_transformers_peft(
+    vllm_replicas: list[Replica], tiny_model: Path, lora_adapter: Path, temperature: float
+) -> None:
+    name = f"lp-{uuid.uuid4().hex[:8]}"
+    prompt = _prompt_ids(tiny_model, "what is two plus three?")
+    for replica in vllm_replicas:
+        async with VLLMClient(replica.url) as client:
+            info = await client.server_info()
+            assert check_lora_capacity(info, lora_rank=8, max_staleness=2) == 128  # CPU blocks
+            await client.load_lora_adapter(name, str(lora_adapter))
+            try:
+                assert name in await client.models()
+                body = await client.completions(
+                    {"model": name, "prompt": prompt, "max_tokens": 24, "temperature": temperature,
+                     "logprobs": 0, "return_token_ids": True, "seed": 1234}
+                )  # fmt: skip
+            finally:
+                await client.unload_lora_adapter(name)
+        choice = body["choices"][0]
+        tokens, served = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+        assert len(tokens) == len(served) > 0
+        trainer_side = await anyio.to_thread.run_sync(
+            lambda t=tokens: reference_logprobs(
+                tiny_model, lora_adapter, prompt, t, temperature=temperature
+            )
+        )
+        diffs = [abs(a - b) for a, b in zip(trainer_side, served, strict=True)]
+        assert max(diffs) < 1e-4, f"replica {replica.index}: max |diff| {max(diffs):.2e}"
+        # The adapter matters: the base model's logprobs differ, so this check can fail.
+        base = await anyio.to_thread.run_sync(
+            lambda t=tokens: reference_logprobs(
+                tiny_model, None, prompt, t, temperature=temperature
+            )
+        )
+        assert max(abs(a - b) for a, b in zip(base, served, strict=True)) > 1e-2
+
+
+async def test_missing_adapter_path_is_a_clear_error_and_replica_keeps_serving(
+    vllm_replicas: list[Replica], tmp_path: Path
+) -> None:
+    replica = vllm_replicas[0]
+    async with VLLMClient(replica.url) as client:
+        with pytest.raises(ReplicaHTTPError) as info:
+            await client.load_lora_adapter("ghost", str(tmp_path / "does-not-exist"))
+        assert info.value.status == 404
+        assert "No adapter found" in info.value.body
+        assert "ghost" not in await client.models()
+        base_model = (await client.models())[0]
+        body = await client.completions({"model": base_model, "prompt": [5, 6], "max_tokens": 2})
+        assert body["usage"]["completion_tokens"] == 2
+        assert await client.health()
+
+
+async def test_bad_model_dir_fails_fast_with_log_tail(tmp_path: Path) -> None:
+    bad = tmp_path / "broken-model"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "not-a-model"}))
+    started = time.monotonic()
+    with pytest.raises(ReplicaStartError) as info:
+        async with launch_replicas(tiny_serve_config(bad, log_dir=str(tmp_path / "logs"))):
+            pytest.fail("a replica with a broken model must not become healthy")
+    message = str(info.value)
+    assert "exited with code" in message and "last lines:" in message
+    assert "not-a-model" in message  # vLLM's own complaint, quoted from the log
+    assert time.monotonic() - started < 240
+
+
+async def test_cancelled_launch_leaves_no_process_behind(tiny_model: Path, tmp_path: Path) -> None:
+    pids: list[int] = []
+    with anyio.move_on_after(600) as scope:
+        async with launch_replicas(
+            tiny_serve_config(tiny_model, log_dir=str(tmp_path))
+        ) as replicas:
+            pids = replicas[0].descendants()
+            assert len(pids) >= 2  # API server + engine core
+            scope.cancel()
+            await anyio.sleep(1)
+    assert pids, "replica never became healthy"
+    assert _alive(pids) == []
+
+
+def test_cli_prints_urls_and_sigint_stops_every_process(tiny_model: Path, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncgrpo.serve", "--model", str(tiny_model), "--replicas", "1",
+         "--dtype", "float32", "--max-model-len", "512", "--kv-cache-gib", "1",
+         "--max-staleness", "2", "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        line = proc.stdout.readline()  # blocks until the replica is healthy (or the CLI dies)
+        assert "ready: http://127.0.0.1:" in line, line
+        url = line.split("ready: ")[1].split()[0]
+        import urllib.request
+
+        assert urllib.request.urlopen(f"{url}/health", timeout=10).status == 200
+        tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        assert len(tree) >= 3  # CLI, API server, engine core
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        time.sleep(1)
+        assert _alive(tree) == []
+    finally:
+        if proc.poll() is None:  # the test failed midway: take the whole tree down
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
