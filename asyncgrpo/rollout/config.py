@@ -110,7 +110,9 @@ class GenerationConfig:
         default=None,
         metadata={
             "help": "Base sampling seed. None: vLLM samples freely. Set: completion i of the "
-            "prompt at dataset position p uses seed + p * G + i (in both request modes)."
+            "prompt at dataset position p uses seed + p * G + i (in both request modes). "
+            "Caution: vLLM 0.32 on CPU kills its engine when a seeded request's prefill is "
+            "chunked ('CPU Generator does not use offset'); keep None with CPU replicas."
         },
     )
     request_mode: RequestMode = field(
