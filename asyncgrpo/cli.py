@@ -1,4 +1,12 @@
-"""The ``asyncgrpo`` command: ``demo``, ``plot`` (and, as they land, ``train`` and ``rollout``)."""
+"""The ``asyncgrpo`` command.
+
+- ``asyncgrpo demo [--output-dir DIR]``: the tiny CPU example end to end (the README's main job)
+- ``asyncgrpo train CONFIG [key=value ...] [--remote-rollouts]``: train (in one process, or fed by
+  rollout processes through the transport)
+- ``asyncgrpo rollout CONFIG [key=value ...]``: a rollout process for a split run
+- ``asyncgrpo plot RUN_DIR``: reward, ratio, step time and staleness to ``RUN_DIR/plot.png``
+- ``asyncgrpo check-serving [--output-dir DIR]``: served logprobs equal transformers + peft's
+"""
 
 from __future__ import annotations
 
@@ -11,25 +19,87 @@ from pathlib import Path
 from asyncgrpo.errors import AsyncGRPOError
 
 
+def _load(args: argparse.Namespace):
+    from asyncgrpo.config import TrainingConfig
+
+    return TrainingConfig.from_yaml(args.config, overrides=args.overrides)
+
+
+def _train(args: argparse.Namespace) -> None:
+    import anyio
+
+    from asyncgrpo.run import run_training
+
+    cfg = _load(args)
+    source = "channel" if args.remote_rollouts else "local"
+    result = anyio.run(lambda: run_training(cfg, rollout_source=source))
+    print(f"trained {result.steps} steps; final adapter {result.adapter_prefix}-v"
+          f"{result.final_version} in {result.transport_url}; metrics in {result.run_dir}")  # fmt: skip
+
+
+def _rollout(args: argparse.Namespace) -> None:
+    import anyio
+
+    from asyncgrpo.run import run_rollouts
+
+    shipped = anyio.run(run_rollouts, _load(args))
+    print(f"shipped {shipped} samples")
+
+
+def _plot(args: argparse.Namespace) -> None:
+    from asyncgrpo.plot import plot_run
+
+    print(plot_run(args.run_dir))
+
+
 def _demo(args: argparse.Namespace) -> None:
     import anyio
 
     from asyncgrpo.demo import run_demo
 
-    anyio.run(run_demo, Path(args.output_dir), args.replicas)
+    anyio.run(run_demo, Path(args.output_dir), args.max_steps)
+
+
+def _check_serving(args: argparse.Namespace) -> None:
+    import anyio
+
+    from asyncgrpo.demo import run_serving_check
+
+    anyio.run(run_serving_check, Path(args.output_dir), args.replicas)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="asyncgrpo", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="asyncgrpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the tiny CPU demo end to end")
-    demo.add_argument(
-        "--output-dir", default="runs/demo", help="where the model, logs and results go"
-    )
-    demo.add_argument("--replicas", type=int, default=2, help="local vLLM replicas to start")
+    demo.add_argument("--output-dir", default="runs/demo", help="model, run directory, plot")
+    demo.add_argument("--max-steps", type=int, default=None, help="override the demo's steps")
     demo.set_defaults(func=_demo)
+
+    for name, func, text in (
+        ("train", _train, "train from a YAML config"),
+        ("rollout", _rollout, "run a rollout process for a split run"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("config", help="YAML config file")
+        p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+        p.set_defaults(func=func)
+        if name == "train":
+            p.add_argument("--remote-rollouts", action="store_true",
+                           help="take samples from `asyncgrpo rollout` processes via the transport")  # fmt: skip
+
+    plot = sub.add_parser("plot", help="plot a run's metrics.jsonl to plot.png")
+    plot.add_argument("run_dir")
+    plot.set_defaults(func=_plot)
+
+    check = sub.add_parser("check-serving", help="served logprobs vs transformers + peft")
+    check.add_argument("--output-dir", default="runs/check-serving")
+    check.add_argument("--replicas", type=int, default=2)
+    check.set_defaults(func=_check_serving)
 
     args = parser.parse_args(argv)
     logging.basicConfig(

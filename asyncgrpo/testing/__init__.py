@@ -5,10 +5,17 @@ the ``train`` extra (torch, transformers, peft, tokenizers).
 """
 
 from asyncgrpo.testing.tiny import (
+    ReferencePolicy,
     make_lora_adapter,
     make_tiny_model,
     reference_logprobs,
     tiny_serve_config,
 )
 
-__all__ = ["make_lora_adapter", "make_tiny_model", "reference_logprobs", "tiny_serve_config"]
+__all__ = [
+    "ReferencePolicy",
+    "make_lora_adapter",
+    "make_tiny_model",
+    "reference_logprobs",
+    "tiny_serve_config",
+]

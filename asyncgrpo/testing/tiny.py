@@ -160,6 +160,34 @@ def make_lora_adapter(
     return out
 
 
+class ReferencePolicy:
+    """transformers (+ peft) in float32, unpacked, one sequence at a time: the plain reference
+    that served logprobs and the trainer's packed path are checked against."""
+
+    def __init__(self, model_dir: str | Path, adapter_dir: str | Path | None = None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if adapter_dir is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, adapter_dir)
+        self.model = model.eval()
+
+    def logprobs(
+        self, prompt_ids: Sequence[int], completion_ids: Sequence[int], *, temperature: float = 1.0
+    ) -> list[float]:
+        import torch
+
+        ids = torch.tensor([[*prompt_ids, *completion_ids]])
+        with torch.no_grad():
+            logits = self.model(input_ids=ids).logits[0].float() / temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        start = len(prompt_ids)
+        return [float(logp[start + i - 1, tok]) for i, tok in enumerate(completion_ids)]
+
+
 def reference_logprobs(
     model_dir: str | Path,
     adapter_dir: str | Path | None,
@@ -168,26 +196,9 @@ def reference_logprobs(
     *,
     temperature: float = 1.0,
 ) -> list[float]:
-    """Per-token logprobs of ``completion_ids`` under transformers (+ peft), float32, unpacked.
-
-    The straightforward reference the served logprobs are checked against; the trainer's packed
-    path is tested against it too.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if adapter_dir is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter_dir)
-    model.eval()
-    ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    start = len(prompt_ids)
-    return [float(logp[start + i - 1, tok]) for i, tok in enumerate(completion_ids)]
+    """Per-token logprobs of ``completion_ids`` under :class:`ReferencePolicy`."""
+    policy = ReferencePolicy(model_dir, adapter_dir)
+    return policy.logprobs(prompt_ids, completion_ids, temperature=temperature)
 
 
 def tiny_serve_config(model: str | Path, **overrides: Any) -> ServeConfig:

@@ -1,0 +1,420 @@
+"""``await run_training(cfg)``: replicas, proxy, rollout client, trainer and sync in one process.
+
+Read top to bottom, it is the whole run:
+
+1. open the transport; the run id lives there (``run.json``), so a restarted run keeps its
+   adapter names and continues their numbering instead of colliding with an old ``-v1``;
+2. start local vLLM replicas (or take ``serve.urls``) and the proxy in front of them; refuse to
+   start if ``/server_info`` shows LoRA off, a rank or slot count too small;
+3. build the trainer; resume from the latest checkpoint if there is one;
+4. publish the starting policy as a fresh version and load it everywhere;
+5. loop: take ``samples_per_step`` fresh samples (dropping stale ones), one optimizer step, every
+   ``weight_sync_steps`` publish + load a new version and switch the rollouts to it, every
+   ``save_steps`` checkpoint through the transport, log one metrics line.
+
+Rollouts come from an in-process :class:`~asyncgrpo.rollout.RolloutClient`, or, with
+``rollout_source="channel"``, from rollout processes on other machines (:func:`run_rollouts`)
+through the transport's :class:`~asyncgrpo.channel.RolloutChannel`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import secrets
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+
+from asyncgrpo.adapters import AdapterStore
+from asyncgrpo.channel import RolloutChannel
+from asyncgrpo.checkpoints import CheckpointStore
+from asyncgrpo.config import TrainingConfig
+from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound
+from asyncgrpo.metrics import MetricsWriter
+from asyncgrpo.proxy.app import serve_proxy
+from asyncgrpo.rollout.client import RolloutClient
+from asyncgrpo.rollout.dataset import PromptDataset, load_tokenizer
+from asyncgrpo.sample import Sample
+from asyncgrpo.serve import ServeConfig, launch_replicas
+from asyncgrpo.sync import AdapterLoader, AdapterSync, LocalCacheSource, ProxyLoader, read_policy
+from asyncgrpo.trainer.staleness import filter_stale, staleness_stats
+from asyncgrpo.transport import Transport, open_transport
+from asyncgrpo.vllm_client import VLLMClient, check_lora_capacity
+
+logger = logging.getLogger(__name__)
+
+RUN_KEY = "run.json"
+POLICY_KEY = "policy.json"
+DONE_KEY = "done.json"
+KEEP_CHECKPOINTS = 2
+
+#: Called before each optimizer step with (step, samples, adapter version): tests use it to
+#: check served logprobs against the trainer's.
+StepHook = Callable[[int, Sequence[Sample], int], None]
+#: Builds the adapter loader from the proxy URL (tests inject faults here).
+LoaderFactory = Callable[[str], AdapterLoader]
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    adapter_prefix: str  #: vLLM names are ``<adapter_prefix>-v<N>``
+    steps: int
+    final_version: int
+    resumed_from_step: int | None
+    transport_url: str
+
+
+async def _run_id(transport: Transport, run_name: str) -> str:
+    """The run's id, created once (create-only write: two racing starts agree on one id)."""
+    doc = {"run_name": run_name, "run_id": secrets.token_hex(4), "created": time.time()}
+    try:
+        await transport.put(RUN_KEY, json.dumps(doc).encode(), mode="create")
+    except AlreadyExists:
+        pass
+    stored = json.loads(await transport.get(RUN_KEY))
+    if stored["run_name"] != run_name:
+        raise ConfigError(
+            f"transport {transport.url} holds run {stored['run_name']!r}, not {run_name!r}: "
+            "give each run its own transport_url (or prefix)"
+        )
+    return str(stored["run_id"])
+
+
+def _transport_url(cfg: TrainingConfig) -> str:
+    return cfg.transport_url or str((cfg.run_dir / "store").resolve())
+
+
+@asynccontextmanager
+async def _endpoint(cfg: TrainingConfig, cache_dir: Path) -> AsyncIterator[str]:
+    """Local replicas (if any) plus ``serve.urls``, behind an in-process proxy; yields its URL."""
+    async with AsyncExitStack() as stack:
+        urls = list(cfg.serve.urls)
+        if cfg.serve.replicas:
+            serve = ServeConfig(
+                model=cfg.model,
+                replicas=cfg.serve.replicas,
+                lora_rank=cfg.lora.r,
+                max_staleness=cfg.trainer.max_staleness,
+                dtype=cfg.serve.dtype,
+                max_model_len=cfg.serve.max_model_len,
+                kv_cache_gib=cfg.serve.kv_cache_gib,
+                log_dir=str(cfg.run_dir / "replica-logs"),
+            )
+            replicas = await stack.enter_async_context(launch_replicas(serve))
+            urls = [r.url for r in replicas] + urls
+        proxy = dataclasses.replace(
+            cfg.proxy,
+            upstreams=tuple(urls),
+            lora_roots=(*cfg.proxy.lora_roots, str(cache_dir)),
+        )
+        yield await stack.enter_async_context(serve_proxy(proxy))
+
+
+async def _save_adapter(trainer: Any, directory: Path) -> Path:
+    return await anyio.to_thread.run_sync(trainer.save_adapter, directory)
+
+
+async def run_training(
+    cfg: TrainingConfig,
+    *,
+    rollout_source: Literal["local", "channel"] = "local",
+    on_step: StepHook | None = None,
+    loader_factory: LoaderFactory | None = None,
+    progress: Callable[[int, dict[str, float]], None] | None = None,
+) -> RunResult:
+    """Train ``cfg`` to ``trainer.max_steps``; resumes from the latest checkpoint if any."""
+    from asyncgrpo.trainer.loop import Trainer, sample_metrics
+
+    run_dir = cfg.run_dir
+    await anyio.Path(run_dir).mkdir(parents=True, exist_ok=True)
+    cache_dir = (run_dir / "adapter-cache").resolve()
+    tcfg = cfg.trainer
+    transport = open_transport(_transport_url(cfg))
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(transport.aclose)
+        # -- 1. run identity --------------------------------------------------------------
+        run_id = await _run_id(transport, cfg.run_name)
+        prefix = f"{cfg.run_name}-{run_id}"
+        store = AdapterStore(transport)
+        checkpoints = CheckpointStore(transport, keep_last=KEEP_CHECKPOINTS)
+
+        # -- 2. replicas and proxy ----------------------------------------------------------
+        proxy_url = await stack.enter_async_context(_endpoint(cfg, cache_dir))
+        client = await stack.enter_async_context(VLLMClient(proxy_url, api_key=cfg.proxy.api_key))
+        check_lora_capacity(
+            await client.server_info(), lora_rank=cfg.lora.r, max_staleness=tcfg.max_staleness
+        )
+        loader = loader_factory(proxy_url) if loader_factory else ProxyLoader(client)
+        sync = AdapterSync(
+            store=store,
+            source=LocalCacheSource(store, cache_dir),
+            loader=loader,
+            prefix=prefix,
+            max_staleness=tcfg.max_staleness,
+            base_model=cfg.model,
+        )
+
+        stack.push_async_callback(sync.unload_all)
+
+        # -- 3. trainer, resumed if a checkpoint exists --------------------------------------
+        trainer = await anyio.to_thread.run_sync(lambda: Trainer.from_config(cfg))
+        resumed_from: int | None = None
+        position = 0
+        if (latest := await checkpoints.latest_checkpoint()) is not None:
+            ckpt_dir, meta = await checkpoints.load(latest, run_dir / "resume" / f"step-{latest}")
+            await anyio.to_thread.run_sync(trainer.load_checkpoint, ckpt_dir)
+            resumed_from, position = latest, int(meta.get("position", 0))
+            logger.info("resumed from checkpoint step %d (data position %d)", latest, position)
+        step = trainer.step_count
+
+        # -- 4. the starting policy, as a fresh version -------------------------------------
+        last = await store.latest(prefix)
+        version = 0 if last is None else last + 1  # never reuse a name, even after a crash
+        await sync.retire_leftovers()
+        work = Path(await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(dir=run_dir)))
+        await sync.sync(version, await _save_adapter(trainer, work / f"v{version}"), step=step)
+        await transport.put(POLICY_KEY, _policy_doc(sync.name(version), version))
+
+        writer = MetricsWriter(
+            run_dir,
+            jsonl=cfg.logging.jsonl,
+            trackio=cfg.logging.trackio,
+            project=cfg.logging.trackio_project,
+            run_name=prefix,
+            config=cfg.to_dict(),
+        )
+        stack.callback(writer.close)
+
+        # -- the sample source ------------------------------------------------------------
+        if rollout_source == "local":
+            tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
+            dataset = PromptDataset.from_config(cfg.dataset, tokenizer=tokenizer)
+            rollouts = await stack.enter_async_context(
+                RolloutClient(
+                    base_urls=proxy_url,
+                    dataset=dataset,
+                    generation=cfg.generation,
+                    rollout=cfg.rollout,
+                    policy=(sync.name(version), version),
+                    start_position=position,
+                    api_key=cfg.proxy.api_key,
+                )
+            )
+            source: _SampleSource = _LocalSource(rollouts)
+        else:
+            channel = RolloutChannel(transport)
+            if resumed_from is not None:
+                await channel.seek(position)
+            source = _ChannelSource(channel)
+
+        # -- 5. the loop --------------------------------------------------------------------
+        dropped_total = 0
+        while step < tcfg.max_steps:
+            t_step = time.perf_counter()
+            samples: list[Sample] = []
+            while len(samples) < tcfg.samples_per_step:
+                got = await source.take(tcfg.samples_per_step - len(samples))
+                if not got:
+                    break
+                fresh, dropped = filter_stale(
+                    got, current_version=version, max_staleness=tcfg.max_staleness
+                )
+                samples += fresh
+                dropped_total += dropped
+            wait_s = time.perf_counter() - t_step
+            if not samples:
+                logger.info("the dataset is exhausted after %d steps", step)
+                break
+            if on_step is not None:
+                on_step(step + 1, samples, version)
+            metrics = await anyio.to_thread.run_sync(trainer.step, samples)
+            step = trainer.step_count
+            metrics.update(sample_metrics(samples))
+            metrics.update(staleness_stats(samples, current_version=version))
+            metrics.update(source.stats())
+            metrics["perf/rollout_wait_s"] = wait_s
+            metrics["sample/dropped_stale_total"] = float(dropped_total)
+            metrics["sample/rollout_queue_size"] = float(source.queue_size())
+            metrics["adapter_version"] = float(version)
+
+            if step % tcfg.weight_sync_steps == 0:
+                version += 1
+                adapter_dir = await _save_adapter(trainer, work / f"v{version}")
+                metrics.update(await sync.sync(version, adapter_dir, step=step))
+                source.set_policy(sync.name(version), version)
+                await transport.put(POLICY_KEY, _policy_doc(sync.name(version), version))
+                metrics["adapter_version"] = float(version)
+
+            if step % tcfg.save_steps == 0 or step == tcfg.max_steps:
+                t_ckpt = time.perf_counter()
+                meta = {"version": version, "position": source.position(), "run_id": run_id}
+                ckpt = await anyio.to_thread.run_sync(
+                    lambda d=work / f"ckpt-{step}", m=meta: trainer.save_checkpoint(d, extra=m)
+                )
+                await checkpoints.save(step, ckpt, meta)
+                await source.committed()
+                metrics["perf/checkpoint_s"] = time.perf_counter() - t_ckpt
+
+            metrics["perf/step_s"] = time.perf_counter() - t_step
+            if step % cfg.logging.log_every == 0:
+                writer.log(metrics, step=step)
+            if progress is not None:
+                progress(step, metrics)
+
+        await transport.put(DONE_KEY, json.dumps({"step": step, "version": version}).encode())
+        return RunResult(
+            run_dir=run_dir,
+            adapter_prefix=prefix,
+            steps=step,
+            final_version=version,
+            resumed_from_step=resumed_from,
+            transport_url=transport.url,
+        )
+
+
+def _policy_doc(name: str, version: int) -> bytes:
+    return json.dumps({"adapter": name, "version": version, "time": time.time()}).encode()
+
+
+class _SampleSource:
+    async def take(self, n: int) -> list[Sample]: ...
+    def set_policy(self, name: str, version: int) -> None: ...
+    def position(self) -> int: ...
+    async def committed(self) -> None: ...
+    def stats(self) -> dict[str, float]: ...
+    def queue_size(self) -> int: ...
+
+
+class _LocalSource(_SampleSource):
+    def __init__(self, client: RolloutClient) -> None:
+        self.client = client
+
+    async def take(self, n: int) -> list[Sample]:
+        return await self.client.get(n)
+
+    def set_policy(self, name: str, version: int) -> None:
+        self.client.set_policy(name, version)
+
+    def position(self) -> int:
+        return self.client.position
+
+    async def committed(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        return self.client.stats()
+
+    def queue_size(self) -> int:
+        return self.client.queue_size
+
+
+class _ChannelSource(_SampleSource):
+    """Samples shipped by remote rollout processes; the policy travels as ``policy.json``."""
+
+    def __init__(self, channel: RolloutChannel) -> None:
+        self.channel = channel
+        self.buffer: list[Sample] = []
+
+    async def take(self, n: int) -> list[Sample]:
+        while not self.buffer:
+            batch = await self.channel.receive()
+            self.buffer = list(batch.samples)
+        out, self.buffer = self.buffer[:n], self.buffer[n:]
+        return out
+
+    def set_policy(self, name: str, version: int) -> None:
+        pass  # the trainer writes policy.json; rollout processes poll it
+
+    def position(self) -> int:
+        return self.channel.position or 0
+
+    async def committed(self) -> None:
+        await self.channel.commit()
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def queue_size(self) -> int:
+        return len(self.buffer)
+
+
+async def run_rollouts(cfg: TrainingConfig, *, poll_interval_s: float = 0.5) -> int:
+    """A rollout process for a split run: generate under the trainer's current policy and ship
+    scored samples through the transport until the trainer writes ``done.json``.
+
+    Uses ``serve.urls`` (or local replicas) behind its own in-process proxy. Returns the number
+    of samples shipped.
+    """
+    run_dir = cfg.run_dir
+    transport = open_transport(_transport_url(cfg))
+    shipped = 0
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(transport.aclose)
+        policy = await _wait_for(transport, POLICY_KEY, poll_interval_s)
+        name, version = read_policy(policy)
+        proxy_url = await stack.enter_async_context(_endpoint(cfg, run_dir / "adapter-cache"))
+        tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
+        dataset = PromptDataset.from_config(cfg.dataset, tokenizer=tokenizer)
+        channel = RolloutChannel(transport)
+        client = await stack.enter_async_context(
+            RolloutClient(
+                base_urls=proxy_url,
+                dataset=dataset,
+                generation=cfg.generation,
+                rollout=cfg.rollout,
+                policy=(name, version),
+                api_key=cfg.proxy.api_key,
+            )
+        )
+        async with anyio.create_task_group() as tg:
+
+            async def follow_policy() -> None:
+                while True:
+                    await anyio.sleep(poll_interval_s)
+                    if await transport.exists(DONE_KEY):
+                        tg.cancel_scope.cancel()
+                        return
+                    new_name, new_version = read_policy(await transport.get(POLICY_KEY))
+                    if new_version > client.policy[1]:
+                        client.set_policy(new_name, new_version)
+
+            tg.start_soon(follow_policy)
+            group = cfg.generation.num_generations
+            while True:
+                samples = await client.get(group)
+                if not samples:
+                    break
+                await channel.append(samples)
+                shipped += len(samples)
+            tg.cancel_scope.cancel()
+    return shipped
+
+
+async def _wait_for(transport: Transport, key: str, poll_interval_s: float) -> bytes:
+    while True:
+        try:
+            return await transport.get(key)
+        except NotFound:
+            await anyio.sleep(poll_interval_s)
+
+
+def summarize(records: Sequence[dict[str, Any]], key: str, first: int = 5) -> tuple[float, float]:
+    """Mean of ``key`` over the first and the last ``first`` steps (NaN-skipping)."""
+    values = [
+        r[key] for r in records if isinstance(r.get(key), int | float) and not math.isnan(r[key])
+    ]
+    if not values:
+        return math.nan, math.nan
+    n = min(first, len(values))
+    return statistics.fmean(values[:n]), statistics.fmean(values[-n:])

@@ -1,0 +1,205 @@
+"""Adapter sync: publish version N, get it onto every replica, retire N - (max_staleness + 1).
+
+The sequence (the trainer's clock, ``perf/weight_sync_s``):
+
+1. publish the saved adapter to the :class:`~asyncgrpo.adapters.AdapterStore` (files, then the
+   manifest: readers never see half a version);
+2. find the path replicas load it from (:class:`AdapterSource`, the one place that decides it);
+3. ``POST /pause?mode=keep`` (KV cache and in-flight requests survive), ``/v1/load_lora_adapter``
+   on every replica, all or nothing (the proxy rolls back a partial load), ``POST /resume``;
+4. unload the version that fell out of the staleness window.
+
+Only after all of that does the caller switch the rollout client to the new name, so no request
+ever names an adapter that some replica lacks. A load that keeps failing raises
+:class:`SyncError`; the trainer never trains on as if the replicas had the new version.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+
+from asyncgrpo.adapters import AdapterStore
+from asyncgrpo.errors import ReplicaError, SyncError
+from asyncgrpo.vllm_client import VLLMClient
+
+logger = logging.getLogger(__name__)
+
+
+def adapter_name(prefix: str, version: int) -> str:
+    """vLLM model name of a version: a new name per version, since vLLM keys its prefix cache
+    by adapter name and a reused name would mix KV from old weights with new ones."""
+    return f"{prefix}-v{version}"
+
+
+class AdapterSource(Protocol):
+    """Where replicas find version N: the path passed as ``lora_path``."""
+
+    async def path_for(self, prefix: str, version: int) -> str: ...
+
+
+class LocalCacheSource:
+    """Fetch each version from the store into a directory the replicas can read.
+
+    Right when the replicas share this host's filesystem (local replicas, or one mounted
+    identically everywhere). The fetch verifies every checksum and appears atomically, so a
+    replica never loads half a version.
+    """
+
+    def __init__(self, store: AdapterStore, cache_dir: str | Path) -> None:
+        self.store = store
+        self.cache_dir = Path(cache_dir)
+
+    async def path_for(self, prefix: str, version: int) -> str:
+        return str(await self.store.fetch(prefix, version, self.cache_dir))
+
+
+class AdapterLoader(Protocol):
+    """Pause, load and resume on every replica; the proxy by default."""
+
+    async def pause(self) -> None: ...
+    async def resume(self) -> None: ...
+    async def load(self, name: str, path: str) -> None: ...
+    async def unload(self, name: str) -> None: ...
+    async def loaded(self) -> list[str]: ...
+
+
+class ProxyLoader:
+    """Broadcast through the asyncgrpo proxy (or a single vLLM server: same API)."""
+
+    def __init__(self, client: VLLMClient) -> None:
+        self.client = client
+
+    async def pause(self) -> None:
+        await self.client.pause("keep")
+
+    async def resume(self) -> None:
+        await self.client.resume()
+
+    async def load(self, name: str, path: str) -> None:
+        await self.client.load_lora_adapter(name, path)
+
+    async def unload(self, name: str) -> None:
+        await self.client.unload_lora_adapter(name)
+
+    async def loaded(self) -> list[str]:
+        return await self.client.models()
+
+
+class AdapterSync:
+    """Runs the sync sequence for one run's adapter versions."""
+
+    def __init__(
+        self,
+        *,
+        store: AdapterStore,
+        source: AdapterSource,
+        loader: AdapterLoader,
+        prefix: str,
+        max_staleness: int,
+        base_model: str | None = None,
+        attempts: int = 3,
+        retry_backoff_s: float = 2.0,
+    ) -> None:
+        self.store = store
+        self.source = source
+        self.loader = loader
+        self.prefix = prefix
+        self.max_staleness = max_staleness
+        self.base_model = base_model
+        self.attempts = attempts
+        self.retry_backoff_s = retry_backoff_s
+        self.loaded: list[int] = []  #: versions this process loaded and has not unloaded
+
+    def name(self, version: int) -> str:
+        return adapter_name(self.prefix, version)
+
+    async def retire_leftovers(self, keep: Iterable[int] = ()) -> list[str]:
+        """Unload this run's versions left on the replicas by an earlier (killed) process."""
+        keep_names = {self.name(v) for v in keep}
+        stale = [
+            m for m in await self.loader.loaded()
+            if m.startswith(f"{self.prefix}-v") and m not in keep_names
+        ]  # fmt: skip
+        for name in stale:
+            try:
+                await self.loader.unload(name)
+            except ReplicaError as exc:
+                logger.warning("could not unload leftover adapter %s: %s", name, exc)
+        return stale
+
+    async def unload_all(self, timeout_s: float = 30.0) -> None:
+        """Unload every version this process loaded (on exit: the store keeps them all)."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
+            for version in list(self.loaded):
+                try:
+                    await self.loader.unload(self.name(version))
+                except ReplicaError as exc:
+                    logger.warning("unloading %s failed: %s", self.name(version), exc)
+                self.loaded.remove(version)
+
+    async def sync(self, version: int, local_dir: str | Path, *, step: int) -> dict[str, float]:
+        """Publish ``local_dir`` as ``version`` and load it everywhere; returns timing metrics."""
+        t0 = time.perf_counter()
+        await self.store.publish(
+            self.prefix, version, Path(local_dir), step=step, base_model=self.base_model
+        )
+        t1 = time.perf_counter()
+        path = await self.source.path_for(self.prefix, version)
+        t2 = time.perf_counter()
+        await self._load_everywhere(self.name(version), path)
+        self.loaded.append(version)
+        t3 = time.perf_counter()
+        await self._retire(version)
+        t4 = time.perf_counter()
+        return {
+            "perf/weight_sync_s": t4 - t0,
+            "perf/weight_sync/publish_s": t1 - t0,
+            "perf/weight_sync/fetch_s": t2 - t1,
+            "perf/weight_sync/load_s": t3 - t2,
+            "perf/weight_sync/unload_s": t4 - t3,
+        }
+
+    async def _load_everywhere(self, name: str, path: str) -> None:
+        last: Exception | None = None
+        for attempt in range(1, self.attempts + 1):
+            try:
+                await self.loader.pause()
+                try:
+                    await self.loader.load(name, path)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await self.loader.resume()
+                return
+            except ReplicaError as exc:
+                last = exc
+                logger.warning("loading %s failed (attempt %d/%d): %s", name, attempt,
+                               self.attempts, exc)  # fmt: skip
+                if attempt < self.attempts:
+                    await anyio.sleep(self.retry_backoff_s * attempt)
+        raise SyncError(
+            f"adapter {name} could not be loaded on every replica after {self.attempts} "
+            f"attempts; training stops rather than train on a version the replicas lack: {last}"
+        ) from last
+
+    async def _retire(self, newest: int) -> None:
+        oldest_kept = newest - self.max_staleness
+        for version in [v for v in self.loaded if v < oldest_kept]:
+            try:
+                await self.loader.unload(self.name(version))
+            except ReplicaError as exc:  # vLLM may have evicted it already; never fatal
+                logger.warning("unloading %s failed: %s", self.name(version), exc)
+            self.loaded.remove(version)
+
+
+def read_policy(data: bytes) -> tuple[str, int]:
+    """Decode the policy pointer the trainer writes after each sync (for split rollouts)."""
+    import json
+
+    doc: dict[str, Any] = json.loads(data)
+    return str(doc["adapter"]), int(doc["version"])

@@ -1,0 +1,226 @@
+"""End to end on CPU: two real float32 vLLM replicas, the proxy, the rollout client, the trainer.
+
+The central check: for every trained sample, the logprobs vLLM returned equal the logprobs of
+the adapter version the sample is tagged with, recomputed with transformers + peft (within 1e-3
+per token). It fails if any replica serves a stale or wrong version, which the second test
+provokes on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import yaml
+
+from asyncgrpo.adapters import AdapterStore
+from asyncgrpo.checkpoints import CheckpointStore
+from asyncgrpo.config import TrainingConfig
+from asyncgrpo.metrics import read_metrics
+from asyncgrpo.run import run_training, summarize
+from asyncgrpo.sample import Sample
+from asyncgrpo.serve import Replica
+from asyncgrpo.sync import ProxyLoader
+from asyncgrpo.testing import ReferencePolicy
+from asyncgrpo.vllm_client import VLLMClient
+
+pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
+TOLERANCE = 1e-3
+
+
+def tiny_config(
+    tmp_path: Path, model: Path, urls: Sequence[str], *overrides: str, run_name: str = "t"
+) -> TrainingConfig:
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data.update(model=str(model), output_dir=str(tmp_path), run_name=run_name)
+    data["serve"] = {"replicas": 0, "urls": list(urls)}
+    return TrainingConfig.from_dict(data, overrides)
+
+
+def max_logprob_diffs(
+    model: Path, store_url: str, prefix: str, batches: list[tuple[int, list[Sample]]], cache: Path
+) -> list[float]:
+    """Per sample: max |vLLM logprob - transformers+peft logprob at the sample's version|."""
+    store = AdapterStore(store_url)
+    by_version: dict[int, list[Sample]] = {}
+    for _, samples in batches:
+        for s in samples:
+            by_version.setdefault(s.version, []).append(s)
+    diffs = []
+    for version, samples in sorted(by_version.items()):
+        path = anyio.run(store.fetch, prefix, version, cache)
+        policy = ReferencePolicy(model, path)
+        for s in samples:
+            ours = policy.logprobs(s.prompt_ids, s.completion_ids, temperature=s.temperature)
+            diffs.append(max(abs(a - b) for a, b in zip(ours, s.logprobs, strict=True)))
+    return diffs
+
+
+async def test_end_to_end_served_logprobs_equal_trainer_and_reward_rises(
+    vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
+) -> None:
+    cfg = tiny_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
+                      "trainer.max_steps=24", "trainer.weight_sync_steps=2")  # fmt: skip
+    batches: list[tuple[int, list[Sample]]] = []
+    result = await run_training(cfg, on_step=lambda step, s, v: batches.append((v, list(s))))
+
+    assert result.steps == 24
+    assert result.final_version == 12  # v0 at start, then one per 2 steps: >= 3 syncs
+    versions = {s.version for _, batch in batches for s in batch}
+    assert len(versions) >= 4, versions
+    diffs = await anyio.to_thread.run_sync(
+        max_logprob_diffs, tiny_model, result.transport_url, result.adapter_prefix, batches,
+        tmp_path / "check-cache",
+    )  # fmt: skip
+    assert len(diffs) == sum(len(b) for _, b in batches)
+    assert max(diffs) < TOLERANCE, f"{sum(d >= TOLERANCE for d in diffs)} samples differ"
+
+    records = read_metrics(result.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 25))
+    for key in ("perf/step_s", "perf/fwd_bwd_s", "perf/rollout_wait_s", "perf/weight_sync_s",
+                "sample/staleness_mean", "sample/staleness_max", "sample/dropped_stale_total",
+                "sample/rollout_queue_size", "rollout/backpressure_s", "rollout/score_block_s",
+                "rollout/inflight", "rollout/generated_tok_s", "batch/samples_per_row",
+                "batch/microbatches_per_step", "ratio", "kl", "entropy", "reward", "reward_std",
+                "rewards/digit_fraction", "adapter_version"):  # fmt: skip
+        assert key in records[-1], key
+    assert all(abs(r["ratio"] - 1) < TOLERANCE for r in records)
+    # Learning: a random policy emits ~5 % digit characters; GRPO must raise it clearly.
+    first, last = summarize(records, "reward", first=5)
+    assert last > first + 0.05 and last > 1.5 * first, (first, last)
+
+
+class SkipOneReplica(ProxyLoader):
+    """Loads each new version correctly on replica 0 but, on replica 1, the previous version's
+    files under the new name: the replica serves a stale policy under the right name."""
+
+    def __init__(self, client: VLLMClient, replicas: list[Replica]) -> None:
+        super().__init__(client)
+        self.replicas = replicas
+        self.previous: str | None = None
+
+    async def load(self, name: str, path: str) -> None:
+        stale = self.previous or path
+        self.previous = path
+        for replica, source in zip(self.replicas, (path, stale), strict=True):
+            async with VLLMClient(replica.url) as direct:
+                await direct.load_lora_adapter(name, source)
+
+
+async def test_a_replica_serving_a_stale_version_is_caught(
+    vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
+) -> None:
+    cfg = tiny_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
+                      "trainer.max_steps=8", "trainer.weight_sync_steps=2",
+                      "proxy.routing=round_robin",
+                      "rollout.reward_funcs=asyncgrpo.testing.rewards:always_fails,"
+                      "asyncgrpo.testing.rewards:digit_fraction")  # fmt: skip
+    batches: list[tuple[int, list[Sample]]] = []
+    result = await run_training(
+        cfg,
+        on_step=lambda step, s, v: batches.append((v, list(s))),
+        loader_factory=lambda url: SkipOneReplica(VLLMClient(url), vllm_replicas),
+    )
+    diffs = await anyio.to_thread.run_sync(
+        max_logprob_diffs, tiny_model, result.transport_url, result.adapter_prefix, batches,
+        tmp_path / "check-cache",
+    )  # fmt: skip
+    assert max(diffs) > 1e-2, "a replica served the previous version and nothing noticed"
+    # The same run had a reward function that always raises: counted, never fatal.
+    records = read_metrics(result.run_dir / "metrics.jsonl")
+    assert len(records) == 8
+    assert records[-1]["rollout/reward_errors_total"] > 0
+    assert not math.isnan(records[-1]["reward"])
+
+
+def _write_config(tmp_path: Path, model: Path, urls: Sequence[str], **sections: Any) -> Path:
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data.update(model=str(model), output_dir=str(tmp_path), run_name="t")
+    data["serve"] = {"replicas": 0, "urls": list(urls)}
+    for section, values in sections.items():
+        data[section].update(values)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "asyncgrpo.cli", *args]
+
+
+def _adapter_prefix(store: Path) -> str:
+    run = json.loads((store / "run.json").read_text())
+    return f"{run['run_name']}-{run['run_id']}"
+
+
+def test_killed_trainer_resumes_from_its_last_checkpoint(
+    vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
+) -> None:
+    config = _write_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
+                           trainer={"max_steps": 10, "save_steps": 3, "weight_sync_steps": 2})  # fmt: skip
+    store = tmp_path / "t" / "store"
+    checkpoints = CheckpointStore(str(store))
+    trainer = subprocess.Popen(_cli("train", str(config)), stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 600
+        while (anyio.run(checkpoints.latest_checkpoint) or 0) < 3:
+            assert trainer.poll() is None, "the trainer exited before its first checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
+            time.sleep(0.5)
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    prefix = _adapter_prefix(store)
+    before = anyio.run(AdapterStore(str(store)).versions, prefix)
+    killed_at = max(r["step"] for r in read_metrics(tmp_path / "t" / "metrics.jsonl"))
+
+    done = subprocess.run(_cli("train", str(config)), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trained 10 steps" in done.stdout
+    after = anyio.run(AdapterStore(str(store)).versions, prefix)
+    assert after == list(range(len(after))), "version numbers must be contiguous"
+    assert set(before) < set(after), "a published version was lost"
+    assert after[-1] > before[-1]
+    steps = [r["step"] for r in read_metrics(tmp_path / "t" / "metrics.jsonl")]
+    assert steps == list(range(1, 11))
+    # It resumed (from step 3 or 6), not from scratch: the restart's first line follows a checkpoint.
+    assert killed_at >= 3
+    assert anyio.run(checkpoints.steps)[-1] == 10
+
+
+def test_split_mode_rollouts_ship_through_the_transport(
+    vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
+) -> None:
+    config = _write_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
+                           trainer={"max_steps": 4, "weight_sync_steps": 2})  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    rollout = subprocess.Popen(_cli("rollout", str(config)), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        trainer = subprocess.run(_cli("train", str(config), "--remote-rollouts"),
+                                 capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
+        assert trainer.returncode == 0, trainer.stderr[-3000:]
+        out, err = rollout.communicate(timeout=120)
+        assert rollout.returncode == 0, err[-3000:]
+    finally:
+        if rollout.poll() is None:
+            rollout.kill()
+    shipped = int(out.split("shipped ")[1].split()[0])
+    assert shipped >= 4 * 32
+    records = read_metrics(tmp_path / "t" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(abs(r["ratio"] - 1) < TOLERANCE for r in records)
+    assert records[-1]["adapter_version"] == 2
+    assert {r["sample/staleness_max"] for r in records} <= {0, 1, 2}
