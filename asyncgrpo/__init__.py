@@ -1,0 +1,57 @@
+"""asyncgrpo: asynchronous GRPO for LoRA adapters, trainer and vLLM replicas decoupled.
+
+Public names are imported lazily, so ``import asyncgrpo`` stays light: the proxy and the
+transports never load torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "AdapterStore": "asyncgrpo.adapters",
+    "AdapterSync": "asyncgrpo.sync",
+    "AdapterVersion": "asyncgrpo.adapters",
+    "AlreadyExists": "asyncgrpo.errors",
+    "AsyncGRPOError": "asyncgrpo.errors",
+    "CheckpointStore": "asyncgrpo.checkpoints",
+    "ConfigError": "asyncgrpo.errors",
+    "IntegrityError": "asyncgrpo.errors",
+    "NoHealthyReplica": "asyncgrpo.errors",
+    "NotFound": "asyncgrpo.errors",
+    "ProxyConfig": "asyncgrpo.proxy.config",
+    "Replica": "asyncgrpo.serve",
+    "ReplicaError": "asyncgrpo.errors",
+    "RolloutChannel": "asyncgrpo.channel",
+    "RolloutClient": "asyncgrpo.rollout.client",
+    "RunResult": "asyncgrpo.run",
+    "Sample": "asyncgrpo.sample",
+    "ServeConfig": "asyncgrpo.serve",
+    "SyncError": "asyncgrpo.errors",
+    "TrainingConfig": "asyncgrpo.config",
+    "Transport": "asyncgrpo.transport",
+    "TransportError": "asyncgrpo.errors",
+    "VLLMClient": "asyncgrpo.vllm_client",
+    "launch_replicas": "asyncgrpo.serve",
+    "open_transport": "asyncgrpo.transport",
+    "run_rollouts": "asyncgrpo.run",
+    "run_training": "asyncgrpo.run",
+    "serve_proxy": "asyncgrpo.proxy.app",
+}
+
+__all__ = sorted(_EXPORTS)
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncgrpo' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
