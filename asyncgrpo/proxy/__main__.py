@@ -42,6 +42,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
             "max_tracked_blocks": int,
             "max_body_bytes": int,
             "max_attempts": int,
+            "health_timeouts_to_open": int,
             "block_size": int,
         }.get(f.name)
         if kind is None:

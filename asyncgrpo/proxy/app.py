@@ -30,7 +30,7 @@ from asyncgrpo.proxy.router import Router, request_hashes
 from asyncgrpo.proxy.state import CONFIG, POOL, ROUTER, STATS, ProxyStats, error_response
 from asyncgrpo.proxy.upstream import Circuit, Upstream, UpstreamPool
 
-__all__ = ["create_app", "serve_proxy"]
+__all__ = ["REPLICA_HEADER", "create_app", "serve_proxy"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,16 @@ def _forward_headers(request: web.Request, pool: UpstreamPool) -> dict[str, str]
 
 def _response_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
     return {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
+
+
+#: Response header naming the replica that served a generation request (debugging, tests).
+REPLICA_HEADER = "X-Asyncgrpo-Replica"
+
+
+def _gen_headers(upstream: aiohttp.ClientResponse, replica: str) -> dict[str, str]:
+    headers = _response_headers(upstream)
+    headers[REPLICA_HEADER] = replica
+    return headers
 
 
 # -- middlewares ------------------------------------------------------------------------------
@@ -225,12 +235,12 @@ async def _forward_generate(
                     data = await r.read()
                     pool.on_success(up)
                     return web.Response(
-                        body=data, status=status, headers=_response_headers(r)
+                        body=data, status=status, headers=_gen_headers(r, up.url)
                     ), 200 <= status < 300
                 # Streaming: wait for the first chunk under the request deadline (still
                 # retryable), then pass chunks through as they arrive under the idle deadline.
                 first = await r.content.readany()
-                out = web.StreamResponse(status=status, headers=_response_headers(r))
+                out = web.StreamResponse(status=status, headers=_gen_headers(r, up.url))
                 await out.prepare(request)
                 idle = config.stream_idle_timeout_s
                 chunk = first
@@ -329,7 +339,7 @@ async def handle_health(request: web.Request) -> web.Response:
     bad = [
         {"url": u.url, "circuit": u.circuit.value, "error": u.last_error}
         for u, ok in zip(ups, results, strict=True)
-        if not ok or u.circuit is Circuit.OPEN
+        if ok is not True or u.circuit is Circuit.OPEN
     ]
     if not ups or bad:
         return web.json_response(
@@ -389,7 +399,10 @@ def create_app(config: ProxyConfig) -> web.Application:
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[CONFIG] = config
     app[ROUTER] = Router(
-        imbalance=config.imbalance, max_blocks=config.max_tracked_blocks, policy=config.routing
+        imbalance=config.imbalance,
+        imbalance_ratio=config.imbalance_ratio,
+        max_blocks=config.max_tracked_blocks,
+        policy=config.routing,
     )
     app[STATS] = ProxyStats()
     app.cleanup_ctx.append(_upstream_ctx)

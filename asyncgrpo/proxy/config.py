@@ -81,6 +81,13 @@ class ProxyConfig:
             "owner may have and still get the request; beyond that it spills."
         },
     )
+    imbalance_ratio: float = field(
+        default=1.5,
+        metadata={
+            "help": "The owner also keeps the request while its in-flight count is at most this "
+            "multiple of the least-loaded replica's (relative bound for heavy load)."
+        },
+    )
     max_tracked_blocks: int = field(
         default=1_000_000,
         metadata={"help": "LRU cap on tracked prefix blocks (~200 bytes each, see docs/proxy.md)."},
@@ -108,6 +115,13 @@ class ProxyConfig:
     )
     health_timeout_s: float = field(
         default=5.0, metadata={"help": "A health check slower than this counts as a failure."}
+    )
+    health_timeouts_to_open: int = field(
+        default=3,
+        metadata={
+            "help": "Consecutive health checks that time out before a replica leaves rotation "
+            "(a refused connection or a 5xx takes it out at once): a busy replica answers late."
+        },
     )
     circuit_open_s: float = field(
         default=1.0,
@@ -155,10 +169,14 @@ class ProxyConfig:
             raise ConfigError("block_size must be >= 1, or None to read it from the replicas")
         if self.imbalance < 0:
             raise ConfigError("imbalance must be >= 0 (0: always least-loaded among owners)")
+        if self.imbalance_ratio < 1:
+            raise ConfigError("imbalance_ratio must be >= 1 (1: only the absolute bound applies)")
         if self.max_tracked_blocks < 1:
             raise ConfigError("max_tracked_blocks must be >= 1")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be >= 1024")
+        if self.health_timeouts_to_open < 1:
+            raise ConfigError("health_timeouts_to_open must be >= 1")
         if self.max_attempts < 1:
             raise ConfigError("max_attempts must be >= 1")
         for name in (

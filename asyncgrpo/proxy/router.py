@@ -45,7 +45,8 @@ successor rule as soon as two different prompts have used it.
 
 **Decision.** Score each available replica by the number of prompt-specific blocks of the request it
 owns. Among owners, by score then fewest in flight, the first that is at most ``imbalance`` requests
-ahead of the least-loaded available replica wins ("affinity"): a prompt served by several replicas
+ahead of the least-loaded available replica (or at most ``imbalance_ratio`` times its load) wins
+("affinity"): a prompt served by several replicas
 keeps affinity to the least-loaded of its owners. If no owner is within the bound, the least-loaded
 replica wins ("spill"). An unknown prompt goes to the least-loaded replica, round-robin on ties
 ("unmatched").
@@ -190,8 +191,9 @@ class Decision:
 class Router:
     """Routing state over a set of replicas, identified by name (their base URL in the proxy).
 
-    ``imbalance``: how many more in-flight requests than the least-loaded available replica an
-    owner may have and still win. ``max_blocks``: LRU cap on tracked blocks.
+    An owner may win while its in-flight count is at most ``imbalance`` above the least-loaded
+    available replica's, or at most ``imbalance_ratio`` times it (under heavy load a fixed gap of
+    a few requests would spill whole GRPO groups). ``max_blocks``: LRU cap on tracked blocks.
     ``policy="round_robin"`` ignores prefixes (the baseline the benchmark compares against).
     """
 
@@ -199,12 +201,14 @@ class Router:
         self,
         *,
         imbalance: int = 8,
+        imbalance_ratio: float = 1.5,
         max_blocks: int = 1_000_000,
         policy: Literal["affinity", "round_robin"] = "affinity",
     ) -> None:
-        if imbalance < 0 or max_blocks < 1:
-            raise ValueError("imbalance must be >= 0 and max_blocks >= 1")
+        if imbalance < 0 or imbalance_ratio < 1 or max_blocks < 1:
+            raise ValueError("need imbalance >= 0, imbalance_ratio >= 1 and max_blocks >= 1")
         self.imbalance = imbalance
+        self.imbalance_ratio = imbalance_ratio
         self.max_blocks = max_blocks
         self.policy = policy
         self._blocks: OrderedDict[int, _Block] = OrderedDict()
@@ -282,9 +286,10 @@ class Router:
             scores = self._scores(frozen[0], candidates)
             if scores:
                 low = min(self._inflight[r] for r in candidates)
+                bound = max(low + self.imbalance, low * self.imbalance_ratio)
                 ranked = sorted(scores, key=lambda r: (-scores[r], self._inflight[r]))
                 for r in ranked:
-                    if self._inflight[r] - low <= self.imbalance:
+                    if self._inflight[r] <= bound:
                         choice, kind, matched = r, "affinity", scores[r]
                         break
                 else:

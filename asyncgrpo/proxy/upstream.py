@@ -51,6 +51,7 @@ class Upstream:
         self.failures: Counter[str] = Counter()
         self.deadlines: set[asyncio.Timeout] = set()
         self.probe_inflight = False
+        self.slow_health = 0  # consecutive health checks that timed out
 
     def expire_inflight(self) -> int:
         """Make every in-flight request on this replica hit its deadline now."""
@@ -160,9 +161,13 @@ class UpstreamPool:
 
     # -- health ------------------------------------------------------------------------------
 
-    async def probe(self, up: Upstream) -> bool:
-        """GET /health once; updates ``up.healthy`` and ``up.last_error``."""
+    async def probe(self, up: Upstream) -> bool | None:
+        """GET /health once: True healthy, False refused or 5xx (dead), None timed out (slow).
+
+        Updates ``up.healthy`` and ``up.last_error``.
+        """
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        ok: bool | None
         try:
             async with self.session.get(
                 up.url + "/health", headers=self.headers, timeout=timeout
@@ -171,10 +176,17 @@ class UpstreamPool:
                 ok = r.status == 200
                 if not ok:
                     up.last_error = f"health: HTTP {r.status}"
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except TimeoutError:
+            ok = None
+            up.last_error = f"health: no answer within {self.config.health_timeout_s} s"
+        except (aiohttp.ClientError, OSError) as exc:
             ok = False
             up.last_error = f"health: {type(exc).__name__}: {exc}"[:300]
-        up.healthy = ok
+        up.healthy = bool(ok)
+        if ok is None:
+            up.slow_health += 1
+        else:
+            up.slow_health = 0
         return ok
 
     async def check(self, up: Upstream) -> None:
@@ -185,9 +197,11 @@ class UpstreamPool:
             return
         if up.circuit is Circuit.HALF_OPEN and up.probe_inflight:
             return
-        ok = await self.probe(up)
+        result = await self.probe(up)
         if up.url not in self.upstreams:
             return
+        # A busy replica may answer /health late; only several slow answers in a row count.
+        ok = result or (result is None and up.slow_health < self.config.health_timeouts_to_open)
         if up.circuit is Circuit.OPEN and ok:
             error = await self.replay(up)
             if error:

@@ -1,0 +1,305 @@
+"""Proxy benchmark, side by side in one run.
+
+(a) Routing quality on real vLLM CPU replicas under a GRPO-shaped load (G rollouts per prompt,
+    one shared chat-template prefix, 128-256 own prompt tokens, many in flight): round-robin vs
+    our affinity router. Reports affinity / unmatched / spilled, the replicas' own prefix-cache hit
+    rate (vllm:prefix_cache_hits_total / queries_total deltas) and wall time.
+(b) Overhead against a canned local upstream (an aiohttp app returning a fixed completion):
+    requests/s and p50/p99 latency direct vs through the proxy, 1 and 256 in flight.
+
+    python bench/proxy.py                      # both parts; starts 2 vLLM replicas of a tiny model
+    python bench/proxy.py --part overhead      # (b) only, ~30 s
+    python bench/proxy.py --upstream URL --upstream URL --part routing   # reuse running replicas
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+# -- defaults -----------------------------------------------------------------------------------
+PROMPTS = 64
+G = 8
+INFLIGHT = 64
+TEMPLATE_TOKENS = 151
+MAX_TOKENS = 16
+OVERHEAD_REQUESTS_1 = 2000
+OVERHEAD_REQUESTS_256 = 20000
+PY = sys.executable
+
+CANNED = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 0,
+        "model": "bench",
+        "choices": [
+            {"index": 0, "text": " 42", "logprobs": None, "finish_reason": "length",
+             "token_ids": [52, 50]}
+        ],
+        "usage": {"prompt_tokens": 300, "completion_tokens": 2, "total_tokens": 302},
+    }
+).encode()  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_http(url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with s.get(url) as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+@contextlib.contextmanager
+def subprocess_server(argv: list[str], env: dict | None = None):
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# -- (b) overhead -------------------------------------------------------------------------------
+
+
+def run_canned_upstream(port: int) -> None:
+    """The fast local upstream: fixed answers, no work."""
+    from aiohttp import web
+
+    async def completions(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=CANNED, content_type="application/json")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response({"vllm_config": {"cache_config": {"block_size": 16}}})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/server_info", server_info)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+async def measure(url: str, inflight: int, n: int, body: bytes) -> tuple[float, float, float]:
+    """(requests/s, p50 ms, p99 ms) for ``n`` POSTs with ``inflight`` at once."""
+    lat: list[float] = []
+    sem = asyncio.Semaphore(inflight)
+    conn = aiohttp.TCPConnector(limit=inflight)
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession(connector=conn) as s:
+
+        async def one() -> None:
+            async with sem:
+                t = time.perf_counter()
+                async with s.post(url, data=body, headers=headers) as r:
+                    await r.read()
+                    assert r.status == 200, r.status
+                lat.append(time.perf_counter() - t)
+
+        await asyncio.gather(*(one() for _ in range(min(n // 10, 500))))  # warm-up
+        lat.clear()
+        t0 = time.perf_counter()
+        if inflight == 1:
+            for _ in range(n):
+                await one()
+        else:
+            await asyncio.gather(*(one() for _ in range(n)))
+        wall = time.perf_counter() - t0
+    lat.sort()
+    return n / wall, lat[len(lat) // 2] * 1e3, lat[int(len(lat) * 0.99)] * 1e3
+
+
+async def part_overhead() -> list[list[str]]:
+    up_port, px_port = free_port(), free_port()
+    rng = random.Random(0)
+    body = json.dumps(
+        {"model": "bench-v1", "prompt": [rng.randrange(50000) for _ in range(300)],
+         "max_tokens": 2, "logprobs": 0, "return_token_ids": True}
+    ).encode()  # fmt: skip
+    rows = []
+    with subprocess_server([PY, __file__, "--_canned-upstream", str(up_port)]):
+        upstream = f"http://127.0.0.1:{up_port}"
+        await wait_http(upstream + "/health")
+        proxy_argv = [PY, "-m", "asyncgrpo.proxy", "--upstream", upstream, "--port",
+                      str(px_port), "--log-level", "WARNING"]  # fmt: skip
+        with subprocess_server(proxy_argv):
+            proxy = f"http://127.0.0.1:{px_port}"
+            await wait_http(proxy + "/health")
+            for inflight, n in ((1, OVERHEAD_REQUESTS_1), (256, OVERHEAD_REQUESTS_256)):
+                d = await measure(upstream + "/v1/completions", inflight, n, body)
+                p = await measure(proxy + "/v1/completions", inflight, n, body)
+                rows.append([f"{inflight}", "direct", f"{d[0]:.0f}", f"{d[1]:.3f}", f"{d[2]:.3f}",
+                             "", ""])  # fmt: skip
+                rows.append([f"{inflight}", "proxy", f"{p[0]:.0f}", f"{p[1]:.3f}", f"{p[2]:.3f}",
+                             f"+{p[1] - d[1]:.3f}", f"{100 * p[0] / d[0]:.0f} %"])  # fmt: skip
+    return rows
+
+
+# -- (a) routing quality ------------------------------------------------------------------------
+
+
+def grpo_prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    template = [rng.randrange(10, vocab) for _ in range(TEMPLATE_TOKENS)]
+    return [
+        template + [rng.randrange(10, vocab) for _ in range(rng.randrange(128, 257))]
+        for _ in range(n)
+    ]
+
+
+async def prefix_cache(urls: list[str]) -> tuple[float, float]:
+    hits = queries = 0.0
+    async with aiohttp.ClientSession() as s:
+        for url in urls:
+            async with s.get(url + "/metrics") as r:
+                text = await r.text()
+            for name, value in re.findall(
+                r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} ([0-9.e+]+)$", text, re.M
+            ):
+                if name == "hits":
+                    hits += float(value)
+                else:
+                    queries += float(value)
+    return hits, queries
+
+
+async def routing_run(urls: list[str], routing: str, seed: int) -> list[str]:
+    from asyncgrpo.proxy import ProxyConfig, serve_proxy
+
+    cfg = ProxyConfig(upstreams=tuple(urls), port=0, routing=routing)
+    async with serve_proxy(cfg) as base, aiohttp.ClientSession() as s:
+        async with s.get(urls[0] + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        async with s.post(base + "/reset_prefix_cache") as r:
+            assert r.status == 200, await r.text()
+        prompts = grpo_prompts(PROMPTS, seed, vocab=300)
+        h0, q0 = await prefix_cache(urls)
+        sem = asyncio.Semaphore(INFLIGHT)
+
+        async def one(p: list[int]) -> None:
+            body = {"model": model, "prompt": p, "max_tokens": MAX_TOKENS, "logprobs": 0}
+            async with sem, s.post(base + "/v1/completions", json=body) as r:
+                await r.read()
+                assert r.status == 200, r.status
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(p) for p in prompts for _ in range(G)))
+        wall = time.perf_counter() - t0
+        h1, q1 = await prefix_cache(urls)
+        async with s.get(base + "/proxy/stats") as r:
+            stats = await r.json()
+    f = stats["fractions"]
+    if routing == "round_robin":
+        a = u = sp = "-"
+    else:
+        a, u, sp = (f"{100 * f[k]:.1f} %" for k in ("affinity", "unmatched", "spill"))
+    rate = (h1 - h0) / max(q1 - q0, 1)
+    return [routing, str(stats["block_size"]), a, u, sp, f"{rate:.3f}", f"{wall:.1f}"]
+
+
+async def part_routing(upstreams: list[str]) -> list[list[str]]:
+    async def run(urls: list[str]) -> list[list[str]]:
+        # Warm-up: the first request on a fresh replica takes ~16 s on CPU.
+        async with aiohttp.ClientSession() as s:
+            for url in urls:
+                async with s.get(url + "/v1/models") as r:
+                    model = (await r.json())["data"][0]["id"]
+                body = {"model": model, "prompt": [11, 12], "max_tokens": 1}
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    await r.read()
+        return [
+            await routing_run(urls, "round_robin", seed=1),
+            await routing_run(urls, "affinity", seed=2),
+        ]
+
+    if upstreams:
+        return await run(upstreams)
+    from asyncgrpo.serve import ServeConfig, launch_replicas
+    from asyncgrpo.testing import make_tiny_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
+    model = make_tiny_model(tmp / "model", seed=0)
+    config = ServeConfig(model=str(model), replicas=2, dtype="float32", max_model_len=1024,
+                         kv_cache_gib=1, max_staleness=2, log_dir=str(tmp / "logs"))  # fmt: skip
+    async with launch_replicas(config) as replicas:
+        return await run([r.url for r in replicas])
+
+
+def table(title: str, header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    out = [title, line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    return "\n".join(out + [line(r) for r in rows])
+
+
+async def main(args: argparse.Namespace) -> None:
+    if args.part in ("routing", "all"):
+        rows = await part_routing(args.upstream or [])
+        print(table(
+            f"(a) routing: {PROMPTS} prompts x G={G}, {INFLIGHT} in flight, shared "
+            f"{TEMPLATE_TOKENS}-token template, 128-256 own tokens, max_tokens={MAX_TOKENS}",
+            ["routing", "block", "affinity", "unmatched", "spilled", "prefix hit rate", "wall s"],
+            rows,
+        ), flush=True)  # fmt: skip
+    if args.part in ("overhead", "all"):
+        rows = await part_overhead()
+        print(table(
+            "(b) overhead vs a canned upstream (300-token prompt body)",
+            ["in flight", "path", "req/s", "p50 ms", "p99 ms", "added p50 ms", "of direct"],
+            rows,
+        ), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--_canned-upstream":
+        run_canned_upstream(int(sys.argv[2]))
+        sys.exit(0)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("all", "routing", "overhead"), default="all")
+    parser.add_argument("--upstream", action="append", help="reuse running vLLM replicas")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        import uvloop
+
+        uvloop.run(main(parser.parse_args()))
+    except ImportError:
+        asyncio.run(main(parser.parse_args()))
