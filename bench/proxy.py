@@ -23,7 +23,6 @@ import random
 import re
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -266,7 +265,10 @@ async def part_routing(upstreams: list[str]) -> list[list[str]]:
 
 def table(title: str, header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
     out = [title, line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     return "\n".join(out + [line(r) for r in rows])
 
