@@ -30,7 +30,7 @@ def parse_args(argv: Sequence[str] | None) -> ServeConfig:
     p.add_argument("--max-loras", type=int, default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-gib", type=float, default=None, help="CPU KV cache size")
+    p.add_argument("--kv-cache-gib", type=int, default=None, help="CPU KV cache, whole GiB")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument(
         "--api-key-env",

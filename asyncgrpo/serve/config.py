@@ -53,8 +53,15 @@ class ServeConfig:
     )
     dtype: str = field(default="auto", metadata={"help": "--dtype: auto, float32, bfloat16, ..."})
     max_model_len: int | None = field(default=None, metadata={"help": "--max-model-len"})
-    kv_cache_gib: float | None = field(
-        default=None, metadata={"help": "CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"}
+    kv_cache_gib: int | None = field(
+        default=None, metadata={"help": "CPU KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE)"}
+    )
+    spread_cpu_cores: bool = field(
+        default=True,
+        metadata={
+            "help": "CPU hosts: bind replica i's OpenMP threads to core i mod N. vLLM's 'auto' "
+            "binds every replica to the same cores; ignored when VLLM_CPU_OMP_THREADS_BIND is set"
+        },
     )
     gpu_memory_utilization: float | None = field(
         default=None, metadata={"help": "--gpu-memory-utilization on GPU hosts"}
@@ -89,6 +96,12 @@ class ServeConfig:
                 "do not accept unauthenticated requests from the network"
             )
         round_lora_rank(self.lora_rank)
+        if self.kv_cache_gib is not None and (
+            int(self.kv_cache_gib) != self.kv_cache_gib or self.kv_cache_gib < 1
+        ):
+            raise ConfigError(
+                f"serve.kv_cache_gib={self.kv_cache_gib}: vLLM takes whole GiB (1 or more)"
+            )
 
     @property
     def lora_slots(self) -> int:
@@ -113,13 +126,17 @@ class ServeConfig:
             argv += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         return argv + list(self.extra_args)
 
-    def env(self) -> dict[str, str]:
-        """The replica's environment: runtime LoRA endpoints and dev-mode pause/resume/server_info."""
+    def env(self, index: int = 0) -> dict[str, str]:
+        """Replica ``index``'s environment: runtime LoRA endpoints, dev-mode pause/resume/
+        server_info, and on CPU hosts its own core."""
         env = dict(os.environ)
+        if self.spread_cpu_cores and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+            cores = sorted(os.sched_getaffinity(0))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[index % len(cores)])
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.kv_cache_gib is not None:
-            env["VLLM_CPU_KVCACHE_SPACE"] = f"{self.kv_cache_gib:g}"
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gib))
         if self.api_key:
             # Passed by environment, not argv, so it never shows in `ps` or our logs.
             env["VLLM_API_KEY"] = self.api_key

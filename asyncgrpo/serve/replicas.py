@@ -189,7 +189,7 @@ async def launch_replicas(config: ServeConfig) -> AsyncIterator[list[Replica]]:
                     stdin=None,
                     stdout=log,
                     stderr=log,
-                    env=config.env(),
+                    env=config.env(i),
                     start_new_session=True,
                 )
             replicas.append(Replica(i, config.host, port, log_path, process, time.monotonic()))
