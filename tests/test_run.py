@@ -224,3 +224,27 @@ def test_split_mode_rollouts_ship_through_the_transport(
     assert all(abs(r["ratio"] - 1) < TOLERANCE for r in records)
     assert records[-1]["adapter_version"] == 2
     assert {r["sample/staleness_max"] for r in records} <= {0, 1, 2}
+
+
+async def test_training_continues_when_a_replica_dies(tiny_model: Path, tmp_path: Path) -> None:
+    from asyncgrpo.serve import launch_replicas
+    from asyncgrpo.testing import tiny_serve_config
+
+    serve = tiny_serve_config(tiny_model, replicas=2, log_dir=str(tmp_path / "logs"))
+    async with launch_replicas(serve) as replicas:
+        cfg = tiny_config(tmp_path, tiny_model, [r.url for r in replicas],
+                          "trainer.max_steps=8", "trainer.weight_sync_steps=2",
+                          "proxy.health_interval_s=0.5")  # fmt: skip
+        killed: list[int] = []
+
+        def kill_at_step_3(step: int, samples: Sequence[Sample], version: int) -> None:
+            if step == 3:
+                replicas[1].kill()
+                killed.append(step)
+
+        result = await run_training(cfg, on_step=kill_at_step_3)
+    assert killed == [3]
+    assert result.steps == 8
+    assert result.final_version == 4  # syncs after the death reached the surviving replica
+    records = read_metrics(result.run_dir / "metrics.jsonl")
+    assert all(abs(r["ratio"] - 1) < TOLERANCE for r in records)
