@@ -378,7 +378,7 @@ async def handle_upstreams(request: web.Request) -> web.Response:
     if url in pool.upstreams:
         return error_response(400, f"{url} is already an upstream")
     up = pool.add(url, circuit=Circuit.JOINING)
-    error = await broadcast.replay(pool, up)
+    error = await pool.replay(up)
     if error:
         pool.remove(url)
         return error_response(502, f"{url} could not join: {error}", kind="BadGatewayError")

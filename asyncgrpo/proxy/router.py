@@ -186,6 +186,7 @@ class Decision:
     matched_blocks: int
     chains: tuple[tuple[int, ...], ...]
     claimed: tuple[int, ...]  # hashes whose ownership this request added
+    withdrawals: int  # the router's withdrawal count when routed
 
 
 class Router:
@@ -218,6 +219,7 @@ class Router:
         self._available: dict[str, bool] = {}
         self._rr = 0
         self.evictions = 0
+        self._withdrawals = 0  # failures that withdrew claims; success re-records only after one
         self.decisions: dict[DecisionKind, int] = {"affinity": 0, "spill": 0, "unmatched": 0}
 
     # -- replicas ---------------------------------------------------------------------------
@@ -299,7 +301,7 @@ class Router:
         self.decisions[kind] += 1
         self._inflight[choice] += 1
         claimed = self._record(frozen, choice) if self.policy == "affinity" else ()
-        return Decision(choice, kind, matched, frozen, claimed)
+        return Decision(choice, kind, matched, frozen, claimed, self._withdrawals)
 
     def _scores(self, chain: Sequence[int], candidates: list[str]) -> dict[str, int]:
         bits = {r: 1 << self._slot[r] for r in candidates}
@@ -362,8 +364,10 @@ class Router:
         if self.policy != "affinity":
             return
         if ok:
-            self._record(decision.chains, r)
+            if decision.withdrawals != self._withdrawals:
+                self._record(decision.chains, r)  # a failure may have withdrawn what we rely on
             return
+        self._withdrawals += 1
         slot = self._slot.get(r)
         if slot is None:
             return

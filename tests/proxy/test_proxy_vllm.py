@@ -250,3 +250,36 @@ async def test_bad_input_is_rejected_clearly(vllm_replicas: list[Replica], tmp_p
         async with s.get(base + "/server_info", params={"config_format": "json"}) as r:
             info = json.loads(await r.read())
             assert info["vllm_config"]["cache_config"]["block_size"] == 128
+
+
+async def test_replica_joining_at_run_time_gets_adapters_replayed(
+    vllm_replicas: list[Replica], lora_adapter: Path
+) -> None:
+    first, second = (r.url for r in vllm_replicas)
+    name = f"proxy-join-{uuid.uuid4().hex[:8]}"
+    cfg = ProxyConfig(upstreams=(first,), port=0)
+    async with serve_proxy(cfg) as base, aiohttp.ClientSession() as s:
+        body = {"lora_name": name, "lora_path": str(lora_adapter)}
+        async with s.post(base + "/v1/load_lora_adapter", json=body) as r:
+            assert r.status == 200, await r.text()
+        try:
+            async with VLLMClient(second) as c:
+                assert name not in await c.models()
+            async with s.post(base + "/proxy/upstreams", json={"url": second}) as r:
+                assert r.status == 200, await r.text()
+                assert (await r.json())["adapters"] == [name]
+            async with VLLMClient(second) as c:
+                assert name in await c.models()  # replayed before it entered rotation
+            async with s.get(base + "/proxy/upstreams") as r:
+                ups = (await r.json())["upstreams"]
+                assert [u["circuit"] for u in ups] == ["closed", "closed"]
+        finally:
+            async with s.post(base + "/v1/unload_lora_adapter", json={"lora_name": name}) as r:
+                assert r.status == 200, await r.text()
+        async with s.delete(base + "/proxy/upstreams", json={"url": second}) as r:
+            assert r.status == 200
+        async with s.get(base + "/proxy/stats") as r:
+            assert [u["url"] for u in (await r.json())["upstreams"]] == [first]
+    for url in (first, second):
+        async with VLLMClient(url) as c:
+            assert name not in await c.models()
