@@ -149,3 +149,19 @@ def test_lr_factor(schedule):
         assert got == pytest.approx(_naive_lr_factor(step, schedule, 3, 10))
     assert lr_factor(0, schedule=schedule, warmup_steps=3, max_steps=10) > 0
     assert lr_factor(3, schedule=schedule, warmup_steps=3, max_steps=10) == 1.0
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_gradient_checkpointing_gives_the_same_gradient(tiny_model_dir):
+    plain = _trainer(tiny_model_dir)
+    ckpt = _trainer(tiny_model_dir, gradient_checkpointing=True)
+    assert ckpt.model.base_model.model.is_gradient_checkpointing
+    grads = {}
+    for name, t in (("plain", plain), ("ckpt", ckpt)):
+        t.optimizer.step = lambda name=name, t=t: grads.__setitem__(
+            name, [p.grad.clone() for p in t.params]
+        )
+    samples = make_samples(6, seed=4)
+    assert plain.step(samples)["loss"] == pytest.approx(ckpt.step(samples)["loss"], abs=1e-7)
+    for a, b in zip(grads["plain"], grads["ckpt"], strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-8)
