@@ -205,6 +205,24 @@ async def test_max_inflight_counts_completions(served, tiny_model) -> None:
         assert proxy.requests == expected_requests
 
 
+async def test_per_replica_cap_with_several_base_urls(served, tiny_model) -> None:
+    proxies = [PassThrough(served[0]), PassThrough(served[0])]
+    async with proxies[0].serve() as url_a, proxies[1].serve() as url_b:
+        client = client_for(
+            served,
+            make_dataset(tiny_model, 12),
+            url=[url_a, url_b],
+            generation={"request_mode": "per_sample", "num_generations": 4},
+            rollout={"max_inflight": 16, "max_inflight_per_replica": 3},
+        )
+        async with client:
+            samples = await client.get(100)
+    assert len(samples) == 48
+    assert [p.max_current <= 3 for p in proxies] == [True, True]
+    assert all(p.requests >= 12 for p in proxies), [p.requests for p in proxies]
+    assert sum(p.requests for p in proxies) == 48
+
+
 async def test_backpressure_when_nobody_consumes(served, tiny_model) -> None:
     client = client_for(
         served,
