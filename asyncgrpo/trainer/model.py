@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.trainer.packing import PackedRow
@@ -136,16 +135,28 @@ def row_logprobs(
         use_cache=False,
         logits_to_keep=predict_from,
     )
-    logits = out.logits[0].float()
     temps = row.temperatures.to(device)[targets_at.to(device)].unsqueeze(-1)
-    logp_all = F.log_softmax(logits / temps, dim=-1)
+    scaled = out.logits[0].float() / temps
     targets = row.input_ids.to(device)[targets_at.to(device)]
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    # gather - logsumexp rather than log_softmax: autograd then keeps no second [tokens, vocab]
+    # tensor alive (log_softmax saves its output for backward).
+    lse = torch.logsumexp(scaled, dim=-1)
+    logp = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     entropy = None
     if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        entropy = _entropy(scaled.detach(), lse.detach())
     return logp, entropy
+
+
+@torch.no_grad()
+def _entropy(scaled: torch.Tensor, lse: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """Per-token entropy ``lse - sum(p * x)``, in chunks so no full softmax is materialised."""
+    parts = []
+    for start in range(0, scaled.shape[0], chunk):
+        x = scaled[start : start + chunk]
+        p = torch.softmax(x, dim=-1)
+        parts.append(lse[start : start + chunk] - (p * x).sum(-1))
+    return torch.cat(parts)
 
 
 def save_adapter(model: Any, path: str | Path) -> Path:

@@ -88,16 +88,19 @@ def test_build_row_alignment_matches_naive():
     assert row.sample_indices == [0, 2, 4]
 
 
-def _naive_logprobs(model, sample):
+def _naive_logprobs(model, sample, with_entropy=False):
     """One sample alone, plain causal forward, token by token."""
     ids = torch.tensor([sample.prompt_ids + sample.completion_ids])
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits[0].float()
-    out = []
+    out, entropies = [], []
     p = len(sample.prompt_ids)
     for j, tok in enumerate(sample.completion_ids):
         lp = torch.log_softmax(logits[p + j - 1] / sample.temperature, dim=-1)
         out.append(float(lp[tok]))
+        entropies.append(float(-(lp.exp() * lp).sum()))
+    if with_entropy:
+        return out, entropies
     return out
 
 
@@ -127,9 +130,11 @@ def test_packed_logprobs_equal_unpacked(policy):
         with torch.no_grad():
             logp, entropy = row_logprobs(policy, row)
         assert logp.shape == entropy.shape == (row.num_completion_tokens,)
-        expected = [x for i in row.sample_indices for x in _naive_logprobs(policy, samples[i])]
+        naive = [_naive_logprobs(policy, samples[i], with_entropy=True) for i in row.sample_indices]
+        expected = [x for lp, _ in naive for x in lp]
+        expected_entropy = [x for _, ent in naive for x in ent]
         assert torch.allclose(logp, torch.tensor(expected), atol=1e-5, rtol=0)
-        assert (entropy > 0).all()
+        assert torch.allclose(entropy, torch.tensor(expected_entropy), atol=1e-5, rtol=0)
 
 
 def test_comparison_detects_cross_sample_attention(policy):
