@@ -56,8 +56,14 @@ def make_tiny_model(
     intermediate_size: int = 256,
     vocab_size: int = 384,
     max_position_embeddings: int = 2048,
+    initializer_range: float = 0.1,
 ) -> Path:
     """Write a random-weight Qwen2 model, its tokenizer and chat template to ``path``.
+
+    ``initializer_range`` is 0.1, not transformers' 0.02: with tied embeddings that small the
+    logits of a 128-wide model stay within about +-1 whatever LoRA does to the hidden state (the
+    final norm caps it), so no policy could learn; at 0.1 the random policy is still high-entropy
+    but a rank-1 LoRA can move probability mass by orders of magnitude.
 
     Deterministic for a seed: the same seed gives byte-identical weights and tokenizer. Pass a
     larger ``hidden_size``/``num_layers`` for a generation-bound benchmark model; keep
@@ -104,6 +110,7 @@ def make_tiny_model(
         num_key_value_heads=1,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
+        initializer_range=initializer_range,
         bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
