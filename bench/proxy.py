@@ -56,6 +56,12 @@ CANNED = json.dumps(
 ).encode()  # fmt: skip
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -160,16 +166,20 @@ async def part_overhead() -> list[list[str]]:
         await wait_http(upstream + "/health")
         proxy_argv = [PY, "-m", "asyncgrpo.proxy", "--upstream", upstream, "--port",
                       str(px_port), "--log-level", "WARNING"]  # fmt: skip
-        with subprocess_server(proxy_argv):
+        with subprocess_server(proxy_argv) as px:
             proxy = f"http://127.0.0.1:{px_port}"
             await wait_http(proxy + "/health")
             for inflight, n in ((1, OVERHEAD_REQUESTS_1), (256, OVERHEAD_REQUESTS_256)):
                 d = await measure(upstream + "/v1/completions", inflight, n, body)
+                c0 = cpu_s(px.pid)
                 p = await measure(proxy + "/v1/completions", inflight, n, body)
+                # Includes the warm-up requests measure() sends first.
+                cpu_us = (cpu_s(px.pid) - c0) / (n + min(n // 10, 500)) * 1e6
                 rows.append([f"{inflight}", "direct", f"{d[0]:.0f}", f"{d[1]:.3f}", f"{d[2]:.3f}",
-                             "", ""])  # fmt: skip
+                             "", "", ""])  # fmt: skip
                 rows.append([f"{inflight}", "proxy", f"{p[0]:.0f}", f"{p[1]:.3f}", f"{p[2]:.3f}",
-                             f"+{p[1] - d[1]:.3f}", f"{100 * p[0] / d[0]:.0f} %"])  # fmt: skip
+                             f"+{p[1] - d[1]:.3f}", f"{100 * p[0] / d[0]:.0f} %",
+                             f"{cpu_us:.0f}"])  # fmt: skip
     return rows
 
 
@@ -286,7 +296,8 @@ async def main(args: argparse.Namespace) -> None:
         rows = await part_overhead()
         print(table(
             "(b) overhead vs a canned upstream (300-token prompt body)",
-            ["in flight", "path", "req/s", "p50 ms", "p99 ms", "added p50 ms", "of direct"],
+            ["in flight", "path", "req/s", "p50 ms", "p99 ms", "added p50 ms", "of direct",
+             "proxy CPU us/req"],
             rows,
         ), flush=True)  # fmt: skip
 

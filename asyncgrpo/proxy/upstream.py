@@ -58,9 +58,13 @@ class Upstream:
         now = asyncio.get_running_loop().time()
         n = 0
         for t in list(self.deadlines):
-            if not t.expired():
+            if t.expired():
+                continue
+            try:
                 t.reschedule(now)
-                n += 1
+            except RuntimeError:  # its request already left the ``async with`` (failing now)
+                continue
+            n += 1
         return n
 
     def as_dict(self) -> dict[str, Any]:

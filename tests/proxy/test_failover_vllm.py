@@ -6,8 +6,10 @@ These tests start two replicas of their own (they kill them), next to the sessio
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,9 +26,13 @@ pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 
 @pytest.fixture(scope="module")
 def own_replicas(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, vllm_replicas: list[Replica], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[Replica]]:
+    """Two more replicas serving the shared ones' model under the same name."""
     from anyio.from_thread import start_blocking_portal
+
+    with urllib.request.urlopen(vllm_replicas[0].url + "/v1/models", timeout=30) as r:
+        served = json.load(r)["data"][0]["id"]
 
     config = ServeConfig(
         model=str(tiny_model),
@@ -37,6 +43,7 @@ def own_replicas(
         max_staleness=2,
         startup_timeout_s=600,
         log_dir=str(tmp_path_factory.mktemp("failover-logs")),
+        extra_args=["--served-model-name", served],
     )
     with (
         start_blocking_portal() as portal,
