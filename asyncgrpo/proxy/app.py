@@ -256,18 +256,15 @@ async def _forward_generate(
         if out is None:
             raise _Retry(f"{up.url} hit the deadline") from None
         raise  # mid-stream: the client already has part of the answer; drop the connection
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
-        if out is not None and out.prepared and request.transport is None:
-            raise  # the client went away; not the replica's fault
-        pool.on_failure(up, "disconnect", str(exc))
-        if out is None:
-            raise _Retry(f"{up.url}: {type(exc).__name__}") from None
-        raise
     except aiohttp.ClientConnectorError as exc:
         pool.on_failure(up, "connect", str(exc))
         raise _Retry(f"{up.url}: cannot connect") from None
     except (aiohttp.ClientError, OSError) as exc:
-        pool.on_failure(up, "disconnect", f"{type(exc).__name__}: {exc}")
+        if out is not None and request.transport is None:
+            raise  # the client went away mid-stream; not the replica's fault
+        # A dropped connection: a crashed replica (its next connect is refused and trips the
+        # circuit) or a keep-alive race; either way the request is retried.
+        pool.on_failure(up, "disconnect", f"{type(exc).__name__}: {exc}", trip=False)
         if out is None:
             raise _Retry(f"{up.url}: {type(exc).__name__}") from None
         raise
@@ -312,8 +309,10 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
                 return web.Response(body=data, status=r.status, headers=_response_headers(r))
         except aiohttp.ClientConnectorError as exc:
             pool.on_failure(up, "connect", str(exc))
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            pool.on_failure(up, "disconnect", f"{type(exc).__name__}: {exc}")
+        except (aiohttp.ClientError, OSError) as exc:
+            pool.on_failure(up, "disconnect", f"{type(exc).__name__}: {exc}", trip=False)
+        except TimeoutError:
+            pool.on_failure(up, "deadline", f"{request.path} took over {timeout.total} s")
     return error_response(
         503, f"no replica answered (tried {tried})", kind="ServiceUnavailableError"
     )
@@ -428,7 +427,8 @@ def create_app(config: ProxyConfig) -> web.Application:
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+    # keepalive_timeout below uvicorn's 5 s, so we rarely reuse a connection vLLM is closing.
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4.0)
     session = aiohttp.ClientSession(
         connector=connector,
         auto_decompress=False,  # bodies pass through untouched, Content-Encoding included

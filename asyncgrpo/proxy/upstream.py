@@ -140,10 +140,19 @@ class UpstreamPool:
         elif up.circuit is Circuit.CLOSED:
             up.consecutive_failures = 0
 
-    def on_failure(self, up: Upstream, kind: str, detail: str = "") -> None:
-        """A refused connection, deadline or 5xx: out of rotation at once."""
+    def on_failure(self, up: Upstream, kind: str, detail: str = "", *, trip: bool = True) -> None:
+        """A refused connection, deadline or 5xx: out of rotation at once.
+
+        ``trip=False`` only counts it: a dropped keep-alive connection (the server closed it just
+        as we reused it) says nothing about the replica; the request is retried and the next
+        connect or health check decides.
+        """
         up.failures[kind] += 1
         up.last_error = f"{kind}: {detail}"[:300]
+        if not trip:
+            if up.circuit is Circuit.HALF_OPEN:
+                self._open(up)
+            return
         if up.circuit in (Circuit.CLOSED, Circuit.HALF_OPEN):
             self._open(up)
 
