@@ -189,17 +189,8 @@ class Trainer:
         if cfg.max_grad_norm is not None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
         else:
-            grad_norm = float(
-                torch.linalg.vector_norm(
-                    torch.stack(
-                        [
-                            torch.linalg.vector_norm(p.grad)
-                            for p in self.params
-                            if p.grad is not None
-                        ]
-                    )
-                )
-            )
+            norms = [torch.linalg.vector_norm(p.grad) for p in self.params if p.grad is not None]
+            grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
         # -- optimizer step and schedule (a non-finite gradient skips the update)
         if math.isfinite(grad_norm):

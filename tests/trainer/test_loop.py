@@ -72,8 +72,10 @@ def test_steps_change_adapter_and_reduce_loss(tiny_model_dir):
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 def test_gradient_is_independent_of_row_split(tiny_model_dir):
     """Token-level normalisation over the step: packed rows and one-sample rows agree."""
-    packed = _trainer(tiny_model_dir, token_budget=4096)
-    single = _trainer(tiny_model_dir, token_budget=None, gradient_accumulation_steps=12)
+    packed = _trainer(tiny_model_dir, token_budget=4096, max_grad_norm=1e6)  # clip: a no-op
+    single = _trainer(
+        tiny_model_dir, token_budget=None, gradient_accumulation_steps=12, max_grad_norm=None
+    )
     grads = {}
     for name, t in (("packed", packed), ("single", single)):
         # Capture the accumulated gradient just before AdamW consumes it.
@@ -165,3 +167,16 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_model_dir):
     assert plain.step(samples)["loss"] == pytest.approx(ckpt.step(samples)["loss"], abs=1e-7)
     for a, b in zip(grads["plain"], grads["ckpt"], strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_non_finite_gradient_skips_the_update(tiny_model_dir, caplog):
+    trainer = _trainer(tiny_model_dir)
+    samples = make_samples(4, seed=5)
+    samples[0].logprobs[0] = math.nan  # a corrupt behaviour logprob poisons the gradient
+    before = _lora(trainer)
+    metrics = trainer.step(samples)
+    assert math.isnan(metrics["grad_norm"])
+    assert "update skipped" in caplog.text
+    after = _lora(trainer)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert trainer.step_count == 1
