@@ -70,9 +70,6 @@ _DROP_RESPONSE = frozenset(
         "server",
     }
 )
-# Upstream answers that mean "this replica cannot serve now" rather than "this request is bad":
-# retried elsewhere when nothing has reached the client yet.
-_RETRYABLE_STATUS = frozenset({502, 503, 504})
 
 
 def _forward_headers(request: web.Request, pool: UpstreamPool) -> dict[str, str]:
@@ -224,13 +221,11 @@ async def _forward_generate(
             async with pool.session.post(up.url + path, data=body, headers=headers) as r:
                 status = r.status
                 if status >= 500:
+                    # The replica failed (vLLM answers 500 EngineDeadError while it shuts down):
+                    # out of rotation, and the request, which has no side effects, goes elsewhere.
                     data = await r.read()
                     pool.on_failure(up, f"http_{status}", data[:200].decode(errors="replace"))
-                    if status in _RETRYABLE_STATUS:
-                        raise _Retry(f"{up.url} answered {status}")
-                    return web.Response(
-                        body=data, status=status, headers=_response_headers(r)
-                    ), False
+                    raise _Retry(f"{up.url} answered {status}")
                 if not stream or status != 200:
                     data = await r.read()
                     pool.on_success(up)

@@ -154,16 +154,19 @@ class UpstreamPool:
                 self._open(up)
             return
         if up.circuit in (Circuit.CLOSED, Circuit.HALF_OPEN):
-            self._open(up)
+            # One slow request says the replica is slow, not that its other requests are lost:
+            # expiring them all would pile them onto the other replicas (a cascade). A dead
+            # engine answers 5xx or refuses the health check, and that expires them.
+            self._open(up, expire=kind != "deadline")
 
-    def _open(self, up: Upstream) -> None:
+    def _open(self, up: Upstream, *, expire: bool = True) -> None:
         up.consecutive_failures += 1
         wait = min(self.config.circuit_open_s * 2 ** (up.consecutive_failures - 1), _MAX_OPEN_S)
         up.open_until = time.monotonic() + wait
         up.circuit = Circuit.OPEN
         up.probe_inflight = False
         self.router.set_available(up.url, False)
-        n = up.expire_inflight()
+        n = up.expire_inflight() if expire else 0
         log.warning(
             "replica %s out of rotation for %.1f s (%s); %d in-flight requests expired",
             up.url,

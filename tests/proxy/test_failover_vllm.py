@@ -142,8 +142,7 @@ async def test_sigterm_draining_replica_requests_hit_deadline_and_retry(
         upstreams=(healthy.url, victim.url),
         port=0,
         health_interval_s=0.5,
-        health_timeout_s=1.0,
-        request_timeout_s=5.0,
+        request_timeout_s=20.0,  # a draining replica's requests hang until then, or get a 500
     )
     async with serve_proxy(cfg) as base, aiohttp.ClientSession() as s:
         load = asyncio.create_task(_load(base, model, 12, 48, 24, seed=21))
@@ -157,4 +156,4 @@ async def test_sigterm_draining_replica_requests_hit_deadline_and_retry(
         assert up["circuit"] in ("open", "half_open"), up
         assert sum(up["failures"].values()) >= 1
         print(f"SIGTERM: all {len(results)} requests done {elapsed:.1f} s after the signal; {up}")
-        assert elapsed < 60
+        assert elapsed < 90
