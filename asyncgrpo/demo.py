@@ -20,6 +20,7 @@ from asyncgrpo.testing import (
     reference_logprobs,
     tiny_serve_config,
 )
+from asyncgrpo.testing.verify import served_logprob_errors
 from asyncgrpo.vllm_client import VLLMClient
 
 TOLERANCE = 1e-4
@@ -110,8 +111,19 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
                         v=int(m.get("adapter_version", 0)))  # fmt: skip
         bar.update(step - bar.n)
 
-    result = await run_training(cfg, progress=progress)
+    recent: list = []  # the samples of the last few steps, for the exactness check
+
+    def keep_recent(step: int, samples: list, version: int) -> None:
+        recent.append(list(samples))
+        del recent[:-4]
+
+    result = await run_training(cfg, progress=progress, on_step=keep_recent)
     bar.close()
+    samples = [s for batch in recent for s in batch]
+    errors = await anyio.to_thread.run_sync(
+        served_logprob_errors, model, result.transport_url, result.adapter_prefix, samples,
+        output_dir / "verify-cache",
+    )  # fmt: skip
     records = read_metrics(result.run_dir / "metrics.jsonl")
     plot = await anyio.to_thread.run_sync(plot_run, result.run_dir)
     first, last = summarize(records, "reward")
@@ -120,4 +132,8 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
           f"{'ratio min':>9} {'ratio max':>9} {'wall s':>7}")  # fmt: skip
     print(f"{result.steps:>5} {result.final_version + 1:>8} {first:>14.3f} {last:>13.3f} "
           f"{min(ratios):>9.5f} {max(ratios):>9.5f} {time.monotonic() - started:>7.0f}")  # fmt: skip
-    print(f"\nmetrics: {result.run_dir / 'metrics.jsonl'}\nplot:    {plot}")
+    print(f"\nserved vs trainer logprobs (last 4 steps, {len(samples)} samples, each at its "
+          f"adapter version): max |diff| = {max(errors):.1e}")  # fmt: skip
+    print(f"metrics: {result.run_dir / 'metrics.jsonl'}\nplot:    {plot}")
+    if max(errors) > 1e-3:
+        raise SystemExit("MISMATCH: a replica served something other than the trained policy")
