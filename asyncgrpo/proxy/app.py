@@ -429,6 +429,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         auto_decompress=False,  # bodies pass through untouched, Content-Encoding included
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s),
         skip_auto_headers=("User-Agent",),
+        cookie_jar=aiohttp.DummyCookieJar(),  # a proxy keeps no cookies (and skips their cost)
     )
     pool = app[POOL] = UpstreamPool(config, app[ROUTER], session)
     if pool.block_size is None:
