@@ -124,7 +124,8 @@ class TrainerConfig:
         default=4096,
         metadata={
             "help": "Tokens per packed row (one row per micro-batch). None: no budget; the "
-            "step's samples are split into gradient_accumulation_steps rows instead."
+            "step's samples are split into gradient_accumulation_steps rows instead. Without "
+            "flash-attention (CPU) a row's attention costs its length squared: keep it ~1024."
         },
     )
     gradient_accumulation_steps: int = field(

@@ -6,6 +6,11 @@ for every attention implementation (eager, sdpa, flex; flash-attention uses the 
 varlen boundaries), but only when ``attention_mask`` is None and there is no KV cache, hence
 ``use_cache=False`` below. ``tests/trainer/test_packing.py`` checks that packed and unpacked
 logprobs agree within 1e-5, and that the test notices a mask that lets samples see each other.
+
+Cost: with sdpa/eager the mask is dense, so a row's attention costs (row length)^2 however many
+samples it holds; flash-attention's varlen kernels cost the sum of the samples' squares. On CPU
+(measured, 16 samples of ~240 tokens, 5.9M-parameter model) fwd+bwd took 4.5 s as one 3.8k row,
+2.8 s at budget 2048, 1.9 s at 1024, 1.7 s at 512, and 4.9 s as one sample per row.
 """
 
 from __future__ import annotations
