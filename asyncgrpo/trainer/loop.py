@@ -21,6 +21,7 @@ import math
 import os
 import random
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -195,12 +196,15 @@ class Trainer:
         # -- optimizer step and schedule (a non-finite gradient skips the update)
         if math.isfinite(grad_norm):
             self.optimizer.step()
+            self.scheduler.step()
         else:
             logger.warning(
                 "step %d: gradient norm is %s; update skipped", self.step_count, grad_norm
             )
+            with warnings.catch_warnings():  # the schedule still advances with the step count
+                warnings.simplefilter("ignore", UserWarning)
+                self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
         self.step_count += 1
         self._sync()
         step_s = time.perf_counter() - t_step
