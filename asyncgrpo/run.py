@@ -134,7 +134,7 @@ async def run_training(
     progress: Callable[[int, dict[str, float]], None] | None = None,
 ) -> RunResult:
     """Train ``cfg`` to ``trainer.max_steps``; resumes from the latest checkpoint if any."""
-    from asyncgrpo.trainer.loop import Trainer, sample_metrics
+    from asyncgrpo.trainer.loop import Trainer
 
     run_dir = cfg.run_dir
     await anyio.Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -240,7 +240,6 @@ async def run_training(
                 on_step(step + 1, samples, version)
             metrics = await anyio.to_thread.run_sync(trainer.step, samples)
             step = trainer.step_count
-            metrics.update(sample_metrics(samples))
             metrics.update(staleness_stats(samples, current_version=version))
             metrics.update(source.stats())
             metrics["perf/rollout_wait_s"] = wait_s
