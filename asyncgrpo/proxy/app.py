@@ -30,6 +30,11 @@ from asyncgrpo.proxy.router import Router, request_hashes
 from asyncgrpo.proxy.state import CONFIG, POOL, ROUTER, STATS, ProxyStats, error_response
 from asyncgrpo.proxy.upstream import Circuit, Upstream, UpstreamPool
 
+try:  # ~3x faster than json on a token-id prompt; optional (the ``fast`` extra)
+    from orjson import loads as _loads
+except ImportError:  # pragma: no cover - depends on the environment
+    _loads = json.loads
+
 __all__ = ["REPLICA_HEADER", "create_app", "serve_proxy"]
 
 log = logging.getLogger(__name__)
@@ -133,9 +138,12 @@ async def _errors_middleware(
 async def _parse_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     body = await request.read()
     try:
-        parsed = json.loads(body)
-    except ValueError as exc:
-        raise _BadRequest(f"request body is not valid JSON: {exc}") from None
+        parsed = _loads(body)
+    except ValueError:
+        try:  # what orjson refuses and json accepts (NaN, ints over 64 bits) is still JSON
+            parsed = json.loads(body)
+        except ValueError as exc:
+            raise _BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(parsed, dict):
         raise _BadRequest("request body must be a JSON object")
     return body, parsed

@@ -90,9 +90,10 @@ def token_hashes(model: str, tokens: Sequence[int], block_size: int) -> list[int
     """Chained hashes of ``tokens`` in blocks of ``block_size`` (plus the partial tail)."""
     h = _seed(model)
     out = []
+    tokens = tuple(tokens)  # one copy; slices of a tuple are the tuples we hash
     for i in range(0, len(tokens), block_size):
         # Tuples of ints hash deterministically across processes (only str/bytes are salted).
-        h = hash((h, tuple(tokens[i : i + block_size])))
+        h = hash((h, tokens[i : i + block_size]))
         out.append(h)
     return out
 
