@@ -26,6 +26,7 @@ from aiohttp import web
 from asyncgrpo.errors import NoHealthyReplica
 from asyncgrpo.proxy import broadcast, metrics
 from asyncgrpo.proxy.config import ProxyConfig
+from asyncgrpo.proxy.h1 import ConnectFailed
 from asyncgrpo.proxy.router import Router, request_hashes
 from asyncgrpo.proxy.state import CONFIG, POOL, ROUTER, STATS, ProxyStats, error_response
 from asyncgrpo.proxy.upstream import Circuit, Upstream, UpstreamPool
@@ -225,6 +226,18 @@ async def _forward_generate(
     up.deadlines.add(deadline)
     out: web.StreamResponse | None = None
     try:
+        if not stream and up.h1 is not None:
+            async with deadline:
+                status, raw_headers, data = await up.h1.post(
+                    path, headers.items(), body, connect_timeout_s=config.connect_timeout_s
+                )
+            if status >= 500:
+                pool.on_failure(up, f"http_{status}", data[:200].decode(errors="replace"))
+                raise _Retry(f"{up.url} answered {status}")
+            pool.on_success(up)
+            out_headers = [(k, v) for k, v in raw_headers if k.lower() not in _DROP_RESPONSE]
+            out_headers.append((REPLICA_HEADER, up.url))
+            return web.Response(body=data, status=status, headers=out_headers), 200 <= status < 300
         async with deadline:
             async with pool.session.post(up.url + path, data=body, headers=headers) as r:
                 status = r.status
@@ -259,7 +272,7 @@ async def _forward_generate(
         if out is None:
             raise _Retry(f"{up.url} hit the deadline") from None
         raise  # mid-stream: the client already has part of the answer; drop the connection
-    except aiohttp.ClientConnectorError as exc:
+    except (aiohttp.ClientConnectorError, ConnectFailed) as exc:
         pool.on_failure(up, "connect", str(exc))
         raise _Retry(f"{up.url}: cannot connect") from None
     except (aiohttp.ClientError, OSError) as exc:
@@ -457,6 +470,8 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
             await checker
         except asyncio.CancelledError:
             pass
+        for up in pool.upstreams.values():
+            up.close()
         await session.close()
 
 

@@ -19,8 +19,10 @@ from collections import Counter
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from asyncgrpo.proxy.config import ProxyConfig
+from asyncgrpo.proxy.h1 import H1Pool
 from asyncgrpo.proxy.router import Router
 
 __all__ = ["Circuit", "Upstream", "UpstreamPool"]
@@ -42,6 +44,7 @@ class Upstream:
 
     def __init__(self, url: str, *, circuit: Circuit = Circuit.CLOSED) -> None:
         self.url = url
+        self.h1 = _h1_pool(url)  # non-streaming generation requests; None: aiohttp only
         self.circuit = circuit
         self.healthy: bool | None = None  # last health check; None before the first
         self.last_error = ""
@@ -52,6 +55,11 @@ class Upstream:
         self.deadlines: set[asyncio.Timeout] = set()
         self.probe_inflight = False
         self.slow_health = 0  # consecutive health checks that timed out
+
+    def close(self) -> None:
+        """Close the idle connections of the generation pool."""
+        if self.h1 is not None:
+            self.h1.close()
 
     def expire_inflight(self) -> int:
         """Make every in-flight request on this replica hit its deadline now."""
@@ -113,6 +121,7 @@ class UpstreamPool:
         self.router.remove_replica(url)
         if up is not None:
             up.expire_inflight()
+            up.close()
         return up
 
     def in_rotation(self) -> list[Upstream]:
@@ -166,6 +175,7 @@ class UpstreamPool:
         up.circuit = Circuit.OPEN
         up.probe_inflight = False
         self.router.set_available(up.url, False)
+        up.close()  # its idle connections may be dead; the next request opens fresh ones
         n = up.expire_inflight() if expire else 0
         log.warning(
             "replica %s out of rotation for %.1f s (%s); %d in-flight requests expired",
@@ -294,6 +304,14 @@ class UpstreamPool:
                 self.block_size = await self.discover_block_size()
             await asyncio.gather(*(self.check(u) for u in list(self.upstreams.values())))
             await asyncio.sleep(self.config.health_interval_s)
+
+
+def _h1_pool(url: str) -> H1Pool | None:
+    """A raw keep-alive pool for plain ``http://host:port`` replicas (no path, no TLS)."""
+    u = URL(url)
+    if u.scheme != "http" or u.path not in ("", "/") or u.query_string or not u.raw_host:
+        return None
+    return H1Pool(u.raw_host, u.port or 80)
 
 
 def _find_block_size(info: Any) -> int | None:
