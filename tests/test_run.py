@@ -12,7 +12,6 @@ import json
 import math
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ from asyncgrpo.run import run_training, summarize
 from asyncgrpo.sample import Sample
 from asyncgrpo.serve import Replica
 from asyncgrpo.sync import ProxyLoader
-from asyncgrpo.testing.verify import served_logprob_errors
+from asyncgrpo.testing.verify import next_token_mass, served_logprob_errors
 from asyncgrpo.vllm_client import VLLMClient
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
@@ -53,13 +52,12 @@ def tiny_config(
 async def test_end_to_end_served_logprobs_equal_trainer_and_reward_rises(
     vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
 ) -> None:
-    cfg = tiny_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
-                      "trainer.max_steps=30", "trainer.weight_sync_steps=2")  # fmt: skip
+    cfg = tiny_config(tmp_path, tiny_model, [r.url for r in vllm_replicas], "trainer.max_steps=30")
     batches: list[tuple[int, list[Sample]]] = []
     result = await run_training(cfg, on_step=lambda step, s, v: batches.append((v, list(s))))
 
     assert result.steps == 30
-    assert result.final_version == 15  # v0 at start, then one per 2 steps: >= 3 syncs
+    assert result.final_version == 30  # v0 at start, then one per step
     versions = {s.version for _, batch in batches for s in batch}
     assert len(versions) >= 4, versions
     diffs = await anyio.to_thread.run_sync(
@@ -78,14 +76,45 @@ async def test_end_to_end_served_logprobs_equal_trainer_and_reward_rises(
                 "batch/microbatches_per_step", "ratio", "kl", "entropy", "reward", "reward_std",
                 "rewards/digit_fraction", "adapter_version"):  # fmt: skip
         assert key in records[-1], key
-    # Learning: a random policy emits ~2 % digit characters. The margin is 3 standard errors
-    # of the difference of two 5-step means, from the run's own reward spread (per step:
-    # reward_std / sqrt(32 samples)); sweeps at this learning rate rose ~3x in 30 steps.
+    # Learning. The reward is the share of digits; a random policy puts ~3 % of its mass on
+    # the 12 digit tokens. Sampled rewards over 30 steps are too noisy for a sharp test, so
+    # measure the policy itself: the exact probability that the first completion token is a
+    # digit, at v0 and at the final version, against the same measure for 5 random classes of
+    # 12 untargeted tokens (what drift alone does). In sweeps the digit mass grew 1.7-3.2x
+    # while control classes moved 0.5-1.4x.
+    gain, controls = await anyio.to_thread.run_sync(
+        class_gains, tiny_model, result, [s.prompt_ids for _, b in batches for s in b], tmp_path
+    )
     first, last = summarize(records, "reward", first=5)
-    step_se = statistics.fmean(r["reward_std"] for r in records) / math.sqrt(32)
-    margin = 3 * math.sqrt(2) * step_se / math.sqrt(5)
-    rewards = [round(r["reward"], 3) for r in records]
-    assert last - first > margin, (first, last, margin, rewards)
+    assert gain > 1.5 and gain > max(controls) + 0.2, (gain, controls, first, last)
+
+
+def class_gains(
+    model: Path, result: Any, prompts: list[list[int]], tmp_path: Path
+) -> tuple[float, list[float]]:
+    """Gain in first-token probability mass (final version / v0): digits, then 5 controls."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    digits = [i for i in range(len(tok)) if any(c.isdigit() for c in tok.decode([i]))]
+    others = [i for i in range(len(tok)) if i not in digits and i not in tok.all_special_ids]
+    unique = [list(p) for p in {tuple(p) for p in prompts}]
+    store = AdapterStore(result.transport_url)
+    first = anyio.run(store.fetch, result.adapter_prefix, 0, tmp_path / "gain-cache")
+    final = anyio.run(
+        store.fetch, result.adapter_prefix, result.final_version, tmp_path / "gain-cache"
+    )
+
+    def gain(cls: list[int]) -> float:
+        return next_token_mass(model, final, unique, cls) / next_token_mass(
+            model, first, unique, cls
+        )
+
+    return gain(digits), [
+        gain(random.Random(seed).sample(others, len(digits))) for seed in range(5)
+    ]
 
 
 class SkipOneReplica(ProxyLoader):

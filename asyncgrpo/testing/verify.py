@@ -41,3 +41,23 @@ def served_logprob_errors(
             ours = policy.logprobs(s.prompt_ids, s.completion_ids, temperature=s.temperature)
             errors.append(max(abs(a - b) for a, b in zip(ours, s.logprobs, strict=True)))
     return errors
+
+
+def next_token_mass(
+    model: str | Path,
+    adapter_dir: str | Path | None,
+    prompts: Iterable[list[int]],
+    token_ids: Iterable[int],
+) -> float:
+    """Mean probability, over ``prompts``, that the policy's first completion token is one of
+    ``token_ids``: an exact (sampling-free) measure of how much a policy favours a token class."""
+    import torch
+
+    policy = ReferencePolicy(model, adapter_dir)
+    ids = torch.tensor(sorted(set(token_ids)))
+    masses = []
+    with torch.no_grad():
+        for prompt in prompts:
+            logits = policy.model(input_ids=torch.tensor([prompt])).logits[0, -1]
+            masses.append(float(torch.softmax(logits.float(), -1)[ids].sum()))
+    return sum(masses) / len(masses)
