@@ -28,4 +28,4 @@ test: install
 	$(PY) -m pytest
 
 lint: install
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check asyncgrpo tests bench && $(VENV)/bin/ruff format --check asyncgrpo tests bench
