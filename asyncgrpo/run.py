@@ -255,7 +255,7 @@ async def run_training(
                 await transport.put(POLICY_KEY, _policy_doc(sync.name(version), version))
                 metrics["adapter_version"] = float(version)
 
-            if step % tcfg.save_steps == 0 or step == tcfg.max_steps:
+            if tcfg.save_steps and (step % tcfg.save_steps == 0 or step == tcfg.max_steps):
                 t_ckpt = time.perf_counter()
                 meta = {"version": version, "position": source.position(), "run_id": run_id}
                 ckpt = await anyio.to_thread.run_sync(
