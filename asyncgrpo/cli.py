@@ -12,11 +12,45 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from asyncgrpo.errors import AsyncGRPOError
+
+T = TypeVar("T")
+
+
+def _run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """Run ``fn`` under anyio with SIGINT and SIGTERM turned into cancellation, so replicas,
+    the proxy and the rollout client shut down cleanly (no orphan vLLM processes)."""
+    import anyio
+
+    interrupted = False
+
+    async def main() -> T | None:
+        nonlocal interrupted
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                nonlocal interrupted
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        interrupted = True
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            result = await fn(*args)
+            tg.cancel_scope.cancel()
+            return result
+
+    result = anyio.run(main)
+    if interrupted:
+        raise KeyboardInterrupt
+    return result  # type: ignore[return-value]
 
 
 def _load(args: argparse.Namespace):
@@ -26,23 +60,19 @@ def _load(args: argparse.Namespace):
 
 
 def _train(args: argparse.Namespace) -> None:
-    import anyio
-
     from asyncgrpo.run import run_training
 
     cfg = _load(args)
     source = "channel" if args.remote_rollouts else "local"
-    result = anyio.run(lambda: run_training(cfg, rollout_source=source))
+    result = _run(lambda: run_training(cfg, rollout_source=source))
     print(f"trained {result.steps} steps; final adapter {result.adapter_prefix}-v"
           f"{result.final_version} in {result.transport_url}; metrics in {result.run_dir}")  # fmt: skip
 
 
 def _rollout(args: argparse.Namespace) -> None:
-    import anyio
-
     from asyncgrpo.run import run_rollouts
 
-    shipped = anyio.run(run_rollouts, _load(args))
+    shipped = _run(run_rollouts, _load(args))
     print(f"shipped {shipped} samples")
 
 
@@ -53,19 +83,15 @@ def _plot(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    import anyio
-
     from asyncgrpo.demo import run_demo
 
-    anyio.run(run_demo, Path(args.output_dir), args.max_steps)
+    _run(run_demo, Path(args.output_dir), args.max_steps)
 
 
 def _check_serving(args: argparse.Namespace) -> None:
-    import anyio
-
     from asyncgrpo.demo import run_serving_check
 
-    anyio.run(run_serving_check, Path(args.output_dir), args.replicas)
+    _run(run_serving_check, Path(args.output_dir), args.replicas)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
