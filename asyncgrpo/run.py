@@ -198,18 +198,8 @@ async def run_training(
 
         # -- the sample source ------------------------------------------------------------
         if rollout_source == "local":
-            tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
-            dataset = PromptDataset.from_config(cfg.dataset, tokenizer=tokenizer)
             rollouts = await stack.enter_async_context(
-                RolloutClient(
-                    base_urls=proxy_url,
-                    dataset=dataset,
-                    generation=cfg.generation,
-                    rollout=cfg.rollout,
-                    policy=(sync.name(version), version),
-                    start_position=position,
-                    api_key=cfg.proxy.api_key,
-                )
+                await _rollout_client(cfg, proxy_url, (sync.name(version), version), position)
             )
             source: _SampleSource = _LocalSource(rollouts)
         else:
@@ -280,6 +270,22 @@ async def run_training(
             resumed_from_step=resumed_from,
             transport_url=transport.url,
         )
+
+
+async def _rollout_client(
+    cfg: TrainingConfig, base_url: str, policy: tuple[str, int], position: int
+) -> RolloutClient:
+    """The rollout client of a run: the dataset with the model's chat template, via the proxy."""
+    tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
+    return RolloutClient(
+        base_urls=base_url,
+        dataset=PromptDataset.from_config(cfg.dataset, tokenizer=tokenizer),
+        generation=cfg.generation,
+        rollout=cfg.rollout,
+        policy=policy,
+        start_position=position,
+        api_key=cfg.proxy.api_key,
+    )
 
 
 def _policy_doc(name: str, version: int) -> bytes:
@@ -363,18 +369,9 @@ async def run_rollouts(cfg: TrainingConfig, *, poll_interval_s: float = 0.5) -> 
         policy = await _wait_for(transport, POLICY_KEY, poll_interval_s)
         name, version = read_policy(policy)
         proxy_url = await stack.enter_async_context(_endpoint(cfg, run_dir / "adapter-cache"))
-        tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
-        dataset = PromptDataset.from_config(cfg.dataset, tokenizer=tokenizer)
         channel = RolloutChannel(transport)
         client = await stack.enter_async_context(
-            RolloutClient(
-                base_urls=proxy_url,
-                dataset=dataset,
-                generation=cfg.generation,
-                rollout=cfg.rollout,
-                policy=(name, version),
-                api_key=cfg.proxy.api_key,
-            )
+            await _rollout_client(cfg, proxy_url, (name, version), 0)
         )
         async with anyio.create_task_group() as tg:
 

@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import ipaddress
 import posixpath
 from dataclasses import dataclass, field
 from typing import Literal
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.serve.config import is_loopback
 
 __all__ = ["ProxyConfig", "is_loopback"]
-
-
-def is_loopback(host: str) -> bool:
-    """True for hosts that only this machine can reach (``localhost``, 127.0.0.0/8, ``::1``)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ def round_lora_rank(r: int) -> int:
 
 
 def is_loopback(host: str) -> bool:
+    """True for hosts only this machine can reach (``localhost``, 127.0.0.0/8, ``::1``)."""
     if host == "localhost":
         return True
     try:
