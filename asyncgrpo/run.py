@@ -136,6 +136,11 @@ async def run_training(
     """Train ``cfg`` to ``trainer.max_steps``; resumes from the latest checkpoint if any."""
     from asyncgrpo.trainer.loop import Trainer
 
+    if rollout_source == "channel" and cfg.trainer.max_staleness < 1:
+        raise ConfigError(
+            "split runs need trainer.max_staleness >= 1: remote rollout processes learn of a new "
+            "version by polling, so the previous one must stay loaded a little longer"
+        )
     run_dir = cfg.run_dir
     await anyio.Path(run_dir).mkdir(parents=True, exist_ok=True)
     cache_dir = (run_dir / "adapter-cache").resolve()
@@ -208,6 +213,10 @@ async def run_training(
                 await channel.seek(position)
             source = _ChannelSource(channel)
 
+        async def switch_policy(name: str, new_version: int) -> None:
+            source.set_policy(name, new_version)
+            await transport.put(POLICY_KEY, _policy_doc(name, new_version))
+
         # -- 5. the loop --------------------------------------------------------------------
         dropped_total = 0
         while step < tcfg.max_steps:
@@ -240,9 +249,9 @@ async def run_training(
             if step % tcfg.weight_sync_steps == 0:
                 version += 1
                 adapter_dir = await _save_adapter(trainer, work / f"v{version}")
-                metrics.update(await sync.sync(version, adapter_dir, step=step))
-                source.set_policy(sync.name(version), version)
-                await transport.put(POLICY_KEY, _policy_doc(sync.name(version), version))
+                metrics.update(
+                    await sync.sync(version, adapter_dir, step=step, on_loaded=switch_policy)
+                )
                 metrics["adapter_version"] = float(version)
 
             if tcfg.save_steps and (step % tcfg.save_steps == 0 or step == tcfg.max_steps):

@@ -7,10 +7,12 @@ The sequence (the trainer's clock, ``perf/weight_sync_s``):
 2. find the path replicas load it from (:class:`AdapterSource`, the one place that decides it);
 3. ``POST /pause?mode=keep`` (KV cache and in-flight requests survive), ``/v1/load_lora_adapter``
    on every replica, all or nothing (the proxy rolls back a partial load), ``POST /resume``;
-4. unload the version that fell out of the staleness window.
+4. switch the rollouts to the new name (``on_loaded``), then unload the version that fell out of
+   the staleness window.
 
-Only after all of that does the caller switch the rollout client to the new name, so no request
-ever names an adapter that some replica lacks. A load that keeps failing raises
+So no request ever names an adapter that some replica lacks: the new name is used only once it
+is loaded everywhere, and the old one is retired only after the switch (the brief unloads
+first, which races when ``max_staleness=0`` retires the version still in use). A load that keeps failing raises
 :class:`SyncError`; the trainer never trains on as if the replicas had the new version.
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -143,8 +145,20 @@ class AdapterSync:
                     logger.warning("unloading %s failed: %s", self.name(version), exc)
                 self.loaded.remove(version)
 
-    async def sync(self, version: int, local_dir: str | Path, *, step: int) -> dict[str, float]:
-        """Publish ``local_dir`` as ``version`` and load it everywhere; returns timing metrics."""
+    async def sync(
+        self,
+        version: int,
+        local_dir: str | Path,
+        *,
+        step: int,
+        on_loaded: Callable[[str, int], Awaitable[None]] | None = None,
+    ) -> dict[str, float]:
+        """Publish ``local_dir`` as ``version`` and load it everywhere; returns timing metrics.
+
+        ``on_loaded(name, version)`` runs once every replica has the new version and before the
+        oldest is unloaded: switch the rollouts there. With ``max_staleness=0`` the version
+        retired is the one rollouts were still requesting, so the switch must come first.
+        """
         t0 = time.perf_counter()
         await self.store.publish(
             self.prefix, version, Path(local_dir), step=step, base_model=self.base_model
@@ -154,6 +168,8 @@ class AdapterSync:
         t2 = time.perf_counter()
         await self._load_everywhere(self.name(version), path)
         self.loaded.append(version)
+        if on_loaded is not None:
+            await on_loaded(self.name(version), version)
         t3 = time.perf_counter()
         await self._retire(version)
         t4 = time.perf_counter()

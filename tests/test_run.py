@@ -219,7 +219,8 @@ def test_split_mode_rollouts_ship_through_the_transport(
     vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
 ) -> None:
     config = _write_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
-                           trainer={"max_steps": 4, "weight_sync_steps": 2})  # fmt: skip
+                           trainer={"max_steps": 4, "weight_sync_steps": 2,
+                                    "max_staleness": 1})  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     rollout = subprocess.Popen(_cli("rollout", str(config)), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
