@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import signal
 import socket
 import subprocess
@@ -30,6 +29,8 @@ import time
 from pathlib import Path
 
 import aiohttp
+
+from asyncgrpo.testing.vllm_metrics import prefix_cache
 
 # -- defaults -----------------------------------------------------------------------------------
 PROMPTS = 64
@@ -193,22 +194,6 @@ def grpo_prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
         template + [rng.randrange(10, vocab) for _ in range(rng.randrange(128, 257))]
         for _ in range(n)
     ]
-
-
-async def prefix_cache(urls: list[str]) -> tuple[float, float]:
-    hits = queries = 0.0
-    async with aiohttp.ClientSession() as s:
-        for url in urls:
-            async with s.get(url + "/metrics") as r:
-                text = await r.text()
-            for name, value in re.findall(
-                r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} ([0-9.e+]+)$", text, re.M
-            ):
-                if name == "hits":
-                    hits += float(value)
-                else:
-                    queries += float(value)
-    return hits, queries
 
 
 async def routing_run(urls: list[str], routing: str, seed: int) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import uuid
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
 from asyncgrpo.proxy.app import REPLICA_HEADER
 from asyncgrpo.serve import Replica
+from asyncgrpo.testing.vllm_metrics import prefix_cache
 from asyncgrpo.vllm_client import VLLMClient
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
@@ -31,23 +31,6 @@ def grpo_prompts(n: int, seed: int, template_len: int = 151) -> list[list[int]]:
         template + [rng.randrange(10, 300) for _ in range(rng.randrange(128, 257))]
         for _ in range(n)
     ]
-
-
-async def prefix_cache(urls: list[str]) -> tuple[float, float]:
-    """Sum of vllm:prefix_cache_hits_total and _queries_total over the replicas."""
-    hits = queries = 0.0
-    async with aiohttp.ClientSession() as s:
-        for url in urls:
-            async with s.get(url + "/metrics") as r:
-                text = await r.text()
-            for name, value in re.findall(
-                r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} ([0-9.e+]+)$", text, re.M
-            ):
-                if name == "hits":
-                    hits += float(value)
-                else:
-                    queries += float(value)
-    return hits, queries
 
 
 async def model_name(url: str) -> str:
