@@ -45,23 +45,7 @@ FALLBACK_BLOCK_SIZE = 16
 
 # Never forwarded: hop-by-hop headers (RFC 9110 7.6.1), the inbound credentials, and headers the
 # client library recomputes for the new connection.
-_DROP_REQUEST = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "authorization",
-        "content-length",
-        "expect",
-    }
-)
-_DROP_RESPONSE = frozenset(
+_HOP_BY_HOP = frozenset(
     {
         "connection",
         "keep-alive",
@@ -72,10 +56,10 @@ _DROP_RESPONSE = frozenset(
         "transfer-encoding",
         "upgrade",
         "content-length",
-        "date",
-        "server",
     }
 )
+_DROP_REQUEST = _HOP_BY_HOP | {"host", "authorization", "expect"}
+_DROP_RESPONSE = _HOP_BY_HOP | {"date", "server"}
 
 
 def _forward_headers(request: web.Request, pool: UpstreamPool) -> dict[str, str]:
