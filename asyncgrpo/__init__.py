@@ -39,7 +39,7 @@ _EXPORTS = {
     "open_transport": "asyncgrpo.transport",
     "run_rollouts": "asyncgrpo.run",
     "run_training": "asyncgrpo.run",
-    "serve_proxy": "asyncgrpo.proxy.app",
+    "serve_proxy": "asyncgrpo.proxy.front",
 }
 
 __all__ = sorted(_EXPORTS)

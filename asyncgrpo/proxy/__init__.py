@@ -5,8 +5,9 @@
 Needs aiohttp only (uvloop if installed for the CLI), never torch.
 """
 
-from asyncgrpo.proxy.app import create_app, serve_proxy
+from asyncgrpo.proxy.app import create_app
 from asyncgrpo.proxy.config import ProxyConfig
+from asyncgrpo.proxy.front import serve_proxy
 from asyncgrpo.proxy.router import Decision, Router, request_hashes
 
 __all__ = ["Decision", "ProxyConfig", "Router", "create_app", "request_hashes", "serve_proxy"]

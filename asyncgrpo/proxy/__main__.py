@@ -16,8 +16,8 @@ import sys
 from collections.abc import Sequence
 
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.proxy.app import serve_proxy
 from asyncgrpo.proxy.config import ProxyConfig
+from asyncgrpo.proxy.front import serve_proxy
 
 _SECRET = {"api_key", "upstream_api_key"}
 _LISTS = {"upstreams": "--upstream", "lora_roots": "--lora-root"}

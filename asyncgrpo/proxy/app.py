@@ -17,8 +17,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -28,7 +27,15 @@ from asyncgrpo.proxy import broadcast, metrics
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.h1 import ConnectFailed
 from asyncgrpo.proxy.router import Router, request_hashes
-from asyncgrpo.proxy.state import CONFIG, POOL, ROUTER, STATS, ProxyStats, error_response
+from asyncgrpo.proxy.state import (
+    CONFIG,
+    POOL,
+    ROUTER,
+    STATS,
+    ProxyStats,
+    error_body,
+    error_response,
+)
 from asyncgrpo.proxy.upstream import Circuit, Upstream, UpstreamPool
 
 try:  # ~3x faster than json on a token-id prompt; optional (the ``fast`` extra)
@@ -36,9 +43,11 @@ try:  # ~3x faster than json on a token-id prompt; optional (the ``fast`` extra)
 except ImportError:  # pragma: no cover - depends on the environment
     _loads = json.loads
 
-__all__ = ["REPLICA_HEADER", "create_app", "serve_proxy"]
+__all__ = ["REPLICA_HEADER", "create_app", "generate_unary"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: Block size used for hashing until the replicas' /server_info has been read.
 FALLBACK_BLOCK_SIZE = 16
@@ -142,26 +151,36 @@ class _Retry(Exception):
     """This attempt failed before anything reached the client: try another replica."""
 
 
-async def handle_generate(request: web.Request) -> web.StreamResponse:
-    app = request.app
-    config, router, pool, stats = app[CONFIG], app[ROUTER], app[POOL], app[STATS]
-    try:
-        body, parsed = await _parse_json(request)
-    except _BadRequest as exc:
-        stats.reject(400)
-        return error_response(400, str(exc))
+class _Exhausted(Exception):
+    """Every attempt failed (or no replica was in rotation); the message says why."""
+
+
+def request_chains(app: web.Application, parsed: dict[str, Any]) -> list[list[int]]:
+    """The routing key of a parsed generation request (empty when routing ignores prefixes)."""
+    router, pool, stats = app[ROUTER], app[POOL], app[STATS]
+    if router.policy != "affinity":
+        return []
     t0 = time.perf_counter()
-    chains = (
-        request_hashes(parsed, pool.block_size or FALLBACK_BLOCK_SIZE)
-        if router.policy == "affinity"
-        else []
-    )
+    chains = request_hashes(parsed, pool.block_size or FALLBACK_BLOCK_SIZE)
     stats.route_seconds += time.perf_counter() - t0
-    stream = parsed.get("stream") is True
-    headers = _forward_headers(request, pool)
+    return chains
+
+
+async def _routed(
+    app: web.Application,
+    chains: list[list[int]],
+    path: str,
+    attempt: Callable[[Upstream], Awaitable[tuple[_T, bool]]],
+) -> _T:
+    """Route, run ``attempt`` on the chosen replica, and on :class:`_Retry` try another one.
+
+    ``attempt`` returns (result, succeeded); only a success records prefix affinity. Raises
+    :class:`_Exhausted` when ``max_attempts`` replicas failed or none is in rotation.
+    """
+    config, router, pool, stats = app[CONFIG], app[ROUTER], app[POOL], app[STATS]
     tried: list[str] = []
     last_error = ""
-    for attempt in range(config.max_attempts):
+    for n in range(config.max_attempts):
         t0 = time.perf_counter()
         try:
             decision = router.route(chains, exclude=tried)
@@ -174,71 +193,154 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         tried.append(up.url)
         ok = False
         try:
-            response, ok = await _forward_generate(
-                request, config, pool, up, body, headers, request.path_qs, stream
-            )
-            return response
+            result, ok = await attempt(up)
+            return result
         except _Retry as exc:
             last_error = str(exc)
-            if attempt + 1 < config.max_attempts:
+            if n + 1 < config.max_attempts:
                 stats.retries += 1
-                log.info("retrying %s elsewhere after %s", request.path, exc)
+                log.info("retrying %s elsewhere after %s", path, exc)
         finally:
             router.finish(decision, ok=ok)
     stats.reject(503)
-    return error_response(
-        503,
+    raise _Exhausted(
         f"no replica could serve the request (tried {len(tried)}): "
-        f"{last_error or 'none in rotation'}",
-        kind="ServiceUnavailableError",
+        f"{last_error or 'none in rotation'}"
     )
 
 
-async def _forward_generate(
-    request: web.Request,
+#: (status, response headers, body) of a buffered answer.
+Answer = tuple[int, list[tuple[str, str]], bytes]
+
+
+async def generate_unary(
+    app: web.Application,
+    path_qs: str,
+    parsed: dict[str, Any],
+    body: bytes,
+    headers: dict[str, str],
+) -> Answer:
+    """Route and forward one non-streaming generation request; the answer is buffered.
+
+    Shared by the aiohttp handler and the fast front (:mod:`asyncgrpo.proxy.front`). Upstream
+    faults never raise: when every attempt failed the answer is a 503 error body. The response
+    headers exclude hop-by-hop ones and ``Content-Length`` and name the replica.
+    """
+    config, pool = app[CONFIG], app[POOL]
+    chains = request_chains(app, parsed)
+
+    async def attempt(up: Upstream) -> tuple[Answer, bool]:
+        return await _forward_unary(config, pool, up, body, headers, path_qs)
+
+    try:
+        return await _routed(app, chains, path_qs, attempt)
+    except _Exhausted as exc:
+        return (
+            503,
+            [("Content-Type", "application/json")],
+            error_body(503, str(exc), kind="ServiceUnavailableError"),
+        )
+
+
+async def handle_generate(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    try:
+        body, parsed = await _parse_json(request)
+    except _BadRequest as exc:
+        app[STATS].reject(400)
+        return error_response(400, str(exc))
+    headers = _forward_headers(request, app[POOL])
+    if parsed.get("stream") is not True:
+        status, out_headers, data = await generate_unary(
+            app, request.path_qs, parsed, body, headers
+        )
+        return web.Response(body=data, status=status, headers=out_headers)
+    config, pool = app[CONFIG], app[POOL]
+    chains = request_chains(app, parsed)
+
+    async def attempt(up: Upstream) -> tuple[web.StreamResponse, bool]:
+        return await _forward_stream(request, config, pool, up, body, headers)
+
+    try:
+        return await _routed(app, chains, request.path, attempt)
+    except _Exhausted as exc:
+        return error_response(503, str(exc), kind="ServiceUnavailableError")
+
+
+async def _forward_unary(
     config: ProxyConfig,
     pool: UpstreamPool,
     up: Upstream,
     body: bytes,
     headers: dict[str, str],
     path: str,
-    stream: bool,
+) -> tuple[Answer, bool]:
+    """One buffered attempt on one replica. Returns (answer, succeeded) or raises :class:`_Retry`."""
+    loop = asyncio.get_running_loop()
+    deadline = asyncio.timeout_at(loop.time() + config.request_timeout_s)
+    up.deadlines.add(deadline)
+    try:
+        async with deadline:
+            if up.h1 is not None:
+                status, raw_headers, data = await up.h1.post(
+                    path, headers.items(), body, connect_timeout_s=config.connect_timeout_s
+                )
+            else:
+                async with pool.session.post(up.url + path, data=body, headers=headers) as r:
+                    status, raw_headers, data = r.status, list(r.headers.items()), await r.read()
+        if status >= 500:
+            # The replica failed (vLLM answers 500 EngineDeadError while it shuts down): out of
+            # rotation, and the request, which has no side effects, goes elsewhere.
+            pool.on_failure(up, f"http_{status}", data[:200].decode(errors="replace"))
+            raise _Retry(f"{up.url} answered {status}")
+        pool.on_success(up)
+        out = [(k, v) for k, v in raw_headers if k.lower() not in _DROP_RESPONSE]
+        out.append((REPLICA_HEADER, up.url))
+        return (status, out, data), 200 <= status < 300
+    except TimeoutError:
+        pool.on_failure(up, "deadline", f"no answer within the deadline on {path}")
+        raise _Retry(f"{up.url} hit the deadline") from None
+    except (aiohttp.ClientConnectorError, ConnectFailed) as exc:
+        pool.on_failure(up, "connect", str(exc))
+        raise _Retry(f"{up.url}: cannot connect") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        # A dropped connection: a crashed replica (its next connect is refused and trips the
+        # circuit) or a keep-alive race; either way the request is retried.
+        pool.on_failure(up, "disconnect", f"{type(exc).__name__}: {exc}", trip=False)
+        raise _Retry(f"{up.url}: {type(exc).__name__}") from None
+    finally:
+        up.deadlines.discard(deadline)
+
+
+async def _forward_stream(
+    request: web.Request,
+    config: ProxyConfig,
+    pool: UpstreamPool,
+    up: Upstream,
+    body: bytes,
+    headers: dict[str, str],
 ) -> tuple[web.StreamResponse, bool]:
-    """One attempt on one replica. Returns (response, succeeded) or raises :class:`_Retry`."""
+    """One streaming attempt. Retryable (:class:`_Retry`) until the first chunk is sent on."""
     loop = asyncio.get_running_loop()
     deadline = asyncio.timeout_at(loop.time() + config.request_timeout_s)
     up.deadlines.add(deadline)
     out: web.StreamResponse | None = None
     try:
-        if not stream and up.h1 is not None:
-            async with deadline:
-                status, raw_headers, data = await up.h1.post(
-                    path, headers.items(), body, connect_timeout_s=config.connect_timeout_s
-                )
-            if status >= 500:
-                pool.on_failure(up, f"http_{status}", data[:200].decode(errors="replace"))
-                raise _Retry(f"{up.url} answered {status}")
-            pool.on_success(up)
-            out_headers = [(k, v) for k, v in raw_headers if k.lower() not in _DROP_RESPONSE]
-            out_headers.append((REPLICA_HEADER, up.url))
-            return web.Response(body=data, status=status, headers=out_headers), 200 <= status < 300
         async with deadline:
-            async with pool.session.post(up.url + path, data=body, headers=headers) as r:
+            async with pool.session.post(up.url + request.path_qs, data=body, headers=headers) as r:
                 status = r.status
                 if status >= 500:
-                    # The replica failed (vLLM answers 500 EngineDeadError while it shuts down):
-                    # out of rotation, and the request, which has no side effects, goes elsewhere.
                     data = await r.read()
                     pool.on_failure(up, f"http_{status}", data[:200].decode(errors="replace"))
                     raise _Retry(f"{up.url} answered {status}")
-                if not stream or status != 200:
+                if status != 200:
                     data = await r.read()
                     pool.on_success(up)
                     return web.Response(
                         body=data, status=status, headers=_gen_headers(r, up.url)
-                    ), 200 <= status < 300
-                # Streaming: wait for the first chunk under the request deadline (still
-                # retryable), then pass chunks through as they arrive under the idle deadline.
+                    ), False
+                # Wait for the first chunk under the request deadline (still retryable), then
+                # pass chunks through as they arrive under the idle deadline.
                 first = await r.content.readany()
                 out = web.StreamResponse(status=status, headers=_gen_headers(r, up.url))
                 await out.prepare(request)
@@ -256,14 +358,12 @@ async def _forward_generate(
         if out is None:
             raise _Retry(f"{up.url} hit the deadline") from None
         raise  # mid-stream: the client already has part of the answer; drop the connection
-    except (aiohttp.ClientConnectorError, ConnectFailed) as exc:
+    except aiohttp.ClientConnectorError as exc:
         pool.on_failure(up, "connect", str(exc))
         raise _Retry(f"{up.url}: cannot connect") from None
     except (aiohttp.ClientError, OSError) as exc:
         if out is not None and request.transport is None:
             raise  # the client went away mid-stream; not the replica's fault
-        # A dropped connection: a crashed replica (its next connect is refused and trips the
-        # circuit) or a keep-alive race; either way the request is retried.
         pool.on_failure(up, "disconnect", f"{type(exc).__name__}: {exc}", trip=False)
         if out is None:
             raise _Retry(f"{up.url}: {type(exc).__name__}") from None
@@ -457,22 +557,3 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         for up in pool.upstreams.values():
             up.close()
         await session.close()
-
-
-@asynccontextmanager
-async def serve_proxy(config: ProxyConfig) -> AsyncIterator[str]:
-    """Run the proxy in this event loop; yields its base URL (``port=0`` picks a free port)."""
-    app = create_app(config)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, config.host, config.port, backlog=1024)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        if ":" in host:
-            host = f"[{host}]"
-        url = f"http://{host}:{port}"
-        log.info("proxy listening on %s", url)
-        yield url
-    finally:
-        await runner.cleanup()

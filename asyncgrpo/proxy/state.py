@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from aiohttp import web
@@ -10,7 +11,7 @@ from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.router import Router
 from asyncgrpo.proxy.upstream import UpstreamPool
 
-__all__ = ["CONFIG", "POOL", "ROUTER", "STATS", "ProxyStats", "error_response"]
+__all__ = ["CONFIG", "POOL", "ROUTER", "STATS", "ProxyStats", "error_body", "error_response"]
 
 
 class ProxyStats:
@@ -38,7 +39,16 @@ POOL = web.AppKey("pool", UpstreamPool)
 STATS = web.AppKey("stats", ProxyStats)
 
 
-def error_response(status: int, message: str, *, kind: str = "BadRequestError") -> web.Response:
+def error_body(status: int, message: str, *, kind: str = "BadRequestError") -> bytes:
     """An OpenAI-style error body, so SDK clients show the message."""
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.json_response(body, status=status)
+    return json.dumps(body).encode()
+
+
+def error_response(status: int, message: str, *, kind: str = "BadRequestError") -> web.Response:
+    """:func:`error_body` as an aiohttp response."""
+    return web.Response(
+        body=error_body(status, message, kind=kind),
+        status=status,
+        content_type="application/json",
+    )

@@ -1,0 +1,222 @@
+"""The proxy's HTTP/1.1 front over raw sockets, in front of a real aiohttp upstream.
+
+The upstream echoes what it received (body and the headers that matter), so each test can see
+exactly what the proxy forwarded. The vLLM-backed tests (test_proxy_vllm.py) cover the same
+front with real replicas; these pin down the HTTP corners a client library rarely exercises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from asyncgrpo.proxy import ProxyConfig, serve_proxy
+from asyncgrpo.proxy.app import REPLICA_HEADER
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[tuple[str, dict]]:
+    """A real aiohttp server standing in for a replica; yields (url, shared state)."""
+    state: dict = {"release": asyncio.Event(), "seen": []}
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        state["seen"].append(dict(request.headers))
+        parsed = json.loads(body)
+        if parsed.get("stream"):
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            await out.write(b'data: {"n": 1}\n\n')
+            await state["release"].wait()  # the test reads chunk 1 before chunk 2 exists
+            await out.write(b'data: {"n": 2}\n\ndata: [DONE]\n\n')
+            await out.write_eof()
+            return out
+        return web.json_response({"echo": parsed, "length": len(body)})
+
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response({"vllm_config": {"cache_config": {"block_size": 16}}})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/server_info", server_info)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", state
+    finally:
+        await runner.cleanup()
+
+
+def _config(url: str, **kw: object) -> ProxyConfig:
+    return ProxyConfig(upstreams=(url,), port=0, **kw)  # type: ignore[arg-type]
+
+
+async def _raw(base: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    return await asyncio.open_connection(host, int(port))
+
+
+async def _response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    headers = {}
+    for line in head[1:]:
+        if line:
+            k, _, v = line.partition(":")
+            headers[k.strip().lower()] = v.strip()
+    body = await reader.readexactly(int(headers.get("content-length", "0")))
+    return int(head[0].split()[1]), headers, body
+
+
+def _post(body: bytes, extra: str = "", path: str = "/v1/completions") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{extra}"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+async def test_pipelined_requests_answer_in_order_on_one_connection(upstream) -> None:
+    url, _ = upstream
+    async with serve_proxy(_config(url)) as base:
+        reader, writer = await _raw(base)
+        bodies = [json.dumps({"model": "m", "prompt": [i] * 40}).encode() for i in range(3)]
+        writer.write(b"".join(_post(b) for b in bodies))  # all three in one segment
+        for i in range(3):
+            status, headers, body = await _response(reader)
+            assert status == 200
+            assert json.loads(body)["echo"]["prompt"][0] == i
+            assert headers[REPLICA_HEADER.lower()] == url
+            assert "date" in headers and "connection" not in headers
+        writer.close()
+
+
+async def test_expect_continue_and_chunked_request_body(upstream) -> None:
+    url, _ = upstream
+    payload = json.dumps({"model": "m", "prompt": "hello " * 50}).encode()
+    async with serve_proxy(_config(url)) as base:
+        reader, writer = await _raw(base)
+        head = (
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n"
+        )
+        writer.write(head.encode())
+        assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+        for i in range(0, len(payload), 100):
+            part = payload[i : i + 100]
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+        writer.write(b"0\r\n\r\n")
+        status, _, body = await _response(reader)
+        assert status == 200
+        assert json.loads(body)["length"] == len(payload)  # forwarded de-chunked, whole
+        writer.close()
+
+
+async def test_bad_heads_and_bodies_get_clear_errors_and_close(upstream) -> None:
+    url, _ = upstream
+    cases = [
+        (b"GARBAGE\r\n\r\n", 400, "malformed request line"),
+        (b"POST /v1/completions HTTP/1.1\r\nBad Header\r\n\r\n", 400, "malformed header"),
+        (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 9999\r\n\r\n", 413, "too large"),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nContent-Length: 3\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n",
+            400,
+            "both Content-Length",
+        ),
+        (b"GET / HTTP/1.1\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", 431, "head over"),
+    ]
+    async with serve_proxy(_config(url, max_body_bytes=2048)) as base:
+        for raw, status, message in cases:
+            reader, writer = await _raw(base)
+            writer.write(raw)
+            got, headers, body = await _response(reader)
+            assert got == status, body
+            assert message in json.loads(body)["error"]["message"]
+            assert headers["connection"] == "close"
+            assert await reader.read() == b""  # and the proxy closed the connection
+            writer.close()
+        async with aiohttp.ClientSession() as s:
+            async with s.post(base + "/v1/completions", data=b"{not json") as r:
+                assert r.status == 400
+                assert "not valid JSON" in (await r.json())["error"]["message"]
+            async with s.get(base + "/proxy/stats") as r:
+                rejected = (await r.json())["rejected"]
+        assert {int(k): v for k, v in rejected.items()} == {400: 4, 413: 1, 431: 1}
+
+
+async def test_api_key_checked_on_every_path_and_never_forwarded(upstream) -> None:
+    url, state = upstream
+    cfg = _config(url, api_key="sekrit-in", upstream_api_key="sekrit-out")
+    body = {"model": "m", "prompt": "hi"}
+    async with serve_proxy(cfg) as base, aiohttp.ClientSession() as s:
+        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+            async with s.request(method, base + path, json=body) as r:
+                assert r.status == 401
+            wrong = {"Authorization": "Bearer nope"}
+            async with s.request(method, base + path, json=body, headers=wrong) as r:
+                assert r.status == 401
+        good = {"Authorization": "Bearer sekrit-in"}
+        async with s.post(base + "/v1/completions", json=body, headers=good) as r:
+            assert r.status == 200
+        async with s.get(base + "/v1/models", headers=good) as r:
+            assert (await r.json())["data"][0]["id"] == "m"
+    assert state["seen"] and all(h["Authorization"] == "Bearer sekrit-out" for h in state["seen"])
+
+
+async def test_stream_is_relayed_as_it_arrives_and_connection_kept(upstream) -> None:
+    url, state = upstream
+    async with serve_proxy(_config(url)) as base:
+        reader, writer = await _raw(base)
+        writer.write(_post(json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()))
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower()
+        size = int(await reader.readuntil(b"\r\n"), 16)
+        first = await asyncio.wait_for(reader.readexactly(size + 2), 10)
+        assert first == b'data: {"n": 1}\n\n\r\n'  # before the upstream has written chunk 2
+        state["release"].set()
+        rest = b""
+        while not rest.endswith(b"0\r\n\r\n"):
+            rest += await asyncio.wait_for(reader.read(1024), 10)
+        assert b"[DONE]" in rest
+        writer.write(_post(json.dumps({"model": "m", "prompt": "again"}).encode()))
+        status, _, body = await _response(reader)  # same connection, after a relayed stream
+        assert status == 200 and json.loads(body)["echo"]["prompt"] == "again"
+        writer.close()
+
+
+async def test_shutdown_with_idle_and_busy_connections_leaves_nothing(upstream) -> None:
+    url, state = upstream
+    before = {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("asyncgrpo-proxy-")}
+    async with serve_proxy(_config(url)) as base:
+        ours = {
+            d for d in os.listdir(tempfile.gettempdir()) if d.startswith("asyncgrpo-proxy-")
+        } - before
+        assert len(ours) == 1  # the aiohttp application's private socket directory
+        idle = await _raw(base)
+        busy = await _raw(base)
+        busy[1].write(_post(json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()))
+        await busy[0].readuntil(b"\r\n\r\n")
+    # Both connections are closed by the proxy (the stream cut short), and no socket dir is left.
+    assert await asyncio.wait_for(idle[0].read(), 5) == b""
+    await asyncio.wait_for(busy[0].read(), 5)
+    assert busy[0].at_eof()
+    assert not ours & set(os.listdir(tempfile.gettempdir()))
+    state["release"].set()
