@@ -44,6 +44,7 @@ from asyncgrpo.metrics import MetricsWriter
 from asyncgrpo.proxy.front import serve_proxy
 from asyncgrpo.rollout.client import RolloutClient
 from asyncgrpo.rollout.dataset import PromptDataset, load_tokenizer
+from asyncgrpo.rollout.window import AdmissionWindow
 from asyncgrpo.sample import Sample
 from asyncgrpo.serve import ServeConfig, launch_replicas
 from asyncgrpo.sync import AdapterLoader, AdapterSync, LocalCacheSource, ProxyLoader, read_policy
@@ -204,7 +205,16 @@ async def run_training(
         # -- the sample source ------------------------------------------------------------
         if rollout_source == "local":
             rollouts = await stack.enter_async_context(
-                await _rollout_client(cfg, proxy_url, (sync.name(version), version), position)
+                await _rollout_client(
+                    cfg,
+                    proxy_url,
+                    (sync.name(version), version),
+                    position,
+                    window=AdmissionWindow(
+                        per_version=tcfg.samples_per_step * tcfg.weight_sync_steps,
+                        max_staleness=tcfg.max_staleness,
+                    ),
+                )
             )
             source: _SampleSource = _LocalSource(rollouts)
         else:
@@ -282,9 +292,17 @@ async def run_training(
 
 
 async def _rollout_client(
-    cfg: TrainingConfig, base_url: str, policy: tuple[str, int], position: int
+    cfg: TrainingConfig,
+    base_url: str,
+    policy: tuple[str, int],
+    position: int,
+    window: AdmissionWindow | None = None,
 ) -> RolloutClient:
-    """The rollout client of a run: the dataset with the model's chat template, via the proxy."""
+    """The rollout client of a run: the dataset with the model's chat template, via the proxy.
+
+    ``window``: in the trainer's process, start no rollout the trainer would drop as stale (a
+    remote client cannot see what the trainer has read, and relies on the queue bound).
+    """
     tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
     return RolloutClient(
         base_urls=base_url,
@@ -294,6 +312,7 @@ async def _rollout_client(
         policy=policy,
         start_position=position,
         api_key=cfg.proxy.api_key,
+        window=window,
     )
 
 

@@ -9,7 +9,9 @@ A group keeps its G in-flight slots until a scoring worker takes it, so a full q
 scoring (``rollout/backpressure_s``), busy scorers block generation
 (``rollout/score_block_s``), and no more than ``max_inflight`` completions are ever generated or
 waiting. The base URL is the proxy or a vLLM server (same API); with several URLs the client
-picks the least-loaded one itself and honours ``max_inflight_per_replica``.
+picks the least-loaded one itself and honours ``max_inflight_per_replica``. With an
+:class:`~asyncgrpo.rollout.window.AdmissionWindow` (the trainer's own client), no group starts
+whose samples the trainer would drop as stale.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from asyncgrpo.errors import ReplicaError
 from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import Prompt, PromptDataset
 from asyncgrpo.rollout.rewards import RewardScorer
+from asyncgrpo.rollout.window import AdmissionWindow
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.advantages import group_advantages
 
@@ -133,6 +136,7 @@ class RolloutClient:
         start_position: int = 0,
         advantage_eps: float = 1e-4,
         api_key: str | None = None,
+        window: AdmissionWindow | None = None,
     ) -> None:
         rollout.check_against(generation)
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
@@ -156,6 +160,8 @@ class RolloutClient:
         self._picks = 0
         self._policy = policy
         self._slots = _Slots(rollout.max_inflight)
+        self._window = window
+        self._window_moved = anyio.Event()
         self._send, self._recv = anyio.create_memory_object_stream[Sample](rollout.queue_maxsize)
         self._score_send, self._score_recv = anyio.create_memory_object_stream[_Generated](0)
         self._pending: set[int] = set()
@@ -219,6 +225,9 @@ class RolloutClient:
         """Switch new requests to adapter ``name`` (already loaded on every replica)."""
         if version < self._policy[1]:
             raise ValueError(f"policy version went backwards: {version} < {self._policy[1]}")
+        if self._window is not None and version > self._policy[1]:
+            self._window.new_version()
+            self._wake_producer()
         self._policy = (name, version)
 
     @property
@@ -234,16 +243,31 @@ class RolloutClient:
     async def get(self, n: int) -> list[Sample]:
         """The next ``n`` samples; fewer only when the dataset is exhausted (then [] at the end)."""
         out: list[Sample] = []
+        window = self._window
         try:
             while len(out) < n:
-                out.append(await self._recv.receive())
+                try:
+                    sample = self._recv.receive_nowait()
+                except anyio.WouldBlock:
+                    if window is None:
+                        sample = await self._recv.receive()
+                    else:
+                        window.demand = n - len(out)
+                        self._wake_producer()
+                        try:
+                            sample = await self._recv.receive()
+                        finally:
+                            window.demand = 0
+                out.append(sample)
+                if window is not None:
+                    window.took(1)
         except anyio.EndOfStream:
             pass
         return out
 
     async def __aiter__(self) -> AsyncIterator[Sample]:
-        async for sample in self._recv:
-            yield sample
+        while batch := await self.get(1):
+            yield batch[0]
 
     def stats(self) -> dict[str, float]:
         """Metrics since the previous call (``_s`` durations, rates) plus totals and gauges.
@@ -295,6 +319,10 @@ class RolloutClient:
         )
         async with self._score_send, anyio.create_task_group() as groups:
             for prompt in prompts:
+                if self._window is not None:
+                    while not self._window.may_admit(g):
+                        await self._window_moved.wait()
+                    self._window.admitted(g)
                 await self._slots.acquire(g)
                 self._pending.add(prompt.index)
                 self._next_position = prompt.index + 1
@@ -333,6 +361,7 @@ class RolloutClient:
             if not handed_over:
                 self._slots.release(g)
                 self._pending.discard(prompt.index)
+                self._lost(g)
 
     async def _score_all(self) -> None:
         """Scoring workers; the sample queue closes when the last one is done."""
@@ -392,6 +421,16 @@ class RolloutClient:
                 finally:
                     self._backpressure.stop(token)
             self._samples_total += 1
+        self._lost(item.slots - k)
+
+    def _lost(self, k: int) -> None:
+        if self._window is not None and k:
+            self._window.lost(k)
+            self._wake_producer()
+
+    def _wake_producer(self) -> None:
+        self._window_moved.set()
+        self._window_moved = anyio.Event()
 
     # ----------------------------------------------------------------- HTTP
 
