@@ -39,7 +39,7 @@ from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.channel import RolloutChannel
 from asyncgrpo.checkpoints import CheckpointStore
 from asyncgrpo.config import TrainingConfig
-from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound
+from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound, ReplicaError
 from asyncgrpo.metrics import MetricsWriter
 from asyncgrpo.proxy.front import serve_proxy
 from asyncgrpo.rollout.client import RolloutClient
@@ -389,14 +389,28 @@ async def run_rollouts(cfg: TrainingConfig, *, poll_interval_s: float = 0.5) -> 
     Uses ``serve.urls`` (or local replicas) behind its own in-process proxy. Returns the number
     of samples shipped.
     """
-    run_dir = cfg.run_dir
     transport = open_transport(_transport_url(cfg))
-    shipped = 0
+    shipped = [0]
+    try:
+        await _ship_rollouts(cfg, transport, poll_interval_s, shipped)
+    except ReplicaError:
+        # The trainer unloads its adapters right after writing done.json; requests still in
+        # flight under them answer 404 before the next poll sees the end. That is the end too.
+        if not await transport.exists(DONE_KEY):
+            raise
+        logger.info("the trainer finished while rollouts were in flight; stopping")
+    finally:
+        await transport.aclose()
+    return shipped[0]
+
+
+async def _ship_rollouts(
+    cfg: TrainingConfig, transport: Transport, poll_interval_s: float, shipped: list[int]
+) -> None:
     async with AsyncExitStack() as stack:
-        stack.push_async_callback(transport.aclose)
         policy = await _wait_for(transport, POLICY_KEY, poll_interval_s)
         name, version = read_policy(policy)
-        proxy_url = await stack.enter_async_context(_endpoint(cfg, run_dir / "adapter-cache"))
+        proxy_url = await stack.enter_async_context(_endpoint(cfg, cfg.run_dir / "adapter-cache"))
         channel = RolloutChannel(transport)
         client = await stack.enter_async_context(
             await _rollout_client(cfg, proxy_url, (name, version), 0)
@@ -420,9 +434,8 @@ async def run_rollouts(cfg: TrainingConfig, *, poll_interval_s: float = 0.5) -> 
                 if not samples:
                     break
                 await channel.append(samples)
-                shipped += len(samples)
+                shipped[0] += len(samples)
             tg.cancel_scope.cancel()
-    return shipped
 
 
 async def _wait_for(transport: Transport, key: str, poll_interval_s: float) -> bytes:

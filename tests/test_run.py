@@ -76,6 +76,8 @@ async def test_end_to_end_served_logprobs_equal_trainer_and_reward_rises(
                 "batch/microbatches_per_step", "ratio", "kl", "entropy", "reward", "reward_std",
                 "rewards/digit_fraction", "adapter_version"):  # fmt: skip
         assert key in records[-1], key
+    # max_staleness=0: the admission window starts no rollout the trainer would drop.
+    assert records[-1]["sample/dropped_stale_total"] == 0
     # Learning. The reward is the share of digits; a random policy puts ~3 % of its mass on
     # the 12 digit tokens. Sampled rewards over 30 steps are too noisy for a sharp test, so
     # measure the policy itself: the exact probability that the first completion token is a
