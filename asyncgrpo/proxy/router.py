@@ -59,6 +59,7 @@ In-flight counts only routed generation requests.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections import OrderedDict
@@ -82,6 +83,7 @@ BYTES_PER_TOKEN = 4
 DecisionKind = Literal["affinity", "spill", "unmatched"]
 
 
+@functools.lru_cache(maxsize=4096)
 def _seed(model: str) -> int:
     return int.from_bytes(hashlib.blake2b(model.encode(), digest_size=8).digest(), "little")
 
@@ -322,8 +324,10 @@ class Router:
                 continue
             owned.append(block.owners)
         scores: dict[str, int] = {}
+        if not owned:
+            return scores
         for r, bit in bits.items():
-            n = sum(1 for owners in owned if owners & bit)
+            n = len(owned) - [owners & bit for owners in owned].count(0)
             if n:
                 scores[r] = n
         return scores
