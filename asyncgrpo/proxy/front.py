@@ -154,6 +154,10 @@ class Front:
                     return
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
             return  # the client went away or idled out
+        except asyncio.CancelledError:
+            # aclose() at shutdown. Ending normally: asyncio's start_server callback logs an
+            # error for a connection task that ends cancelled.
+            return
         finally:
             self._tasks.discard(task)
             writer.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import tempfile
 from collections.abc import AsyncIterator
@@ -202,7 +203,7 @@ async def test_stream_is_relayed_as_it_arrives_and_connection_kept(upstream) -> 
         writer.close()
 
 
-async def test_shutdown_with_idle_and_busy_connections_leaves_nothing(upstream) -> None:
+async def test_shutdown_with_idle_and_busy_connections_leaves_nothing(upstream, caplog) -> None:
     url, state = upstream
     before = {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("asyncgrpo-proxy-")}
     async with serve_proxy(_config(url)) as base:
@@ -219,4 +220,5 @@ async def test_shutdown_with_idle_and_busy_connections_leaves_nothing(upstream) 
     await asyncio.wait_for(busy[0].read(), 5)
     assert busy[0].at_eof()
     assert not ours & set(os.listdir(tempfile.gettempdir()))
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     state["release"].set()
