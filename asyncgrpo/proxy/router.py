@@ -171,6 +171,10 @@ def request_hashes(body: dict[str, Any], block_size: int) -> list[list[int]]:
     return []
 
 
+#: Bound on the "recently recorded" prompts (cleared when reached).
+_RECENT_MAX = 4096
+
+
 class _Block:
     __slots__ = ("common", "owners", "successor")
 
@@ -223,6 +227,9 @@ class Router:
         self._rr = 0
         self.evictions = 0
         self._withdrawals = 0  # failures that withdrew claims; success re-records only after one
+        # Prompt (last hash of each chain) -> replica it was last recorded for. The G rollouts of
+        # a prompt mostly repeat the same record; skip it while nothing could have undone it.
+        self._recent: dict[tuple[int, ...], str] = {}
         self.decisions: dict[DecisionKind, int] = {"affinity": 0, "spill": 0, "unmatched": 0}
 
     # -- replicas ---------------------------------------------------------------------------
@@ -238,12 +245,14 @@ class Router:
             return
         self._slot[name] = self._next_slot
         self._next_slot += 1
+        self._recent.clear()
         self._inflight[name] = 0
         self._available[name] = available
 
     def remove_replica(self, name: str) -> None:
         """Forget a replica; its ownership bits become dead weight that is never matched again."""
         self._slot.pop(name, None)
+        self._recent.clear()
         self._inflight.pop(name, None)
         self._available.pop(name, None)
 
@@ -303,7 +312,14 @@ class Router:
             choice = self._least_loaded(candidates)
         self.decisions[kind] += 1
         self._inflight[choice] += 1
-        claimed = self._record(frozen, choice) if self.policy == "affinity" else ()
+        claimed: tuple[int, ...] = ()
+        if self.policy == "affinity" and frozen:
+            key = tuple(c[-1] for c in frozen if c)
+            if self._recent.get(key) != choice:
+                claimed = self._record(frozen, choice)
+                if len(self._recent) >= _RECENT_MAX:
+                    self._recent.clear()
+                self._recent[key] = choice
         return Decision(choice, kind, matched, frozen, claimed, self._withdrawals)
 
     def _scores(self, chain: Sequence[int], candidates: list[str]) -> dict[str, int]:
@@ -359,6 +375,7 @@ class Router:
         while len(blocks) > self.max_blocks:
             blocks.popitem(last=False)
             self.evictions += 1
+            self._recent.clear()
         return tuple(claimed)
 
     def finish(self, decision: Decision, *, ok: bool) -> None:
@@ -373,6 +390,7 @@ class Router:
                 self._record(decision.chains, r)  # a failure may have withdrawn what we rely on
             return
         self._withdrawals += 1
+        self._recent.clear()
         slot = self._slot.get(r)
         if slot is None:
             return

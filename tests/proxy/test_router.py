@@ -159,6 +159,22 @@ def test_failed_request_records_no_affinity() -> None:
     assert r.route(chains(prompt(1))).kind == "affinity"
 
 
+def test_repeat_of_a_prompt_skips_recording_but_survives_the_first_ones_failure() -> None:
+    """The 2nd..Gth rollouts of a prompt claim nothing new (the record is skipped); when the
+    claimant then fails, a later success of theirs restores the ownership it withdrew."""
+    r = router("r0", "r1")
+    first = r.route(chains(prompt(3)))
+    second = r.route(chains(prompt(3)))
+    assert second.replica == first.replica and second.claimed == () and first.claimed
+    r.finish(first, ok=False)
+    lost = r.route(chains(prompt(3)))
+    assert lost.kind == "unmatched"  # the claim is withdrawn, nothing else owns the prompt
+    r.finish(lost, ok=False)
+    r.finish(second, ok=True)
+    again = r.route(chains(prompt(3)))
+    assert again.kind == "affinity" and again.replica == first.replica
+
+
 def test_unavailable_replicas_are_never_chosen() -> None:
     r = router("r0", "r1")
     r.finish(r.route(chains(prompt(1))), ok=True)  # r0 owns prompt 1
