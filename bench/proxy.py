@@ -8,7 +8,7 @@
     requests/s and p50/p99 latency direct vs through the proxy, 1 and 256 in flight.
 
     python bench/proxy.py                      # both parts; starts 2 vLLM replicas of a tiny model
-    python bench/proxy.py --part overhead      # (b) only, ~30 s
+    python bench/proxy.py --part overhead      # (b) only, ~1 min
     python bench/proxy.py --upstream URL --upstream URL --part routing   # reuse running replicas
 """
 
@@ -21,6 +21,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import socket
 import subprocess
 import sys
@@ -38,8 +39,9 @@ G = 8
 INFLIGHT = 64
 TEMPLATE_TOKENS = 151
 MAX_TOKENS = 16
-OVERHEAD_REQUESTS_1 = 2000
-OVERHEAD_REQUESTS_256 = 20000
+OVERHEAD_REQUESTS_1 = 1000  # per round
+OVERHEAD_REQUESTS_256 = 8000
+OVERHEAD_ROUNDS = 5
 PY = sys.executable
 
 CANNED = json.dumps(
@@ -125,36 +127,36 @@ def run_canned_upstream(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
-async def measure(url: str, inflight: int, n: int, body: bytes) -> tuple[float, float, float]:
+async def measure(
+    s: aiohttp.ClientSession, url: str, inflight: int, n: int, body: bytes
+) -> tuple[float, float, float]:
     """(requests/s, p50 ms, p99 ms) for ``n`` POSTs with ``inflight`` at once."""
     lat: list[float] = []
     sem = asyncio.Semaphore(inflight)
-    conn = aiohttp.TCPConnector(limit=inflight)
     headers = {"Content-Type": "application/json"}
-    async with aiohttp.ClientSession(connector=conn) as s:
 
-        async def one() -> None:
-            async with sem:
-                t = time.perf_counter()
-                async with s.post(url, data=body, headers=headers) as r:
-                    await r.read()
-                    assert r.status == 200, r.status
-                lat.append(time.perf_counter() - t)
+    async def one() -> None:
+        async with sem:
+            t = time.perf_counter()
+            async with s.post(url, data=body, headers=headers) as r:
+                await r.read()
+                assert r.status == 200, r.status
+            lat.append(time.perf_counter() - t)
 
-        await asyncio.gather(*(one() for _ in range(min(n // 10, 500))))  # warm-up
-        lat.clear()
-        t0 = time.perf_counter()
-        if inflight == 1:
-            for _ in range(n):
-                await one()
-        else:
-            await asyncio.gather(*(one() for _ in range(n)))
-        wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if inflight == 1:
+        for _ in range(n):
+            await one()
+    else:
+        await asyncio.gather(*(one() for _ in range(n)))
+    wall = time.perf_counter() - t0
     lat.sort()
     return n / wall, lat[len(lat) // 2] * 1e3, lat[int(len(lat) * 0.99)] * 1e3
 
 
 async def part_overhead() -> list[list[str]]:
+    """Direct and proxied rounds alternate (``OVERHEAD_ROUNDS`` each), so a change in machine load
+    hits both; the table shows per-path medians and the median of the per-round differences."""
     up_port, px_port = free_port(), free_port()
     rng = random.Random(0)
     body = json.dumps(
@@ -162,6 +164,7 @@ async def part_overhead() -> list[list[str]]:
          "max_tokens": 2, "logprobs": 0, "return_token_ids": True}
     ).encode()  # fmt: skip
     rows = []
+    med = statistics.median
     with subprocess_server([PY, __file__, "--_canned-upstream", str(up_port)]):
         upstream = f"http://127.0.0.1:{up_port}"
         await wait_http(upstream + "/health")
@@ -171,16 +174,27 @@ async def part_overhead() -> list[list[str]]:
             proxy = f"http://127.0.0.1:{px_port}"
             await wait_http(proxy + "/health")
             for inflight, n in ((1, OVERHEAD_REQUESTS_1), (256, OVERHEAD_REQUESTS_256)):
-                d = await measure(upstream + "/v1/completions", inflight, n, body)
-                c0 = cpu_s(px.pid)
-                p = await measure(proxy + "/v1/completions", inflight, n, body)
-                # Includes the warm-up requests measure() sends first.
-                cpu_us = (cpu_s(px.pid) - c0) / (n + min(n // 10, 500)) * 1e6
-                rows.append([f"{inflight}", "direct", f"{d[0]:.0f}", f"{d[1]:.3f}", f"{d[2]:.3f}",
-                             "", "", ""])  # fmt: skip
-                rows.append([f"{inflight}", "proxy", f"{p[0]:.0f}", f"{p[1]:.3f}", f"{p[2]:.3f}",
-                             f"+{p[1] - d[1]:.3f}", f"{100 * p[0] / d[0]:.0f} %",
-                             f"{cpu_us:.0f}"])  # fmt: skip
+                conn = aiohttp.TCPConnector(limit=inflight)
+                async with aiohttp.ClientSession(connector=conn) as s:
+                    for url in (upstream, proxy):  # warm-up: connections, caches
+                        await measure(s, url + "/v1/completions", inflight, n // 5, body)
+                    d, p, cpu = [], [], []
+                    for _ in range(OVERHEAD_ROUNDS):
+                        d.append(await measure(s, upstream + "/v1/completions", inflight, n, body))
+                        c0 = cpu_s(px.pid)
+                        p.append(await measure(s, proxy + "/v1/completions", inflight, n, body))
+                        cpu.append((cpu_s(px.pid) - c0) / n * 1e6)
+                added = med(b[1] - a[1] for a, b in zip(d, p, strict=True))
+                share = med(b[0] / a[0] for a, b in zip(d, p, strict=True))
+                for name, runs in (("direct", d), ("proxy", p)):
+                    row = [f"{inflight}", name, f"{med(r[0] for r in runs):.0f}",
+                           f"{med(r[1] for r in runs):.3f}", f"{med(r[2] for r in runs):.3f}"]  # fmt: skip
+                    row += (
+                        [f"{added:+.3f}", f"{100 * share:.0f} %", f"{med(cpu):.0f}"]
+                        if name == "proxy"
+                        else ["", "", ""]
+                    )
+                    rows.append(row)
     return rows
 
 
@@ -280,7 +294,8 @@ async def main(args: argparse.Namespace) -> None:
     if args.part in ("overhead", "all"):
         rows = await part_overhead()
         print(table(
-            "(b) overhead vs a canned upstream (300-token prompt body)",
+            f"(b) overhead vs a canned upstream (300-token prompt body); medians of "
+            f"{OVERHEAD_ROUNDS} alternating rounds",
             ["in flight", "path", "req/s", "p50 ms", "p99 ms", "added p50 ms", "of direct",
              "proxy CPU us/req"],
             rows,
