@@ -96,6 +96,13 @@ class ProxyConfig:
     stream_idle_timeout_s: float = field(
         default=120.0, metadata={"help": "Largest gap between two chunks of a streamed answer."}
     )
+    client_idle_timeout_s: float = field(
+        default=75.0,
+        metadata={
+            "help": "A client connection idle this long between requests, or this slow to send "
+            "one whole request, is closed."
+        },
+    )
     max_attempts: int = field(
         default=3,
         metadata={"help": "Tries per request across replicas (connect errors and deadlines)."},
@@ -173,6 +180,7 @@ class ProxyConfig:
             "connect_timeout_s",
             "request_timeout_s",
             "stream_idle_timeout_s",
+            "client_idle_timeout_s",
             "health_interval_s",
             "health_timeout_s",
             "circuit_open_s",

@@ -222,3 +222,22 @@ async def test_shutdown_with_idle_and_busy_connections_leaves_nothing(upstream, 
     assert not ours & set(os.listdir(tempfile.gettempdir()))
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     state["release"].set()
+
+
+async def test_idle_and_trickling_clients_are_disconnected(upstream) -> None:
+    url, _ = upstream
+    async with serve_proxy(_config(url, client_idle_timeout_s=0.4)) as base:
+        trickle = await _raw(base)
+        trickle[1].write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # never finished
+        idle = await _raw(base)
+        idle[1].write(_post(json.dumps({"model": "m", "prompt": "x"}).encode()))
+        assert (await _response(idle[0]))[0] == 200
+        busy = await _raw(base)
+        for _ in range(8):  # a client that keeps sending requests is not cut off
+            busy[1].write(_post(json.dumps({"model": "m", "prompt": "y"}).encode()))
+            assert (await _response(busy[0]))[0] == 200
+            await asyncio.sleep(0.1)
+        assert await asyncio.wait_for(trickle[0].read(), 5) == b""
+        assert await asyncio.wait_for(idle[0].read(), 5) == b""
+        for _, w in (trickle, idle, busy):
+            w.close()
