@@ -21,7 +21,7 @@ steps: a random tiny model earns ~0.02 digit share, and doubling it is well abov
 noise (~0.005) yet within reach of 20 steps when learning works. ``thr [s]`` counts training time
 up to that step (setup excluded). ``--threshold`` sets an absolute value instead.
 
-Run: ``python bench/train.py`` (everything, < 15 min on 2 quiet cores), or e.g.
+Run: ``python bench/train.py`` (everything, about 20 min on 2 quiet cores), or e.g.
 ``python bench/train.py --parts b --models tiny --steps 2`` (a smoke run).
 """
 
