@@ -21,8 +21,8 @@ import json
 import os
 import random
 import signal
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
