@@ -249,8 +249,18 @@ class ServingConfig:
         default=None,
         metadata={"help": "CPU KV cache per local replica, GiB (VLLM_CPU_KVCACHE_SPACE)."},
     )
+    nice: int = field(
+        default=0,
+        metadata={
+            "help": "Nice value (0-19) of local replicas. On a CPU host shared with the trainer "
+            "use ~10: vLLM's workers busy-poll for 1 s after each batch, right when the trainer "
+            "computes."
+        },
+    )
 
     def __post_init__(self) -> None:
+        if not 0 <= self.nice <= 19:
+            raise ConfigError(f"serve.nice={self.nice}: use 0..19 (higher: lower priority)")
         if self.replicas < 0:
             raise ConfigError(f"serve.replicas={self.replicas}: set it to 0 or more")
         for url in self.urls:

@@ -110,6 +110,7 @@ async def _endpoint(cfg: TrainingConfig, cache_dir: Path) -> AsyncIterator[str]:
                 dtype=cfg.serve.dtype,
                 max_model_len=cfg.serve.max_model_len,
                 kv_cache_gib=cfg.serve.kv_cache_gib,
+                nice=cfg.serve.nice,
                 log_dir=str(cfg.run_dir / "replica-logs"),
             )
             replicas = await stack.enter_async_context(launch_replicas(serve))

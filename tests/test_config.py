@@ -83,6 +83,7 @@ def test_round_trip_to_dict():
         ("lora.dropout=1", "lora.dropout"),
         ("run_name=a/b", "run_name='a/b'"),
         ("serve.urls=[localhost:8000]", "not an http(s) URL"),
+        ("serve.nice=20", "serve.nice=20: use 0..19"),
         ("rollout.max_inflight=4", "raise max_inflight to at least num_generations"),
         ("trainer.max_steps", "write it as section.field=value"),
         ("trainer.max_steps.x=1", "has no fields"),

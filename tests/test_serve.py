@@ -52,6 +52,21 @@ def test_flags() -> None:
         ServeConfig(model="m", host="0.0.0.0")
 
 
+def test_replicas_run_at_lower_priority_session_and_all(vllm_replicas: list[Replica]) -> None:
+    """nice=10 (tiny_serve_config) reaches every process of a replica, and its scheduler
+    autogroup where the kernel has them (else CPU is shared per session whatever the nice)."""
+    for replica in vllm_replicas:
+        root = psutil.Process(replica.process.pid)
+        tree = [root, *root.children(recursive=True)]
+        assert len(tree) >= 3  # API server, engine core, worker
+        assert {p.nice() for p in tree} == {10}
+        autogroup = Path(f"/proc/{root.pid}/autogroup")
+        if autogroup.exists():
+            assert autogroup.read_text().split()[-1] == "10"
+    with pytest.raises(ConfigError, match=r"serve\.nice=-1"):
+        ServeConfig(model="m", nice=-1)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 async def test_lora_logprobs_equal_transformers_peft(
     vllm_replicas: list[Replica], tiny_model: Path, lora_adapter: Path, temperature: float

@@ -64,6 +64,14 @@ class ServeConfig:
             "binds every replica to the same cores; ignored when VLLM_CPU_OMP_THREADS_BIND is set"
         },
     )
+    nice: int = field(
+        default=0,
+        metadata={
+            "help": "Run the replicas at this nice value (0-19). vLLM's workers busy-poll for a "
+            "second after every batch; on a host where the trainer computes too, a positive "
+            "value stops that polling from taking the cores the trainer needs"
+        },
+    )
     gpu_memory_utilization: float | None = field(
         default=None, metadata={"help": "--gpu-memory-utilization on GPU hosts"}
     )
@@ -85,6 +93,8 @@ class ServeConfig:
             raise ConfigError("serve.replicas must be >= 1")
         if self.max_staleness < 0:
             raise ConfigError("serve.max_staleness must be >= 0")
+        if not 0 <= self.nice <= 19:
+            raise ConfigError(f"serve.nice={self.nice}: use 0..19 (higher: lower priority)")
         if self.max_loras is not None and self.max_loras < self.max_staleness + 2:
             raise ConfigError(
                 f"serve.max_loras={self.max_loras} < max_staleness + 2 = {self.max_staleness + 2}: "

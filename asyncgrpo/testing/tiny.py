@@ -212,7 +212,8 @@ def tiny_serve_config(model: str | Path, **overrides: Any) -> ServeConfig:
     """How tests and the demo start replicas of the tiny model.
 
     float32 for exact logprobs; a 1 GiB KV cache and 1024-token context keep a replica near
-    2 GB; ``max_staleness=2`` gives ``--max-loras 4``.
+    2 GB; ``max_staleness=2`` gives ``--max-loras 4``; ``nice=10`` as on any host shared with a
+    CPU trainer.
     """
     from asyncgrpo.serve import ServeConfig
 
@@ -223,6 +224,7 @@ def tiny_serve_config(model: str | Path, **overrides: Any) -> ServeConfig:
         "lora_rank": 8,
         "max_staleness": 2,
         "startup_timeout_s": 600,
+        "nice": 10,
     }
     return ServeConfig(model=str(model), **{**defaults, **overrides})
 
