@@ -33,6 +33,9 @@ def parse_args(argv: Sequence[str] | None) -> ServeConfig:
     p.add_argument("--kv-cache-gib", type=int, default=None, help="CPU KV cache, whole GiB")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument(
+        "--nice", type=int, default=0, help="lower priority (0-19) on hosts shared with a trainer"
+    )
+    p.add_argument(
         "--api-key-env",
         default=None,
         help="name of an env var holding the API key (keeps it out of argv)",
@@ -50,7 +53,7 @@ def parse_args(argv: Sequence[str] | None) -> ServeConfig:
         model=a.model, replicas=a.replicas, host=a.host, port=a.port, lora_rank=a.lora_rank,
         max_staleness=a.max_staleness, max_loras=a.max_loras, dtype=a.dtype,
         max_model_len=a.max_model_len, kv_cache_gib=a.kv_cache_gib,
-        gpu_memory_utilization=a.gpu_memory_utilization,
+        gpu_memory_utilization=a.gpu_memory_utilization, nice=a.nice,
         api_key=os.environ.get(a.api_key_env) if a.api_key_env else None,
         startup_timeout_s=a.startup_timeout_s, log_dir=a.log_dir, extra_args=extra,
     )  # fmt: skip
