@@ -109,14 +109,15 @@ class Front:
         self._relay_path = relay_path
         self._relay_idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
-        # Connection task -> loop time since which it waits for the client (None: handling).
+        # Connection task -> loop time since which it waits for (the rest of) a request; absent
+        # while the request is being answered.
         self._waiting: dict[asyncio.Task[Any], float] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self._date = (0, b"")
 
     def start(self) -> None:
         """Start the sweeper that closes idle and trickling connections."""
         self._sweeper = asyncio.create_task(self._sweep(), name="asyncgrpo-proxy-sweeper")
-        self._date = (0, b"")
 
     async def aclose(self) -> None:
         """Cancel every connection's task (in-flight requests included) and close the relay."""
