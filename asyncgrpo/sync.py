@@ -12,8 +12,9 @@ The sequence (the trainer's clock, ``perf/weight_sync_s``):
 
 So no request ever names an adapter that some replica lacks: the new name is used only once it
 is loaded everywhere, and the old one is retired only after the switch (the brief unloads
-first, which races when ``max_staleness=0`` retires the version still in use). A load that keeps failing raises
-:class:`SyncError`; the trainer never trains on as if the replicas had the new version.
+first, which races when ``max_staleness=0`` retires the version still in use). A load that
+keeps failing raises :class:`SyncError`; the trainer never trains on as if the replicas had the
+new version.
 """
 
 from __future__ import annotations

@@ -109,14 +109,11 @@ def class_gains(
         store.fetch, result.adapter_prefix, result.final_version, tmp_path / "gain-cache"
     )
 
-    def gain(cls: list[int]) -> float:
-        return next_token_mass(model, final, unique, cls) / next_token_mass(
-            model, first, unique, cls
-        )
-
-    return gain(digits), [
-        gain(random.Random(seed).sample(others, len(digits))) for seed in range(5)
-    ]
+    classes = [digits] + [random.Random(seed).sample(others, len(digits)) for seed in range(5)]
+    after = next_token_mass(model, final, unique, classes)
+    before = next_token_mass(model, first, unique, classes)
+    gains = [a / b for a, b in zip(after, before, strict=True)]
+    return gains[0], gains[1:]
 
 
 class SkipOneReplica(ProxyLoader):

@@ -19,7 +19,7 @@ import asyncio
 import time
 from collections.abc import Iterable
 
-__all__ = ["ConnectFailed", "Disconnected", "H1Pool"]
+__all__ = ["ConnectFailed", "Disconnected", "H1Pool", "parse_head"]
 
 #: Longest status line + headers accepted from a replica.
 _HEAD_LIMIT = 1 << 20
@@ -136,7 +136,7 @@ class H1Pool:
                 raise Disconnected("connection closed inside the answer's headers") from None
             except (ConnectionError, asyncio.LimitOverrunError) as exc:
                 raise Disconnected(f"{type(exc).__name__}: {exc}") from None
-            status, headers, length, chunked, keep = _parse_head(head)
+            status, headers, length, chunked, keep = parse_head(head)
             try:
                 if chunked:
                     data = await _read_chunked(conn.reader)
@@ -165,9 +165,11 @@ class _ClosedBeforeAnswer(Exception):
     pass
 
 
-def _parse_head(
+def parse_head(
     head: bytes,
 ) -> tuple[int, list[tuple[str, str]], int | None, bool, bool]:
+    """A response head (ending in a blank line): status, headers, Content-Length (None when
+    chunked or absent), chunked, keep-alive. Raises :class:`Disconnected` on anything else."""
     lines = head[:-4].decode("latin-1").split("\r\n")
     version, _, rest = lines[0].partition(" ")
     if not version.startswith("HTTP/1."):

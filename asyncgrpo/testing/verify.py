@@ -8,7 +8,7 @@ differs by orders of magnitude more.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import anyio
@@ -47,17 +47,22 @@ def next_token_mass(
     model: str | Path,
     adapter_dir: str | Path | None,
     prompts: Iterable[list[int]],
-    token_ids: Iterable[int],
-) -> float:
-    """Mean probability, over ``prompts``, that the policy's first completion token is one of
-    ``token_ids``: an exact (sampling-free) measure of how much a policy favours a token class."""
+    classes: Sequence[Iterable[int]],
+) -> list[float]:
+    """For each token class, the mean probability over ``prompts`` that the policy's first
+    completion token is in it: an exact (sampling-free) measure of how much a policy favours a
+    class. One model load and one forward pass per prompt serve every class."""
     import torch
 
     policy = ReferencePolicy(model, adapter_dir)
-    ids = torch.tensor(sorted(set(token_ids)))
-    masses = []
+    ids = [torch.tensor(sorted(set(c))) for c in classes]
+    totals = [0.0] * len(ids)
+    n = 0
     with torch.no_grad():
         for prompt in prompts:
             logits = policy.model(input_ids=torch.tensor([prompt])).logits[0, -1]
-            masses.append(float(torch.softmax(logits.float(), -1)[ids].sum()))
-    return sum(masses) / len(masses)
+            probs = torch.softmax(logits.float(), -1)
+            for i, cls in enumerate(ids):
+                totals[i] += float(probs[cls].sum())
+            n += 1
+    return [t / n for t in totals]
