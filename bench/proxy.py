@@ -5,7 +5,9 @@
     our affinity router. Reports affinity / unmatched / spilled, the replicas' own prefix-cache hit
     rate (vllm:prefix_cache_hits_total / queries_total deltas) and wall time.
 (b) Overhead against a canned local upstream (an aiohttp app returning a fixed completion):
-    requests/s and p50/p99 latency direct vs through the proxy, 1 and 256 in flight.
+    requests/s and p50/p99 latency direct vs through the proxy, 1 and 256 in flight. A third path,
+    a zero-work TCP relay (asyncio protocol, bytes in -> bytes out, no parsing), shows what any
+    extra local hop costs on this machine: the floor under the proxy's added latency.
 
     python bench/proxy.py                      # both parts; starts 2 vLLM replicas of a tiny model
     python bench/proxy.py --part overhead      # (b) only, ~1 min
@@ -39,8 +41,9 @@ G = 8
 INFLIGHT = 64
 TEMPLATE_TOKENS = 151
 MAX_TOKENS = 16
-OVERHEAD_REQUESTS_1 = 1000  # per round
-OVERHEAD_REQUESTS_256 = 8000
+OVERHEAD_REQUESTS_1 = 4000  # per path, sent in blocks that rotate over the paths
+OVERHEAD_BLOCK_1 = 50
+OVERHEAD_REQUESTS_256 = 8000  # per round
 OVERHEAD_ROUNDS = 5
 PY = sys.executable
 
@@ -127,10 +130,61 @@ def run_canned_upstream(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
+def run_relay(port: int, upstream_port: int) -> None:
+    """The floor: one upstream connection per client connection, bytes copied both ways."""
+
+    class Back(asyncio.Protocol):
+        def __init__(self, front: asyncio.Transport) -> None:
+            self.front = front
+
+        def data_received(self, data: bytes) -> None:
+            self.front.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.front.close()
+
+    class Front(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+            self.back: asyncio.Transport | None = None
+            self.early: list[bytes] = []
+            self.connecting = asyncio.ensure_future(self.connect())
+
+        async def connect(self) -> None:
+            loop = asyncio.get_running_loop()
+            back, _ = await loop.create_connection(
+                lambda: Back(self.transport), "127.0.0.1", upstream_port
+            )
+            self.back = back
+            for data in self.early:
+                back.write(data)
+
+        def data_received(self, data: bytes) -> None:
+            if self.back is None:
+                self.early.append(data)
+            else:
+                self.back.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.back is not None:
+                self.back.close()
+
+    async def serve() -> None:
+        server = await asyncio.get_running_loop().create_server(Front, "127.0.0.1", port)
+        await server.serve_forever()
+
+    try:
+        import uvloop
+
+        uvloop.run(serve())
+    except ImportError:
+        asyncio.run(serve())
+
+
 async def measure(
     s: aiohttp.ClientSession, url: str, inflight: int, n: int, body: bytes
-) -> tuple[float, float, float]:
-    """(requests/s, p50 ms, p99 ms) for ``n`` POSTs with ``inflight`` at once."""
+) -> tuple[float, list[float]]:
+    """(wall seconds, sorted latencies) of ``n`` POSTs with ``inflight`` at once."""
     lat: list[float] = []
     sem = asyncio.Semaphore(inflight)
     headers = {"Content-Type": "application/json"}
@@ -149,15 +203,22 @@ async def measure(
             await one()
     else:
         await asyncio.gather(*(one() for _ in range(n)))
-    wall = time.perf_counter() - t0
-    lat.sort()
-    return n / wall, lat[len(lat) // 2] * 1e3, lat[int(len(lat) * 0.99)] * 1e3
+    return time.perf_counter() - t0, sorted(lat)
+
+
+def pct(sorted_lat: list[float], q: float) -> float:
+    return sorted_lat[min(int(len(sorted_lat) * q), len(sorted_lat) - 1)] * 1e3
 
 
 async def part_overhead() -> list[list[str]]:
-    """Direct and proxied rounds alternate (``OVERHEAD_ROUNDS`` each), so a change in machine load
-    hits both; the table shows per-path medians and the median of the per-round differences."""
-    up_port, px_port = free_port(), free_port()
+    """Three paths to one canned upstream: direct, the zero-work relay, the proxy.
+
+    At 1 in flight the paths take turns in blocks of ``OVERHEAD_BLOCK_1`` requests, so a change in
+    machine speed (large and frequent on a shared VM) hits all three alike; p50/p99 are over all
+    their requests. At 256 in flight they take turns by rounds; the table shows per-path medians
+    and the median of the per-round throughput ratios.
+    """
+    up_port, relay_port, px_port = free_port(), free_port(), free_port()
     rng = random.Random(0)
     body = json.dumps(
         {"model": "bench-v1", "prompt": [rng.randrange(50000) for _ in range(300)],
@@ -168,33 +229,55 @@ async def part_overhead() -> list[list[str]]:
     with subprocess_server([PY, __file__, "--_canned-upstream", str(up_port)]):
         upstream = f"http://127.0.0.1:{up_port}"
         await wait_http(upstream + "/health")
+        relay_argv = [PY, __file__, "--_relay", str(relay_port), str(up_port)]
         proxy_argv = [PY, "-m", "asyncgrpo.proxy", "--upstream", upstream, "--port",
                       str(px_port), "--log-level", "WARNING"]  # fmt: skip
-        with subprocess_server(proxy_argv) as px:
+        with subprocess_server(relay_argv), subprocess_server(proxy_argv) as px:
             proxy = f"http://127.0.0.1:{px_port}"
+            relay = f"http://127.0.0.1:{relay_port}"
             await wait_http(proxy + "/health")
-            for inflight, n in ((1, OVERHEAD_REQUESTS_1), (256, OVERHEAD_REQUESTS_256)):
+            await wait_http(relay + "/health")
+            paths = {"direct": upstream, "relay": relay, "proxy": proxy}
+            for inflight in (1, 256):
                 conn = aiohttp.TCPConnector(limit=inflight)
                 async with aiohttp.ClientSession(connector=conn) as s:
-                    for url in (upstream, proxy):  # warm-up: connections, caches
-                        await measure(s, url + "/v1/completions", inflight, n // 5, body)
-                    d, p, cpu = [], [], []
-                    for _ in range(OVERHEAD_ROUNDS):
-                        d.append(await measure(s, upstream + "/v1/completions", inflight, n, body))
-                        c0 = cpu_s(px.pid)
-                        p.append(await measure(s, proxy + "/v1/completions", inflight, n, body))
-                        cpu.append((cpu_s(px.pid) - c0) / n * 1e6)
-                added = med(b[1] - a[1] for a, b in zip(d, p, strict=True))
-                share = med(b[0] / a[0] for a, b in zip(d, p, strict=True))
-                for name, runs in (("direct", d), ("proxy", p)):
-                    row = [f"{inflight}", name, f"{med(r[0] for r in runs):.0f}",
-                           f"{med(r[1] for r in runs):.3f}", f"{med(r[2] for r in runs):.3f}"]  # fmt: skip
-                    row += (
-                        [f"{added:+.3f}", f"{100 * share:.0f} %", f"{med(cpu):.0f}"]
-                        if name == "proxy"
-                        else ["", "", ""]
-                    )
-                    rows.append(row)
+                    lat: dict[str, list[float]] = {k: [] for k in paths}
+                    wall = dict.fromkeys(paths, 0.0)
+                    rps: dict[str, list[float]] = {k: [] for k in paths}
+                    cpu = 0.0
+                    n = OVERHEAD_BLOCK_1 if inflight == 1 else OVERHEAD_REQUESTS_256
+                    turns = OVERHEAD_REQUESTS_1 // n if inflight == 1 else OVERHEAD_ROUNDS
+                    for url in paths.values():  # warm-up: connections, caches
+                        await measure(s, url + "/v1/completions", inflight, 4 * n // 5, body)
+                    for _ in range(turns):
+                        for name, url in paths.items():
+                            c0 = cpu_s(px.pid)
+                            dt, got = await measure(s, url + "/v1/completions", inflight, n, body)
+                            if name == "proxy":
+                                cpu += cpu_s(px.pid) - c0
+                            lat[name] += got
+                            wall[name] += dt
+                            rps[name].append(n / dt)
+                    total = n * turns
+                    p50 = {k: pct(sorted(v), 0.5) for k, v in lat.items()}
+                    for name in paths:
+                        every = sorted(lat[name])
+                        if inflight == 1:
+                            rate = total / wall[name]
+                            share = rate / (total / wall["direct"])
+                        else:
+                            rate = med(rps[name])
+                            share = med(
+                                a / b for a, b in zip(rps[name], rps["direct"], strict=True)
+                            )
+                        row = [f"{inflight}", name, f"{rate:.0f}", f"{p50[name]:.3f}",
+                               f"{pct(every, 0.99):.3f}"]  # fmt: skip
+                        if name == "direct":
+                            row += ["", "", ""]
+                        else:
+                            row += [f"{p50[name] - p50['direct']:+.3f}", f"{100 * share:.0f} %",
+                                    f"{cpu / total * 1e6:.0f}" if name == "proxy" else ""]  # fmt: skip
+                        rows.append(row)
     return rows
 
 
@@ -294,8 +377,9 @@ async def main(args: argparse.Namespace) -> None:
     if args.part in ("overhead", "all"):
         rows = await part_overhead()
         print(table(
-            f"(b) overhead vs a canned upstream (300-token prompt body); medians of "
-            f"{OVERHEAD_ROUNDS} alternating rounds",
+            f"(b) overhead vs a canned upstream (300-token prompt body); 1 in flight: "
+            f"{OVERHEAD_REQUESTS_1} requests per path in turns of {OVERHEAD_BLOCK_1}; 256 in "
+            f"flight: medians of {OVERHEAD_ROUNDS} rounds of {OVERHEAD_REQUESTS_256}",
             ["in flight", "path", "req/s", "p50 ms", "p99 ms", "added p50 ms", "of direct",
              "proxy CPU us/req"],
             rows,
@@ -305,6 +389,9 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--_canned-upstream":
         run_canned_upstream(int(sys.argv[2]))
+        sys.exit(0)
+    if len(sys.argv) == 4 and sys.argv[1] == "--_relay":
+        run_relay(int(sys.argv[2]), int(sys.argv[3]))
         sys.exit(0)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("all", "routing", "overhead"), default="all")

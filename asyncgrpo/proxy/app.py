@@ -5,8 +5,8 @@ affinity and forwarded untouched (the body is parsed only to read ``model``, ``p
 ``messages`` and ``stream``); streamed answers are passed through chunk by chunk. Control calls
 (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``, ``/pause``, ``/resume``,
 ``/reset_prefix_cache``) go to every replica (see :mod:`asyncgrpo.proxy.broadcast`). Any other GET
-and ``/tokenize``, ``/detokenize`` go to one healthy replica. Every upstream failure is mapped to
-an HTTP status here, in one place (:func:`_forward_generate`).
+and ``/tokenize``, ``/detokenize`` go to one healthy replica. Buffered generation requests are
+forwarded by :mod:`asyncgrpo.proxy.unary` (which the fast front calls directly); streams here.
 """
 
 from __future__ import annotations
@@ -25,17 +25,19 @@ from aiohttp import web
 from asyncgrpo.errors import NoHealthyReplica
 from asyncgrpo.proxy import broadcast, metrics
 from asyncgrpo.proxy.config import ProxyConfig
-from asyncgrpo.proxy.h1 import ConnectFailed
-from asyncgrpo.proxy.router import Router, request_hashes
+from asyncgrpo.proxy.headers import DROP_REQUEST, DROP_RESPONSE, REPLICA_HEADER
+from asyncgrpo.proxy.router import Router
 from asyncgrpo.proxy.state import (
     CONFIG,
+    CORE,
     POOL,
     ROUTER,
     STATS,
+    Core,
     ProxyStats,
-    error_body,
     error_response,
 )
+from asyncgrpo.proxy.unary import forward_unary, request_chains
 from asyncgrpo.proxy.upstream import Circuit, Upstream, UpstreamPool
 
 try:  # ~3x faster than json on a token-id prompt; optional (the ``fast`` extra)
@@ -43,46 +45,21 @@ try:  # ~3x faster than json on a token-id prompt; optional (the ``fast`` extra)
 except ImportError:  # pragma: no cover - depends on the environment
     _loads = json.loads
 
-__all__ = ["REPLICA_HEADER", "create_app", "generate_unary"]
+__all__ = ["REPLICA_HEADER", "create_app"]
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-#: Block size used for hashing until the replicas' /server_info has been read.
-FALLBACK_BLOCK_SIZE = 16
-
-# Never forwarded: hop-by-hop headers (RFC 9110 7.6.1), the inbound credentials, and headers the
-# client library recomputes for the new connection.
-_HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "content-length",
-    }
-)
-_DROP_REQUEST = _HOP_BY_HOP | {"host", "authorization", "expect"}
-_DROP_RESPONSE = _HOP_BY_HOP | {"date", "server"}
-
 
 def _forward_headers(request: web.Request, pool: UpstreamPool) -> dict[str, str]:
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in DROP_REQUEST}
     headers.update(pool.headers)
     return headers
 
 
 def _response_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
-
-
-#: Response header naming the replica that served a generation request (debugging, tests).
-REPLICA_HEADER = "X-Asyncgrpo-Replica"
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in DROP_RESPONSE}
 
 
 def _gen_headers(upstream: aiohttp.ClientResponse, replica: str) -> dict[str, str]:
@@ -155,17 +132,6 @@ class _Exhausted(Exception):
     """Every attempt failed (or no replica was in rotation); the message says why."""
 
 
-def request_chains(app: web.Application, parsed: dict[str, Any]) -> list[list[int]]:
-    """The routing key of a parsed generation request (empty when routing ignores prefixes)."""
-    router, pool, stats = app[ROUTER], app[POOL], app[STATS]
-    if router.policy != "affinity":
-        return []
-    t0 = time.perf_counter()
-    chains = request_hashes(parsed, pool.block_size or FALLBACK_BLOCK_SIZE)
-    stats.route_seconds += time.perf_counter() - t0
-    return chains
-
-
 async def _routed(
     app: web.Application,
     chains: list[list[int]],
@@ -209,39 +175,6 @@ async def _routed(
     )
 
 
-#: (status, response headers, body) of a buffered answer.
-Answer = tuple[int, list[tuple[str, str]], bytes]
-
-
-async def generate_unary(
-    app: web.Application,
-    path_qs: str,
-    parsed: dict[str, Any],
-    body: bytes,
-    headers: dict[str, str],
-) -> Answer:
-    """Route and forward one non-streaming generation request; the answer is buffered.
-
-    Shared by the aiohttp handler and the fast front (:mod:`asyncgrpo.proxy.front`). Upstream
-    faults never raise: when every attempt failed the answer is a 503 error body. The response
-    headers exclude hop-by-hop ones and ``Content-Length`` and name the replica.
-    """
-    config, pool = app[CONFIG], app[POOL]
-    chains = request_chains(app, parsed)
-
-    async def attempt(up: Upstream) -> tuple[Answer, bool]:
-        return await _forward_unary(config, pool, up, body, headers, path_qs)
-
-    try:
-        return await _routed(app, chains, path_qs, attempt)
-    except _Exhausted as exc:
-        return (
-            503,
-            [("Content-Type", "application/json")],
-            error_body(503, str(exc), kind="ServiceUnavailableError"),
-        )
-
-
 async def handle_generate(request: web.Request) -> web.StreamResponse:
     app = request.app
     try:
@@ -249,14 +182,14 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     except _BadRequest as exc:
         app[STATS].reject(400)
         return error_response(400, str(exc))
-    headers = _forward_headers(request, app[POOL])
+    core = app[CORE]
+    headers = _forward_headers(request, core.pool)
     if parsed.get("stream") is not True:
-        status, out_headers, data = await generate_unary(
-            app, request.path_qs, parsed, body, headers
-        )
-        return web.Response(body=data, status=status, headers=out_headers)
-    config, pool = app[CONFIG], app[POOL]
-    chains = request_chains(app, parsed)
+        status, raw, data = await forward_unary(core, request.path_qs, parsed, body, headers)
+        out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw]
+        return web.Response(body=data, status=status, headers=out)
+    config, pool = core.config, core.pool
+    chains = request_chains(core, parsed)
 
     async def attempt(up: Upstream) -> tuple[web.StreamResponse, bool]:
         return await _forward_stream(request, config, pool, up, body, headers)
@@ -265,51 +198,6 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         return await _routed(app, chains, request.path, attempt)
     except _Exhausted as exc:
         return error_response(503, str(exc), kind="ServiceUnavailableError")
-
-
-async def _forward_unary(
-    config: ProxyConfig,
-    pool: UpstreamPool,
-    up: Upstream,
-    body: bytes,
-    headers: dict[str, str],
-    path: str,
-) -> tuple[Answer, bool]:
-    """One buffered attempt on one replica. Returns (answer, succeeded) or raises :class:`_Retry`."""
-    loop = asyncio.get_running_loop()
-    deadline = asyncio.timeout_at(loop.time() + config.request_timeout_s)
-    up.deadlines.add(deadline)
-    try:
-        async with deadline:
-            if up.h1 is not None:
-                status, raw_headers, data = await up.h1.post(
-                    path, headers.items(), body, connect_timeout_s=config.connect_timeout_s
-                )
-            else:
-                async with pool.session.post(up.url + path, data=body, headers=headers) as r:
-                    status, raw_headers, data = r.status, list(r.headers.items()), await r.read()
-        if status >= 500:
-            # The replica failed (vLLM answers 500 EngineDeadError while it shuts down): out of
-            # rotation, and the request, which has no side effects, goes elsewhere.
-            pool.on_failure(up, f"http_{status}", data[:200].decode(errors="replace"))
-            raise _Retry(f"{up.url} answered {status}")
-        pool.on_success(up)
-        out = [(k, v) for k, v in raw_headers if k.lower() not in _DROP_RESPONSE]
-        out.append((REPLICA_HEADER, up.url))
-        return (status, out, data), 200 <= status < 300
-    except TimeoutError:
-        pool.on_failure(up, "deadline", f"no answer within the deadline on {path}")
-        raise _Retry(f"{up.url} hit the deadline") from None
-    except (aiohttp.ClientConnectorError, ConnectFailed) as exc:
-        pool.on_failure(up, "connect", str(exc))
-        raise _Retry(f"{up.url}: cannot connect") from None
-    except (aiohttp.ClientError, OSError) as exc:
-        # A dropped connection: a crashed replica (its next connect is refused and trips the
-        # circuit) or a keep-alive race; either way the request is retried.
-        pool.on_failure(up, "disconnect", f"{type(exc).__name__}: {exc}", trip=False)
-        raise _Retry(f"{up.url}: {type(exc).__name__}") from None
-    finally:
-        up.deadlines.discard(deadline)
 
 
 async def _forward_stream(
@@ -537,6 +425,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         cookie_jar=aiohttp.DummyCookieJar(),  # a proxy keeps no cookies (and skips their cost)
     )
     pool = app[POOL] = UpstreamPool(config, app[ROUTER], session)
+    app[CORE] = Core(config, app[ROUTER], pool, app[STATS])
     if pool.block_size is None:
         pool.block_size = await pool.discover_block_size()
     checker = asyncio.create_task(pool.run_health_checks(), name="asyncgrpo-proxy-health")

@@ -1,16 +1,19 @@
-"""A minimal keep-alive HTTP/1.1 client for the proxy's non-streaming generation hop.
+"""A minimal keep-alive HTTP/1.1 client for the proxy's buffered generation hop, callback-driven.
 
-Why: the aiohttp client costs ~0.3 ms of CPU per request on this class of machine (request and
-response objects, multidicts, timers, payload wrappers), the largest single item of the proxy's
-per-request cost; writing one request and reading one ``Content-Length`` (or chunked) answer on a
-pooled ``asyncio`` stream costs ~0.08 ms. Streaming answers, ``https`` replicas and every other
-call still go through aiohttp. Deadlines are the caller's (``asyncio.timeout`` around
-:meth:`H1Pool.post`); a connection interrupted in any way is closed, never reused.
+Why: a proxied request pays for every Python step between the replica's bytes arriving and the
+client's answer leaving. The aiohttp client costs ~0.3 ms of CPU per request on this class of
+machine (request and response objects, multidicts, timers); asyncio streams still cost a task
+wake-up and several buffer operations per read. Here each pooled connection is an
+:class:`asyncio.Protocol` that parses the answer in ``data_received`` and hands it to the waiting
+:class:`Exchange` in the same callback: no task, no future, no stream buffer. Streaming answers,
+``https`` replicas and every other call still go through aiohttp.
 
-Errors: :class:`ConnectFailed` (the replica refused or is unreachable: trip its circuit) and
-:class:`Disconnected` (the connection broke mid-exchange, or the answer was not HTTP/1.x); a
-connect that times out raises ``TimeoutError``. A reused keep-alive connection that the replica
-closed before answering is retried once on a fresh connection (nothing was processed).
+An exchange learns its outcome once: :meth:`Exchange.on_response`, or :meth:`Exchange.on_error`
+with :class:`ConnectFailed` (the replica refused or is unreachable: trip its circuit),
+``TimeoutError`` (the connect took longer than its timeout) or :class:`Disconnected` (the
+connection broke mid-exchange, or the answer was not HTTP/1.x). A reused keep-alive connection
+that the replica closed before answering is retried once on a fresh connection (nothing was
+processed). Deadlines are the caller's: :meth:`Exchange.abort` drops the attempt and its connection.
 """
 
 from __future__ import annotations
@@ -18,13 +21,25 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
+from typing import cast
 
-__all__ = ["ConnectFailed", "Disconnected", "H1Pool", "parse_head"]
+__all__ = [
+    "ConnectFailed",
+    "Disconnected",
+    "Exchange",
+    "H1Pool",
+    "Response",
+    "ResponseParser",
+    "parse_head",
+]
 
 #: Longest status line + headers accepted from a replica.
 _HEAD_LIMIT = 1 << 20
 #: Idle connections kept per replica; more are closed when returned.
 _MAX_IDLE = 1024
+
+#: (status, headers as (name, value) bytes pairs, body)
+Response = tuple[int, list[tuple[bytes, bytes]], bytes]
 
 
 class ConnectFailed(OSError):
@@ -35,23 +50,236 @@ class Disconnected(OSError):
     """The connection broke (or spoke something other than HTTP/1.x) during the exchange."""
 
 
-class _Conn:
-    __slots__ = ("reader", "used", "writer")
+def parse_head(head: bytes) -> tuple[int, list[tuple[bytes, bytes]], int | None, bool, bool]:
+    """A response head (ending in a blank line): status, headers, Content-Length (None when
+    chunked or absent), chunked, keep-alive. Raises :class:`Disconnected` on anything else."""
+    lines = head[:-4].split(b"\r\n")
+    version, _, rest = lines[0].partition(b" ")
+    if not version.startswith(b"HTTP/1."):
+        raise Disconnected(f"not an HTTP/1.x answer: {lines[0][:80]!r}")
+    try:
+        status = int(rest[:3])
+    except ValueError:
+        raise Disconnected(f"bad status line: {lines[0][:80]!r}") from None
+    keep = version == b"HTTP/1.1"
+    length: int | None = None
+    chunked = False
+    headers = []
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep:
+            raise Disconnected(f"bad header line: {line[:80]!r}")
+        value = value.strip()
+        lower = name.lower()
+        if lower == b"content-length":
+            try:
+                length = int(value)
+            except ValueError:
+                raise Disconnected(f"bad Content-Length: {value[:40]!r}") from None
+        elif lower == b"transfer-encoding":
+            chunked = b"chunked" in value.lower()
+        elif lower == b"connection":
+            v = value.lower()
+            keep = b"close" not in v and (keep or b"keep-alive" in v)
+        headers.append((name, value))
+    return status, headers, None if chunked else length, chunked, keep
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
+
+class ResponseParser:
+    """One HTTP/1.1 response, fed as its bytes arrive (pure: no I/O).
+
+    :meth:`feed` returns ``(response, keep_alive)`` once the answer is complete, else None;
+    :meth:`eof` ends an answer delimited by the connection's close. Both raise
+    :class:`Disconnected` on a malformed answer. Bytes after the answer make the connection
+    unusable (``keep_alive`` False): a replica never sends an unrequested answer.
+    """
+
+    __slots__ = ("_buf", "_chunks", "_head", "_pos", "started")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._head: tuple[int, list[tuple[bytes, bytes]], int | None, bool, bool] | None = None
+        self._pos = 0  # start of the body (then of the next chunk) in _buf
+        self._chunks: list[bytes] = []
+        self.started = False  # any byte received
+
+    def feed(self, data: bytes) -> tuple[Response, bool] | None:
+        self.started = True
+        buf = self._buf = self._buf + data if self._buf else data
+        while self._head is None:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > _HEAD_LIMIT:
+                    raise Disconnected(f"answer head over {_HEAD_LIMIT} bytes")
+                return None
+            head = parse_head(buf[: end + 4])
+            if 100 <= head[0] < 200:  # an interim answer (100 Continue): the real one follows
+                buf = self._buf = buf[end + 4 :]
+                continue
+            self._head = head
+            self._pos = end + 4
+        status, _, length, chunked, keep = self._head
+        if status in (204, 304):
+            return self._done(b"", self._pos, keep)
+        if chunked:
+            return self._feed_chunks(keep)
+        if length is not None:
+            end = self._pos + length
+            if len(buf) < end:
+                return None
+            return self._done(buf[self._pos : end], end, keep)
+        return None  # delimited by the close
+
+    def _feed_chunks(self, keep: bool) -> tuple[Response, bool] | None:
+        buf = self._buf
+        while True:
+            pos = self._pos
+            nl = buf.find(b"\r\n", pos)
+            if nl < 0:
+                return None
+            try:
+                size = int(buf[pos:nl].split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                raise Disconnected(f"bad chunk size line: {buf[pos:nl][:40]!r}") from None
+            if size == 0:
+                if buf[nl + 2 : nl + 4] == b"\r\n":
+                    end = nl + 4
+                else:  # trailers, up to a blank line
+                    t = buf.find(b"\r\n\r\n", nl + 2)
+                    if t < 0:
+                        return None
+                    end = t + 4
+                return self._done(b"".join(self._chunks), end, keep)
+            end = nl + 2 + size
+            if len(buf) < end + 2:
+                return None
+            if buf[end : end + 2] != b"\r\n":
+                raise Disconnected("bad chunk: no CRLF after its data")
+            self._chunks.append(buf[nl + 2 : end])
+            self._pos = end + 2
+
+    def _done(self, body: bytes, end: int, keep: bool) -> tuple[Response, bool]:
+        assert self._head is not None
+        return (self._head[0], self._head[1], body), keep and len(self._buf) == end
+
+    def eof(self) -> Response:
+        """The connection closed: the answer if it was delimited by the close."""
+        head = self._head
+        if head is not None and head[2] is None and not head[3]:
+            return head[0], head[1], self._buf[self._pos :]
+        if head is None and not self.started:
+            raise Disconnected("connection closed before the answer")
+        raise Disconnected("answer cut short by the connection's close")
+
+
+class Exchange:
+    """The receiving end of one request on an :class:`H1Pool` (subclass and override)."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self) -> None:
+        self.conn: _Conn | None = None
+
+    def on_response(self, response: Response) -> None:
+        raise NotImplementedError
+
+    def on_error(self, exc: OSError) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Give up on the request in flight: its connection is closed, no callback follows."""
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.exchange = None
+            conn.close()
+
+
+class _Conn(asyncio.Protocol):
+    """One connection to a replica: idle in the pool, or carrying one exchange."""
+
+    def __init__(self, pool: H1Pool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.connecting: asyncio.Task[None] | None = None
+        self.exchange: Exchange | None = None
+        self.request = b""
+        self.reused = False
+        self.parser = ResponseParser()
         self.used = time.monotonic()
 
-    def usable(self, now: float, keepalive_s: float) -> bool:
+    def start(self, exchange: Exchange, request: bytes) -> None:
+        exchange.conn = self
+        self.exchange = exchange
+        self.request = request
+        self.parser = ResponseParser()
+        if self.transport is not None:
+            self.transport.write(request)
+
+    def usable(self, now: float) -> bool:
         return (
-            now - self.used < keepalive_s
-            and not self.reader.at_eof()
-            and not self.writer.transport.is_closing()
+            self.transport is not None
+            and not self.transport.is_closing()
+            and now - self.used < self.pool.keepalive_s
         )
 
     def close(self) -> None:
-        self.writer.transport.abort()
+        if self.connecting is not None:
+            self.connecting.cancel()
+        if self.transport is not None:
+            self.transport.abort()
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        exchange = self.exchange
+        if exchange is None:  # bytes nobody asked for: never reuse this connection
+            self.close()
+            return
+        try:
+            done = self.parser.feed(data)
+        except Disconnected as exc:
+            self._fail(exc)
+            return
+        if done is None:
+            return
+        response, keep = done
+        self.exchange = exchange.conn = None
+        if keep:
+            self.pool._give_back(self)
+        else:
+            self.close()
+        exchange.on_response(response)
+
+    def eof_received(self) -> bool:
+        return False  # close; connection_lost finishes the exchange
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.pool._forget(self)
+        exchange = self.exchange
+        if exchange is None:
+            return
+        self.exchange = exchange.conn = None
+        try:
+            response = self.parser.eof()
+        except Disconnected as err:
+            if self.reused and not self.parser.started:
+                self.pool._send_fresh(exchange, self.request)  # a keep-alive race: once more
+                return
+            exchange.on_error(err)
+            return
+        exchange.on_response(response)
+
+    def _fail(self, exc: OSError) -> None:
+        exchange = self.exchange
+        self.exchange = None
+        self.close()
+        if exchange is not None:
+            exchange.conn = None
+            exchange.on_error(exc)
 
 
 class H1Pool:
@@ -61,34 +289,77 @@ class H1Pool:
     connection is rarely one the replica is closing.
     """
 
-    def __init__(self, host: str, port: int, *, keepalive_s: float = 4.0) -> None:
+    def __init__(
+        self, host: str, port: int, *, keepalive_s: float = 4.0, connect_timeout_s: float = 5.0
+    ) -> None:
         self.host = host
         self.port = port
         self.keepalive_s = keepalive_s
+        self.connect_timeout_s = connect_timeout_s
         authority = f"[{host}]" if ":" in host else host  # an IPv6 literal
-        self._host_header = f"Host: {authority}:{port}\r\n".encode("ascii")
+        self.host_header = f"Host: {authority}:{port}\r\n".encode("ascii")
         self._idle: list[_Conn] = []
 
-    async def _connect(self, connect_timeout_s: float | None) -> _Conn:
-        try:
-            async with asyncio.timeout(connect_timeout_s):
-                reader, writer = await asyncio.open_connection(
-                    self.host, self.port, limit=_HEAD_LIMIT
-                )
-        except OSError as exc:
-            raise ConnectFailed(
-                f"cannot connect to {self.host}:{self.port}: {type(exc).__name__}: {exc}"
-            ) from None
-        return _Conn(reader, writer)
+    def request(
+        self, method: bytes, path_qs: bytes, headers: Iterable[tuple[bytes, bytes]], body: bytes
+    ) -> bytes:
+        """The bytes of one request to this replica (``Host`` and ``Content-Length`` added)."""
+        parts = [method, b" ", path_qs, b" HTTP/1.1\r\n", self.host_header]
+        for k, v in headers:
+            parts += (k, b": ", v, b"\r\n")
+        parts.append(b"Content-Length: %d\r\n\r\n" % len(body))
+        parts.append(body)
+        return b"".join(parts)
 
-    def _take(self) -> _Conn | None:
+    def send(self, exchange: Exchange, request: bytes) -> None:
+        """Send ``request`` (from :meth:`request`) on an idle connection or a new one."""
         now = time.monotonic()
-        while self._idle:
-            conn = self._idle.pop()
-            if conn.usable(now, self.keepalive_s):
-                return conn
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if conn.usable(now):
+                conn.reused = True
+                conn.start(exchange, request)
+                return
             conn.close()
-        return None
+        self._send_fresh(exchange, request)
+
+    def _send_fresh(self, exchange: Exchange, request: bytes) -> None:
+        conn = _Conn(self)
+        conn.start(exchange, request)
+        conn.connecting = asyncio.get_running_loop().create_task(self._connect(conn))
+
+    async def _connect(self, conn: _Conn) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                await loop.create_connection(lambda: conn, self.host, self.port)
+        except OSError as exc:  # TimeoutError included
+            conn.connecting = None
+            where = f"{self.host}:{self.port}"
+            conn._fail(
+                TimeoutError(f"connect to {where} took over {self.connect_timeout_s} s")
+                if isinstance(exc, TimeoutError)
+                else ConnectFailed(f"cannot connect to {where}: {type(exc).__name__}: {exc}")
+            )
+            return
+        conn.connecting = None
+        if conn.exchange is not None and conn.transport is not None:
+            conn.transport.write(conn.request)
+        elif conn.transport is not None:
+            conn.close()
+
+    def _give_back(self, conn: _Conn) -> None:
+        if len(self._idle) < _MAX_IDLE:
+            conn.used = time.monotonic()
+            conn.reused = False
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    def _forget(self, conn: _Conn) -> None:
+        if conn in self._idle:
+            self._idle.remove(conn)
 
     def close(self) -> None:
         """Close every idle connection (in-flight ones close when their request ends)."""
@@ -96,120 +367,30 @@ class H1Pool:
         for conn in idle:
             conn.close()
 
-    async def post(
-        self,
-        path_qs: str,
-        headers: Iterable[tuple[str, str]],
-        body: bytes,
-        *,
-        connect_timeout_s: float | None = None,
-    ) -> tuple[int, list[tuple[str, str]], bytes]:
-        """POST ``body``; returns (status, response headers, response body)."""
-        head = [f"POST {path_qs} HTTP/1.1\r\n".encode(), self._host_header]
-        for k, v in headers:
-            head.append(f"{k}: {v}\r\n".encode("utf-8", "surrogateescape"))
-        head.append(b"Content-Length: %d\r\n\r\n" % len(body))
-        request = b"".join(head) + body
-        conn = self._take()
-        if conn is not None:
-            try:
-                return await self._exchange(conn, request)
-            except _ClosedBeforeAnswer:
-                pass  # the replica closed the idle connection: retry once on a fresh one
-        conn = await self._connect(connect_timeout_s)
+    async def post(self, path_qs: str, headers: Iterable[tuple[str, str]], body: bytes) -> Response:
+        """POST ``body`` and wait for the answer (a coroutine over :meth:`send`)."""
+        fut: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+        exchange = _FutureExchange(fut)
+        pairs = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        self.send(exchange, self.request(b"POST", path_qs.encode(), pairs, body))
         try:
-            return await self._exchange(conn, request)
-        except _ClosedBeforeAnswer as exc:
-            raise Disconnected(str(exc)) from None
-
-    async def _exchange(
-        self, conn: _Conn, request: bytes
-    ) -> tuple[int, list[tuple[str, str]], bytes]:
-        reusable = False
-        try:
-            try:
-                conn.writer.write(request)
-                head = await conn.reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError as exc:
-                if not exc.partial:
-                    raise _ClosedBeforeAnswer("connection closed before the answer") from None
-                raise Disconnected("connection closed inside the answer's headers") from None
-            except (ConnectionError, asyncio.LimitOverrunError) as exc:
-                raise Disconnected(f"{type(exc).__name__}: {exc}") from None
-            status, headers, length, chunked, keep = parse_head(head)
-            try:
-                if chunked:
-                    data = await _read_chunked(conn.reader)
-                elif length is not None:
-                    data = await conn.reader.readexactly(length)
-                elif status in (204, 304) or 100 <= status < 200:
-                    data = b""
-                else:
-                    data = await conn.reader.read()  # delimited by the close
-                    keep = False
-            except (asyncio.IncompleteReadError, ConnectionError) as exc:
-                raise Disconnected(f"answer cut short: {type(exc).__name__}") from None
-            except (asyncio.LimitOverrunError, ValueError) as exc:
-                raise Disconnected(f"bad chunked answer: {exc}") from None
-            reusable = keep
-            return status, headers, data
+            return await fut
         finally:
-            if reusable and len(self._idle) < _MAX_IDLE:
-                conn.used = time.monotonic()
-                self._idle.append(conn)
-            else:
-                conn.close()
+            if not fut.done():
+                exchange.abort()
 
 
-class _ClosedBeforeAnswer(Exception):
-    pass
+class _FutureExchange(Exchange):
+    __slots__ = ("fut",)
 
+    def __init__(self, fut: asyncio.Future[Response]) -> None:
+        super().__init__()
+        self.fut = fut
 
-def parse_head(
-    head: bytes,
-) -> tuple[int, list[tuple[str, str]], int | None, bool, bool]:
-    """A response head (ending in a blank line): status, headers, Content-Length (None when
-    chunked or absent), chunked, keep-alive. Raises :class:`Disconnected` on anything else."""
-    lines = head[:-4].decode("latin-1").split("\r\n")
-    version, _, rest = lines[0].partition(" ")
-    if not version.startswith("HTTP/1."):
-        raise Disconnected(f"not an HTTP/1.x answer: {lines[0][:80]!r}")
-    try:
-        status = int(rest[:3])
-    except ValueError:
-        raise Disconnected(f"bad status line: {lines[0][:80]!r}") from None
-    keep = version == "HTTP/1.1"
-    length: int | None = None
-    chunked = False
-    headers = []
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise Disconnected(f"bad header line: {line[:80]!r}")
-        value = value.strip()
-        lower = name.lower()
-        if lower == "content-length":
-            try:
-                length = int(value)
-            except ValueError:
-                raise Disconnected(f"bad Content-Length: {value[:40]!r}") from None
-        elif lower == "transfer-encoding":
-            chunked = "chunked" in value.lower()
-        elif lower == "connection":
-            v = value.lower()
-            keep = "close" not in v and (keep or "keep-alive" in v)
-        headers.append((name, value))
-    return status, headers, None if chunked else length, chunked, keep
+    def on_response(self, response: Response) -> None:
+        if not self.fut.done():
+            self.fut.set_result(response)
 
-
-async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-    parts = []
-    while True:
-        size_line = await reader.readuntil(b"\r\n")
-        size = int(size_line.split(b";", 1)[0].strip(), 16)
-        if size == 0:
-            while (await reader.readuntil(b"\r\n")) != b"\r\n":
-                pass  # trailers
-            return b"".join(parts)
-        parts.append(await reader.readexactly(size))
-        await reader.readexactly(2)
+    def on_error(self, exc: OSError) -> None:
+        if not self.fut.done():
+            self.fut.set_exception(exc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -11,7 +12,17 @@ from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.router import Router
 from asyncgrpo.proxy.upstream import UpstreamPool
 
-__all__ = ["CONFIG", "POOL", "ROUTER", "STATS", "ProxyStats", "error_body", "error_response"]
+__all__ = [
+    "CONFIG",
+    "CORE",
+    "POOL",
+    "ROUTER",
+    "STATS",
+    "Core",
+    "ProxyStats",
+    "error_body",
+    "error_response",
+]
 
 
 class ProxyStats:
@@ -33,10 +44,21 @@ class ProxyStats:
         self.broadcasts[key] = self.broadcasts.get(key, 0) + 1
 
 
+@dataclass(frozen=True, slots=True)
+class Core:
+    """What every request needs, looked up once (not four app-dict lookups per request)."""
+
+    config: ProxyConfig
+    router: Router
+    pool: UpstreamPool
+    stats: ProxyStats
+
+
 CONFIG = web.AppKey("config", ProxyConfig)
 ROUTER = web.AppKey("router", Router)
 POOL = web.AppKey("pool", UpstreamPool)
 STATS = web.AppKey("stats", ProxyStats)
+CORE = web.AppKey("core", Core)  # set when the upstream pool starts
 
 
 def error_body(status: int, message: str, *, kind: str = "BadRequestError") -> bytes:

@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from yarl import URL
@@ -25,7 +25,7 @@ from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.h1 import H1Pool
 from asyncgrpo.proxy.router import Router
 
-__all__ = ["Circuit", "Upstream", "UpstreamPool"]
+__all__ = ["Circuit", "Deadline", "Upstream", "UpstreamPool"]
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +39,24 @@ class Circuit(enum.Enum):
     HALF_OPEN = "half_open"
 
 
+class Deadline(Protocol):
+    """A request in flight on a replica, as :class:`asyncio.Timeout` exposes its deadline."""
+
+    def expired(self) -> bool: ...
+
+    def reschedule(self, when: float | None) -> None: ...
+
+
 class Upstream:
     """One vLLM replica as the proxy sees it."""
 
-    def __init__(self, url: str, *, circuit: Circuit = Circuit.CLOSED) -> None:
+    def __init__(
+        self, url: str, *, circuit: Circuit = Circuit.CLOSED, connect_timeout_s: float = 5.0
+    ) -> None:
         self.url = url
-        self.h1 = _h1_pool(url)  # non-streaming generation requests; None: aiohttp only
+        self.url_b = url.encode()
+        # Non-streaming generation requests; None: aiohttp only.
+        self.h1 = _h1_pool(url, connect_timeout_s)
         self.circuit = circuit
         self.healthy: bool | None = None  # last health check; None before the first
         self.last_error = ""
@@ -52,7 +64,7 @@ class Upstream:
         self.consecutive_failures = 0
         self.routed = 0
         self.failures: Counter[str] = Counter()
-        self.deadlines: set[asyncio.Timeout] = set()
+        self.deadlines: set[Deadline] = set()
         self.probe_inflight = False
         self.slow_health = 0  # consecutive health checks that timed out
 
@@ -102,6 +114,7 @@ class UpstreamPool:
             if config.upstream_api_key
             else {}
         )
+        self.header_pairs = [(k.encode(), v.encode()) for k, v in self.headers.items()]
         for url in config.upstreams:
             self.add(url)
 
@@ -110,7 +123,9 @@ class UpstreamPool:
     def add(self, url: str, *, circuit: Circuit = Circuit.CLOSED) -> Upstream:
         up = self.upstreams.get(url)
         if up is None:
-            up = self.upstreams[url] = Upstream(url, circuit=circuit)
+            up = self.upstreams[url] = Upstream(
+                url, circuit=circuit, connect_timeout_s=self.config.connect_timeout_s
+            )
         else:
             up.circuit = circuit
         self.router.add_replica(url, available=circuit is Circuit.CLOSED)
@@ -306,12 +321,12 @@ class UpstreamPool:
             await asyncio.sleep(self.config.health_interval_s)
 
 
-def _h1_pool(url: str) -> H1Pool | None:
+def _h1_pool(url: str, connect_timeout_s: float) -> H1Pool | None:
     """A raw keep-alive pool for plain ``http://host:port`` replicas (no path, no TLS)."""
     u = URL(url)
     if u.scheme != "http" or u.path not in ("", "/") or u.query_string or not u.raw_host:
         return None
-    return H1Pool(u.raw_host, u.port or 80)
+    return H1Pool(u.raw_host, u.port or 80, connect_timeout_s=connect_timeout_s)
 
 
 def _find_block_size(info: Any) -> int | None:

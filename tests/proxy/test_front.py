@@ -24,10 +24,19 @@ from asyncgrpo.proxy.app import REPLICA_HEADER
 pytestmark = pytest.mark.anyio
 
 
+@pytest.fixture(params=["asyncio", "uvloop"])
+def anyio_backend(request: pytest.FixtureRequest) -> object:
+    """Both event loops: the CLI runs on uvloop, whose transports differ from asyncio's."""
+    if request.param == "uvloop":
+        pytest.importorskip("uvloop")
+        return ("asyncio", {"use_uvloop": True})
+    return "asyncio"
+
+
 @pytest.fixture
 async def upstream() -> AsyncIterator[tuple[str, dict]]:
     """A real aiohttp server standing in for a replica; yields (url, shared state)."""
-    state: dict = {"release": asyncio.Event(), "seen": []}
+    state: dict = {"release": asyncio.Event(), "seen": [], "held": 0}
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -41,6 +50,9 @@ async def upstream() -> AsyncIterator[tuple[str, dict]]:
             await out.write(b'data: {"n": 2}\n\ndata: [DONE]\n\n')
             await out.write_eof()
             return out
+        if parsed.get("hold"):
+            state["held"] += 1
+            await state["release"].wait()
         return web.json_response({"echo": parsed, "length": len(body)})
 
     async def server_info(request: web.Request) -> web.Response:
@@ -241,3 +253,32 @@ async def test_idle_and_trickling_clients_are_disconnected(upstream) -> None:
         assert await asyncio.wait_for(idle[0].read(), 5) == b""
         for _, w in (trickle, idle, busy):
             w.close()
+
+
+async def test_client_gone_mid_request_frees_the_replica_slot(upstream) -> None:
+    """A client that disconnects while its completion runs: the proxy drops the upstream
+    request (vLLM aborts a request whose connection closes) and stops counting it in flight."""
+    url, state = upstream
+    async with serve_proxy(_config(url)) as base, aiohttp.ClientSession() as s:
+        _, writer = await _raw(base)
+        writer.write(_post(json.dumps({"model": "m", "prompt": [1] * 40, "hold": True}).encode()))
+        for _ in range(100):
+            if state["held"]:
+                break
+            await asyncio.sleep(0.05)
+        async with s.get(base + "/proxy/stats") as r:
+            assert (await r.json())["routing"]["inflight"][url] == 1
+        writer.close()
+        try:
+            for _ in range(100):
+                async with s.get(base + "/proxy/stats") as r:
+                    stats = await r.json()
+                if stats["routing"]["inflight"][url] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert stats["routing"]["inflight"][url] == 0
+        finally:
+            state["release"].set()
+        body = json.dumps({"model": "m", "prompt": [1] * 40}).encode()
+        async with s.post(base + "/v1/completions", data=body) as r:  # the proxy still serves
+            assert r.status == 200

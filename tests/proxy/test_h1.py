@@ -1,4 +1,4 @@
-"""The proxy's raw keep-alive HTTP/1.1 client against a real aiohttp server."""
+"""The proxy's raw keep-alive HTTP/1.1 client against a real aiohttp server, and its parser."""
 
 from __future__ import annotations
 
@@ -8,9 +8,65 @@ import socket
 import pytest
 from aiohttp import web
 
-from asyncgrpo.proxy.h1 import ConnectFailed, Disconnected, H1Pool
+from asyncgrpo.proxy.h1 import ConnectFailed, Disconnected, H1Pool, ResponseParser
+
+
+def _feed_bytewise(parser: ResponseParser, raw: bytes) -> list[object]:
+    """Feed one byte at a time; the results of every call that completed the answer."""
+    return [done for i in range(len(raw)) if (done := parser.feed(raw[i : i + 1])) is not None]
+
+
+def test_parser_any_segmentation() -> None:
+    chunked = (
+        b"HTTP/1.1 100 Continue\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: b\r\n\r\n"
+        b"3;ext=1\r\nabc\r\n10\r\n0123456789abcdef\r\n0\r\nX-Trailer: t\r\n\r\n"
+    )
+    sized = b"HTTP/1.1 404 Not Found\r\nContent-Length: 5\r\n\r\nnope!"
+    for raw, want in ((chunked, (200, b"abc0123456789abcdef")), (sized, (404, b"nope!"))):
+        whole = ResponseParser().feed(raw)
+        assert whole is not None and whole[1] is True
+        assert (whole[0][0], whole[0][2]) == want
+        assert _feed_bytewise(ResponseParser(), raw) == [whole]  # complete once, at the last byte
+    assert ResponseParser().feed(chunked[:-1]) is None
+
+
+def test_parser_keepalive_close_delimited_and_errors() -> None:
+    done = ResponseParser().feed(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nxEXTRA")
+    assert done is not None and done[1] is False  # bytes nobody asked for: do not reuse
+    done = ResponseParser().feed(
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+    )
+    assert done is not None and done[1] is False
+    done = ResponseParser().feed(b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n")
+    assert done is not None and done[1] is False  # HTTP/1.0 without keep-alive
+    p = ResponseParser()
+    assert p.feed(b"HTTP/1.1 200 OK\r\n\r\nuntil ") is None
+    assert p.feed(b"the close") is None
+    assert p.eof() == (200, [], b"until the close")
+    with pytest.raises(Disconnected, match="before the answer"):
+        ResponseParser().eof()
+    p = ResponseParser()
+    p.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nshort")
+    with pytest.raises(Disconnected, match="cut short"):
+        p.eof()
+    for bad in (b"SSH-2.0-OpenSSH\r\n\r\n", b"HTTP/1.1 2xx OK\r\n\r\n",
+                b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n",
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):  # fmt: skip
+        with pytest.raises(Disconnected):
+            ResponseParser().feed(bad)
+
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def anyio_backend(request: pytest.FixtureRequest) -> object:
+    """Both event loops: the CLI runs on uvloop, whose transports differ from asyncio's."""
+    if request.param == "uvloop":
+        pytest.importorskip("uvloop")
+        return ("asyncio", {"use_uvloop": True})
+    return "asyncio"
 
 
 async def _server(app: web.Application, **kwargs: object) -> tuple[web.AppRunner, int]:
@@ -51,11 +107,11 @@ async def test_keepalive_reuse_chunked_and_status() -> None:
     pool = H1Pool("127.0.0.1", port)
     try:
         status, headers, data = await pool.post("/echo", [("X-Test", "a")], b'{"x": 1}')
-        assert (status, data, dict(headers)["X-Seen"]) == (200, b'{"x": 1}', "a")
+        assert (status, data, dict(headers)[b"X-Seen"]) == (200, b'{"x": 1}', b"a")
         status, _, data = await pool.post("/echo?status=503", [], b"boom")
         assert (status, data) == (503, b"boom")
         status, headers, data = await pool.post("/echo?chunked=1", [], b"0123456789")
-        assert (status, data, dict(headers)["X-Kind"]) == (200, b"0123456789", "chunked")
+        assert (status, data, dict(headers)[b"X-Kind"]) == (200, b"0123456789", b"chunked")
         assert len(set(peers)) == 1  # one connection, kept alive
         await pool.post("/echo?close=1", [], b"bye")
         await pool.post("/echo", [], b"again")
