@@ -25,7 +25,7 @@ from aiohttp import web
 from asyncgrpo.errors import NoHealthyReplica
 from asyncgrpo.proxy import broadcast, metrics
 from asyncgrpo.proxy.config import ProxyConfig
-from asyncgrpo.proxy.headers import DROP_REQUEST, DROP_RESPONSE, REPLICA_HEADER
+from asyncgrpo.proxy.headers import DROP_REQUEST, DROP_RESPONSE, DROP_RESPONSE_B, REPLICA_HEADER
 from asyncgrpo.proxy.router import Router
 from asyncgrpo.proxy.state import (
     CONFIG,
@@ -186,7 +186,11 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     headers = _forward_headers(request, core.pool)
     if parsed.get("stream") is not True:
         status, raw, data = await forward_unary(core, request.path_qs, parsed, body, headers)
-        out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw]
+        out = [
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in raw
+            if k.lower() not in DROP_RESPONSE_B
+        ]
         return web.Response(body=data, status=status, headers=out)
     config, pool = core.config, core.pool
     chains = request_chains(core, parsed)

@@ -43,7 +43,7 @@ from aiohttp import web
 from asyncgrpo.proxy.app import _loads, create_app
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.h1 import Response, parse_head
-from asyncgrpo.proxy.headers import DROP_REQUEST_B
+from asyncgrpo.proxy.headers import DROP_REQUEST_B, DROP_RESPONSE_B
 from asyncgrpo.proxy.state import CORE, Core, error_body
 from asyncgrpo.proxy.unary import UnaryRequest, request_chains
 
@@ -88,7 +88,7 @@ class _Request:
         self.method = method
         self.target = target
         self.path = target.partition(b"?")[0]
-        self.headers = headers  # (lower-case name, name, value)
+        self.headers = headers  # (lower-case name, value, the whole line)
         self.length = length
         self.chunked = chunked
         self.expect = expect
@@ -130,11 +130,11 @@ def parse_request_head(head: bytes, auth: bytes | None, max_body: int) -> _Reque
         elif lower == b"connection":
             tokens = value.lower()
             keep = b"close" not in tokens and (keep or b"keep-alive" in tokens)
-        headers.append((lower, name, value))
+        headers.append((lower, value, line))
     if chunked and length is not None:
         raise _HttpError(400, "both Content-Length and Transfer-Encoding")  # smuggling
     if auth is not None:
-        got = next((v for n, _, v in headers if n == b"authorization"), b"")
+        got = next((v for n, v, _ in headers if n == b"authorization"), b"")
         if not hmac.compare_digest(got, auth):
             raise _HttpError(401, "missing or wrong 'Authorization: Bearer <key>'")
     if length is not None and length > max_body:
@@ -347,15 +347,26 @@ class _Client(asyncio.Protocol):
                 parsed = None  # aiohttp's handler has the lenient fallback and the messages
             if isinstance(parsed, dict) and parsed.get("stream") is not True:
                 core = self.front.core
-                headers = [(n, v) for lower, n, v in req.headers if lower not in DROP_REQUEST_B]
-                headers += core.pool.header_pairs
+                lines = b"".join(
+                    [
+                        line + b"\r\n"
+                        for lower, _, line in req.headers
+                        if lower not in DROP_REQUEST_B
+                    ]
+                )
                 try:
                     chains = request_chains(core, parsed)
                 except Exception:  # a router bug must not cost the request: route it unmatched
                     log.exception("no routing key for %r", req.target)
                     chains = []
                 self.unary = UnaryRequest(
-                    core, self.loop, req.target, req.body, chains, headers, self._on_unary_answer
+                    core,
+                    self.loop,
+                    req.target,
+                    req.body,
+                    chains,
+                    lines + core.pool.header_lines,
+                    self._on_unary_answer,
                 )
                 self.unary.start()
                 return
@@ -416,12 +427,16 @@ class _Client(asyncio.Protocol):
     def _write_answer(
         self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, keep: bool
     ) -> None:
+        """Write a buffered answer; per-hop headers in ``headers`` are dropped, framing added."""
         if self.transport is None or self.state is _State.CLOSED:
             return
         parts = [_status_line(status)]
         has_type = False
         for k, v in headers:
-            if not has_type and k.lower() == b"content-type":
+            lower = k.lower()
+            if lower in DROP_RESPONSE_B:
+                continue
+            if lower == b"content-type":
                 has_type = True
             parts += (k, b": ", v, b"\r\n")
         if not has_type:
@@ -529,7 +544,7 @@ class _Client(asyncio.Protocol):
         assert req.body is not None
         front = self.front
         head = [req.method + b" " + req.target + b" HTTP/1.1\r\n"]
-        head.extend(n + b": " + v + b"\r\n" for lower, n, v in req.headers if lower not in _REFRAME)
+        head.extend(line + b"\r\n" for lower, _, line in req.headers if lower not in _REFRAME)
         head.append(b"Content-Length: %d\r\n\r\n" % len(req.body))
         request = b"".join(head) + req.body
         conn = front.relay_idle.pop() if front.relay_idle else None

@@ -300,16 +300,13 @@ class H1Pool:
         self.host_header = f"Host: {authority}:{port}\r\n".encode("ascii")
         self._idle: list[_Conn] = []
 
-    def request(
-        self, method: bytes, path_qs: bytes, headers: Iterable[tuple[bytes, bytes]], body: bytes
-    ) -> bytes:
-        """The bytes of one request to this replica (``Host`` and ``Content-Length`` added)."""
-        parts = [method, b" ", path_qs, b" HTTP/1.1\r\n", self.host_header]
-        for k, v in headers:
-            parts += (k, b": ", v, b"\r\n")
-        parts.append(b"Content-Length: %d\r\n\r\n" % len(body))
-        parts.append(body)
-        return b"".join(parts)
+    def request(self, method: bytes, path_qs: bytes, header_lines: bytes, body: bytes) -> bytes:
+        """The bytes of one request to this replica: ``header_lines`` ("Name: value\\r\\n"
+        each) plus ``Host`` and ``Content-Length``."""
+        return b"".join(
+            (method, b" ", path_qs, b" HTTP/1.1\r\n", self.host_header, header_lines,
+             b"Content-Length: %d\r\n\r\n" % len(body), body)
+        )  # fmt: skip
 
     def send(self, exchange: Exchange, request: bytes) -> None:
         """Send ``request`` (from :meth:`request`) on an idle connection or a new one."""
@@ -371,8 +368,8 @@ class H1Pool:
         """POST ``body`` and wait for the answer (a coroutine over :meth:`send`)."""
         fut: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
         exchange = _FutureExchange(fut)
-        pairs = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
-        self.send(exchange, self.request(b"POST", path_qs.encode(), pairs, body))
+        lines = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
+        self.send(exchange, self.request(b"POST", path_qs.encode(), lines, body))
         try:
             return await fut
         finally:

@@ -230,6 +230,10 @@ class Router:
         # Prompt (last hash of each chain) -> replica it was last recorded for. The G rollouts of
         # a prompt mostly repeat the same record; skip it while nothing could have undone it.
         self._recent: dict[tuple[int, ...], str] = {}
+        # The G rollouts of a prompt also score the same way while no block, owner or replica
+        # changed: ``_epoch`` counts such changes; last hash of a chain -> (epoch, its scores).
+        self._epoch = 0
+        self._memo: dict[int, tuple[int, dict[str, int]]] = {}
         self.decisions: dict[DecisionKind, int] = {"affinity": 0, "spill": 0, "unmatched": 0}
 
     # -- replicas ---------------------------------------------------------------------------
@@ -241,11 +245,12 @@ class Router:
     def add_replica(self, name: str, *, available: bool = True) -> None:
         """Register a replica; it owns nothing yet (a new process has an empty cache)."""
         if name in self._slot:
-            self._available[name] = available
+            self.set_available(name, available)
             return
         self._slot[name] = self._next_slot
         self._next_slot += 1
         self._recent.clear()
+        self._epoch += 1
         self._inflight[name] = 0
         self._available[name] = available
 
@@ -253,13 +258,15 @@ class Router:
         """Forget a replica; its ownership bits become dead weight that is never matched again."""
         self._slot.pop(name, None)
         self._recent.clear()
+        self._epoch += 1
         self._inflight.pop(name, None)
         self._available.pop(name, None)
 
     def set_available(self, name: str, available: bool) -> None:
         """Take a replica out of (or back into) rotation; it keeps what it owns."""
-        if name in self._available:
+        if name in self._available and self._available[name] != available:
             self._available[name] = available
+            self._epoch += 1
 
     def is_available(self, name: str) -> bool:
         return self._available.get(name, False)
@@ -297,7 +304,7 @@ class Router:
             choice = candidates[self._rr % len(candidates)]
             self._rr += 1
         elif frozen:
-            scores = self._scores(frozen[0], candidates)
+            scores = self._memo_scores(frozen[0], candidates, memo=not excluded)
             if scores:
                 low = min(self._inflight[r] for r in candidates)
                 bound = max(low + self.imbalance, low * self.imbalance_ratio)
@@ -321,6 +328,22 @@ class Router:
                     self._recent.clear()
                 self._recent[key] = choice
         return Decision(choice, kind, matched, frozen, claimed, self._withdrawals)
+
+    def _memo_scores(
+        self, chain: Sequence[int], candidates: list[str], *, memo: bool
+    ) -> dict[str, int]:
+        """:meth:`_scores`, reused while nothing changed (``memo``: candidates are all replicas
+        in rotation)."""
+        if not memo or not chain:
+            return self._scores(chain, candidates)
+        hit = self._memo.get(chain[-1])
+        if hit is not None and hit[0] == self._epoch:
+            return hit[1]
+        scores = self._scores(chain, candidates)
+        if len(self._memo) >= _RECENT_MAX:
+            self._memo.clear()
+        self._memo[chain[-1]] = (self._epoch, scores)
+        return scores
 
     def _scores(self, chain: Sequence[int], candidates: list[str]) -> dict[str, int]:
         get = self._blocks.get
@@ -355,6 +378,7 @@ class Router:
         bit = 1 << slot
         blocks = self._blocks
         claimed = []
+        changed = False
         for chain in chains:
             prev: _Block | None = None
             for h in chain:
@@ -369,13 +393,18 @@ class Router:
                 if prev is not None and not prev.common:
                     if prev.successor is None:
                         prev.successor = h
+                        changed = True
                     elif prev.successor != h:
                         prev.common = True
+                        changed = True
                 prev = block
         while len(blocks) > self.max_blocks:
             blocks.popitem(last=False)
             self.evictions += 1
             self._recent.clear()
+            changed = True
+        if changed or claimed:
+            self._epoch += 1
         return tuple(claimed)
 
     def finish(self, decision: Decision, *, ok: bool) -> None:
@@ -391,6 +420,7 @@ class Router:
             return
         self._withdrawals += 1
         self._recent.clear()
+        self._epoch += 1
         slot = self._slot.get(r)
         if slot is None:
             return

@@ -26,7 +26,7 @@ import aiohttp
 
 from asyncgrpo.errors import NoHealthyReplica
 from asyncgrpo.proxy.h1 import ConnectFailed, Disconnected, Exchange, Response
-from asyncgrpo.proxy.headers import DROP_RESPONSE_B, REPLICA_HEADER_B
+from asyncgrpo.proxy.headers import REPLICA_HEADER_B
 from asyncgrpo.proxy.router import Decision, request_hashes
 from asyncgrpo.proxy.state import Core, error_body
 from asyncgrpo.proxy.upstream import Upstream
@@ -53,8 +53,9 @@ def request_chains(core: Core, parsed: dict[str, Any]) -> list[list[int]]:
 
 class UnaryRequest(Exchange):
     """Route and forward one buffered generation request; ``on_answer`` is called exactly once
-    (unless :meth:`cancel` is called first) with (status, headers, body). The headers exclude
-    per-hop ones and ``Content-Length`` and name the replica.
+    (unless :meth:`cancel` is called first) with (status, headers, body): the replica's headers
+    as it sent them plus :data:`~asyncgrpo.proxy.headers.REPLICA_HEADER`; whoever writes the
+    answer drops the per-hop ones (``DROP_RESPONSE``) as it renders them.
 
     While an attempt runs the request sits in its replica's ``deadlines`` (``expired`` and
     ``reschedule``, like :class:`asyncio.Timeout`), so a replica leaving rotation can end it now.
@@ -83,7 +84,7 @@ class UnaryRequest(Exchange):
         path_qs: bytes,
         body: bytes,
         chains: list[list[int]],
-        headers: list[tuple[bytes, bytes]],
+        header_lines: bytes,
         on_answer: Callable[[Response], None],
     ) -> None:
         super().__init__()
@@ -91,7 +92,7 @@ class UnaryRequest(Exchange):
         self.path = path_qs
         self.body = body
         self.chains = chains
-        self.headers = headers  # forwarded as they are; the pool adds Host and Content-Length
+        self.headers = header_lines  # forwarded as they are; the pool adds Host, Content-Length
         self.on_answer: Callable[[Response], None] | None = on_answer
         self.loop = loop
         self.tried: list[str] = []
@@ -191,9 +192,8 @@ class UnaryRequest(Exchange):
             self.core.pool.on_failure(up, f"http_{status}", data[:200].decode(errors="replace"))
             self._retry(f"{up.url} answered {status}")
             return
-        out = [(k, v) for k, v in headers if k.lower() not in DROP_RESPONSE_B]
-        out.append((REPLICA_HEADER_B, up.url_b))
-        self._answer((status, out, data))  # the client first; the bookkeeping can wait
+        headers.append((REPLICA_HEADER_B, up.url_b))
+        self._answer(response)  # the client first; the bookkeeping can wait
         self._end_attempt(ok=200 <= status < 300)
         self.core.pool.on_success(up)
 
@@ -235,7 +235,9 @@ class UnaryRequest(Exchange):
     # -- replicas the raw pool cannot reach (https, a path prefix) ------------------------------
 
     async def _via_aiohttp(self, up: Upstream) -> None:
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in self.headers}
+        headers = dict(
+            line.decode("latin-1").split(": ", 1) for line in self.headers.split(b"\r\n") if line
+        )
         url = up.url + self.path.decode("latin-1")
         try:
             async with self.core.pool.session.post(url, data=self.body, headers=headers) as r:
@@ -267,9 +269,9 @@ async def forward_unary(
         if not fut.done():  # not cancelled meanwhile (the client went away)
             fut.set_result(answer)
 
-    pairs = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    lines = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
     chains = request_chains(core, parsed)
-    request = UnaryRequest(core, loop, path_qs.encode("latin-1"), body, chains, pairs, on_answer)
+    request = UnaryRequest(core, loop, path_qs.encode("latin-1"), body, chains, lines, on_answer)
     request.start()
     try:
         return await fut

@@ -114,7 +114,7 @@ class UpstreamPool:
             if config.upstream_api_key
             else {}
         )
-        self.header_pairs = [(k.encode(), v.encode()) for k, v in self.headers.items()]
+        self.header_lines = b"".join(f"{k}: {v}\r\n".encode() for k, v in self.headers.items())
         for url in config.upstreams:
             self.add(url)
 

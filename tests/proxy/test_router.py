@@ -280,3 +280,36 @@ def test_bytes_per_tracked_block() -> None:
     print(f"bytes per tracked block: {per_block:.0f} (python {sys.version_info[:2]})")
     assert r.tracked_blocks == 500 * 8
     assert 50 < per_block < 400
+
+
+def test_memoized_scores_always_match_a_fresh_computation() -> None:
+    """The G rollouts of a prompt reuse its scores while nothing changed; whatever happens in
+    between (records, failures, evictions, replicas leaving and joining), a reused score is
+    exactly what scoring from scratch gives."""
+    rng = random.Random(7)
+    r = router("a", "b", "c", max_blocks=40)
+    prompts = [prompt(i, n_blocks=rng.randrange(1, 4)) for i in range(12)]
+    inflight = []
+    reused = 0
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.6:
+            c = chains(rng.choice(prompts))
+            before = r._memo.get(c[0][-1])
+            hit = before is not None and before[0] == r._epoch
+            candidates = [n for n, ok in r._available.items() if ok]
+            fresh = r._scores(tuple(c[0]), candidates)
+            if candidates:
+                inflight.append(r.route(c))
+            if hit:
+                reused += 1
+                assert before[1] == fresh, step
+        elif op < 0.9 and inflight:
+            r.finish(inflight.pop(rng.randrange(len(inflight))), ok=rng.random() < 0.8)
+        elif op < 0.95:
+            r.set_available(rng.choice("abc"), rng.random() < 0.7)
+        else:
+            name = rng.choice("abc")
+            r.remove_replica(name)
+            r.add_replica(name)
+    assert reused > 100  # the memo is actually used
