@@ -61,6 +61,9 @@ _GENERATE = frozenset({b"/v1/completions", b"/v1/chat/completions"})
 _REFRAME = frozenset({b"content-length", b"transfer-encoding", b"expect", b"connection",
                       b"keep-alive"})  # fmt: skip
 _JSON = [(b"Content-Type", b"application/json")]
+# Request headers parse_request_head acts on (the rest are only collected).
+_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"expect", b"connection"})
+_WHITESPACE = b" \t"
 
 
 class _HttpError(Exception):
@@ -113,11 +116,13 @@ def parse_request_head(head: bytes, auth: bytes | None, max_body: int) -> _Reque
     keep = version == b"HTTP/1.1"
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
-        if not sep or not name or name != name.strip():
+        if not sep or not name or name[0] in _WHITESPACE or name[-1] in _WHITESPACE:
             raise _HttpError(400, f"malformed header line {line[:80]!r}")
         lower = name.lower()
         value = value.strip()
-        if lower == b"content-length":
+        if lower not in _FRAMING:
+            pass
+        elif lower == b"content-length":
             if not value.isdigit() or (length is not None and length != int(value)):
                 raise _HttpError(400, f"bad Content-Length {value[:40]!r}")
             length = int(value)

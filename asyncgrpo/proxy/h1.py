@@ -38,6 +38,9 @@ _HEAD_LIMIT = 1 << 20
 #: Idle connections kept per replica; more are closed when returned.
 _MAX_IDLE = 1024
 
+# Response headers parse_head acts on (the rest are only collected).
+_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})
+
 #: (status, headers as (name, value) bytes pairs, body)
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
 
@@ -71,7 +74,9 @@ def parse_head(head: bytes) -> tuple[int, list[tuple[bytes, bytes]], int | None,
             raise Disconnected(f"bad header line: {line[:80]!r}")
         value = value.strip()
         lower = name.lower()
-        if lower == b"content-length":
+        if lower not in _FRAMING:
+            pass
+        elif lower == b"content-length":
             try:
                 length = int(value)
             except ValueError:
