@@ -55,6 +55,11 @@ replica wins ("spill"). An unknown prompt goes to the least-loaded replica, roun
 first completes) and **withdrawn on failure**: :meth:`Router.finish` with ``ok=False`` clears the
 claims this request made, so a failed request never records affinity; ``ok=True`` re-confirms them.
 In-flight counts only routed generation requests.
+
+**Repeats.** The G rollouts of a prompt arrive with the same hashes. While no block, owner or
+replica changed since the first of them was scored (an epoch counter), the others reuse its
+scores, and they skip re-recording what it recorded until a failure or an eviction could have
+undone it.
 """
 
 from __future__ import annotations
