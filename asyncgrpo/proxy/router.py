@@ -304,11 +304,16 @@ class Router:
 
         Raises :class:`NoHealthyReplica` when no replica outside ``exclude`` is available.
         """
-        excluded = set(exclude)
-        candidates = [r for r, ok in self._available.items() if ok and r not in excluded]
+        available = self._available
+        if exclude:
+            excluded = set(exclude)
+            candidates = [r for r, ok in available.items() if ok and r not in excluded]
+        else:
+            candidates = [r for r, ok in available.items() if ok]
         if not candidates:
             raise NoHealthyReplica("no replica in rotation")
-        frozen = tuple(tuple(c) for c in chains)
+        frozen = tuple(map(tuple, chains))  # no copy when they are tuples already
+        inflight = self._inflight
         kind: DecisionKind = "unmatched"
         matched = 0
         choice = None
@@ -316,13 +321,17 @@ class Router:
             choice = candidates[self._rr % len(candidates)]
             self._rr += 1
         elif frozen:
-            scores = self._memo_scores(frozen[0], candidates, memo=not excluded)
+            scores = self._memo_scores(frozen[0], candidates, memo=not exclude)
             if scores:
-                low = min(self._inflight[r] for r in candidates)
+                low = min([inflight[r] for r in candidates])
                 bound = max(low + self.imbalance, low * self.imbalance_ratio)
-                ranked = sorted(scores, key=lambda r: (-scores[r], self._inflight[r]))
+                ranked = (
+                    sorted(scores, key=lambda r: (-scores[r], inflight[r]))
+                    if len(scores) > 1
+                    else scores
+                )
                 for r in ranked:
-                    if self._inflight[r] <= bound:
+                    if inflight[r] <= bound:
                         choice, kind, matched = r, "affinity", scores[r]
                         break
                 else:
@@ -330,10 +339,10 @@ class Router:
         if choice is None:
             choice = self._least_loaded(candidates)
         self.decisions[kind] += 1
-        self._inflight[choice] += 1
+        inflight[choice] += 1
         claimed: tuple[int, ...] = ()
         if self.policy == "affinity" and frozen:
-            key = tuple(c[-1] for c in frozen if c)
+            key = tuple([c[-1] for c in frozen if c])
             if self._recent.get(key) != choice:
                 claimed = self._record(frozen, choice)
                 if len(self._recent) >= _RECENT_MAX:
