@@ -215,6 +215,10 @@ class Front:
 class _Client(asyncio.Protocol):
     """One client connection: parses requests from its buffer and answers them in order."""
 
+    __slots__ = ("_more", "_more_len", "_processing", "_waiter", "buf", "eof", "front",
+                 "keep_alive", "loop", "pending", "reading_paused", "state", "task", "transport",
+                 "unary", "waiting_since", "writing_paused")  # fmt: skip
+
     def __init__(self, front: Front) -> None:
         self.front = front
         self.loop = front.loop
@@ -333,9 +337,14 @@ class _Client(asyncio.Protocol):
                 return None
             front = self.front
             req = parse_request_head(buf[:end], front.auth, front.config.max_body_bytes)
-            self.buf = buf[end + 4 :]
             if req.chunked or req.expect:
+                self.buf = buf[end + 4 :]
                 return req  # the slow path reads the body
+            start, stop = end + 4, end + 4 + (req.length or 0)
+            if len(buf) >= stop:  # the usual case: head and body arrived together
+                req.body, self.buf = buf[start:stop], buf[stop:]
+                return req
+            self.buf = buf[start:]
             self.pending = (req, req.length or 0)
         req, length = self.pending
         if len(self.buf) < length:

@@ -202,6 +202,9 @@ class Exchange:
 class _Conn(asyncio.Protocol):
     """One connection to a replica: idle in the pool, or carrying one exchange."""
 
+    __slots__ = ("connecting", "exchange", "parser", "pool", "request", "reused", "transport",
+                 "used")  # fmt: skip
+
     def __init__(self, pool: H1Pool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
