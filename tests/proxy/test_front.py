@@ -24,13 +24,9 @@ from asyncgrpo.proxy.app import REPLICA_HEADER
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture(params=["asyncio", "uvloop"])
-def anyio_backend(request: pytest.FixtureRequest) -> object:
-    """Both event loops: the CLI runs on uvloop, whose transports differ from asyncio's."""
-    if request.param == "uvloop":
-        pytest.importorskip("uvloop")
-        return ("asyncio", {"use_uvloop": True})
-    return "asyncio"
+@pytest.fixture
+def anyio_backend(both_loops: object) -> object:
+    return both_loops
 
 
 @pytest.fixture
