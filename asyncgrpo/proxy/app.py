@@ -134,7 +134,7 @@ class _Exhausted(Exception):
 
 async def _routed(
     app: web.Application,
-    chains: list[list[int]],
+    chains: list[tuple[int, ...]],
     path: str,
     attempt: Callable[[Upstream], Awaitable[tuple[_T, bool]]],
 ) -> _T:

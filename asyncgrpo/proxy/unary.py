@@ -41,7 +41,7 @@ FALLBACK_BLOCK_SIZE = 16
 _JSON = [(b"Content-Type", b"application/json")]
 
 
-def request_chains(core: Core, parsed: dict[str, Any]) -> list[list[int]]:
+def request_chains(core: Core, parsed: dict[str, Any]) -> list[tuple[int, ...]]:
     """The routing key of a parsed generation request (empty when routing ignores prefixes)."""
     if core.router.policy != "affinity":
         return []
@@ -83,7 +83,7 @@ class UnaryRequest(Exchange):
         loop: asyncio.AbstractEventLoop,
         path_qs: bytes,
         body: bytes,
-        chains: list[list[int]],
+        chains: list[tuple[int, ...]],
         header_lines: bytes,
         on_answer: Callable[[Response], None],
     ) -> None:
