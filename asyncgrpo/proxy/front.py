@@ -60,7 +60,6 @@ _GENERATE = frozenset({b"/v1/completions", b"/v1/chat/completions"})
 # Framing and per-hop headers of the client's request, rebuilt for the relay hop.
 _REFRAME = frozenset({b"content-length", b"transfer-encoding", b"expect", b"connection",
                       b"keep-alive"})  # fmt: skip
-_JSON = [(b"Content-Type", b"application/json")]
 # Request headers parse_request_head acts on (the rest are only collected).
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"expect", b"connection"})
 _WHITESPACE = b" \t"
@@ -410,7 +409,7 @@ class _Client(asyncio.Protocol):
         closing with unread input makes the kernel send a reset, which can destroy the error
         answer before the client reads it (a client still sending a large body or head)."""
         self.front.core.stats.reject(exc.status)
-        self._write_answer(exc.status, _JSON, error_body(exc.status, str(exc)), False)
+        self._write_answer(exc.status, [], error_body(exc.status, str(exc)), False)
         self.state = _State.LINGERING
         self.buf = b""
         transport = self.transport
@@ -516,7 +515,7 @@ class _Client(asyncio.Protocol):
                 return
             except Exception:
                 log.exception("proxy failed on %s %r", req.method.decode(), req.target)
-                self._write_answer(500, _JSON, error_body(500, "proxy error"), False)
+                self._write_answer(500, [], error_body(500, "proxy error"), False)
                 self.close()
                 return
             self.keep_alive = keep
@@ -571,12 +570,12 @@ class _Client(asyncio.Protocol):
             conn = await asyncio.open_unix_connection(front.relay_path, limit=HEAD_LIMIT)
         except OSError as exc:
             log.error("relay to the proxy's application failed: %s", exc)
-            self._write_answer(502, _JSON, error_body(502, "proxy internal relay failed"), False)
+            self._write_answer(502, [], error_body(502, "proxy internal relay failed"), False)
             return False
         try:
             return await self._exchange(req, request, *conn)
         except _StaleConnection:
-            self._write_answer(502, _JSON, error_body(502, "proxy internal relay failed"), False)
+            self._write_answer(502, [], error_body(502, "proxy internal relay failed"), False)
             return False
 
     async def _exchange(
