@@ -4,6 +4,8 @@
 - ``asyncgrpo train CONFIG [key=value ...] [--remote-rollouts]``: train (in one process, or fed by
   rollout processes through the transport)
 - ``asyncgrpo rollout CONFIG [key=value ...]``: a rollout process for a split run
+- ``asyncgrpo launch CONFIG --backend hf-jobs|local [--dry-run]``: the run across machines
+  (Hugging Face Jobs) or as separate local processes; Ctrl-C cancels every job
 - ``asyncgrpo plot RUN_DIR``: reward, ratio, step time and staleness to ``RUN_DIR/plot.png``
 - ``asyncgrpo check-serving [--output-dir DIR]``: served logprobs equal transformers + peft's
 """
@@ -117,6 +119,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if name == "train":
             p.add_argument("--remote-rollouts", action="store_true",
                            help="take samples from `asyncgrpo rollout` processes via the transport")  # fmt: skip
+
+    from asyncgrpo.launch.command import add_parser as add_launch_parser
+
+    add_launch_parser(sub)
 
     plot = sub.add_parser("plot", help="plot a run's metrics.jsonl to plot.png")
     plot.add_argument("run_dir")

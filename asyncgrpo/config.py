@@ -1,7 +1,7 @@
 """The run's configuration: one ``TrainingConfig`` made of one section per component.
 
 Sections: ``dataset``, ``generation`` and ``rollout`` (``asyncgrpo.rollout.config``), ``proxy``
-(``asyncgrpo.proxy.config``), and here ``lora``, ``trainer``, ``serve`` and ``logging``. Every
+(``asyncgrpo.proxy.config``), ``launch`` (``asyncgrpo.launch.config``), and here ``lora``, ``trainer``, ``serve`` and ``logging``. Every
 field is keyword-only with ``metadata["help"]``; every section validates itself in
 ``__post_init__`` and raises ``ConfigError`` naming the field and the fix, and
 ``TrainingConfig`` adds the cross-section checks.
@@ -30,6 +30,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.launch.config import LaunchConfig
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.rollout.config import DatasetConfig, GenerationConfig, RolloutConfig
 
@@ -344,6 +345,10 @@ class TrainingConfig:
         default_factory=ServingConfig, metadata={"help": "Where the replicas come from."}
     )
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Metrics."})
+    launch: LaunchConfig = field(
+        default_factory=LaunchConfig,
+        metadata={"help": "`asyncgrpo launch`: jobs, images, hardware (asyncgrpo.launch.config)."},
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

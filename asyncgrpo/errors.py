@@ -14,7 +14,8 @@ ours, or the builtin each one also is::
     │   ├── ReplicaHTTPError                         it answered an error status (status, body)
     │   ├── ReplicaStartError                        it did not become healthy (log tail attached)
     │   └── NoHealthyReplica                         nothing left in rotation
-    └── SyncError                                    an adapter version did not reach every replica
+    ├── SyncError                                    an adapter version did not reach every replica
+    └── LaunchError                                  a launched job failed to start or died (log tail)
 """
 
 from __future__ import annotations
@@ -72,3 +73,8 @@ class NoHealthyReplica(ReplicaError):
 
 class SyncError(AsyncGRPOError):
     """An adapter version could not be loaded on every replica."""
+
+
+class LaunchError(AsyncGRPOError):
+    """A job of a launched run failed to start, became unhealthy or died; the message quotes
+    its last log lines."""

@@ -1,0 +1,120 @@
+"""The ``launch`` section: how ``asyncgrpo launch`` lays a run out over machines.
+
+Only the launcher reads it; the jobs it starts get everything else of the config.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from asyncgrpo.errors import ConfigError
+
+_TIMEOUT = re.compile(r"^\d+(\.\d+)?[smhd]?$")
+#: Hugging Face Jobs' exposed-port URL, used when a job does not report its own.
+JOBS_URL_TEMPLATE = "https://{job_id}--{port}.hf.jobs"
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """N inference jobs (one vLLM server each) and one trainer job (proxy, rollouts, trainer)."""
+
+    replicas: int = field(default=2, metadata={"help": "Inference jobs, one vLLM server each."})
+    image: str = field(
+        default="vllm/vllm-openai:v0.11.0",
+        metadata={
+            "help": "Docker image of the inference jobs (and of the trainer unless trainer_image "
+            "is set); it must have Python, pip and vLLM >= 0.11."
+        },
+    )
+    trainer_image: str | None = field(
+        default=None, metadata={"help": "Docker image of the trainer job; None: image."}
+    )
+    replica_flavor: str = field(
+        default="a10g-large",
+        metadata={"help": "Hugging Face Jobs hardware of each inference job (list_jobs_hardware)."},
+    )
+    trainer_flavor: str = field(
+        default="a100-large", metadata={"help": "Hugging Face Jobs hardware of the trainer job."}
+    )
+    namespace: str | None = field(
+        default=None,
+        metadata={"help": "User or organisation the jobs run (and bill) under; None: the token's."},
+    )
+    timeout: str = field(
+        default="8h",
+        metadata={
+            "help": "Longest a job may run before Hugging Face stops it: seconds, or a number "
+            "with s, m, h or d. A bound on the bill if the launcher dies."
+        },
+    )
+    port: int = field(default=8000, metadata={"help": "Port each vLLM server listens on."})
+    replica_install: str | None = field(
+        default="asyncgrpo[s3,hf]",
+        metadata={
+            "help": "pip requirement installed in each inference job before it starts (a name, "
+            "'asyncgrpo[s3,hf] @ git+https://...', or a wheel URL); None: the image has it."
+        },
+    )
+    trainer_install: str | None = field(
+        default="asyncgrpo[train,s3,hf]",
+        metadata={"help": "pip requirement installed in the trainer job; None: the image has it."},
+    )
+    jobs_url_template: str = field(
+        default=JOBS_URL_TEMPLATE,
+        metadata={
+            "help": "URL of a job's exposed port, from {job_id} and {port}; used when the Jobs "
+            "API does not report the job's URL itself."
+        },
+    )
+    health_timeout_s: float = field(
+        default=1800.0,
+        metadata={"help": "Seconds an inference job may take to answer /health (image pull, "
+                  "model download and load)."},
+    )  # fmt: skip
+    poll_s: float = field(
+        default=5.0, metadata={"help": "Seconds between status checks of the jobs."}
+    )
+    log_tail_lines: int = field(default=40, metadata={"help": "Log lines quoted when a job fails."})
+    local_transport: Literal["dir", "s3"] = field(
+        default="dir",
+        metadata={
+            "help": "--backend local without transport_url: 'dir', a directory no role works in "
+            "(survives a relaunch, so a run resumes), or 's3', an S3 protocol server (moto) "
+            "on loopback, started for the launch."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError(f"launch.replicas={self.replicas}: set it to 1 or more")
+        if not _TIMEOUT.match(self.timeout):
+            raise ConfigError(
+                f"launch.timeout={self.timeout!r}: write seconds or a number with s, m, h or d, "
+                "e.g. 8h"
+            )
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"launch.port={self.port}: use a TCP port, e.g. 8000")
+        if "{job_id}" not in self.jobs_url_template:
+            raise ConfigError(
+                f"launch.jobs_url_template={self.jobs_url_template!r}: it must contain {{job_id}}"
+                f" (and usually {{port}}), e.g. {JOBS_URL_TEMPLATE}"
+            )
+        if not self.health_timeout_s > 0:
+            raise ConfigError(f"launch.health_timeout_s={self.health_timeout_s}: must be > 0")
+        if not self.poll_s > 0:
+            raise ConfigError(f"launch.poll_s={self.poll_s}: must be > 0")
+        if self.log_tail_lines < 1:
+            raise ConfigError(f"launch.log_tail_lines={self.log_tail_lines}: set it to 1+")
+        if self.local_transport not in ("dir", "s3"):
+            raise ConfigError(f"launch.local_transport={self.local_transport!r}: use 'dir' or 's3'")
+
+    @property
+    def timeout_s(self) -> int:
+        """``timeout`` in seconds (the unit rules of ``huggingface_hub.run_job``)."""
+        factor = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+        unit = self.timeout[-1]
+        if unit in factor:
+            return int(float(self.timeout[:-1]) * factor[unit])
+        return int(float(self.timeout))

@@ -1,0 +1,276 @@
+"""Hugging Face Jobs as a launch backend, through ``huggingface_hub``'s Jobs API.
+
+Every call is ``HfApi``'s (``run_job``, ``inspect_job``, ``fetch_job_logs``, ``cancel_job``,
+``create_bucket``, ``whoami``), run in a worker thread: the client is synchronous. The Hub is
+``HF_ENDPOINT`` (read by ``huggingface_hub`` at import) or the ``api`` passed in.
+
+Secrets per role, passed as job *secrets* (encrypted by the Hub, never in a command):
+
+* replica: ``HF_TOKEN`` (model download; and vLLM's API key, so the server refuses requests
+  that do not carry the token the Jobs gateway already demanded), the transport's credentials;
+* trainer: ``HF_TOKEN`` (the proxy's outbound bearer token through the Jobs gateway, model and
+  dataset downloads), the transport's credentials.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import anyio.to_thread
+
+from asyncgrpo.config import TrainingConfig
+from asyncgrpo.errors import ConfigError, LaunchError
+from asyncgrpo.launch.launcher import Job, JobStatus, Stage
+from asyncgrpo.launch.plan import (
+    JobSpec,
+    job_config,
+    labels,
+    replica_args,
+    trainer_args,
+    transport_credentials,
+)
+from asyncgrpo.launch.trainer import CONFIG_ENV
+
+logger = logging.getLogger(__name__)
+
+TOKEN_ENV = "HF_TOKEN"
+INSTALL_ENV = "ASYNCGRPO_INSTALL"
+_STAGES: dict[str, Stage] = {
+    "SCHEDULING": "starting",
+    "RUNNING": "running",
+    "COMPLETED": "completed",
+    "ERROR": "failed",
+    "DELETED": "failed",
+    "CANCELED": "canceled",
+}
+
+
+def in_image(args: list[str], install: str | None) -> tuple[list[str], dict[str, str]]:
+    """The job's command for ``python3 <args>``, after ``pip install $ASYNCGRPO_INSTALL`` if
+    set. ``"$@"`` keeps ``args`` as they are: nothing is re-parsed by the shell."""
+    if install is None:
+        return ["python3", *args], {}
+    script = f'python3 -m pip install --quiet "${INSTALL_ENV}" && exec python3 "$@"'
+    return ["sh", "-c", script, "sh", *args], {INSTALL_ENV: install}
+
+
+def _local_path(value: str) -> bool:
+    return os.path.exists(value)
+
+
+class HfJobsBackend:
+    """Replicas and trainer as Hugging Face Jobs; the transport an HF bucket or S3."""
+
+    name = "hf-jobs"
+
+    def __init__(
+        self,
+        cfg: TrainingConfig,
+        launch_dir: Path,
+        *,
+        api: Any = None,
+        token: str | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        from huggingface_hub import HfApi, get_token
+
+        self.cfg = cfg
+        self.launch_dir = launch_dir
+        self.environ = dict(os.environ if environ is None else environ)
+        self.token = token or self.environ.get(TOKEN_ENV) or get_token()
+        self.api = api if api is not None else HfApi(token=self.token)
+        self.namespace = cfg.launch.namespace
+        self.transport_url = cfg.transport_url
+        secrets: dict[str, str] = {}
+        self.env: dict[str, str] = {}
+        self.missing: list[str] = []
+        if self.transport_url:
+            secrets, self.env, self.missing = transport_credentials(
+                self.transport_url, self.environ
+            )
+        if self.token:
+            secrets = {TOKEN_ENV: self.token, **secrets}
+        else:
+            self.missing.insert(0, TOKEN_ENV)
+        self.secrets = secrets
+
+    # -- specs (no request) ------------------------------------------------------------------
+
+    @property
+    def health_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def _transport(self) -> str:
+        return self.transport_url or "<transport_url>"
+
+    def replica_specs(self) -> list[JobSpec]:
+        lcfg = self.cfg.launch
+        args = replica_args(
+            self.cfg,
+            host="0.0.0.0",
+            port=lcfg.port,
+            transport_url=self._transport(),
+            api_key_env=TOKEN_ENV,
+        )
+        command, env = in_image(args, lcfg.replica_install)
+        return [
+            JobSpec(
+                role="replica",
+                name=f"{self.cfg.run_name}-replica-{i}",
+                command=tuple(command),
+                env={**env, **self.env},
+                secrets=self.secrets,
+                image=lcfg.image,
+                flavor=lcfg.replica_flavor,
+                timeout_s=lcfg.timeout_s,
+                port=lcfg.port,
+                labels=labels(self.cfg, "replica"),
+            )
+            for i in range(lcfg.replicas)
+        ]
+
+    def trainer_spec(self, urls: list[str]) -> JobSpec:
+        lcfg = self.cfg.launch
+        args = trainer_args(urls, upstream_key_env=TOKEN_ENV)
+        command, env = in_image(args, lcfg.trainer_install)
+        return JobSpec(
+            role="trainer",
+            name=f"{self.cfg.run_name}-trainer",
+            command=tuple(command),
+            env={**env, **self.env, CONFIG_ENV: job_config(self.cfg)},
+            secrets=self.secrets,
+            image=lcfg.trainer_image or lcfg.image,
+            flavor=lcfg.trainer_flavor,
+            timeout_s=lcfg.timeout_s,
+            labels=labels(self.cfg, "trainer"),
+        )
+
+    def check(self) -> None:
+        """Refuse, before any request, what no job could use."""
+        if not self.transport_url:
+            raise ConfigError(
+                "transport_url is unset: jobs share no disk; set transport_url="
+                "hf://buckets/<namespace>/<bucket>/<prefix> (created if missing) or s3://..."
+            )
+        if self.missing:
+            raise ConfigError(
+                f"set {', '.join(self.missing)} in the environment: the jobs get "
+                f"{'it' if len(self.missing) == 1 else 'them'} as secrets "
+                f"({TOKEN_ENV}: a Hugging Face token with write access, or `hf auth login`; "
+                "HF_S3_*: the S3 key pair generated for that token)"
+            )
+        if _local_path(self.cfg.model):
+            raise ConfigError(
+                f"model={self.cfg.model!r} is a local path, which the jobs cannot read: "
+                "upload it to the Hub and give its id"
+            )
+        path = self.cfg.dataset.path
+        if path is not None and _local_path(path):
+            raise ConfigError(
+                f"dataset.path={path!r} is a local file, which the jobs cannot read: use "
+                "dataset.prompts or a Hub dataset name"
+            )
+
+    # -- calls -------------------------------------------------------------------------------
+
+    async def _call(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        return await anyio.to_thread.run_sync(lambda: fn(**kwargs))
+
+    async def prepare(self) -> None:
+        if self.namespace is None:
+            who = await self._call(self.api.whoami)
+            self.namespace = str(who["name"])
+        url = self.transport_url or ""
+        if url.startswith("hf://"):
+            from asyncgrpo.transport.hf import parse_hf_url
+
+            namespace, bucket, _, _ = parse_hf_url(url)
+            await self._call(
+                self.api.create_bucket,
+                bucket_id=f"{namespace}/{bucket}",
+                private=True,
+                exist_ok=True,
+            )
+            logger.info("bucket %s/%s ready", namespace, bucket)
+
+    async def start(self, spec: JobSpec) -> str:
+        try:
+            info = await self._call(
+                self.api.run_job,
+                image=spec.image,
+                command=list(spec.command),
+                env=dict(spec.env),
+                secrets=dict(spec.secrets),
+                flavor=spec.flavor,
+                timeout=spec.timeout_s,
+                name=spec.name,
+                labels=dict(spec.labels),
+                expose=[spec.port] if spec.port is not None else None,
+                namespace=self.namespace,
+            )
+        except Exception as exc:
+            raise LaunchError(f"could not start {spec.role} job {spec.name}: {exc}") from exc
+        return str(info.id)
+
+    async def status(self, job: Job) -> JobStatus:
+        info = await self._call(self.api.inspect_job, job_id=job.id, namespace=self.namespace)
+        stage = _STAGES.get(str(getattr(info.status.stage, "value", info.status.stage)), "running")
+        url = None
+        if job.spec.port is not None:
+            exposed = info.status.expose_urls or []
+            url = exposed[0] if exposed else None
+            url = url or self.cfg.launch.jobs_url_template.format(job_id=job.id, port=job.spec.port)
+        return JobStatus(
+            stage=stage, url=url.rstrip("/") if url else None, message=info.status.message
+        )
+
+    async def log_tail(self, job: Job, lines: int) -> str:
+        got = await self._call(
+            lambda **kw: list(self.api.fetch_job_logs(**kw)),
+            job_id=job.id,
+            namespace=self.namespace,
+            follow=False,
+            tail=lines,
+        )
+        return "\n".join(got[-lines:]) or "(no log lines yet)"
+
+    async def follow_logs(self, job: Job, on_line: Callable[[str], None]) -> None:
+        """Stream the job's log until it ends. The stream blocks inside httpx, so it runs in a
+        daemon thread: on cancellation it is left to end with the job, and never holds up the
+        launcher's exit."""
+        token = anyio.lowlevel.current_token()
+        ended = anyio.Event()
+        errors: list[BaseException] = []
+
+        def follow() -> None:
+            try:
+                for line in self.api.fetch_job_logs(
+                    job_id=job.id, namespace=self.namespace, follow=True
+                ):
+                    anyio.from_thread.run_sync(on_line, line, token=token)
+            except anyio.RunFinishedError:
+                return
+            except Exception as exc:
+                errors.append(exc)
+            with contextlib.suppress(anyio.RunFinishedError, RuntimeError):
+                anyio.from_thread.run_sync(ended.set, token=token)
+
+        threading.Thread(target=follow, name=f"logs-{job.name}", daemon=True).start()
+        await ended.wait()
+        if errors:
+            logger.warning("log stream of %s ended: %s", job.name, errors[0])
+
+    async def cancel(self, job: Job) -> None:
+        await self._call(self.api.cancel_job, job_id=job.id, namespace=self.namespace)
+
+    async def aclose(self) -> None:
+        pass

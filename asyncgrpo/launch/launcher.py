@@ -1,0 +1,383 @@
+"""``await launch(cfg, backend=...)``: start a run's jobs in order, watch them, cancel them.
+
+The order is the same on every backend:
+
+1. ``prepare`` (the bucket exists; a local S3 server is up);
+2. start the N replica jobs, then wait until each answers ``/health`` through its URL (with the
+   backend's token). A job that ends first, or misses ``launch.health_timeout_s``, fails the
+   launch with its last log lines;
+3. start the trainer job with the replicas' URLs filled in.
+
+:meth:`LaunchHandle.wait` then follows every job's log into ``<run_dir>/launch/<job>.log``,
+reports the trainer's progress lines, and returns when the trainer job completes. Whatever ends
+the launch (success, a failed job, an error, cancellation, Ctrl-C) cancels every job it started
+that is still running: nothing is left billing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import anyio
+
+from asyncgrpo.config import TrainingConfig
+from asyncgrpo.errors import ConfigError, LaunchError
+from asyncgrpo.launch.plan import JobSpec
+from asyncgrpo.launch.progress import describe_progress, parse_progress
+
+logger = logging.getLogger(__name__)
+
+Stage = Literal["starting", "running", "completed", "failed", "canceled"]
+TERMINAL: frozenset[str] = frozenset({"completed", "failed", "canceled"})
+BackendName = Literal["hf-jobs", "local"]
+ProgressHook = Callable[[dict[str, Any]], None]
+#: Seconds the trainer's log may take to drain after its job completed.
+DRAIN_S = 15.0
+
+
+@dataclass(eq=False)
+class Job:
+    """A started job: its spec, the backend's id for it, where its log is kept."""
+
+    spec: JobSpec
+    id: str
+    log_path: Path
+    url: str | None = None  #: replicas: the base URL of the vLLM server, once known
+    stage: Stage = "starting"
+    cancel_requested: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    stage: Stage
+    url: str | None = None
+    message: str | None = None
+
+
+class Backend(Protocol):
+    """Where jobs run. Implementations: :mod:`.hf_jobs`, :mod:`.local`."""
+
+    name: str
+
+    @property
+    def health_headers(self) -> dict[str, str]: ...
+    def replica_specs(self) -> list[JobSpec]: ...
+    def trainer_spec(self, urls: list[str]) -> JobSpec: ...
+    def check(self) -> None: ...
+    async def prepare(self) -> None: ...
+    async def start(self, spec: JobSpec) -> str: ...
+    async def status(self, job: Job) -> JobStatus: ...
+    async def log_tail(self, job: Job, lines: int) -> str: ...
+    async def follow_logs(self, job: Job, on_line: Callable[[str], None]) -> None: ...
+    async def cancel(self, job: Job) -> None: ...
+    async def aclose(self) -> None: ...
+
+
+def make_backend(
+    name: BackendName | str, cfg: TrainingConfig, launch_dir: Path, **options: Any
+) -> Backend:
+    if name == "hf-jobs":
+        from asyncgrpo.launch.hf_jobs import HfJobsBackend
+
+        return HfJobsBackend(cfg, launch_dir, **options)
+    if name == "local":
+        from asyncgrpo.launch.local import LocalBackend
+
+        return LocalBackend(cfg, launch_dir, **options)
+    raise ConfigError(f"unknown launch backend {name!r}: use 'hf-jobs' or 'local'")
+
+
+def dry_run(cfg: TrainingConfig, backend: BackendName | str, **options: Any) -> str:
+    """Every job spec the launch would start, as text; starts nothing and sends no request."""
+    be = make_backend(backend, cfg, cfg.run_dir / "launch", **options)
+    urls = [f"<replica-{i} URL>" for i in range(cfg.launch.replicas)]
+    specs = [*be.replica_specs(), be.trainer_spec(urls)]
+    return "\n\n".join(spec.describe() for spec in specs)
+
+
+async def launch(
+    cfg: TrainingConfig,
+    backend: BackendName | str | Backend = "hf-jobs",
+    *,
+    on_progress: ProgressHook | None = None,
+    **options: Any,
+) -> LaunchHandle:
+    """Start the run's replica jobs, wait for their health, start the trainer job.
+
+    Returns once the trainer job is started; ``await handle.wait()`` follows it to the end.
+    ``options`` go to the backend (e.g. ``api=HfApi(endpoint=...)`` for ``hf-jobs``). If
+    anything fails on the way, every job started so far is cancelled before the error
+    (:class:`~asyncgrpo.errors.LaunchError` with the job's log tail) propagates.
+    """
+    launch_dir = cfg.run_dir / "launch"
+    await anyio.Path(launch_dir).mkdir(parents=True, exist_ok=True)
+    be = make_backend(backend, cfg, launch_dir, **options) if isinstance(backend, str) else backend
+    handle = LaunchHandle(be, cfg, launch_dir, on_progress=on_progress)
+    try:
+        be.check()
+        await handle._start()
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await handle.cancel()
+        raise
+    return handle
+
+
+class LaunchHandle:
+    """A launched run: its jobs, their URLs and logs; ``wait()``, ``cancel()``.
+
+    Also an async context manager that cancels every job on exit::
+
+        async with await launch(cfg, backend="local") as run:
+            await run.wait()
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        cfg: TrainingConfig,
+        launch_dir: Path,
+        *,
+        on_progress: ProgressHook | None = None,
+    ) -> None:
+        self.backend = backend
+        self.cfg = cfg
+        self.launch_dir = launch_dir
+        self.jobs: list[Job] = []
+        self.progress: list[dict[str, Any]] = []
+        self._on_progress = on_progress
+        self._closed = False
+
+    # -- what it started ---------------------------------------------------------------------
+
+    @property
+    def replicas(self) -> list[Job]:
+        return [j for j in self.jobs if j.spec.role == "replica"]
+
+    @property
+    def trainer(self) -> Job | None:
+        return next((j for j in self.jobs if j.spec.role == "trainer"), None)
+
+    @property
+    def urls(self) -> list[str]:
+        """The replicas' base URLs (what the trainer's proxy sends to)."""
+        return [j.url for j in self.replicas if j.url]
+
+    @property
+    def job_ids(self) -> list[str]:
+        return [j.id for j in self.jobs]
+
+    async def logs(self, job: Job | str, lines: int | None = None) -> str:
+        """The last ``lines`` log lines of ``job`` (a :class:`Job` or its name), from the
+        backend."""
+        if isinstance(job, str):
+            found = next((j for j in self.jobs if j.name == job or j.id == job), None)
+            if found is None:
+                raise ConfigError(f"no job {job!r}; jobs: {', '.join(j.name for j in self.jobs)}")
+            job = found
+        return await self.backend.log_tail(job, lines or self.cfg.launch.log_tail_lines)
+
+    # -- starting ----------------------------------------------------------------------------
+
+    async def _start_job(self, spec: JobSpec) -> Job:
+        job_id = await self.backend.start(spec)
+        job = Job(spec, job_id, self.launch_dir / f"{spec.name}.log")
+        self.jobs.append(job)
+        logger.info("started %s job %s (%s)", spec.role, spec.name, job_id)
+        self._write_manifest()
+        return job
+
+    def _write_manifest(self) -> None:
+        """``launch/jobs.json``: what was started, so a person can find and stop it by hand."""
+        doc = {
+            "backend": self.backend.name,
+            "jobs": [
+                {
+                    "name": j.name,
+                    "role": j.spec.role,
+                    "id": j.id,
+                    "url": j.url,
+                    "log": str(j.log_path),
+                }
+                for j in self.jobs
+            ],
+        }
+        (self.launch_dir / "jobs.json").write_text(json.dumps(doc, indent=2) + "\n")
+
+    async def _start(self) -> None:
+        await self.backend.prepare()
+        for spec in self.backend.replica_specs():
+            await self._start_job(spec)
+        failures: list[BaseException] = []
+        async with anyio.create_task_group() as tg:
+
+            async def healthy(job: Job) -> None:
+                try:
+                    await self._wait_healthy(job)
+                except LaunchError as exc:
+                    failures.append(exc)
+                    tg.cancel_scope.cancel()
+
+            for job in self.replicas:
+                tg.start_soon(healthy, job)
+        if failures:
+            raise failures[0]
+        self._write_manifest()
+        await self._start_job(self.backend.trainer_spec(self.urls))
+
+    async def _failure(self, job: Job, what: str) -> LaunchError:
+        tail = await self._save_tail(job)
+        return LaunchError(
+            f"{job.spec.role} job {job.name} ({job.id}) {what}; log {job.log_path}, last "
+            f"lines:\n{tail}"
+        )
+
+    async def _save_tail(self, job: Job) -> str:
+        try:
+            tail = await self.backend.log_tail(job, self.cfg.launch.log_tail_lines)
+        except Exception as exc:  # the error being reported matters more than its log
+            return f"(could not fetch the log: {exc})"
+        path = anyio.Path(job.log_path)
+        if not await path.exists() or not (await path.read_text(errors="replace")).strip():
+            await path.write_text(tail + "\n")
+        return tail
+
+    async def _wait_healthy(self, job: Job) -> None:
+        import aiohttp
+
+        lcfg = self.cfg.launch
+        deadline = time.monotonic() + lcfg.health_timeout_s
+        timeout = aiohttp.ClientTimeout(total=10)
+        async with aiohttp.ClientSession(headers=self.backend.health_headers) as session:
+            while True:
+                status = await self.backend.status(job)
+                job.stage = status.stage
+                if status.stage in TERMINAL:
+                    why = f" ({status.message})" if status.message else ""
+                    raise await self._failure(job, f"{status.stage} before it was healthy{why}")
+                job.url = job.url or status.url
+                if job.url is not None:
+                    try:
+                        async with session.get(f"{job.url}/health", timeout=timeout) as resp:
+                            if resp.status == 200:
+                                logger.info("%s healthy at %s", job.name, job.url)
+                                return
+                    except (aiohttp.ClientError, TimeoutError):
+                        pass
+                if time.monotonic() > deadline:
+                    raise await self._failure(
+                        job,
+                        f"not healthy after {lcfg.health_timeout_s:.0f} s (raise "
+                        "launch.health_timeout_s if the image or model is large)",
+                    )
+                await anyio.sleep(lcfg.poll_s)
+
+    # -- watching ----------------------------------------------------------------------------
+
+    def _on_trainer_line(self, line: str) -> None:
+        record = parse_progress(line)
+        if record is None:
+            return
+        self.progress.append(record)
+        logger.info("%s", describe_progress(record))
+        if self._on_progress is not None:
+            self._on_progress(record)
+
+    async def _follow(self, job: Job, done: anyio.Event) -> None:
+        async with await anyio.open_file(job.log_path, "a", encoding="utf-8") as log:
+            lines: list[str] = []
+
+            def on_line(line: str) -> None:
+                lines.append(line)
+                if job.spec.role == "trainer":
+                    self._on_trainer_line(line)
+
+            async def flush() -> None:
+                while lines:
+                    await log.write(lines.pop(0) + "\n")
+                await log.flush()
+
+            async with anyio.create_task_group() as tg:
+
+                async def flusher() -> None:
+                    while True:
+                        await anyio.sleep(0.5)
+                        await flush()
+
+                tg.start_soon(flusher)
+                try:
+                    await self.backend.follow_logs(job, on_line)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await flush()
+                    done.set()
+                    tg.cancel_scope.cancel()
+
+    async def wait(self) -> list[dict[str, Any]]:
+        """Follow the jobs until the trainer job completes; its progress records.
+
+        Raises :class:`~asyncgrpo.errors.LaunchError` with the log tail if any job fails or
+        stops early. On every way out, the jobs still running are cancelled.
+        """
+        trainer = self.trainer
+        if trainer is None:
+            raise LaunchError("the launch has no trainer job (it did not start)")
+        lcfg = self.cfg.launch
+        try:
+            async with anyio.create_task_group() as tg:
+                drained = {job.id: anyio.Event() for job in self.jobs}
+                for job in self.jobs:
+                    tg.start_soon(self._follow, job, drained[job.id])
+                while True:
+                    for job in self.jobs:
+                        status = await self.backend.status(job)
+                        job.stage = status.stage
+                        if job is trainer and status.stage == "completed":
+                            break
+                        if status.stage in TERMINAL:
+                            why = f" ({status.message})" if status.message else ""
+                            raise await self._failure(job, f"{status.stage} during the run{why}")
+                    else:
+                        await anyio.sleep(lcfg.poll_s)
+                        continue
+                    break
+                logger.info("trainer job %s completed", trainer.name)
+                with anyio.move_on_after(DRAIN_S):
+                    await drained[trainer.id].wait()
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.cancel()
+        return self.progress
+
+    async def cancel(self) -> None:
+        """Cancel every job of the launch that is not known to have ended. Idempotent."""
+        for job in self.jobs:
+            if job.stage in TERMINAL or job.cancel_requested:
+                continue
+            job.cancel_requested = True
+            try:
+                await self.backend.cancel(job)
+                logger.info("cancelled %s (%s)", job.name, job.id)
+            except Exception as exc:  # keep cancelling the others
+                logger.error("could not cancel job %s (%s): %s", job.name, job.id, exc)
+        if not self._closed:
+            self._closed = True
+            await self.backend.aclose()
+
+    async def __aenter__(self) -> LaunchHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.cancel()

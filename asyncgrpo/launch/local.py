@@ -1,0 +1,256 @@
+"""This host as a launch backend: each role a separate process group in its own directory.
+
+The same roles as on Hugging Face Jobs, so the distributed layout can be tried without a cloud
+account: replica ``i`` runs ``python -m asyncgrpo.serve`` in ``launch/replica-i/``, the trainer
+``python -m asyncgrpo.launch.trainer`` in ``launch/trainer/``; they share nothing but the
+transport, which is ``transport_url`` if set, else (``launch.local_transport``) a directory
+``launch/store`` no role works in, or an S3 protocol server (moto) on loopback that lives as
+long as the launch. Replicas listen on loopback only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import anyio
+from anyio.abc import Process
+
+from asyncgrpo.config import TrainingConfig
+from asyncgrpo.errors import LaunchError
+from asyncgrpo.launch.launcher import Job, JobStatus
+from asyncgrpo.launch.plan import JobSpec, job_config, labels, replica_args, trainer_args
+from asyncgrpo.launch.trainer import CONFIG_ENV
+from asyncgrpo.serve.replicas import free_port
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+S3_BUCKET = "asyncgrpo"
+STOP_GRACE_S = 30.0
+#: moto accepts any key pair; these only satisfy the S3 client.
+_MOTO_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_REGION": "us-east-1",
+}
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+
+
+class LocalBackend:
+    """Roles as local process groups with disjoint working directories."""
+
+    name = "local"
+
+    def __init__(
+        self, cfg: TrainingConfig, launch_dir: Path, *, environ: Mapping[str, str] | None = None
+    ) -> None:
+        model = Path(cfg.model)
+        if model.exists():  # every role has its own working directory
+            cfg = _replace_model(cfg, str(model.resolve()))
+        self.cfg = cfg
+        self.launch_dir = launch_dir.resolve()
+        self.environ = dict(os.environ if environ is None else environ)
+        self.ports = [free_port(HOST) for _ in range(cfg.launch.replicas)]
+        self.transport_env: dict[str, str] = {}
+        self._moto: Process | None = None
+        self._moto_port: int | None = None
+        if cfg.transport_url:
+            self.transport_url = cfg.transport_url
+        elif cfg.launch.local_transport == "dir":
+            self.transport_url = str(self.launch_dir / "store")
+        else:
+            self._moto_port = free_port(HOST)
+            self.transport_url = f"s3://{S3_BUCKET}/{cfg.run_name}"
+            self.transport_env = {
+                **_MOTO_ENV,
+                "AWS_ENDPOINT_URL": f"http://{HOST}:{self._moto_port}",
+            }
+        self._processes: dict[str, Process] = {}
+
+    @property
+    def health_headers(self) -> dict[str, str]:
+        return {}
+
+    def replica_specs(self) -> list[JobSpec]:
+        return [
+            JobSpec(
+                role="replica",
+                name=f"{self.cfg.run_name}-replica-{i}",
+                command=(
+                    sys.executable,
+                    *replica_args(self.cfg, host=HOST, port=port, transport_url=self.transport_url),
+                    "--log-dir",
+                    ".",
+                ),
+                env=dict(self.transport_env),
+                port=port,
+                labels=labels(self.cfg, "replica"),
+            )
+            for i, port in enumerate(self.ports)
+        ]
+
+    def trainer_spec(self, urls: list[str]) -> JobSpec:
+        import dataclasses
+
+        cfg = dataclasses.replace(self.cfg, transport_url=self.transport_url, output_dir="runs")
+        return JobSpec(
+            role="trainer",
+            name=f"{self.cfg.run_name}-trainer",
+            command=(sys.executable, *trainer_args(urls)),
+            env={**self.transport_env, CONFIG_ENV: job_config(cfg)},
+            labels=labels(self.cfg, "trainer"),
+        )
+
+    def check(self) -> None:
+        pass
+
+    def _workdir(self, spec: JobSpec) -> Path:
+        return self.launch_dir / spec.name.removeprefix(f"{self.cfg.run_name}-")
+
+    async def prepare(self) -> None:
+        if self._moto_port is None:
+            return
+        log = self.launch_dir / "transport.log"
+        workdir = self.launch_dir / "transport"
+        workdir.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            self._moto = await anyio.open_process(
+                [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self._moto_port)],
+                stdin=None,
+                stdout=out,
+                stderr=out,
+                cwd=workdir,
+                start_new_session=True,
+            )
+        endpoint = self.transport_env["AWS_ENDPOINT_URL"]
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                await anyio.to_thread.run_sync(_create_bucket, endpoint)
+                break
+            except OSError as exc:
+                if self._moto.returncode is not None or time.monotonic() > deadline:
+                    raise LaunchError(
+                        f"the S3 protocol server (moto) did not start: {exc}; log {log}, last "
+                        f"lines:\n{_tail(log, 20)}"
+                    ) from exc
+                await anyio.sleep(0.2)
+        logger.info("S3 protocol server at %s, transport %s", endpoint, self.transport_url)
+
+    async def start(self, spec: JobSpec) -> str:
+        workdir = self._workdir(spec)
+        workdir.mkdir(parents=True, exist_ok=True)
+        log_path = self.launch_dir / f"{spec.name}.log"
+        env = {**self.environ, **spec.env, **spec.secrets}
+        with log_path.open("ab") as log:
+            process = await anyio.open_process(
+                list(spec.command),
+                stdin=None,
+                stdout=log,
+                stderr=log,
+                cwd=workdir,
+                env=env,
+                start_new_session=True,
+            )
+        job_id = f"pid-{process.pid}"
+        self._processes[job_id] = process
+        return job_id
+
+    async def status(self, job: Job) -> JobStatus:
+        code = self._processes[job.id].returncode
+        url = f"http://{HOST}:{job.spec.port}" if job.spec.port is not None else None
+        if code is None:
+            return JobStatus("running", url)
+        if job.cancel_requested:
+            return JobStatus("canceled", url)
+        if code == 0:
+            return JobStatus("completed", url)
+        return JobStatus("failed", url, f"exit code {code}")
+
+    async def log_tail(self, job: Job, lines: int) -> str:
+        return _tail(job.log_path, lines)
+
+    async def follow_logs(self, job: Job, on_line: Callable[[str], None]) -> None:
+        """The process writes its own log file (``job.log_path``); read new lines from it."""
+        process = self._processes[job.id]
+        path = anyio.Path(job.log_path)
+        offset = (await path.stat()).st_size if await path.exists() else 0
+        pending = ""
+        while True:
+            done = process.returncode is not None
+            async with await anyio.open_file(job.log_path, "rb") as f:
+                await f.seek(offset)
+                chunk = await f.read()
+            offset += len(chunk)
+            pending += chunk.decode(errors="replace")
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                on_line(line)
+            if done:
+                if pending:
+                    on_line(pending)
+                return
+            await anyio.sleep(0.5)
+
+    async def cancel(self, job: Job) -> None:
+        await _stop(self._processes[job.id])
+
+    async def aclose(self) -> None:
+        if self._moto is not None:
+            await _stop(self._moto)
+            self._moto = None
+
+
+def _replace_model(cfg: TrainingConfig, model: str) -> TrainingConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, model=model)
+
+
+def _create_bucket(endpoint: str) -> None:
+    request = urllib.request.Request(f"{endpoint}/{S3_BUCKET}", method="PUT")
+    urllib.request.urlopen(request, timeout=5).read()
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        import psutil
+
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except Exception:  # psutil missing or the process gone: the group covers the rest
+        return []
+
+
+async def _stop(process: Process) -> None:
+    """SIGTERM the role's process group (a replica stops its own vLLM servers), then SIGKILL
+    whatever is left after the grace period, descendants in other groups included."""
+    if process.returncode is not None:
+        return
+    pids = _descendants(process.pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGTERM)
+    with anyio.move_on_after(STOP_GRACE_S):
+        await process.wait()
+        return
+    logger.warning("process %d ignored SIGTERM for %.0f s; killing it", process.pid, STOP_GRACE_S)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    await process.wait()
