@@ -187,7 +187,7 @@ class HfJobsBackend:
 
     async def prepare(self) -> None:
         if self.namespace is None:
-            who = await self._call(self.api.whoami)
+            who = await self._call(self.api.whoami, token=self.token)
             self.namespace = str(who["name"])
         url = self.transport_url or ""
         if url.startswith("hf://"):
@@ -222,7 +222,12 @@ class HfJobsBackend:
         return str(info.id)
 
     async def status(self, job: Job) -> JobStatus:
-        info = await self._call(self.api.inspect_job, job_id=job.id, namespace=self.namespace)
+        try:
+            info = await self._call(self.api.inspect_job, job_id=job.id, namespace=self.namespace)
+        except Exception as exc:
+            raise LaunchError(
+                f"could not inspect {job.spec.role} job {job.name} ({job.id}): {exc}"
+            ) from exc
         stage = _STAGES.get(str(getattr(info.status.stage, "value", info.status.stage)), "running")
         url = None
         if job.spec.port is not None:

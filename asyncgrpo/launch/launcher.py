@@ -332,33 +332,36 @@ class LaunchHandle:
         trainer = self.trainer
         if trainer is None:
             raise LaunchError("the launch has no trainer job (it did not start)")
-        lcfg = self.cfg.launch
         try:
             async with anyio.create_task_group() as tg:
                 drained = {job.id: anyio.Event() for job in self.jobs}
                 for job in self.jobs:
                     tg.start_soon(self._follow, job, drained[job.id])
-                while True:
-                    for job in self.jobs:
-                        status = await self.backend.status(job)
-                        job.stage = status.stage
-                        if job is trainer and status.stage == "completed":
-                            break
-                        if status.stage in TERMINAL:
-                            why = f" ({status.message})" if status.message else ""
-                            raise await self._failure(job, f"{status.stage} during the run{why}")
-                    else:
-                        await anyio.sleep(lcfg.poll_s)
-                        continue
-                    break
-                logger.info("trainer job %s completed", trainer.name)
-                with anyio.move_on_after(DRAIN_S):
-                    await drained[trainer.id].wait()
+                failure = await self._watch(trainer)
+                if failure is None:
+                    logger.info("trainer job %s completed", trainer.name)
+                    with anyio.move_on_after(DRAIN_S):
+                        await drained[trainer.id].wait()
                 tg.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
         finally:
             with anyio.CancelScope(shield=True):
                 await self.cancel()
         return self.progress
+
+    async def _watch(self, trainer: Job) -> LaunchError | None:
+        """Poll every job until the trainer completes (None) or any job ends otherwise."""
+        while True:
+            for job in self.jobs:
+                status = await self.backend.status(job)
+                job.stage = status.stage
+                if job is trainer and status.stage == "completed":
+                    return None
+                if status.stage in TERMINAL:
+                    why = f" ({status.message})" if status.message else ""
+                    return await self._failure(job, f"{status.stage} during the run{why}")
+            await anyio.sleep(self.cfg.launch.poll_s)
 
     async def cancel(self) -> None:
         """Cancel every job of the launch that is not known to have ended. Idempotent."""

@@ -1,0 +1,221 @@
+"""A local Hugging Face Hub that speaks the Jobs REST API the way ``huggingface_hub`` calls it.
+
+``FakeHub`` answers ``/api/whoami-v2``, ``POST /api/buckets/<ns>/<name>``, ``POST
+/api/jobs/<ns>`` (``run_job``), ``GET /api/jobs/<ns>/<id>`` (``inspect_job``), ``GET
+.../logs`` (``fetch_job_logs``: server-sent events, honouring ``tail``), ``POST .../cancel``;
+and, standing in for the Jobs gateway, each job's exposed port at ``/exposed/<id>/...``, which
+demands the bearer token like the real gateway. Every request is recorded. Jobs follow a script
+the test sets: ``hub.script(role) -> dict`` returns what a new job of that role does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+NAMESPACE = "testns"
+TOKEN = "hf_fakeTOKEN1234567890secret"
+
+
+def _now() -> str:
+    """The Hub's timestamp format (what huggingface_hub parses)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+@dataclass
+class FakeJob:
+    id: str
+    spec: dict[str, Any]
+    created: float
+    stage: str = "RUNNING"
+    logs: list[str] = field(default_factory=list)
+    healthy_after_s: float | None = 0.0  #: None: never healthy
+    fail_after_s: float | None = None  #: reported as ERROR after this
+    complete_after_s: float | None = None  #: reported as COMPLETED after this
+    health_checks: int = 0
+
+    @property
+    def role(self) -> str:
+        return (self.spec.get("labels") or {}).get("asyncgrpo-role", "")
+
+    def tick(self) -> None:
+        age = time.monotonic() - self.created
+        if self.stage != "RUNNING":
+            return
+        if self.fail_after_s is not None and age >= self.fail_after_s:
+            self.stage = "ERROR"
+        elif self.complete_after_s is not None and age >= self.complete_after_s:
+            self.stage = "COMPLETED"
+
+
+class FakeHub:
+    def __init__(self) -> None:
+        self.url = ""
+        self.requests: list[dict[str, Any]] = []
+        self.jobs: dict[str, FakeJob] = {}
+        self.buckets: list[str] = []
+        self.report_expose_urls = True
+        self.scripts: dict[str, Callable[[], dict[str, Any]]] = {}
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+
+    # -- test helpers --------------------------------------------------------------------------
+
+    def created(self, role: str | None = None) -> list[FakeJob]:
+        return [j for j in self.jobs.values() if role is None or j.role == role]
+
+    def cancelled(self) -> set[str]:
+        return {
+            r["path"].split("/")[-2]
+            for r in self.requests
+            if r["method"] == "POST" and r["path"].endswith("/cancel")
+        }
+
+    def api_requests(self) -> list[dict[str, Any]]:
+        return [r for r in self.requests if r["path"].startswith("/api/")]
+
+    # -- server ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("fake hub did not start")
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def _job_json(self, job: FakeJob) -> dict[str, Any]:
+        job.tick()
+        spec = job.spec
+        status: dict[str, Any] = {"stage": job.stage, "message": None}
+        if job.stage == "ERROR":
+            status["message"] = "exit code 1"
+        ports = (spec.get("expose") or {}).get("ports") or []
+        if ports and self.report_expose_urls:
+            status["exposeUrls"] = [f"{self.url}/exposed/{job.id}"]
+        return {
+            "id": job.id,
+            "createdAt": _now(),
+            "dockerImage": spec.get("dockerImage"),
+            "command": spec.get("command"),
+            "arguments": [],
+            "environment": spec.get("environment"),
+            # the real Hub never returns secret values
+            "secrets": dict.fromkeys(spec.get("secrets") or {}, "<hidden>"),
+            "flavor": spec.get("flavor"),
+            "labels": spec.get("labels"),
+            "status": status,
+            "owner": {"id": "0", "name": NAMESPACE, "type": "user"},
+            "expose": spec.get("expose"),
+        }
+
+    async def _serve(self) -> None:
+        from aiohttp import web
+
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+
+        def authorized(request: web.Request) -> bool:
+            return request.headers.get("Authorization") == f"Bearer {TOKEN}"
+
+        @web.middleware
+        async def record(request: web.Request, handler):
+            body = await request.read()
+            self.requests.append(
+                {
+                    "method": request.method,
+                    "path": request.path,
+                    "query": dict(request.query),
+                    "body": json.loads(body) if body else None,
+                    "authorized": authorized(request),
+                }
+            )
+            if not authorized(request):
+                return web.json_response({"error": "Invalid credentials"}, status=401)
+            return await handler(request)
+
+        async def whoami(request: web.Request) -> web.Response:
+            return web.json_response({"type": "user", "name": NAMESPACE})
+
+        async def create_bucket(request: web.Request) -> web.Response:
+            ns, name = request.match_info["ns"], request.match_info["name"]
+            self.buckets.append(f"{ns}/{name}")
+            return web.json_response({"url": f"{self.url}/buckets/{ns}/{name}"})
+
+        async def run_job(request: web.Request) -> web.Response:
+            spec = await request.json()
+            job = FakeJob(secrets.token_hex(12), spec, time.monotonic())
+            script = self.scripts.get(job.role)
+            for key, value in (script() if script else {}).items():
+                setattr(job, key, value)
+            self.jobs[job.id] = job
+            return web.json_response(self._job_json(job))
+
+        def find(request: web.Request) -> FakeJob:
+            job = self.jobs.get(request.match_info["id"])
+            if job is None:
+                raise web.HTTPNotFound(text='{"error": "no such job"}')
+            return job
+
+        async def inspect(request: web.Request) -> web.Response:
+            return web.json_response(self._job_json(find(request)))
+
+        async def cancel(request: web.Request) -> web.Response:
+            job = find(request)
+            job.tick()
+            if job.stage == "RUNNING":
+                job.stage = "CANCELED"
+            return web.json_response({})
+
+        async def logs(request: web.Request) -> web.StreamResponse:
+            job = find(request)
+            lines = list(job.logs)
+            if "tail" in request.query:
+                lines = lines[-int(request.query["tail"]) :]
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            now = _now()
+            for line in lines:
+                event = json.dumps({"timestamp": now, "data": line})
+                await resp.write(f"data: {event}\n\n".encode())
+            await resp.write_eof()
+            return resp
+
+        async def exposed(request: web.Request) -> web.Response:
+            job = find(request)
+            job.health_checks += 1
+            job.tick()
+            age = time.monotonic() - job.created
+            ok = job.healthy_after_s is not None and age >= job.healthy_after_s
+            if job.stage != "RUNNING" or not ok:
+                return web.Response(status=503, text="starting")
+            return web.Response(text="")
+
+        app = web.Application(middlewares=[record])
+        app.router.add_get("/api/whoami-v2", whoami)
+        app.router.add_post("/api/buckets/{ns}/{name}", create_bucket)
+        app.router.add_post("/api/jobs/{ns}", run_job)
+        app.router.add_get("/api/jobs/{ns}/{id}", inspect)
+        app.router.add_post("/api/jobs/{ns}/{id}/cancel", cancel)
+        app.router.add_get("/api/jobs/{ns}/{id}/logs", logs)
+        app.router.add_get("/exposed/{id}/health", exposed)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        self._ready.set()
+        await self._stop.wait()
+        await runner.cleanup()

@@ -1,0 +1,204 @@
+"""``launch(cfg, backend="hf-jobs")`` against a local Hub speaking the Jobs REST API."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+import pytest
+from huggingface_hub import HfApi
+
+from asyncgrpo.config import TrainingConfig
+from asyncgrpo.errors import ConfigError, LaunchError
+from asyncgrpo.launch import launch
+from asyncgrpo.launch.progress import progress_line
+
+from fake_jobs_hub import NAMESPACE, TOKEN, FakeHub
+
+S3_KEY, S3_SECRET = "HFAKfakeaccesskey", "fakeS3secretvalue987"
+ENVIRON = {
+    "HF_TOKEN": TOKEN,
+    "HF_S3_ACCESS_KEY_ID": S3_KEY,
+    "HF_S3_SECRET_ACCESS_KEY": S3_SECRET,
+}
+SECRET_VALUES = (TOKEN, S3_KEY, S3_SECRET)
+
+
+def make_config(tmp_path: Path, *overrides: str) -> TrainingConfig:
+    data = {
+        "model": "Qwen/Qwen2.5-0.5B-Instruct",
+        "run_name": "fake-run",
+        "output_dir": str(tmp_path / "runs"),
+        "transport_url": "hf://buckets/testns/asyncgrpo-runs/fake-run",
+        "dataset": {"prompts": ["count to five", "name a color"]},
+        "trainer": {"max_steps": 3, "max_staleness": 1},
+        "launch": {"replicas": 2, "poll_s": 0.05, "health_timeout_s": 20},
+    }
+    return TrainingConfig.from_dict(data, list(overrides))
+
+
+def run_launch(cfg: TrainingConfig, hub: FakeHub, body) -> object:
+    api = HfApi(endpoint=hub.url, token=TOKEN)
+
+    async def main():
+        handle = await launch(cfg, "hf-jobs", api=api, environ=ENVIRON)
+        async with handle:
+            return await body(handle)
+
+    return anyio.run(main)
+
+
+def assert_no_secret_in(text: str) -> None:
+    for value in SECRET_VALUES:
+        assert value not in text
+
+
+def test_launch_creates_replicas_then_trainer_and_follows_it_to_completion(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    records = [{"reward": 0.1 * s, "ratio": 1.0, "perf/weight_sync_s": 0.5} for s in (1, 2, 3)]
+    hub.scripts["replica"] = lambda: {"healthy_after_s": 0.2}
+    hub.scripts["trainer"] = lambda: {
+        "logs": ["installing", *(progress_line(s, 3, m) for s, m in enumerate(records, 1))],
+        "complete_after_s": 0.5,
+    }
+    cfg = make_config(tmp_path)
+    seen: list[dict] = []
+
+    async def body(handle):
+        assert len(handle.urls) == 2
+        return await handle.wait()
+
+    progress = run_launch(cfg, hub, body)
+    seen = progress  # type: ignore[assignment]
+
+    # the bucket, then two replicas, then the trainer: in that order
+    posts = [r for r in hub.api_requests() if r["method"] == "POST" and "/cancel" not in r["path"]]
+    assert [r["path"] for r in posts] == [
+        "/api/buckets/testns/asyncgrpo-runs",
+        f"/api/jobs/{NAMESPACE}",
+        f"/api/jobs/{NAMESPACE}",
+        f"/api/jobs/{NAMESPACE}",
+    ]
+    replicas, trainer = hub.created("replica"), hub.created("trainer")
+    assert len(replicas) == 2 and len(trainer) == 1
+    for job in replicas:
+        spec = job.spec
+        assert spec["dockerImage"] == cfg.launch.image
+        assert spec["flavor"] == "a10g-large"
+        assert spec["expose"]["ports"] == [8000]
+        assert spec["timeoutSeconds"] == 8 * 3600
+        cmd = spec["command"]
+        assert cmd[cmd.index("-m") + 1] == "asyncgrpo.serve"
+        assert cmd[cmd.index("--transport") + 1] == cfg.transport_url
+        assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
+        assert cmd[cmd.index("--api-key-env") + 1] == "HF_TOKEN"
+        assert spec["secrets"] == ENVIRON  # every secret as a secret
+        assert job.health_checks >= 1
+    spec = trainer[0].spec
+    assert spec["flavor"] == "a100-large" and "expose" not in spec
+    urls = [f"{hub.url}/exposed/{j.id}" for j in replicas]
+    assert "serve.urls=" + ",".join(urls) in spec["command"]
+    assert "serve.replicas=0" in spec["command"]
+    assert spec["secrets"] == ENVIRON
+    shipped = spec["environment"]["ASYNCGRPO_CONFIG"]
+    assert "Qwen/Qwen2.5-0.5B-Instruct" in shipped
+    # no secret in any command line, plain environment variable or log
+    for job in hub.created():
+        assert_no_secret_in(json.dumps(job.spec["command"]))
+        assert_no_secret_in(json.dumps(job.spec["environment"]))
+    # the trainer's progress, parsed from its log, and every job's log kept in the run dir
+    assert [r["step"] for r in seen] == [1, 2, 3]
+    assert seen[-1]["reward"] == pytest.approx(0.3) and seen[-1]["sync_s"] == 0.5
+    launch_dir = cfg.run_dir / "launch"
+    trainer_log = (launch_dir / "fake-run-trainer.log").read_text()
+    assert "installing" in trainer_log
+    for path in launch_dir.iterdir():
+        assert_no_secret_in(path.read_text())
+    manifest = json.loads((launch_dir / "jobs.json").read_text())
+    assert {j["id"] for j in manifest["jobs"]} == set(hub.jobs)
+    # the run is over: the replicas were cancelled, the completed trainer was not
+    assert hub.cancelled() == {j.id for j in replicas}
+
+
+def test_job_url_from_the_template_when_the_api_reports_none(tmp_path: Path, hub: FakeHub) -> None:
+    hub.report_expose_urls = False
+    hub.scripts["trainer"] = lambda: {"complete_after_s": 0.1}
+    cfg = make_config(
+        tmp_path, "launch.replicas=1", f"launch.jobs_url_template={hub.url}/exposed/{{job_id}}"
+    )
+
+    async def body(handle):
+        assert handle.urls == [f"{hub.url}/exposed/{handle.replicas[0].id}"]
+        await handle.wait()
+
+    run_launch(cfg, hub, body)
+    assert hub.created("replica")[0].health_checks >= 1
+
+
+def test_a_replica_that_fails_to_start_surfaces_its_log_and_cancels_the_rest(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    count = iter(range(10))
+
+    def replica() -> dict:
+        if next(count) == 1:
+            return {"healthy_after_s": None, "fail_after_s": 0.3,
+                    "logs": ["loading weights", "torch.OutOfMemoryError: CUDA out of memory"]}  # fmt: skip
+        return {"healthy_after_s": 0.0}
+
+    hub.scripts["replica"] = replica
+    cfg = make_config(tmp_path)
+    with pytest.raises(LaunchError, match="CUDA out of memory") as info:
+        run_launch(cfg, hub, lambda handle: handle.wait())
+    assert "fake-run-replica-1" in str(info.value) and "failed" in str(info.value)
+    replicas = hub.created("replica")
+    assert len(replicas) == 2 and not hub.created("trainer")  # the trainer never started
+    assert hub.cancelled() == {replicas[0].id}  # the healthy one; the failed one had ended
+    log = (cfg.run_dir / "launch" / "fake-run-replica-1.log").read_text()
+    assert "CUDA out of memory" in log
+
+
+def test_a_trainer_that_dies_cancels_the_replicas(tmp_path: Path, hub: FakeHub) -> None:
+    hub.scripts["trainer"] = lambda: {"fail_after_s": 0.3, "logs": ["Traceback", "boom"]}
+    cfg = make_config(tmp_path)
+    with pytest.raises(LaunchError, match="boom"):
+        run_launch(cfg, hub, lambda handle: handle.wait())
+    assert hub.cancelled() == {j.id for j in hub.created("replica")}
+
+
+def test_a_cancelled_launch_cancels_every_job(tmp_path: Path, hub: FakeHub) -> None:
+    cfg = make_config(tmp_path)
+
+    async def body(handle):
+        with anyio.move_on_after(0.5):
+            await handle.wait()  # the trainer never completes
+
+    run_launch(cfg, hub, body)
+    assert len(hub.jobs) == 3
+    assert hub.cancelled() == set(hub.jobs)
+
+
+def test_health_timeout_cancels_what_started(tmp_path: Path, hub: FakeHub) -> None:
+    hub.scripts["replica"] = lambda: {"healthy_after_s": None, "logs": ["pulling image"]}
+    cfg = make_config(tmp_path, "launch.health_timeout_s=0.3")
+    with pytest.raises(LaunchError, match="not healthy after"):
+        run_launch(cfg, hub, lambda handle: handle.wait())
+    assert hub.cancelled() == set(hub.jobs) and len(hub.jobs) == 2
+
+
+def test_missing_credentials_or_local_files_are_refused_before_any_request(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    api = HfApi(endpoint=hub.url, token=TOKEN)
+    cases = [
+        (make_config(tmp_path), {"HF_TOKEN": TOKEN}, "HF_S3_ACCESS_KEY_ID"),
+        (make_config(tmp_path, "transport_url=null"), ENVIRON, "transport_url is unset"),
+        (make_config(tmp_path, f"model={tmp_path}"), ENVIRON, "local path"),
+        (make_config(tmp_path, "transport_url=/tmp/x"), ENVIRON, "share no disk"),
+    ]
+    for cfg, environ, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            anyio.run(lambda c=cfg, e=environ: launch(c, "hf-jobs", api=api, environ=e, token=None))
+    assert hub.requests == []
