@@ -7,14 +7,13 @@ from pathlib import Path
 
 import anyio
 import pytest
+from fake_jobs_hub import NAMESPACE, TOKEN, FakeHub
 from huggingface_hub import HfApi
 
 from asyncgrpo.config import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch import launch
 from asyncgrpo.launch.progress import progress_line
-
-from fake_jobs_hub import NAMESPACE, TOKEN, FakeHub
 
 S3_KEY, S3_SECRET = "HFAKfakeaccesskey", "fakeS3secretvalue987"
 ENVIRON = {
