@@ -20,6 +20,22 @@ FLAGS = {
 }
 
 
+class _IntermixedParser(argparse.ArgumentParser):
+    """Lets overrides follow the flags (``launch CONFIG --backend local --replicas 3 x=1``):
+    plain argparse stops taking positionals once an option came after them."""
+
+    _inner = False
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if self._inner:  # parse_known_intermixed_args calls back in here
+            return super().parse_known_args(args, namespace)
+        self._inner = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inner = False
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "launch",
@@ -36,6 +52,8 @@ def add_parser(sub: Any) -> None:
     for flag, (_, kind, text) in FLAGS.items():
         p.add_argument(flag, type=kind, default=None, help=text)
     p.set_defaults(func=run)
+    # The subcommand's parser is built by the top-level parser's class; give it intermixing.
+    p.__class__ = _IntermixedParser
 
 
 def overrides(args: argparse.Namespace) -> list[str]:

@@ -1,0 +1,89 @@
+"""``asyncgrpo launch`` as users run it: a separate process, ``HF_ENDPOINT`` at a local Hub."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from fake_jobs_hub import TOKEN, FakeHub
+
+S3_KEY, S3_SECRET = "HFAKfakeaccesskey", "fakeS3secretvalue987"
+
+
+def write_config(tmp_path: Path) -> Path:
+    path = tmp_path / "run.yaml"
+    data = {
+        "model": "Qwen/Qwen2.5-0.5B-Instruct",
+        "run_name": "cli-run",
+        "output_dir": str(tmp_path / "runs"),
+        "transport_url": "hf://buckets/testns/asyncgrpo-runs/cli-run",
+        "dataset": {"prompts": ["count to five"]},
+        "trainer": {"max_staleness": 1},
+    }
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def env(hub: FakeHub, tmp_path: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        "HF_ENDPOINT": hub.url,
+        "HF_HOME": str(tmp_path / "hf-home"),
+        "HF_TOKEN": TOKEN,
+        "HF_S3_ACCESS_KEY_ID": S3_KEY,
+        "HF_S3_SECRET_ACCESS_KEY": S3_SECRET,
+    }
+
+
+def launch_cmd(config: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "asyncgrpo.cli", "launch", str(config), "--backend", "hf-jobs",
+            *args]  # fmt: skip
+
+
+def test_dry_run_prints_every_spec_and_sends_no_request(tmp_path: Path, hub: FakeHub) -> None:
+    cmd = launch_cmd(write_config(tmp_path), "--dry-run", "--replicas", "3",
+                     "--replica-flavor", "l4x1", "launch.timeout=2h")  # fmt: skip
+    out = subprocess.run(cmd, env=env(hub, tmp_path), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert [line.split()[0] for line in text.splitlines() if line.endswith(("-0", "-1", "-2",
+            "trainer")) and " job " in line] == ["replica", "replica", "replica", "trainer"]  # fmt: skip
+    assert text.count("flavor:  l4x1") == 3 and text.count("flavor:  a100-large") == 1
+    assert text.count("timeout: 7200 s") == 4 and text.count("ports:   8000") == 3
+    assert "secrets: HF_S3_ACCESS_KEY_ID, HF_S3_SECRET_ACCESS_KEY, HF_TOKEN" in text
+    for value in (TOKEN, S3_KEY, S3_SECRET):
+        assert value not in text + out.stderr
+    assert hub.requests == []
+
+
+def test_sigterm_cancels_every_started_job(tmp_path: Path, hub: FakeHub) -> None:
+    hub.scripts["trainer"] = lambda: {"logs": ["training"]}  # never completes
+    cmd = launch_cmd(write_config(tmp_path), "--replicas", "2", "launch.poll_s=0.1")
+    proc = subprocess.Popen(
+        cmd, env=env(hub, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(hub.created("trainer")) < 1:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the trainer job was never created"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert len(hub.jobs) == 3
+    assert hub.cancelled() == set(hub.jobs)
+    assert "cancelled" in stderr
+    logs = "".join(p.read_text() for p in (tmp_path / "runs" / "cli-run" / "launch").iterdir())
+    for value in (TOKEN, S3_KEY, S3_SECRET):
+        assert value not in stdout + stderr + logs
