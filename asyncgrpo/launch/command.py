@@ -97,6 +97,16 @@ def run(args: argparse.Namespace) -> None:
 
     try:
         _run(main)
+    except BaseExceptionGroup as group:  # the CLI's task group wraps what the launch raised
+        raise _single(group) from None
     except KeyboardInterrupt:
         print("interrupted: every job of the launch was cancelled", file=sys.stderr)
         raise
+
+
+def _single(group: BaseExceptionGroup) -> BaseException:
+    """The one error inside (nested) groups of one, so the CLI reports it plainly."""
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error

@@ -68,6 +68,7 @@ class Backend(Protocol):
     """Where jobs run. Implementations: :mod:`.hf_jobs`, :mod:`.local`."""
 
     name: str
+    missing: list[str]  #: environment variables the launch needs and does not have
 
     @property
     def health_headers(self) -> dict[str, str]: ...
@@ -102,7 +103,10 @@ def dry_run(cfg: TrainingConfig, backend: BackendName | str, **options: Any) -> 
     be = make_backend(backend, cfg, cfg.run_dir / "launch", **options)
     urls = [f"<replica-{i} URL>" for i in range(cfg.launch.replicas)]
     specs = [*be.replica_specs(), be.trainer_spec(urls)]
-    return "\n\n".join(spec.describe() for spec in specs)
+    text = "\n\n".join(spec.describe() for spec in specs)
+    if be.missing:
+        text += f"\n\nnot set here, so a real launch would refuse: {', '.join(be.missing)}"
+    return text
 
 
 async def launch(

@@ -55,6 +55,7 @@ class LocalBackend:
     """Roles as local process groups with disjoint working directories."""
 
     name = "local"
+    missing: list[str] = []  # noqa: RUF012 (never mutated: a local launch needs no secret)
 
     def __init__(
         self, cfg: TrainingConfig, launch_dir: Path, *, environ: Mapping[str, str] | None = None

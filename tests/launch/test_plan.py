@@ -1,0 +1,83 @@
+"""Job specs from a config: pure functions, no I/O."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from asyncgrpo.config import TrainingConfig
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.launch.plan import (
+    JobSpec,
+    job_config,
+    replica_args,
+    trainer_args,
+    transport_credentials,
+)
+from asyncgrpo.launch.trainer import load_config
+
+
+def config(**extra) -> TrainingConfig:
+    data = {"model": "m/m", "dataset": {"prompts": ["p"]}, **extra}
+    return TrainingConfig.from_dict(data)
+
+
+def test_replica_args_size_the_server_like_the_trainer_would() -> None:
+    cfg = config(lora={"r": 16}, trainer={"max_staleness": 3},
+                 serve={"max_model_len": 1024, "dtype": "bfloat16"})  # fmt: skip
+    args = replica_args(cfg, host="0.0.0.0", port=8000, transport_url="s3://b/p",
+                        api_key_env="HF_TOKEN")  # fmt: skip
+    pairs = dict(zip(args[2::2], args[3::2], strict=False))
+    assert args[:2] == ["-m", "asyncgrpo.serve"]
+    assert pairs["--lora-rank"] == "16" and pairs["--max-staleness"] == "3"
+    assert pairs["--max-model-len"] == "1024" and pairs["--dtype"] == "bfloat16"
+    assert pairs["--transport"] == "s3://b/p" and pairs["--api-key-env"] == "HF_TOKEN"
+
+
+def test_trainer_args_round_trip_through_the_trainer_entry_point() -> None:
+    cfg = config(proxy={"api_key": "client-secret", "upstream_api_key": "up-secret"})
+    shipped = job_config(cfg)
+    assert "client-secret" not in shipped and "up-secret" not in shipped
+    urls = ["https://a--8000.hf.jobs", "https://b--8000.hf.jobs"]
+    args = trainer_args(urls, upstream_key_env="HF_TOKEN")
+    environ = {"ASYNCGRPO_CONFIG": shipped, "HF_TOKEN": "hf_x"}
+    loaded = load_config(args[2:], environ)
+    assert loaded.serve.urls == urls and loaded.serve.replicas == 0
+    assert loaded.proxy.upstream_api_key == "hf_x" and loaded.proxy.api_key is None
+    assert loaded.model == "m/m"
+    assert yaml.safe_load(shipped)["launch"]["replicas"] == cfg.launch.replicas
+    with pytest.raises(ConfigError, match="HF_TOKEN"):
+        load_config(args[2:], {"ASYNCGRPO_CONFIG": shipped})
+    with pytest.raises(ConfigError, match="ASYNCGRPO_CONFIG"):
+        load_config([], {})
+
+
+def test_transport_credentials_per_scheme() -> None:
+    environ = {"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "eu-west-1"}
+    secrets, plain, missing = transport_credentials("s3://bucket/run", environ)
+    assert secrets == {"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s"}
+    assert plain == {"AWS_REGION": "eu-west-1"} and missing == []
+    # an HF bucket takes the AWS pair as a fallback, under the names the HF transport reads
+    secrets, _, missing = transport_credentials("hf://buckets/ns/b/run", environ)
+    assert secrets == {"HF_S3_ACCESS_KEY_ID": "a", "HF_S3_SECRET_ACCESS_KEY": "s"}
+    _, _, missing = transport_credentials("hf://buckets/ns/b/run", {})
+    assert missing == ["HF_S3_ACCESS_KEY_ID", "HF_S3_SECRET_ACCESS_KEY"]
+    with pytest.raises(ConfigError, match="share no disk"):
+        transport_credentials("/some/dir", environ)
+
+
+def test_describe_names_secrets_but_never_shows_their_values() -> None:
+    spec = JobSpec(role="replica", name="r-0", command=("python3", "-m", "x"),
+                   env={"A": "1"}, secrets={"HF_TOKEN": "hf_topsecret"}, port=8000)  # fmt: skip
+    text = spec.describe()
+    assert "HF_TOKEN" in text and "hf_topsecret" not in text and "hf_topsecret" not in repr(spec)
+    assert "A=1" in text and "ports:   8000" in text
+
+
+def test_launch_section_validates() -> None:
+    assert config(launch={"timeout": "90m"}).launch.timeout_s == 5400
+    assert config(launch={"timeout": "120"}).launch.timeout_s == 120
+    for bad, field in [({"timeout": "soon"}, "launch.timeout"), ({"replicas": 0}, "launch.replicas"),
+                       ({"jobs_url_template": "https://x"}, "jobs_url_template")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=field):
+            config(launch=bad)
