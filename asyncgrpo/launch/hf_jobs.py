@@ -71,6 +71,7 @@ class HfJobsBackend:
     """Replicas and trainer as Hugging Face Jobs; the transport an HF bucket or S3."""
 
     name = "hf-jobs"
+    writes_own_logs = False
 
     def __init__(
         self,

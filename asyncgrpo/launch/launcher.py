@@ -69,6 +69,9 @@ class Backend(Protocol):
 
     name: str
     missing: list[str]  #: environment variables the launch needs and does not have
+    #: True when each job writes ``job.log_path`` itself (local processes); else the launcher
+    #: writes there what ``follow_logs`` reports
+    writes_own_logs: bool
 
     @property
     def health_headers(self) -> dict[str, str]: ...
@@ -297,14 +300,25 @@ class LaunchHandle:
         if self._on_progress is not None:
             self._on_progress(record)
 
+    def _line_handler(self, job: Job) -> Callable[[str], None]:
+        if job.spec.role == "trainer":
+            return self._on_trainer_line
+        return lambda line: None
+
     async def _follow(self, job: Job, done: anyio.Event) -> None:
+        if self.backend.writes_own_logs:
+            try:
+                await self.backend.follow_logs(job, self._line_handler(job))
+            finally:
+                done.set()
+            return
         async with await anyio.open_file(job.log_path, "a", encoding="utf-8") as log:
             lines: list[str] = []
+            handle_line = self._line_handler(job)
 
             def on_line(line: str) -> None:
                 lines.append(line)
-                if job.spec.role == "trainer":
-                    self._on_trainer_line(line)
+                handle_line(line)
 
             async def flush() -> None:
                 while lines:

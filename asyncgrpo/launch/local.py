@@ -56,6 +56,7 @@ class LocalBackend:
 
     name = "local"
     missing: list[str] = []  # noqa: RUF012 (never mutated: a local launch needs no secret)
+    writes_own_logs = True
 
     def __init__(
         self, cfg: TrainingConfig, launch_dir: Path, *, environ: Mapping[str, str] | None = None

@@ -1,0 +1,144 @@
+"""``--backend local``: roles as separate process groups in their own directories.
+
+The first tests swap the roles' commands for small Python programs (no vLLM), to check the
+machinery: working directories, the S3 protocol server as transport, health, progress, logs,
+failures and cancellation of whole process groups. The end-to-end run with real replicas is
+``test_tiny_run_end_to_end`` (marked ``vllm``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+
+from asyncgrpo.config import TrainingConfig
+from asyncgrpo.errors import LaunchError
+from asyncgrpo.launch import launch
+from asyncgrpo.launch.local import LocalBackend
+from asyncgrpo.launch.plan import JobSpec
+
+#: Answers /health on the port given as argv[1], after writing its cwd and a child's pid.
+REPLICA = textwrap.dedent("""
+    import http.server, os, subprocess, sys
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print("cwd", os.getcwd(), "child", child.pid, flush=True)
+    if os.environ.get("FAIL_REPLICA") == os.path.basename(os.getcwd()):
+        print("vllm: CUDA out of memory", flush=True)
+        sys.exit(3)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers()
+        def log_message(self, *a): pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+#: Writes through the transport (the S3 server), prints progress lines, exits 0.
+TRAINER = textwrap.dedent("""
+    import os, sys, anyio
+    from asyncgrpo.launch.progress import progress_line
+    from asyncgrpo.transport import open_transport
+    print("cwd", os.getcwd(), "urls", sys.argv[1], flush=True)
+    async def main():
+        t = open_transport(os.environ["TRANSPORT"])
+        await t.put("hello", b"world")
+        assert await t.get("hello") == b"world"
+        await t.aclose()
+    anyio.run(main)
+    for step in (1, 2, 3):
+        print(progress_line(step, 3, {"reward": step / 10, "ratio": 1.0}), flush=True)
+""")
+
+
+class ScriptedRoles(LocalBackend):
+    """The local backend with stand-in programs for vLLM and the trainer."""
+
+    def replica_specs(self) -> list[JobSpec]:
+        return [
+            JobSpec(
+                role="replica",
+                name=f"{self.cfg.run_name}-replica-{i}",
+                command=(sys.executable, "-c", REPLICA, str(port)),
+                env=self.transport_env,
+                port=port,
+            )
+            for i, port in enumerate(self.ports)
+        ]
+
+    def trainer_spec(self, urls: list[str]) -> JobSpec:
+        return JobSpec(role="trainer", name=f"{self.cfg.run_name}-trainer",
+                       command=(sys.executable, "-c", TRAINER, ",".join(urls)),
+                       env={**self.transport_env, "TRANSPORT": self.transport_url})  # fmt: skip
+
+
+def config(tmp_path: Path, *overrides: str) -> TrainingConfig:
+    data = {
+        "model": "m/m",
+        "run_name": "local-run",
+        "output_dir": str(tmp_path / "runs"),
+        "dataset": {"prompts": ["p"]},
+        "launch": {"replicas": 2, "poll_s": 0.1, "health_timeout_s": 30},
+    }
+    return TrainingConfig.from_dict(data, list(overrides))
+
+
+def log_field(path: Path, name: str) -> str:
+    words = path.read_text().split()
+    return words[words.index(name) + 1]
+
+
+def test_roles_run_apart_share_only_the_s3_server_and_stop_with_the_launch(
+    tmp_path: Path,
+) -> None:
+    cfg = config(tmp_path, "launch.local_transport=s3")
+    launch_dir = cfg.run_dir / "launch"
+    environ = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    backend = ScriptedRoles(cfg, launch_dir, environ=environ)
+    seen: list[dict] = []
+
+    async def main() -> list[dict]:
+        handle = await launch(cfg, backend, on_progress=seen.append)
+        async with handle:
+            assert handle.urls == [f"http://127.0.0.1:{p}" for p in backend.ports]
+            return await handle.wait()
+
+    progress = anyio.run(main)
+    assert [r["step"] for r in progress] == [1, 2, 3] and seen == progress
+    logs = {p.name: p for p in launch_dir.glob("*.log")}
+    cwds = {name: log_field(path, "cwd") for name, path in logs.items() if name != "transport.log"}
+    assert cwds == {
+        "local-run-replica-0.log": str(launch_dir / "replica-0"),
+        "local-run-replica-1.log": str(launch_dir / "replica-1"),
+        "local-run-trainer.log": str(launch_dir / "trainer"),
+    }
+    assert log_field(logs["local-run-trainer.log"], "urls") == ",".join(
+        f"http://127.0.0.1:{p}" for p in backend.ports
+    )
+    # the replicas' whole process groups (children included) and the S3 server are gone
+    for name in ("local-run-replica-0.log", "local-run-replica-1.log"):
+        assert not psutil.pid_exists(int(log_field(logs[name], "child"))) or (
+            psutil.Process(int(log_field(logs[name], "child"))).status() == psutil.STATUS_ZOMBIE
+        )
+    assert backend._moto is None
+
+
+def test_a_replica_that_dies_fails_the_launch_with_its_log(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    environ = {**os.environ, "FAIL_REPLICA": "replica-1"}
+    backend = ScriptedRoles(cfg, cfg.run_dir / "launch", environ=environ)
+
+    async def main() -> None:
+        async with await launch(cfg, backend) as handle:
+            await handle.wait()
+
+    with pytest.raises(LaunchError, match="CUDA out of memory") as info:
+        anyio.run(main)
+    assert "local-run-replica-1" in str(info.value) and "exit code 3" in str(info.value)
+    survivor = cfg.run_dir / "launch" / "local-run-replica-0.log"
+    child = int(log_field(survivor, "child"))
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
