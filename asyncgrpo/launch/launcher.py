@@ -127,11 +127,11 @@ async def launch(
     (:class:`~asyncgrpo.errors.LaunchError` with the job's log tail) propagates.
     """
     launch_dir = cfg.run_dir / "launch"
-    await anyio.Path(launch_dir).mkdir(parents=True, exist_ok=True)
     be = make_backend(backend, cfg, launch_dir, **options) if isinstance(backend, str) else backend
+    be.check()
+    await anyio.Path(launch_dir).mkdir(parents=True, exist_ok=True)
     handle = LaunchHandle(be, cfg, launch_dir, on_progress=on_progress)
     try:
-        be.check()
         await handle._start()
     except BaseException:
         with anyio.CancelScope(shield=True):
