@@ -86,11 +86,8 @@ def run(args: argparse.Namespace) -> None:
     async def main() -> None:
         handle = await launch(cfg, args.backend, on_progress=progress)
         async with handle:
-            for job in handle.replicas:
-                print(f"{job.name}: {job.id} healthy at {job.url}", flush=True)
-            trainer = handle.trainer
-            assert trainer is not None
-            print(f"{trainer.name}: {trainer.id} started; logs in {handle.launch_dir}", flush=True)
+            print(f"replicas healthy at {', '.join(handle.urls)}; trainer started; logs in "
+                  f"{handle.launch_dir}", flush=True)  # fmt: skip
             records = await handle.wait()
         last = describe_progress(records[-1]) if records else "no progress lines"
         print(f"trainer completed ({last}); every job stopped", flush=True)

@@ -296,7 +296,7 @@ class LaunchHandle:
         if record is None:
             return
         self.progress.append(record)
-        logger.info("%s", describe_progress(record))
+        logger.debug("%s", describe_progress(record))
         if self._on_progress is not None:
             self._on_progress(record)
 
