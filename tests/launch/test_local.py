@@ -9,6 +9,7 @@ failures and cancellation of whole process groups. The end-to-end run with real 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -22,6 +23,7 @@ from asyncgrpo.errors import LaunchError
 from asyncgrpo.launch import launch
 from asyncgrpo.launch.local import LocalBackend
 from asyncgrpo.launch.plan import JobSpec
+from asyncgrpo.launch.progress import parse_progress
 
 #: Answers /health on the port given as argv[1], after writing its cwd and a child's pid.
 REPLICA = textwrap.dedent("""
@@ -142,3 +144,46 @@ def test_a_replica_that_dies_fails_the_launch_with_its_log(tmp_path: Path) -> No
     survivor = cfg.run_dir / "launch" / "local-run-replica-0.log"
     child = int(log_field(survivor, "child"))
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
+
+
+def launch_tiny(tiny_model: Path, tmp_path: Path, steps: int) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "asyncgrpo.cli", "launch", str(EXAMPLE), "--backend", "local",
+           f"model={tiny_model}", f"output_dir={tmp_path}", f"trainer.max_steps={steps}"]  # fmt: skip
+    environ = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=1500)
+
+
+@pytest.mark.vllm
+def test_tiny_run_end_to_end_as_separate_processes_then_resumed(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """`asyncgrpo launch examples/tiny_cpu.yaml --backend local`: two replica processes and a
+    trainer process in their own directories, meeting only in the transport directory; ratio 1,
+    reward rising; a second launch of the same run continues from its last checkpoint."""
+    out = launch_tiny(tiny_model, tmp_path, steps=20)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    launch_dir = tmp_path / "tiny-cpu" / "launch"
+    trainer_log = (launch_dir / "tiny-cpu-trainer.log").read_text()
+    records = [r for r in map(parse_progress, trainer_log.splitlines()) if r is not None]
+    assert [r["step"] for r in records] == list(range(1, 21))
+    assert all(abs(r["ratio"] - 1) < 1e-3 for r in records), [r["ratio"] for r in records]
+    rewards = [r["reward"] for r in records]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
+    assert "step 20/20" in out.stdout and "every job stopped" in out.stdout
+    # the replicas worked in their own directories and never named a trainer's file
+    trainer_dir = str(launch_dir / "trainer")
+    for i in (0, 1):
+        replica_log = (launch_dir / f"replica-{i}" / "replica-0.log").read_text()
+        assert "load_lora_adapter" in replica_log or "tiny-cpu-" in replica_log
+        assert trainer_dir not in replica_log
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+
+    again = launch_tiny(tiny_model, tmp_path, steps=22)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    trainer_log = (launch_dir / "tiny-cpu-trainer.log").read_text()
+    assert "resumed from checkpoint step 20" in trainer_log
+    assert "step 22/22" in again.stdout and "step 1/22" not in again.stdout
