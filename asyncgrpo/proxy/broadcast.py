@@ -258,22 +258,25 @@ async def handle_fetch_info(request: web.Request) -> web.Response:
     """Every replica's adapter-plugin answer, so a trainer can check them all before a sync."""
     pool = request.app[POOL]
 
-    async def one(up: Upstream) -> dict:
+    async def one(up: Upstream) -> list[dict]:
         try:
             status, data = await pool.request(
                 "GET", up, PLUGIN_INFO_PATH, None, pool.config.broadcast_timeout_s
             )
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            return {"url": up.url, "status": 0, "body": f"{type(exc).__name__}: {exc}"}
+            return [{"url": up.url, "status": 0, "body": f"{type(exc).__name__}: {exc}"}]
         try:
             info = json.loads(data) if status == 200 else None
         except ValueError:
             info = None
-        if info is None:
-            return {"url": up.url, "status": status, "body": data[:300].decode(errors="replace")}
-        return {"url": up.url, "status": status, "info": info}
+        if not isinstance(info, dict):
+            return [{"url": up.url, "status": status, "body": data[:300].decode(errors="replace")}]
+        if isinstance(info.get("replicas"), list):  # another proxy: report its replicas
+            return info["replicas"]
+        return [{"url": up.url, "status": status, "info": info}]
 
     targets = _targets(pool)
     if not targets:
         return _error(503, "no replica in rotation", "ServiceUnavailableError")
-    return web.json_response({"replicas": list(await asyncio.gather(*(one(u) for u in targets)))})
+    answers = await asyncio.gather(*(one(u) for u in targets))
+    return web.json_response({"replicas": [entry for answer in answers for entry in answer]})
