@@ -85,6 +85,14 @@ class LaunchConfig:
             "on loopback, started for the launch."
         },
     )
+    local_hide_trainer: bool = field(
+        default=False,
+        metadata={
+            "help": "--backend local: run each replica in a private mount namespace where the "
+            "trainer's directory is an empty tmpfs, so a replica provably uses nothing of the "
+            "trainer's disk (Linux; needs root and `unshare`)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.replicas < 1:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -93,11 +94,10 @@ class LocalBackend:
             JobSpec(
                 role="replica",
                 name=f"{self.cfg.run_name}-replica-{i}",
-                command=(
+                command=self._hidden(
                     sys.executable,
                     *replica_args(self.cfg, host=HOST, port=port, transport_url=self.transport_url),
-                    "--log-dir",
-                    ".",
+                    *("--log-dir", ".", "--adapter-cache-dir", "adapters"),
                 ),
                 env=dict(self.transport_env),
                 port=port,
@@ -105,6 +105,17 @@ class LocalBackend:
             )
             for i, port in enumerate(self.ports)
         ]
+
+    def _hidden(self, *argv: str) -> tuple[str, ...]:
+        """``argv``, in a private mount namespace hiding the trainer's directory if asked."""
+        if not self.cfg.launch.local_hide_trainer:
+            return argv
+        trainer_dir = self._workdir_of("trainer")
+        script = (
+            f"mount -t tmpfs -o size=1m asyncgrpo-hidden {shlex.quote(str(trainer_dir))} "
+            f"&& exec {shlex.join(argv)}"
+        )
+        return ("unshare", "--mount", "--propagation", "private", "sh", "-c", script)
 
     def trainer_spec(self, urls: list[str]) -> JobSpec:
         import dataclasses
@@ -122,11 +133,18 @@ class LocalBackend:
         pass
 
     def _workdir(self, spec: JobSpec) -> Path:
-        return self.launch_dir / spec.name.removeprefix(f"{self.cfg.run_name}-")
+        return self._workdir_of(spec.name.removeprefix(f"{self.cfg.run_name}-"))
+
+    def _workdir_of(self, role_name: str) -> Path:
+        return self.launch_dir / role_name
 
     async def prepare(self) -> None:
-        if self._moto_port is None:
-            return
+        if self.cfg.launch.local_hide_trainer:  # the mount point must exist before replicas
+            self._workdir_of("trainer").mkdir(parents=True, exist_ok=True)
+        if self._moto_port is not None:
+            await self._start_s3_server()
+
+    async def _start_s3_server(self) -> None:
         log = self.launch_dir / "transport.log"
         workdir = self.launch_dir / "transport"
         workdir.mkdir(parents=True, exist_ok=True)

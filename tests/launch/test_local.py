@@ -9,6 +9,7 @@ failures and cancellation of whole process groups. The end-to-end run with real 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -149,9 +150,14 @@ def test_a_replica_that_dies_fails_the_launch_with_its_log(tmp_path: Path) -> No
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 
 
+#: Root can hide the trainer's directory from the replicas (private mount namespaces).
+HIDE = os.geteuid() == 0 and shutil.which("unshare") is not None
+
+
 def launch_tiny(tiny_model: Path, tmp_path: Path, steps: int) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "asyncgrpo.cli", "launch", str(EXAMPLE), "--backend", "local",
-           f"model={tiny_model}", f"output_dir={tmp_path}", f"trainer.max_steps={steps}"]  # fmt: skip
+           f"model={tiny_model}", f"output_dir={tmp_path}", f"trainer.max_steps={steps}",
+           f"launch.local_hide_trainer={HIDE}"]  # fmt: skip
     environ = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=1500)
 
@@ -161,8 +167,10 @@ def test_tiny_run_end_to_end_as_separate_processes_then_resumed(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     """`asyncgrpo launch examples/tiny_cpu.yaml --backend local`: two replica processes and a
-    trainer process in their own directories, meeting only in the transport directory; ratio 1,
-    reward rising; a second launch of the same run continues from its last checkpoint."""
+    trainer process in their own directories, meeting only in the transport directory (as root,
+    the trainer's directory is an empty tmpfs to the replicas, so every adapter version must
+    reach them through the transport); ratio 1, reward rising; a second launch of the same run
+    continues from its last checkpoint."""
     out = launch_tiny(tiny_model, tmp_path, steps=20)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     launch_dir = tmp_path / "tiny-cpu" / "launch"
