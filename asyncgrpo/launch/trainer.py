@@ -70,9 +70,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         _run(train, load_config(argv))
     except AsyncGRPOError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        _exit(1)
     except KeyboardInterrupt:
-        sys.exit(130)
+        _exit(130)
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """Exit with ``code`` without interpreter teardown, once the output is flushed.
+
+    obstore's background runtime (the S3 and HF-bucket transports) can abort the process
+    (SIGABRT) while Python finalizes, after all work is done: measured 3 aborts in 12 runs of
+    a put/get script on a loaded host. The launcher reads a job's exit status, so a finished
+    run must not end as a crash.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

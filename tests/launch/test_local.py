@@ -55,6 +55,7 @@ TRAINER = textwrap.dedent("""
     anyio.run(main)
     for step in (1, 2, 3):
         print(progress_line(step, 3, {"reward": step / 10, "ratio": 1.0}), flush=True)
+    os._exit(0)  # like the trainer entry point: obstore can abort during interpreter teardown
 """)
 
 
