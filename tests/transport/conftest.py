@@ -275,6 +275,12 @@ def fake_gcs() -> Iterator[str]:
         _stop(proc)
 
 
+@pytest.fixture
+def gcs_seed(fake_gcs: str) -> Any:
+    """``gcs_seed(key, data)``: write through fake-gcs-server's JSON API (see GCS_WRITES_SKIP)."""
+    return lambda key, data: seed_gcs(fake_gcs, key, data)
+
+
 @pytest.fixture(scope="session")
 def azure_proxy(azurite: str) -> Iterator[FaultProxy]:
     blob_endpoint = azurite.split("BlobEndpoint=")[1].rstrip(";")
@@ -342,7 +348,12 @@ FAST_RETRY = {
     "retry_timeout_s": 10.0,
 }
 # Which server (fixture) a kind of transport talks to, and the fault proxy in front of it.
-PROXIES = {"s3-proxy": "gateway", "hf": "gateway", "azure-proxy": "azure_proxy", "gcs-proxy": "gcs_proxy"}
+PROXIES = {
+    "s3-proxy": "gateway",
+    "hf": "gateway",
+    "azure-proxy": "azure_proxy",
+    "gcs-proxy": "gcs_proxy",
+}
 
 
 def make_transport(kind: str, tmp_path: Path, request: pytest.FixtureRequest, **overrides: Any):
