@@ -92,7 +92,7 @@ def azurite(install_dir: Path, container: str) -> Iterator[str]:
     """Run Azurite's blob service with ``container``; yield its connection string."""
     from azure.storage.blob import BlobServiceClient
 
-    binary = azurite_binary(install_dir)
+    binary = azurite_binary(install_dir.resolve())
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="azurite-") as workdir:
         proc = subprocess.Popen(
