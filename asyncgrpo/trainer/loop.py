@@ -308,6 +308,8 @@ class Trainer:
         """The current policy's per-token logprobs of each sample's completion (eval mode).
 
         For checks, e.g. that vLLM served exactly this policy: compare with ``Sample.logprobs``.
+        With ``trainer.fsdp`` over several ranks every rank must call it (a forward gathers the
+        sharded weights from all of them).
         """
         was_training = self.model.training
         self.model.eval()
