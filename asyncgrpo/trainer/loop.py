@@ -30,7 +30,7 @@ import torch
 
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.advantages import group_stats
-from asyncgrpo.trainer.loss import add_stats, finalize_stats, grpo_loss
+from asyncgrpo.trainer.loss import STAT_KEYS, add_stats, finalize_stats, grpo_loss
 from asyncgrpo.trainer.model import default_device, load_policy, row_logprobs
 from asyncgrpo.trainer.model import save_adapter as _save_adapter
 from asyncgrpo.trainer.packing import PackedRow, build_row, pack_samples
@@ -190,7 +190,9 @@ class Trainer:
         if self.dp is not None and self.dp.is_main:
             self.dp.scatter(None)
 
-    def _step(self, samples: Sequence[Sample], step_samples: Sequence[Sample] | None) -> dict:
+    def _step(
+        self, samples: Sequence[Sample], step_samples: Sequence[Sample] | None
+    ) -> dict[str, float]:
         """Train on this rank's ``samples``; ``step_samples`` are all ranks' (rank 0 only)."""
         cfg = self.config
         dp = self.dp
@@ -252,9 +254,8 @@ class Trainer:
                 add_stats(sums, part)
         if dp is not None:  # gradient of the whole step; metric sums of all ranks
             dp.sum_gradients(self.params)
-            keys = sorted(sums)
-            loss_total, *values = dp.sum([loss_total, *(sums[k] for k in keys)])
-            sums = dict(zip(keys, values, strict=True))
+            loss_total, *values = dp.sum([loss_total, *(sums.get(k, 0.0) for k in STAT_KEYS)])
+            sums = dict(zip(STAT_KEYS, values, strict=True))
 
         # -- clip
         if cfg.max_grad_norm is not None:

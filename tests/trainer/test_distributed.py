@@ -22,7 +22,11 @@ from asyncgrpo.trainer.distributed import DataParallel, shard_samples
 from asyncgrpo.trainer.loop import Trainer
 
 STEPS = 3
-SAMPLES = 24
+SAMPLES = (24, 24, 1)  # the last step leaves rank 1 without a sample
+
+
+def _step_samples(step: int):
+    return make_samples(SAMPLES[step], seed=10 + step)
 
 
 def _trainer_config(**overrides) -> TrainerConfig:
@@ -50,7 +54,7 @@ def _rank_main(rank: int, world_size: int, port: int, model_dir: str, out: str, 
     trainer = Trainer(model_dir, lora=LoraConfig(r=4, alpha=8.0), trainer=_trainer_config(fsdp=fsdp),
                       seed=rank, device="cpu", dp=dp)  # fmt: skip
     if dp.is_main:
-        metrics = [trainer.step(make_samples(SAMPLES, seed=10 + i)) for i in range(STEPS)]
+        metrics = [trainer.step(_step_samples(i)) for i in range(STEPS)]
         trainer.release()
         torch.save({"adapter": _adapter(trainer), "metrics": metrics}, out)
     else:
@@ -68,7 +72,7 @@ def _run_ranks(model_dir: Path, tmp_path: Path, *, fsdp: bool = False) -> dict:
 def one_rank(tiny_model_dir) -> dict:
     trainer = Trainer(tiny_model_dir, lora=LoraConfig(r=4, alpha=8.0), trainer=_trainer_config(),
                       seed=0, device="cpu")  # fmt: skip
-    metrics = [trainer.step(make_samples(SAMPLES, seed=10 + i)) for i in range(STEPS)]
+    metrics = [trainer.step(_step_samples(i)) for i in range(STEPS)]
     return {"adapter": _adapter(trainer), "metrics": metrics}
 
 
