@@ -14,7 +14,8 @@ ours, or the builtin each one also is::
     │   ├── ReplicaHTTPError                         it answered an error status (status, body)
     │   ├── ReplicaStartError                        it did not become healthy (log tail attached)
     │   └── NoHealthyReplica                         nothing left in rotation
-    └── SyncError                                    an adapter version did not reach every replica
+    ├── SyncError                                    an adapter version did not reach every replica
+    └── RankError                                    a data-parallel rank died or stopped answering
 """
 
 from __future__ import annotations
@@ -72,3 +73,7 @@ class NoHealthyReplica(ReplicaError):
 
 class SyncError(AsyncGRPOError):
     """An adapter version could not be loaded on every replica."""
+
+
+class RankError(AsyncGRPOError):
+    """A collective of the data-parallel group failed: another rank died or timed out."""
