@@ -2,7 +2,8 @@
 
 - ``asyncgrpo demo [--output-dir DIR]``: the tiny CPU example end to end (the README's main job)
 - ``asyncgrpo train CONFIG [key=value ...] [--remote-rollouts]``: train (in one process, or fed by
-  rollout processes through the transport)
+  rollout processes through the transport); ``torchrun --nproc-per-node N -m asyncgrpo train
+  CONFIG`` trains data-parallel over N ranks
 - ``asyncgrpo rollout CONFIG [key=value ...]``: a rollout process for a split run
 - ``asyncgrpo launch CONFIG --backend hf-jobs|local [--dry-run]``: the run across machines
   (Hugging Face Jobs) or as separate local processes; Ctrl-C cancels every job
@@ -67,8 +68,9 @@ def _train(args: argparse.Namespace) -> None:
     cfg = _load(args)
     source = "channel" if args.remote_rollouts else "local"
     result = _run(lambda: run_training(cfg, rollout_source=source))
-    print(f"trained {result.steps} steps; final adapter {result.adapter_prefix}-v"
-          f"{result.final_version} in {result.transport_url}; metrics in {result.run_dir}")  # fmt: skip
+    if result.rank == 0:  # under torchrun, rank 0 speaks for the job
+        print(f"trained {result.steps} steps; final adapter {result.adapter_prefix}-v"
+              f"{result.final_version} in {result.transport_url}; metrics in {result.run_dir}")  # fmt: skip
 
 
 def _rollout(args: argparse.Namespace) -> None:

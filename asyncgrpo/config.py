@@ -151,6 +151,21 @@ class TrainerConfig:
             "help": "transformers attn_implementation ('sdpa', 'eager', ...); None: default."
         },
     )
+    fsdp: bool = field(
+        default=False,
+        metadata={
+            "help": "With several ranks (torchrun --nproc-per-node N): shard the frozen base "
+            "model's weights over them with FSDP2, so each rank holds 1/N of them. For a base "
+            "model too large for one device; the adapter stays whole on every rank."
+        },
+    )
+    dp_timeout_s: float = field(
+        default=1800.0,
+        metadata={
+            "help": "With several ranks: how long a rank waits for the others (e.g. while rank "
+            "0 gathers rollouts, syncs or checkpoints) before the job fails naming it."
+        },
+    )
     max_steps: int = field(default=100, metadata={"help": "Optimizer steps to train."})
     max_staleness: int = field(
         default=4,
@@ -201,6 +216,10 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.gradient_accumulation_steps={self.gradient_accumulation_steps}: "
                 "set it to 1 or more"
+            )
+        if not self.dp_timeout_s > 0:
+            raise ConfigError(
+                f"trainer.dp_timeout_s={self.dp_timeout_s}: must be > 0 seconds; e.g. 1800"
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(

@@ -15,6 +15,7 @@ ours, or the builtin each one also is::
     │   ├── ReplicaStartError                        it did not become healthy (log tail attached)
     │   └── NoHealthyReplica                         nothing left in rotation
     ├── SyncError                                    an adapter version did not reach every replica
+    ├── RankError                                    a data-parallel rank died or stopped answering
     └── LaunchError                                  a launched job failed to start or died (log tail)
 """
 
@@ -73,6 +74,10 @@ class NoHealthyReplica(ReplicaError):
 
 class SyncError(AsyncGRPOError):
     """An adapter version could not be loaded on every replica."""
+
+
+class RankError(AsyncGRPOError):
+    """A collective of the data-parallel group failed: another rank died or timed out."""
 
 
 class LaunchError(AsyncGRPOError):

@@ -14,6 +14,10 @@ Read top to bottom, it is the whole run:
    ``weight_sync_steps`` publish + load a new version and switch the rollouts to it, every
    ``save_steps`` checkpoint through the transport, log one metrics line.
 
+Under torchrun (several ranks) this function is rank 0's; the other ranks run :func:`_follow`:
+they build the same trainer, resume from the checkpoint rank 0 names, and train on the shards
+of each step rank 0 scatters. Only rank 0 talks to the replicas, writes the transport and logs.
+
 Rollouts come from an in-process :class:`~asyncgrpo.rollout.RolloutClient`, or, with
 ``rollout_source="channel"``, from rollout processes on other machines (:func:`run_rollouts`)
 through the transport's :class:`~asyncgrpo.channel.RolloutChannel`.
@@ -84,6 +88,7 @@ class RunResult:
     final_version: int
     resumed_from_step: int | None
     transport_url: str
+    rank: int = 0  #: data-parallel rank; on ranks > 0 ``final_version`` is -1 (not tracked)
 
 
 async def _run_id(transport: Transport, run_name: str) -> str:
@@ -153,6 +158,7 @@ async def run_training(
     progress: Callable[[int, dict[str, float]], None] | None = None,
 ) -> RunResult:
     """Train ``cfg`` to ``trainer.max_steps``; resumes from the latest checkpoint if any."""
+    from asyncgrpo.trainer.distributed import DataParallel
     from asyncgrpo.trainer.loop import Trainer
 
     if rollout_source == "channel" and cfg.trainer.max_staleness < 1:
@@ -160,6 +166,9 @@ async def run_training(
             "split runs need trainer.max_staleness >= 1: remote rollout processes learn of a new "
             "version by polling, so the previous one must stay loaded a little longer"
         )
+    dp = DataParallel.from_env(timeout_s=cfg.trainer.dp_timeout_s)  # None in one process
+    if dp is not None and not dp.is_main:
+        return await _follow(cfg, dp)
     run_dir = cfg.run_dir
     await anyio.Path(run_dir).mkdir(parents=True, exist_ok=True)
     cache_dir = (run_dir / "adapter-cache").resolve()
@@ -167,6 +176,8 @@ async def run_training(
     transport = open_transport(_transport_url(cfg))
     async with AsyncExitStack() as stack:
         stack.push_async_callback(transport.aclose)
+        if dp is not None:
+            stack.callback(dp.close)
         # -- 1. run identity --------------------------------------------------------------
         run_id = await _run_id(transport, cfg.run_name)
         prefix = f"{cfg.run_name}-{run_id}"
@@ -201,10 +212,13 @@ async def run_training(
         stack.push_async_callback(sync.unload_all)
 
         # -- 3. trainer, resumed if a checkpoint exists --------------------------------------
-        trainer = await anyio.to_thread.run_sync(lambda: Trainer.from_config(cfg))
+        trainer = await anyio.to_thread.run_sync(lambda: Trainer.from_config(cfg, dp=dp))
         resumed_from: int | None = None
         position = 0
-        if (latest := await checkpoints.latest_checkpoint()) is not None:
+        latest = await checkpoints.latest_checkpoint()
+        if dp is not None:  # every rank resumes from this one
+            await anyio.to_thread.run_sync(dp.broadcast, {"step": latest, "prefix": prefix})
+        if latest is not None:
             ckpt_dir, meta = await checkpoints.load(latest, run_dir / "resume" / f"step-{latest}")
             await anyio.to_thread.run_sync(trainer.load_checkpoint, ckpt_dir)
             resumed_from, position = latest, int(meta.get("position", 0))
@@ -307,6 +321,7 @@ async def run_training(
             if progress is not None:
                 progress(step, metrics)
 
+        await anyio.to_thread.run_sync(trainer.release)  # the other ranks' follow() returns
         await transport.put(DONE_KEY, json.dumps({"step": step, "version": version}).encode())
         return RunResult(
             run_dir=run_dir,
@@ -316,6 +331,37 @@ async def run_training(
             resumed_from_step=resumed_from,
             transport_url=transport.url,
         )
+
+
+async def _follow(cfg: TrainingConfig, dp: Any) -> RunResult:
+    """A data-parallel rank other than 0: the same trainer, resumed from the checkpoint rank 0
+    names, training on the shards rank 0 scatters until rank 0 releases it.
+
+    It reads the transport (the checkpoint) and never writes it; nothing here logs metrics.
+    """
+    from asyncgrpo.trainer.loop import Trainer
+
+    try:
+        trainer = await anyio.to_thread.run_sync(lambda: Trainer.from_config(cfg, dp=dp))
+        start = await anyio.to_thread.run_sync(dp.broadcast, None)
+        url = _transport_url(cfg)
+        if start["step"] is not None:
+            async with open_transport(url) as transport:
+                dest = cfg.run_dir / "resume" / f"rank-{dp.rank}"
+                ckpt_dir, _ = await CheckpointStore(transport).load(start["step"], dest)
+            await anyio.to_thread.run_sync(trainer.load_checkpoint, ckpt_dir)
+        await anyio.to_thread.run_sync(trainer.follow)
+    finally:
+        dp.close()
+    return RunResult(
+        run_dir=cfg.run_dir,
+        adapter_prefix=start["prefix"],
+        steps=trainer.step_count,
+        final_version=-1,
+        resumed_from_step=start["step"],
+        transport_url=url,
+        rank=dp.rank,
+    )
 
 
 async def _rollout_client(

@@ -1,17 +1,23 @@
-"""Adapter publish + fetch latency: plain file copy vs local transport vs S3 on loopback.
+"""Adapter publish + fetch latency: plain file copy vs local transport vs S3, Azure Blob and GCS
+emulators on loopback.
 
 The adapter has the exact tensor shapes of Qwen2.5-1.5B with LoRA r=1 on all linear layers
 (28 layers, hidden 1536, intermediate 8960, 12 query heads and 2 KV heads of 128), float32,
-saved with safetensors: 4.6 MB. S3 is moto's server in a subprocess on 127.0.0.1 (a real S3
-protocol server, not a network: it measures our overhead plus moto's, not WAN latency).
+saved with safetensors: 4.6 MB. Each cloud is a real protocol server in a subprocess on
+127.0.0.1: moto (S3), Azurite (Azure Blob, installed from npm into .emulators/ on first use),
+fake-gcs-server (GCS). Loopback, not a network: the figures are our overhead plus the
+emulator's, not WAN latency. GCS publish is not measured: fake-gcs-server refuses the XML API
+writes obstore makes, so the bench seeds each GCS version through the emulator's JSON API and
+times the fetch only.
 
-Run: ``python bench/transport.py [--rounds 20] [--warmup 2]``.
+Run: ``python bench/transport.py [--rounds 20] [--warmup 2] [--backends local,s3,azure,gcs]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shutil
 import socket
@@ -25,6 +31,9 @@ from pathlib import Path
 
 # ---- defaults -------------------------------------------------------------------------------
 ROUNDS, WARMUP, RANK = 20, 2, 1
+BACKENDS = "local,s3,azure,gcs"
+CONTAINER = "bench-bucket"
+EMULATORS = Path(__file__).resolve().parents[1] / ".emulators"  # Azurite's npm install
 LAYERS, HIDDEN, INTERMEDIATE, KV_DIM = 28, 1536, 8960, 2 * 128
 SHAPES = {  # module: (in_features, out_features)
     "self_attn.q_proj": (HIDDEN, HIDDEN),
@@ -93,12 +102,15 @@ def pct(values: list[float], q: float) -> float:
 
 async def run(args: argparse.Namespace) -> None:
     from asyncgrpo.adapters import AdapterStore
+    from asyncgrpo.testing.emulators import azurite, fake_gcs_server, seed_fake_gcs
+    from asyncgrpo.transport.azure import AzureBlobTransport
+    from asyncgrpo.transport.gcs import GCSTransport
     from asyncgrpo.transport.local import LocalTransport
     from asyncgrpo.transport.s3 import S3Transport
 
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     work = Path(tempfile.mkdtemp(prefix="bench-transport-"))
-    proc, endpoint = start_moto()
-    try:
+    with contextlib.ExitStack() as servers:
         src = work / "adapter"
         size = write_adapter(src, args.rank)
         results: dict[str, list[float]] = {}
@@ -113,15 +125,23 @@ async def run(args: argparse.Namespace) -> None:
             shutil.copytree(src, work / "copies" / f"c{i}")
             record("file copy (shutil.copytree)", time.perf_counter() - t, i)
 
-        s3 = S3Transport(
-            "bench-bucket",
-            "bench",
-            endpoint=endpoint,
-            region="us-east-1",
-            access_key_id="bench",
-            secret_access_key="bench",
-        )
-        for label, transport in [("local", LocalTransport(work / "store")), ("s3 loopback", s3)]:
+        variants = []
+        if "local" in backends:
+            variants.append(("local", LocalTransport(work / "store")))
+        if "s3" in backends:
+            proc, endpoint = start_moto()
+            servers.callback(lambda: (proc.terminate(), proc.wait(10)))
+            s3 = S3Transport(
+                CONTAINER, "bench", endpoint=endpoint, region="us-east-1",
+                access_key_id="bench", secret_access_key="bench",
+            )  # fmt: skip
+            variants.append(("s3 (moto)", s3))
+        if "azure" in backends:
+            conn = servers.enter_context(azurite(EMULATORS, CONTAINER))
+            variants.append(
+                ("azure (azurite)", AzureBlobTransport(CONTAINER, "bench", connection_string=conn))
+            )
+        for label, transport in variants:
             store = AdapterStore(transport)
             for i in range(total):
                 t = time.perf_counter()
@@ -130,19 +150,29 @@ async def run(args: argparse.Namespace) -> None:
                 t = time.perf_counter()
                 await store.fetch("bench", i, work / f"cache-{label}")
                 record(f"{label}: fetch (verify sha256)", time.perf_counter() - t, i)
+        if "gcs" in backends:
+            base_url = servers.enter_context(fake_gcs_server(CONTAINER))
+            staging = LocalTransport(work / "gcs-staging")
+            await AdapterStore(staging).publish("bench", 0, src)
+            files = {info.key: await staging.get(info.key) async for info in staging.list("")}
+            store = AdapterStore(GCSTransport(CONTAINER, "bench", base_url=base_url))
+            for i in range(total):  # same bytes under a new version number each round
+                for key, data in files.items():
+                    versioned = key.replace("/v0/", f"/v{i}/", 1)
+                    seed_fake_gcs(base_url, CONTAINER, f"bench/{versioned}", data)
+                t = time.perf_counter()
+                await store.fetch("bench", i, work / "cache-gcs")
+                record("gcs (fake-gcs-server): fetch (verify sha256)", time.perf_counter() - t, i)
 
         print(
             f"adapter: Qwen2.5-1.5B LoRA r={args.rank} all-linear, {LAYERS} layers, "
             f"{size / 1e6:.2f} MB in 2 files; {args.rounds} rounds after {args.warmup} warm-up"
         )
-        print(f"{'variant':<32} {'p50 ms':>8} {'p95 ms':>8} {'MB/s @p50':>10}")
+        print(f"{'variant':<46} {'p50 ms':>8} {'p95 ms':>8} {'MB/s @p50':>10}")
         for name, ms in results.items():
             p50 = statistics.median(ms)
-            print(f"{name:<32} {p50:>8.1f} {pct(ms, 0.95):>8.1f} {size / 1e3 / p50:>10.0f}")
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(work, ignore_errors=True)
+            print(f"{name:<46} {p50:>8.1f} {pct(ms, 0.95):>8.1f} {size / 1e3 / p50:>10.0f}")
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> None:
@@ -150,6 +180,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--warmup", type=int, default=WARMUP)
     ap.add_argument("--rank", type=int, default=RANK)
+    ap.add_argument("--backends", default=BACKENDS, help="comma-separated: local,s3,azure,gcs")
     asyncio.run(run(ap.parse_args()))
 
 

@@ -267,3 +267,73 @@ async def test_training_continues_when_a_replica_dies(tiny_model: Path, tmp_path
     records = read_metrics(result.run_dir / "metrics.jsonl")
     # The step ratio also moves with policy drift (stale samples, lr 5e-2): a sanity bound only.
     assert all(0.5 < r["ratio"] < 2 for r in records)
+
+
+def _torchrun(*args: str, ranks: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={ranks}", *args]  # fmt: skip
+
+
+def _rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
+    import psutil
+
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "asyncgrpo" in child.cmdline():
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+def test_two_ranks_a_killed_rank_fails_the_job_and_a_restart_resumes(
+    vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
+) -> None:
+    config = _write_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
+                           trainer={"max_steps": 6, "save_steps": 2, "weight_sync_steps": 2,
+                                    "dp_timeout_s": 120})  # fmt: skip
+    store = tmp_path / "t" / "store"
+    checkpoints = CheckpointStore(str(store))
+    # 1. the real entry point, two ranks; rank 1 is killed after the first checkpoint
+    job = subprocess.Popen(_torchrun("-m", "asyncgrpo", "train", str(config)),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while (anyio.run(checkpoints.latest_checkpoint) or 0) < 2:
+            assert job.poll() is None, "the job exited before its first checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
+            time.sleep(0.5)
+        rank1 = _rank_pid(job, 1)
+        assert rank1 is not None, "no rank 1 under torchrun"
+        os.kill(rank1, signal.SIGKILL)
+        out, err = job.communicate(timeout=180)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode != 0
+    assert "trained" not in out
+    # torchrun's summary names the dead rank and how it died
+    assert "rank      : 1 (local_rank: 1)" in err and "Signal 9 (SIGKILL)" in err, err[-3000:]
+    prefix = _adapter_prefix(store)
+    before = anyio.run(AdapterStore(str(store)).versions, prefix)
+
+    # 2. the restart resumes from the latest checkpoint; only rank 0 writes the transport
+    writes = tmp_path / "writes.log"
+    recorder = Path(__file__).with_name("torchrun_recording_writes.py")
+    done = subprocess.run(_torchrun(str(recorder), "train", str(config)), capture_output=True,
+                          text=True, timeout=900,
+                          env={**os.environ, "ASYNCGRPO_WRITE_LOG": str(writes)})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("trained 6 steps") == 1  # rank 0 alone reports
+    after = anyio.run(AdapterStore(str(store)).versions, prefix)
+    assert after == list(range(len(after))), "version numbers must be contiguous"
+    assert set(before) < set(after), "a published version was lost"
+    records = read_metrics(tmp_path / "t" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert records[-1]["batch/ranks"] == 2
+    assert anyio.run(checkpoints.steps)[-1] == 6
+    writers = {line.split()[0] for line in writes.read_text().splitlines()}
+    assert writers == {"0"}, f"ranks {writers} wrote to the transport"
+    # every rank resumed from the same checkpoint: rank 1 downloaded it too
+    assert list((tmp_path / "t" / "resume" / "rank-1").iterdir())

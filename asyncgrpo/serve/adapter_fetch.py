@@ -3,7 +3,7 @@
 A vLLM replica on another machine cannot read the trainer's disk, and vLLM's own
 ``/v1/load_lora_adapter`` takes only a local directory (or a Hub model repo). So the trainer sends
 a *reference* to a published version, ``<transport url>/<store prefix>/<name>/v<N>`` (for example
-``s3://bucket/run1/adapters/run-1a2b-v3``'s ``s3://bucket/run1/adapters/run-1a2b/v3``), and the
+``s3://bucket/run1/adapters/run-1a2b/v3`` for the version vLLM serves as ``run-1a2b-v3``), and the
 replica fetches it itself through :class:`~asyncgrpo.adapters.AdapterStore`: manifest last, every
 size and sha256 checked, the directory appearing atomically.
 

@@ -6,12 +6,11 @@ the learning-rate schedule, and return the step's metrics. Everything around it 
 rollouts, dropping stale samples, publishing adapter versions, checkpoint upload, logging)
 belongs to the caller (``run_training``), so this class knows nothing about HTTP or storage.
 
-Data parallelism (torchrun + FSDP2) is meant to slot in here without a rewrite: rank 0 alone
-owns the rollout client, the adapter sync and checkpoint upload; each ``step`` would receive the
-rank's share of the samples (split by tokens, not count), all-reduce the completion-token count
-before the micro-steps (``grpo_loss``'s ``num_tokens``) and scale the loss by the world size (FSDP
-averages gradients), and all-reduce the metric sums before ``finalize_stats``. ``save_adapter``
-and ``state_dict`` would gather the (tiny) adapter on rank 0.
+Data parallelism (torchrun, ``dp``): rank 0 calls ``step`` with the whole step's samples and
+the trainer scatters token-balanced shards to the ranks (:mod:`asyncgrpo.trainer.distributed`);
+the other ranks sit in ``follow``. The completion-token count is summed over the ranks before
+the micro-steps, the adapter gradients after them, then every rank clips and steps identically.
+Rank 0 alone saves the adapter and checkpoints: every rank holds the whole adapter.
 """
 
 from __future__ import annotations
@@ -31,13 +30,14 @@ import torch
 
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.advantages import group_stats
-from asyncgrpo.trainer.loss import add_stats, finalize_stats, grpo_loss
+from asyncgrpo.trainer.loss import STAT_KEYS, add_stats, finalize_stats, grpo_loss
 from asyncgrpo.trainer.model import default_device, load_policy, row_logprobs
 from asyncgrpo.trainer.model import save_adapter as _save_adapter
-from asyncgrpo.trainer.packing import pack_samples
+from asyncgrpo.trainer.packing import PackedRow, build_row, pack_samples
 
 if TYPE_CHECKING:
     from asyncgrpo.config import LoraConfig, TrainerConfig, TrainingConfig
+    from asyncgrpo.trainer.distributed import DataParallel
 
 logger = logging.getLogger(__name__)
 
@@ -97,20 +97,36 @@ class Trainer:
         trainer: TrainerConfig,
         seed: int = 0,
         device: torch.device | str | None = None,
+        dp: DataParallel | None = None,
     ) -> None:
         self.config = trainer
-        self.device = torch.device(device) if device is not None else default_device()
+        self.dp = dp
+        if device is None:
+            device = dp.device() if dp is not None else default_device()
+        self.device = torch.device(device)
+        fsdp = dp is not None and trainer.fsdp
+        if trainer.fsdp and dp is None:
+            logger.info("trainer.fsdp has no effect in a single process (start with torchrun)")
         torch.manual_seed(seed)  # the LoRA init (lora_A) draws from torch's RNG
         random.seed(seed)
         self.model = load_policy(
             model_path,
             lora,
             dtype=trainer.dtype,
-            device=self.device,
+            # with FSDP the whole base model never lands on the device: fully_shard moves shards
+            device=torch.device("cpu") if fsdp else self.device,
             gradient_checkpointing=trainer.gradient_checkpointing,
             attn_implementation=trainer.attn_implementation,
         )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if dp is not None:
+            dp.broadcast_parameters(self.params)
+        if fsdp:
+            from asyncgrpo.trainer.distributed import shard_base_model
+
+            shard_base_model(self.model, self.params)
+            for p in self.params:  # the adapter is not FSDP's: move it ourselves
+                p.data = p.data.to(self.device)
         self.optimizer = torch.optim.AdamW(
             self.params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay
         )
@@ -127,9 +143,15 @@ class Trainer:
 
     @classmethod
     def from_config(
-        cls, cfg: TrainingConfig, *, device: torch.device | str | None = None
+        cls,
+        cfg: TrainingConfig,
+        *,
+        device: torch.device | str | None = None,
+        dp: DataParallel | None = None,
     ) -> Trainer:
-        return cls(cfg.model, lora=cfg.lora, trainer=cfg.trainer, seed=cfg.seed, device=device)
+        return cls(
+            cfg.model, lora=cfg.lora, trainer=cfg.trainer, seed=cfg.seed, device=device, dp=dp
+        )
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -137,10 +159,43 @@ class Trainer:
 
     # -----------------------------------------------------------------------------------------
     def step(self, samples: Sequence[Sample]) -> dict[str, float]:
-        """One optimizer step over ``samples``; returns its metrics."""
-        cfg = self.config
+        """One optimizer step over ``samples``; returns its metrics.
+
+        With several ranks, only rank 0 calls this, with the whole step's samples; each rank
+        (rank 0 included) trains on its token-balanced shard while the others are in ``follow``.
+        """
         if not samples:
             raise ValueError("Trainer.step needs at least one sample")
+        if self.dp is None:
+            return self._step(samples, samples)
+        shard = self.dp.scatter(samples)
+        assert shard is not None
+        return self._step(shard, samples)
+
+    def follow(self) -> int:
+        """Ranks other than 0: train on the shards rank 0 scatters until it calls ``release``.
+
+        Returns the number of steps taken.
+        """
+        if self.dp is None or self.dp.is_main:
+            raise RuntimeError("Trainer.follow is for data-parallel ranks other than 0")
+        steps = 0
+        while (shard := self.dp.scatter(None)) is not None:
+            self._step(shard, None)
+            steps += 1
+        return steps
+
+    def release(self) -> None:
+        """Rank 0, at the end of training: let the other ranks' ``follow`` return."""
+        if self.dp is not None and self.dp.is_main:
+            self.dp.scatter(None)
+
+    def _step(
+        self, samples: Sequence[Sample], step_samples: Sequence[Sample] | None
+    ) -> dict[str, float]:
+        """Train on this rank's ``samples``; ``step_samples`` are all ranks' (rank 0 only)."""
+        cfg = self.config
+        dp = self.dp
         self._sync()
         t_step = time.perf_counter()
 
@@ -151,6 +206,16 @@ class Trainer:
             num_rows=None if cfg.token_budget is not None else cfg.gradient_accumulation_steps,
         )
         num_tokens = sum(row.num_completion_tokens for row in rows)
+        total_tokens = sum(row.num_tokens for row in rows)
+        num_rows = len(rows)
+        row_tokens_max = max((row.num_tokens for row in rows), default=0)
+        micro_steps = num_rows
+        if dp is not None:  # the step's counts are all ranks' counts
+            counts = dp.gather_counts([num_tokens, total_tokens, num_rows, row_tokens_max])
+            num_tokens, total_tokens, num_rows = (int(v) for v in counts[:, :3].sum(0))
+            row_tokens_max = int(counts[:, 3].max())
+            if cfg.fsdp:  # FSDP gathers weights in every forward: equal pass counts everywhere
+                micro_steps = int(counts[:, 2].max())
         if num_tokens == 0:
             raise ValueError("Trainer.step: the samples hold no completion tokens")
         lr = self.scheduler.get_last_lr()[0]
@@ -160,7 +225,8 @@ class Trainer:
         sums: dict[str, float] = {}
         loss_total = 0.0
         fwd_s = fwd_bwd_s = 0.0
-        for row in rows:
+        for i in range(micro_steps):
+            row, weight = (rows[i], 1.0) if i < len(rows) else (_padding_row(rows), 0.0)
             self._sync()
             t0 = time.perf_counter()
             logp, entropy = row_logprobs(self.model, row)
@@ -178,13 +244,18 @@ class Trainer:
                 tis_cap=cfg.tis_cap,
                 entropy=entropy,
             )
-            loss.backward()
+            (loss * weight).backward()
             self._sync()
             t2 = time.perf_counter()
             fwd_s += t1 - t0
             fwd_bwd_s += t2 - t0
-            loss_total += float(loss.detach())
-            add_stats(sums, part)
+            if weight:
+                loss_total += float(loss.detach())
+                add_stats(sums, part)
+        if dp is not None:  # gradient of the whole step; metric sums of all ranks
+            dp.sum_gradients(self.params)
+            loss_total, *values = dp.sum([loss_total, *(sums.get(k, 0.0) for k in STAT_KEYS)])
+            sums = dict(zip(STAT_KEYS, values, strict=True))
 
         # -- clip
         if cfg.max_grad_norm is not None:
@@ -210,24 +281,26 @@ class Trainer:
         step_s = time.perf_counter() - t_step
 
         # -- metrics
-        total_tokens = sum(row.num_tokens for row in rows)
         metrics = {
             "loss": loss_total,
             "grad_norm": grad_norm,
             "learning_rate": lr,
             **finalize_stats(sums, with_tis=cfg.tis_cap is not None),
-            **sample_metrics(samples),
-            "batch/samples": float(len(samples)),
             "batch/tokens": float(total_tokens),
             "batch/completion_tokens": float(num_tokens),
-            "batch/microbatches_per_step": float(len(rows)),
-            "batch/samples_per_row": len(samples) / len(rows),
-            "batch/row_tokens_max": float(max(row.num_tokens for row in rows)),
+            "batch/microbatches_per_step": float(num_rows),
+            "batch/row_tokens_max": float(row_tokens_max),
             "perf/fwd_s": fwd_s,
             "perf/fwd_bwd_s": fwd_bwd_s,
             "perf/train_step_s": step_s,
             "perf/tokens_per_s": total_tokens / fwd_bwd_s if fwd_bwd_s > 0 else math.nan,
         }
+        if step_samples is not None:
+            metrics.update(sample_metrics(step_samples))
+            metrics["batch/samples"] = float(len(step_samples))
+            metrics["batch/samples_per_row"] = len(step_samples) / num_rows
+        if dp is not None:
+            metrics["batch/ranks"] = float(dp.world_size)
         return metrics
 
     # -----------------------------------------------------------------------------------------
@@ -236,6 +309,8 @@ class Trainer:
         """The current policy's per-token logprobs of each sample's completion (eval mode).
 
         For checks, e.g. that vLLM served exactly this policy: compare with ``Sample.logprobs``.
+        With ``trainer.fsdp`` over several ranks every rank must call it (a forward gathers the
+        sharded weights from all of them).
         """
         was_training = self.model.training
         self.model.eval()
@@ -322,3 +397,12 @@ class Trainer:
         state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
         self.load_state_dict(state)  # AdamW moves its state to the parameters' device
         return state.get("extra", {})
+
+
+def _padding_row(rows: Sequence[PackedRow]) -> PackedRow:
+    """A micro-batch that only keeps FSDP's collectives in step (its loss is multiplied by 0)."""
+    if rows:
+        return rows[-1]
+    pad = Sample(prompt_ids=[0], completion_ids=[0], logprobs=[0.0], reward=0.0, advantage=0.0,
+                 version=0, group_id="padding")  # fmt: skip
+    return build_row([pad], [0])

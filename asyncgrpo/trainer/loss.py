@@ -13,9 +13,9 @@ add up across micro-batches, so after the last one the accumulated gradient is e
 gradient of the token-level mean over the step, however the samples were split into rows;
 there is no extra division by the number of micro-batches. A long completion therefore weighs
 in proportion to its length (no per-sequence averaging). Tokens of zero-advantage groups count
-in ``N`` but add nothing to the sum. For data parallelism, ``N`` becomes the completion tokens
-of all ranks (an all-reduce of the counts before the first micro-batch) and the loss is
-multiplied by the world size, because DDP/FSDP average gradients over ranks.
+in ``N`` but add nothing to the sum. With data parallelism, ``N`` is the completion tokens of
+all ranks (exchanged before the first micro-batch) and the ranks' gradients are summed, which
+gives exactly the single-process gradient (``trainer.distributed``).
 
 **Truncated importance sampling (``tis_cap``).** The ratio is taken against a behaviour policy
 that may be several versions old. For ``A > 0`` the clip already bounds the objective, but for

@@ -1,4 +1,4 @@
-"""Async storage transports: local directory, S3 (obstore), Hugging Face Storage Buckets.
+"""Async storage transports: local directory, S3, GCS, Azure Blob (obstore), Hugging Face buckets.
 
 ``open_transport(url)`` returns a :class:`Transport`; backends import their heavy dependency
 (obstore, huggingface_hub) only when opened.

@@ -1,7 +1,8 @@
 """``open_transport(url)``: pick a transport by URL scheme.
 
-Built in: ``file://`` and plain paths (:mod:`.local`), ``s3://`` (:mod:`.s3`), ``hf://buckets/``
-(:mod:`.hf`). Other packages add schemes without touching asyncgrpo, through the entry point
+Built in: ``file://`` and plain paths (:mod:`.local`), ``s3://`` (:mod:`.s3`), ``gs://``
+(:mod:`.gcs`), ``az://``/``abfs[s]://``/``https://<account>.blob.core.windows.net`` (:mod:`.azure`),
+``hf://buckets/`` (:mod:`.hf`). Other packages add schemes without touching asyncgrpo, through the entry point
 group ``asyncgrpo.transports``: the entry point's name is the scheme and it loads a factory
 ``factory(url: str, **options) -> Transport``. :func:`register_scheme` does the same at runtime.
 """
@@ -13,9 +14,11 @@ import re
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
+from urllib.parse import urlsplit
 
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.transport.base import Transport
+from asyncgrpo.transport.objectstore import redact
 
 __all__ = ["ACCEPTED_FORMS", "TransportFactory", "open_transport", "register_scheme"]
 
@@ -27,6 +30,10 @@ ACCEPTED_FORMS = (
     "/abs/or/relative/path",
     "file:///abs/path",
     "s3://bucket[/prefix]",
+    "gs://bucket[/prefix]",
+    "az://container[/prefix]",
+    "abfs[s]://container[@account.dfs.core.windows.net][/prefix]",
+    "https://<account>.blob.core.windows.net/<container>[/prefix]",
     "hf://buckets/<namespace>/<bucket>[/prefix]",
 )
 
@@ -46,13 +53,46 @@ def _s3(url: str, **options: Any) -> Transport:
     return S3Transport.from_url(url, **options)
 
 
+def _gcs(url: str, **options: Any) -> Transport:
+    from asyncgrpo.transport.gcs import GCSTransport
+
+    return GCSTransport.from_url(url, **options)
+
+
+def _azure(url: str, **options: Any) -> Transport:
+    from asyncgrpo.transport.azure import AzureBlobTransport
+
+    return AzureBlobTransport.from_url(url, **options)
+
+
+def _https(url: str, **options: Any) -> Transport:
+    """Only Azure Blob account URLs: a plain web server is no object store."""
+    host = (urlsplit(url).hostname or "").lower()
+    if not host.endswith((".blob.core.windows.net", ".dfs.core.windows.net")):
+        raise ConfigError(
+            f"https:// transport URLs must be Azure Blob account URLs "
+            f"(https://<account>.blob.core.windows.net/<container>[/prefix]), "
+            f"got host {host!r}; accepted: {_forms()}"
+        )
+    return _azure(url, **options)
+
+
 def _hf(url: str, **options: Any) -> Transport:
     from asyncgrpo.transport.hf import HFBucketTransport
 
     return HFBucketTransport.from_url(url, **options)
 
 
-_BUILTIN: dict[str, TransportFactory] = {"file": _local, "s3": _s3, "hf": _hf}
+_BUILTIN: dict[str, TransportFactory] = {
+    "file": _local,
+    "s3": _s3,
+    "gs": _gcs,
+    "az": _azure,
+    "abfs": _azure,
+    "abfss": _azure,
+    "https": _https,
+    "hf": _hf,
+}
 
 
 def register_scheme(scheme: str, factory: TransportFactory, *, replace: bool = False) -> None:
@@ -85,13 +125,13 @@ def open_transport(url: str | Any, **options: Any) -> Transport:
     match = _SCHEME_RE.match(url)
     if match is None:
         if "://" in url or (":" in url.split("/", 1)[0] and not re.match(r"^[A-Za-z]:", url)):
-            raise ConfigError(f"malformed transport URL {url!r}; accepted: {_forms()}")
+            raise ConfigError(f"malformed transport URL {redact(url)!r}; accepted: {_forms()}")
         return _local(url, **options)
     scheme = match.group(1).lower()
     factory = _registry.get(scheme) or _BUILTIN.get(scheme) or _from_entry_points(scheme)
     if factory is None:
         raise ConfigError(
-            f"unknown transport scheme {scheme!r} in {url!r}; accepted: {_forms()} "
+            f"unknown transport scheme {scheme!r} in {redact(url)!r}; accepted: {_forms()} "
             f"(or a scheme registered via entry point group {ENTRY_POINT_GROUP!r})"
         )
     return factory(url, **options)

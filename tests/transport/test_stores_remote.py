@@ -1,4 +1,5 @@
-"""The stores written once against Transport, run over S3 (moto) and the HF gateway path."""
+"""The stores written once against Transport, run over S3 (moto), the HF gateway path and Azure
+Blob (Azurite)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from asyncgrpo.sample import Sample
 pytestmark = pytest.mark.anyio
 
 
-@pytest.mark.parametrize("kind", ["s3", "hf"])
+@pytest.mark.parametrize("kind", ["s3", "hf", "azure"])
 async def test_adapter_and_checkpoint_roundtrip(kind: str, transport_factory, tmp_path: Path):
     t = transport_factory(kind)
     src = tmp_path / "src"
@@ -36,7 +37,7 @@ async def test_adapter_and_checkpoint_roundtrip(kind: str, transport_factory, tm
     assert (loaded / "adapter_config.json").read_text() == '{"r": 1, "lora_alpha": 2}'
 
 
-@pytest.mark.parametrize("kind", ["s3", "hf"])
+@pytest.mark.parametrize("kind", ["s3", "hf", "azure"])
 async def test_channel_two_producers(kind: str, transport_factory) -> None:
     t = transport_factory(kind)
 

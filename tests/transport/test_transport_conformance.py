@@ -49,6 +49,7 @@ async def test_create_mode_refuses_existing(transport: Transport) -> None:
     assert await transport.get("m/manifest.json") == b"first"
 
 
+@pytest.mark.racing_writes
 async def test_concurrent_creates_exactly_one_wins(transport: Transport) -> None:
     outcomes: dict[int, str] = {}
 

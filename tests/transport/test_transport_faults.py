@@ -1,10 +1,12 @@
-"""Faults: transient and permanent S3 errors, a publisher SIGKILLed mid-upload, racing
-publishers, tampered files. Everything runs against the real local store and a real S3
-protocol server (moto), through a fault-injecting proxy where errors are needed."""
+"""Faults: transient and permanent errors, a publisher SIGKILLed mid-upload, racing
+publishers, tampered files. Everything runs against the real local store, a real S3 protocol
+server (moto) and a real Azure Blob emulator (Azurite), through a fault-injecting proxy where
+errors are needed. GCS's share (reads only, see conftest.GCS_WRITES_SKIP) is in test_gcs.py."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -40,9 +42,14 @@ def make_adapter(path: Path, *, seed: int = 0, n_files: int = 1, size: int = 409
     return path
 
 
-# ---- transient / permanent S3 errors ----------------------------------------------------------
-async def test_transient_503s_are_retried(transport_factory, fault_proxy) -> None:
-    t = transport_factory("s3-proxy")
+# ---- transient / permanent errors -------------------------------------------------------------
+PROXIED = ["s3-proxy", "azure-proxy"]
+
+
+@pytest.mark.parametrize("kind", PROXIED)
+async def test_transient_503s_are_retried(kind: str, transport_factory, proxy_of) -> None:
+    t = transport_factory(kind)
+    fault_proxy = proxy_of(kind)
     fault_proxy.fail_next(3, 503)
     await t.put("retry/a", b"payload")
     assert fault_proxy.failed == 3 and fault_proxy.requests == 4
@@ -51,8 +58,12 @@ async def test_transient_503s_are_retried(transport_factory, fault_proxy) -> Non
     assert fault_proxy.failed == 5
 
 
-async def test_permanent_error_surfaces_without_retry(transport_factory, fault_proxy) -> None:
-    t = transport_factory("s3-proxy")
+@pytest.mark.parametrize("kind", PROXIED)
+async def test_permanent_error_surfaces_without_retry(
+    kind: str, transport_factory, proxy_of
+) -> None:
+    t = transport_factory(kind)
+    fault_proxy = proxy_of(kind)
     fault_proxy.fail_next(100, 403)
     started = time.perf_counter()
     with pytest.raises(TransportError) as info:
@@ -62,18 +73,24 @@ async def test_permanent_error_surfaces_without_retry(transport_factory, fault_p
     assert time.perf_counter() - started < 5
 
 
-async def test_persistent_503_gives_up_after_max_retries(transport_factory, fault_proxy) -> None:
-    t = transport_factory("s3-proxy", max_retries=2)
+@pytest.mark.parametrize("kind", PROXIED)
+async def test_persistent_503_gives_up_after_max_retries(
+    kind: str, transport_factory, proxy_of
+) -> None:
+    t = transport_factory(kind, max_retries=2)
+    fault_proxy = proxy_of(kind)
     fault_proxy.fail_next(100, 503)
     with pytest.raises(TransportError):
         await t.get("whatever")
     assert fault_proxy.requests == 3  # first try + 2 retries
 
 
+@pytest.mark.parametrize("kind", ["hf", "azure-proxy"])
 async def test_adapter_publish_survives_transient_errors(
-    transport_factory, fault_proxy, tmp_path: Path
+    kind: str, transport_factory, proxy_of, tmp_path: Path
 ) -> None:
-    store = AdapterStore(transport_factory("hf"))
+    store = AdapterStore(transport_factory(kind))
+    fault_proxy = proxy_of(kind)
     src = make_adapter(tmp_path / "a", n_files=3)
     fault_proxy.fail_next(4, 503)
     await store.publish("run", 1, src, step=4)
@@ -89,12 +106,15 @@ PUBLISHER = r"""
 import asyncio, json, sys
 import anyio
 from asyncgrpo.adapters import AdapterStore
+from asyncgrpo.transport.azure import AzureBlobTransport
 from asyncgrpo.transport.local import LocalTransport
 from asyncgrpo.transport.s3 import S3Transport
 
 spec = json.loads(sys.argv[1])
 if spec["kind"] == "local":
     transport = LocalTransport(spec["root"])
+elif spec["kind"] == "azure":  # credentials from AZURE_STORAGE_CONNECTION_STRING, not argv
+    transport = AzureBlobTransport(spec["bucket"], spec["prefix"])
 else:
     transport = S3Transport(spec["bucket"], spec["prefix"], **spec["options"])
 
@@ -110,15 +130,20 @@ print("PUBLISHED", flush=True)
 """
 
 
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", "s3", "azure"])
 async def test_publisher_sigkilled_mid_upload_leaves_no_version(
-    kind: str, transport_factory, moto_endpoint: str, tmp_path: Path
+    kind: str, transport_factory, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     transport = transport_factory(kind)
     src = make_adapter(tmp_path / "src", n_files=10, size=64 * 1024)
+    env = dict(os.environ)
     if kind == "local":
         spec = {"kind": "local", "root": str(transport.root)}
+    elif kind == "azure":
+        spec = {"kind": "azure", "bucket": transport.container, "prefix": transport.prefix}
+        env["AZURE_STORAGE_CONNECTION_STRING"] = request.getfixturevalue("azurite")
     else:
+        moto_endpoint = request.getfixturevalue("moto_endpoint")
         credentials = {"access_key_id": "testing", "secret_access_key": "testing"}
         spec = {
             "kind": "s3",
@@ -130,7 +155,7 @@ async def test_publisher_sigkilled_mid_upload_leaves_no_version(
     from anyio.streams.buffered import BufferedByteReceiveStream
 
     async with await anyio.open_process(
-        [sys.executable, "-c", PUBLISHER, json.dumps(spec)], stderr=subprocess.STDOUT
+        [sys.executable, "-c", PUBLISHER, json.dumps(spec)], stderr=subprocess.STDOUT, env=env
     ) as proc:
         assert proc.stdout is not None
         out = BufferedByteReceiveStream(proc.stdout)
@@ -159,7 +184,7 @@ async def test_publisher_sigkilled_mid_upload_leaves_no_version(
 
 
 # ---- racing publishers -------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["local", "s3", "hf"])
+@pytest.mark.parametrize("kind", ["local", "s3", "hf", "azure"])
 async def test_two_publishers_same_version_exactly_one_wins(
     kind: str, transport_factory, tmp_path: Path
 ) -> None:
@@ -191,7 +216,7 @@ async def test_two_publishers_same_version_exactly_one_wins(
 
 
 # ---- tampering ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", "s3", "azure"])
 async def test_tampered_file_raises_and_is_not_used(
     kind: str, transport_factory, tmp_path: Path
 ) -> None:

@@ -46,7 +46,10 @@ def test_hf_bucket_url() -> None:
 @pytest.mark.parametrize(
     ("url", "needle"),
     [
-        ("gs://bucket/x", "unknown transport scheme 'gs'"),
+        ("gopher://bucket/x", "unknown transport scheme 'gopher'"),
+        ("gs://", "malformed GCS URL"),
+        ("az://", "malformed Azure Blob URL"),
+        ("https://example.com/x", "must be Azure Blob account URLs"),
         ("s3://", "malformed S3 URL"),
         ("s3://bucket/p?colour=blue", "unknown S3 URL option"),
         ("hf://alice/model", "malformed Hugging Face bucket URL"),
@@ -61,7 +64,8 @@ def test_bad_urls_name_the_accepted_forms(url: str, needle: str) -> None:
         open_transport(url)
     assert needle in str(info.value)
     if "scheme" in needle or "malformed transport" in needle or "non-empty" in needle:
-        assert "s3://bucket[/prefix]" in str(info.value)
+        for form in ("s3://bucket[/prefix]", "gs://bucket[/prefix]", "az://container[/prefix]"):
+            assert form in str(info.value)
         assert "hf://buckets/<namespace>/<bucket>[/prefix]" in str(info.value)
 
 

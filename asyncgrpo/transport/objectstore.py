@@ -1,0 +1,197 @@
+"""The one obstore-backed transport: S3, Google Cloud Storage and Azure Blob differ only in setup.
+
+obstore (Rust ``object_store`` bindings) is natively async, streams large objects in multipart
+chunks, retries and speaks each cloud's conditional create: S3 ``If-None-Match: *``, GCS
+``x-goog-if-generation-match: 0``, Azure ``If-None-Match: *``. So get/put/list/delete, error
+mapping and retry tuning live here once; a subclass only turns its URL and credentials into an
+obstore store and calls :meth:`ObjectStoreTransport._open`.
+
+Retries: 5xx answers, dropped connections and timeouts are retried with exponential backoff and
+jitter (``max_retries``, ``retry_timeout_s``, ``backoff_initial_s``, ``backoff_max_s``); 4xx
+answers (bad credentials, missing bucket) are permanent and surface at once as
+:class:`~asyncgrpo.errors.TransportError`. One caveat of retrying a create: if the first attempt
+reached the server but its answer was lost, the retry reports ``AlreadyExists`` for our own write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound, TransportError
+from asyncgrpo.transport.base import (
+    ObjectInfo,
+    PutMode,
+    Transport,
+    _write_file_atomic,
+    check_key,
+)
+
+__all__ = ["ObjectStoreTransport", "redact"]
+
+_SECRET_QUERY = re.compile(
+    r"(?i)\b(sig|signature|x-amz-signature|x-amz-credential|x-amz-security-token|"
+    r"x-goog-signature|x-goog-credential|accountkey|sharedaccesssignature)=[^&;\s\"'<>]+"
+)
+
+
+def redact(text: str) -> str:
+    """Blank out signatures and keys an error message may quote (SAS URLs, connection strings)."""
+    return _SECRET_QUERY.sub(lambda m: f"{m.group(1)}=REDACTED", text)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return redact(text.splitlines()[0][:300]) if text else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _translate(what: str) -> Iterator[None]:
+    """Map obstore's exceptions onto ours, once, at the edge."""
+    from obstore.exceptions import (
+        AlreadyExistsError,
+        BaseError,
+        NotFoundError,
+        PreconditionError,
+    )
+
+    try:
+        yield
+    except (NotFoundError, FileNotFoundError) as exc:
+        raise NotFound(f"{what} does not exist") from exc
+    except (AlreadyExistsError, PreconditionError, FileExistsError) as exc:
+        raise AlreadyExists(f"{what} already exists") from exc
+    except BaseError as exc:
+        raise TransportError(f"{what}: {_first_line(exc)}") from exc
+
+
+def _ts(meta: Any) -> float | None:
+    modified = meta.get("last_modified")
+    return modified.timestamp() if modified is not None else None
+
+
+class ObjectStoreTransport(Transport):
+    """A bucket or container (or a prefix of one) in a cloud object store, through obstore."""
+
+    _store: Any
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_retries: int = 6,
+        retry_timeout_s: float = 60.0,
+        backoff_initial_s: float = 0.1,
+        backoff_max_s: float = 5.0,
+        timeout_s: float = 120.0,
+        connect_timeout_s: float = 10.0,
+        multipart_chunk_bytes: int = 8 * 1024 * 1024,
+    ) -> None:
+        """``url`` is what logs and errors show, so it must never carry a credential."""
+        self.url = url
+        self._chunk = multipart_chunk_bytes
+        self._client_options: dict[str, Any] = {
+            "timeout": timedelta(seconds=timeout_s),
+            "connect_timeout": timedelta(seconds=connect_timeout_s),
+        }
+        self._retry_config: dict[str, Any] = {
+            "max_retries": max_retries,
+            "retry_timeout": timedelta(seconds=retry_timeout_s),
+            "backoff": {
+                "init_backoff": timedelta(seconds=backoff_initial_s),
+                "max_backoff": timedelta(seconds=backoff_max_s),
+                "base": 2,
+            },
+        }
+
+    def _open(
+        self, factory: Callable[..., Any], *args: Any, allow_http: bool = False, **config: Any
+    ) -> None:
+        """Build the obstore store; its configuration errors become :class:`ConfigError`."""
+        options = dict(self._client_options)
+        if allow_http:
+            options["allow_http"] = True
+        try:
+            self._store = factory(
+                *args, client_options=options, retry_config=self._retry_config, **config
+            )
+        except Exception as exc:  # obstore raises its own config errors
+            raise ConfigError(f"cannot open {self.url}: {_first_line(exc)}") from exc
+
+    def _what(self, key: str) -> str:
+        return f"{self.url}/{key}"
+
+    # ---- Transport ----------------------------------------------------------------------------
+    async def get(self, key: str) -> bytes:
+        import obstore
+
+        key = check_key(key)
+        with _translate(self._what(key)):
+            result = await obstore.get_async(self._store, key)
+            return bytes(await result.bytes_async())
+
+    async def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> None:
+        import obstore
+
+        key = check_key(key)
+        with _translate(self._what(key)):
+            await obstore.put_async(self._store, key, bytes(data), mode=mode)
+
+    async def put_file(
+        self, key: str, path: str | os.PathLike[str], *, mode: PutMode = "overwrite"
+    ) -> None:
+        import obstore
+
+        key, path = check_key(key), Path(path)
+        if not path.is_file():
+            raise NotFound(f"local file {path} does not exist")
+        with _translate(self._what(key)):
+            # obstore streams a Path in multipart chunks; a create is a single conditional PUT.
+            await obstore.put_async(self._store, key, path, mode=mode, chunk_size=self._chunk)
+
+    async def get_file(self, key: str, path: str | os.PathLike[str]) -> int:
+        import obstore
+
+        key = check_key(key)
+        with _translate(self._what(key)):
+            result = await obstore.get_async(self._store, key)
+
+            async def chunks() -> AsyncIterator[bytes]:
+                with _translate(self._what(key)):
+                    async for chunk in result.stream(min_chunk_size=self._chunk):
+                        yield bytes(chunk)
+
+            return await _write_file_atomic(Path(path), chunks())
+
+    async def head(self, key: str) -> ObjectInfo:
+        import obstore
+
+        key = check_key(key)
+        with _translate(self._what(key)):
+            meta = await obstore.head_async(self._store, key)
+        return ObjectInfo(key=meta["path"], size=meta["size"], mtime=_ts(meta))
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:  # type: ignore[override]
+        import obstore
+
+        prefix = check_key(prefix, allow_empty=True)
+        with _translate(self._what(prefix)):
+            stream = obstore.list(self._store, prefix or None, chunk_size=1000)
+            async for chunk in stream:
+                for meta in chunk:
+                    yield ObjectInfo(key=meta["path"], size=meta["size"], mtime=_ts(meta))
+
+    async def delete(self, key: str) -> None:
+        import obstore
+
+        key = check_key(key)
+        try:
+            with _translate(self._what(key)):
+                await obstore.delete_async(self._store, key)
+        except NotFound:  # Azure answers 404 for a missing blob; S3 and GCS do not
+            pass
