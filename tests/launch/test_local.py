@@ -9,6 +9,7 @@ failures and cancellation of whole process groups. The end-to-end run with real 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -186,7 +187,9 @@ def test_tiny_run_end_to_end_as_separate_processes_then_resumed(
     trainer_dir = str(launch_dir / "trainer")
     for i in (0, 1):
         replica_log = (launch_dir / f"replica-{i}" / "replica-0.log").read_text()
-        assert "load_lora_adapter" in replica_log or "tiny-cpu-" in replica_log
+        loaded = re.findall(r"Loaded new LoRA adapter: name '(\S+)', path '(\S+)'", replica_log)
+        assert len(loaded) >= 40, loaded  # a version per step (and v0)
+        assert all(path.startswith("adapters/") for _, path in loaded), loaded  # its own cache
         assert trainer_dir not in replica_log
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
