@@ -225,7 +225,9 @@ class _Client(asyncio.Protocol):
                 raise _HttpError(501, f"Transfer-Encoding {te!r} is not supported: only chunked")
         length = next((int(v) for n, v in req.headers if n.lower() == b"content-length"), None)
         if length is not None and length > config.max_body_bytes:
-            raise _HttpError(413, f"request body too large: {length} bytes > {config.max_body_bytes}")
+            raise _HttpError(
+                413, f"request body too large: {length} bytes > {config.max_body_bytes}"
+            )
         if req.hosts > 1 or (req.http11 and not req.hosts):
             raise _HttpError(400, "a request needs exactly one Host header (RFC 9112 3.2)")
         if not authorized(self.front.auth, req.auth):
