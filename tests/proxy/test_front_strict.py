@@ -80,7 +80,7 @@ def proxy() -> Iterator[tuple[int, Recorder]]:
     """(proxy port, recorder); the proxy knows its block size and never health-checks."""
     rec = Recorder()
     ready: list[int] = []
-    stop = threading.Event()
+    stop: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -95,9 +95,9 @@ def proxy() -> Iterator[tuple[int, Recorder]]:
             client_idle_timeout_s=1.0,
         )
         async with serve_proxy(config) as base:
+            stop.append((loop, asyncio.Event()))
             ready.append(int(base.rsplit(":", 1)[1]))
-            while not stop.is_set():
-                await asyncio.sleep(0.05)
+            await stop[0][1].wait()
         server.close()
 
     thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
@@ -108,7 +108,8 @@ def proxy() -> Iterator[tuple[int, Recorder]]:
         time.sleep(0.05)
     assert ready, "the proxy did not start"
     yield ready[0], rec
-    stop.set()
+    loop, event = stop[0]
+    loop.call_soon_threadsafe(event.set)
     thread.join(10)
 
 
@@ -383,8 +384,10 @@ def test_trickling_head_is_cut_off_without_forwarding(proxy) -> None:
 
 def test_half_closed_client_gets_its_answers(proxy) -> None:
     port, rec = proxy
+    before = len(rec.requests)
     answers, closed = _exchange(port, [GOOD + GOOD], half_close=True)
     assert answers.statuses == [200, 200] and closed
+    assert len(rec.requests) == before + 2
 
 
 # -- property: random mutations of a valid request ------------------------------------------------
