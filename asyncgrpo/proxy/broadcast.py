@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from asyncgrpo.proxy.jsonbody import BodyError, decode_object
 from asyncgrpo.proxy.state import CONFIG, POOL, STATS, error_response
 from asyncgrpo.proxy.upstream import Circuit, Upstream, UpstreamPool
+from asyncgrpo.vllm_client import adapter_not_found
 
 __all__ = ["check_lora_path", "handle_broadcast", "handle_load", "handle_unload"]
 
 log = logging.getLogger(__name__)
-
-_NOT_FOUND_MARK = b"No adapter found"
 
 
 def check_lora_path(path: object, roots: tuple[str, ...]) -> str | None:
@@ -67,10 +67,9 @@ def _error(status: int, message: str, kind: str) -> web.Response:
 async def _read_json(request: web.Request) -> tuple[bytes, dict | None]:
     body = await request.read()
     try:
-        parsed = json.loads(body)
-    except ValueError:
+        return body, decode_object(body, request.app[CONFIG].max_body_bytes)
+    except BodyError:
         return body, None
-    return body, parsed if isinstance(parsed, dict) else None
 
 
 @dataclass
@@ -98,7 +97,7 @@ async def _load_one(pool: UpstreamPool, up: Upstream, body: bytes, deadline: flo
             return _Result(up, "unreachable")
         if status == 200:
             return _Result(up, "ok", status, data)
-        if status == 404 and _NOT_FOUND_MARK in data:
+        if adapter_not_found(status, data):
             if loop.time() + config.load_retry_interval_s >= deadline:
                 return _Result(up, "lagging", status, data)
             await asyncio.sleep(config.load_retry_interval_s)
