@@ -462,3 +462,19 @@ def test_mutations_never_forward_what_the_parser_refused(proxy, data: bytes) -> 
     assert all(s in (200, 400, 401, 404, 405, 413, 417, 431, 501, 505) for s in answers.statuses)
     again, _ = _exchange(port, [GOOD], half_close=True)  # and the proxy still serves
     assert again.statuses == [200]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_deeply_nested_json_is_a_400_and_not_forwarded(proxy, stream: bool) -> None:
+    port, rec = proxy
+    before = len(rec.requests)
+    deep = b'{"model": "m", "stream": %s, "prompt": %s"x"%s}' % (
+        b"true" if stream else b"false",
+        b"[" * 1500,
+        b"]" * 1500,
+    )
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n"
+    answers, closed = _exchange(port, [_post(deep, head=head)])
+    assert answers.statuses == [400] and closed
+    assert "deeper than" in json.loads(answers.bodies[0])["error"]["message"]
+    assert len(rec.requests) == before
