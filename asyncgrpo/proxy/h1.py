@@ -1,11 +1,10 @@
 """A keep-alive HTTP/1.1 client on llhttp (``httptools``), callback-driven: the proxy's hops to
-the replicas (buffered generation requests) and to its own aiohttp application (everything else,
-streamed back as it arrives).
+the replicas (buffered generation requests) and to its own aiohttp application (the rest).
 
 Why callbacks: every Python step between a replica's bytes arriving and the client's answer
 leaving is added latency. Each pooled connection is an :class:`asyncio.Protocol` whose
 ``data_received`` feeds llhttp, which calls back into the waiting :class:`Exchange` in the same
-callback: no task, no future, no stream buffer. No byte of the answer's framing is parsed here.
+callback: no task, no future, no stream buffer.
 
 An exchange learns its outcome once: :meth:`Exchange.on_response`, or :meth:`Exchange.on_error`
 with :class:`ConnectFailed` (refused or unreachable), ``TimeoutError`` (the connect took too
@@ -86,8 +85,7 @@ class ResponseParser:
         if self._sink is not None:
             self._sink.on_head(status, self._headers)
         if self.head_request:  # no body follows, whatever the head says: never reuse
-            self._framed = True
-            self._finish(keep=False)
+            self._framed = self._done = True
 
     def on_body(self, data: bytes) -> None:
         if self._sink is not None:
@@ -97,10 +95,7 @@ class ResponseParser:
 
     def on_message_complete(self) -> None:
         if self._head is not None and not self._done:
-            self._finish(keep=self._parser.should_keep_alive())
-
-    def _finish(self, *, keep: bool) -> None:
-        self._done, self._keep = True, keep
+            self._done, self._keep = True, self._parser.should_keep_alive()
 
     # -- feeding ------------------------------------------------------------------------------
 
