@@ -35,7 +35,7 @@ from asyncgrpo.proxy.app import create_app
 from asyncgrpo.proxy.auth import expected_header
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.h1 import Exchange, H1Pool, Response
-from asyncgrpo.proxy.headers import DROP_REQUEST_B, DROP_RESPONSE_B, head_lines
+from asyncgrpo.proxy.headers import DROP_RESPONSE_B, head_lines
 from asyncgrpo.proxy.inbound import HEAD_LIMIT, Refused, Request, check_head, refusal
 from asyncgrpo.proxy.jsonbody import BodyError, decode_object
 from asyncgrpo.proxy.state import CORE, error_body
@@ -51,7 +51,6 @@ LINGER_S = 2.0
 MAX_QUEUED = 16
 
 _GENERATE = frozenset({b"/v1/completions", b"/v1/chat/completions"})
-_RELAY_DROP = DROP_REQUEST_B - {b"authorization"}  # the application checks the key too
 _RELAY_ANSWER_DROP = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
@@ -124,8 +123,10 @@ class _Client(asyncio.Protocol):
         self._grow_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._grow_head(len(name) + len(value) + 4)
-        self.req.add_header(name, value)
+        self.head_size += len(name) + len(value) + 4
+        if self.head_size > HEAD_LIMIT:
+            raise Refused(431, f"request head over {HEAD_LIMIT} bytes")
+        self.req.headers.append((name, value))
 
     def _grow_head(self, n: int) -> None:
         self.head_size += n
@@ -257,8 +258,7 @@ class _Client(asyncio.Protocol):
                 self._answer((exc.status, [], error_body(exc.status, str(exc))))
                 return
             if parsed.get("stream") is not True:
-                lines = [n + b": " + v + b"\r\n" for n, v in req.headers
-                         if n.lower() not in DROP_REQUEST_B]  # fmt: skip
+                lines = req.lines
                 lines.append(core.pool.header_lines)
                 try:
                     chains = request_chains(core, parsed)
@@ -270,7 +270,9 @@ class _Client(asyncio.Protocol):
                 )
                 self.unary.start()
                 return
-        lines = [n + b": " + v + b"\r\n" for n, v in req.headers if n.lower() not in _RELAY_DROP]
+        lines = req.lines  # the application checks the API key too
+        if req.auth is not None:
+            lines.append(b"Authorization: %s\r\n" % req.auth)
         self.relay = _Relay(self)
         request = self.front.relay.request(req.method, req.target, b"".join(lines), body)
         self.front.relay.send(self.relay, request, head_request=req.method == b"HEAD")

@@ -54,6 +54,10 @@ class ResponseParser:
 
     def __init__(self, sink: Exchange | None = None, *, head_request: bool = False) -> None:
         self._parser = httptools.HttpResponseParser(self)
+        self.reset(sink, head_request)
+
+    def reset(self, sink: Exchange | None, head_request: bool) -> None:
+        """Ready for the next answer on the same connection (llhttp's state carries over)."""
         self._sink = sink if sink is not None and sink.streams else None
         self.head_request = head_request  # a HEAD request's answer has no body, whatever it says
         self._headers: list[tuple[bytes, bytes]] = []
@@ -65,22 +69,20 @@ class ResponseParser:
 
     # -- llhttp callbacks ---------------------------------------------------------------------
 
-    def on_message_begin(self) -> None:
-        if self._done:
-            self._extra = True
-        else:
-            self._headers, self._framed = [], False
-
     def on_header(self, name: bytes, value: bytes) -> None:
-        lower = name.lower()
-        if lower in (b"content-length", b"transfer-encoding"):
-            self._framed = True
+        if self._done:  # a second answer: a server never sends one unasked
+            self._extra = True
+            return
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
-        if status < 200 or self._done:
-            return  # an interim answer (100 Continue): the real one follows
+        if self._done:  # a second answer: a server never sends one unasked
+            self._extra = True
+            return
+        if status < 200:  # an interim answer (100 Continue): the real one follows
+            self._headers = []
+            return
         self._head = (status, self._headers)
         if self._sink is not None:
             self._sink.on_head(status, self._headers)
@@ -114,7 +116,10 @@ class ResponseParser:
 
     def eof(self) -> Response:
         """The connection closed: the answer if it was delimited by the close."""
-        if self._head is not None and (self._done or not self._framed):
+        framed = self._framed or any(
+            n.lower() in (b"content-length", b"transfer-encoding") for n, _ in self._headers
+        )
+        if self._head is not None and (self._done or not framed):
             return (*self._head, b"".join(self._body))
         if not self.started:
             raise Disconnected("connection closed before the answer")
@@ -176,14 +181,14 @@ class _Conn(asyncio.Protocol):
         self.exchange: Exchange | None = None
         self.request = b""
         self.reused = False
-        self.parser = ResponseParser()
+        self.parser = ResponseParser()  # one llhttp parser for the connection's answers
         self.used = time.monotonic()
 
     def start(self, exchange: Exchange, request: bytes, head_request: bool) -> None:
         exchange.conn = self
         self.exchange = exchange
         self.request = request
-        self.parser = ResponseParser(exchange, head_request=head_request)
+        self.parser.reset(exchange, head_request)
         if self.transport is not None:
             self.transport.write(request)
 

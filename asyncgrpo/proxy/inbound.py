@@ -14,6 +14,7 @@ from __future__ import annotations
 import httptools
 
 from asyncgrpo.proxy.auth import AUTH_MESSAGE, authorized
+from asyncgrpo.proxy.headers import DROP_REQUEST_B
 
 __all__ = ["HEAD_LIMIT", "Refused", "Request", "check_head", "refusal"]
 
@@ -30,14 +31,15 @@ class Refused(Exception):
 
 
 class Request:
-    """One request as llhttp hands it over, header by header, then body piece by piece."""
+    """One request as llhttp hands it over: head, then body piece by piece."""
 
     __slots__ = ("auth", "body", "expect", "headers", "hosts", "http11", "keep_alive", "length",
-                 "method", "size", "target", "te")  # fmt: skip
+                 "lines", "method", "size", "target", "te")  # fmt: skip
 
     def __init__(self) -> None:
         self.method = self.target = b""
         self.headers: list[tuple[bytes, bytes]] = []  # as llhttp accepted them
+        self.lines: list[bytes] = []  # "Name: value\r\n" of those a replica may see
         self.hosts = self.size = 0
         self.te: list[bytes] = []
         self.auth: bytes | None = None
@@ -46,23 +48,28 @@ class Request:
         self.http11 = self.keep_alive = True
         self.body: list[bytes] = []
 
-    def add_header(self, name: bytes, value: bytes) -> None:
-        lower = name.lower()
-        if lower == b"host":
-            self.hosts += 1
-        elif lower == b"content-length":
-            self.length = int(value)  # llhttp checked the digits, and that there is one
-        elif lower == b"transfer-encoding":
-            self.te.append(value)
-        elif lower == b"authorization":
-            self.auth = value
-        elif lower == b"expect":
-            self.expect = value.lower()
-        self.headers.append((name, value))
+    def scan_headers(self) -> None:
+        """Read what the rules need from the headers, and keep the forwardable ones as lines."""
+        lines = self.lines
+        for name, value in self.headers:
+            lower = name.lower()
+            if lower not in DROP_REQUEST_B:
+                lines.append(b"%s: %s\r\n" % (name, value))
+            elif lower == b"host":
+                self.hosts += 1
+            elif lower == b"content-length":
+                self.length = int(value)  # llhttp checked the digits, and that there is one
+            elif lower == b"transfer-encoding":
+                self.te.append(value)
+            elif lower == b"authorization":
+                self.auth = value
+            elif lower == b"expect":
+                self.expect = value.lower()
 
 
 def check_head(req: Request, version: str, max_body: int, auth: bytes | None) -> None:
     """Raise :class:`Refused` if the front does not take a request with this head."""
+    req.scan_headers()
     if version not in ("1.1", "1.0"):
         raise Refused(505, f"HTTP/{version} is not supported: only HTTP/1.0 and 1.1")
     req.http11 = version == "1.1"

@@ -136,10 +136,10 @@ class _Answers:
 def _exchange(
     port: int, pieces: list[bytes], *, pause_s: float = 0.0, half_close: bool = False
 ) -> tuple[_Answers, bool]:
-    """Send ``pieces`` (pausing between them), read until the proxy closes (or 5 s pass);
+    """Send ``pieces`` (pausing between them), read until the proxy closes (or 10 s pass);
     returns (answers, closed by the proxy)."""
     answers = _Answers()
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         try:
             for piece in pieces:
                 s.sendall(piece)

@@ -12,7 +12,7 @@ def _req(*headers: tuple[bytes, bytes], method: bytes = b"POST") -> Request:
     req = Request()
     req.method = method
     for name, value in headers:
-        req.add_header(name, value)
+        req.headers.append((name, value))
     return req
 
 
