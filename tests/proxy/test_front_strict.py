@@ -478,3 +478,18 @@ def test_deeply_nested_json_is_a_400_and_not_forwarded(proxy, stream: bool) -> N
     assert answers.statuses == [400] and closed
     assert "deeper than" in json.loads(answers.bodies[0])["error"]["message"]
     assert len(rec.requests) == before
+
+
+def test_head_answer_has_no_body_and_the_connection_goes_on(proxy) -> None:
+    port, _ = proxy
+    head = b"HEAD /metrics HTTP/1.1\r\nHost: proxy\r\n\r\n"
+    get = b"GET /proxy/stats HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head + get)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    first, _, rest = data.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 200") and b"Content-Length" in first
+    assert rest.startswith(b"HTTP/1.1 200")  # no body between the two answers
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["rejected"] is not None
