@@ -123,9 +123,7 @@ class _Client(asyncio.Protocol):
         self._grow_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.head_size += len(name) + len(value) + 4
-        if self.head_size > HEAD_LIMIT:
-            raise Refused(431, f"request head over {HEAD_LIMIT} bytes")
+        self._grow_head(len(name) + len(value) + 4)
         self.req.headers.append((name, value))
 
     def _grow_head(self, n: int) -> None:
