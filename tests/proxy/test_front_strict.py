@@ -177,6 +177,7 @@ CHUNKED = P + H + b"Transfer-Encoding: chunked\r\n\r\n"
 BIG_HEADER = b"X-Big: " + b"a" * 70_000 + b"\r\n"
 
 # (name, bytes pieces sent, expected statuses in order; the connection must then be closed)
+# fmt: off
 CORPUS: list[tuple[str, list[bytes], list[int]]] = [
     # header values
     ("CR in value", [_post(B, b"X-A: a\rb\r\n")], [400]),
@@ -200,60 +201,22 @@ CORPUS: list[tuple[str, list[bytes], list[int]]] = [
     ("Content-Length plus sign", [P + H + b"Content-Length: +2\r\n\r\n{}"], [400]),
     ("Content-Length negative", [P + H + b"Content-Length: -1\r\n\r\n{}"], [400]),
     ("Content-Length hex", [P + H + b"Content-Length: 0x2\r\n\r\n{}"], [400]),
-    (
-        "Content-Length overflow",
-        [P + H + b"Content-Length: 99999999999999999999999\r\n\r\n"],
-        [400],
-    ),
+    ("Content-Length overflow", [P + H + b"Content-Length: 99999999999999999999999\r\n\r\n"], [400]),
     ("Content-Length empty", [P + H + b"Content-Length: \r\n\r\n{}"], [400]),
     # request smuggling
-    (
-        "CL.TE",
-        [P + H + b"Content-Length: 6\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nG" + GOOD],
-        [400],
-    ),
-    (
-        "TE.CL",
-        [
-            P
-            + H
-            + b"Transfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n8\r\nSMUGGLED\r\n0\r\n\r\n"
-        ],
-        [400],
-    ),
-    (
-        "TE.TE second coding",
-        [P + H + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: x\r\n\r\n0\r\n\r\n"],
-        [400],
-    ),
-    (
-        "TE.TE space in name",
-        [P + H + b"Transfer-Encoding : chunked\r\nContent-Length: 3\r\n\r\n0\r\n\r\n"],
-        [400],
-    ),
-    (
-        "TE.TE xchunked",
-        [P + H + b"Transfer-Encoding: xchunked\r\nContent-Length: 3\r\n\r\n0\r\n\r\n"],
-        [400],
-    ),
-    (
-        "TE.TE chunked twice",
-        [P + H + b"Transfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n"],
-        [400],
-    ),
+    ("CL.TE", [P + H + b"Content-Length: 6\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nG" + GOOD], [400]),
+    ("TE.CL", [P + H + b"Transfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n8\r\nSMUGGLED\r\n0\r\n\r\n"], [400]),
+    ("TE.TE second coding", [P + H + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: x\r\n\r\n0\r\n\r\n"], [400]),
+    ("TE.TE space in name", [P + H + b"Transfer-Encoding : chunked\r\nContent-Length: 3\r\n\r\n0\r\n\r\n"], [400]),
+    ("TE.TE xchunked", [P + H + b"Transfer-Encoding: xchunked\r\nContent-Length: 3\r\n\r\n0\r\n\r\n"], [400]),
+    ("TE.TE chunked twice", [P + H + b"Transfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n"], [400]),
     # transfer codings
     ("TE gzip", [P + H + b"Transfer-Encoding: gzip\r\n\r\n"], [501]),
     ("TE gzip, chunked", [P + H + b"Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n"], [501]),
     ("TE identity", [P + H + b"Transfer-Encoding: identity\r\n\r\n"], [501]),
     ("TE chunked, gzip", [P + H + b"Transfer-Encoding: chunked, gzip\r\n\r\n0\r\n\r\n"], [400]),
     ("TE empty", [P + H + b"Transfer-Encoding: \r\n\r\n"], [400]),
-    (
-        "TE in HTTP/1.0",
-        [
-            b"POST /v1/completions HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
-        ],
-        [400],
-    ),
+    ("TE in HTTP/1.0", [b"POST /v1/completions HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"], [400]),
     # chunk sizes and chunk framing
     ("chunk size 0x", [CHUNKED + b"0x2\r\n{}\r\n0\r\n\r\n"], [400]),
     ("chunk size trailing space", [CHUNKED + b"2 \r\n{}\r\n0\r\n\r\n"], [400]),
@@ -263,11 +226,7 @@ CORPUS: list[tuple[str, list[bytes], list[int]]] = [
     ("chunk data without CRLF", [CHUNKED + b"2\r\n{}XX0\r\n\r\n"], [400]),
     ("chunk size bare LF", [CHUNKED + b"2\n{}\r\n0\r\n\r\n"], [400]),
     ("chunk extension control char", [CHUNKED + b"2;a\x01\r\n{}\r\n0\r\n\r\n"], [400]),
-    (
-        "chunked body over the limit",
-        [CHUNKED + b"%x\r\n%s\r\n0\r\n\r\n" % (MAX_BODY + 1, b"x" * (MAX_BODY + 1))],
-        [413],
-    ),
+    ("chunked body over the limit", [CHUNKED + b"%x\r\n%s\r\n0\r\n\r\n" % (MAX_BODY + 1, b"x" * (MAX_BODY + 1))], [413]),
     # Host
     ("no Host on HTTP/1.1", [P + b"Content-Length: %d\r\n\r\n%s" % (len(B), B)], [400]),
     ("two Host headers", [_post(B, b"Host: other\r\n")], [400]),
@@ -277,51 +236,24 @@ CORPUS: list[tuple[str, list[bytes], list[int]]] = [
     ("HTTP/1.2", [_post(B, head=b"POST /v1/completions HTTP/1.2\r\nHost: proxy\r\n")], [505]),
     ("HTTP/0.9", [_post(B, head=b"POST /v1/completions HTTP/0.9\r\nHost: proxy\r\n")], [505]),
     ("HTTP/3.0", [_post(B, head=b"POST /v1/completions HTTP/3.0\r\nHost: proxy\r\n")], [505]),
-    (
-        "lower-case version",
-        [_post(B, head=b"POST /v1/completions http/1.1\r\nHost: proxy\r\n")],
-        [400],
-    ),
-    (
-        "lower-case method",
-        [_post(B, head=b"post /v1/completions HTTP/1.1\r\nHost: proxy\r\n")],
-        [400],
-    ),
-    (
-        "space in target",
-        [_post(B, head=b"POST /v1/completions x HTTP/1.1\r\nHost: proxy\r\n")],
-        [400],
-    ),
-    (
-        "NUL in target",
-        [_post(B, head=b"POST /v1/\x00completions HTTP/1.1\r\nHost: proxy\r\n")],
-        [400],
-    ),
-    (
-        "bare LF line ends",
-        [b"POST /v1/completions HTTP/1.1\nHost: proxy\nContent-Length: 2\n\n{}"],
-        [400],
-    ),
+    ("lower-case version", [_post(B, head=b"POST /v1/completions http/1.1\r\nHost: proxy\r\n")], [400]),
+    ("lower-case method", [_post(B, head=b"post /v1/completions HTTP/1.1\r\nHost: proxy\r\n")], [400]),
+    ("space in target", [_post(B, head=b"POST /v1/completions x HTTP/1.1\r\nHost: proxy\r\n")], [400]),
+    ("NUL in target", [_post(B, head=b"POST /v1/\x00completions HTTP/1.1\r\nHost: proxy\r\n")], [400]),
+    ("bare LF line ends", [b"POST /v1/completions HTTP/1.1\nHost: proxy\nContent-Length: 2\n\n{}"], [400]),
     ("CONNECT", [b"CONNECT 127.0.0.1:1 HTTP/1.1\r\nHost: 127.0.0.1:1\r\n\r\n"], [405]),
     # sizes and expectations
     ("head over 64 KiB in one header", [_post(B, BIG_HEADER)], [431]),
-    (
-        "head over 64 KiB in many headers",
-        [_post(B, b"".join(b"X-%d: %s\r\n" % (i, b"a" * 1000) for i in range(70)))],
-        [431],
-    ),
+    ("head over 64 KiB in many headers", [_post(B, b"".join(b"X-%d: %s\r\n" % (i, b"a" * 1000) for i in range(70)))], [431]),
     ("oversized head trickled", [P + H, *[b"X-Big: " + b"a" * 8000 + b"\r\n"] * 10], [431]),
     ("body over the limit", [_post(b"x" * (MAX_BODY + 1))], [413]),
     ("unknown expectation", [_post(B, b"Expect: 200-ok\r\n")], [417]),
     # pipelining after an error
     ("bad then good, pipelined", [_post(B, b"X-A: a\x00\r\n") + GOOD], [400]),
     ("good, bad, good, pipelined", [GOOD + _post(B, b"Host: other\r\n") + GOOD], [200, 400]),
-    (
-        "good then smuggled, pipelined",
-        [GOOD + P + H + b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"],
-        [200, 400],
-    ),
+    ("good then smuggled, pipelined", [GOOD + P + H + b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"], [200, 400]),
 ]
+# fmt: on
 
 
 def _check(port: int, rec: Recorder, name: str, pieces: list[bytes], want: list[int]) -> str:
