@@ -39,6 +39,7 @@ T = TypeVar("T")
 
 LrSchedule = Literal["constant", "linear", "cosine"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+AdapterDelivery = Literal["auto", "path", "fetch"]
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -257,6 +258,23 @@ class ServingConfig:
             "computes."
         },
     )
+    adapter_delivery: AdapterDelivery = field(
+        default="auto",
+        metadata={
+            "help": "How replicas get each adapter version. 'fetch': the trainer sends a "
+            "transport reference and every replica fetches and verifies the version itself "
+            "(replicas on other machines; needs asyncgrpo's vLLM plugin, which "
+            "`python -m asyncgrpo.serve --transport URL` enables). 'path': the trainer fetches "
+            "it and sends a path on its own disk (replicas must see it). 'auto': fetch when "
+            "serve.urls lists replicas, path when all replicas are local."
+        },
+    )
+
+    def delivery(self) -> Literal["path", "fetch"]:
+        """The delivery this run uses (``auto`` resolved)."""
+        if self.adapter_delivery != "auto":
+            return self.adapter_delivery
+        return "fetch" if self.urls else "path"
 
     def __post_init__(self) -> None:
         if not 0 <= self.nice <= 19:

@@ -5,7 +5,9 @@ Read top to bottom, it is the whole run:
 1. open the transport; the run id lives there (``run.json``), so a restarted run keeps its
    adapter names and continues their numbering instead of colliding with an old ``-v1``;
 2. start local vLLM replicas (or take ``serve.urls``) and the proxy in front of them; refuse to
-   start if ``/server_info`` shows LoRA off, a rank or slot count too small;
+   start if ``/server_info`` shows LoRA off, a rank or slot count too small, or (when replicas
+   fetch adapters themselves: ``serve.adapter_delivery``) a replica lacks asyncgrpo's vLLM
+   plugin or may not fetch from this run's transport;
 3. build the trainer; resume from the latest checkpoint if there is one;
 4. publish the starting policy as a fresh version and load it everywhere;
 5. loop: take ``samples_per_step`` fresh samples (dropping stale ones), one optimizer step, every
@@ -47,10 +49,18 @@ from asyncgrpo.rollout.dataset import PromptDataset, load_tokenizer
 from asyncgrpo.rollout.window import AdmissionWindow
 from asyncgrpo.sample import Sample
 from asyncgrpo.serve import ServeConfig, launch_replicas
-from asyncgrpo.sync import AdapterLoader, AdapterSync, LocalCacheSource, ProxyLoader, read_policy
+from asyncgrpo.sync import (
+    AdapterLoader,
+    AdapterSource,
+    AdapterSync,
+    LocalCacheSource,
+    ProxyLoader,
+    TransportSource,
+    read_policy,
+)
 from asyncgrpo.trainer.staleness import filter_stale, staleness_stats
 from asyncgrpo.transport import Transport, open_transport
-from asyncgrpo.vllm_client import VLLMClient, check_lora_capacity
+from asyncgrpo.vllm_client import VLLMClient, check_adapter_fetching, check_lora_capacity
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +107,13 @@ def _transport_url(cfg: TrainingConfig) -> str:
 
 
 @asynccontextmanager
-async def _endpoint(cfg: TrainingConfig, cache_dir: Path) -> AsyncIterator[str]:
-    """Local replicas (if any) plus ``serve.urls``, behind an in-process proxy; yields its URL."""
+async def _endpoint(cfg: TrainingConfig, cache_dir: Path, transport_url: str) -> AsyncIterator[str]:
+    """Local replicas (if any) plus ``serve.urls``, behind an in-process proxy; yields its URL.
+
+    Local replicas may fetch adapters from the run's transport themselves, like remote ones; the
+    proxy accepts load paths only under ``cache_dir``, where the trainer fetches versions for
+    replicas that share its disk.
+    """
     async with AsyncExitStack() as stack:
         urls = list(cfg.serve.urls)
         if cfg.serve.replicas:
@@ -112,6 +127,8 @@ async def _endpoint(cfg: TrainingConfig, cache_dir: Path) -> AsyncIterator[str]:
                 kv_cache_gib=cfg.serve.kv_cache_gib,
                 nice=cfg.serve.nice,
                 log_dir=str(cfg.run_dir / "replica-logs"),
+                transports=(transport_url,),
+                adapter_cache_dir=str(cfg.run_dir / "replica-adapters"),
             )
             replicas = await stack.enter_async_context(launch_replicas(serve))
             urls = [r.url for r in replicas] + urls
@@ -157,15 +174,24 @@ async def run_training(
         checkpoints = CheckpointStore(transport, keep_last=KEEP_CHECKPOINTS)
 
         # -- 2. replicas and proxy ----------------------------------------------------------
-        proxy_url = await stack.enter_async_context(_endpoint(cfg, cache_dir))
+        proxy_url = await stack.enter_async_context(_endpoint(cfg, cache_dir, transport.url))
         client = await stack.enter_async_context(VLLMClient(proxy_url, api_key=cfg.proxy.api_key))
         check_lora_capacity(
             await client.server_info(), lora_rank=cfg.lora.r, max_staleness=tcfg.max_staleness
         )
-        loader = loader_factory(proxy_url) if loader_factory else ProxyLoader(client)
+        fetching = cfg.serve.delivery() == "fetch"
+        adapter_source: AdapterSource
+        if fetching:  # replicas fetch each version themselves: nothing of this disk is needed
+            check_adapter_fetching(await client.adapter_plugin_info(), transport.url)
+            adapter_source = TransportSource(store)
+        else:
+            adapter_source = LocalCacheSource(store, cache_dir)
+        loader = (
+            loader_factory(proxy_url) if loader_factory else ProxyLoader(client, fetching=fetching)
+        )
         sync = AdapterSync(
             store=store,
-            source=LocalCacheSource(store, cache_dir),
+            source=adapter_source,
             loader=loader,
             prefix=prefix,
             max_staleness=tcfg.max_staleness,
@@ -411,7 +437,9 @@ async def _ship_rollouts(
     async with AsyncExitStack() as stack:
         policy = await _wait_for(transport, POLICY_KEY, poll_interval_s)
         name, version = read_policy(policy)
-        proxy_url = await stack.enter_async_context(_endpoint(cfg, cfg.run_dir / "adapter-cache"))
+        proxy_url = await stack.enter_async_context(
+            _endpoint(cfg, cfg.run_dir / "adapter-cache", transport.url)
+        )
         channel = RolloutChannel(transport)
         client = await stack.enter_async_context(
             await _rollout_client(cfg, proxy_url, (name, version), 0)

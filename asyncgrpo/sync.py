@@ -4,9 +4,12 @@ The sequence (the trainer's clock, ``perf/weight_sync_s``):
 
 1. publish the saved adapter to the :class:`~asyncgrpo.adapters.AdapterStore` (files, then the
    manifest: readers never see half a version);
-2. find the path replicas load it from (:class:`AdapterSource`, the one place that decides it);
-3. ``POST /pause?mode=keep`` (KV cache and in-flight requests survive), ``/v1/load_lora_adapter``
-   on every replica, all or nothing (the proxy rolls back a partial load), ``POST /resume``;
+2. decide where replicas load it from (:class:`AdapterSource`, the one place that decides it):
+   a reference into the transport that each replica fetches and verifies itself
+   (:class:`TransportSource`: replicas on other machines), or a directory on this host that the
+   trainer fetched (:class:`LocalCacheSource`: replicas that share this filesystem);
+3. ``POST /pause?mode=keep`` (KV cache and in-flight requests survive), the load on every
+   replica, all or nothing (the proxy rolls back a partial load), ``POST /resume``;
 4. switch the rollouts to the new name (``on_loaded``), then unload the version that fell out of
    the staleness window.
 
@@ -14,7 +17,8 @@ So no request ever names an adapter that some replica lacks: the new name is use
 is loaded everywhere, and the old one is retired only after the switch (the brief unloads
 first, which races when ``max_staleness=0`` retires the version still in use). A load that
 keeps failing raises :class:`SyncError`; the trainer never trains on as if the replicas had the
-new version.
+new version. A refusal that a retry cannot change (a tampered file, a source the replicas do
+not allow) fails at once.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from typing import Any, Protocol
 import anyio
 
 from asyncgrpo.adapters import AdapterStore
-from asyncgrpo.errors import ReplicaError, SyncError
+from asyncgrpo.errors import ReplicaError, ReplicaHTTPError, SyncError
+from asyncgrpo.serve.adapter_fetch import adapter_uri
 from asyncgrpo.vllm_client import VLLMClient
 
 logger = logging.getLogger(__name__)
@@ -41,15 +46,29 @@ def adapter_name(prefix: str, version: int) -> str:
 
 
 class AdapterSource(Protocol):
-    """Where replicas find version N: the path passed as ``lora_path``."""
+    """Where replicas find version N: a local path, or a transport URI they fetch themselves."""
 
-    async def path_for(self, prefix: str, version: int) -> str: ...
+    async def locate(self, prefix: str, version: int) -> str: ...
+
+
+class TransportSource:
+    """Send the replicas a reference into the transport; each fetches the version itself.
+
+    Nothing of the trainer's disk is involved, so replicas can run anywhere that reaches the
+    transport (asyncgrpo's vLLM plugin does the fetch, verifying every sha256).
+    """
+
+    def __init__(self, store: AdapterStore) -> None:
+        self.store = store
+
+    async def locate(self, prefix: str, version: int) -> str:
+        return adapter_uri(self.store.transport.url, self.store.prefix, prefix, version)
 
 
 class LocalCacheSource:
     """Fetch each version from the store into a directory the replicas can read.
 
-    Right when the replicas share this host's filesystem (local replicas, or one mounted
+    Right only when the replicas share this host's filesystem (local replicas, or one mounted
     identically everywhere). The fetch verifies every checksum and appears atomically, so a
     replica never loads half a version.
     """
@@ -58,7 +77,7 @@ class LocalCacheSource:
         self.store = store
         self.cache_dir = Path(cache_dir)
 
-    async def path_for(self, prefix: str, version: int) -> str:
+    async def locate(self, prefix: str, version: int) -> str:
         return str(await self.store.fetch(prefix, version, self.cache_dir))
 
 
@@ -67,16 +86,21 @@ class AdapterLoader(Protocol):
 
     async def pause(self) -> None: ...
     async def resume(self) -> None: ...
-    async def load(self, name: str, path: str) -> None: ...
+    async def load(self, name: str, location: str) -> None: ...
     async def unload(self, name: str) -> None: ...
     async def loaded(self) -> list[str]: ...
 
 
 class ProxyLoader:
-    """Broadcast through the asyncgrpo proxy (or a single vLLM server: same API)."""
+    """Broadcast through the asyncgrpo proxy (or a single vLLM server: same API).
 
-    def __init__(self, client: VLLMClient) -> None:
+    ``fetching``: locations are transport URIs for the replicas' adapter plugin
+    (:class:`TransportSource`), not local paths.
+    """
+
+    def __init__(self, client: VLLMClient, *, fetching: bool = False) -> None:
         self.client = client
+        self.fetching = fetching
 
     async def pause(self) -> None:
         await self.client.pause("keep")
@@ -84,11 +108,17 @@ class ProxyLoader:
     async def resume(self) -> None:
         await self.client.resume()
 
-    async def load(self, name: str, path: str) -> None:
-        await self.client.load_lora_adapter(name, path)
+    async def load(self, name: str, location: str) -> None:
+        if self.fetching:
+            await self.client.load_lora_adapter_from(name, location)
+        else:
+            await self.client.load_lora_adapter(name, location)
 
     async def unload(self, name: str) -> None:
-        await self.client.unload_lora_adapter(name)
+        if self.fetching:  # the plugin also drops the replica's cached copy
+            await self.client.unload_fetched_adapter(name)
+        else:
+            await self.client.unload_lora_adapter(name)
 
     async def loaded(self) -> list[str]:
         return await self.client.models()
@@ -165,9 +195,9 @@ class AdapterSync:
             self.prefix, version, Path(local_dir), step=step, base_model=self.base_model
         )
         t1 = time.perf_counter()
-        path = await self.source.path_for(self.prefix, version)
+        location = await self.source.locate(self.prefix, version)
         t2 = time.perf_counter()
-        await self._load_everywhere(self.name(version), path)
+        await self._load_everywhere(self.name(version), location)
         self.loaded.append(version)
         if on_loaded is not None:
             await on_loaded(self.name(version), version)
@@ -182,13 +212,13 @@ class AdapterSync:
             "perf/weight_sync/unload_s": t4 - t3,
         }
 
-    async def _load_everywhere(self, name: str, path: str) -> None:
+    async def _load_everywhere(self, name: str, location: str) -> None:
         last: Exception | None = None
         for attempt in range(1, self.attempts + 1):
             try:
                 await self.loader.pause()
                 try:
-                    await self.loader.load(name, path)
+                    await self.loader.load(name, location)
                 finally:
                     with anyio.CancelScope(shield=True):
                         await self.loader.resume()
@@ -197,6 +227,11 @@ class AdapterSync:
                 last = exc
                 logger.warning("loading %s failed (attempt %d/%d): %s", name, attempt,
                                self.attempts, exc)  # fmt: skip
+                if _permanent(exc):
+                    raise SyncError(
+                        f"adapter {name} was refused and a retry cannot change that; training "
+                        f"stops rather than train on a version the replicas lack: {exc}"
+                    ) from exc
                 if attempt < self.attempts:
                     await anyio.sleep(self.retry_backoff_s * attempt)
         raise SyncError(
@@ -212,6 +247,11 @@ class AdapterSync:
             except ReplicaError as exc:  # vLLM may have evicted it already; never fatal
                 logger.warning("unloading %s failed: %s", self.name(version), exc)
             self.loaded.remove(version)
+
+
+def _permanent(exc: ReplicaError) -> bool:
+    """A refusal a retry cannot change: bad request, forbidden source, tampered files."""
+    return isinstance(exc, ReplicaHTTPError) and exc.status in (400, 401, 403, 422)
 
 
 def read_policy(data: bytes) -> tuple[str, int]:

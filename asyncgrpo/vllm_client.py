@@ -20,11 +20,6 @@ ADAPTER_NOT_FOUND = "No adapter found"
 SERVER_INFO_PATH = "/server_info?config_format=json"
 
 
-def adapter_not_found(status: int, body: bytes) -> bool:
-    """A load refused because the adapter is not (yet) in the replica's storage."""
-    return status == 404 and ADAPTER_NOT_FOUND.encode() in body
-
-
 def already_loaded(status: int, body: bytes) -> bool:
     """A load refused because the replica already holds an adapter of that name."""
     return status == 400 and b"already" in body
@@ -39,6 +34,36 @@ def block_size_of(info: Any) -> int | None:
     if isinstance(cache, dict) and isinstance(cache.get("block_size"), int):
         return cache["block_size"]
     return None
+
+
+# Routes of asyncgrpo's vLLM endpoint plugin (asyncgrpo.serve.vllm_plugin): the replica fetches a
+# published version from the transport itself. Under /v1, so vLLM's --api-key guards them.
+PLUGIN_LOAD_PATH = "/v1/asyncgrpo/load"
+PLUGIN_UNLOAD_PATH = "/v1/asyncgrpo/unload"
+PLUGIN_INFO_PATH = "/v1/asyncgrpo/info"
+#: Error type of a plugin load whose version is not (yet) published: worth retrying.
+ADAPTER_NOT_PUBLISHED = "AdapterNotPublished"
+
+_PLUGIN_FIX = (
+    "install asyncgrpo in the replica's Python environment and start vLLM with "
+    "VLLM_PLUGINS=asyncgrpo and ASYNCGRPO_ADAPTER_TRANSPORTS=<transport url> "
+    "(`python -m asyncgrpo.serve --transport URL` does both), or set "
+    "serve.adapter_delivery=path if the replicas share the trainer's filesystem"
+)
+
+
+def adapter_not_there_yet(status: int, body: bytes | str) -> bool:
+    """True for a load refused only because the version has not reached the replica yet."""
+    mark: bytes | str
+    if status == 404:
+        mark = ADAPTER_NOT_FOUND
+    elif status == 409:
+        mark = ADAPTER_NOT_PUBLISHED
+    else:
+        return False
+    if isinstance(body, bytes):
+        mark = mark.encode()
+    return mark in body  # type: ignore[operator]
 
 
 class VLLMClient:
@@ -146,6 +171,43 @@ class VLLMClient:
     async def unload_lora_adapter(self, name: str) -> None:
         await self._ok("POST", "/v1/unload_lora_adapter", json_body={"lora_name": name})
 
+    async def load_lora_adapter_from(self, name: str, uri: str) -> None:
+        """Have the replica(s) fetch the published version at ``uri`` and load it as ``name``."""
+        status, body = await self._request(
+            "POST", PLUGIN_LOAD_PATH, json_body={"lora_name": name, "lora_uri": uri}
+        )
+        if status < 400:
+            return
+        if status == 404 and ADAPTER_NOT_PUBLISHED not in body:
+            raise ConfigError(
+                f"{self.base_url}: a replica has no asyncgrpo adapter plugin ({PLUGIN_LOAD_PATH} "
+                f"answered 404): {_PLUGIN_FIX}"
+            )
+        raise ReplicaHTTPError(
+            f"loading adapter {name!r} from {uri} on {self.base_url} failed ({status}): {body[:800]}",
+            url=self.base_url + PLUGIN_LOAD_PATH, status=status, body=body,
+        )  # fmt: skip
+
+    async def unload_fetched_adapter(self, name: str) -> None:
+        """Unload ``name`` and drop the replica's cached copy (plugin route)."""
+        await self._ok("POST", PLUGIN_UNLOAD_PATH, json_body={"lora_name": name})
+
+    async def adapter_plugin_info(self) -> list[dict[str, Any]]:
+        """The plugin's answer of every replica behind this URL (one, or all behind a proxy).
+
+        Each entry: ``url``, ``status`` and either ``info`` (the plugin's JSON) or ``body``.
+        """
+        status, body = await self._request("GET", PLUGIN_INFO_PATH)
+        try:
+            doc = json.loads(body) if status == 200 else None
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict) and isinstance(doc.get("replicas"), list):
+            return doc["replicas"]  # the proxy's broadcast
+        if isinstance(doc, dict):
+            return [{"url": self.base_url, "status": status, "info": doc}]
+        return [{"url": self.base_url, "status": status, "body": body[:300]}]
+
     async def pause(self, mode: str = "keep") -> None:
         await self._ok("POST", "/pause", params={"mode": mode})
 
@@ -183,3 +245,27 @@ def check_lora_capacity(info: Mapping[str, Any], *, lora_rank: int, max_stalenes
             "max_staleness"
         )
     return int(config.get("cache_config", {}).get("block_size", 16))
+
+
+def check_adapter_fetching(replicas: list[Mapping[str, Any]], transport_url: str) -> None:
+    """Refuse to start unless every replica runs the adapter plugin and may fetch from
+    ``transport_url``; the message names the replica and the fix."""
+    if not replicas:
+        raise ConfigError("no replica answered the adapter-plugin check")
+    for entry in replicas:
+        url, info = entry.get("url"), entry.get("info")
+        if not isinstance(info, Mapping):
+            raise ConfigError(
+                f"replica {url} has no asyncgrpo adapter plugin ({PLUGIN_INFO_PATH} answered "
+                f"{entry.get('status')}: {str(entry.get('body', ''))[:200]}): {_PLUGIN_FIX}"
+            )
+        if not info.get("ok", False):
+            raise ConfigError(f"replica {url}: {info.get('error')}")
+        roots = [str(r).rstrip("/") for r in info.get("transports") or []]
+        target = transport_url.rstrip("/")
+        if not any(target == r or target.startswith(r + "/") for r in roots):
+            raise ConfigError(
+                f"replica {url} may not fetch adapters from {target} (it allows "
+                f"{roots or 'no transport'}): start it with --transport {target} "
+                f"(python -m asyncgrpo.serve) or ASYNCGRPO_ADAPTER_TRANSPORTS={target}"
+            )

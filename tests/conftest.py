@@ -41,11 +41,21 @@ def lora_adapter(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def vllm_replicas(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[Replica]]:
-    """Two real vLLM replicas for the whole session, run on a background event loop."""
+    """Two real vLLM replicas for the whole session, run on a background event loop.
+
+    They may fetch adapters from any transport under the session's temporary directory (each
+    test's run keeps its store under its own ``tmp_path``), into caches of their own.
+    """
     from anyio.from_thread import start_blocking_portal
 
     log_dir = os.environ.get("ASYNCGRPO_TEST_LOG_DIR") or str(tmp_path_factory.mktemp("vllm-logs"))
-    config = tiny_serve_config(tiny_model, replicas=2, log_dir=log_dir)
+    config = tiny_serve_config(
+        tiny_model,
+        replicas=2,
+        log_dir=log_dir,
+        transports=(str(tmp_path_factory.getbasetemp()),),
+        adapter_cache_dir=str(tmp_path_factory.mktemp("replica-adapters")),
+    )
     with (
         start_blocking_portal() as portal,
         portal.wrap_async_context_manager(launch_replicas(config)) as replicas,

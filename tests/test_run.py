@@ -117,20 +117,20 @@ def class_gains(
 
 
 class SkipOneReplica(ProxyLoader):
-    """Loads each new version correctly on replica 0 but, on replica 1, the previous version's
-    files under the new name: the replica serves a stale policy under the right name."""
+    """Loads each new version correctly on replica 0 but makes replica 1 fetch the previous
+    version under the new name: the replica serves a stale policy under the right name."""
 
     def __init__(self, client: VLLMClient, replicas: list[Replica]) -> None:
-        super().__init__(client)
+        super().__init__(client, fetching=True)
         self.replicas = replicas
         self.previous: str | None = None
 
-    async def load(self, name: str, path: str) -> None:
-        stale = self.previous or path
-        self.previous = path
-        for replica, source in zip(self.replicas, (path, stale), strict=True):
+    async def load(self, name: str, location: str) -> None:
+        stale = self.previous or location
+        self.previous = location
+        for replica, source in zip(self.replicas, (location, stale), strict=True):
             async with VLLMClient(replica.url) as direct:
-                await direct.load_lora_adapter(name, source)
+                await direct.load_lora_adapter_from(name, source)
 
 
 async def test_a_replica_serving_a_stale_version_is_caught(
@@ -246,7 +246,9 @@ async def test_training_continues_when_a_replica_dies(tiny_model: Path, tmp_path
     from asyncgrpo.serve import launch_replicas
     from asyncgrpo.testing import tiny_serve_config
 
-    serve = tiny_serve_config(tiny_model, replicas=2, log_dir=str(tmp_path / "logs"))
+    serve = tiny_serve_config(
+        tiny_model, replicas=2, log_dir=str(tmp_path / "logs"), transports=(str(tmp_path),)
+    )
     async with launch_replicas(serve) as replicas:
         cfg = tiny_config(tmp_path, tiny_model, [r.url for r in replicas],
                           "trainer.max_steps=8", "trainer.weight_sync_steps=2",

@@ -39,6 +39,7 @@ from asyncgrpo.proxy.state import (
 )
 from asyncgrpo.proxy.unary import forward_unary
 from asyncgrpo.proxy.upstream import Circuit, Upstream, UpstreamPool
+from asyncgrpo.vllm_client import PLUGIN_INFO_PATH, PLUGIN_LOAD_PATH, PLUGIN_UNLOAD_PATH
 
 __all__ = ["REPLICA_HEADER", "create_app"]
 
@@ -309,6 +310,9 @@ def create_app(config: ProxyConfig) -> web.Application:
     r.add_post("/v1/chat/completions", handle_generate)
     r.add_post("/v1/load_lora_adapter", broadcast.handle_load)
     r.add_post("/v1/unload_lora_adapter", broadcast.handle_unload)
+    r.add_post(PLUGIN_LOAD_PATH, broadcast.handle_load)
+    r.add_post(PLUGIN_UNLOAD_PATH, broadcast.handle_unload)
+    r.add_get(PLUGIN_INFO_PATH, broadcast.handle_fetch_info)
     for path in ("/pause", "/resume", "/reset_prefix_cache"):
         r.add_post(path, broadcast.handle_broadcast)
     r.add_get("/health", handle_health)

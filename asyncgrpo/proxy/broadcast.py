@@ -1,7 +1,12 @@
 """Control calls that must reach every replica: adapter load (all-or-nothing), unload, pause...
 
-A load is retried on one replica only while it answers ``No adapter found`` (the adapter has not
-reached that replica's storage yet), up to ``load_deadline_s``; on deadline the proxy answers 504,
+Two load endpoints go through the same broadcast: vLLM's ``/v1/load_lora_adapter`` (a local
+``lora_path``, which must be under ``lora_roots``) and the asyncgrpo replica plugin's
+``/v1/asyncgrpo/load`` (a transport ``lora_uri`` the replica fetches itself; each replica checks it
+against the transport roots it was started with, so the proxy does not second-guess it).
+A load is retried on one replica only while it answers that the adapter is not there yet (vLLM's
+``No adapter found``, the plugin's ``AdapterNotPublished``), up to ``load_deadline_s``; on
+deadline the proxy answers 504,
 never 404 (TRL reads 404 as "runtime LoRA updating is disabled"). Any other rejection unloads the
 adapter from the replicas that accepted it, and the rejection is returned. "Already loaded" counts
 as a rejection: adapter names are never reused, so it means another adapter holds the name there.
@@ -24,9 +29,15 @@ from aiohttp import web
 from asyncgrpo.proxy.jsonbody import BodyError, decode_object
 from asyncgrpo.proxy.state import CONFIG, POOL, STATS, error_response
 from asyncgrpo.proxy.upstream import Circuit, Upstream, UpstreamPool
-from asyncgrpo.vllm_client import adapter_not_found
+from asyncgrpo.vllm_client import PLUGIN_INFO_PATH, PLUGIN_LOAD_PATH, adapter_not_there_yet
 
-__all__ = ["check_lora_path", "handle_broadcast", "handle_load", "handle_unload"]
+__all__ = [
+    "check_lora_path",
+    "handle_broadcast",
+    "handle_fetch_info",
+    "handle_load",
+    "handle_unload",
+]
 
 log = logging.getLogger(__name__)
 
@@ -80,24 +91,23 @@ class _Result:
     body: bytes = b""
 
 
-async def _load_one(pool: UpstreamPool, up: Upstream, body: bytes, deadline: float) -> _Result:
+async def _load_one(
+    pool: UpstreamPool, up: Upstream, endpoint: str, body: bytes, deadline: float
+) -> _Result:
     config = pool.config
     loop = asyncio.get_running_loop()
     while True:
         remaining = deadline - loop.time()
         try:
             status, data = await pool.post(
-                up,
-                "/v1/load_lora_adapter",
-                body,
-                min(config.broadcast_timeout_s, max(remaining, 1)),
+                up, endpoint, body, min(config.broadcast_timeout_s, max(remaining, 1))
             )
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             pool.on_failure(up, "broadcast", f"{type(exc).__name__}: {exc}")
             return _Result(up, "unreachable")
         if status == 200:
             return _Result(up, "ok", status, data)
-        if adapter_not_found(status, data):
+        if adapter_not_there_yet(status, data):
             if loop.time() + config.load_retry_interval_s >= deadline:
                 return _Result(up, "lagging", status, data)
             await asyncio.sleep(config.load_retry_interval_s)
@@ -110,10 +120,15 @@ async def handle_load(request: web.Request) -> web.Response:
     body, parsed = await _read_json(request)
     if parsed is None:
         return _error(400, "request body must be a JSON object", "BadRequestError")
-    name, path = parsed.get("lora_name"), parsed.get("lora_path")
+    name = parsed.get("lora_name")
     if not isinstance(name, str) or not name:
         return _error(400, "lora_name must be a non-empty string", "BadRequestError")
-    why = check_lora_path(path, config.lora_roots)
+    endpoint = request.path
+    if endpoint == PLUGIN_LOAD_PATH:
+        uri = parsed.get("lora_uri")
+        why = None if isinstance(uri, str) and uri else "lora_uri must be a non-empty string"
+    else:
+        why = check_lora_path(parsed.get("lora_path"), config.lora_roots)
     if why:
         stats.broadcast("load", "forbidden")
         return _error(400, why, "BadRequestError")
@@ -121,12 +136,12 @@ async def handle_load(request: web.Request) -> web.Response:
     if not targets:
         return _error(503, "no replica in rotation", "ServiceUnavailableError")
     deadline = asyncio.get_running_loop().time() + config.load_deadline_s
-    results = await asyncio.gather(*(_load_one(pool, u, body, deadline) for u in targets))
+    results = await asyncio.gather(*(_load_one(pool, u, endpoint, body, deadline) for u in targets))
     ok = [r for r in results if r.kind == "ok"]
     rejected = [r for r in results if r.kind == "rejected"]
     lagging = [r for r in results if r.kind == "lagging"]
     if not rejected and not lagging and ok:
-        pool.adapters[name] = path  # type: ignore[assignment]
+        pool.adapters[name] = (endpoint, body)
         stats.broadcast("load", "ok")
         log.info("adapter %s loaded on %d replicas", name, len(ok))
         return web.Response(body=ok[0].body, status=200, content_type="text/plain")
@@ -193,7 +208,7 @@ async def handle_unload(request: web.Request) -> web.Response:
     if parsed is None or not isinstance(parsed.get("lora_name"), str):
         return _error(400, 'body must be {"lora_name": NAME}', "BadRequestError")
     pool.adapters.pop(parsed["lora_name"], None)
-    results = await _post_all(pool, "/v1/unload_lora_adapter", body)
+    results = await _post_all(pool, request.path, body)
     if not results:
         return _error(503, "no replica in rotation", "ServiceUnavailableError")
     ok = [r for r in results if r[1] == 200]
@@ -237,3 +252,31 @@ async def handle_broadcast(request: web.Request) -> web.Response:
         pool.paused_query = None
     stats.broadcast(endpoint, "ok")
     return web.Response(body=results[0][2], status=200, content_type="application/json")
+
+
+async def handle_fetch_info(request: web.Request) -> web.Response:
+    """Every replica's adapter-plugin answer, so a trainer can check them all before a sync."""
+    pool = request.app[POOL]
+
+    async def one(up: Upstream) -> list[dict]:
+        try:
+            status, data = await pool.request(
+                "GET", up, PLUGIN_INFO_PATH, None, pool.config.broadcast_timeout_s
+            )
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return [{"url": up.url, "status": 0, "body": f"{type(exc).__name__}: {exc}"}]
+        try:
+            info = json.loads(data) if status == 200 else None
+        except ValueError:
+            info = None
+        if not isinstance(info, dict):
+            return [{"url": up.url, "status": status, "body": data[:300].decode(errors="replace")}]
+        if isinstance(info.get("replicas"), list):  # another proxy: report its replicas
+            return info["replicas"]
+        return [{"url": up.url, "status": status, "info": info}]
+
+    targets = _targets(pool)
+    if not targets:
+        return _error(503, "no replica in rotation", "ServiceUnavailableError")
+    answers = await asyncio.gather(*(one(u) for u in targets))
+    return web.json_response({"replicas": [entry for answer in answers for entry in answer]})

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import logging
 import time
 from collections import Counter
@@ -126,7 +125,8 @@ class UpstreamPool:
         self.session = session
         self.upstreams: dict[str, Upstream] = {}
         self.block_size: int | None = config.block_size
-        self.adapters: dict[str, str] = {}  # loaded through the proxy: name -> lora_path
+        # Loaded through the proxy: name -> (load endpoint, request body), replayed to joiners.
+        self.adapters: dict[str, tuple[str, bytes]] = {}
         self.paused_query: str | None = None  # query of the last /pause, until /resume
         self.headers = (
             {"Authorization": f"Bearer {config.upstream_api_key}"}
@@ -293,8 +293,15 @@ class UpstreamPool:
         self, up: Upstream, path_qs: str, body: bytes | None, timeout_s: float
     ) -> tuple[int, bytes]:
         """POST to one replica; raises aiohttp/OS errors and TimeoutError to the caller."""
+        return await self.request("POST", up, path_qs, body, timeout_s)
+
+    async def request(
+        self, method: str, up: Upstream, path_qs: str, body: bytes | None, timeout_s: float
+    ) -> tuple[int, bytes]:
+        """One control request to one replica; raises aiohttp/OS errors and TimeoutError."""
         headers = {"Content-Type": "application/json", **self.headers}
-        async with self.session.post(
+        async with self.session.request(
+            method,
             up.url + path_qs,
             data=body,
             headers=headers,
@@ -309,9 +316,10 @@ class UpstreamPool:
         """
         timeout = self.config.broadcast_timeout_s
         try:
-            for name, path in list(self.adapters.items()):
-                body = json.dumps({"lora_name": name, "lora_path": path}).encode()
-                status, data = await self.post(up, "/v1/load_lora_adapter", body, timeout)
+            # A replica that fetches adapters itself fetches them again here: nothing of this
+            # host's disk is needed to bring it up to date.
+            for name, (endpoint, body) in list(self.adapters.items()):
+                status, data = await self.post(up, endpoint, body, timeout)
                 if status != 200 and not already_loaded(status, data):
                     return f"load {name}: HTTP {status} {data[:200].decode(errors='replace')}"
             if self.paused_query is not None:

@@ -43,6 +43,14 @@ def parse_args(argv: Sequence[str] | None) -> ServeConfig:
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--log-dir", default=None)
     p.add_argument(
+        "--transport",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="transport root the replicas may fetch adapter versions from (repeatable)",
+    )
+    p.add_argument("--adapter-cache-dir", default=None, help="where replicas cache adapters")
+    p.add_argument(
         "extra_args", nargs=argparse.REMAINDER, help="after --: more vLLM flags, passed through"
     )
     a = p.parse_args(argv)
@@ -56,6 +64,7 @@ def parse_args(argv: Sequence[str] | None) -> ServeConfig:
         gpu_memory_utilization=a.gpu_memory_utilization, nice=a.nice,
         api_key=os.environ.get(a.api_key_env) if a.api_key_env else None,
         startup_timeout_s=a.startup_timeout_s, log_dir=a.log_dir, extra_args=extra,
+        transports=tuple(a.transport), adapter_cache_dir=a.adapter_cache_dir,
     )  # fmt: skip
 
 

@@ -9,6 +9,10 @@ import sys
 from dataclasses import dataclass, field
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.serve.adapter_fetch import CACHE_DIR_ENV, TRANSPORTS_ENV
+
+#: The ``vllm.endpoint_plugins`` entry point name of :mod:`asyncgrpo.serve.vllm_plugin`.
+PLUGIN_NAME = "asyncgrpo"
 
 #: vLLM accepts only these values for ``--max-lora-rank``.
 ALLOWED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -87,6 +91,21 @@ class ServeConfig:
     log_dir: str | None = field(
         default=None, metadata={"help": "where replica logs go; default a temporary directory"}
     )
+    transports: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "transport roots (s3://bucket/prefix, hf://buckets/..., a directory) the "
+            "replicas may fetch adapter versions from themselves; each replica fetches into its "
+            "own cache and verifies every sha256. Credentials come from the replica's environment"
+        },
+    )
+    adapter_cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "where each replica keeps fetched adapters (a subdirectory per replica, "
+            "emptied at start); default the system temp directory"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -107,6 +126,12 @@ class ServeConfig:
                 "do not accept unauthenticated requests from the network"
             )
         round_lora_rank(self.lora_rank)
+        self.transports = tuple(self.transports)
+        for url in self.transports:
+            if not isinstance(url, str) or not url or "," in url:
+                raise ConfigError(
+                    f"serve.transports: {url!r} must be a transport URL or path without ','"
+                )
         if self.kv_cache_gib is not None and (
             int(self.kv_cache_gib) != self.kv_cache_gib or self.kv_cache_gib < 1
         ):
@@ -148,6 +173,14 @@ class ServeConfig:
         env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.kv_cache_gib is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gib))
+        # The adapter-fetching endpoint plugin (vLLM loads endpoint plugins only when named).
+        plugins = [p for p in env.get("VLLM_PLUGINS", "").split(",") if p]
+        if PLUGIN_NAME not in plugins:
+            env["VLLM_PLUGINS"] = ",".join([*plugins, PLUGIN_NAME])
+        if self.transports:
+            env[TRANSPORTS_ENV] = ",".join(self.transports)
+        if self.adapter_cache_dir is not None:
+            env[CACHE_DIR_ENV] = self.adapter_cache_dir
         if self.api_key:
             # Passed by environment, not argv, so it never shows in `ps` or our logs.
             env["VLLM_API_KEY"] = self.api_key

