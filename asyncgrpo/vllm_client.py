@@ -16,6 +16,25 @@ import aiohttp
 from asyncgrpo.errors import ConfigError, ReplicaError, ReplicaHTTPError
 
 ADAPTER_NOT_FOUND = "No adapter found"
+#: Where a replica describes its configuration as JSON (needs ``VLLM_SERVER_DEV_MODE=1``).
+SERVER_INFO_PATH = "/server_info?config_format=json"
+
+
+def already_loaded(status: int, body: bytes) -> bool:
+    """A load refused because the replica already holds an adapter of that name."""
+    return status == 400 and b"already" in body
+
+
+def block_size_of(info: Any) -> int | None:
+    """``vllm_config.cache_config.block_size`` from a ``/server_info`` document, if it says."""
+    if not isinstance(info, dict):
+        return None
+    cfg = info.get("vllm_config", info)
+    cache = cfg.get("cache_config") if isinstance(cfg, dict) else None  # a string in some versions
+    if isinstance(cache, dict) and isinstance(cache.get("block_size"), int):
+        return cache["block_size"]
+    return None
+
 
 # Routes of asyncgrpo's vLLM endpoint plugin (asyncgrpo.serve.vllm_plugin): the replica fetches a
 # published version from the transport itself. Under /v1, so vLLM's --api-key guards them.
@@ -121,7 +140,7 @@ class VLLMClient:
 
     async def server_info(self) -> dict[str, Any]:
         """``/server_info?config_format=json`` (needs ``VLLM_SERVER_DEV_MODE=1`` on the server)."""
-        status, body = await self._request("GET", "/server_info", params={"config_format": "json"})
+        status, body = await self._request("GET", SERVER_INFO_PATH)
         if status == 404:
             raise ConfigError(
                 f"{self.base_url}/server_info is not served: start vLLM with VLLM_SERVER_DEV_MODE=1"

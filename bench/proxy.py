@@ -12,6 +12,7 @@
     python bench/proxy.py                      # both parts; starts 2 vLLM replicas of a tiny model
     python bench/proxy.py --part overhead      # (b) only, ~1 min
     python bench/proxy.py --upstream URL --upstream URL --part routing   # reuse running replicas
+    python bench/proxy.py --part overhead --baseline ../main   # A/B: that checkout's proxy too
 """
 
 from __future__ import annotations
@@ -87,8 +88,10 @@ async def wait_http(url: str, timeout_s: float = 60) -> None:
 
 
 @contextlib.contextmanager
-def subprocess_server(argv: list[str], env: dict | None = None):
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def subprocess_server(argv: list[str], env: dict | None = None, cwd: str | None = None):
+    proc = subprocess.Popen(
+        argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         yield proc
     finally:
@@ -121,6 +124,31 @@ def run_canned_upstream(port: int) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
     app.router.add_get("/server_info", server_info)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def run_aiohttp_proxy(port: int, upstream: str) -> None:
+    """The proxy as one aiohttp stack: its aiohttp application served by aiohttp's own server
+    on TCP, forwarding with the aiohttp client (no llhttp front, no raw replica pool): the
+    alternative to the front, measured side by side."""
+    from aiohttp import web
+
+    from asyncgrpo.proxy import ProxyConfig, create_app
+    from asyncgrpo.proxy.state import POOL
+
+    app = create_app(ProxyConfig(upstreams=(upstream,), port=port))
+
+    async def aiohttp_client_only(app: web.Application) -> None:
+        for up in app[POOL].upstreams.values():
+            up.h1 = None  # the aiohttp client for every request
+
+    app.on_startup.append(aiohttp_client_only)
     try:
         import uvloop
 
@@ -210,15 +238,17 @@ def pct(sorted_lat: list[float], q: float) -> float:
     return sorted_lat[min(int(len(sorted_lat) * q), len(sorted_lat) - 1)] * 1e3
 
 
-async def part_overhead() -> list[list[str]]:
-    """Three paths to one canned upstream: direct, the zero-work relay, the proxy.
+async def part_overhead(baseline: str | None = None) -> list[list[str]]:
+    """Paths to one canned upstream: direct, the zero-work relay, the proxy, the proxy as one
+    aiohttp stack (its application on aiohttp's server and client), and with ``baseline`` (a
+    checkout of this repository) that checkout's proxy, side by side.
 
     At 1 in flight the paths take turns in blocks of ``OVERHEAD_BLOCK_1`` requests, so a change in
     machine speed (large and frequent on a shared VM) hits all three alike; p50/p99 are over all
     their requests. At 256 in flight they take turns by rounds; the table shows per-path medians
     and the median of the per-round throughput ratios.
     """
-    up_port, relay_port, px_port = free_port(), free_port(), free_port()
+    up_port, relay_port, px_port, base_port, aio_port = (free_port() for _ in range(5))
     rng = random.Random(0)
     body = json.dumps(
         {"model": "bench-v1", "prompt": [rng.randrange(50000) for _ in range(300)],
@@ -230,31 +260,40 @@ async def part_overhead() -> list[list[str]]:
         upstream = f"http://127.0.0.1:{up_port}"
         await wait_http(upstream + "/health")
         relay_argv = [PY, __file__, "--_relay", str(relay_port), str(up_port)]
-        proxy_argv = [PY, "-m", "asyncgrpo.proxy", "--upstream", upstream, "--port",
-                      str(px_port), "--log-level", "WARNING"]  # fmt: skip
-        with subprocess_server(relay_argv), subprocess_server(proxy_argv) as px:
-            proxy = f"http://127.0.0.1:{px_port}"
-            relay = f"http://127.0.0.1:{relay_port}"
-            await wait_http(proxy + "/health")
-            await wait_http(relay + "/health")
-            paths = {"direct": upstream, "relay": relay, "proxy": proxy}
+        proxy_argv = [PY, "-m", "asyncgrpo.proxy", "--upstream", upstream, "--log-level",
+                      "WARNING", "--port"]  # fmt: skip
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(subprocess_server(relay_argv))
+            pids = {"proxy": stack.enter_context(subprocess_server([*proxy_argv, str(px_port)]))}
+            paths = {"direct": upstream, "relay": f"http://127.0.0.1:{relay_port}",
+                     "proxy": f"http://127.0.0.1:{px_port}"}  # fmt: skip
+            argv = [PY, __file__, "--_aiohttp-proxy", str(aio_port), upstream]
+            pids["aiohttp"] = stack.enter_context(subprocess_server(argv))
+            paths["aiohttp"] = f"http://127.0.0.1:{aio_port}"
+            if baseline:  # its own code first on the path: run from it, not from here
+                env = {**os.environ, "PYTHONPATH": os.path.abspath(baseline)}
+                argv = [*proxy_argv, str(base_port)]
+                pids["baseline"] = stack.enter_context(subprocess_server(argv, env, baseline))
+                paths["baseline"] = f"http://127.0.0.1:{base_port}"
+            for url in paths.values():
+                await wait_http(url + "/health")
             for inflight in (1, 256):
                 conn = aiohttp.TCPConnector(limit=inflight)
                 async with aiohttp.ClientSession(connector=conn) as s:
                     lat: dict[str, list[float]] = {k: [] for k in paths}
                     wall = dict.fromkeys(paths, 0.0)
                     rps: dict[str, list[float]] = {k: [] for k in paths}
-                    cpu = 0.0
+                    cpu = dict.fromkeys(pids, 0.0)
                     n = OVERHEAD_BLOCK_1 if inflight == 1 else OVERHEAD_REQUESTS_256
                     turns = OVERHEAD_REQUESTS_1 // n if inflight == 1 else OVERHEAD_ROUNDS
                     for url in paths.values():  # warm-up: connections, caches
                         await measure(s, url + "/v1/completions", inflight, 4 * n // 5, body)
                     for _ in range(turns):
                         for name, url in paths.items():
-                            c0 = cpu_s(px.pid)
+                            c0 = cpu_s(pids[name].pid) if name in pids else 0.0
                             dt, got = await measure(s, url + "/v1/completions", inflight, n, body)
-                            if name == "proxy":
-                                cpu += cpu_s(px.pid) - c0
+                            if name in pids:
+                                cpu[name] += cpu_s(pids[name].pid) - c0
                             lat[name] += got
                             wall[name] += dt
                             rps[name].append(n / dt)
@@ -276,7 +315,7 @@ async def part_overhead() -> list[list[str]]:
                             row += ["", "", ""]
                         else:
                             row += [f"{p50[name] - p50['direct']:+.3f}", f"{100 * share:.0f} %",
-                                    f"{cpu / total * 1e6:.0f}" if name == "proxy" else ""]  # fmt: skip
+                                    f"{cpu[name] / total * 1e6:.0f}" if name in cpu else ""]  # fmt: skip
                         rows.append(row)
     return rows
 
@@ -375,7 +414,7 @@ async def main(args: argparse.Namespace) -> None:
             rows,
         ), flush=True)  # fmt: skip
     if args.part in ("overhead", "all"):
-        rows = await part_overhead()
+        rows = await part_overhead(args.baseline)
         print(table(
             f"(b) overhead vs a canned upstream (300-token prompt body); 1 in flight: "
             f"{OVERHEAD_REQUESTS_1} requests per path in turns of {OVERHEAD_BLOCK_1}; 256 in "
@@ -390,12 +429,20 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--_canned-upstream":
         run_canned_upstream(int(sys.argv[2]))
         sys.exit(0)
+    if len(sys.argv) == 4 and sys.argv[1] == "--_aiohttp-proxy":
+        run_aiohttp_proxy(int(sys.argv[2]), sys.argv[3])
+        sys.exit(0)
     if len(sys.argv) == 4 and sys.argv[1] == "--_relay":
         run_relay(int(sys.argv[2]), int(sys.argv[3]))
         sys.exit(0)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("all", "routing", "overhead"), default="all")
     parser.add_argument("--upstream", action="append", help="reuse running vLLM replicas")
+    parser.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also measure the proxy of this checkout (A/B), e.g. ../main",
+    )
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
         import uvloop

@@ -12,20 +12,20 @@ forwarded by :mod:`asyncgrpo.proxy.unary` (which the fast front calls directly);
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from asyncgrpo.errors import NoHealthyReplica
 from asyncgrpo.proxy import broadcast, metrics
+from asyncgrpo.proxy.attempts import Attempts, request_chains
+from asyncgrpo.proxy.auth import AUTH_MESSAGE, authorized, expected_header
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.headers import DROP_REQUEST, DROP_RESPONSE, DROP_RESPONSE_B, REPLICA_HEADER
+from asyncgrpo.proxy.jsonbody import BodyError, decode_object
 from asyncgrpo.proxy.router import Router
 from asyncgrpo.proxy.state import (
     CONFIG,
@@ -37,20 +37,13 @@ from asyncgrpo.proxy.state import (
     ProxyStats,
     error_response,
 )
-from asyncgrpo.proxy.unary import forward_unary, request_chains
+from asyncgrpo.proxy.unary import forward_unary
 from asyncgrpo.proxy.upstream import Circuit, Upstream, UpstreamPool
 from asyncgrpo.vllm_client import PLUGIN_INFO_PATH, PLUGIN_LOAD_PATH, PLUGIN_UNLOAD_PATH
-
-try:  # ~3x faster than json on a token-id prompt; optional (the ``fast`` extra)
-    from orjson import loads as _loads
-except ImportError:  # pragma: no cover - depends on the environment
-    _loads = json.loads
 
 __all__ = ["REPLICA_HEADER", "create_app"]
 
 log = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
 
 
 def _forward_headers(request: web.Request, pool: UpstreamPool) -> dict[str, str]:
@@ -73,18 +66,16 @@ def _gen_headers(upstream: aiohttp.ClientResponse, replica: str) -> dict[str, st
 
 
 def _auth_middleware(api_key: str) -> Callable[..., Awaitable[web.StreamResponse]]:
-    expected = f"Bearer {api_key}".encode()
+    expected = expected_header(api_key)
 
     @web.middleware
     async def auth(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        got = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(got, expected):
+        got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not authorized(expected, got):
             request.app[STATS].reject(401)
-            return error_response(
-                401, "missing or wrong 'Authorization: Bearer <key>'", kind="AuthenticationError"
-            )
+            return error_response(401, AUTH_MESSAGE, kind="AuthenticationError")
         return await handler(request)
 
     return auth
@@ -109,80 +100,20 @@ async def _errors_middleware(
 
 async def _parse_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     body = await request.read()
-    try:
-        parsed = _loads(body)
-    except ValueError:
-        try:  # what orjson refuses and json accepts (NaN, ints over 64 bits) is still JSON
-            parsed = json.loads(body)
-        except ValueError as exc:
-            raise _BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(parsed, dict):
-        raise _BadRequest("request body must be a JSON object")
-    return body, parsed
-
-
-class _BadRequest(Exception):
-    pass
+    return body, decode_object(body, request.app[CONFIG].max_body_bytes)
 
 
 class _Retry(Exception):
     """This attempt failed before anything reached the client: try another replica."""
 
 
-class _Exhausted(Exception):
-    """Every attempt failed (or no replica was in rotation); the message says why."""
-
-
-async def _routed(
-    app: web.Application,
-    chains: list[tuple[int, ...]],
-    path: str,
-    attempt: Callable[[Upstream], Awaitable[tuple[_T, bool]]],
-) -> _T:
-    """Route, run ``attempt`` on the chosen replica, and on :class:`_Retry` try another one.
-
-    ``attempt`` returns (result, succeeded); only a success records prefix affinity. Raises
-    :class:`_Exhausted` when ``max_attempts`` replicas failed or none is in rotation.
-    """
-    config, router, pool, stats = app[CONFIG], app[ROUTER], app[POOL], app[STATS]
-    tried: list[str] = []
-    last_error = ""
-    for n in range(config.max_attempts):
-        t0 = time.perf_counter()
-        try:
-            decision = router.route(chains, exclude=tried)
-        except NoHealthyReplica:
-            break
-        stats.route_seconds += time.perf_counter() - t0
-        stats.route_count += 1
-        up = pool.upstreams[decision.replica]
-        pool.on_routed(up)
-        tried.append(up.url)
-        ok = False
-        try:
-            result, ok = await attempt(up)
-            return result
-        except _Retry as exc:
-            last_error = str(exc)
-            if n + 1 < config.max_attempts:
-                stats.retries += 1
-                log.info("retrying %s elsewhere after %s", path, exc)
-        finally:
-            router.finish(decision, ok=ok)
-    stats.reject(503)
-    raise _Exhausted(
-        f"no replica could serve the request (tried {len(tried)}): "
-        f"{last_error or 'none in rotation'}"
-    )
-
-
 async def handle_generate(request: web.Request) -> web.StreamResponse:
     app = request.app
     try:
         body, parsed = await _parse_json(request)
-    except _BadRequest as exc:
-        app[STATS].reject(400)
-        return error_response(400, str(exc))
+    except BodyError as exc:
+        app[STATS].reject(exc.status)
+        return error_response(exc.status, str(exc))
     core = app[CORE]
     headers = _forward_headers(request, core.pool)
     if parsed.get("stream") is not True:
@@ -193,27 +124,26 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             if k.lower() not in DROP_RESPONSE_B
         ]
         return web.Response(body=data, status=status, headers=out)
-    config, pool = core.config, core.pool
-    chains = request_chains(core, parsed)
-
-    async def attempt(up: Upstream) -> tuple[web.StreamResponse, bool]:
-        return await _forward_stream(request, config, pool, up, body, headers)
-
-    try:
-        return await _routed(app, chains, request.path, attempt)
-    except _Exhausted as exc:
-        return error_response(503, str(exc), kind="ServiceUnavailableError")
+    attempts = Attempts(core, request_chains(core, parsed), request.path)
+    while (up := attempts.next()) is not None:
+        try:
+            return await _forward_stream(request, core.config, attempts, up, body, headers)
+        except _Retry:
+            continue
+    status, _, data = attempts.exhausted()
+    return web.Response(body=data, status=status, content_type="application/json")
 
 
 async def _forward_stream(
     request: web.Request,
     config: ProxyConfig,
-    pool: UpstreamPool,
+    attempts: Attempts,
     up: Upstream,
     body: bytes,
     headers: dict[str, str],
-) -> tuple[web.StreamResponse, bool]:
+) -> web.StreamResponse:
     """One streaming attempt. Retryable (:class:`_Retry`) until the first chunk is sent on."""
+    pool = attempts.core.pool
     loop = asyncio.get_running_loop()
     deadline = asyncio.timeout_at(loop.time() + config.request_timeout_s)
     up.deadlines.add(deadline)
@@ -222,16 +152,11 @@ async def _forward_stream(
         async with deadline:
             async with pool.session.post(up.url + request.path_qs, data=body, headers=headers) as r:
                 status = r.status
-                if status >= 500:
-                    data = await r.read()
-                    pool.on_failure(up, f"http_{status}", data[:200].decode(errors="replace"))
-                    raise _Retry(f"{up.url} answered {status}")
                 if status != 200:
                     data = await r.read()
-                    pool.on_success(up)
-                    return web.Response(
-                        body=data, status=status, headers=_gen_headers(r, up.url)
-                    ), False
+                    if attempts.done(status, data[:200].decode(errors="replace")):
+                        raise _Retry
+                    return web.Response(body=data, status=status, headers=_gen_headers(r, up.url))
                 # Wait for the first chunk under the request deadline (still retryable), then
                 # pass chunks through as they arrive under the idle deadline.
                 first = await r.content.readany()
@@ -244,40 +169,26 @@ async def _forward_stream(
                     deadline.reschedule(loop.time() + idle)
                     chunk = await r.content.readany()
                 await out.write_eof()
-                pool.on_success(up)
-                return out, True
-    except TimeoutError:
-        pool.on_failure(up, "deadline", f"no answer within the deadline on {request.path}")
-        if out is None:
-            raise _Retry(f"{up.url} hit the deadline") from None
-        raise  # mid-stream: the client already has part of the answer; drop the connection
-    except aiohttp.ClientConnectorError as exc:
-        pool.on_failure(up, "connect", str(exc))
-        raise _Retry(f"{up.url}: cannot connect") from None
-    except (aiohttp.ClientError, OSError) as exc:
+                attempts.done(status)
+                return out
+    except _Retry:
+        raise
+    except (aiohttp.ClientError, OSError) as exc:  # TimeoutError included
         if out is not None and request.transport is None:
+            attempts.done(None)
             raise  # the client went away mid-stream; not the replica's fault
-        pool.on_failure(up, "disconnect", f"{type(exc).__name__}: {exc}", trip=False)
+        attempts.done(exc)
         if out is None:
-            raise _Retry(f"{up.url}: {type(exc).__name__}") from None
+            raise _Retry from None
+        raise  # mid-stream: the client already has part of the answer; drop the connection
+    except BaseException:
+        attempts.done(None)  # cancelled: the client went away
         raise
     finally:
         up.deadlines.discard(deadline)
 
 
 # -- read-only pass-through -------------------------------------------------------------------
-
-
-def _pick(pool: UpstreamPool, exclude: list[str]) -> Upstream:
-    """A replica for a non-generation request: round-robin over those in rotation."""
-    router = pool.router
-    candidates = [
-        u for u in pool.upstreams.values() if router.is_available(u.url) and u.url not in exclude
-    ]
-    if not candidates:
-        raise NoHealthyReplica("no replica in rotation")
-    router._rr += 1
-    return candidates[router._rr % len(candidates)]
 
 
 async def handle_passthrough(request: web.Request) -> web.StreamResponse:
@@ -288,7 +199,7 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
     tried: list[str] = []
     timeout = aiohttp.ClientTimeout(total=config.broadcast_timeout_s)
     for _ in range(config.max_attempts):
-        up = _pick(pool, tried)
+        up = pool.upstreams[pool.router.pick(exclude=tried)]
         tried.append(up.url)
         try:
             async with pool.session.request(
@@ -300,12 +211,8 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
             ) as r:
                 data = await r.read()
                 return web.Response(body=data, status=r.status, headers=_response_headers(r))
-        except aiohttp.ClientConnectorError as exc:
-            pool.on_failure(up, "connect", str(exc))
-        except (aiohttp.ClientError, OSError) as exc:
-            pool.on_failure(up, "disconnect", f"{type(exc).__name__}: {exc}", trip=False)
-        except TimeoutError:
-            pool.on_failure(up, "deadline", f"{request.path} took over {timeout.total} s")
+        except (aiohttp.ClientError, OSError) as exc:  # TimeoutError included
+            pool.on_outcome(up, exc, f"{request.path}: {type(exc).__name__}: {exc}")
     return error_response(
         503, f"no replica answered (tried {tried})", kind="ServiceUnavailableError"
     )
@@ -357,8 +264,8 @@ async def handle_upstreams(request: web.Request) -> web.Response:
         return web.json_response({"upstreams": [u.as_dict() for u in pool.upstreams.values()]})
     try:
         _, parsed = await _parse_json(request)
-    except _BadRequest as exc:
-        return error_response(400, str(exc))
+    except BodyError as exc:
+        return error_response(exc.status, str(exc))
     url = str(parsed.get("url") or "").rstrip("/")
     if not url.startswith(("http://", "https://")):
         return error_response(400, 'body must be {"url": "http://HOST:PORT"}')

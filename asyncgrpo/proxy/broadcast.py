@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from asyncgrpo.proxy.jsonbody import BodyError, decode_object
 from asyncgrpo.proxy.state import CONFIG, POOL, STATS, error_response
 from asyncgrpo.proxy.upstream import Circuit, Upstream, UpstreamPool
 from asyncgrpo.vllm_client import PLUGIN_INFO_PATH, PLUGIN_LOAD_PATH, adapter_not_there_yet
@@ -77,10 +78,9 @@ def _error(status: int, message: str, kind: str) -> web.Response:
 async def _read_json(request: web.Request) -> tuple[bytes, dict | None]:
     body = await request.read()
     try:
-        parsed = json.loads(body)
-    except ValueError:
+        return body, decode_object(body, request.app[CONFIG].max_body_bytes)
+    except BodyError:
         return body, None
-    return body, parsed if isinstance(parsed, dict) else None
 
 
 @dataclass

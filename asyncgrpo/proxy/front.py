@@ -1,205 +1,87 @@
-"""The proxy's listening socket: a lean HTTP/1.1 server in front of the aiohttp application.
+"""The proxy's listening socket: an HTTP/1.1 server on llhttp in front of the aiohttp application.
 
-Why: the aiohttp server costs about a quarter of a millisecond of CPU per request (request
-and response objects, multidicts, URL dispatch, middlewares) — more than routing and forwarding
-together. A rollout client sends thousands of small completion requests per second, so the one
-hot path, a non-streaming ``/v1/completions`` or ``/v1/chat/completions``, is served here, by
-callbacks: each client connection is an :class:`asyncio.Protocol` whose ``data_received`` parses
-the head with a few bytes operations and starts a :class:`~asyncgrpo.proxy.unary.UnaryRequest`
-(routing, retries and error mapping shared with the aiohttp handler); the replica connection's
-``data_received`` writes the answer back. No task, future or stream buffer sits on that path.
-
-Everything else — streaming completions, the broadcast control calls, ``/metrics``, ``/health``,
-read-only pass-through — is relayed byte for byte, in a task, to the aiohttp application, which
-listens on a unix socket in a private (0700) directory, and its answer is relayed back as it
-arrives (chunked streams chunk by chunk). So each endpoint has one implementation, and only the
-hot path skips aiohttp.
-
-Handled here: keep-alive and pipelining (answers in order; a client that pipelines without reading
-is paused), ``Expect: 100-continue``, chunked request bodies, the inbound API key (checked for
-every request, before the body is read), the body size limit (413), malformed heads (400), heads
-over 64 KiB (431), connections idle (or trickling a request) for ``client_idle_timeout_s`` closed
-by a sweeper, not by a timer per request.
+Why not aiohttp's server: it costs about a quarter of a millisecond of CPU per request, more than
+routing and forwarding together. So the hot path, a non-streaming ``/v1/completions`` or
+``/v1/chat/completions``, is served here by callbacks, as uvicorn's ``httptools_impl`` does: each
+client connection is an :class:`asyncio.Protocol` whose ``data_received`` feeds ``httptools``
+(llhttp); a request it fully accepted (and :mod:`asyncgrpo.proxy.inbound` too) starts a
+:class:`~asyncgrpo.proxy.unary.UnaryRequest`. Everything else is relayed to the aiohttp
+application on a private unix socket and its answer streamed back as it arrives. A refused
+request gets an answer saying why, nothing is forwarded, and the connection closes (after the
+answers to what was pipelined before it). Also: keep-alive and pipelining (answers in order),
+``Expect: 100-continue``, half-closed clients, idle or trickling connections closed after
+``client_idle_timeout_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import hmac
 import logging
 import os
 import shutil
 import tempfile
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from email.utils import formatdate
-from http import HTTPStatus
+from functools import partial
 from typing import cast
 
+import httptools
 from aiohttp import web
 
-from asyncgrpo.proxy.app import _loads, create_app
+from asyncgrpo.proxy.app import create_app
+from asyncgrpo.proxy.auth import expected_header
 from asyncgrpo.proxy.config import ProxyConfig
-from asyncgrpo.proxy.h1 import Response, parse_head
-from asyncgrpo.proxy.headers import DROP_REQUEST_B, DROP_RESPONSE_B
-from asyncgrpo.proxy.state import CORE, Core, error_body
+from asyncgrpo.proxy.h1 import Exchange, H1Pool, Response
+from asyncgrpo.proxy.headers import DROP_RESPONSE_B, head_lines
+from asyncgrpo.proxy.inbound import HEAD_LIMIT, Refused, Request, check_head, refusal
+from asyncgrpo.proxy.jsonbody import BodyError, decode_object
+from asyncgrpo.proxy.state import CORE, error_body
 from asyncgrpo.proxy.unary import UnaryRequest, request_chains
 
-__all__ = ["HEAD_LIMIT", "Front", "serve_proxy"]
+__all__ = ["Front", "serve_proxy"]
 
 log = logging.getLogger(__name__)
 
-#: Longest request or response head (request line or status line plus headers).
-HEAD_LIMIT = 64 * 1024
-#: Seconds a connection closed after an error keeps reading (and dropping) what the client sends.
+#: Seconds a connection closed after a refusal keeps reading (and dropping) what the client sends.
 LINGER_S = 2.0
+#: Complete requests queued behind the one being answered before reading pauses.
+MAX_QUEUED = 16
 
 _GENERATE = frozenset({b"/v1/completions", b"/v1/chat/completions"})
-# Framing and per-hop headers of the client's request, rebuilt for the relay hop.
-_REFRAME = frozenset({b"content-length", b"transfer-encoding", b"expect", b"connection",
-                      b"keep-alive"})  # fmt: skip
-# Request headers parse_request_head acts on (the rest are only collected).
-_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"expect", b"connection"})
-_WHITESPACE = b" \t"
-
-
-class _HttpError(Exception):
-    """The request cannot be read; answer ``status`` and close the connection."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class _Request:
-    __slots__ = ("body", "chunked", "expect", "headers", "keep_alive", "length", "method",
-                 "path", "target")  # fmt: skip
-
-    def __init__(
-        self,
-        method: bytes,
-        target: bytes,
-        headers: list[tuple[bytes, bytes, bytes]],
-        length: int | None,
-        chunked: bool,
-        expect: bool,
-        keep_alive: bool,
-    ) -> None:
-        self.method = method
-        self.target = target
-        self.path = target.partition(b"?")[0]
-        self.headers = headers  # (lower-case name, value, the whole line)
-        self.length = length
-        self.chunked = chunked
-        self.expect = expect
-        self.keep_alive = keep_alive
-        self.body: bytes | None = None  # None: still to be read (chunked or Expect)
-
-
-def parse_request_head(head: bytes, auth: bytes | None, max_body: int) -> _Request:
-    """A request head (without its blank line) -> :class:`_Request`; raises :class:`_HttpError`.
-
-    Checks what can be refused before the body is read: framing, the API key, the size limit.
-    """
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1.") or not parts[1]:
-        raise _HttpError(400, f"malformed request line {lines[0][:80]!r}")
-    method, target, version = parts
-    headers = []
-    length: int | None = None
-    chunked = False
-    expect = False
-    keep = version == b"HTTP/1.1"
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name[0] in _WHITESPACE or name[-1] in _WHITESPACE:
-            raise _HttpError(400, f"malformed header line {line[:80]!r}")
-        lower = name.lower()
-        value = value.strip()
-        if lower not in _FRAMING:
-            pass
-        elif lower == b"content-length":
-            if not value.isdigit() or (length is not None and length != int(value)):
-                raise _HttpError(400, f"bad Content-Length {value[:40]!r}")
-            length = int(value)
-        elif lower == b"transfer-encoding":
-            if value.lower().rsplit(b",", 1)[-1].strip() != b"chunked":
-                raise _HttpError(400, f"unsupported Transfer-Encoding {value[:40]!r}")
-            chunked = True
-        elif lower == b"expect":
-            expect = value.lower() == b"100-continue"
-        elif lower == b"connection":
-            tokens = value.lower()
-            keep = b"close" not in tokens and (keep or b"keep-alive" in tokens)
-        headers.append((lower, value, line))
-    if chunked and length is not None:
-        raise _HttpError(400, "both Content-Length and Transfer-Encoding")  # smuggling
-    if auth is not None:
-        got = next((v for n, v, _ in headers if n == b"authorization"), b"")
-        if not hmac.compare_digest(got, auth):
-            raise _HttpError(401, "missing or wrong 'Authorization: Bearer <key>'")
-    if length is not None and length > max_body:
-        raise _HttpError(413, f"request body too large: {length} bytes > {max_body}")
-    return _Request(method, target, headers, length, chunked, expect, keep)
-
-
-class _State(enum.Enum):
-    READING = "reading"  # waiting for (the rest of) a request
-    ANSWERING = "answering"  # a request is being answered; later bytes wait in the buffer
-    LINGERING = "lingering"  # an error was sent; dropping input until the client closes
-    CLOSED = "closed"
+_RELAY_ANSWER_DROP = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class Front:
-    """Owns the client connections; see the module docstring.
-
-    ``relay_path`` is the unix socket of the aiohttp application built by
-    :func:`asyncgrpo.proxy.app.create_app` (its upstream pool, router and counters are shared).
-    """
+    """Owns the client connections. ``relay_path``: the unix socket of the aiohttp application
+    (:func:`~asyncgrpo.proxy.app.create_app`), whose pool, router and counters it shares."""
 
     def __init__(self, app: web.Application, relay_path: str) -> None:
-        self.core: Core = app[CORE]
+        self.core = app[CORE]
         self.config = self.core.config
-        key = self.config.api_key
-        self.auth = f"Bearer {key}".encode() if key else None
-        self.relay_path = relay_path
-        self.relay_idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.auth = expected_header(self.config.api_key)
+        self.relay = H1Pool(path=relay_path, keepalive_s=3.0)
         self.clients: set[_Client] = set()
-        self._sweeper: asyncio.Task[None] | None = None
-        self._date = (0, b"")
         self.loop = asyncio.get_running_loop()
-
-    def protocol(self) -> _Client:
-        """The ``protocol_factory`` for :meth:`asyncio.loop.create_server`."""
-        return _Client(self)
-
-    def start(self) -> None:
-        """Start the sweeper that closes idle and trickling connections."""
-        self._sweeper = asyncio.create_task(self._sweep(), name="asyncgrpo-proxy-sweeper")
+        self._sweeper = self.loop.create_task(self._sweep(), name="asyncgrpo-proxy-sweeper")
+        self._date = (0, b"")
 
     async def aclose(self) -> None:
         """Close every client connection (in-flight requests are dropped) and the relay."""
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        tasks = []
+        self._sweeper.cancel()
         for client in list(self.clients):
-            if client.task is not None:
-                tasks.append(client.task)
             client.close()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for _, w in self.relay_idle:
-            w.transport.abort()
-        self.relay_idle.clear()
+        self.relay.close()
 
     async def _sweep(self) -> None:
+        """Close connections idle (or trickling a request) for ``client_idle_timeout_s``."""
         timeout = self.config.client_idle_timeout_s
-        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(min(timeout / 4, 5.0))
-            limit = loop.time() - timeout
+            limit = self.loop.time() - timeout
             for client in list(self.clients):
                 if client.waiting_since is not None and client.waiting_since < limit:
                     client.close()
@@ -212,30 +94,65 @@ class Front:
 
 
 class _Client(asyncio.Protocol):
-    """One client connection: parses requests from its buffer and answers them in order."""
-
-    __slots__ = ("_more", "_more_len", "_processing", "_waiter", "buf", "eof", "front",
-                 "keep_alive", "loop", "pending", "reading_paused", "state", "task", "transport",
-                 "unary", "waiting_since", "writing_paused")  # fmt: skip
+    """One client connection: llhttp parses its requests, answered in order."""
 
     def __init__(self, front: Front) -> None:
         self.front = front
         self.loop = front.loop
         self.transport: asyncio.Transport | None = None
-        self.buf = b""
-        self.state = _State.READING
-        self.waiting_since: float | None = self.loop.time()  # None while answering
-        self.pending: tuple[_Request, int] | None = None  # a parsed head, body incomplete
-        self._more: list[bytes] = []  # segments of that body not yet joined onto buf
-        self._more_len = 0
-        self.keep_alive = True  # of the request being answered
+        self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
+        self.req = Request()  # being parsed
+        self.in_head = False
+        self.head_size = 0
+        self.queue: deque[Request | Refused] = deque()  # parsed, waiting their turn
+        self.current: Request | None = None  # being answered
+        self.started = False  # the current answer's first byte was written
         self.unary: UnaryRequest | None = None
-        self.task: asyncio.Task[None] | None = None  # the slow path (relay, streamed bodies)
-        self.eof = False
-        self.reading_paused = False
-        self.writing_paused = False
-        self._waiter: asyncio.Future[None] | None = None  # the slow path waits for input/drain
-        self._processing = False
+        self.relay: _Relay | None = None
+        self.eof = self.closed = self.reading_paused = self.writing_paused = False
+        self.processing = False
+        self.waiting_since: float | None = self.loop.time()  # None while answering
+
+    # -- llhttp callbacks (raising Refused refuses the request) --------------------------------
+
+    def on_message_begin(self) -> None:
+        self.req, self.in_head, self.head_size = Request(), True, 0
+
+    def on_url(self, url: bytes) -> None:
+        self.req.target += url
+        self._grow_head(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._grow_head(len(name) + len(value) + 4)
+        self.req.headers.append((name, value))
+
+    def _grow_head(self, n: int) -> None:
+        self.head_size += n
+        if self.head_size > HEAD_LIMIT:
+            raise Refused(431, f"request head over {HEAD_LIMIT} bytes")
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        req, parser = self.req, self.parser
+        assert parser is not None
+        req.method = parser.get_method()
+        check_head(
+            req, parser.get_http_version(), self.front.config.max_body_bytes, self.front.auth
+        )
+        if req.expect and (req.te or req.length) and self.current is None and not self.queue:
+            self.write(_CONTINUE)
+
+    def on_body(self, data: bytes) -> None:
+        req, limit = self.req, self.front.config.max_body_bytes
+        req.body.append(data)
+        req.size += len(data)
+        if req.size > limit:  # chunked: no length said in advance
+            raise Refused(413, f"request body too large: over {limit} bytes")
+
+    def on_message_complete(self) -> None:
+        assert self.parser is not None
+        self.req.keep_alive = self.parser.should_keep_alive()
+        self.queue.append(self.req)
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -245,418 +162,232 @@ class _Client(asyncio.Protocol):
         self.front.clients.add(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.state is _State.LINGERING:
-            return
-        if self.pending is not None and self.state is _State.READING:
-            # A large body arrives in many segments: join once, when it is all here.
-            self._more.append(data)
-            self._more_len += len(data)
-            if len(self.buf) + self._more_len < self.pending[1]:
-                return
-            self.buf = b"".join([self.buf, *self._more])
-            self._more, self._more_len = [], 0
-        else:
-            self.buf = self.buf + data if self.buf else data
-        if self.state is _State.READING:
-            self._process()
-        else:
-            self._wake()
-            if self.state is _State.ANSWERING and self.task is None and len(self.buf) > HEAD_LIMIT:
-                self._pause_reading()  # pipelined input piling up behind an answer
+        if self.parser is None:
+            return  # refused: lingering until the client closes
+        try:
+            while True:
+                try:
+                    self.parser.feed_data(data)
+                    break
+                except httptools.HttpParserUpgrade as exc:  # no protocol switch: read on
+                    data = data[exc.args[0] :]
+            if self.in_head:  # llhttp buffers a header line it has not finished: bound that
+                self._grow_head(len(data))
+        except httptools.HttpParserError as exc:
+            self.queue.append(refusal(exc, self.in_head))
+            self.parser = None  # what follows a refused request cannot be framed
+        except Refused as exc:
+            self.queue.append(exc)
+            self.parser = None
+        self._process()
 
     def eof_received(self) -> bool:
-        """The client closed its side: it is gone (like uvicorn and aiohttp, no half-close).
+        """The client shut down its sending side: answer what it sent, then close.
 
-        Its request in flight is dropped, so the replica (vLLM aborts a request whose
-        connection closes) stops generating an answer nobody will read.
+        A client that closed the whole connection looks the same until something is written
+        to it, so an HTTP/1.1 request still waiting for its answer gets an interim
+        ``100 Continue`` (HTTP/1.1 clients must accept it) and another shortly after: a gone
+        client answers the first with a reset and the second write fails, which drops its
+        request (vLLM aborts a request whose connection closes).
         """
         self.eof = True
-        self._wake()
-        if self.state is not _State.ANSWERING or self.task is None:
+        if self.current is None and not self.queue:
             self.close()
-        # The slow path may still be reading a request body: it sees ``eof`` and ends.
+        elif self.current is not None and self.current.http11 and not self.started:
+            self.write(_CONTINUE)
+            self.loop.call_later(0.2, self._probe, self.current)
         return True
 
+    def _probe(self, req: Request) -> None:
+        if self.current is req and not self.started:
+            self.write(_CONTINUE)
+
     def connection_lost(self, exc: Exception | None) -> None:
-        self.state = _State.CLOSED
+        self.closed = True
         self.front.clients.discard(self)
         self.waiting_since = None
-        if self.unary is not None:
-            self.unary.cancel()
-            self.unary = None
-        if self.task is not None:
-            self.task.cancel()
-        self._wake()
+        self._drop()
 
     def pause_writing(self) -> None:
         self.writing_paused = True
 
     def resume_writing(self) -> None:
         self.writing_paused = False
-        self._wake()
-        if self.state is _State.READING:
-            self._process()
+        if self.relay is not None:
+            self.relay.pause_reading(False)
+        self._process()
 
-    # -- requests ------------------------------------------------------------------------------
+    # -- answering, in order ------------------------------------------------------------------
 
     def _process(self) -> None:
-        """Start answering every complete request in the buffer, in order (no recursion: an
-        answer given synchronously comes back here through :meth:`_answered`)."""
-        if self._processing:
+        if self.processing:  # an answer given synchronously comes back here: no recursion
             return
-        self._processing = True
+        self.processing = True
         try:
-            while self.state is _State.READING and not self.writing_paused:
-                try:
-                    req = self._next_request()
-                except _HttpError as exc:
-                    self._reject(exc)
+            while self.current is None and self.queue and not self.closed:
+                if self.writing_paused:
                     return
-                if req is None:
-                    if self.eof:
-                        self.close()
+                item = self.queue.popleft()
+                if isinstance(item, Refused):
+                    self._refuse(item)
                     return
-                self.waiting_since = None
-                self.state = _State.ANSWERING
-                self.keep_alive = req.keep_alive
-                self._dispatch(req)
+                self.current, self.started, self.waiting_since = item, False, None
+                self._dispatch(item)
+            if self.current is None and self.eof:
+                self.close()
+            elif self.transport is not None and self.reading_paused != (
+                len(self.queue) > MAX_QUEUED
+            ):  # a client pipelining without reading is paused
+                self.reading_paused = not self.reading_paused
+                if self.reading_paused:
+                    self.transport.pause_reading()
+                else:
+                    self.transport.resume_reading()
         finally:
-            self._processing = False
+            self.processing = False
 
-    def _next_request(self) -> _Request | None:
-        """The next request whose body is here (or that the slow path reads itself)."""
-        if self.pending is None:
-            buf = self.buf
-            if buf[:2] == b"\r\n":  # RFC 9112 2.2: ignore empty lines before a request line
-                buf = self.buf = buf.lstrip(b"\r\n")
-            end = buf.find(b"\r\n\r\n")
-            if end < 0 or end > HEAD_LIMIT:
-                if len(buf) > HEAD_LIMIT:
-                    raise _HttpError(431, f"request head over {HEAD_LIMIT} bytes")
-                return None
-            front = self.front
-            req = parse_request_head(buf[:end], front.auth, front.config.max_body_bytes)
-            if req.chunked or req.expect:
-                self.buf = buf[end + 4 :]
-                return req  # the slow path reads the body
-            start, stop = end + 4, end + 4 + (req.length or 0)
-            if len(buf) >= stop:  # the usual case: head and body arrived together
-                req.body, self.buf = buf[start:stop], buf[stop:]
-                return req
-            self.buf = buf[start:]
-            self.pending = (req, req.length or 0)
-        req, length = self.pending
-        if len(self.buf) < length:
-            return None
-        self.pending = None
-        req.body, self.buf = self.buf[:length], self.buf[length:]
-        return req
-
-    def _dispatch(self, req: _Request) -> None:
-        if req.method == b"POST" and req.path in _GENERATE and req.body is not None:
+    def _dispatch(self, req: Request) -> None:
+        body, core = b"".join(req.body), self.front.core
+        if req.method == b"POST" and req.target.partition(b"?")[0] in _GENERATE:
             try:
-                parsed = _loads(req.body)
-            except ValueError:
-                parsed = None  # aiohttp's handler has the lenient fallback and the messages
-            if isinstance(parsed, dict) and parsed.get("stream") is not True:
-                core = self.front.core
-                lines = b"".join(
-                    [
-                        line + b"\r\n"
-                        for lower, _, line in req.headers
-                        if lower not in DROP_REQUEST_B
-                    ]
-                )
+                parsed = decode_object(body, self.front.config.max_body_bytes)
+            except BodyError as exc:
+                core.stats.reject(exc.status)
+                self._answer((exc.status, [], error_body(exc.status, str(exc))))
+                return
+            if parsed.get("stream") is not True:
+                lines = req.lines
+                lines.append(core.pool.header_lines)
                 try:
                     chains = request_chains(core, parsed)
                 except Exception:  # a router bug must not cost the request: route it unmatched
                     log.exception("no routing key for %r", req.target)
                     chains = []
                 self.unary = UnaryRequest(
-                    core,
-                    self.loop,
-                    req.target,
-                    req.body,
-                    chains,
-                    lines + core.pool.header_lines,
-                    self._on_unary_answer,
+                    core, self.loop, req.target, body, chains, b"".join(lines), self._answer
                 )
                 self.unary.start()
                 return
-        self.task = self.loop.create_task(self._slow(req))
+        lines = req.lines  # the application checks the API key too
+        if req.auth is not None:
+            lines.append(b"Authorization: %s\r\n" % req.auth)
+        self.relay = _Relay(self)
+        request = self.front.relay.request(req.method, req.target, b"".join(lines), body)
+        self.front.relay.send(self.relay, request, head_request=req.method == b"HEAD")
 
-    def _on_unary_answer(self, answer: Response) -> None:
+    def _answer(self, answer: Response, *, then_next: bool = True) -> None:
+        """Write a buffered answer (its per-hop headers dropped, framing added)."""
         self.unary = None
+        req = self.current
+        if req is None or self.closed:
+            return
         status, headers, body = answer
-        self._write_answer(status, headers, body, self.keep_alive)
-        self._answered()
+        out, typed = head_lines(status, headers, DROP_RESPONSE_B, b"content-type")
+        if not typed:
+            out.append(b"Content-Type: application/json\r\n")
+        out.append(b"Date: %s\r\nContent-Length: %d\r\n" % (self.front.http_date(), len(body)))
+        if not req.keep_alive:
+            out.append(b"Connection: close\r\n")
+        out += (b"\r\n", body)
+        self.write(b"".join(out))
+        if then_next:
+            self._answered()
 
     def _answered(self) -> None:
-        if self.state is not _State.ANSWERING:
-            return
-        if not self.keep_alive:
+        req, self.current = self.current, None
+        if req is not None and not req.keep_alive:
             self.close()
-            return
-        self.state = _State.READING
-        self.waiting_since = self.loop.time()
-        if self.reading_paused and self.transport is not None:
-            self.reading_paused = False
-            self.transport.resume_reading()
-        self._process()
+        elif req is not None:
+            self.waiting_since = self.loop.time()
+            self._process()
 
-    def _reject(self, exc: _HttpError) -> None:
-        """Answer an unreadable request and close, reading (and dropping) input for a moment:
-        closing with unread input makes the kernel send a reset, which can destroy the error
-        answer before the client reads it (a client still sending a large body or head)."""
+    def _refuse(self, exc: Refused) -> None:
+        """Answer a refused request and close, reading (and dropping) input for a moment:
+        closing with unread input makes the kernel send a reset, which can destroy the answer
+        before the client reads it (a client still sending a large body or head)."""
         self.front.core.stats.reject(exc.status)
-        self._write_answer(exc.status, [], error_body(exc.status, str(exc)), False)
-        self.state = _State.LINGERING
-        self.buf = b""
+        self.parser = None
+        self.queue.clear()
+        self.current = Request()
+        self.current.keep_alive = False
+        self._answer((exc.status, [], error_body(exc.status, str(exc))), then_next=False)
+        self.current = None
         transport = self.transport
-        if transport is None:
-            return
-        if transport.can_write_eof():
-            transport.write_eof()
-        if self.eof:
+        if self.eof or transport is None:
             self.close()
-        else:
+        elif not transport.is_closing():
+            if transport.can_write_eof():
+                transport.write_eof()
             self.loop.call_later(LINGER_S, self.close)
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
 
     def close(self) -> None:
         """Close gracefully (what was written is still sent); in-flight work is dropped."""
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
-        if self.unary is not None:
-            self.unary.cancel()
-            self.unary = None
-        if self.task is not None and self.task is not asyncio.current_task():
-            self.task.cancel()
+        self._drop()
 
-    def _pause_reading(self) -> None:
-        if not self.reading_paused and self.transport is not None:
-            self.reading_paused = True
-            self.transport.pause_reading()
+    def _drop(self) -> None:
+        unary, self.unary = self.unary, None
+        if unary is not None:
+            unary.cancel()
+        relay, self.relay = self.relay, None
+        if relay is not None:
+            relay.abort()
 
-    def _write_answer(
-        self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, keep: bool
-    ) -> None:
-        """Write a buffered answer; per-hop headers in ``headers`` are dropped, framing added."""
-        if self.transport is None or self.state is _State.CLOSED:
+
+class _Relay(Exchange):
+    """The aiohttp application's answer to one relayed request, written to the client as it
+    arrives: re-chunked when it is chunked (a stream), as it is when it has a length."""
+
+    __slots__ = ("chunked", "client")
+    streams = True
+
+    def __init__(self, client: _Client) -> None:
+        super().__init__()
+        self.client = client
+        self.chunked = False
+
+    def on_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        client, req = self.client, self.client.current
+        assert req is not None
+        out, sized = head_lines(status, headers, _RELAY_ANSWER_DROP, b"content-length")
+        if not (sized or req.method == b"HEAD" or status in (204, 304)):
+            self.chunked = req.http11
+            req.keep_alive = req.keep_alive and req.http11  # HTTP/1.0: delimited by the close
+            if self.chunked:
+                out.append(b"Transfer-Encoding: chunked\r\n")
+        if not req.keep_alive:
+            out.append(b"Connection: close\r\n")
+        out.append(b"\r\n")
+        client.started = True
+        client.write(b"".join(out))
+
+    def on_body(self, data: bytes) -> None:
+        client = self.client
+        client.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
+        if client.writing_paused:
+            self.pause_reading(True)
+
+    def on_response(self, response: Response) -> None:
+        self.client.relay = None
+        if self.chunked:
+            self.client.write(b"0\r\n\r\n")
+        self.client._answered()
+
+    def on_error(self, exc: OSError) -> None:
+        client = self.client
+        client.relay = None
+        if client.started:
+            client.close()  # the client has part of the answer: it sees it cut short
             return
-        parts = [_status_line(status)]
-        has_type = False
-        for k, v in headers:
-            lower = k.lower()
-            if lower in DROP_RESPONSE_B:
-                continue
-            if lower == b"content-type":
-                has_type = True
-            parts += (k, b": ", v, b"\r\n")
-        if not has_type:
-            parts.append(b"Content-Type: application/json\r\n")
-        parts.append(b"Date: %s\r\nContent-Length: %d\r\n" % (self.front.http_date(), len(body)))
-        if not keep:
-            parts.append(b"Connection: close\r\n")
-        parts += (b"\r\n", body)
-        self.transport.write(b"".join(parts))
-
-    # -- the slow path: a task that may wait for input and for the client to drain ---------------
-
-    def _wake(self) -> None:
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def _wait(self) -> None:
-        if self.state is _State.CLOSED:
-            raise ConnectionResetError("client connection closed")
-        self._waiter = self.loop.create_future()
-        await self._waiter
-
-    async def _read_until(self, sep: bytes, limit: int) -> bytes:
-        while True:
-            i = self.buf.find(sep)
-            if i >= 0:
-                line, self.buf = self.buf[: i + len(sep)], self.buf[i + len(sep) :]
-                return line
-            if len(self.buf) > limit:
-                raise _HttpError(400, "malformed chunked request body")
-            if self.eof:
-                raise _HttpError(400, "connection closed inside the request body")
-            await self._wait()
-
-    async def _read_exactly(self, n: int) -> bytes:
-        while len(self.buf) < n:
-            if self.eof:
-                raise _HttpError(400, "connection closed inside the request body")
-            await self._wait()
-        data, self.buf = self.buf[:n], self.buf[n:]
-        return data
-
-    async def _drain(self) -> None:
-        while self.writing_paused:
-            await self._wait()
-
-    def _write(self, data: bytes) -> None:
-        if self.transport is not None and self.state is not _State.CLOSED:
-            self.transport.write(data)
-
-    async def _slow(self, req: _Request) -> None:
-        try:
-            try:
-                if req.body is None:
-                    req.body = await self._read_body(req)
-                keep = await self._relay(req)
-            except _HttpError as exc:
-                self._reject(exc)
-                return
-            except (ConnectionError, asyncio.IncompleteReadError):
-                self.close()  # the client or the relay went away
-                return
-            except Exception:
-                log.exception("proxy failed on %s %r", req.method.decode(), req.target)
-                self._write_answer(500, [], error_body(500, "proxy error"), False)
-                self.close()
-                return
-            self.keep_alive = keep
-        except asyncio.CancelledError:
-            return  # the connection closed (client gone, sweeper, shutdown)
-        finally:
-            self.task = None
-        self._answered()
-
-    async def _read_body(self, req: _Request) -> bytes:
-        limit = self.front.config.max_body_bytes
-        if req.expect and (req.length or req.chunked):
-            self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        if not req.chunked:
-            return await self._read_exactly(req.length or 0)
-        parts = []
-        total = 0
-        while True:
-            size_line = await self._read_until(b"\r\n", 1024)
-            try:
-                size = int(size_line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise _HttpError(400, "malformed chunked request body") from None
-            if size == 0:
-                while (await self._read_until(b"\r\n", HEAD_LIMIT)) != b"\r\n":
-                    pass  # trailers
-                return b"".join(parts)
-            total += size
-            if total > limit:
-                raise _HttpError(413, f"request body too large: over {limit} bytes")
-            parts.append(await self._read_exactly(size))
-            if await self._read_exactly(2) != b"\r\n":
-                raise _HttpError(400, "malformed chunked request body")
-
-    # -- relay to the aiohttp application -----------------------------------------------------
-
-    async def _relay(self, req: _Request) -> bool:
-        """Forward ``req`` to the aiohttp application and its answer back; returns keep-alive."""
-        assert req.body is not None
-        front = self.front
-        head = [req.method + b" " + req.target + b" HTTP/1.1\r\n"]
-        head.extend(line + b"\r\n" for lower, _, line in req.headers if lower not in _REFRAME)
-        head.append(b"Content-Length: %d\r\n\r\n" % len(req.body))
-        request = b"".join(head) + req.body
-        conn = front.relay_idle.pop() if front.relay_idle else None
-        if conn is not None:
-            try:
-                return await self._exchange(req, request, *conn)
-            except _StaleConnection:
-                pass  # aiohttp closed the idle connection: once more on a fresh one
-        try:
-            conn = await asyncio.open_unix_connection(front.relay_path, limit=HEAD_LIMIT)
-        except OSError as exc:
-            log.error("relay to the proxy's application failed: %s", exc)
-            self._write_answer(502, [], error_body(502, "proxy internal relay failed"), False)
-            return False
-        try:
-            return await self._exchange(req, request, *conn)
-        except _StaleConnection:
-            self._write_answer(502, [], error_body(502, "proxy internal relay failed"), False)
-            return False
-
-    async def _exchange(
-        self, req: _Request, request: bytes, r: asyncio.StreamReader, w: asyncio.StreamWriter
-    ) -> bool:
-        reusable = False
-        try:
-            w.write(request)
-            try:
-                head = await r.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError as exc:
-                if not exc.partial:
-                    raise _StaleConnection from None
-                raise
-            status, _, length, chunked, keep_upstream = parse_head(head)
-            out = [  # the head as aiohttp wrote it, less what belongs to the relay hop
-                line + b"\r\n"
-                for line in head[:-4].split(b"\r\n")
-                if line.partition(b":")[0].strip().lower() not in (b"connection", b"keep-alive")
-            ]
-            no_body = req.method == b"HEAD" or status in (204, 304) or status < 200
-            keep = req.keep_alive and (no_body or chunked or length is not None)
-            if not keep:
-                out.append(b"Connection: close\r\n")
-            out.append(b"\r\n")
-            self._write(b"".join(out))
-            if no_body:
-                pass
-            elif chunked:
-                while True:
-                    size_line = await r.readuntil(b"\r\n")
-                    size = int(size_line.split(b";", 1)[0].strip(), 16)
-                    if size == 0:
-                        trailer = size_line
-                        while True:
-                            line = await r.readuntil(b"\r\n")
-                            trailer += line
-                            if line == b"\r\n":
-                                break
-                        self._write(trailer)
-                        break
-                    self._write(size_line + await r.readexactly(size + 2))
-                    await self._drain()
-            elif length is not None:
-                while length:
-                    chunk = await r.read(min(length, 1 << 16))
-                    if not chunk:
-                        raise asyncio.IncompleteReadError(b"", length)
-                    length -= len(chunk)
-                    self._write(chunk)
-                    await self._drain()
-            else:
-                while chunk := await r.read(1 << 16):
-                    self._write(chunk)
-                    await self._drain()
-                keep_upstream = False
-            reusable = keep_upstream
-            return keep
-        finally:
-            if reusable:
-                self.front.relay_idle.append((r, w))
-            else:
-                w.transport.abort()
-
-
-class _StaleConnection(Exception):
-    """The pooled relay connection was closed before it answered (nothing was processed)."""
-
-
-_STATUS_LINES: dict[int, bytes] = {}
-
-
-def _status_line(status: int) -> bytes:
-    line = _STATUS_LINES.get(status)
-    if line is None:
-        try:
-            phrase = HTTPStatus(status).phrase.encode()
-        except ValueError:
-            phrase = b"Unknown"
-        line = _STATUS_LINES[status] = b"HTTP/1.1 %d %s\r\n" % (status, phrase)
-    return line
+        log.error("relay to the proxy's application failed: %s", exc)
+        assert client.current is not None
+        client.current.keep_alive = False
+        client._answer((502, [], error_body(502, "proxy internal relay failed")))
 
 
 @asynccontextmanager
@@ -681,14 +412,11 @@ async def serve_proxy(config: ProxyConfig) -> AsyncIterator[str]:
     try:
         await web.UnixSite(runner, relay_path).start()
         front = Front(app, relay_path)
-        front.start()
         server = await asyncio.get_running_loop().create_server(
-            front.protocol, config.host, config.port, backlog=1024
+            partial(_Client, front), config.host, config.port, backlog=1024
         )
         host, port = server.sockets[0].getsockname()[:2]
-        if ":" in host:
-            host = f"[{host}]"
-        url = f"http://{host}:{port}"
+        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         log.info("proxy listening on %s", url)
         yield url
     finally:

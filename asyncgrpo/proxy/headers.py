@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from http import HTTPStatus
+
 __all__ = [
     "DROP_REQUEST",
     "DROP_REQUEST_B",
@@ -9,6 +12,7 @@ __all__ = [
     "DROP_RESPONSE_B",
     "REPLICA_HEADER",
     "REPLICA_HEADER_B",
+    "head_lines",
 ]
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the framing the next hop recomputes.
@@ -36,3 +40,28 @@ DROP_RESPONSE_B = frozenset(h.encode() for h in DROP_RESPONSE)
 #: Response header naming the replica that served a generation request (debugging, tests).
 REPLICA_HEADER = "X-Asyncgrpo-Replica"
 REPLICA_HEADER_B = REPLICA_HEADER.encode()
+
+
+def head_lines(
+    status: int, headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes], probe: bytes
+) -> tuple[list[bytes], bool]:
+    """An answer's status line and its headers not in ``drop`` (lower-case names), as a list the
+    caller completes with framing; and whether ``probe`` (a lower-case name) was among them."""
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        try:
+            phrase = HTTPStatus(status).phrase.encode()
+        except ValueError:
+            phrase = b"Unknown"
+        line = _STATUS_LINES[status] = b"HTTP/1.1 %d %s\r\n" % (status, phrase)
+    out = [line]
+    seen = False
+    for k, v in headers:
+        lower = k.lower()
+        if lower not in drop:
+            seen = seen or lower == probe
+            out += (k, b": ", v, b"\r\n")
+    return out, seen
+
+
+_STATUS_LINES: dict[int, bytes] = {}

@@ -299,6 +299,16 @@ class Router:
         self._rr += 1
         return choice
 
+    def pick(self, *, exclude: Iterable[str] = ()) -> str:
+        """A replica for a call that is not routed by prompt (``/tokenize``, a GET): round-robin
+        over those available; not counted in flight. Raises :class:`NoHealthyReplica`."""
+        excluded = set(exclude)
+        candidates = [r for r, ok in self._available.items() if ok and r not in excluded]
+        if not candidates:
+            raise NoHealthyReplica("no replica in rotation")
+        self._rr += 1
+        return candidates[self._rr % len(candidates)]
+
     def route(self, chains: Sequence[Sequence[int]], *, exclude: Iterable[str] = ()) -> Decision:
         """Choose a replica for a request whose prompts hash to ``chains``; counts it in flight.
 

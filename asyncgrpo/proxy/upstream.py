@@ -21,10 +21,11 @@ import aiohttp
 from yarl import URL
 
 from asyncgrpo.proxy.config import ProxyConfig
-from asyncgrpo.proxy.h1 import H1Pool
+from asyncgrpo.proxy.h1 import ConnectFailed, H1Pool
 from asyncgrpo.proxy.router import Router
+from asyncgrpo.vllm_client import SERVER_INFO_PATH, already_loaded, block_size_of
 
-__all__ = ["Circuit", "Deadline", "Upstream", "UpstreamPool"]
+__all__ = ["Circuit", "Deadline", "Upstream", "UpstreamPool", "failure_kind"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,24 @@ class Circuit(enum.Enum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
+
+
+def failure_kind(outcome: int | BaseException) -> tuple[str, bool] | None:
+    """The one table from an exchange's outcome (a status, or what it raised) to how it counts
+    against the replica: (failure kind, trips the circuit), or None for no failure.
+
+    A 5xx, a refused connect and a deadline trip the circuit. A dropped connection does not by
+    itself: it is also what a keep-alive race looks like, and a crashed replica is caught by
+    the next refused connect or health check. Every failure is worth a retry elsewhere while
+    the client has received nothing (a completion has no side effects).
+    """
+    if isinstance(outcome, int):
+        return (f"http_{outcome}", True) if outcome >= 500 else None
+    if isinstance(outcome, ConnectFailed | aiohttp.ClientConnectorError):
+        return "connect", True
+    if isinstance(outcome, TimeoutError):
+        return "deadline", True
+    return "disconnect", False
 
 
 class Deadline(Protocol):
@@ -164,6 +183,18 @@ class UpstreamPool:
         elif up.circuit is Circuit.CLOSED:
             up.consecutive_failures = 0
 
+    def on_outcome(self, up: Upstream, outcome: int | BaseException, detail: str = "") -> bool:
+        """Count ``outcome`` against ``up`` (:func:`failure_kind`); True if it was a failure."""
+        failure = failure_kind(outcome)
+        if failure is None:
+            self.on_success(up)
+            return False
+        kind, trip = failure
+        if not detail and isinstance(outcome, BaseException):
+            detail = f"{type(outcome).__name__}: {outcome}"
+        self.on_failure(up, kind, detail, trip=trip)
+        return True
+
     def on_failure(self, up: Upstream, kind: str, detail: str = "", *, trip: bool = True) -> None:
         """A refused connection, deadline or 5xx: out of rotation at once.
 
@@ -289,7 +320,7 @@ class UpstreamPool:
             # host's disk is needed to bring it up to date.
             for name, (endpoint, body) in list(self.adapters.items()):
                 status, data = await self.post(up, endpoint, body, timeout)
-                if status != 200 and not (status == 400 and b"already" in data):
+                if status != 200 and not already_loaded(status, data):
                     return f"load {name}: HTTP {status} {data[:200].decode(errors='replace')}"
             if self.paused_query is not None:
                 status, data = await self.post(up, "/pause" + self.paused_query, None, timeout)
@@ -304,15 +335,14 @@ class UpstreamPool:
         for up in list(self.upstreams.values()):
             try:
                 async with self.session.get(
-                    up.url + "/server_info",
-                    params={"config_format": "json"},
+                    up.url + SERVER_INFO_PATH,
                     headers=self.headers,
                     timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s),
                 ) as r:
                     if r.status != 200:
                         continue
                     info = await r.json(content_type=None)
-                size = _find_block_size(info)
+                size = block_size_of(info)
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
                 continue
             if size:
@@ -335,15 +365,3 @@ def _h1_pool(url: str, connect_timeout_s: float) -> H1Pool | None:
     if u.scheme != "http" or u.path not in ("", "/") or u.query_string or not u.raw_host:
         return None
     return H1Pool(u.raw_host, u.port or 80, connect_timeout_s=connect_timeout_s)
-
-
-def _find_block_size(info: Any) -> int | None:
-    if not isinstance(info, dict):
-        return None
-    cfg = info.get("vllm_config", info)
-    if isinstance(cfg, str):  # some versions return the config as a string
-        return None
-    cache = cfg.get("cache_config") if isinstance(cfg, dict) else None
-    if isinstance(cache, dict) and isinstance(cache.get("block_size"), int):
-        return cache["block_size"]
-    return None

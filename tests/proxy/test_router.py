@@ -197,6 +197,17 @@ def test_exclude_and_removed_replica() -> None:
     assert r.route(chains(prompt(5)), exclude=["r1"]).replica == "r0"
 
 
+def test_pick_rotates_over_available_replicas_without_counting_in_flight() -> None:
+    r = router("r0", "r1", "r2")
+    r.set_available("r2", False)
+    picks = [r.pick() for _ in range(4)]
+    assert sorted(set(picks)) == ["r0", "r1"] and picks[0] != picks[1]
+    assert r.pick(exclude=["r0"]) == "r1"
+    assert all(r.inflight(n) == 0 for n in ("r0", "r1", "r2"))
+    with pytest.raises(NoHealthyReplica):
+        r.pick(exclude=["r0", "r1"])
+
+
 def test_eviction_bound() -> None:
     r = router("r0", "r1", max_blocks=50)
     for i in range(200):

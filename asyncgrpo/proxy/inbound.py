@@ -1,0 +1,108 @@
+"""What the front accepts from a client, on top of llhttp's own strictness (pure: no I/O).
+
+llhttp (``httptools``) already refuses control characters in header values, invalid header
+names, obs-fold, bad or duplicate Content-Length, Content-Length with Transfer-Encoding, bad
+chunk sizes and extensions, bare LF line ends. A request it accepted is still refused here when
+its version is not HTTP/1.0 or 1.1 (505), it is a CONNECT (405), it has a transfer coding other
+than chunked (501; any in HTTP/1.0: 400), its body is over the limit (413), it has no Host
+(HTTP/1.1) or several (400), the wrong API key (401), an expectation other than 100-continue
+(417). Each refusal says what was wrong.
+"""
+
+from __future__ import annotations
+
+import httptools
+
+from asyncgrpo.proxy.auth import AUTH_MESSAGE, authorized
+from asyncgrpo.proxy.headers import DROP_REQUEST_B
+
+__all__ = ["HEAD_LIMIT", "Refused", "Request", "check_head", "refusal"]
+
+#: Longest request head (request line and headers).
+HEAD_LIMIT = 64 * 1024
+
+
+class Refused(Exception):
+    """The request is refused: answer ``status`` and close the connection."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Request:
+    """One request as llhttp hands it over: head, then body piece by piece."""
+
+    __slots__ = ("auth", "body", "expect", "headers", "hosts", "http11", "keep_alive", "length",
+                 "lines", "method", "size", "target", "te")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.method = self.target = b""
+        self.headers: list[tuple[bytes, bytes]] = []  # as llhttp accepted them
+        self.lines: list[bytes] = []  # "Name: value\r\n" of those a replica may see
+        self.hosts = self.size = 0
+        self.te: list[bytes] = []
+        self.auth: bytes | None = None
+        self.expect: bytes | None = None
+        self.length: int | None = None
+        self.http11 = self.keep_alive = True
+        self.body: list[bytes] = []
+
+    def scan_headers(self) -> None:
+        """Read what the rules need from the headers, and keep the forwardable ones as lines."""
+        lines = self.lines
+        for name, value in self.headers:
+            lower = name.lower()
+            if lower not in DROP_REQUEST_B:
+                lines.append(b"%s: %s\r\n" % (name, value))
+            elif lower == b"host":
+                self.hosts += 1
+            elif lower == b"content-length":
+                self.length = int(value)  # llhttp checked the digits, and that there is one
+            elif lower == b"transfer-encoding":
+                self.te.append(value)
+            elif lower == b"authorization":
+                self.auth = value
+            elif lower == b"expect":
+                self.expect = value.lower()
+
+
+def check_head(req: Request, version: str, max_body: int, auth: bytes | None) -> None:
+    """Raise :class:`Refused` if the front does not take a request with this head."""
+    req.scan_headers()
+    if version not in ("1.1", "1.0"):
+        raise Refused(505, f"HTTP/{version} is not supported: only HTTP/1.0 and 1.1")
+    req.http11 = version == "1.1"
+    if req.method == b"CONNECT":
+        raise Refused(405, "CONNECT is not supported: this is not a forward proxy")
+    if req.te:
+        if not req.http11:
+            raise Refused(400, "Transfer-Encoding in an HTTP/1.0 request")
+        if [c.strip().lower() for v in req.te for c in v.split(b",")] != [b"chunked"]:
+            te = b", ".join(req.te).decode("latin-1")
+            raise Refused(501, f"Transfer-Encoding {te!r} is not supported: only chunked")
+    if req.length is not None and req.length > max_body:
+        raise Refused(413, f"request body too large: {req.length} bytes > {max_body}")
+    if req.hosts > 1 or (req.http11 and not req.hosts):
+        raise Refused(400, "a request needs exactly one Host header (RFC 9112 3.2)")
+    if not authorized(auth, req.auth):
+        raise Refused(401, AUTH_MESSAGE)
+    if req.expect not in (None, b"100-continue"):
+        raise Refused(417, f"unsupported Expect {req.expect!r}: only 100-continue")
+
+
+def refusal(exc: httptools.HttpParserError, in_head: bool) -> Refused:
+    """llhttp's refusal (or ours, raised from a callback) as an answer saying what was wrong."""
+    if isinstance(exc.__context__, Refused):
+        return exc.__context__
+    reason = str(exc)
+    low = reason.lower()
+    if "content-length" in low and "transfer-encoding" in low:  # a request smuggling form
+        return Refused(400, f"both Content-Length and Transfer-Encoding ({reason})")
+    if "http version" in low:
+        return Refused(505, f"unsupported HTTP version ({reason}): only HTTP/1.0 and 1.1")
+    if not in_head:
+        return Refused(400, f"malformed request body: {reason}")
+    if "header" in low or "content-length" in low or "transfer-encoding" in low:
+        return Refused(400, f"malformed header: {reason}")
+    return Refused(400, f"malformed request line: {reason}")
