@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from asyncgrpo.errors import AsyncGRPOError
 
@@ -144,9 +145,26 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.func(args)
     except AsyncGRPOError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        exit_process(1)
     except KeyboardInterrupt:
-        sys.exit(130)
+        exit_process(130)
+    exit_process(0)
+
+
+def exit_process(code: int) -> NoReturn:
+    """Exit with ``code`` without interpreter teardown, once output and logs are flushed.
+
+    obstore's background runtime (the S3, GCS, Azure and HF-bucket transports) can abort the
+    process (SIGABRT) while Python finalizes, after all work is done: 5 of 20 runs of a plain
+    put/get script against a loopback S3 server here, 2 of 20 with obstore alone. A finished
+    run must not report a crash to whoever reads its exit status (a launcher, torchrun, CI).
+    Everything that must outlive the process is closed before this point (the run's exit
+    stack closes the metrics writer and the transport).
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
