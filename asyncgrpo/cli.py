@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.errors import AsyncGRPOError, ConfigError
+from asyncgrpo.settings import ConfigParser, exit_on_config_error
 
 T = TypeVar("T")
 
@@ -97,7 +98,7 @@ def _check_serving(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = ConfigParser(
         prog="asyncgrpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -114,7 +115,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ):
         p = sub.add_parser(name, help=text)
         p.add_argument("config", help="YAML config file")
-        p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+        p.add_argument(
+            "overrides",
+            nargs="*",
+            help="section.field=value overrides; ASYNCGRPO_SECTION__FIELD variables also override",
+        )
         p.set_defaults(func=func)
         if name == "train":
             p.add_argument("--remote-rollouts", action="store_true",
@@ -136,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     try:
         args.func(args)
+    except ConfigError as exc:  # a setting the user can fix: one line, like argparse's, status 2
+        exit_on_config_error(parser.prog, exc)
     except AsyncGRPOError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)

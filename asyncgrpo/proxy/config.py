@@ -33,14 +33,15 @@ class ProxyConfig:
     api_key: str | None = field(
         default=None,
         repr=False,
-        metadata={"help": "Bearer token clients must send. Never logged."},
+        metadata={"help": "Bearer token clients must send. Never logged.", "secret": True},
     )
     upstream_api_key: str | None = field(
         default=None,
         repr=False,
         metadata={
             "help": "Bearer token sent to every upstream (e.g. HF_TOKEN for a Hugging Face Job's "
-            "exposed port, or vLLM's --api-key). Never logged."
+            "exposed port, or vLLM's --api-key). Never logged.",
+            "secret": True,
         },
     )
     lora_roots: tuple[str, ...] = field(
