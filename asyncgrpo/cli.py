@@ -62,9 +62,9 @@ def _load(args: argparse.Namespace):
 
 
 def _train(args: argparse.Namespace) -> None:
+    cfg = _load(args)  # first: a bad setting fails before the heavy imports
     from asyncgrpo.run import run_training
 
-    cfg = _load(args)
     source = "channel" if args.remote_rollouts else "local"
     result = _run(lambda: run_training(cfg, rollout_source=source))
     if result.rank == 0:  # under torchrun, rank 0 speaks for the job
@@ -73,9 +73,10 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _rollout(args: argparse.Namespace) -> None:
+    cfg = _load(args)
     from asyncgrpo.run import run_rollouts
 
-    shipped = _run(run_rollouts, _load(args))
+    shipped = _run(run_rollouts, cfg)
     print(f"shipped {shipped} samples")
 
 
