@@ -49,7 +49,7 @@ BAD_VALUES = [
     (TRAIN, ["rollout.reward_weights=[a]"], "rollout.reward_weights"),  # list
     (TRAIN, ["serve.kv_cache_gib=1.5"], "serve.kv_cache_gib"),
     (TRAIN, ["serve.lora_rank=8"], "serve.lora_rank"),  # set from lora.r
-    (TRAIN[:4] + ["/nonexistent/run.yaml"], [], "/nonexistent/run.yaml"),  # path
+    ([*TRAIN[:4], "/nonexistent/run.yaml"], [], "/nonexistent/run.yaml"),  # path
     (ROLLOUT, ["generation.num_generations=many"], "generation.num_generations"),
 ]
 
