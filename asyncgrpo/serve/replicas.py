@@ -95,6 +95,8 @@ class Replica:
 
 #: vLLM prefixes each line of a child process with ``(EngineCore_DP0 pid=123)``.
 _PROCESS_TAG = re.compile(r"^\((?P<tag>[^()]*?pid=\d+)\)\s*")
+#: A log record below ERROR (a warning may mention an error it merely guards against).
+_QUIET = re.compile(r"(?:DEBUG|INFO|WARNING) \d\d-\d\d ")
 _ERROR = re.compile(r"(?<![\w.])(?:[A-Za-z_][\w.]*)?(?:Error|Exception): \S.*")
 
 
@@ -103,17 +105,19 @@ def root_causes(log: str) -> list[str]:
 
     A replica is several processes (API server, engine core, workers) writing one log; the API
     server's own last words are only "Engine core initialization failed. See root cause above",
-    so the cause is the first error each process printed, not the tail.
+    so the cause is the first error each process printed, not the tail. A message already
+    quoted (a re-raise in another process) is not repeated.
     """
     first: dict[str, str] = {}
     for line in log.splitlines():
         tag = _PROCESS_TAG.match(line)
         process = tag["tag"] if tag else ""
-        if process in first:
+        start = tag.end() if tag else 0
+        if process in first or _QUIET.match(line, start):
             continue
-        if error := _ERROR.search(line, tag.end() if tag else 0):
-            first[process] = f"({process}) {error[0]}" if process else error[0]
-    return list(first.values())
+        if (error := _ERROR.search(line, start)) and error[0] not in first.values():
+            first[process] = error[0]
+    return [f"({p}) {e}" if p else e for p, e in first.items()]
 
 
 def _process_tree(pid: int) -> list[int]:
