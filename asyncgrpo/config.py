@@ -7,7 +7,7 @@ field is keyword-only with ``metadata["help"]``; every section validates itself 
 ``__post_init__`` and raises ``ConfigError`` naming the field and the fix, and
 ``TrainingConfig`` adds the cross-section checks.
 
-Loading, like nanoGPT's configurator: a YAML file, then ``section.field=value`` overrides from the
+Loading: a YAML file, then ``section.field=value`` overrides from the
 command line, each parsed and type-checked against the field's annotation; an unknown key is
 fatal and the error lists the valid ones::
 
