@@ -32,7 +32,14 @@ from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.rollout.config import DatasetConfig, GenerationConfig, RolloutConfig
 from asyncgrpo.serve.config import ServeConfig
-from asyncgrpo.settings import apply_overrides, config_from_dict, env_overrides, read_yaml, to_dict
+from asyncgrpo.settings import (
+    apply_overrides,
+    check_fields,
+    config_from_dict,
+    env_overrides,
+    read_yaml,
+    to_dict,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +80,8 @@ class LoraConfig:
     )
 
     def __post_init__(self) -> None:
-        if not 1 <= self.r <= 512:
-            raise ConfigError(f"lora.r={self.r}: use 1..512 (vLLM's largest --max-lora-rank)")
-        if not self.alpha > 0:
-            raise ConfigError(f"lora.alpha={self.alpha}: must be > 0; e.g. 2 * r")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"lora.dropout={self.dropout}: must be in [0, 1); use 0.0")
+        check_fields(self, "lora", ge={"r": 1, "dropout": 0}, le={"r": 512}, gt={"alpha": 0},
+                     lt={"dropout": 1})  # fmt: skip
         if isinstance(self.target_modules, list) and not self.target_modules:
             raise ConfigError("lora.target_modules is empty: use 'all-linear' or list module names")
 
@@ -178,64 +181,21 @@ class TrainerConfig:
     )
 
     def __post_init__(self) -> None:
-        if not self.learning_rate > 0:
-            raise ConfigError(f"trainer.learning_rate={self.learning_rate}: must be > 0; e.g. 4e-5")
-        if self.lr_schedule not in ("constant", "linear", "cosine"):
-            raise ConfigError(
-                f"trainer.lr_schedule={self.lr_schedule!r}: use 'constant', 'linear' or 'cosine'"
-            )
-        if self.warmup_steps < 0:
-            raise ConfigError(f"trainer.warmup_steps={self.warmup_steps}: set it to 0 or more")
-        if self.weight_decay < 0:
-            raise ConfigError(f"trainer.weight_decay={self.weight_decay}: must be >= 0")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ConfigError(
-                f"trainer.max_grad_norm={self.max_grad_norm}: must be > 0, or None to disable"
-            )
-        if not self.epsilon > 0:
-            raise ConfigError(f"trainer.epsilon={self.epsilon}: must be > 0; e.g. 0.2")
-        if self.epsilon_high is not None and not self.epsilon_high > 0:
-            raise ConfigError(
-                f"trainer.epsilon_high={self.epsilon_high}: must be > 0, or None for epsilon"
-            )
+        check_fields(
+            self, "trainer",
+            gt=dict.fromkeys(
+                ("learning_rate", "max_grad_norm", "epsilon", "epsilon_high", "dp_timeout_s"), 0
+            ),
+            ge={"warmup_steps": 0, "weight_decay": 0, "samples_per_step": 1, "token_budget": 1,
+                "gradient_accumulation_steps": 1, "max_steps": 1, "max_staleness": 0,
+                "weight_sync_steps": 1, "save_steps": 0},
+        )  # fmt: skip
         if self.tis_cap is not None and not self.tis_cap > 1 + self.clip_high:
             raise ConfigError(
                 f"trainer.tis_cap={self.tis_cap}: must exceed 1 + epsilon_high = "
                 f"{1 + self.clip_high:g} (below it the cap would cut the clipped region); "
                 "e.g. 3.0, or None to disable"
             )
-        if self.samples_per_step < 1:
-            raise ConfigError(f"trainer.samples_per_step={self.samples_per_step}: set it to 1+")
-        if self.token_budget is not None and self.token_budget < 1:
-            raise ConfigError(
-                f"trainer.token_budget={self.token_budget}: set it to 1 or more (e.g. the "
-                "replicas' max_model_len), or None to split by gradient_accumulation_steps"
-            )
-        if self.gradient_accumulation_steps < 1:
-            raise ConfigError(
-                f"trainer.gradient_accumulation_steps={self.gradient_accumulation_steps}: "
-                "set it to 1 or more"
-            )
-        if not self.dp_timeout_s > 0:
-            raise ConfigError(
-                f"trainer.dp_timeout_s={self.dp_timeout_s}: must be > 0 seconds; e.g. 1800"
-            )
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(
-                f"trainer.dtype={self.dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'"
-            )
-        if self.max_steps < 1:
-            raise ConfigError(f"trainer.max_steps={self.max_steps}: set it to 1 or more")
-        if self.max_staleness < 0:
-            raise ConfigError(
-                f"trainer.max_staleness={self.max_staleness}: set it to 0 (on-policy) or more"
-            )
-        if self.weight_sync_steps < 1:
-            raise ConfigError(
-                f"trainer.weight_sync_steps={self.weight_sync_steps}: set it to 1 or more"
-            )
-        if self.save_steps < 0:
-            raise ConfigError(f"trainer.save_steps={self.save_steps}: set it to 0 (off) or more")
 
     @property
     def clip_high(self) -> float:
@@ -260,8 +220,7 @@ class LoggingConfig:
     level: str = field(default="INFO", metadata={"help": "Python logging level of the CLI."})
 
     def __post_init__(self) -> None:
-        if self.log_every < 1:
-            raise ConfigError(f"logging.log_every={self.log_every}: set it to 1 or more")
+        check_fields(self, "logging", ge={"log_every": 1})
         if self.level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ConfigError(
                 f"logging.level={self.level!r}: use DEBUG, INFO, WARNING, ERROR or CRITICAL"

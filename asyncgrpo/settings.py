@@ -36,6 +36,8 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
+import operator
 import os
 import sys
 import types
@@ -49,18 +51,6 @@ import yaml
 from asyncgrpo.errors import ConfigError
 
 T = TypeVar("T")
-
-__all__ = [
-    "ConfigParser",
-    "apply_overrides",
-    "config_from_dict",
-    "env_overrides",
-    "parse_args",
-    "parse_text",
-    "read_yaml",
-    "to_dict",
-]
-
 
 # ---------------------------------------------------------------------------------------------
 # Mapping -> dataclass, with type checks
@@ -87,6 +77,7 @@ def _fields(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls) if f.init}
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -182,11 +173,6 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         item = args[0] if args else Any
         items = [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}={value!r}: expected a mapping")
-        vt = args[1] if len(args) == 2 else Any
-        return {k: _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
     expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     if tp in expected:
         ok = isinstance(value, tp) and (tp is bool or not isinstance(value, bool))
@@ -198,6 +184,34 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if isinstance(tp, type) and isinstance(value, tp):
         return value
     raise ConfigError(f"{where}={value!r}: expected {_type_name(tp)}")
+
+
+_OPS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le),
+        "lt": ("<", operator.lt)}  # fmt: skip
+
+
+def check_fields(obj: Any, section: str, **bounds: dict[str, float]) -> None:
+    """Check ``obj``'s ``Literal`` fields against their choices, and numbers against ``bounds``.
+
+    ``check_fields(self, "trainer", ge={"max_steps": 1}, gt={"learning_rate": 0})``; ``None``
+    (an optional field left unset) passes, and the error then says None is allowed. Called
+    from each config's ``__post_init__``, so direct construction is checked like loading.
+    """
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        choices = typing.get_args(hints[f.name])
+        if typing.get_origin(hints[f.name]) is Literal and getattr(obj, f.name) not in choices:
+            raise ConfigError(
+                f"{section}.{f.name}={getattr(obj, f.name)!r}: use one of "
+                + ", ".join(map(repr, choices))
+            )
+    for op, fields in bounds.items():
+        sign, holds = _OPS[op]
+        for name, bound in fields.items():
+            value = getattr(obj, name)
+            if value is not None and not holds(value, bound):
+                unset = ", or None" if type(None) in typing.get_args(hints[name]) else ""
+                raise ConfigError(f"{section}.{name}={value!r}: must be {sign} {bound:g}{unset}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,7 +236,10 @@ def parse_text(text: str, tp: Any, where: str) -> Any:
         arms = [a for a in args if a is not type(None)]
         if len(arms) == 1:
             return parse_text(text, arms[0], where)
-        return _yaml_value(text)  # several arms (str | list[str]): YAML decides the shape
+        try:  # several arms (str | list[str]): YAML decides the shape
+            return yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
     if tp is bool:
         low = text.strip().lower()
         if low in _TRUE | _FALSE:
@@ -245,13 +262,6 @@ def parse_text(text: str, tp: Any, where: str) -> Any:
     if origin in (list, tuple) and isinstance(value, str):
         value = [v.strip() for v in value.split(",") if v.strip()]
     return value
-
-
-def _yaml_value(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
 
 
 def _one_line(exc: BaseException | str) -> str:

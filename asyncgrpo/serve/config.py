@@ -11,6 +11,7 @@ from typing import Literal
 
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.serve.adapter_fetch import CACHE_DIR_ENV, TRANSPORTS_ENV
+from asyncgrpo.settings import check_fields
 
 #: The ``vllm.endpoint_plugins`` entry point name of :mod:`asyncgrpo.serve.vllm_plugin`.
 PLUGIN_NAME = "asyncgrpo"
@@ -165,12 +166,11 @@ class ServeConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.replicas < 0:
-            raise ConfigError(f"serve.replicas={self.replicas}: set it to 0 or more")
-        if self.max_staleness < 0:
-            raise ConfigError(f"serve.max_staleness={self.max_staleness}: set it to 0 or more")
-        if not 0 <= self.nice <= 19:
-            raise ConfigError(f"serve.nice={self.nice}: use 0..19 (higher: lower priority)")
+        check_fields(
+            self, "serve", ge={"replicas": 0, "max_staleness": 0, "nice": 0, "port": 1,
+            "max_model_len": 1, "kv_cache_gib": 1}, le={"nice": 19, "port": 65535},
+            gt={"startup_timeout_s": 0, "gpu_memory_utilization": 0},
+        )  # fmt: skip
         if self.max_loras is not None and self.max_loras < self.max_staleness + 2:
             raise ConfigError(
                 f"serve.max_loras={self.max_loras} < max_staleness + 2 = {self.max_staleness + 2}: "
@@ -182,8 +182,6 @@ class ServeConfig:
                 f"serve.host={self.host!r} is not loopback: set serve.api_key (CLI: export "
                 "ASYNCGRPO_SERVE_API_KEY) so the replicas refuse unauthenticated requests"
             )
-        if self.port is not None and not 0 < self.port < 65536:
-            raise ConfigError(f"serve.port={self.port}: use 1..65535, or None for free ports")
         round_lora_rank(self.lora_rank)
         self.transports = tuple(self.transports)
         for url in self.transports:
@@ -191,14 +189,6 @@ class ServeConfig:
                 raise ConfigError(
                     f"serve.transports: {url!r} must be a transport URL or path without ','"
                 )
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(f"serve.max_model_len={self.max_model_len}: set it to 1 or more")
-        if self.kv_cache_gib is not None and self.kv_cache_gib < 1:
-            raise ConfigError(
-                f"serve.kv_cache_gib={self.kv_cache_gib}: vLLM takes whole GiB, 1 or more"
-            )
-        if self.startup_timeout_s <= 0:
-            raise ConfigError(f"serve.startup_timeout_s={self.startup_timeout_s}: must be > 0")
 
     def delivery(self, *, remote_replicas: bool) -> Literal["path", "fetch"]:
         """The delivery a run uses (``auto`` resolved by whether it has remote replicas)."""
