@@ -24,11 +24,11 @@ CLI demands though the dataclass has a default); ``cli: False`` (a setting of an
 only, no flag); ``derived`` (the field is set from another part of
 an enclosing config, named there; the enclosing section may not set it itself).
 
-Why home-grown: pydantic-settings, tyro, simple-parsing and jsonargparse each add dependencies
-to the light core (pydantic-core; rich and typeguard; docstring-parser; jsonargparse's own
-large tree) that the proxy and the transports must install without torch, and none of them
-prints a bad value as one line naming the fix. Parsing plain dataclasses with ``argparse`` and
-``pyyaml`` keeps the core at aiohttp, anyio, aiofiles and pyyaml.
+Ranges and choices: each config's ``__post_init__`` calls ``check_fields(self, section,
+ge=..., gt=..., le=..., lt=...)`` once, so a field is validated the same way however it was set.
+
+Why home-grown rather than pydantic-settings, tyro, simple-parsing or jsonargparse: see
+``docs/config.md`` (in short, the light core stays aiohttp, anyio, aiofiles and pyyaml).
 """
 
 from __future__ import annotations

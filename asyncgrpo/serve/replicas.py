@@ -105,18 +105,24 @@ def root_causes(log: str) -> list[str]:
 
     A replica is several processes (API server, engine core, workers) writing one log; the API
     server's own last words are only "Engine core initialization failed. See root cause above",
-    so the cause is the first error each process printed, not the tail. A message already
-    quoted (a re-raise in another process) is not repeated.
+    so the cause is the first error each process printed, not the tail. Indented lines right
+    after it (a multi-line message, e.g. pydantic's) are joined to it; a message already quoted
+    (a re-raise in another process) is not repeated.
     """
     first: dict[str, str] = {}
+    following = None  # the process whose error line came last, while its message continues
     for line in log.splitlines():
         tag = _PROCESS_TAG.match(line)
         process = tag["tag"] if tag else ""
-        start = tag.end() if tag else 0
-        if process in first or _QUIET.match(line, start):
+        rest = line[tag.end() :] if tag else line
+        if process == following and rest[:1].isspace() and rest.strip():
+            first[process] += " " + rest.strip()
             continue
-        if (error := _ERROR.search(line, start)) and error[0] not in first.values():
-            first[process] = error[0]
+        following = None
+        if process in first or _QUIET.match(rest):
+            continue
+        if (error := _ERROR.search(rest)) and error[0] not in first.values():
+            first[process], following = error[0], process
     return [f"({p}) {e}" if p else e for p, e in first.items()]
 
 

@@ -31,3 +31,17 @@ def test_first_error_of_each_process_and_no_warnings() -> None:
         "proc(s): {}",
     ]
     assert root_causes("INFO all fine\n") == []
+
+
+def test_a_multi_line_message_is_joined() -> None:
+    log = (
+        '  File "x.py", line 1, in <module>\n'
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+        "  Value error, The checkpoint has model type `not-a-model`\n"
+        "\n"
+        "You can update Transformers\n"
+    )
+    assert root_causes(log) == [
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig "
+        "Value error, The checkpoint has model type `not-a-model`"
+    ]
