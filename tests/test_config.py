@@ -75,7 +75,7 @@ def test_round_trip_to_dict():
         ("trainer.max_staleness=-1", "trainer.max_staleness=-1"),
         ("trainer.weight_sync_steps=0", "trainer.weight_sync_steps=0"),
         ("trainer.tis_cap=1.1", "must exceed 1 + epsilon_high"),
-        ("trainer.dp_timeout_s=0", "trainer.dp_timeout_s=0.0: must be > 0 seconds"),
+        ("trainer.dp_timeout_s=0", "trainer.dp_timeout_s=0.0: must be > 0"),
         ("lora.r=0", "lora.r=0"),
         ("lora.dropout=1", "lora.dropout"),
         ("run_name=a/b", "run_name='a/b'"),
