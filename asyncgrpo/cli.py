@@ -22,7 +22,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.errors import AsyncGRPOError, ConfigError
+from asyncgrpo.settings import ConfigParser, exit_on_config_error
 
 T = TypeVar("T")
 
@@ -64,9 +65,9 @@ def _load(args: argparse.Namespace):
 
 
 def _train(args: argparse.Namespace) -> None:
+    cfg = _load(args)  # first: a bad setting fails before the heavy imports
     from asyncgrpo.run import run_training
 
-    cfg = _load(args)
     source = "channel" if args.remote_rollouts else "local"
     result = _run(lambda: run_training(cfg, rollout_source=source))
     if result.rank == 0:  # under torchrun, rank 0 speaks for the job
@@ -75,9 +76,10 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _rollout(args: argparse.Namespace) -> None:
+    cfg = _load(args)
     from asyncgrpo.run import run_rollouts
 
-    shipped = _run(run_rollouts, _load(args))
+    shipped = _run(run_rollouts, cfg)
     print(f"shipped {shipped} samples")
 
 
@@ -100,7 +102,7 @@ def _check_serving(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = ConfigParser(
         prog="asyncgrpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -117,7 +119,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ):
         p = sub.add_parser(name, help=text)
         p.add_argument("config", help="YAML config file")
-        p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+        p.add_argument(
+            "overrides",
+            nargs="*",
+            help="section.field=value overrides; ASYNCGRPO_SECTION__FIELD variables also override",
+        )
         p.set_defaults(func=func)
         if name == "train":
             p.add_argument("--remote-rollouts", action="store_true",
@@ -143,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     try:
         args.func(args)
+    except ConfigError as exc:  # a setting the user can fix: one line, like argparse's, status 2
+        exit_on_config_error(parser.prog, exc)
     except AsyncGRPOError as exc:
         print(f"error: {exc}", file=sys.stderr)
         exit_process(1)

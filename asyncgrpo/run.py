@@ -4,8 +4,8 @@ Read top to bottom, it is the whole run:
 
 1. open the transport; the run id lives there (``run.json``), so a restarted run keeps its
    adapter names and continues their numbering instead of colliding with an old ``-v1``;
-2. start local vLLM replicas (or take ``serve.urls``) and the proxy in front of them; refuse to
-   start if ``/server_info`` shows LoRA off, a rank or slot count too small, or (when replicas
+2. start local vLLM replicas (or take ``proxy.upstreams``) and the proxy in front of them; refuse
+   to start if ``/server_info`` shows LoRA off, a rank or slot count too small, or (when replicas
    fetch adapters themselves: ``serve.adapter_delivery``) a replica lacks asyncgrpo's vLLM
    plugin or may not fetch from this run's transport;
 3. build the trainer; resume from the latest checkpoint if there is one;
@@ -52,7 +52,7 @@ from asyncgrpo.rollout.client import RolloutClient
 from asyncgrpo.rollout.dataset import PromptDataset, load_tokenizer
 from asyncgrpo.rollout.window import AdmissionWindow
 from asyncgrpo.sample import Sample
-from asyncgrpo.serve import ServeConfig, launch_replicas
+from asyncgrpo.serve import launch_replicas
 from asyncgrpo.sync import (
     AdapterLoader,
     AdapterSource,
@@ -113,27 +113,21 @@ def _transport_url(cfg: TrainingConfig) -> str:
 
 @asynccontextmanager
 async def _endpoint(cfg: TrainingConfig, cache_dir: Path, transport_url: str) -> AsyncIterator[str]:
-    """Local replicas (if any) plus ``serve.urls``, behind an in-process proxy; yields its URL.
+    """Local replicas (if any) plus ``proxy.upstreams``, behind an in-process proxy; yields its URL.
 
     Local replicas may fetch adapters from the run's transport themselves, like remote ones; the
     proxy accepts load paths only under ``cache_dir``, where the trainer fetches versions for
     replicas that share its disk.
     """
     async with AsyncExitStack() as stack:
-        urls = list(cfg.serve.urls)
+        urls = list(cfg.proxy.upstreams)
         if cfg.serve.replicas:
-            serve = ServeConfig(
-                model=cfg.model,
-                replicas=cfg.serve.replicas,
-                lora_rank=cfg.lora.r,
-                max_staleness=cfg.trainer.max_staleness,
-                dtype=cfg.serve.dtype,
-                max_model_len=cfg.serve.max_model_len,
-                kv_cache_gib=cfg.serve.kv_cache_gib,
-                nice=cfg.serve.nice,
-                log_dir=str(cfg.run_dir / "replica-logs"),
+            serve = dataclasses.replace(
+                cfg.serve,
+                log_dir=cfg.serve.log_dir or str(cfg.run_dir / "replica-logs"),
                 transports=(transport_url,),
-                adapter_cache_dir=str(cfg.run_dir / "replica-adapters"),
+                adapter_cache_dir=cfg.serve.adapter_cache_dir
+                or str(cfg.run_dir / "replica-adapters"),
             )
             replicas = await stack.enter_async_context(launch_replicas(serve))
             urls = [r.url for r in replicas] + urls
@@ -190,7 +184,7 @@ async def run_training(
         check_lora_capacity(
             await client.server_info(), lora_rank=cfg.lora.r, max_staleness=tcfg.max_staleness
         )
-        fetching = cfg.serve.delivery() == "fetch"
+        fetching = cfg.serve.delivery(remote_replicas=bool(cfg.proxy.upstreams)) == "fetch"
         adapter_source: AdapterSource
         if fetching:  # replicas fetch each version themselves: nothing of this disk is needed
             check_adapter_fetching(await client.adapter_plugin_info(), transport.url)
@@ -459,7 +453,7 @@ async def run_rollouts(cfg: TrainingConfig, *, poll_interval_s: float = 0.5) -> 
     """A rollout process for a split run: generate under the trainer's current policy and ship
     scored samples through the transport until the trainer writes ``done.json``.
 
-    Uses ``serve.urls`` (or local replicas) behind its own in-process proxy. Returns the number
+    Uses ``proxy.upstreams`` (or local replicas) behind its own in-process proxy. Returns the number
     of samples shipped.
     """
     transport = open_transport(_transport_url(cfg))

@@ -7,15 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.config import (
-    LoggingConfig,
-    LoraConfig,
-    ServingConfig,
-    TrainerConfig,
-    TrainingConfig,
-    config_from_dict,
-)
+from asyncgrpo.config import LoggingConfig, LoraConfig, TrainerConfig, TrainingConfig
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.settings import config_from_dict
 
 BASE = {"model": "some/model", "dataset": {"prompts": ["hi", "there"]}}
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
@@ -41,7 +35,7 @@ def test_from_yaml_with_typed_overrides(tmp_path):
             "trainer.gradient_checkpointing=true",
             "lora.target_modules=[q_proj, v_proj]",
             "generation.stop=</s>,<|im_end|>",
-            "serve.urls=[http://10.0.0.1:8000]",
+            "serve.kv_cache_gib=3",
             "proxy.upstreams=[http://10.0.0.1:8000]",
             "seed=3",
         ],
@@ -53,7 +47,9 @@ def test_from_yaml_with_typed_overrides(tmp_path):
     assert cfg.lora.r == 2
     assert cfg.lora.target_modules == ["q_proj", "v_proj"]
     assert cfg.generation.stop == ["</s>", "<|im_end|>"]
-    assert cfg.serve.urls == ["http://10.0.0.1:8000"]
+    assert cfg.serve.kv_cache_gib == 3
+    # The replicas' model, rank and slots come from the trainer's settings.
+    assert (cfg.serve.model, cfg.serve.lora_rank, cfg.serve.max_staleness) == ("m", 2, 4)
     assert cfg.proxy.upstreams == ("http://10.0.0.1:8000",)
     assert cfg.seed == 3
     assert cfg.dataset.path == "data.jsonl"
@@ -79,12 +75,17 @@ def test_round_trip_to_dict():
         ("trainer.max_staleness=-1", "trainer.max_staleness=-1"),
         ("trainer.weight_sync_steps=0", "trainer.weight_sync_steps=0"),
         ("trainer.tis_cap=1.1", "must exceed 1 + epsilon_high"),
-        ("trainer.dp_timeout_s=0", "trainer.dp_timeout_s=0.0: must be > 0 seconds"),
+        ("trainer.dp_timeout_s=0", "trainer.dp_timeout_s=0.0: must be > 0"),
         ("lora.r=0", "lora.r=0"),
         ("lora.dropout=1", "lora.dropout"),
         ("run_name=a/b", "run_name='a/b'"),
-        ("serve.urls=[localhost:8000]", "not an http(s) URL"),
-        ("serve.nice=20", "serve.nice=20: use 0..19"),
+        ("proxy.upstreams=[localhost:8000]", "not an http(s) URL"),
+        ("serve.kv_cache_gib=1.5", "serve.kv_cache_gib='1.5': expected an integer"),
+        ("serve.kv_cache_gib=0", "serve.kv_cache_gib=0: must be >= 1, or None"),
+        ("serve.lora_rank=8", "serve.lora_rank is set from lora.r"),
+        ("serve.replicas=0", "proxy.upstreams is empty"),
+        ("serve.dtype=half", "use one of 'auto'"),
+        ("serve.nice=20", "serve.nice=20: must be <= 19"),
         ("rollout.max_inflight=4", "raise max_inflight to at least num_generations"),
         ("trainer.max_steps", "write it as section.field=value"),
         ("trainer.max_steps.x=1", "has no fields"),
@@ -103,6 +104,10 @@ def test_yaml_type_errors_and_missing_keys(tmp_path):
         _cfg(lora={"target_modules": 3})
     with pytest.raises(ConfigError, match=r"unknown key 'serve.replica'"):
         _cfg(serve={"replica": 2})
+    with pytest.raises(ConfigError, match=r"serve.kv_cache_gib=1.5: expected an integer"):
+        _cfg(serve={"kv_cache_gib": 1.5})  # refused at load, not when the replicas launch
+    with pytest.raises(ConfigError, match=r"serve.model is set from model"):
+        _cfg(serve={"model": "other"})
     with pytest.raises(ConfigError, match=r"missing required key.*model"):
         TrainingConfig.from_dict({"dataset": {"prompts": ["x"]}})
     with pytest.raises(ConfigError, match="trainer: expected a mapping"):
@@ -116,8 +121,7 @@ def test_yaml_type_errors_and_missing_keys(tmp_path):
 
 
 def test_sections_validate_on_their_own():
-    with pytest.raises(ConfigError, match="serve: no replicas"):
-        ServingConfig(replicas=0)
+    assert _cfg("serve.replicas=0", "proxy.upstreams=[http://a:1]").serve.replicas == 0
     with pytest.raises(ConfigError, match=r"logging\.log_every"):
         LoggingConfig(log_every=0)
     assert TrainerConfig(epsilon=0.2).clip_high == 0.2
@@ -152,3 +156,14 @@ def test_example_config_loads():
     assert cfg.serve.replicas == 2
     assert cfg.trainer.dtype == "float32"
     assert cfg.run_dir == Path("runs") / "tiny-cpu"
+
+
+def test_environment_overrides_between_file_and_arguments(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: m\ndataset: {path: d.jsonl}\ntrainer: {max_steps: 5}\n")
+    env = {"ASYNCGRPO_TRAINER__MAX_STEPS": "7", "ASYNCGRPO_PROXY__API_KEY": "k"}
+    cfg = TrainingConfig.from_yaml(path, environ=env)
+    assert (cfg.trainer.max_steps, cfg.proxy.api_key) == (7, "k")
+    assert TrainingConfig.from_yaml(path, ["trainer.max_steps=9"], env).trainer.max_steps == 9
+    with pytest.raises(ConfigError, match="ASYNCGRPO_TRAINER__MAX_STEPS='x': expected an integer"):
+        TrainingConfig.from_yaml(path, environ={"ASYNCGRPO_TRAINER__MAX_STEPS": "x"})

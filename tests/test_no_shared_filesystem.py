@@ -93,7 +93,8 @@ def _config(path: Path, model: Path, output_dir: Path, proxy_url: str, **trainer
     data = yaml.safe_load(EXAMPLE.read_text())
     data.update(model=str(model), output_dir=str(output_dir), run_name="split")
     data["transport_url"] = f"s3://{BUCKET}/run"
-    data["serve"] = {"replicas": 0, "urls": [proxy_url]}
+    data["serve"] = {"replicas": 0}
+    data["proxy"]["upstreams"] = [proxy_url]
     data["trainer"].update(trainer)
     path.write_text(yaml.safe_dump(data))
     return path

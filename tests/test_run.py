@@ -45,7 +45,8 @@ def tiny_config(
 ) -> TrainingConfig:
     data = yaml.safe_load(EXAMPLE.read_text())
     data.update(model=str(model), output_dir=str(tmp_path), run_name=run_name)
-    data["serve"] = {"replicas": 0, "urls": list(urls)}
+    data["serve"] = {"replicas": 0}
+    data["proxy"]["upstreams"] = list(urls)
     return TrainingConfig.from_dict(data, overrides)
 
 
@@ -162,7 +163,8 @@ async def test_a_replica_serving_a_stale_version_is_caught(
 def _write_config(tmp_path: Path, model: Path, urls: Sequence[str], **sections: Any) -> Path:
     data = yaml.safe_load(EXAMPLE.read_text())
     data.update(model=str(model), output_dir=str(tmp_path), run_name="t")
-    data["serve"] = {"replicas": 0, "urls": list(urls)}
+    data["serve"] = {"replicas": 0}
+    data["proxy"]["upstreams"] = list(urls)
     for section, values in sections.items():
         data[section].update(values)
     path = tmp_path / "config.yaml"

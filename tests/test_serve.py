@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -121,7 +122,7 @@ async def test_missing_adapter_path_is_a_clear_error_and_replica_keeps_serving(
         assert await client.health()
 
 
-async def test_bad_model_dir_fails_fast_with_log_tail(tmp_path: Path) -> None:
+async def test_bad_model_dir_fails_fast_quoting_vllm(tmp_path: Path) -> None:
     bad = tmp_path / "broken-model"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "not-a-model"}))
@@ -130,9 +131,28 @@ async def test_bad_model_dir_fails_fast_with_log_tail(tmp_path: Path) -> None:
         async with launch_replicas(tiny_serve_config(bad, log_dir=str(tmp_path / "logs"))):
             pytest.fail("a replica with a broken model must not become healthy")
     message = str(info.value)
-    assert "exited with code" in message and "last lines:" in message
+    assert "exited with code" in message and "root cause:" in message
     assert "not-a-model" in message  # vLLM's own complaint, quoted from the log
+    assert Path(message.rsplit("full log: ", 1)[1]).is_file()
     assert time.monotonic() - started < 240
+
+
+async def test_impossible_kv_cache_quotes_the_root_cause_and_keeps_the_log(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """vLLM's API server ends its log with "See root cause above": the error must carry the
+    worker's own line from far above, and the log it names must still exist afterwards."""
+    config = tiny_serve_config(tiny_model, kv_cache_gib=4096, log_dir=str(tmp_path / "logs"))
+    with pytest.raises(ReplicaStartError) as info:
+        async with launch_replicas(config):
+            pytest.fail("a 4 TiB KV cache cannot fit")
+    message = str(info.value)
+    assert "ValueError: Available memory on node" in message, message
+    assert "requested memory for kv (4096.0 GiB)" in message
+    log = Path(message.rsplit("full log: ", 1)[1])
+    assert log == tmp_path / "logs" / "replica-0.log" and log.is_file()
+    tail = log.read_text().splitlines()[-20:]
+    assert not any("requested memory for kv" in line and "ValueError" in line for line in tail)
 
 
 async def test_cancelled_launch_leaves_no_process_behind(tiny_model: Path, tmp_path: Path) -> None:
@@ -149,24 +169,31 @@ async def test_cancelled_launch_leaves_no_process_behind(tiny_model: Path, tmp_p
     assert _alive(pids) == []
 
 
-def test_cli_prints_urls_and_sigint_stops_every_process(tiny_model: Path, tmp_path: Path) -> None:
+def test_cli_starts_two_replicas_without_memory_flags_and_sigint_stops_every_process(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The README's command as typed: no KV size, so it is chosen from the memory available
+    (vLLM's own default, 92 % of the NUMA node per replica, cannot start two)."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncgrpo.serve", "--model", str(tiny_model), "--replicas", "1",
-         "--dtype", "float32", "--max-model-len", "512", "--kv-cache-gib", "1",
-         "--max-staleness", "2", "--log-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [sys.executable, "-m", "asyncgrpo.serve", "--model", str(tiny_model), "--replicas", "2",
+         "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     try:
-        line = proc.stdout.readline()  # blocks until the replica is healthy (or the CLI dies)
-        assert "ready: http://127.0.0.1:" in line, line
-        url = line.split("ready: ")[1].split()[0]
+        # Blocks until both replicas are healthy (or the CLI dies).
+        lines = [proc.stdout.readline(), proc.stdout.readline()]
+        assert all("ready: http://127.0.0.1:" in line for line in lines), lines
         import urllib.request
 
-        assert urllib.request.urlopen(f"{url}/health", timeout=10).status == 200
+        for line in lines:
+            url = line.split("ready: ")[1].split()[0]
+            assert urllib.request.urlopen(f"{url}/health", timeout=10).status == 200
         tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
-        assert len(tree) >= 3  # CLI, API server, engine core
+        assert len(tree) >= 5  # CLI, and per replica an API server and an engine core
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
+        assert "giving each of 2 replica(s)" in proc.stderr.read()
         time.sleep(1)
         assert _alive(tree) == []
     finally:

@@ -107,7 +107,7 @@ def trainer_args(urls: list[str], *, upstream_key_env: str | None = None) -> lis
     args = ["-m", "asyncgrpo.launch.trainer"]
     if upstream_key_env is not None:
         args += ["--upstream-key-env", upstream_key_env]
-    return [*args, "serve.replicas=0", "serve.urls=" + ",".join(urls)]
+    return [*args, "serve.replicas=0", "proxy.upstreams=" + ",".join(urls)]
 
 
 def labels(cfg: TrainingConfig, role: Role) -> dict[str, str]:

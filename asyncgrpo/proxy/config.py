@@ -8,6 +8,7 @@ from typing import Literal
 
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.serve.config import is_loopback
+from asyncgrpo.settings import check_fields
 
 __all__ = ["ProxyConfig", "is_loopback"]
 
@@ -33,14 +34,15 @@ class ProxyConfig:
     api_key: str | None = field(
         default=None,
         repr=False,
-        metadata={"help": "Bearer token clients must send. Never logged."},
+        metadata={"help": "Bearer token clients must send. Never logged.", "secret": True},
     )
     upstream_api_key: str | None = field(
         default=None,
         repr=False,
         metadata={
             "help": "Bearer token sent to every upstream (e.g. HF_TOKEN for a Hugging Face Job's "
-            "exposed port, or vLLM's --api-key). Never logged."
+            "exposed port, or vLLM's --api-key). Never logged.",
+            "secret": True,
         },
     )
     lora_roots: tuple[str, ...] = field(
@@ -155,38 +157,13 @@ class ProxyConfig:
                 f"host={self.host!r} is reachable from other machines: set api_key "
                 "(CLI: export ASYNCGRPO_PROXY_API_KEY) or bind host=127.0.0.1"
             )
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"port={self.port}: use 0..65535 (0 picks a free port)")
         for root in self.lora_roots:
             if not posixpath.isabs(root) or ".." in root.split("/"):
                 raise ConfigError(f"lora_roots: {root!r} must be an absolute path without '..'")
-        if self.routing not in ("affinity", "round_robin"):
-            raise ConfigError(f"routing={self.routing!r}: use 'affinity' or 'round_robin'")
-        if self.block_size is not None and self.block_size < 1:
-            raise ConfigError("block_size must be >= 1, or None to read it from the replicas")
-        if self.imbalance < 0:
-            raise ConfigError("imbalance must be >= 0 (0: always least-loaded among owners)")
-        if self.imbalance_ratio < 1:
-            raise ConfigError("imbalance_ratio must be >= 1 (1: only the absolute bound applies)")
-        if self.max_tracked_blocks < 1:
-            raise ConfigError("max_tracked_blocks must be >= 1")
-        if self.max_body_bytes < 1024:
-            raise ConfigError("max_body_bytes must be >= 1024")
-        if self.health_timeouts_to_open < 1:
-            raise ConfigError("health_timeouts_to_open must be >= 1")
-        if self.max_attempts < 1:
-            raise ConfigError("max_attempts must be >= 1")
-        for name in (
-            "connect_timeout_s",
-            "request_timeout_s",
-            "stream_idle_timeout_s",
-            "client_idle_timeout_s",
-            "health_interval_s",
-            "health_timeout_s",
-            "circuit_open_s",
-            "load_deadline_s",
-            "load_retry_interval_s",
-            "broadcast_timeout_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0 seconds")
+        seconds = [n for n in self.__dataclass_fields__ if n.endswith("_s")]
+        check_fields(
+            self, "proxy", gt=dict.fromkeys(seconds, 0), le={"port": 65535},
+            ge={"port": 0, "block_size": 1, "imbalance": 0, "imbalance_ratio": 1,
+                "max_tracked_blocks": 1, "max_body_bytes": 1024, "health_timeouts_to_open": 1,
+                "max_attempts": 1},
+        )  # fmt: skip

@@ -31,8 +31,7 @@ from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import Prompt, PromptDataset
 from asyncgrpo.rollout.rewards import RewardScorer
 from asyncgrpo.rollout.window import AdmissionWindow
-from asyncgrpo.sample import Sample
-from asyncgrpo.trainer.advantages import group_advantages
+from asyncgrpo.sample import Sample, group_advantages
 
 logger = logging.getLogger(__name__)
 

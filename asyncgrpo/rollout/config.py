@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.settings import check_fields
 
 RequestMode = Literal["n", "per_sample"]
 
@@ -66,14 +67,7 @@ class DatasetConfig:
             )
         if self.prompts is not None and not self.prompts:
             raise ConfigError("dataset.prompts is empty: give at least one prompt")
-        if self.epochs is not None and self.epochs < 1:
-            raise ConfigError(
-                f"dataset.epochs={self.epochs}: set it to 1 or more, or None to repeat forever"
-            )
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ConfigError(
-                f"dataset.max_prompt_tokens={self.max_prompt_tokens}: set it to 1 or more, or None"
-            )
+        check_fields(self, "dataset", ge={"epochs": 1, "max_prompt_tokens": 1})
 
 
 @dataclass(kw_only=True)
@@ -129,35 +123,21 @@ class GenerationConfig:
                 f"generation.num_generations={self.num_generations}: GRPO needs at least 2 "
                 "completions per prompt to compute group advantages; set it to 2 or more"
             )
-        if self.max_completion_length < 1:
-            raise ConfigError(
-                f"generation.max_completion_length={self.max_completion_length}: set it to 1 "
-                "or more"
-            )
         if not self.temperature > 0:
             raise ConfigError(
                 f"generation.temperature={self.temperature}: must be > 0 (greedy decoding "
                 "gives identical completions and zero advantages); use e.g. 1.0"
             )
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"generation.top_p={self.top_p}: must be in (0, 1]; use 1.0")
         if self.top_k == 0 or self.top_k < -1:
             raise ConfigError(
                 f"generation.top_k={self.top_k}: use -1 to disable or a positive integer"
             )
-        if not 0 <= self.min_p <= 1:
-            raise ConfigError(f"generation.min_p={self.min_p}: must be in [0, 1]; use 0.0")
-        if not self.repetition_penalty > 0:
-            raise ConfigError(
-                f"generation.repetition_penalty={self.repetition_penalty}: must be > 0; use 1.0"
-            )
+        check_fields(
+            self, "generation", ge={"max_completion_length": 1, "min_p": 0},
+            gt={"top_p": 0, "repetition_penalty": 0}, le={"top_p": 1, "min_p": 1},
+        )  # fmt: skip
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.request_mode not in ("n", "per_sample"):
-            raise ConfigError(
-                f"generation.request_mode={self.request_mode!r}: use 'n' (one request with n=G) "
-                "or 'per_sample' (G requests)"
-            )
 
 
 @dataclass(kw_only=True)
@@ -224,15 +204,11 @@ class RolloutConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.max_inflight < 1:
-            raise ConfigError(f"rollout.max_inflight={self.max_inflight}: set it to 1 or more")
-        if self.max_inflight_per_replica is not None and self.max_inflight_per_replica < 1:
-            raise ConfigError(
-                f"rollout.max_inflight_per_replica={self.max_inflight_per_replica}: set it to "
-                "1 or more, or None for no per-replica cap"
-            )
-        if self.queue_maxsize < 1:
-            raise ConfigError(f"rollout.queue_maxsize={self.queue_maxsize}: set it to 1 or more")
+        check_fields(
+            self, "rollout", gt={"request_timeout_s": 0}, ge={"retries": 0, "retry_backoff_s": 0,
+            **dict.fromkeys(("max_inflight", "max_inflight_per_replica", "queue_maxsize",
+                             "reward_max_threads", "score_concurrency"), 1)},
+        )  # fmt: skip
         if isinstance(self.reward_funcs, str):
             self.reward_funcs = [self.reward_funcs]
         for path in self.reward_funcs:
@@ -246,22 +222,6 @@ class RolloutConfig:
                 f"rollout.reward_weights has {len(self.reward_weights)} entries for "
                 f"{len(self.reward_funcs)} reward_funcs: give one weight per function, or None"
             )
-        if self.reward_max_threads < 1:
-            raise ConfigError(
-                f"rollout.reward_max_threads={self.reward_max_threads}: set it to 1 or more"
-            )
-        if self.score_concurrency < 1:
-            raise ConfigError(
-                f"rollout.score_concurrency={self.score_concurrency}: set it to 1 or more"
-            )
-        if not self.request_timeout_s > 0:
-            raise ConfigError(
-                f"rollout.request_timeout_s={self.request_timeout_s}: must be > 0 seconds"
-            )
-        if self.retries < 0:
-            raise ConfigError(f"rollout.retries={self.retries}: set it to 0 or more")
-        if self.retry_backoff_s < 0:
-            raise ConfigError(f"rollout.retry_backoff_s={self.retry_backoff_s}: must be >= 0")
 
     def check_against(self, generation: GenerationConfig) -> None:
         """Cross-field check: one group must fit under the in-flight cap, or nothing runs."""

@@ -1,12 +1,13 @@
 """``python -m asyncgrpo.serve --model DIR --replicas N``: run local vLLM replicas until interrupted.
 
-Prints one line per replica with its URL once every replica is healthy; SIGINT or SIGTERM stops
-all of them (whole process trees).
+Every ``ServeConfig`` field is a flag (``--help``) and an ``ASYNCGRPO_SERVE_<FIELD>``
+environment variable; the API key only comes from the environment. Prints one line per replica
+with its URL once every replica is healthy; SIGINT or SIGTERM stops all of them (whole process
+trees).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import sys
@@ -14,58 +15,21 @@ from collections.abc import Sequence
 
 import anyio
 
-from asyncgrpo.errors import AsyncGRPOError
+from asyncgrpo.errors import AsyncGRPOError, ConfigError
 from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.serve.replicas import launch_replicas
+from asyncgrpo.settings import exit_on_config_error, parse_args
+
+PROG = "python -m asyncgrpo.serve"
+ENV_PREFIX = "ASYNCGRPO_SERVE_"
 
 
-def parse_args(argv: Sequence[str] | None) -> ServeConfig:
-    p = argparse.ArgumentParser(prog="python -m asyncgrpo.serve", description=__doc__)
-    p.add_argument("--model", required=True, help="model directory or Hugging Face id")
-    p.add_argument("--replicas", type=int, default=1)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=None, help="first port; default: free ports")
-    p.add_argument("--lora-rank", type=int, default=8, help="largest adapter rank to serve")
-    p.add_argument("--max-staleness", type=int, default=4)
-    p.add_argument("--max-loras", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-gib", type=int, default=None, help="CPU KV cache, whole GiB")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None)
-    p.add_argument(
-        "--nice", type=int, default=0, help="lower priority (0-19) on hosts shared with a trainer"
-    )
-    p.add_argument(
-        "--api-key-env",
-        default=None,
-        help="name of an env var holding the API key (keeps it out of argv)",
-    )
-    p.add_argument("--startup-timeout-s", type=float, default=600.0)
-    p.add_argument("--log-dir", default=None)
-    p.add_argument(
-        "--transport",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="transport root the replicas may fetch adapter versions from (repeatable)",
-    )
-    p.add_argument("--adapter-cache-dir", default=None, help="where replicas cache adapters")
-    p.add_argument(
-        "extra_args", nargs=argparse.REMAINDER, help="after --: more vLLM flags, passed through"
-    )
-    a = p.parse_args(argv)
-    import os
-
-    extra = a.extra_args[1:] if a.extra_args[:1] == ["--"] else a.extra_args
-    return ServeConfig(
-        model=a.model, replicas=a.replicas, host=a.host, port=a.port, lora_rank=a.lora_rank,
-        max_staleness=a.max_staleness, max_loras=a.max_loras, dtype=a.dtype,
-        max_model_len=a.max_model_len, kv_cache_gib=a.kv_cache_gib,
-        gpu_memory_utilization=a.gpu_memory_utilization, nice=a.nice,
-        api_key=os.environ.get(a.api_key_env) if a.api_key_env else None,
-        startup_timeout_s=a.startup_timeout_s, log_dir=a.log_dir, extra_args=extra,
-        transports=tuple(a.transport), adapter_cache_dir=a.adapter_cache_dir,
-    )  # fmt: skip
+def parse(argv: Sequence[str] | None = None) -> ServeConfig:
+    """The config; a bad value exits with status 2 and one line."""
+    config, _ = parse_args(ServeConfig, argv, prog=PROG, description=__doc__, env_prefix=ENV_PREFIX)
+    if config.replicas < 1:
+        exit_on_config_error(PROG, ConfigError(f"--replicas={config.replicas}: start 1 or more"))
+    return config
 
 
 async def _serve(config: ServeConfig) -> None:
@@ -86,14 +50,16 @@ async def _serve(config: ServeConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    config = parse(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        config = parse_args(argv)
         anyio.run(_serve, config)
+    except ConfigError as exc:
+        exit_on_config_error(PROG, exc)
     except AsyncGRPOError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         pass

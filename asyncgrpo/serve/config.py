@@ -7,9 +7,11 @@ import ipaddress
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Literal
 
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.serve.adapter_fetch import CACHE_DIR_ENV, TRANSPORTS_ENV
+from asyncgrpo.settings import check_fields
 
 #: The ``vllm.endpoint_plugins`` entry point name of :mod:`asyncgrpo.serve.vllm_plugin`.
 PLUGIN_NAME = "asyncgrpo"
@@ -36,67 +38,111 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+AdapterDelivery = Literal["auto", "path", "fetch"]
+
+
 @dataclass(kw_only=True)
 class ServeConfig:
-    """How to start local vLLM replicas."""
+    """How to start local vLLM replicas: ``python -m asyncgrpo.serve`` and a run's ``serve``.
 
-    model: str = field(metadata={"help": "model directory (or Hugging Face id) to serve"})
-    replicas: int = field(default=1, metadata={"help": "number of replicas to start"})
-    host: str = field(default="127.0.0.1", metadata={"help": "address the replicas bind"})
+    In a training config, ``model``, ``lora_rank`` and ``max_staleness`` come from ``model``,
+    ``lora.r`` and ``trainer.max_staleness`` (``derived``), so they cannot disagree with the
+    trainer.
+    """
+
+    model: str = field(
+        default="",
+        metadata={
+            "help": "Model directory (or Hugging Face id) to serve.",
+            "required": True,
+            "derived": "model",
+        },
+    )
+    replicas: int = field(
+        default=1,
+        metadata={"help": "Local vLLM replicas to start (in a run, 0: only proxy.upstreams)."},
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "Address the replicas bind."})
     port: int | None = field(
-        default=None, metadata={"help": "first port (replica i gets port+i); None picks free ports"}
+        default=None, metadata={"help": "First port (replica i gets port+i); None: free ports."}
     )
     lora_rank: int = field(
-        default=8, metadata={"help": "largest adapter rank to serve; rounded up to vLLM's set"}
+        default=8,
+        metadata={
+            "help": "Largest adapter rank to serve; rounded up to vLLM's set.",
+            "derived": "lora.r",
+        },
     )
     max_staleness: int = field(
-        default=4, metadata={"help": "adapter versions kept besides the newest (sizes --max-loras)"}
+        default=4,
+        metadata={
+            "help": "Adapter versions kept besides the newest (sizes --max-loras).",
+            "derived": "trainer.max_staleness",
+        },
     )
     max_loras: int | None = field(
         default=None,
-        metadata={"help": "LoRA slots; default max_staleness + 2 (load before unload)"},
+        metadata={"help": "LoRA slots; None: max_staleness + 2 (load before unload)."},
     )
-    dtype: str = field(default="auto", metadata={"help": "--dtype: auto, float32, bfloat16, ..."})
-    max_model_len: int | None = field(default=None, metadata={"help": "--max-model-len"})
+    dtype: Dtype = field(
+        default="auto",
+        metadata={"help": "vLLM --dtype; float32 on CPU gives logprobs equal to the trainer's."},
+    )
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "vLLM --max-model-len; None: the model's."}
+    )
     kv_cache_gib: int | None = field(
-        default=None, metadata={"help": "CPU KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE)"}
+        default=None,
+        metadata={
+            "help": "CPU KV cache per replica in whole GiB (VLLM_CPU_KVCACHE_SPACE). None on a "
+            "CPU host: sized from the available memory and the replica count."
+        },
     )
     spread_cpu_cores: bool = field(
         default=True,
         metadata={
             "help": "CPU hosts: bind replica i's OpenMP threads to core i mod N. vLLM's 'auto' "
-            "binds every replica to the same cores; ignored when VLLM_CPU_OMP_THREADS_BIND is set"
+            "binds every replica to the same cores; ignored when VLLM_CPU_OMP_THREADS_BIND is set."
         },
     )
     nice: int = field(
         default=0,
         metadata={
-            "help": "Run the replicas at this nice value (0-19). vLLM's workers busy-poll for a "
-            "second after every batch; on a host where the trainer computes too, a positive "
-            "value stops that polling from taking the cores the trainer needs"
+            "help": "Nice value (0-19) of the replicas. vLLM's workers busy-poll for a second "
+            "after every batch; on a host where the trainer computes too, use ~10 so that "
+            "polling does not take the cores the trainer needs."
         },
     )
     gpu_memory_utilization: float | None = field(
-        default=None, metadata={"help": "--gpu-memory-utilization on GPU hosts"}
+        default=None, metadata={"help": "vLLM --gpu-memory-utilization on GPU hosts."}
     )
     api_key: str | None = field(
-        default=None, metadata={"help": "--api-key; required when host is not loopback"}
+        default=None,
+        repr=False,
+        metadata={"help": "vLLM --api-key; required when host is not loopback.", "secret": True},
     )
     extra_args: list[str] = field(
-        default_factory=list, metadata={"help": "more vLLM flags, passed through verbatim"}
+        default_factory=list,
+        metadata={"help": "After --: more vLLM flags, passed through verbatim.", "argv_rest": True},
     )
     startup_timeout_s: float = field(
-        default=600.0, metadata={"help": "seconds to wait for each replica's /health"}
+        default=600.0, metadata={"help": "Seconds to wait for each replica's /health."}
     )
     log_dir: str | None = field(
-        default=None, metadata={"help": "where replica logs go; default a temporary directory"}
+        default=None,
+        metadata={
+            "help": "Directory of the replica logs (kept after exit). None: a new directory "
+            "under ~/.cache/asyncgrpo/replica-logs (in a run: <run dir>/replica-logs)."
+        },
     )
     transports: tuple[str, ...] = field(
         default=(),
         metadata={
-            "help": "transport roots (s3://bucket/prefix, hf://buckets/..., a directory) the "
+            "help": "Transport roots (s3://bucket/prefix, hf://buckets/..., a directory) the "
             "replicas may fetch adapter versions from themselves; each replica fetches into its "
-            "own cache and verifies every sha256. Credentials come from the replica's environment"
+            "own cache and verifies every sha256. Credentials come from the replica's environment.",
+            "derived": "transport_url",
         },
     )
     adapter_cache_dir: str | None = field(
@@ -106,14 +152,25 @@ class ServeConfig:
             "emptied at start); default the system temp directory"
         },
     )
+    adapter_delivery: AdapterDelivery = field(
+        default="auto",
+        metadata={
+            "help": "A run's: how replicas get each adapter version. 'fetch': the trainer sends a "
+            "transport reference and every replica fetches and verifies the version itself "
+            "(replicas on other machines; needs asyncgrpo's vLLM plugin, which "
+            "`python -m asyncgrpo.serve --transport URL` enables). 'path': the trainer fetches "
+            "it and sends a path on its own disk (replicas must see it). 'auto': fetch when "
+            "proxy.upstreams lists replicas, path when all replicas are local.",
+            "cli": False,
+        },
+    )
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ConfigError("serve.replicas must be >= 1")
-        if self.max_staleness < 0:
-            raise ConfigError("serve.max_staleness must be >= 0")
-        if not 0 <= self.nice <= 19:
-            raise ConfigError(f"serve.nice={self.nice}: use 0..19 (higher: lower priority)")
+        check_fields(
+            self, "serve", ge={"replicas": 0, "max_staleness": 0, "nice": 0, "port": 1,
+            "max_model_len": 1, "kv_cache_gib": 1}, le={"nice": 19, "port": 65535},
+            gt={"startup_timeout_s": 0, "gpu_memory_utilization": 0},
+        )  # fmt: skip
         if self.max_loras is not None and self.max_loras < self.max_staleness + 2:
             raise ConfigError(
                 f"serve.max_loras={self.max_loras} < max_staleness + 2 = {self.max_staleness + 2}: "
@@ -122,8 +179,8 @@ class ServeConfig:
             )
         if not is_loopback(self.host) and not self.api_key:
             raise ConfigError(
-                f"serve.host={self.host!r} is not loopback: set serve.api_key so the replicas "
-                "do not accept unauthenticated requests from the network"
+                f"serve.host={self.host!r} is not loopback: set serve.api_key (CLI: export "
+                "ASYNCGRPO_SERVE_API_KEY) so the replicas refuse unauthenticated requests"
             )
         round_lora_rank(self.lora_rank)
         self.transports = tuple(self.transports)
@@ -132,12 +189,12 @@ class ServeConfig:
                 raise ConfigError(
                     f"serve.transports: {url!r} must be a transport URL or path without ','"
                 )
-        if self.kv_cache_gib is not None and (
-            int(self.kv_cache_gib) != self.kv_cache_gib or self.kv_cache_gib < 1
-        ):
-            raise ConfigError(
-                f"serve.kv_cache_gib={self.kv_cache_gib}: vLLM takes whole GiB (1 or more)"
-            )
+
+    def delivery(self, *, remote_replicas: bool) -> Literal["path", "fetch"]:
+        """The delivery a run uses (``auto`` resolved by whether it has remote replicas)."""
+        if self.adapter_delivery != "auto":
+            return self.adapter_delivery
+        return "fetch" if remote_replicas else "path"
 
     @property
     def lora_slots(self) -> int:
@@ -145,6 +202,8 @@ class ServeConfig:
 
     def command(self, port: int) -> list[str]:
         """The replica's argv. ``python -m``: the ``vllm`` console script fails under vllm-cpu."""
+        if not self.model:
+            raise ConfigError("serve.model is empty: give the model directory (--model DIR)")
         argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model,

@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import socket
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -26,6 +26,7 @@ from anyio.abc import Process
 
 from asyncgrpo.errors import ReplicaStartError
 from asyncgrpo.serve.config import ServeConfig
+from asyncgrpo.serve.memory import with_kv_cache_size
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,52 @@ class Replica:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
 
+    def failure(self, what: str) -> ReplicaStartError:
+        """A start failure quoting vLLM's root cause (else the log tail) and naming the log."""
+        try:
+            causes = root_causes(self.log_path.read_text(errors="replace"))
+        except OSError:
+            causes = []
+        detail = "\n".join(f"  {c}" for c in causes) or self.log_tail()
+        kind = "root cause" if causes else "last lines"
+        return ReplicaStartError(
+            f"vLLM replica {self.index} (port {self.port}) {what}; {kind}:\n{detail}\n"
+            f"full log: {self.log_path}"
+        )
+
+
+#: vLLM prefixes each line of a child process with ``(EngineCore_DP0 pid=123)``.
+_PROCESS_TAG = re.compile(r"^\((?P<tag>[^()]*?pid=\d+)\)\s*")
+#: A log record below ERROR (a warning may mention an error it merely guards against).
+_QUIET = re.compile(r"(?:DEBUG|INFO|WARNING) \d\d-\d\d ")
+_ERROR = re.compile(r"(?<![\w.])(?:[A-Za-z_][\w.]*)?(?:Error|Exception): \S.*")
+
+
+def root_causes(log: str) -> list[str]:
+    """The first ``...Error: message`` line of every process in a replica's log.
+
+    A replica is several processes (API server, engine core, workers) writing one log; the API
+    server's own last words are only "Engine core initialization failed. See root cause above",
+    so the cause is the first error each process printed, not the tail. Indented lines right
+    after it (a multi-line message, e.g. pydantic's) are joined to it; a message already quoted
+    (a re-raise in another process) is not repeated.
+    """
+    first: dict[str, str] = {}
+    following = None  # the process whose error line came last, while its message continues
+    for line in log.splitlines():
+        tag = _PROCESS_TAG.match(line)
+        process = tag["tag"] if tag else ""
+        rest = line[tag.end() :] if tag else line
+        if process == following and rest[:1].isspace() and rest.strip():
+            first[process] += " " + rest.strip()
+            continue
+        following = None
+        if process in first or _QUIET.match(rest):
+            continue
+        if (error := _ERROR.search(rest)) and error[0] not in first.values():
+            first[process], following = error[0], process
+    return [f"({p}) {e}" if p else e for p, e in first.items()]
+
 
 def _process_tree(pid: int) -> list[int]:
     try:
@@ -104,16 +151,13 @@ async def _wait_healthy(replica: Replica, timeout_s: float, api_key: str | None)
     async with aiohttp.ClientSession(headers=headers) as session:
         while True:
             if replica.process.returncode is not None:
-                raise ReplicaStartError(
-                    f"vLLM replica {replica.index} (port {replica.port}) exited with code "
-                    f"{replica.process.returncode} before becoming healthy; log "
-                    f"{replica.log_path}, last lines:\n{replica.log_tail()}"
+                raise replica.failure(
+                    f"exited with code {replica.process.returncode} before becoming healthy"
                 )
             if time.monotonic() > deadline:
-                raise ReplicaStartError(
-                    f"vLLM replica {replica.index} (port {replica.port}) not healthy after "
-                    f"{timeout_s:.0f} s (raise serve.startup_timeout_s if the host is slow); log "
-                    f"{replica.log_path}, last lines:\n{replica.log_tail()}"
+                raise replica.failure(
+                    f"not healthy after {timeout_s:.0f} s (raise serve.startup_timeout_s if the "
+                    "host is slow)"
                 )
             try:
                 async with session.get(
@@ -167,7 +211,12 @@ async def _stop(replica: Replica) -> None:
 
 
 def _log_paths(config: ServeConfig) -> list[Path]:
-    log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="asyncgrpo-vllm-"))
+    """Log files that outlive the replicas: a failed start is read after everything stopped."""
+    if config.log_dir:
+        log_dir = Path(config.log_dir)
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        log_dir = Path.home() / ".cache" / "asyncgrpo" / "replica-logs" / f"{stamp}-{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
     return [log_dir / f"replica-{i}.log" for i in range(config.replicas)]
 
@@ -189,9 +238,11 @@ def _lower_session_priority(pid: int, nice: int) -> None:
 async def launch_replicas(config: ServeConfig) -> AsyncIterator[list[Replica]]:
     """Start ``config.replicas`` vLLM servers, wait until all are healthy, stop all on exit.
 
-    Raises :class:`ReplicaStartError` quoting the failing replica's log tail if any replica
-    exits or misses ``startup_timeout_s``; the others are stopped before it propagates.
+    Raises :class:`ReplicaStartError` quoting vLLM's root cause if any replica exits or misses
+    ``startup_timeout_s``; the others are stopped before it propagates. On a CPU host without
+    ``kv_cache_gib`` the KV cache is sized first (:mod:`asyncgrpo.serve.memory`).
     """
+    config = with_kv_cache_size(config)
     replicas: list[Replica] = []
     try:
         for i, log_path in enumerate(_log_paths(config)):

@@ -1,8 +1,7 @@
-"""Trainer side: GRPO loss, group advantages, packing, staleness, the LoRA policy and the loop.
+"""Trainer side: GRPO loss, packing, staleness, the LoRA policy and the loop.
 
-Torch is imported by the submodules that need it, not here: ``advantages`` and ``staleness``
-are light enough for the rollout client, so ``from asyncgrpo.trainer.advantages import ...``
-stays torch-free. ``Trainer`` is re-exported lazily.
+Torch is imported by the submodules that need it, not here. Group advantages are computed on the
+rollout side (:mod:`asyncgrpo.sample`). ``Trainer`` is re-exported lazily.
 """
 
 from __future__ import annotations

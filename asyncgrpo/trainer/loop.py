@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncgrpo.sample import Sample
-from asyncgrpo.trainer.advantages import group_stats
+from asyncgrpo.sample import Sample, group_stats
 from asyncgrpo.trainer.loss import STAT_KEYS, add_stats, finalize_stats, grpo_loss
 from asyncgrpo.trainer.model import default_device, load_policy, row_logprobs
 from asyncgrpo.trainer.model import save_adapter as _save_adapter

@@ -98,7 +98,7 @@ def test_launch_creates_replicas_then_trainer_and_follows_it_to_completion(
     spec = trainer[0].spec
     assert spec["flavor"] == "a100-large" and "expose" not in spec
     urls = [f"{hub.url}/exposed/{j.id}" for j in replicas]
-    assert "serve.urls=" + ",".join(urls) in spec["command"]
+    assert "proxy.upstreams=" + ",".join(urls) in spec["command"]
     assert "serve.replicas=0" in spec["command"]
     assert spec["secrets"] == ENVIRON
     shipped = spec["environment"]["ASYNCGRPO_CONFIG"]

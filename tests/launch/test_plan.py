@@ -42,7 +42,7 @@ def test_trainer_args_round_trip_through_the_trainer_entry_point() -> None:
     args = trainer_args(urls, upstream_key_env="HF_TOKEN")
     environ = {"ASYNCGRPO_CONFIG": shipped, "HF_TOKEN": "hf_x"}
     loaded = load_config(args[2:], environ)
-    assert loaded.serve.urls == urls and loaded.serve.replicas == 0
+    assert list(loaded.proxy.upstreams) == urls and loaded.serve.replicas == 0
     assert loaded.proxy.upstream_api_key == "hf_x" and loaded.proxy.api_key is None
     assert loaded.model == "m/m"
     assert yaml.safe_load(shipped)["launch"]["replicas"] == cfg.launch.replicas

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from asyncgrpo.trainer.advantages import group_advantages, group_stats
+from asyncgrpo.sample import group_advantages, group_stats
 
 
 def _naive(rewards, eps):
