@@ -147,10 +147,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    run_and_exit(lambda: args.func(args), parser.prog)
+
+
+def run_and_exit(body: Callable[[], object], prog: str) -> NoReturn:
+    """Run a command's body and exit with its status: 0; 2 and one line for a setting the user
+    can fix (like argparse's own errors); 1 and the message for any other asyncgrpo error;
+    130 on Ctrl-C or SIGTERM. Never a traceback for a user mistake."""
     try:
-        args.func(args)
-    except ConfigError as exc:  # a setting the user can fix: one line, like argparse's, status 2
-        exit_on_config_error(parser.prog, exc)
+        body()
+    except ConfigError as exc:
+        exit_on_config_error(prog, exc)
     except AsyncGRPOError as exc:
         print(f"error: {exc}", file=sys.stderr)
         exit_process(1)

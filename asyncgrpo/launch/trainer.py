@@ -13,13 +13,11 @@ import argparse
 import dataclasses
 import logging
 import os
-import sys
 from collections.abc import Sequence
 
 import yaml
 
-from asyncgrpo.cli import exit_process
-from asyncgrpo.errors import AsyncGRPOError, ConfigError
+from asyncgrpo.errors import ConfigError
 
 CONFIG_ENV = "ASYNCGRPO_CONFIG"
 
@@ -62,19 +60,12 @@ async def train(cfg) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from asyncgrpo.cli import _run
+    from asyncgrpo.cli import _run, run_and_exit
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    try:
-        _run(train, load_config(argv))
-    except AsyncGRPOError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        exit_process(1)
-    except KeyboardInterrupt:
-        exit_process(130)
-    exit_process(0)
+    run_and_exit(lambda: _run(train, load_config(argv)), "python -m asyncgrpo.launch.trainer")
 
 
 if __name__ == "__main__":

@@ -89,6 +89,13 @@ class AsyncGRPOEndpointPlugin:
         def fetcher_of(request: Request) -> AdapterFetcher:
             return getattr(request.app.state, _STATE_KEY)
 
+        def answer(serving: Any, fetcher: AdapterFetcher, result: Any, error_response: Any) -> Any:
+            """vLLM's answer to a load or unload, once the cache holds only what vLLM serves."""
+            fetcher.prune(r.lora_path for r in serving.lora_requests.values())
+            if isinstance(result, error_response):
+                return _error(result.error.code, result.error.message, result.error.type)
+            return Response(status_code=200, content=result)
+
         async def body_of(request: Request) -> dict[str, Any] | None:
             try:
                 body = await request.json()
@@ -141,10 +148,7 @@ class AsyncGRPOEndpointPlugin:
             result = await serving.load_lora_adapter(
                 load_request(lora_name=name, lora_path=str(path), load_inplace=inplace)
             )
-            fetcher.prune(r.lora_path for r in serving.lora_requests.values())
-            if isinstance(result, error_response):
-                return _error(result.error.code, result.error.message, result.error.type)
-            return Response(status_code=200, content=result)
+            return answer(serving, fetcher, result, error_response)
 
         @router.post(UNLOAD_PATH)
         async def unload(request: Request) -> Any:
@@ -157,10 +161,7 @@ class AsyncGRPOEndpointPlugin:
                 return _error(400, 'body must be {"lora_name": NAME}', "BadRequestError")
             serving = models(request)
             result = await serving.unload_lora_adapter(unload_request(lora_name=name))
-            fetcher_of(request).prune(r.lora_path for r in serving.lora_requests.values())
-            if isinstance(result, error_response):
-                return _error(result.error.code, result.error.message, result.error.type)
-            return Response(status_code=200, content=result)
+            return answer(serving, fetcher_of(request), result, error_response)
 
         @router.get(INFO_PATH)
         async def info(request: Request) -> Any:
