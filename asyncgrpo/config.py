@@ -146,7 +146,9 @@ class TrainerConfig:
     attn_implementation: str | None = field(
         default=None,
         metadata={
-            "help": "transformers attn_implementation ('sdpa', 'eager', ...); None: default."
+            "help": "transformers attn_implementation ('sdpa', 'eager', ...); None: "
+            "flash_attention_2 on CUDA when flash-attn is installed, else "
+            "asyncgrpo_varlen_sdpa (a packed row costs the sum of its samples' squares)."
         },
     )
     max_steps: int = field(default=100, metadata={"help": "Optimizer steps to train."})

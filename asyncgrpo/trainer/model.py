@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.trainer.attention import VARLEN_SDPA, varlen_kwargs
+from asyncgrpo.trainer.attention import register as register_varlen_sdpa
 from asyncgrpo.trainer.packing import PackedRow
 
 if TYPE_CHECKING:
@@ -32,6 +34,19 @@ logger = logging.getLogger(__name__)
 
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def default_attn_implementation(device: torch.device) -> str:
+    """flash-attention's varlen kernels on CUDA when installed, else ``VARLEN_SDPA``.
+
+    Both cost a packed row the sum of its samples' squares (see ``trainer.attention``).
+    """
+    if device.type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+    return VARLEN_SDPA
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -83,9 +98,10 @@ def load_policy(
     _check_packing_support()
     device = torch.device(device) if device is not None else default_device()
     torch_dtype = resolve_dtype(dtype, device)
-    kwargs: dict[str, Any] = {"dtype": torch_dtype}
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
+    attn = attn_implementation or default_attn_implementation(device)
+    if attn == VARLEN_SDPA:
+        register_varlen_sdpa()
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn}
     base = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
     base.to(device)
     if gradient_checkpointing:
@@ -102,10 +118,11 @@ def load_policy(
     model.train()
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info(
-        "loaded %s (%s on %s) with LoRA r=%d: %d trainable parameters",
+        "loaded %s (%s on %s, %s attention) with LoRA r=%d: %d trainable parameters",
         model_path,
         torch_dtype,
         device,
+        attn,
         lora.r,
         n_train,
     )
@@ -139,6 +156,7 @@ def row_logprobs(
         position_ids=row.position_ids.to(device).unsqueeze(0),
         use_cache=False,
         logits_to_keep=predict_from,
+        **varlen_kwargs(row.seq_lens, device),
     )
     temps = row.temperatures.to(device)[targets_at.to(device)].unsqueeze(-1)
     scaled = out.logits[0].float() / temps
