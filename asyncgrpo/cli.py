@@ -1,8 +1,8 @@
 """The ``asyncgrpo`` command.
 
 - ``asyncgrpo demo [--output-dir DIR]``: the tiny CPU example end to end (the README's main job)
-- ``asyncgrpo train CONFIG [key=value ...] [--remote-rollouts]``: train (in one process, or fed by
-  rollout processes through the transport)
+- ``asyncgrpo train CONFIG [key=value ...] [--remote-rollouts] [--dry-run]``: train (in one
+  process, or fed by rollout processes through the transport); ``--dry-run`` checks the recipe
 - ``asyncgrpo rollout CONFIG [key=value ...]``: a rollout process for a split run
 - ``asyncgrpo plot RUN_DIR``: reward, ratio, step time and staleness to ``RUN_DIR/plot.png``
 - ``asyncgrpo check-serving [--output-dir DIR]``: served logprobs equal transformers + peft's
@@ -63,6 +63,12 @@ def _train(args: argparse.Namespace) -> None:
     from asyncgrpo.run import run_training
 
     cfg = _load(args)
+    if args.dry_run:
+        from asyncgrpo.preflight import dry_run
+
+        print("\n".join(dry_run(cfg)))
+        print("recipe OK (dry run: nothing started or downloaded)")
+        return
     source = "channel" if args.remote_rollouts else "local"
     result = _run(lambda: run_training(cfg, rollout_source=source))
     print(f"trained {result.steps} steps; final adapter {result.adapter_prefix}-v"
@@ -117,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if name == "train":
             p.add_argument("--remote-rollouts", action="store_true",
                            help="take samples from `asyncgrpo rollout` processes via the transport")  # fmt: skip
+            p.add_argument("--dry-run", action="store_true",
+                           help="check the recipe (rewards import, replica flags, context) and exit")  # fmt: skip
 
     plot = sub.add_parser("plot", help="plot a run's metrics.jsonl to plot.png")
     plot.add_argument("run_dir")

@@ -96,23 +96,28 @@ def _transport_url(cfg: TrainingConfig) -> str:
     return cfg.transport_url or str((cfg.run_dir / "store").resolve())
 
 
+def replica_config(cfg: TrainingConfig) -> ServeConfig:
+    """The local replicas' settings, derived from the run's (LoRA rank and slots included)."""
+    return ServeConfig(
+        model=cfg.model,
+        replicas=cfg.serve.replicas,
+        lora_rank=cfg.lora.r,
+        max_staleness=cfg.trainer.max_staleness,
+        dtype=cfg.serve.dtype,
+        max_model_len=cfg.serve.max_model_len,
+        kv_cache_gib=cfg.serve.kv_cache_gib,
+        nice=cfg.serve.nice,
+        log_dir=str(cfg.run_dir / "replica-logs"),
+    )
+
+
 @asynccontextmanager
 async def _endpoint(cfg: TrainingConfig, cache_dir: Path) -> AsyncIterator[str]:
     """Local replicas (if any) plus ``serve.urls``, behind an in-process proxy; yields its URL."""
     async with AsyncExitStack() as stack:
         urls = list(cfg.serve.urls)
         if cfg.serve.replicas:
-            serve = ServeConfig(
-                model=cfg.model,
-                replicas=cfg.serve.replicas,
-                lora_rank=cfg.lora.r,
-                max_staleness=cfg.trainer.max_staleness,
-                dtype=cfg.serve.dtype,
-                max_model_len=cfg.serve.max_model_len,
-                kv_cache_gib=cfg.serve.kv_cache_gib,
-                nice=cfg.serve.nice,
-                log_dir=str(cfg.run_dir / "replica-logs"),
-            )
+            serve = replica_config(cfg)
             replicas = await stack.enter_async_context(launch_replicas(serve))
             urls = [r.url for r in replicas] + urls
         proxy = dataclasses.replace(

@@ -24,6 +24,13 @@ from typing import Any
 import anyio
 import anyio.to_process
 
+try:  # at import, so a config naming this reward fails at load (and --dry-run) when missing
+    import math_verify
+except ImportError as exc:
+    raise ImportError(
+        "asyncgrpo.rewards.math needs math-verify: pip install 'asyncgrpo[math]'"
+    ) from exc
+
 logger = logging.getLogger(__name__)
 
 TIMEOUT_S = 10.0  # per completion: parse + verify
@@ -61,22 +68,20 @@ def verify_answer(completion: str, reference: str) -> float:
     Runs in a worker process (see the module docstring), so math-verify's signal timeouts are
     off. A reference that does not parse is an error (the row is broken, not the completion).
     """
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
     text = reference.strip()
     if "$" not in text and "\\boxed" not in text:
         text = f"${text}$"
-    gold = parse(text, parsing_timeout=None)
+    gold = math_verify.parse(text, parsing_timeout=None)
     if not gold:
         raise ValueError(f"reference answer {reference!r} does not parse")
-    answer = parse(
+    answer = math_verify.parse(
         completion,
-        extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+        extraction_config=[math_verify.LatexExtractionConfig(), math_verify.ExprExtractionConfig()],
         parsing_timeout=None,
     )
     if not answer:
         return 0.0
-    return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
+    return 1.0 if math_verify.verify(gold, answer, timeout_seconds=None) else 0.0
 
 
 async def check_answer(completion: str, reference: str, *, timeout_s: float = TIMEOUT_S) -> float:
