@@ -151,6 +151,13 @@ class TrainerConfig:
             "asyncgrpo_varlen_sdpa (a packed row costs the sum of its samples' squares)."
         },
     )
+    peak_flops: float | None = field(
+        default=None,
+        metadata={
+            "help": "Peak FLOP/s of one accelerator at the training dtype (e.g. 9.89e14: H100/H200 "
+            "bf16 dense), for perf/mfu; None: no MFU metric."
+        },
+    )
     max_steps: int = field(default=100, metadata={"help": "Optimizer steps to train."})
     max_staleness: int = field(
         default=4,
@@ -201,6 +208,11 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.gradient_accumulation_steps={self.gradient_accumulation_steps}: "
                 "set it to 1 or more"
+            )
+        if self.peak_flops is not None and not self.peak_flops > 0:
+            raise ConfigError(
+                f"trainer.peak_flops={self.peak_flops}: give the accelerator's peak FLOP/s "
+                "(e.g. 9.89e14), or leave it unset"
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(

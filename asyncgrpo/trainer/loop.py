@@ -31,6 +31,7 @@ import torch
 
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.advantages import group_stats
+from asyncgrpo.trainer.flops import ModelShape, step_flops
 from asyncgrpo.trainer.loss import add_stats, finalize_stats, grpo_loss
 from asyncgrpo.trainer.model import default_device, load_policy, row_logprobs
 from asyncgrpo.trainer.model import save_adapter as _save_adapter
@@ -86,6 +87,16 @@ def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     return out
 
 
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory since the step began: allocated tensors on CUDA; on CPU the process's peak
+    resident set so far (the OS keeps no per-step peak)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 class Trainer:
     """A LoRA policy, its AdamW optimizer and schedule, and the GRPO step."""
 
@@ -111,6 +122,7 @@ class Trainer:
             attn_implementation=trainer.attn_implementation,
         )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.shape = ModelShape.from_config(self.model.config)
         self.optimizer = torch.optim.AdamW(
             self.params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay
         )
@@ -142,6 +154,8 @@ class Trainer:
         if not samples:
             raise ValueError("Trainer.step needs at least one sample")
         self._sync()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         t_step = time.perf_counter()
 
         # -- pack: token-budget rows, or gradient_accumulation_steps rows without a budget
@@ -227,7 +241,11 @@ class Trainer:
             "perf/fwd_bwd_s": fwd_bwd_s,
             "perf/train_step_s": step_s,
             "perf/tokens_per_s": total_tokens / fwd_bwd_s if fwd_bwd_s > 0 else math.nan,
+            "perf/peak_mem_gib": peak_memory_gib(self.device),
         }
+        if cfg.peak_flops is not None and fwd_bwd_s > 0:
+            flops = step_flops(self.shape, (n for row in rows for n in row.seq_lens), num_tokens)
+            metrics["perf/mfu"] = flops / fwd_bwd_s / cfg.peak_flops
         return metrics
 
     # -----------------------------------------------------------------------------------------

@@ -133,6 +133,17 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def autocast(model: torch.nn.Module, device: torch.device) -> Any:
+    """Autocast to the base model's dtype when it is bfloat16/float16, else a no-op.
+
+    The adapter's weights (and so AdamW's state) stay float32; autocast runs its matmuls in the
+    base's half precision instead of upcasting every LoRA input to float32.
+    """
+    dtype = getattr(model, "dtype", torch.float32)
+    half = dtype in (torch.bfloat16, torch.float16)
+    return torch.autocast(device.type, dtype=dtype if half else torch.bfloat16, enabled=half)
+
+
 def row_logprobs(
     model: torch.nn.Module, row: PackedRow, *, with_entropy: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -151,13 +162,14 @@ def row_logprobs(
     if int(targets_at.min()) == 0:
         raise ValueError("a completion token at position 0 of a row has no preceding token")
     predict_from = (targets_at - 1).to(device)
-    out = model(
-        input_ids=row.input_ids.to(device).unsqueeze(0),
-        position_ids=row.position_ids.to(device).unsqueeze(0),
-        use_cache=False,
-        logits_to_keep=predict_from,
-        **varlen_kwargs(row.seq_lens, device),
-    )
+    with autocast(model, device):
+        out = model(
+            input_ids=row.input_ids.to(device).unsqueeze(0),
+            position_ids=row.position_ids.to(device).unsqueeze(0),
+            use_cache=False,
+            logits_to_keep=predict_from,
+            **varlen_kwargs(row.seq_lens, device),
+        )
     temps = row.temperatures.to(device)[targets_at.to(device)].unsqueeze(-1)
     scaled = out.logits[0].float() / temps
     targets = row.input_ids.to(device)[targets_at.to(device)]
