@@ -113,7 +113,8 @@ def run_variant(model_dir: str, samples, args, *, packed: bool, gc: bool) -> dic
 
 
 # ---- (2) asyncgrpo vs TRL, trainer only -----------------------------------------------------
-VS_TRL_SAMPLES, VS_TRL_STEPS, VS_TRL_BUDGET, VS_TRL_LR = 32, 5, 1024, 3e-2
+VS_TRL_SAMPLES, VS_TRL_STEPS, VS_TRL_BUDGET, VS_TRL_LR = 32, 5, 4096, 3e-2
+SDPA_BUDGET = 1024  # the dense-mask path's fastest budget on CPU (a row costs its length squared)
 VS_TRL_PROMPT_TOKENS = (14, 24)  # the tiny chat template's prompts are about this long
 
 
@@ -260,8 +261,8 @@ def bench_vs_trl(args: argparse.Namespace) -> None:
                 f"asyncgrpo varlen, {args.budget} tok/row": AsyncgrpoVariant(
                     model_dir, samples, attn=VARLEN_SDPA, budget=args.budget
                 ),
-                f"asyncgrpo sdpa mask, {args.budget}": AsyncgrpoVariant(
-                    model_dir, samples, attn="sdpa", budget=args.budget
+                f"asyncgrpo sdpa mask, {SDPA_BUDGET} tok/row": AsyncgrpoVariant(
+                    model_dir, samples, attn="sdpa", budget=SDPA_BUDGET
                 ),
                 "TRL GRPOTrainer (padded)": TrlVariant(model_dir, samples, tmp),
             }
@@ -305,13 +306,13 @@ def bench_vs_trl(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--samples", type=int, default=SAMPLES)
+    p.add_argument("--samples", type=int, default=None)
     p.add_argument("--g", type=int, default=G)
-    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--steps", type=int, default=None)
     p.add_argument("--hidden", type=int, default=HIDDEN)
     p.add_argument("--layers", type=int, default=LAYERS)
     p.add_argument("--vocab", type=int, default=VOCAB)
-    p.add_argument("--budget", type=int, default=BUDGET)
+    p.add_argument("--budget", type=int, default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
         "--vs-trl", action="store_true", help="table (2): asyncgrpo vs TRL, trainer only"
@@ -319,14 +320,14 @@ def main() -> None:
     p.add_argument("--models", default="tiny,25m", help="(2): tiny, 25m, or both")
     args = p.parse_args()
     if args.vs_trl:
-        if args.samples == SAMPLES:
-            args.samples = VS_TRL_SAMPLES
-        if args.budget == BUDGET:
-            args.budget = VS_TRL_BUDGET
-        if args.steps == STEPS:
-            args.steps = VS_TRL_STEPS
+        args.samples = args.samples or VS_TRL_SAMPLES
+        args.budget = args.budget or VS_TRL_BUDGET
+        args.steps = args.steps or VS_TRL_STEPS
         bench_vs_trl(args)
         return
+    args.samples = args.samples or SAMPLES
+    args.budget = args.budget or BUDGET
+    args.steps = args.steps or STEPS
     with tempfile.TemporaryDirectory() as tmp:
         build_model(tmp, args.hidden, args.layers, args.vocab)
         samples = make_samples(args.samples, args.g, args.vocab)
