@@ -6,17 +6,21 @@ of ``T`` tokens costs ``T^2`` however many samples it holds. ``varlen_sdpa_atten
 right-padded ``[n, heads, L_max, head_dim]`` batch and runs ``scaled_dot_product_attention``
 with ``is_causal=True`` and no mask: a query never sees a later key, so right padding is
 invisible to real tokens, and without a mask sdpa takes its fused (flash) CPU/GPU kernel, which
-also skips the upper triangle. Cost: ``n * L_max^2 / 2``, close to the sum of squares because
-packing puts samples of similar length (a GRPO group) together. Outputs of padding positions are
-dropped when scattering back, so they get no gradient.
+also skips the upper triangle. Cost: ``n * L_max^2 / 2``, the sum of the samples' squares when
+they are of equal length (GRPO rows: groups of completions of one prompt), at most ``n`` times
+the longest sample's square otherwise, never the row's. Outputs of padding positions are dropped
+when scattering back, so they get no gradient.
 
 Sample boundaries travel as ``cu_seq_lens_q`` (transformers' ``FlashAttentionKwargs``, which
-flash-attention's varlen kernels read directly), computed once per forward by ``varlen_kwargs``.
+flash-attention's varlen kernels read directly), computed once per forward by ``varlen_kwargs``;
+without them they are read from the ``position_ids`` restarts. A padded batch with an
+``attention_mask`` is not supported (transformers builds no mask for this implementation).
 
-Why not the alternatives on CPU (``bench/trainer.py`` part "attention", docs in
-``trainer/model.py``): flex_attention without ``torch.compile`` materialises the dense score
-matrix (no faster than sdpa) and compiling needs a C++ toolchain and minutes of warm-up per
-shape; a Python loop of one sdpa call per sample costs ``layers x samples`` kernel launches.
+Why not the alternatives on CPU (measured with ``python bench/trainer.py --vs-trl``, which
+runs this next to transformers' dense-mask sdpa): the dense mask costs the row's square and
+keeps sdpa off its fused kernel; flex_attention with a document mask has no backward on CPU in
+torch 2.13 ("FlexAttention does not support backward on CPU"); one sdpa call per sample costs
+``layers x samples`` kernel launches, where this costs ``layers``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,15 @@ def varlen_kwargs(seq_lens: list[int], device: torch.device) -> dict[str, Any]:
     }
 
 
+def _cu_from_positions(pos: torch.Tensor) -> torch.Tensor | None:
+    """Sample boundaries from positions that restart at 0; None when the row is one sequence."""
+    starts = torch.nonzero(pos == 0).flatten()
+    if starts.numel() < 2 or int(starts[0]) != 0:
+        return None
+    end = torch.tensor([pos.numel()], device=pos.device)
+    return torch.cat([starts, end]).to(torch.int32)
+
+
 def _pad_index(cu: torch.Tensor, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``index[i, j]``: row position of sample ``i``'s token ``j`` (clamped), and its validity."""
     starts = cu[:-1].long().unsqueeze(1)
@@ -64,6 +77,8 @@ def varlen_sdpa_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention interface: ``query`` ``[1, H, T, D]`` -> output ``[1, T, H, D]``."""
     cu = kwargs.get("cu_seq_lens_q")
+    if cu is None and query.shape[0] == 1 and kwargs.get("position_ids") is not None:
+        cu = _cu_from_positions(kwargs["position_ids"][0])
     if cu is None or query.shape[0] != 1:
         # Not a packed row (e.g. generation or a padded batch): plain causal sdpa.
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -71,7 +86,11 @@ def varlen_sdpa_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    longest = int(kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max()))
+    longest = (
+        int((cu[1:] - cu[:-1]).max())
+        if kwargs.get("max_length_q") is None
+        else int(kwargs["max_length_q"])
+    )
     index, valid = _pad_index(cu.to(query.device), longest)
     n = index.shape[0]
     flat = index.reshape(-1)

@@ -1,16 +1,17 @@
 """The policy: a transformers causal LM with a peft LoRA adapter, and its per-token logprobs.
 
-Packed rows need no attention mask from us. transformers (5.x) derives a block-diagonal causal
-mask from ``position_ids`` that restart at 0 (``masking_utils.find_packed_sequence_indices``)
-for every attention implementation (eager, sdpa, flex; flash-attention uses the restarts as
-varlen boundaries), but only when ``attention_mask`` is None and there is no KV cache, hence
-``use_cache=False`` below. ``tests/trainer/test_packing.py`` checks that packed and unpacked
-logprobs agree within 1e-5, and that the test notices a mask that lets samples see each other.
+Packed rows: ``position_ids`` restart at 0 for every sample and the row's sample lengths go to
+the attention kernel as ``cu_seq_lens_q/k`` (transformers' varlen kwargs), so no sample sees
+another. The default attention is chosen so a packed row costs the sum of its samples' squares,
+not the row's square: flash-attention's varlen kernels on CUDA when ``flash_attn`` is installed,
+else ``trainer.attention.VARLEN_SDPA`` (samples batched for sdpa's fused causal kernel). Chosen
+by measurement on CPU (``python bench/trainer.py --vs-trl``): transformers' own sdpa/eager paths
+turn the restarts into one dense block-diagonal mask (a row costs its length squared, and sdpa
+with a mask leaves its fused kernel), and flex_attention has no backward on CPU in torch 2.13.
+``tests/trainer/test_packing.py`` checks for every implementation that packed and unpacked
+logprobs agree within 1e-5, and that the test notices a row whose samples see each other.
 
-Cost: with sdpa/eager the mask is dense, so a row's attention costs (row length)^2 however many
-samples it holds; flash-attention's varlen kernels cost the sum of the samples' squares. On CPU
-(measured, 16 samples of ~240 tokens, 5.9M-parameter model) fwd+bwd took 4.5 s as one 3.8k row,
-2.8 s at budget 2048, 1.9 s at 1024, 1.7 s at 512, and 4.9 s as one sample per row.
+``use_cache=False`` on every forward: with a KV cache transformers ignores packing.
 """
 
 from __future__ import annotations

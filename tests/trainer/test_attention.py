@@ -56,3 +56,14 @@ def test_varlen_differs_from_one_dense_causal_row():
     assert (out - dense.transpose(1, 2)).abs().max() > 1e-3
     # the first sample is a prefix, so it agrees
     torch.testing.assert_close(out[:, :3], dense.transpose(1, 2)[:, :3])
+
+
+def test_boundaries_from_position_restarts_without_varlen_kwargs():
+    torch.manual_seed(2)
+    seq_lens = [4, 2, 5]
+    q, k, v = (torch.randn(1, 2, 11, 8) for _ in range(3))
+    pos = torch.cat([torch.arange(n) for n in seq_lens]).unsqueeze(0)
+    got, _ = varlen_sdpa_attention(_Module(), q, k, v, None, position_ids=pos)
+    want, _ = varlen_sdpa_attention(_Module(), q, k, v, None, **varlen_kwargs(seq_lens, q.device))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, _per_sample(q, k, v, seq_lens, None))
