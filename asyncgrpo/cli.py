@@ -1,9 +1,9 @@
 """The ``asyncgrpo`` command.
 
 - ``asyncgrpo demo [--output-dir DIR]``: the tiny CPU example end to end (the README's main job)
-- ``asyncgrpo train CONFIG [key=value ...] [--remote-rollouts]``: train (in one process, or fed by
-  rollout processes through the transport); ``torchrun --nproc-per-node N -m asyncgrpo train
-  CONFIG`` trains data-parallel over N ranks
+- ``asyncgrpo train CONFIG [key=value ...] [--remote-rollouts] [--dry-run]``: train (in one
+  process, or fed by rollout processes through the transport); ``--dry-run`` checks the recipe;
+  ``torchrun --nproc-per-node N -m asyncgrpo train CONFIG`` trains data-parallel over N ranks
 - ``asyncgrpo rollout CONFIG [key=value ...]``: a rollout process for a split run
 - ``asyncgrpo launch CONFIG --backend hf-jobs|local [--dry-run]``: the run across machines
   (Hugging Face Jobs) or as separate local processes; Ctrl-C cancels every job
@@ -68,6 +68,12 @@ def _train(args: argparse.Namespace) -> None:
     cfg = _load(args)  # first: a bad setting fails before the heavy imports
     from asyncgrpo.run import run_training
 
+    if args.dry_run:
+        from asyncgrpo.preflight import dry_run
+
+        print("\n".join(dry_run(cfg)))
+        print("recipe OK (dry run: nothing started or downloaded)")
+        return
     source = "channel" if args.remote_rollouts else "local"
     result = _run(lambda: run_training(cfg, rollout_source=source))
     if result.rank == 0:  # under torchrun, rank 0 speaks for the job
@@ -128,6 +134,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if name == "train":
             p.add_argument("--remote-rollouts", action="store_true",
                            help="take samples from `asyncgrpo rollout` processes via the transport")  # fmt: skip
+            p.add_argument("--dry-run", action="store_true",
+                           help="check the recipe (rewards import, replica flags, context) and exit")  # fmt: skip
 
     from asyncgrpo.launch.command import add_parser as add_launch_parser
 

@@ -151,7 +151,16 @@ class TrainerConfig:
     attn_implementation: str | None = field(
         default=None,
         metadata={
-            "help": "transformers attn_implementation ('sdpa', 'eager', ...); None: default."
+            "help": "transformers attn_implementation ('sdpa', 'eager', ...); None: "
+            "flash_attention_2 on CUDA when flash-attn is installed, else "
+            "asyncgrpo_varlen_sdpa (a packed row costs the sum of its samples' squares)."
+        },
+    )
+    peak_flops: float | None = field(
+        default=None,
+        metadata={
+            "help": "Peak FLOP/s of one accelerator at the training dtype (e.g. 9.89e14: H100/H200 "
+            "bf16 dense), for perf/mfu; None: no MFU metric."
         },
     )
     fsdp: bool = field(
@@ -185,7 +194,8 @@ class TrainerConfig:
         check_fields(
             self, "trainer",
             gt=dict.fromkeys(
-                ("learning_rate", "max_grad_norm", "epsilon", "epsilon_high", "dp_timeout_s"), 0
+                ("learning_rate", "max_grad_norm", "epsilon", "epsilon_high", "dp_timeout_s",
+                 "peak_flops"), 0
             ),
             ge={"warmup_steps": 0, "weight_decay": 0, "samples_per_step": 1, "token_budget": 1,
                 "gradient_accumulation_steps": 1, "max_steps": 1, "max_staleness": 0,

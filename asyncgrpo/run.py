@@ -52,7 +52,7 @@ from asyncgrpo.rollout.client import RolloutClient
 from asyncgrpo.rollout.dataset import PromptDataset, load_tokenizer
 from asyncgrpo.rollout.window import AdmissionWindow
 from asyncgrpo.sample import Sample
-from asyncgrpo.serve import launch_replicas
+from asyncgrpo.serve import ServeConfig, launch_replicas
 from asyncgrpo.sync import (
     AdapterLoader,
     AdapterSource,
@@ -111,6 +111,17 @@ def _transport_url(cfg: TrainingConfig) -> str:
     return cfg.transport_url or str((cfg.run_dir / "store").resolve())
 
 
+def replica_config(cfg: TrainingConfig, transport_url: str | None = None) -> ServeConfig:
+    """The settings of the replicas a run starts itself: ``serve``, with the run's log and cache
+    directories, allowed to fetch adapters from the run's transport."""
+    return dataclasses.replace(
+        cfg.serve,
+        log_dir=cfg.serve.log_dir or str(cfg.run_dir / "replica-logs"),
+        transports=(transport_url or _transport_url(cfg),),
+        adapter_cache_dir=cfg.serve.adapter_cache_dir or str(cfg.run_dir / "replica-adapters"),
+    )
+
+
 @asynccontextmanager
 async def _endpoint(cfg: TrainingConfig, cache_dir: Path, transport_url: str) -> AsyncIterator[str]:
     """Local replicas (if any) plus ``proxy.upstreams``, behind an in-process proxy; yields its URL.
@@ -122,13 +133,7 @@ async def _endpoint(cfg: TrainingConfig, cache_dir: Path, transport_url: str) ->
     async with AsyncExitStack() as stack:
         urls = list(cfg.proxy.upstreams)
         if cfg.serve.replicas:
-            serve = dataclasses.replace(
-                cfg.serve,
-                log_dir=cfg.serve.log_dir or str(cfg.run_dir / "replica-logs"),
-                transports=(transport_url,),
-                adapter_cache_dir=cfg.serve.adapter_cache_dir
-                or str(cfg.run_dir / "replica-adapters"),
-            )
+            serve = replica_config(cfg, transport_url)
             replicas = await stack.enter_async_context(launch_replicas(serve))
             urls = [r.url for r in replicas] + urls
         proxy = dataclasses.replace(

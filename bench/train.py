@@ -10,6 +10,9 @@
     schedule, clip range, seed and samples per step. Two models, both built locally: the tiny
     CPU test model and a ~22M-parameter one (hidden 512, 8 layers) generating up to 128 tokens
     (generation-bound).
+(c) Trainer only, identical samples: asyncgrpo's ``Trainer.step`` vs TRL's ``GRPOTrainer`` loss,
+    backward and AdamW step on the same batch, for the two models of (b) (``bench/trainer.py
+    --vs-trl``, imported).
 
 Columns: ``setup`` is the wall time outside optimizer steps (model load, replica start-up, the
 first adapter load, shutdown); ``s/step p50`` the median optimizer step, wait for rollouts
@@ -44,7 +47,7 @@ from typing import Any
 STEPS = 20  # optimizer steps per (b) variant
 THRESHOLD_X = 2.0  # default threshold: this many times the starting policy's reward
 WINDOW = 3  # steps in that moving mean
-PARTS = "a,b"
+PARTS = "a,c,b"
 MODELS = "tiny,25m"
 VARIANTS = "asyncgrpo,trl"
 # (a): synthetic samples through asyncgrpo's Trainer (bench/trainer.py's model and samples)
@@ -94,6 +97,22 @@ def bench_trainer(args: argparse.Namespace, tmp: Path) -> None:
                 f"{r['tok_s']:>10.0f}{r['tok_s'] / base:>10.2f}x"
             )
             gc.collect()
+
+
+# ---- (c) trainer only vs TRL ---------------------------------------------------------------------
+def bench_trainer_vs_trl(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import trainer as trainer_bench  # bench/trainer.py
+
+    print("\n(c) trainer only, identical samples: asyncgrpo vs TRL GRPOTrainer")
+    ns = argparse.Namespace(
+        models=args.models,
+        samples=trainer_bench.VS_TRL_SAMPLES,
+        g=8,
+        steps=trainer_bench.VS_TRL_STEPS,
+        budget=trainer_bench.VS_TRL_BUDGET,
+    )
+    trainer_bench.bench_vs_trl(ns)
 
 
 # ---- (b) asyncgrpo vs TRL ----------------------------------------------------------------------
@@ -357,8 +376,12 @@ def bench_runs(args: argparse.Namespace, tmp: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default=PARTS, help="a (trainer), b (asyncgrpo vs TRL), or a,b")
-    p.add_argument("--models", default=MODELS, help="(b) models: tiny, 25m, or both")
+    p.add_argument(
+        "--parts",
+        default=PARTS,
+        help="a (trainer), c (trainer vs TRL), b (runs vs TRL), e.g. a,c,b",
+    )
+    p.add_argument("--models", default=MODELS, help="(b, c) models: tiny, 25m, or both")
     p.add_argument("--variants", default=VARIANTS, help="(b) asyncgrpo, trl, or both")
     p.add_argument("--steps", type=int, default=STEPS, help="(b) optimizer steps per variant")
     p.add_argument("--threshold", type=float, default=None, help="(b) absolute reward threshold")
@@ -386,6 +409,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         if "a" in args.parts:
             bench_trainer(args, Path(tmp))
+        if "c" in args.parts:
+            bench_trainer_vs_trl(args)
         if "b" in args.parts:
             bench_runs(args, Path(tmp))
     print(

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncgrpo.sample import Sample, group_stats
+from asyncgrpo.trainer.flops import ModelShape, step_flops
 from asyncgrpo.trainer.loss import STAT_KEYS, add_stats, finalize_stats, grpo_loss
 from asyncgrpo.trainer.model import default_device, load_policy, row_logprobs
 from asyncgrpo.trainer.model import save_adapter as _save_adapter
@@ -85,6 +86,16 @@ def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     return out
 
 
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory since the step began: allocated tensors on CUDA; on CPU the process's peak
+    resident set so far (the OS keeps no per-step peak)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 class Trainer:
     """A LoRA policy, its AdamW optimizer and schedule, and the GRPO step."""
 
@@ -126,6 +137,7 @@ class Trainer:
             shard_base_model(self.model, self.params)
             for p in self.params:  # the adapter is not FSDP's: move it ourselves
                 p.data = p.data.to(self.device)
+        self.shape = ModelShape.from_config(self.model.config)
         self.optimizer = torch.optim.AdamW(
             self.params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay
         )
@@ -196,6 +208,8 @@ class Trainer:
         cfg = self.config
         dp = self.dp
         self._sync()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         t_step = time.perf_counter()
 
         # -- pack: token-budget rows, or gradient_accumulation_steps rows without a budget
@@ -293,6 +307,7 @@ class Trainer:
             "perf/fwd_bwd_s": fwd_bwd_s,
             "perf/train_step_s": step_s,
             "perf/tokens_per_s": total_tokens / fwd_bwd_s if fwd_bwd_s > 0 else math.nan,
+            "perf/peak_mem_gib": peak_memory_gib(self.device),
         }
         if step_samples is not None:
             metrics.update(sample_metrics(step_samples))
@@ -300,6 +315,11 @@ class Trainer:
             metrics["batch/samples_per_row"] = len(step_samples) / num_rows
         if dp is not None:
             metrics["batch/ranks"] = float(dp.world_size)
+        if cfg.peak_flops is not None and fwd_bwd_s > 0:
+            # This rank's rows over this rank's time: MFU per device, also with several ranks.
+            local = sum(row.num_completion_tokens for row in rows)
+            flops = step_flops(self.shape, (n for row in rows for n in row.seq_lens), local)
+            metrics["perf/mfu"] = flops / fwd_bwd_s / cfg.peak_flops
         return metrics
 
     # -----------------------------------------------------------------------------------------

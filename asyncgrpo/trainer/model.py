@@ -1,16 +1,17 @@
 """The policy: a transformers causal LM with a peft LoRA adapter, and its per-token logprobs.
 
-Packed rows need no attention mask from us. transformers (5.x) derives a block-diagonal causal
-mask from ``position_ids`` that restart at 0 (``masking_utils.find_packed_sequence_indices``)
-for every attention implementation (eager, sdpa, flex; flash-attention uses the restarts as
-varlen boundaries), but only when ``attention_mask`` is None and there is no KV cache, hence
-``use_cache=False`` below. ``tests/trainer/test_packing.py`` checks that packed and unpacked
-logprobs agree within 1e-5, and that the test notices a mask that lets samples see each other.
+Packed rows: ``position_ids`` restart at 0 for every sample and the row's sample lengths go to
+the attention kernel as ``cu_seq_lens_q/k`` (transformers' varlen kwargs), so no sample sees
+another. The default attention is chosen so a packed row costs the sum of its samples' squares,
+not the row's square: flash-attention's varlen kernels on CUDA when ``flash_attn`` is installed,
+else ``trainer.attention.VARLEN_SDPA`` (samples batched for sdpa's fused causal kernel). Chosen
+by measurement on CPU (``python bench/trainer.py --vs-trl``): transformers' own sdpa/eager paths
+turn the restarts into one dense block-diagonal mask (a row costs its length squared, and sdpa
+with a mask leaves its fused kernel), and flex_attention has no backward on CPU in torch 2.13.
+``tests/trainer/test_packing.py`` checks for every implementation that packed and unpacked
+logprobs agree within 1e-5, and that the test notices a row whose samples see each other.
 
-Cost: with sdpa/eager the mask is dense, so a row's attention costs (row length)^2 however many
-samples it holds; flash-attention's varlen kernels cost the sum of the samples' squares. On CPU
-(measured, 16 samples of ~240 tokens, 5.9M-parameter model) fwd+bwd took 4.5 s as one 3.8k row,
-2.8 s at budget 2048, 1.9 s at 1024, 1.7 s at 512, and 4.9 s as one sample per row.
+``use_cache=False`` on every forward: with a KV cache transformers ignores packing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.trainer.attention import VARLEN_SDPA, varlen_kwargs
+from asyncgrpo.trainer.attention import register as register_varlen_sdpa
 from asyncgrpo.trainer.packing import PackedRow
 
 if TYPE_CHECKING:
@@ -32,6 +35,17 @@ logger = logging.getLogger(__name__)
 
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def default_attn_implementation(device: torch.device, dtype: torch.dtype) -> str:
+    """flash-attention's varlen kernels on CUDA in half precision when installed, else
+    ``VARLEN_SDPA``. Both cost a packed row the sum of its samples' squares."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+    return VARLEN_SDPA
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -83,9 +97,10 @@ def load_policy(
     _check_packing_support()
     device = torch.device(device) if device is not None else default_device()
     torch_dtype = resolve_dtype(dtype, device)
-    kwargs: dict[str, Any] = {"dtype": torch_dtype}
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
+    attn = attn_implementation or default_attn_implementation(device, torch_dtype)
+    if attn == VARLEN_SDPA:
+        register_varlen_sdpa()
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn}
     base = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
     base.to(device)
     if gradient_checkpointing:
@@ -102,10 +117,11 @@ def load_policy(
     model.train()
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info(
-        "loaded %s (%s on %s) with LoRA r=%d: %d trainable parameters",
+        "loaded %s (%s on %s, %s attention) with LoRA r=%d: %d trainable parameters",
         model_path,
         torch_dtype,
         device,
+        attn,
         lora.r,
         n_train,
     )
@@ -114,6 +130,17 @@ def load_policy(
 
 def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def autocast(model: torch.nn.Module, device: torch.device) -> Any:
+    """Autocast to the base model's dtype when it is bfloat16/float16, else a no-op.
+
+    The adapter's weights (and so AdamW's state) stay float32; autocast runs its matmuls in the
+    base's half precision instead of upcasting every LoRA input to float32.
+    """
+    dtype = getattr(model, "dtype", torch.float32)
+    half = dtype in (torch.bfloat16, torch.float16)
+    return torch.autocast(device.type, dtype=dtype if half else torch.bfloat16, enabled=half)
 
 
 def row_logprobs(
@@ -134,12 +161,14 @@ def row_logprobs(
     if int(targets_at.min()) == 0:
         raise ValueError("a completion token at position 0 of a row has no preceding token")
     predict_from = (targets_at - 1).to(device)
-    out = model(
-        input_ids=row.input_ids.to(device).unsqueeze(0),
-        position_ids=row.position_ids.to(device).unsqueeze(0),
-        use_cache=False,
-        logits_to_keep=predict_from,
-    )
+    with autocast(model, device):
+        out = model(
+            input_ids=row.input_ids.to(device).unsqueeze(0),
+            position_ids=row.position_ids.to(device).unsqueeze(0),
+            use_cache=False,
+            logits_to_keep=predict_from,
+            **varlen_kwargs(row.seq_lens, device),
+        )
     temps = row.temperatures.to(device)[targets_at.to(device)].unsqueeze(-1)
     scaled = out.logits[0].float() / temps
     targets = row.input_ids.to(device)[targets_at.to(device)]

@@ -180,3 +180,42 @@ def test_non_finite_gradient_skips_the_update(tiny_model_dir, caplog):
     after = _lora(trainer)
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert trainer.step_count == 1
+
+
+def test_perf_metrics_mfu_and_peak_memory(tiny_model_dir):
+    from asyncgrpo.trainer.flops import step_flops
+    from asyncgrpo.trainer.packing import pack_samples
+
+    trainer = _trainer(tiny_model_dir, peak_flops=1e12, token_budget=64)
+    samples = make_samples(10, seed=4)
+    m = trainer.step(samples)
+    rows = pack_samples(samples, token_budget=64)
+    flops = step_flops(
+        trainer.shape,
+        [n for r in rows for n in r.seq_lens],
+        sum(len(s.completion_ids) for s in samples),
+    )
+    assert m["perf/mfu"] == pytest.approx(flops / m["perf/fwd_bwd_s"] / 1e12)
+    assert 0 < m["perf/mfu"] < 1
+    assert m["perf/tokens_per_s"] == pytest.approx(m["batch/tokens"] / m["perf/fwd_bwd_s"])
+    assert m["perf/peak_mem_gib"] > 0
+    assert "perf/mfu" not in _trainer(tiny_model_dir).step(samples)  # no peak_flops, no MFU
+
+
+def test_bfloat16_base_trains_a_float32_adapter_under_autocast(tiny_model_dir):
+    samples = make_samples(6, seed=5)
+    ref = _trainer(tiny_model_dir)
+    half = _trainer(tiny_model_dir, dtype="bfloat16")
+    base = [p for n, p in half.model.named_parameters() if "lora_" not in n]
+    assert {p.dtype for p in base} == {torch.bfloat16}
+    assert {p.dtype for p in half.params} == {torch.float32}
+    # the bfloat16 policy's logprobs are the float32 one's, to bfloat16 precision
+    got = [x for lp in half.logprobs(samples) for x in lp]
+    want = [x for lp in ref.logprobs(samples) for x in lp]
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 0.1
+    before = {k: v.clone() for k, v in _lora(half).items()}
+    m = half.step(samples)
+    assert math.isfinite(m["loss"]) and m["grad_norm"] > 0
+    after = _lora(half)
+    assert all(after[k].dtype == torch.float32 for k in after)
+    assert any(not torch.equal(before[k], after[k]) for k in after)

@@ -9,6 +9,7 @@ import torch
 from trainer_helpers import make_samples
 
 from asyncgrpo.config import LoraConfig
+from asyncgrpo.trainer.attention import VARLEN_SDPA
 from asyncgrpo.trainer.model import load_policy, row_logprobs
 from asyncgrpo.trainer.packing import build_row, pack_samples, plan_rows
 
@@ -104,7 +105,7 @@ def _naive_logprobs(model, sample, with_entropy=False):
     return out
 
 
-@pytest.fixture(scope="module", params=["sdpa", "eager"])
+@pytest.fixture(scope="module", params=[VARLEN_SDPA, "sdpa", "eager"])
 def policy(request, tiny_model_dir):
     torch.manual_seed(0)
     model = load_policy(
@@ -138,10 +139,15 @@ def test_packed_logprobs_equal_unpacked(policy):
 
 
 def test_comparison_detects_cross_sample_attention(policy):
-    """Sanity check of the test above: positions that do not restart let samples mix."""
+    """Sanity check of the test above: a row that forgets its sample boundaries lets samples mix.
+
+    sdpa/eager read the boundaries from the position restarts, the varlen kernels from
+    ``seq_lens``; both are erased.
+    """
     samples = make_samples(4, seed=8)
     row = build_row(samples, [0, 1, 2, 3])
     row.position_ids = torch.arange(row.num_tokens)
+    row.seq_lens = [row.num_tokens]
     with torch.no_grad():
         logp, _ = row_logprobs(policy, row)
     expected = [x for i in row.sample_indices for x in _naive_logprobs(policy, samples[i])]
