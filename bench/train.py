@@ -175,8 +175,38 @@ def run_asyncgrpo(model: str, key: str, args: argparse.Namespace, out: Path) -> 
     return row
 
 
+def trl_prompts(model: str, cfg: Any, steps: int) -> list[Any]:
+    """The prompts asyncgrpo's rollout client reads, in its order, for ``steps`` steps.
+
+    TRL then reads them unshuffled (``shuffle_dataset=False``), so both trainers see the same
+    prompt in the same step instead of two different permutations.
+    """
+    from asyncgrpo.rollout.dataset import PromptDataset, load_tokenizer
+
+    dataset = PromptDataset.from_config(cfg.dataset, tokenizer=load_tokenizer(model))
+    per_step = cfg.trainer.samples_per_step // cfg.generation.num_generations
+    return [dataset.at(p).prompt for p in range(steps * per_step)]
+
+
+def initial_adapter(model: str, cfg: Any) -> dict[str, Any]:
+    """asyncgrpo's starting LoRA for ``cfg.seed`` (``Trainer`` seeds torch, then builds it)."""
+    import torch
+
+    from asyncgrpo.trainer.model import load_policy
+
+    torch.manual_seed(cfg.seed)
+    policy = load_policy(model, cfg.lora, dtype="float32", device="cpu")
+    return {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+
+
 def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """TRL GRPOTrainer configured like asyncgrpo's ``cfg`` (the run just measured)."""
+    """TRL GRPOTrainer with asyncgrpo's recipe ``cfg`` (the run just measured).
+
+    Same model, LoRA config *and* starting LoRA weights, prompts in the same order, sampling
+    parameters, loss (``dapo``, ``beta=0``, clip range, ``delta`` = ``tis_cap``), advantages
+    (``scale_rewards="group"``), optimizer, schedule and samples per step. What stays different
+    is the generation engine (transformers ``generate``, synchronous) and its random draws.
+    """
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -188,6 +218,11 @@ def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path)
 
     t0 = time.perf_counter()
     tc, gen = cfg.trainer, cfg.generation
+    if tc.max_staleness != 0 or tc.weight_sync_steps != 1:
+        print(
+            f"  note: trainer.max_staleness={tc.max_staleness}, weight_sync_steps="
+            f"{tc.weight_sync_steps}: asyncgrpo trains off-policy, TRL's GRPOTrainer on-policy"
+        )
     grpo = GRPOConfig(
         output_dir=str(out / f"trl-{key}"),
         max_steps=args.steps,
@@ -197,7 +232,9 @@ def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path)
         max_completion_length=gen.max_completion_length,
         temperature=gen.temperature,
         top_p=gen.top_p,
-        top_k=0,
+        top_k=max(gen.top_k, 0),  # off: -1 for vLLM, 0 for transformers
+        min_p=gen.min_p or None,
+        repetition_penalty=gen.repetition_penalty,
         learning_rate=tc.learning_rate,
         lr_scheduler_type=tc.lr_schedule,
         warmup_steps=tc.warmup_steps,
@@ -205,10 +242,12 @@ def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path)
         max_grad_norm=tc.max_grad_norm,
         epsilon=tc.epsilon,
         epsilon_high=tc.clip_high,
+        delta=tc.tis_cap,  # the same ratio cap (tests/trainer/test_trl_parity.py)
         beta=0.0,  # no KL term, like asyncgrpo
         num_iterations=1,
         loss_type="dapo",  # token-level mean over the step, like asyncgrpo
         scale_rewards="group",  # (r - mean) / std within the group, like asyncgrpo
+        shuffle_dataset=False,  # the rows are already in asyncgrpo's order
         seed=cfg.seed,
         data_seed=cfg.seed,
         bf16=False,
@@ -228,7 +267,7 @@ def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path)
         lora_dropout=cfg.lora.dropout,
         task_type="CAUSAL_LM",
     )
-    dataset = Dataset.from_dict({"prompt": list(cfg.dataset.prompts)})
+    dataset = Dataset.from_dict({"prompt": trl_prompts(model, cfg, args.steps)})
     marks: list[float] = []
     rewards: list[float] = []
     gen_s: list[float] = []
@@ -252,6 +291,13 @@ def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path)
         peft_config=peft_config,
         callbacks=[Clock()],
     )
+    # Start from asyncgrpo's LoRA weights (B = 0 either way; A is drawn from torch's RNG, and
+    # the two trainers consume it differently before the draw).
+    start = initial_adapter(model, cfg)
+    params = dict(trainer.model.named_parameters())
+    with torch.no_grad():
+        for name, value in start.items():
+            params[name].copy_(value)
     generate = trainer._generate_and_score_completions
 
     def timed_generate(*a: Any, **kw: Any) -> Any:
@@ -304,6 +350,9 @@ def print_b(key: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> N
             f"{r['wall_s']:>9.0f}{r['reward_first']:>14.3f}{r['reward_last']:>7.3f}"
             f"{thr_step:>9}{thr_s:>8}"
         )
+    for r in rows:
+        curve = " ".join(f"{x:.2f}" for x in r["rewards"])
+        print(f"  {r['variant']}: reward by step: {curve}")
     for r in rows:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in r["parts"].items())
         extra = f"; vLLM {r['gen_tok_s']:.0f} tok/s" if "gen_tok_s" in r else ""
