@@ -47,6 +47,7 @@ WINDOW = 3  # steps in that moving mean
 PARTS = "a,b"
 MODELS = "tiny,25m"
 VARIANTS = "asyncgrpo,trl"
+SEEDS = [0]  # (b) training seeds; each runs every variant
 # (a): synthetic samples through asyncgrpo's Trainer (bench/trainer.py's model and samples)
 A_SAMPLES, A_STEPS, A_HIDDEN, A_LAYERS, A_VOCAB, A_BUDGET = 24, 1, 256, 4, 4096, 4096
 # (b): the two models; dims for asyncgrpo.testing.make_tiny_model (head_dim must be 64)
@@ -123,7 +124,9 @@ def summarize_run(
     }
 
 
-def run_asyncgrpo(model: str, key: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def run_asyncgrpo(
+    model: str, key: str, seed: int, args: argparse.Namespace, out: Path
+) -> dict[str, Any]:
     import anyio
 
     from asyncgrpo.config import TrainingConfig
@@ -136,8 +139,8 @@ def run_asyncgrpo(model: str, key: str, args: argparse.Namespace, out: Path) -> 
         overrides=[
             f"model={model}",
             f"output_dir={out}",
-            f"run_name=asyncgrpo-{key}",
-            f"seed={args.seed}",
+            f"run_name=asyncgrpo-{key}-s{seed}",
+            f"seed={seed}",
             f"trainer.max_steps={steps}",
             f"trainer.save_steps={steps}",  # one checkpoint, at the end (0 is not accepted here)
             f"generation.max_completion_length={COMPLETION_TOKENS[key]}",
@@ -150,7 +153,7 @@ def run_asyncgrpo(model: str, key: str, args: argparse.Namespace, out: Path) -> 
     records = read_metrics(result.run_dir / "metrics.jsonl")
     step_s = [r["perf/step_s"] for r in records]
     row = summarize_run(
-        f"asyncgrpo ({cfg.serve.replicas} vLLM replicas)",
+        f"asyncgrpo ({cfg.serve.replicas} vLLM replicas) s{seed}",
         step_s,
         [r.get("reward", math.nan) for r in records],
         wall - sum(step_s),
@@ -312,7 +315,9 @@ def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path)
     trainer.train()
     wall = time.perf_counter() - t0
     step_s = [marks[i + 1] - marks[i] for i in range(0, len(marks) - 1, 2)]
-    row = summarize_run("TRL GRPOTrainer (sync)", step_s, rewards, wall - sum(step_s), wall)
+    row = summarize_run(
+        f"TRL GRPOTrainer (sync) s{cfg.seed}", step_s, rewards, wall - sum(step_s), wall
+    )
     g = statistics.fmean(gen_s) if gen_s else math.nan
     row["parts"] = {"generate+score": g, "fwd+bwd+optimizer": statistics.fmean(step_s) - g}
     del trainer
@@ -322,9 +327,9 @@ def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path)
 
 def print_b(key: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     dims = MODEL_DIMS[key]
-    # Every variant starts from the same policy (LoRA B = 0), so the first variant's opening
-    # reward is the starting policy's; the default threshold is a multiple of it.
-    start = rows[0]["reward_first"]
+    # Every run starts from the same policy (LoRA B = 0), so the runs' opening reward is the
+    # starting policy's; the default threshold is a multiple of it.
+    start = statistics.fmean(r["reward_first"] for r in rows)
     thr = args.threshold if args.threshold is not None else args.threshold_x * start
     how = "given" if args.threshold is not None else f"{args.threshold_x:g} x start {start:.3f}"
     for r in rows:
@@ -357,6 +362,18 @@ def print_b(key: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> N
         parts = ", ".join(f"{k} {v:.2f}" for k, v in r["parts"].items())
         extra = f"; vLLM {r['gen_tok_s']:.0f} tok/s" if "gen_tok_s" in r else ""
         print(f"  {r['variant']}: mean s/step = {parts}{extra}")
+    kinds = sorted({r["kind"] for r in rows})
+    if len(args.seeds) > 1:  # the reward curve is steep: one seed says little about speed
+        for kind in kinds:
+            mine = [r for r in rows if r["kind"] == kind]
+            steps = sorted(r["thr_step"] or args.steps + 1 for r in mine)
+            print(
+                f"  {kind}: over {len(mine)} seeds, last3 reward median "
+                f"{statistics.median(r['reward_last'] for r in mine):.3f} (min "
+                f"{min(r['reward_last'] for r in mine):.3f}, max "
+                f"{max(r['reward_last'] for r in mine):.3f}); thr step median "
+                f"{statistics.median(steps):g} (- counts as {args.steps + 1})"
+            )
     if len(rows) == 2:
         a, b = rows
         faster = a if a["step_p50"] < b["step_p50"] else b
@@ -382,24 +399,27 @@ def bench_runs(args: argparse.Namespace, tmp: Path) -> None:
         with safe_open(str(model / "model.safetensors"), "pt") as f:
             params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
         rows: list[dict[str, Any]] = []
-        cfg = None
         variants = args.variants.split(",")
-        if "asyncgrpo" in variants:
-            rows.append(run_asyncgrpo(str(model), key, args, tmp))
-            cfg = rows[-1]["config"]
-        if "trl" in variants:
-            if cfg is None:
-                from asyncgrpo.config import TrainingConfig
+        for seed in args.seeds:
+            cfg = None
+            if "asyncgrpo" in variants:
+                rows.append(run_asyncgrpo(str(model), key, seed, args, tmp))
+                rows[-1]["kind"] = "asyncgrpo"
+                cfg = rows[-1]["config"]
+            if "trl" in variants:
+                if cfg is None:
+                    from asyncgrpo.config import TrainingConfig
 
-                cfg = TrainingConfig.from_yaml(
-                    EXAMPLE,
-                    overrides=[
-                        f"model={model}",
-                        f"seed={args.seed}",
-                        f"generation.max_completion_length={COMPLETION_TOKENS[key]}",
-                    ],
-                )
-            rows.append(run_trl(str(model), key, cfg, args, tmp))
+                    cfg = TrainingConfig.from_yaml(
+                        EXAMPLE,
+                        overrides=[
+                            f"model={model}",
+                            f"seed={seed}",
+                            f"generation.max_completion_length={COMPLETION_TOKENS[key]}",
+                        ],
+                    )
+                rows.append(run_trl(str(model), key, cfg, args, tmp))
+                rows[-1]["kind"] = "TRL"
         rows[0]["params_m"] = params / 1e6
         print_b(key, rows, args)
 
@@ -418,7 +438,13 @@ def main() -> None:
         help="(b) without --threshold: this many times the starting policy's reward",
     )
     p.add_argument("--replicas", type=int, default=2, help="(b) local vLLM replicas")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the (b) models' weights")
+    p.add_argument(
+        "--seeds",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=SEEDS,
+        help="(b) training seeds (LoRA init, prompt order, sampling), e.g. 0,1,2",
+    )
     p.add_argument("--a-samples", type=int, default=A_SAMPLES, help="(a) samples per step")
     p.add_argument("--a-steps", type=int, default=A_STEPS, help="(a) timed steps per variant")
     args = p.parse_args()
