@@ -18,6 +18,7 @@ cap: asyncgrpo's ``trainer.tis_cap`` is TRL's ``delta`` (two-sided clipping), ch
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import random
@@ -111,8 +112,8 @@ def _load_lora(model, values: dict[str, torch.Tensor]) -> None:
             params[name].copy_(value)
 
 
-def _trl(model_dir, tmp_path, lora, prompt_ids, completion_ids, behaviour, *, temperature, cap):
-    """TRL's advantages, per-token logprobs, loss, metrics and adapter gradients."""
+def _trl_trainer(model_dir, tmp_path, lora, prompt_ids, completion_ids, behaviour, **config):
+    """TRL's GRPOTrainer on our fixed batch, starting from the adapter ``lora``."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -125,14 +126,12 @@ def _trl(model_dir, tmp_path, lora, prompt_ids, completion_ids, behaviour, *, te
         per_device_train_batch_size=len(completion_ids),
         num_generations=G,
         max_completion_length=max(map(len, completion_ids)),
-        temperature=temperature,
         beta=0.0,
         num_iterations=1,
         loss_type="dapo",
         scale_rewards="group",
         epsilon=EPSILON,
         epsilon_high=EPSILON_HIGH,
-        delta=cap,
         use_cpu=True,
         bf16=False,
         gradient_checkpointing=False,
@@ -140,18 +139,35 @@ def _trl(model_dir, tmp_path, lora, prompt_ids, completion_ids, behaviour, *, te
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,
+        **config,
     )
     trainer = GRPOTrainer(
         model=str(model_dir),
         reward_funcs=even_share,
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        # One prompt row per group and step; rollout_func answers with our batch whatever they are.
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
         peft_config=_peft_config(),
         rollout_func=rollout_func,
     )
+    _load_lora(trainer.model, lora)
+    return trainer
+
+
+def _trl(model_dir, tmp_path, lora, prompt_ids, completion_ids, behaviour, *, temperature, cap):
+    """TRL's advantages, per-token logprobs, loss, metrics and adapter gradients."""
+    trainer = _trl_trainer(
+        model_dir,
+        tmp_path,
+        lora,
+        prompt_ids,
+        completion_ids,
+        behaviour,
+        temperature=temperature,
+        delta=cap,
+    )
     model = trainer.model
     model.train()
-    _load_lora(model, lora)
     # The batch as TRL's sampler hands it over: each prompt G times in a row.
     inputs = trainer._generate_and_score_completions(
         [{"prompt": p} for p in PROMPTS for _ in range(G)]
@@ -183,8 +199,8 @@ def _trl(model_dir, tmp_path, lora, prompt_ids, completion_ids, behaviour, *, te
     }
 
 
-def _asyncgrpo(model_dir, lora, prompt_ids, completion_ids, behaviour, *, temperature, cap):
-    """Our advantages, per-token logprobs, step metrics and adapter gradients."""
+def _samples(model_dir, prompt_ids, completion_ids, behaviour, *, temperature=1.0) -> list[Sample]:
+    """The batch as the rollout client would queue it: scored and with group advantages."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -216,6 +232,12 @@ def _asyncgrpo(model_dir, lora, prompt_ids, completion_ids, behaviour, *, temper
                     temperature=temperature,
                 )
             )
+    return samples
+
+
+def _asyncgrpo(model_dir, lora, prompt_ids, completion_ids, behaviour, *, temperature, cap):
+    """Our advantages, per-token logprobs, step metrics and adapter gradients."""
+    samples = _samples(model_dir, prompt_ids, completion_ids, behaviour, temperature=temperature)
     trainer = Trainer(
         model_dir,
         lora=LoraConfig(**LORA),
@@ -314,3 +336,72 @@ def test_loss_ratios_and_gradients_match_trl(tiny_model, tmp_path, monkeypatch, 
     assert any(float(g.abs().max()) > 1e-3 for g in trl["grads"].values())
     for name, g in trl["grads"].items():
         torch.testing.assert_close(ours["grads"][name], g, rtol=0, atol=TOL, msg=name)
+
+
+def test_optimizer_steps_match_trl_train_loop(tiny_model, tmp_path, monkeypatch):
+    """TRL's own ``train()`` (AdamW, constant schedule, gradient clipping, on-policy ratio 1)
+    and ``Trainer.step`` move the adapter alike, step after step, on one fixed batch."""
+    from transformers import AutoTokenizer, TrainerCallback
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    steps, lr = 3, 3e-2
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    prompt_ids, completion_ids = _batch(tokenizer)
+    lora = _fixed_lora(tiny_model, tmp_path / "adapter")
+    unused = [[0.0] * len(c) for c in completion_ids]  # on-policy: behaviour = current policy
+
+    trl_after: list[dict[str, torch.Tensor]] = []
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            trl_after.append(
+                {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+            )
+
+    trl = _trl_trainer(
+        tiny_model,
+        tmp_path,
+        lora,
+        prompt_ids,
+        completion_ids,
+        unused,
+        max_steps=steps,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        logging_steps=1,
+    )
+    trl.add_callback(Snapshot())
+    trl.train()
+
+    ours = Trainer(
+        tiny_model,
+        lora=LoraConfig(**LORA),
+        trainer=TrainerConfig(
+            learning_rate=lr,
+            lr_schedule="constant",
+            max_grad_norm=1.0,
+            epsilon=EPSILON,
+            epsilon_high=EPSILON_HIGH,
+            token_budget=64,
+            dtype="float32",
+        ),
+        device="cpu",
+    )
+    _load_lora(ours.model, lora)
+    samples = _samples(tiny_model, prompt_ids, completion_ids, unused)
+    clipped = 0
+    for k in range(steps):
+        on_policy = [
+            dataclasses.replace(s, logprobs=lp)
+            for s, lp in zip(samples, ours.logprobs(samples), strict=True)
+        ]
+        clipped += ours.step(on_policy)["grad_norm"] > 1.0
+        params = {n: p.detach() for n, p in ours.model.named_parameters() if p.requires_grad}
+        moved = max(float((params[n] - lora[n]).abs().max()) for n in params)
+        assert moved > 0.9 * lr * (k + 1)  # Adam moves some weights by ~lr per step
+        for name, value in trl_after[k].items():
+            # AdamW divides by sqrt(v) + 1e-8, so weights whose gradient is ~1e-8 take steps
+            # that float32 noise can change by ~1e-5: hence 1e-4, a third of a percent of lr.
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-4, msg=name)
+    assert clipped  # the clipping path ran too
