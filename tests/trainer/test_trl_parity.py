@@ -14,6 +14,8 @@ the policy so clipping is active, rewards from a real reward function) goes thro
 Advantages, per-token logprobs and ratios, the loss, the clip fractions and every adapter
 gradient agree within 1e-5 in float32. The one loss option TRL spells differently is the ratio
 cap: asyncgrpo's ``trainer.tis_cap`` is TRL's ``delta`` (two-sided clipping), checked here too.
+A second test runs TRL's own ``train()`` loop (AdamW, schedule, gradient clipping) for three steps
+on the batch and compares the adapter with ``Trainer.step``'s after each step.
 """
 
 from __future__ import annotations
