@@ -5,10 +5,15 @@
     measuring code is ``bench/trainer.py`` (imported, not duplicated).
 (b) Seconds per optimizer step and to a reward threshold: asyncgrpo (``run_training``: two local
     float32 vLLM replicas behind the proxy, async, adapter sync every ``weight_sync_steps``) vs
-    TRL's ``GRPOTrainer`` (synchronous, transformers ``generate``), with the same model, LoRA
-    config, prompts, reward (``digit_fraction``), G, completion length, learning rate and
-    schedule, clip range, seed and samples per step. Two models, both built locally: the tiny
-    CPU test model and a ~22M-parameter one (hidden 512, 8 layers) generating up to 128 tokens
+    TRL's ``GRPOTrainer`` (synchronous, transformers ``generate``), with the same recipe: model,
+    LoRA config and starting LoRA weights, prompts in the same order, reward (``digit_fraction``),
+    G, sampling parameters, completion length, loss, learning rate and schedule, clip range and
+    samples per step (``tests/trainer/test_trl_parity.py`` shows the two compute the same
+    advantages, loss, gradients and updates). What differs is the generation engine and its
+    random draws, and on this task those decide when the reward takes off (the curve is steep:
+    two runs of one trainer that differ only in their seed can end at 0.06 and at 0.98), so
+    compare learning speed over several ``--seeds``. Two models, both built locally: the tiny CPU
+    test model and a ~22M-parameter one (hidden 512, 8 layers) generating up to 128 tokens
     (generation-bound).
 (c) Trainer only, identical samples: asyncgrpo's ``Trainer.step`` vs TRL's ``GRPOTrainer`` loss,
     backward and AdamW step on the same batch, for the two models of (b) (``bench/trainer.py
@@ -25,7 +30,8 @@ noise (~0.005) yet within reach of 20 steps when learning works. ``thr [s]`` cou
 up to that step (setup excluded). ``--threshold`` sets an absolute value instead.
 
 Run: ``python bench/train.py`` (everything, about 20 min on 2 quiet cores), or e.g.
-``python bench/train.py --parts b --models tiny --steps 2`` (a smoke run).
+``python bench/train.py --parts b --models tiny --steps 2`` (a smoke run), or
+``python bench/train.py --parts b --models tiny --seeds 0,1,2`` (three seeds per variant).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ WINDOW = 3  # steps in that moving mean
 PARTS = "a,c,b"
 MODELS = "tiny,25m"
 VARIANTS = "asyncgrpo,trl"
+SEEDS = [0]  # (b) training seeds; each runs every variant
 # (a): synthetic samples through asyncgrpo's Trainer (bench/trainer.py's model and samples)
 A_SAMPLES, A_STEPS, A_HIDDEN, A_LAYERS, A_VOCAB, A_BUDGET = 24, 1, 256, 4, 4096, 4096
 # (b): the two models; dims for asyncgrpo.testing.make_tiny_model (head_dim must be 64)
@@ -142,7 +149,9 @@ def summarize_run(
     }
 
 
-def run_asyncgrpo(model: str, key: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def run_asyncgrpo(
+    model: str, key: str, seed: int, args: argparse.Namespace, out: Path
+) -> dict[str, Any]:
     import anyio
 
     from asyncgrpo.config import TrainingConfig
@@ -155,8 +164,8 @@ def run_asyncgrpo(model: str, key: str, args: argparse.Namespace, out: Path) -> 
         overrides=[
             f"model={model}",
             f"output_dir={out}",
-            f"run_name=asyncgrpo-{key}",
-            f"seed={args.seed}",
+            f"run_name=asyncgrpo-{key}-s{seed}",
+            f"seed={seed}",
             f"trainer.max_steps={steps}",
             f"trainer.save_steps={steps}",  # one checkpoint, at the end (0 is not accepted here)
             f"generation.max_completion_length={COMPLETION_TOKENS[key]}",
@@ -169,7 +178,7 @@ def run_asyncgrpo(model: str, key: str, args: argparse.Namespace, out: Path) -> 
     records = read_metrics(result.run_dir / "metrics.jsonl")
     step_s = [r["perf/step_s"] for r in records]
     row = summarize_run(
-        f"asyncgrpo ({cfg.serve.replicas} vLLM replicas)",
+        f"asyncgrpo ({cfg.serve.replicas} vLLM replicas) s{seed}",
         step_s,
         [r.get("reward", math.nan) for r in records],
         wall - sum(step_s),
@@ -194,8 +203,38 @@ def run_asyncgrpo(model: str, key: str, args: argparse.Namespace, out: Path) -> 
     return row
 
 
+def trl_prompts(model: str, cfg: Any, steps: int) -> list[Any]:
+    """The prompts asyncgrpo's rollout client reads, in its order, for ``steps`` steps.
+
+    TRL then reads them unshuffled (``shuffle_dataset=False``), so both trainers see the same
+    prompt in the same step instead of two different permutations.
+    """
+    from asyncgrpo.rollout.dataset import PromptDataset, load_tokenizer
+
+    dataset = PromptDataset.from_config(cfg.dataset, tokenizer=load_tokenizer(model))
+    per_step = cfg.trainer.samples_per_step // cfg.generation.num_generations
+    return [dataset.at(p).prompt for p in range(steps * per_step)]
+
+
+def initial_adapter(model: str, cfg: Any) -> dict[str, Any]:
+    """asyncgrpo's starting LoRA for ``cfg.seed`` (``Trainer`` seeds torch, then builds it)."""
+    import torch
+
+    from asyncgrpo.trainer.model import load_policy
+
+    torch.manual_seed(cfg.seed)
+    policy = load_policy(model, cfg.lora, dtype="float32", device="cpu")
+    return {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+
+
 def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """TRL GRPOTrainer configured like asyncgrpo's ``cfg`` (the run just measured)."""
+    """TRL GRPOTrainer with asyncgrpo's recipe ``cfg`` (the run just measured).
+
+    Same model, LoRA config *and* starting LoRA weights, prompts in the same order, sampling
+    parameters, loss (``dapo``, ``beta=0``, clip range, ``delta`` = ``tis_cap``), advantages
+    (``scale_rewards="group"``), optimizer, schedule and samples per step. What stays different
+    is the generation engine (transformers ``generate``, synchronous) and its random draws.
+    """
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -207,6 +246,11 @@ def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path)
 
     t0 = time.perf_counter()
     tc, gen = cfg.trainer, cfg.generation
+    if tc.max_staleness != 0 or tc.weight_sync_steps != 1:
+        print(
+            f"  note: trainer.max_staleness={tc.max_staleness}, weight_sync_steps="
+            f"{tc.weight_sync_steps}: asyncgrpo trains off-policy, TRL's GRPOTrainer on-policy"
+        )
     grpo = GRPOConfig(
         output_dir=str(out / f"trl-{key}"),
         max_steps=args.steps,
@@ -216,7 +260,9 @@ def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path)
         max_completion_length=gen.max_completion_length,
         temperature=gen.temperature,
         top_p=gen.top_p,
-        top_k=0,
+        top_k=max(gen.top_k, 0),  # off: -1 for vLLM, 0 for transformers
+        min_p=gen.min_p or None,
+        repetition_penalty=gen.repetition_penalty,
         learning_rate=tc.learning_rate,
         lr_scheduler_type=tc.lr_schedule,
         warmup_steps=tc.warmup_steps,
@@ -224,10 +270,12 @@ def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path)
         max_grad_norm=tc.max_grad_norm,
         epsilon=tc.epsilon,
         epsilon_high=tc.clip_high,
+        delta=tc.tis_cap,  # the same ratio cap (tests/trainer/test_trl_parity.py)
         beta=0.0,  # no KL term, like asyncgrpo
         num_iterations=1,
         loss_type="dapo",  # token-level mean over the step, like asyncgrpo
         scale_rewards="group",  # (r - mean) / std within the group, like asyncgrpo
+        shuffle_dataset=False,  # the rows are already in asyncgrpo's order
         seed=cfg.seed,
         data_seed=cfg.seed,
         bf16=False,
@@ -247,7 +295,7 @@ def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path)
         lora_dropout=cfg.lora.dropout,
         task_type="CAUSAL_LM",
     )
-    dataset = Dataset.from_dict({"prompt": list(cfg.dataset.prompts)})
+    dataset = Dataset.from_dict({"prompt": trl_prompts(model, cfg, args.steps)})
     marks: list[float] = []
     rewards: list[float] = []
     gen_s: list[float] = []
@@ -271,6 +319,13 @@ def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path)
         peft_config=peft_config,
         callbacks=[Clock()],
     )
+    # Start from asyncgrpo's LoRA weights (B = 0 either way; A is drawn from torch's RNG, and
+    # the two trainers consume it differently before the draw).
+    start = initial_adapter(model, cfg)
+    params = dict(trainer.model.named_parameters())
+    with torch.no_grad():
+        for name, value in start.items():
+            params[name].copy_(value)
     generate = trainer._generate_and_score_completions
 
     def timed_generate(*a: Any, **kw: Any) -> Any:
@@ -285,7 +340,9 @@ def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path)
     trainer.train()
     wall = time.perf_counter() - t0
     step_s = [marks[i + 1] - marks[i] for i in range(0, len(marks) - 1, 2)]
-    row = summarize_run("TRL GRPOTrainer (sync)", step_s, rewards, wall - sum(step_s), wall)
+    row = summarize_run(
+        f"TRL GRPOTrainer (sync) s{cfg.seed}", step_s, rewards, wall - sum(step_s), wall
+    )
     g = statistics.fmean(gen_s) if gen_s else math.nan
     row["parts"] = {"generate+score": g, "fwd+bwd+optimizer": statistics.fmean(step_s) - g}
     del trainer
@@ -295,9 +352,9 @@ def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path)
 
 def print_b(key: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     dims = MODEL_DIMS[key]
-    # Every variant starts from the same policy (LoRA B = 0), so the first variant's opening
-    # reward is the starting policy's; the default threshold is a multiple of it.
-    start = rows[0]["reward_first"]
+    # Every run starts from the same policy (LoRA B = 0), so the runs' opening reward is the
+    # starting policy's; the default threshold is a multiple of it.
+    start = statistics.fmean(r["reward_first"] for r in rows)
     thr = args.threshold if args.threshold is not None else args.threshold_x * start
     how = "given" if args.threshold is not None else f"{args.threshold_x:g} x start {start:.3f}"
     for r in rows:
@@ -324,9 +381,24 @@ def print_b(key: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> N
             f"{thr_step:>9}{thr_s:>8}"
         )
     for r in rows:
+        curve = " ".join(f"{x:.2f}" for x in r["rewards"])
+        print(f"  {r['variant']}: reward by step: {curve}")
+    for r in rows:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in r["parts"].items())
         extra = f"; vLLM {r['gen_tok_s']:.0f} tok/s" if "gen_tok_s" in r else ""
         print(f"  {r['variant']}: mean s/step = {parts}{extra}")
+    kinds = sorted({r["kind"] for r in rows})
+    if len(args.seeds) > 1:  # the reward curve is steep: one seed says little about speed
+        for kind in kinds:
+            mine = [r for r in rows if r["kind"] == kind]
+            steps = sorted(r["thr_step"] or args.steps + 1 for r in mine)
+            print(
+                f"  {kind}: over {len(mine)} seeds, last3 reward median "
+                f"{statistics.median(r['reward_last'] for r in mine):.3f} (min "
+                f"{min(r['reward_last'] for r in mine):.3f}, max "
+                f"{max(r['reward_last'] for r in mine):.3f}); thr step median "
+                f"{statistics.median(steps):g} (- counts as {args.steps + 1})"
+            )
     if len(rows) == 2:
         a, b = rows
         faster = a if a["step_p50"] < b["step_p50"] else b
@@ -352,24 +424,27 @@ def bench_runs(args: argparse.Namespace, tmp: Path) -> None:
         with safe_open(str(model / "model.safetensors"), "pt") as f:
             params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
         rows: list[dict[str, Any]] = []
-        cfg = None
         variants = args.variants.split(",")
-        if "asyncgrpo" in variants:
-            rows.append(run_asyncgrpo(str(model), key, args, tmp))
-            cfg = rows[-1]["config"]
-        if "trl" in variants:
-            if cfg is None:
-                from asyncgrpo.config import TrainingConfig
+        for seed in args.seeds:
+            cfg = None
+            if "asyncgrpo" in variants:
+                rows.append(run_asyncgrpo(str(model), key, seed, args, tmp))
+                rows[-1]["kind"] = "asyncgrpo"
+                cfg = rows[-1]["config"]
+            if "trl" in variants:
+                if cfg is None:
+                    from asyncgrpo.config import TrainingConfig
 
-                cfg = TrainingConfig.from_yaml(
-                    EXAMPLE,
-                    overrides=[
-                        f"model={model}",
-                        f"seed={args.seed}",
-                        f"generation.max_completion_length={COMPLETION_TOKENS[key]}",
-                    ],
-                )
-            rows.append(run_trl(str(model), key, cfg, args, tmp))
+                    cfg = TrainingConfig.from_yaml(
+                        EXAMPLE,
+                        overrides=[
+                            f"model={model}",
+                            f"seed={seed}",
+                            f"generation.max_completion_length={COMPLETION_TOKENS[key]}",
+                        ],
+                    )
+                rows.append(run_trl(str(model), key, cfg, args, tmp))
+                rows[-1]["kind"] = "TRL"
         rows[0]["params_m"] = params / 1e6
         print_b(key, rows, args)
 
@@ -392,7 +467,13 @@ def main() -> None:
         help="(b) without --threshold: this many times the starting policy's reward",
     )
     p.add_argument("--replicas", type=int, default=2, help="(b) local vLLM replicas")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the (b) models' weights")
+    p.add_argument(
+        "--seeds",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=SEEDS,
+        help="(b) training seeds (LoRA init, prompt order, sampling), e.g. 0,1,2",
+    )
     p.add_argument("--a-samples", type=int, default=A_SAMPLES, help="(a) samples per step")
     p.add_argument("--a-steps", type=int, default=A_STEPS, help="(a) timed steps per variant")
     args = p.parse_args()
