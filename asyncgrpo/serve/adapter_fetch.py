@@ -21,13 +21,14 @@ This module knows nothing of vLLM; :mod:`asyncgrpo.serve.vllm_plugin` exposes it
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,7 @@ class AdapterFetcher:
             self._roots[transport.url.rstrip("/")] = transport
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self._loading: dict[Path, int] = {}  # fetched, vLLM not done loading: prune keeps them
 
     @classmethod
     def from_env(cls, port: int | None = None) -> AdapterFetcher:
@@ -161,9 +163,22 @@ class AdapterFetcher:
         """A verified local copy of ``ref`` (NotFound if unpublished, IntegrityError if bad)."""
         return await self._store(ref).fetch(ref.name, ref.version, self._cache_for(ref))
 
+    @contextlib.contextmanager
+    def loading(self, path: Path) -> Iterator[Path]:
+        """Keep ``path`` out of :meth:`prune` while vLLM loads it (another load may prune)."""
+        key = path.resolve()
+        self._loading[key] = self._loading.get(key, 0) + 1
+        try:
+            yield path
+        finally:
+            self._loading[key] -= 1
+            if not self._loading[key]:
+                del self._loading[key]
+
     def prune(self, keep: Iterable[str | os.PathLike[str]]) -> list[Path]:
-        """Delete cached versions whose directory is not in ``keep`` (what vLLM still serves)."""
-        kept = {Path(p).resolve() for p in keep}
+        """Delete cached versions whose directory is not in ``keep`` (what vLLM still serves)
+        and that no load in progress is reading."""
+        kept = {Path(p).resolve() for p in keep} | set(self._loading)
         removed = []
         for store_dir in self.cache_dir.iterdir() if self.cache_dir.is_dir() else ():
             for version_dir in store_dir.iterdir() if store_dir.is_dir() else ():

@@ -145,9 +145,10 @@ class AsyncGRPOEndpointPlugin:
                     f"replica {replica} could not fetch {ref.name} version {ref.version}: {exc}",
                     "AdapterFetchError",
                 )
-            result = await serving.load_lora_adapter(
-                load_request(lora_name=name, lora_path=str(path), load_inplace=inplace)
-            )
+            with fetcher.loading(path):
+                result = await serving.load_lora_adapter(
+                    load_request(lora_name=name, lora_path=str(path), load_inplace=inplace)
+                )
             return answer(serving, fetcher, result, error_response)
 
         @router.post(UNLOAD_PATH)

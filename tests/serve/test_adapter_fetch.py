@@ -123,6 +123,8 @@ async def test_prune_keeps_only_what_vllm_still_serves(
         )
         for v in (0, 1)
     ]
+    with fetcher.loading(v0):  # a load in progress: another load's prune must not take it
+        assert fetcher.prune([v1]) == []
     assert fetcher.prune([v1]) == [v0]
     assert fetcher.cached() == [v1]
 
