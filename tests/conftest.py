@@ -17,6 +17,18 @@ import pytest
 from asyncgrpo.serve import Replica, launch_replicas
 from asyncgrpo.testing import tiny_serve_config
 
+#: ``import trl`` sets ``VLLM_LOGGING_LEVEL=ERROR`` in this process's environment, and test
+#: modules that import trl are imported at collection, so every vLLM replica started afterwards
+#: would log errors only (tests read its INFO lines). Restore the variable once collection ends.
+_VLLM_LOGGING_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if _VLLM_LOGGING_LEVEL is None:
+        os.environ.pop("VLLM_LOGGING_LEVEL", None)
+    else:
+        os.environ["VLLM_LOGGING_LEVEL"] = _VLLM_LOGGING_LEVEL
+
 
 @pytest.fixture
 def anyio_backend() -> str:
