@@ -14,8 +14,8 @@ The sequence (the trainer's clock, ``perf/weight_sync_s``):
    the staleness window.
 
 So no request ever names an adapter that some replica lacks: the new name is used only once it
-is loaded everywhere, and the old one is retired only after the switch (the brief unloads
-first, which races when ``max_staleness=0`` retires the version still in use). A load that
+is loaded everywhere, and the old one is retired only after the switch (unloading first races
+when ``max_staleness=0``: it retires the version rollouts are still requesting, and they get 404). A load that
 keeps failing raises :class:`SyncError`; the trainer never trains on as if the replicas had the
 new version. A refusal that a retry cannot change (a tampered file, a source the replicas do
 not allow) fails at once.

@@ -38,8 +38,8 @@ counted); see ``docs/proxy.md`` for the measured bytes per tracked block.
 header) identifies no prompt; matches on it, and on every block before it in the chain, are
 ignored. A request whose next hash differs from a block's only known successor is about to make it
 common, and is scored as if it already were (else the second prompt behind a template would
-follow the first). The brief's second rule, "every replica has
-it", is deliberately dropped: it is what made a spilled prompt (now owned by every replica) lose its
+follow the first). A second rule found in other routers, "every replica has it", is
+deliberately dropped: it is what made a spilled prompt (now owned by every replica) lose its
 affinity for good and pushed "unmatched" far above the 1/G floor. A template is still caught by the
 successor rule as soon as two different prompts have used it.
 
