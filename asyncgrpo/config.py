@@ -2,9 +2,9 @@
 
 Sections: ``dataset``, ``generation`` and ``rollout`` (``asyncgrpo.rollout.config``), ``proxy``
 (``asyncgrpo.proxy.config``), ``serve`` (``asyncgrpo.serve.config``), ``launch``
-(``asyncgrpo.launch.config``), and here ``lora``, ``trainer`` and ``logging``. Every
-field is keyword-only with ``metadata["help"]``; every section validates itself in
-``__post_init__`` and raises ``ConfigError`` naming the field and the fix, and
+(``asyncgrpo.launch.config``), and here ``lora``, ``trainer`` and ``logging``. Every field is
+keyword-only and documented by the string below it (its ``--help``); every section validates
+itself in ``__post_init__`` and raises ``ConfigError`` naming the field and the fix, and
 ``TrainingConfig`` adds the cross-section checks.
 
 Loading: a YAML file, then ``section.field=value`` overrides from the
@@ -61,24 +61,15 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 class LoraConfig:
     """The LoRA adapter that is trained and shipped to the replicas (peft ``LoraConfig``)."""
 
-    r: int = field(
-        default=1,
-        metadata={"help": "Rank. Rank 1 matches full fine-tuning for policy-gradient RL."},
-    )
-    alpha: float = field(
-        default=2.0, metadata={"help": "lora_alpha; the update is scaled by alpha/r."}
-    )
-    target_modules: str | list[str] = field(
-        default="all-linear",
-        metadata={"help": "'all-linear' or a list of module names, e.g. [q_proj, v_proj]."},
-    )
-    dropout: float = field(
-        default=0.0,
-        metadata={
-            "help": "LoRA dropout in [0, 1). Keep 0: with dropout the trainer's logprobs differ "
-            "from vLLM's and `ratio` drifts from 1."
-        },
-    )
+    r: int = 1
+    """Rank. Rank 1 matches full fine-tuning for policy-gradient RL."""
+    alpha: float = 2.0
+    """lora_alpha; the update is scaled by alpha/r."""
+    target_modules: str | list[str] = "all-linear"
+    """'all-linear' or a list of module names, e.g. [q_proj, v_proj]."""
+    dropout: float = 0.0
+    """LoRA dropout in [0, 1). Keep 0: with dropout the trainer's logprobs differ from vLLM's
+    and `ratio` drifts from 1."""
 
     def __post_init__(self) -> None:
         check_fields(self, "lora", ge={"r": 1, "dropout": 0}, le={"r": 512}, gt={"alpha": 0},
@@ -91,104 +82,59 @@ class LoraConfig:
 class TrainerConfig:
     """Optimisation: loss, batching, schedule, and the cadence of syncs and checkpoints."""
 
-    learning_rate: float = field(default=4e-5, metadata={"help": "AdamW peak learning rate."})
-    lr_schedule: LrSchedule = field(
-        default="constant",
-        metadata={
-            "help": "'constant', 'linear' or 'cosine' decay to 0 at max_steps, after warmup."
-        },
-    )
-    warmup_steps: int = field(
-        default=0, metadata={"help": "Optimizer steps of linear warm-up from 0 to learning_rate."}
-    )
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
-    max_grad_norm: float | None = field(
-        default=1.0, metadata={"help": "Clip the gradient norm to this; None disables clipping."}
-    )
-    epsilon: float = field(
-        default=0.2, metadata={"help": "Lower clip range: the ratio is clipped at 1 - epsilon."}
-    )
-    epsilon_high: float | None = field(
-        default=None,
-        metadata={
-            "help": "Upper clip range (1 + epsilon_high); None: same as epsilon. DAPO: 0.28."
-        },
-    )
-    tis_cap: float | None = field(
-        default=None,
-        metadata={
-            "help": "Truncated importance sampling: with a negative advantage the ratio is "
-            "truncated at this value (dual clip), so stale samples cannot blow up the loss. "
-            "Must exceed 1 + epsilon_high; None disables. E.g. 3.0."
-        },
-    )
-    samples_per_step: int = field(
-        default=64, metadata={"help": "Completions consumed by one optimizer step."}
-    )
-    token_budget: int | None = field(
-        default=4096,
-        metadata={
-            "help": "Tokens per packed row (one row per micro-batch). None: no budget; the "
-            "step's samples are split into gradient_accumulation_steps rows instead. Without "
-            "flash-attention (CPU) a row's attention costs its length squared: keep it ~1024."
-        },
-    )
-    gradient_accumulation_steps: int = field(
-        default=1,
-        metadata={
-            "help": "Only when token_budget is None: number of micro-batches (packed rows) per "
-            "optimizer step. samples_per_step of them gives one sequence per micro-batch."
-        },
-    )
-    gradient_checkpointing: bool = field(
-        default=False,
-        metadata={"help": "Recompute activations in backward: less memory, one more forward."},
-    )
-    dtype: Dtype = field(
-        default="auto",
-        metadata={"help": "Base model dtype. 'auto': bfloat16 on CUDA with bf16, else float32."},
-    )
-    attn_implementation: str | None = field(
-        default=None,
-        metadata={
-            "help": "transformers attn_implementation ('sdpa', 'eager', ...); None: "
-            "flash_attention_2 on CUDA when flash-attn is installed, else "
-            "asyncgrpo_varlen_sdpa (a packed row costs the sum of its samples' squares)."
-        },
-    )
-    peak_flops: float | None = field(
-        default=None,
-        metadata={
-            "help": "Peak FLOP/s of one accelerator at the training dtype (e.g. 9.89e14: H100/H200 "
-            "bf16 dense), for perf/mfu; None: no MFU metric."
-        },
-    )
-    fsdp: bool = field(
-        default=False,
-        metadata={
-            "help": "With several ranks (torchrun --nproc-per-node N): shard the frozen base "
-            "model's weights over them with FSDP2, so each rank holds 1/N of them. For a base "
-            "model too large for one device; the adapter stays whole on every rank."
-        },
-    )
-    dp_timeout_s: float = field(
-        default=1800.0,
-        metadata={
-            "help": "With several ranks: how long a rank waits for the others (e.g. while rank "
-            "0 gathers rollouts, syncs or checkpoints) before the job fails naming it."
-        },
-    )
-    max_steps: int = field(default=100, metadata={"help": "Optimizer steps to train."})
-    max_staleness: int = field(
-        default=4,
-        metadata={"help": "Drop samples generated more than this many adapter versions ago."},
-    )
-    weight_sync_steps: int = field(
-        default=4, metadata={"help": "Publish a new adapter version every this many steps."}
-    )
-    save_steps: int = field(
-        default=50, metadata={"help": "Checkpoint every this many steps; 0 disables."}
-    )
+    learning_rate: float = 4e-5
+    """AdamW peak learning rate."""
+    lr_schedule: LrSchedule = "constant"
+    """'constant', 'linear' or 'cosine' decay to 0 at max_steps, after warmup."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to learning_rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float | None = 1.0
+    """Clip the gradient norm to this; None disables clipping."""
+    epsilon: float = 0.2
+    """Lower clip range: the ratio is clipped at 1 - epsilon."""
+    epsilon_high: float | None = None
+    """Upper clip range (1 + epsilon_high); None: same as epsilon. DAPO: 0.28."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: with a negative advantage the ratio is truncated at this
+    value (dual clip), so stale samples cannot blow up the loss. Must exceed 1 + epsilon_high;
+    None disables. E.g. 3.0."""
+    samples_per_step: int = 64
+    """Completions consumed by one optimizer step."""
+    token_budget: int | None = 4096
+    """Tokens per packed row (one row per micro-batch). None: no budget; the step's samples are
+    split into gradient_accumulation_steps rows instead. Without flash-attention (CPU) a row's
+    attention costs its length squared: keep it ~1024."""
+    gradient_accumulation_steps: int = 1
+    """Only when token_budget is None: number of micro-batches (packed rows) per optimizer step.
+    samples_per_step of them gives one sequence per micro-batch."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory, one more forward."""
+    dtype: Dtype = "auto"
+    """Base model dtype. 'auto': bfloat16 on CUDA with bf16, else float32."""
+    attn_implementation: str | None = None
+    """transformers attn_implementation ('sdpa', 'eager', ...); None: flash_attention_2 on CUDA
+    when flash-attn is installed, else asyncgrpo_varlen_sdpa (a packed row costs the sum of its
+    samples' squares)."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one accelerator at the training dtype (e.g. 9.89e14: H100/H200 bf16
+    dense), for perf/mfu; None: no MFU metric."""
+    fsdp: bool = False
+    """With several ranks (torchrun --nproc-per-node N): shard the frozen base model's weights
+    over them with FSDP2, so each rank holds 1/N of them. For a base model too large for one
+    device; the adapter stays whole on every rank."""
+    dp_timeout_s: float = 1800.0
+    """With several ranks: how long a rank waits for the others (e.g. while rank 0 gathers
+    rollouts, syncs or checkpoints) before the job fails naming it."""
+    max_steps: int = 100
+    """Optimizer steps to train."""
+    max_staleness: int = 4
+    """Drop samples generated more than this many adapter versions ago."""
+    weight_sync_steps: int = 4
+    """Publish a new adapter version every this many steps."""
+    save_steps: int = 50
+    """Checkpoint every this many steps; 0 disables."""
 
     def __post_init__(self) -> None:
         check_fields(
@@ -218,17 +164,16 @@ class TrainerConfig:
 class LoggingConfig:
     """Where metrics go."""
 
-    jsonl: bool = field(
-        default=True, metadata={"help": "Write metrics.jsonl (one object per step) in the run dir."}
-    )
-    trackio: bool = field(
-        default=False, metadata={"help": "Also log to trackio (must be installed)."}
-    )
-    trackio_project: str | None = field(
-        default=None, metadata={"help": "trackio project; None: 'asyncgrpo'."}
-    )
-    log_every: int = field(default=1, metadata={"help": "Log metrics every this many steps."})
-    level: str = field(default="INFO", metadata={"help": "Python logging level of the CLI."})
+    jsonl: bool = True
+    """Write metrics.jsonl (one object per step) in the run dir."""
+    trackio: bool = False
+    """Also log to trackio (must be installed)."""
+    trackio_project: str | None = None
+    """trackio project; None: 'asyncgrpo'."""
+    log_every: int = 1
+    """Log metrics every this many steps."""
+    level: str = "INFO"
+    """Python logging level of the CLI."""
 
     def __post_init__(self) -> None:
         check_fields(self, "logging", ge={"log_every": 1})
@@ -242,47 +187,36 @@ class LoggingConfig:
 class TrainingConfig:
     """Everything one async GRPO run needs; the same file drives every process of a split run."""
 
-    model: str = field(metadata={"help": "Base model: a local directory or a Hugging Face id."})
-    dataset: DatasetConfig = field(
-        metadata={"help": "Prompts: file, inline list or datasets name."}
-    )
-    run_name: str = field(
-        default="asyncgrpo",
-        metadata={
-            "help": "Names the run directory and the adapter versions (<run_name>-<run id>-vN); "
-            "letters, digits, '.', '_', '-'."
-        },
-    )
-    output_dir: str = field(
-        default="runs", metadata={"help": "Parent of the run directory (<output_dir>/<run_name>)."}
-    )
-    seed: int = field(default=0, metadata={"help": "Seeds torch, Python and the LoRA init."})
-    transport_url: str | None = field(
-        default=None,
-        metadata={
-            "help": "Storage for adapters, checkpoints and the rollout channel (file://, s3://, "
-            "hf://). None: a local directory inside the run directory."
-        },
-    )
-    lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA adapter."})
-    trainer: TrainerConfig = field(
-        default_factory=TrainerConfig, metadata={"help": "Optimisation and cadence."}
-    )
-    generation: GenerationConfig = field(
-        default_factory=GenerationConfig, metadata={"help": "Sampling parameters."}
-    )
-    rollout: RolloutConfig = field(
-        default_factory=RolloutConfig, metadata={"help": "Rollout scheduling and scoring."}
-    )
-    proxy: ProxyConfig = field(default_factory=ProxyConfig, metadata={"help": "The proxy."})
-    serve: ServeConfig = field(
-        default_factory=ServeConfig, metadata={"help": "Local vLLM replicas to start."}
-    )
-    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Metrics."})
-    launch: LaunchConfig = field(
-        default_factory=LaunchConfig,
-        metadata={"help": "`asyncgrpo launch`: jobs, images, hardware (asyncgrpo.launch.config)."},
-    )
+    model: str
+    """Base model: a local directory or a Hugging Face id."""
+    dataset: DatasetConfig
+    """Prompts: file, inline list or datasets name."""
+    run_name: str = "asyncgrpo"
+    """Names the run directory and the adapter versions (<run_name>-<run id>-vN); letters,
+    digits, '.', '_', '-'."""
+    output_dir: str = "runs"
+    """Parent of the run directory (<output_dir>/<run_name>)."""
+    seed: int = 0
+    """Seeds torch, Python and the LoRA init."""
+    transport_url: str | None = None
+    """Storage for adapters, checkpoints and the rollout channel (file://, s3://, hf://). None:
+    a local directory inside the run directory."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapter."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Optimisation and cadence."""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """Sampling parameters."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout scheduling and scoring."""
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    """The proxy."""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """Local vLLM replicas to start."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """`asyncgrpo launch`: jobs, images, hardware (asyncgrpo.launch.config)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

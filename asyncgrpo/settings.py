@@ -1,8 +1,9 @@
 """One way to configure a dataclass: a YAML mapping, environment variables, command-line flags.
 
-Every configuration in asyncgrpo is a keyword-only dataclass whose fields carry their own
-``metadata["help"]`` and validate themselves in ``__post_init__``. This module derives the rest
-from those fields, so no setting is declared twice:
+Every configuration in asyncgrpo is a keyword-only dataclass: each field is documented by the
+string right below it (an attribute docstring, which Sphinx, IDEs, tyro and simple-parsing read
+too) and validated in ``__post_init__``. This module derives the rest from those fields, so no
+setting is declared twice:
 
 - ``config_from_dict(cls, data)``: a mapping (parsed YAML) to ``cls``, recursing into nested
   dataclass sections, checking every value against its annotation;
@@ -18,7 +19,7 @@ Precedence: field defaults < ``--config`` YAML < environment < flags. A bad valu
 is a :class:`ConfigError` naming what the user typed (the flag, the variable or the key), the
 value and the fix; the CLIs print it as one line and exit with status 2.
 
-Field metadata keys: ``help``; ``flag`` (the flag's name when the derived one does not fit);
+The help of a field is its attribute docstring (``field_docs``). Field metadata keys: ``flag`` (the flag's name when the derived one does not fit);
 ``secret``; ``argv_rest`` (the field takes everything after ``--``); ``required`` (a value the
 CLI demands though the dataclass has a default); ``cli: False`` (a setting of an enclosing config
 only, no flag); ``derived`` (the field is set from another part of
@@ -34,12 +35,16 @@ Why home-grown rather than pydantic-settings, tyro, simple-parsing or jsonargpar
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import dataclasses
 import functools
+import inspect
+import itertools
 import operator
 import os
 import sys
+import textwrap
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -80,6 +85,31 @@ def _fields(cls: type) -> dict[str, dataclasses.Field]:
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's attribute docstring (the string literal right below it), as one line.
+
+    Read from the source, so the documentation stays next to the field it describes; a class
+    whose source is not installed (``.pyc`` only) has none, and its flags then have no help.
+    """
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
+            continue
+        for node, after in itertools.pairwise(body):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
 
 
 def _unknown_key(where: str, key: str, cls: type) -> ConfigError:
@@ -401,8 +431,8 @@ def flag_name(f: dataclasses.Field, tp: Any) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _help(f: dataclasses.Field, extra: str = "") -> str:
-    text = f.metadata.get("help", "")
+def _help(cls: type, f: dataclasses.Field, extra: str = "") -> str:
+    text = field_docs(cls).get(f.name, "")
     if f.default is not dataclasses.MISSING and f.default not in (None, (), "") and not extra:
         extra = f" (default: {to_dict(f.default)})"
     return (text + extra).replace("%", "%%")
@@ -423,15 +453,17 @@ def add_fields(parser: argparse.ArgumentParser, cls: type, *, env_prefix: str) -
             default = env_name(env_prefix, name)
             parser.add_argument(
                 flag + "-env", dest=f"{name}__env", metavar="VAR", default=None,
-                help=_help(f, f" Read from this environment variable (default {default}); "
+                help=_help(cls, f, f" Read from this environment variable (default {default}); "
                            "never given on the command line."),
             )  # fmt: skip
         elif f.metadata.get("argv_rest"):
-            parser.add_argument(name, nargs=argparse.REMAINDER, help=_help(f))
+            parser.add_argument(name, nargs=argparse.REMAINDER, help=_help(cls, f))
         elif _is_list(tp):
-            parser.add_argument(flag, dest=name, action="append", metavar="VALUE", help=_help(f))
+            parser.add_argument(
+                flag, dest=name, action="append", metavar="VALUE", help=_help(cls, f)
+            )
         elif _strip_none(tp) is bool:
-            parser.add_argument(flag, dest=name, nargs="?", const="true", help=_help(f))
+            parser.add_argument(flag, dest=name, nargs="?", const="true", help=_help(cls, f))
             parser.add_argument(
                 "--no-" + flag[2:], dest=name, action="store_const", const="false",
                 help=f"Same as {flag}=false.",
@@ -440,7 +472,7 @@ def add_fields(parser: argparse.ArgumentParser, cls: type, *, env_prefix: str) -
             choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else None
             metavar = _METAVARS.get(_strip_none(tp), "VALUE")
             parser.add_argument(
-                flag, dest=name, help=_help(f),
+                flag, dest=name, help=_help(cls, f),
                 metavar="{" + ",".join(map(str, choices)) + "}" if choices else metavar,
             )  # fmt: skip
 
@@ -498,7 +530,7 @@ def _from_namespace(cls: type[T], args: argparse.Namespace, env_prefix: str) -> 
         elif value is not None:
             _set(cls, data, name, value, flag_name(f, tp))
         if f.metadata.get("required") and not data.get(name):
-            raise ConfigError(f"{flag_name(f, tp)} is required: {f.metadata.get('help', '')}")
+            raise ConfigError(f"{flag_name(f, tp)} is required: {field_docs(cls).get(name, '')}")
     return config_from_dict(cls, data)
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy.__main__ import parse as parse_proxy
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.serve.__main__ import parse as parse_serve
-from asyncgrpo.settings import env_overrides, parse_args
+from asyncgrpo.settings import add_fields, env_overrides, field_docs, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 PROXY = [sys.executable, "-m", "asyncgrpo.proxy", "--upstream", "http://127.0.0.1:9"]
@@ -123,6 +125,32 @@ def test_secrets_have_no_flag_and_help_works() -> None:
             env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60, check=True,
         ).stdout  # fmt: skip
         assert "--api-key-env VAR" in out and "--api-key " not in out
+        # each flag's help is its field's docstring, whitespace folded
+        assert "Largest gap between two chunks" in out or "Seconds to wait for each" in out
+
+
+@dataclass(kw_only=True)
+class _Documented:
+    plain: int = 1
+    """One line."""
+    wrapped: str = "x"
+    """Two
+    lines."""
+    bare: float = 0.5
+
+
+def test_field_docs_reads_the_string_below_each_field() -> None:
+    docs = field_docs(_Documented)
+    assert docs["plain"] == "One line."
+    assert docs["wrapped"] == "Two lines."
+    assert "bare" not in docs
+    assert "One line." in _help_of(_Documented, "--plain")
+
+
+def _help_of(cls: type, flag: str) -> str:
+    parser = argparse.ArgumentParser()
+    add_fields(parser, cls, env_prefix="X_")
+    return next(a.help for a in parser._actions if flag in a.option_strings)
 
 
 def test_check_fields_names_the_rule_and_allows_none() -> None:

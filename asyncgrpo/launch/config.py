@@ -6,7 +6,7 @@ Only the launcher reads it; the jobs it starts get everything else of the config
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from asyncgrpo.errors import ConfigError
@@ -20,79 +20,47 @@ JOBS_URL_TEMPLATE = "https://{job_id}--{port}.hf.jobs"
 class LaunchConfig:
     """N inference jobs (one vLLM server each) and one trainer job (proxy, rollouts, trainer)."""
 
-    replicas: int = field(default=2, metadata={"help": "Inference jobs, one vLLM server each."})
-    image: str = field(
-        default="vllm/vllm-openai:v0.11.0",
-        metadata={
-            "help": "Docker image of the inference jobs (and of the trainer unless trainer_image "
-            "is set); it must have Python, pip and vLLM >= 0.11."
-        },
-    )
-    trainer_image: str | None = field(
-        default=None, metadata={"help": "Docker image of the trainer job; None: image."}
-    )
-    replica_flavor: str = field(
-        default="a10g-large",
-        metadata={"help": "Hugging Face Jobs hardware of each inference job (list_jobs_hardware)."},
-    )
-    trainer_flavor: str = field(
-        default="a100-large", metadata={"help": "Hugging Face Jobs hardware of the trainer job."}
-    )
-    namespace: str | None = field(
-        default=None,
-        metadata={"help": "User or organisation the jobs run (and bill) under; None: the token's."},
-    )
-    timeout: str = field(
-        default="8h",
-        metadata={
-            "help": "Longest a job may run before Hugging Face stops it: seconds, or a number "
-            "with s, m, h or d. A bound on the bill if the launcher dies."
-        },
-    )
-    port: int = field(default=8000, metadata={"help": "Port each vLLM server listens on."})
-    replica_install: str | None = field(
-        default="asyncgrpo[s3,hf]",
-        metadata={
-            "help": "pip requirement installed in each inference job before it starts (a name, "
-            "'asyncgrpo[s3,hf] @ git+https://...', or a wheel URL); None: the image has it."
-        },
-    )
-    trainer_install: str | None = field(
-        default="asyncgrpo[train,s3,hf]",
-        metadata={"help": "pip requirement installed in the trainer job; None: the image has it."},
-    )
-    jobs_url_template: str = field(
-        default=JOBS_URL_TEMPLATE,
-        metadata={
-            "help": "URL of a job's exposed port, from {job_id} and {port}; used when the Jobs "
-            "API does not report the job's URL itself."
-        },
-    )
-    health_timeout_s: float = field(
-        default=1800.0,
-        metadata={"help": "Seconds an inference job may take to answer /health (image pull, "
-                  "model download and load)."},
-    )  # fmt: skip
-    poll_s: float = field(
-        default=5.0, metadata={"help": "Seconds between status checks of the jobs."}
-    )
-    log_tail_lines: int = field(default=40, metadata={"help": "Log lines quoted when a job fails."})
-    local_transport: Literal["dir", "s3"] = field(
-        default="dir",
-        metadata={
-            "help": "--backend local without transport_url: 'dir', a directory no role works in "
-            "(survives a relaunch, so a run resumes), or 's3', an S3 protocol server (moto) "
-            "on loopback, started for the launch."
-        },
-    )
-    local_hide_trainer: bool = field(
-        default=False,
-        metadata={
-            "help": "--backend local: run each replica in a private mount namespace where the "
-            "trainer's directory is an empty tmpfs, so a replica provably uses nothing of the "
-            "trainer's disk (Linux; needs root and `unshare`)."
-        },
-    )
+    replicas: int = 2
+    """Inference jobs, one vLLM server each."""
+    image: str = "vllm/vllm-openai:v0.11.0"
+    """Docker image of the inference jobs (and of the trainer unless trainer_image is set); it
+    must have Python, pip and vLLM >= 0.11."""
+    trainer_image: str | None = None
+    """Docker image of the trainer job; None: image."""
+    replica_flavor: str = "a10g-large"
+    """Hugging Face Jobs hardware of each inference job (list_jobs_hardware)."""
+    trainer_flavor: str = "a100-large"
+    """Hugging Face Jobs hardware of the trainer job."""
+    namespace: str | None = None
+    """User or organisation the jobs run (and bill) under; None: the token's."""
+    timeout: str = "8h"
+    """Longest a job may run before Hugging Face stops it: seconds, or a number with s, m, h or
+    d. A bound on the bill if the launcher dies."""
+    port: int = 8000
+    """Port each vLLM server listens on."""
+    replica_install: str | None = "asyncgrpo[s3,hf]"
+    """pip requirement installed in each inference job before it starts (a name,
+    'asyncgrpo[s3,hf] @ git+https://...', or a wheel URL); None: the image has it."""
+    trainer_install: str | None = "asyncgrpo[train,s3,hf]"
+    """pip requirement installed in the trainer job; None: the image has it."""
+    jobs_url_template: str = JOBS_URL_TEMPLATE
+    """URL of a job's exposed port, from {job_id} and {port}; used when the Jobs API does not
+    report the job's URL itself."""
+    health_timeout_s: float = 1800.0
+    """Seconds an inference job may take to answer /health (image pull, model download and
+    load)."""
+    poll_s: float = 5.0
+    """Seconds between status checks of the jobs."""
+    log_tail_lines: int = 40
+    """Log lines quoted when a job fails."""
+    local_transport: Literal["dir", "s3"] = "dir"
+    """--backend local without transport_url: 'dir', a directory no role works in (survives a
+    relaunch, so a run resumes), or 's3', an S3 protocol server (moto) on loopback, started for
+    the launch."""
+    local_hide_trainer: bool = False
+    """--backend local: run each replica in a private mount namespace where the trainer's
+    directory is an empty tmpfs, so a replica provably uses nothing of the trainer's disk
+    (Linux; needs root and `unshare`)."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1:

@@ -23,126 +23,65 @@ class ProxyConfig:
     (timeouts, circuit breaker, retries); adapter broadcast (``load_deadline_s``, ...).
     """
 
-    upstreams: tuple[str, ...] = field(
-        default=(), metadata={"help": "Base URLs of the vLLM replicas, e.g. http://10.0.0.2:8000."}
-    )
-    host: str = field(
-        default="127.0.0.1",
-        metadata={"help": "Interface to bind. Anything but loopback requires api_key."},
-    )
-    port: int = field(default=8000, metadata={"help": "Port to bind; 0 picks a free one."})
-    api_key: str | None = field(
-        default=None,
-        repr=False,
-        metadata={"help": "Bearer token clients must send. Never logged.", "secret": True},
-    )
-    upstream_api_key: str | None = field(
-        default=None,
-        repr=False,
-        metadata={
-            "help": "Bearer token sent to every upstream (e.g. HF_TOKEN for a Hugging Face Job's "
-            "exposed port, or vLLM's --api-key). Never logged.",
-            "secret": True,
-        },
-    )
-    lora_roots: tuple[str, ...] = field(
-        default=(),
-        metadata={
-            "help": "Absolute directories a /v1/load_lora_adapter lora_path must lie under. "
-            "Empty: any absolute path without '..' (only sensible on loopback)."
-        },
-    )
-    max_body_bytes: int = field(
-        default=32 * 1024 * 1024, metadata={"help": "Largest request body accepted (413 above)."}
-    )
-    routing: Literal["affinity", "round_robin"] = field(
-        default="affinity",
-        metadata={"help": "'affinity' (KV-prefix aware) or 'round_robin' (baseline)."},
-    )
-    block_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "KV block size in tokens. None: read vllm_config.cache_config.block_size from "
-            "the replicas' /server_info (16 on GPU, 128 on CPU)."
-        },
-    )
-    imbalance: int = field(
-        default=8,
-        metadata={
-            "help": "How many more in-flight requests than the least-loaded replica the prefix "
-            "owner may have and still get the request; beyond that it spills."
-        },
-    )
-    imbalance_ratio: float = field(
-        default=1.5,
-        metadata={
-            "help": "The owner also keeps the request while its in-flight count is at most this "
-            "multiple of the least-loaded replica's (relative bound for heavy load)."
-        },
-    )
-    max_tracked_blocks: int = field(
-        default=1_000_000,
-        metadata={"help": "LRU cap on tracked prefix blocks (~200 bytes each, see docs/proxy.md)."},
-    )
-    connect_timeout_s: float = field(
-        default=3.0, metadata={"help": "Connecting to a replica; a refused/slow connect retries."}
-    )
-    request_timeout_s: float = field(
-        default=600.0,
-        metadata={
-            "help": "Deadline for a replica to answer a non-streaming request (or send the first "
-            "chunk of a stream). On expiry the replica leaves rotation and the request is retried "
-            "elsewhere: catches a replica whose engine stopped while its HTTP server lingers."
-        },
-    )
-    stream_idle_timeout_s: float = field(
-        default=120.0, metadata={"help": "Largest gap between two chunks of a streamed answer."}
-    )
-    client_idle_timeout_s: float = field(
-        default=75.0,
-        metadata={
-            "help": "A client connection idle this long between requests, or this slow to send "
-            "one whole request, is closed."
-        },
-    )
-    max_attempts: int = field(
-        default=3,
-        metadata={"help": "Tries per request across replicas (connect errors and deadlines)."},
-    )
-    health_interval_s: float = field(
-        default=2.0, metadata={"help": "Period of the background GET /health on every replica."}
-    )
-    health_timeout_s: float = field(
-        default=5.0, metadata={"help": "A health check slower than this counts as a failure."}
-    )
-    health_timeouts_to_open: int = field(
-        default=3,
-        metadata={
-            "help": "Consecutive health checks that time out before a replica leaves rotation "
-            "(a refused connection or a 5xx takes it out at once): a busy replica answers late."
-        },
-    )
-    circuit_open_s: float = field(
-        default=1.0,
-        metadata={
-            "help": "How long a failed replica stays out before a half-open probe; doubles on "
-            "each consecutive failure, up to 30 s."
-        },
-    )
-    load_deadline_s: float = field(
-        default=60.0,
-        metadata={
-            "help": "How long a /v1/load_lora_adapter keeps retrying a replica that answers "
-            "'No adapter found' (storage lag) before the proxy returns 504."
-        },
-    )
-    load_retry_interval_s: float = field(
-        default=0.5, metadata={"help": "Pause between retries of a lagging adapter load."}
-    )
-    broadcast_timeout_s: float = field(
-        default=60.0,
-        metadata={"help": "Deadline for one replica to answer a broadcast call (load, pause...)."},
-    )
+    upstreams: tuple[str, ...] = ()
+    """Base URLs of the vLLM replicas, e.g. http://10.0.0.2:8000."""
+    host: str = "127.0.0.1"
+    """Interface to bind. Anything but loopback requires api_key."""
+    port: int = 8000
+    """Port to bind; 0 picks a free one."""
+    api_key: str | None = field(default=None, repr=False, metadata={"secret": True})
+    """Bearer token clients must send. Never logged."""
+    upstream_api_key: str | None = field(default=None, repr=False, metadata={"secret": True})
+    """Bearer token sent to every upstream (e.g. HF_TOKEN for a Hugging Face Job's exposed port,
+    or vLLM's --api-key). Never logged."""
+    lora_roots: tuple[str, ...] = ()
+    """Absolute directories a /v1/load_lora_adapter lora_path must lie under. Empty: any
+    absolute path without '..' (only sensible on loopback)."""
+    max_body_bytes: int = 32 * 1024 * 1024
+    """Largest request body accepted (413 above)."""
+    routing: Literal["affinity", "round_robin"] = "affinity"
+    """'affinity' (KV-prefix aware) or 'round_robin' (baseline)."""
+    block_size: int | None = None
+    """KV block size in tokens. None: read vllm_config.cache_config.block_size from the
+    replicas' /server_info (16 on GPU, 128 on CPU)."""
+    imbalance: int = 8
+    """How many more in-flight requests than the least-loaded replica the prefix owner may have
+    and still get the request; beyond that it spills."""
+    imbalance_ratio: float = 1.5
+    """The owner also keeps the request while its in-flight count is at most this multiple of
+    the least-loaded replica's (relative bound for heavy load)."""
+    max_tracked_blocks: int = 1_000_000
+    """LRU cap on tracked prefix blocks (~200 bytes each, see docs/proxy.md)."""
+    connect_timeout_s: float = 3.0
+    """Connecting to a replica; a refused/slow connect retries."""
+    request_timeout_s: float = 600.0
+    """Deadline for a replica to answer a non-streaming request (or send the first chunk of a
+    stream). On expiry the replica leaves rotation and the request is retried elsewhere: catches
+    a replica whose engine stopped while its HTTP server lingers."""
+    stream_idle_timeout_s: float = 120.0
+    """Largest gap between two chunks of a streamed answer."""
+    client_idle_timeout_s: float = 75.0
+    """A client connection idle this long between requests, or this slow to send one whole
+    request, is closed."""
+    max_attempts: int = 3
+    """Tries per request across replicas (connect errors and deadlines)."""
+    health_interval_s: float = 2.0
+    """Period of the background GET /health on every replica."""
+    health_timeout_s: float = 5.0
+    """A health check slower than this counts as a failure."""
+    health_timeouts_to_open: int = 3
+    """Consecutive health checks that time out before a replica leaves rotation (a refused
+    connection or a 5xx takes it out at once): a busy replica answers late."""
+    circuit_open_s: float = 1.0
+    """How long a failed replica stays out before a half-open probe; doubles on each consecutive
+    failure, up to 30 s."""
+    load_deadline_s: float = 60.0
+    """How long a /v1/load_lora_adapter keeps retrying a replica that answers 'No adapter found'
+    (storage lag) before the proxy returns 504."""
+    load_retry_interval_s: float = 0.5
+    """Pause between retries of a lagging adapter load."""
+    broadcast_timeout_s: float = 60.0
+    """Deadline for one replica to answer a broadcast call (load, pause...)."""
 
     def __post_init__(self) -> None:
         self.upstreams = tuple(u.rstrip("/") for u in self.upstreams)

@@ -29,35 +29,25 @@ class DatasetConfig:
     ``add_generation_prompt=True``). Other columns reach the reward functions as kwargs.
     """
 
-    path: str | None = field(
-        default=None,
-        metadata={
-            "help": "A local .jsonl/.json file, or a `datasets` name or directory (loaded "
-            "with datasets.load_dataset). Exactly one of path and prompts."
-        },
-    )
-    prompts: list[Any] | None = field(
-        default=None,
-        metadata={"help": "Inline rows: strings, message lists, or dicts with a prompt column."},
-    )
-    subset: str | None = field(
-        default=None, metadata={"help": "`datasets` configuration name (load_dataset's `name`)."}
-    )
-    split: str = field(default="train", metadata={"help": "`datasets` split to read."})
-    prompt_column: str = field(default="prompt", metadata={"help": "Column holding the prompt."})
-    epochs: int | None = field(
-        default=1, metadata={"help": "Passes over the prompts; None: repeat forever."}
-    )
-    shuffle: bool = field(
-        default=True, metadata={"help": "Shuffle each epoch with a permutation seeded by seed."}
-    )
-    seed: int = field(
-        default=0, metadata={"help": "Shuffle seed; epoch e uses a permutation derived from it."}
-    )
-    max_prompt_tokens: int | None = field(
-        default=None,
-        metadata={"help": "Skip (and count) prompts longer than this many tokens; None: keep all."},
-    )
+    path: str | None = None
+    """A local .jsonl/.json file, or a `datasets` name or directory (loaded with
+    datasets.load_dataset). Exactly one of path and prompts."""
+    prompts: list[Any] | None = None
+    """Inline rows: strings, message lists, or dicts with a prompt column."""
+    subset: str | None = None
+    """`datasets` configuration name (load_dataset's `name`)."""
+    split: str = "train"
+    """`datasets` split to read."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt."""
+    epochs: int | None = 1
+    """Passes over the prompts; None: repeat forever."""
+    shuffle: bool = True
+    """Shuffle each epoch with a permutation seeded by seed."""
+    seed: int = 0
+    """Shuffle seed; epoch e uses a permutation derived from it."""
+    max_prompt_tokens: int | None = None
+    """Skip (and count) prompts longer than this many tokens; None: keep all."""
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.prompts is None):
@@ -78,44 +68,30 @@ class GenerationConfig:
     ``processed_logprobs`` are taken after temperature, so the trainer divides its logits by it.
     """
 
-    num_generations: int = field(
-        default=8,
-        metadata={"help": "G: completions per prompt; advantages are normalised within a group."},
-    )
-    max_completion_length: int = field(
-        default=256,
-        metadata={"help": "Maximum new tokens per completion (vLLM `max_tokens`)."},
-    )
-    temperature: float = field(
-        default=1.0,
-        metadata={"help": "Sampling temperature (> 0). The trainer scales its logits by it too."},
-    )
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass, in (0, 1]."})
-    top_k: int = field(default=-1, metadata={"help": "Top-k sampling; -1 disables it."})
-    min_p: float = field(default=0.0, metadata={"help": "Min-p sampling, in [0, 1]; 0 disables."})
-    repetition_penalty: float = field(
-        default=1.0, metadata={"help": "vLLM repetition penalty (> 0); 1.0 disables it."}
-    )
-    stop: list[str] = field(
-        default_factory=list,
-        metadata={"help": "Stop strings; generation ends before them (vLLM `stop`)."},
-    )
-    seed: int | None = field(
-        default=None,
-        metadata={
-            "help": "Base sampling seed. None: vLLM samples freely. Set: completion i of the "
-            "prompt at dataset position p uses seed + p * G + i (in both request modes). "
-            "Caution: vLLM 0.32 on CPU kills its engine when a seeded request's prefill is "
-            "chunked ('CPU Generator does not use offset'); keep None with CPU replicas."
-        },
-    )
-    request_mode: RequestMode = field(
-        default="n",
-        metadata={
-            "help": "'n': one request with n=G per prompt (vLLM prefills once; single-turn "
-            "tasks). 'per_sample': G requests with n=1 (turns that diverge)."
-        },
-    )
+    num_generations: int = 8
+    """G: completions per prompt; advantages are normalised within a group."""
+    max_completion_length: int = 256
+    """Maximum new tokens per completion (vLLM `max_tokens`)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0). The trainer scales its logits by it too."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    min_p: float = 0.0
+    """Min-p sampling, in [0, 1]; 0 disables."""
+    repetition_penalty: float = 1.0
+    """vLLM repetition penalty (> 0); 1.0 disables it."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings; generation ends before them (vLLM `stop`)."""
+    seed: int | None = None
+    """Base sampling seed. None: vLLM samples freely. Set: completion i of the prompt at dataset
+    position p uses seed + p * G + i (in both request modes). Caution: vLLM 0.32 on CPU kills
+    its engine when a seeded request's prefill is chunked ('CPU Generator does not use offset');
+    keep None with CPU replicas."""
+    request_mode: RequestMode = "n"
+    """'n': one request with n=G per prompt (vLLM prefills once; single-turn tasks).
+    'per_sample': G requests with n=1 (turns that diverge)."""
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:
@@ -147,61 +123,31 @@ class RolloutConfig:
     ``max_inflight`` counts completions, not HTTP requests: a request with ``n=G`` holds G.
     """
 
-    max_inflight: int = field(
-        default=64,
-        metadata={
-            "help": "Global cap on completions admitted at once (a group of G holds G until it "
-            "is handed to scoring). Too low and extra replicas sit idle; >= num_generations."
-        },
-    )
-    max_inflight_per_replica: int | None = field(
-        default=None,
-        metadata={
-            "help": "Optional cap per replica, applied when the client talks to replicas "
-            "directly (several base URLs). None: only the global cap."
-        },
-    )
-    queue_maxsize: int = field(
-        default=256,
-        metadata={
-            "help": "Capacity of the scored-sample queue, in samples. A full queue blocks "
-            "scoring (rollout/backpressure_s), which then blocks generation."
-        },
-    )
-    reward_funcs: list[str] = field(
-        default_factory=list,
-        metadata={
-            "help": "Reward functions as import paths 'pkg.module:fn', called as "
-            "fn(prompts, completions, **kwargs) -> list[float | None] once per group."
-        },
-    )
-    reward_weights: list[float] | None = field(
-        default=None,
-        metadata={"help": "Weights of reward_funcs in the combined reward; None: all 1.0."},
-    )
-    reward_max_threads: int = field(
-        default=4,
-        metadata={"help": "Worker threads shared by synchronous reward functions."},
-    )
-    score_concurrency: int = field(
-        default=4,
-        metadata={"help": "Groups scored at once; generation waits when all are busy."},
-    )
-    request_timeout_s: float = field(
-        default=600.0,
-        metadata={"help": "Deadline of one completion request, seconds (then it is retried)."},
-    )
-    retries: int = field(
-        default=5,
-        metadata={
-            "help": "Retries of a request after a transport error (connection refused/reset, "
-            "HTTP 5xx or 429, timeout). Other HTTP 4xx answers are errors, not retried."
-        },
-    )
-    retry_backoff_s: float = field(
-        default=0.5,
-        metadata={"help": "First retry delay, seconds; doubles on each retry (capped at 30 s)."},
-    )
+    max_inflight: int = 64
+    """Global cap on completions admitted at once (a group of G holds G until it is handed to
+    scoring). Too low and extra replicas sit idle; >= num_generations."""
+    max_inflight_per_replica: int | None = None
+    """Optional cap per replica, applied when the client talks to replicas directly (several
+    base URLs). None: only the global cap."""
+    queue_maxsize: int = 256
+    """Capacity of the scored-sample queue, in samples. A full queue blocks scoring
+    (rollout/backpressure_s), which then blocks generation."""
+    reward_funcs: list[str] = field(default_factory=list)
+    """Reward functions as import paths 'pkg.module:fn', called as fn(prompts, completions,
+    **kwargs) -> list[float | None] once per group."""
+    reward_weights: list[float] | None = None
+    """Weights of reward_funcs in the combined reward; None: all 1.0."""
+    reward_max_threads: int = 4
+    """Worker threads shared by synchronous reward functions."""
+    score_concurrency: int = 4
+    """Groups scored at once; generation waits when all are busy."""
+    request_timeout_s: float = 600.0
+    """Deadline of one completion request, seconds (then it is retried)."""
+    retries: int = 5
+    """Retries of a request after a transport error (connection refused/reset, HTTP 5xx or 429,
+    timeout). Other HTTP 4xx answers are errors, not retried."""
+    retry_backoff_s: float = 0.5
+    """First retry delay, seconds; doubles on each retry (capped at 30 s)."""
 
     def __post_init__(self) -> None:
         check_fields(

@@ -51,119 +51,58 @@ class ServeConfig:
     trainer.
     """
 
-    model: str = field(
-        default="",
-        metadata={
-            "help": "Model directory (or Hugging Face id) to serve.",
-            "required": True,
-            "derived": "model",
-        },
-    )
-    replicas: int = field(
-        default=1,
-        metadata={"help": "Local vLLM replicas to start (in a run, 0: only proxy.upstreams)."},
-    )
-    host: str = field(default="127.0.0.1", metadata={"help": "Address the replicas bind."})
-    port: int | None = field(
-        default=None, metadata={"help": "First port (replica i gets port+i); None: free ports."}
-    )
-    lora_rank: int = field(
-        default=8,
-        metadata={
-            "help": "Largest adapter rank to serve; rounded up to vLLM's set.",
-            "derived": "lora.r",
-        },
-    )
-    max_staleness: int = field(
-        default=4,
-        metadata={
-            "help": "Adapter versions kept besides the newest (sizes --max-loras).",
-            "derived": "trainer.max_staleness",
-        },
-    )
-    max_loras: int | None = field(
-        default=None,
-        metadata={"help": "LoRA slots; None: max_staleness + 2 (load before unload)."},
-    )
-    dtype: Dtype = field(
-        default="auto",
-        metadata={"help": "vLLM --dtype; float32 on CPU gives logprobs equal to the trainer's."},
-    )
-    max_model_len: int | None = field(
-        default=None, metadata={"help": "vLLM --max-model-len; None: the model's."}
-    )
-    kv_cache_gib: int | None = field(
-        default=None,
-        metadata={
-            "help": "CPU KV cache per replica in whole GiB (VLLM_CPU_KVCACHE_SPACE). None on a "
-            "CPU host: sized from the available memory and the replica count."
-        },
-    )
-    spread_cpu_cores: bool = field(
-        default=True,
-        metadata={
-            "help": "CPU hosts: bind replica i's OpenMP threads to core i mod N. vLLM's 'auto' "
-            "binds every replica to the same cores; ignored when VLLM_CPU_OMP_THREADS_BIND is set."
-        },
-    )
-    nice: int = field(
-        default=0,
-        metadata={
-            "help": "Nice value (0-19) of the replicas. vLLM's workers busy-poll for a second "
-            "after every batch; on a host where the trainer computes too, use ~10 so that "
-            "polling does not take the cores the trainer needs."
-        },
-    )
-    gpu_memory_utilization: float | None = field(
-        default=None, metadata={"help": "vLLM --gpu-memory-utilization on GPU hosts."}
-    )
-    api_key: str | None = field(
-        default=None,
-        repr=False,
-        metadata={"help": "vLLM --api-key; required when host is not loopback.", "secret": True},
-    )
-    extra_args: list[str] = field(
-        default_factory=list,
-        metadata={"help": "After --: more vLLM flags, passed through verbatim.", "argv_rest": True},
-    )
-    startup_timeout_s: float = field(
-        default=600.0, metadata={"help": "Seconds to wait for each replica's /health."}
-    )
-    log_dir: str | None = field(
-        default=None,
-        metadata={
-            "help": "Directory of the replica logs (kept after exit). None: a new directory "
-            "under ~/.cache/asyncgrpo/replica-logs (in a run: <run dir>/replica-logs)."
-        },
-    )
-    transports: tuple[str, ...] = field(
-        default=(),
-        metadata={
-            "help": "Transport roots (s3://bucket/prefix, hf://buckets/..., a directory) the "
-            "replicas may fetch adapter versions from themselves; each replica fetches into its "
-            "own cache and verifies every sha256. Credentials come from the replica's environment.",
-            "derived": "transport_url",
-        },
-    )
-    adapter_cache_dir: str | None = field(
-        default=None,
-        metadata={
-            "help": "where each replica keeps fetched adapters (a subdirectory per replica, "
-            "emptied at start); default the system temp directory"
-        },
-    )
-    adapter_delivery: AdapterDelivery = field(
-        default="auto",
-        metadata={
-            "help": "A run's: how replicas get each adapter version. 'fetch': the trainer sends a "
-            "transport reference and every replica fetches and verifies the version itself "
-            "(replicas on other machines; needs asyncgrpo's vLLM plugin, which "
-            "`python -m asyncgrpo.serve --transport URL` enables). 'path': the trainer fetches "
-            "it and sends a path on its own disk (replicas must see it). 'auto': fetch when "
-            "proxy.upstreams lists replicas, path when all replicas are local.",
-            "cli": False,
-        },
-    )
+    model: str = field(default="", metadata={"required": True, "derived": "model"})
+    """Model directory (or Hugging Face id) to serve."""
+    replicas: int = 1
+    """Local vLLM replicas to start (in a run, 0: only proxy.upstreams)."""
+    host: str = "127.0.0.1"
+    """Address the replicas bind."""
+    port: int | None = None
+    """First port (replica i gets port+i); None: free ports."""
+    lora_rank: int = field(default=8, metadata={"derived": "lora.r"})
+    """Largest adapter rank to serve; rounded up to vLLM's set."""
+    max_staleness: int = field(default=4, metadata={"derived": "trainer.max_staleness"})
+    """Adapter versions kept besides the newest (sizes --max-loras)."""
+    max_loras: int | None = None
+    """LoRA slots; None: max_staleness + 2 (load before unload)."""
+    dtype: Dtype = "auto"
+    """vLLM --dtype; float32 on CPU gives logprobs equal to the trainer's."""
+    max_model_len: int | None = None
+    """vLLM --max-model-len; None: the model's."""
+    kv_cache_gib: int | None = None
+    """CPU KV cache per replica in whole GiB (VLLM_CPU_KVCACHE_SPACE). None on a CPU host: sized
+    from the available memory and the replica count."""
+    spread_cpu_cores: bool = True
+    """CPU hosts: bind replica i's OpenMP threads to core i mod N. vLLM's 'auto' binds every
+    replica to the same cores; ignored when VLLM_CPU_OMP_THREADS_BIND is set."""
+    nice: int = 0
+    """Nice value (0-19) of the replicas. vLLM's workers busy-poll for a second after every
+    batch; on a host where the trainer computes too, use ~10 so that polling does not take the
+    cores the trainer needs."""
+    gpu_memory_utilization: float | None = None
+    """vLLM --gpu-memory-utilization on GPU hosts."""
+    api_key: str | None = field(default=None, repr=False, metadata={"secret": True})
+    """vLLM --api-key; required when host is not loopback."""
+    extra_args: list[str] = field(default_factory=list, metadata={"argv_rest": True})
+    """After --: more vLLM flags, passed through verbatim."""
+    startup_timeout_s: float = 600.0
+    """Seconds to wait for each replica's /health."""
+    log_dir: str | None = None
+    """Directory of the replica logs (kept after exit). None: a new directory under
+    ~/.cache/asyncgrpo/replica-logs (in a run: <run dir>/replica-logs)."""
+    transports: tuple[str, ...] = field(default=(), metadata={"derived": "transport_url"})
+    """Transport roots (s3://bucket/prefix, hf://buckets/..., a directory) the replicas may
+    fetch adapter versions from themselves; each replica fetches into its own cache and verifies
+    every sha256. Credentials come from the replica's environment."""
+    adapter_cache_dir: str | None = None
+    """where each replica keeps fetched adapters (a subdirectory per replica, emptied at start);
+    default the system temp directory"""
+    adapter_delivery: AdapterDelivery = field(default="auto", metadata={"cli": False})
+    """A run's: how replicas get each adapter version. 'fetch': the trainer sends a transport
+    reference and every replica fetches and verifies the version itself (replicas on other
+    machines; needs asyncgrpo's vLLM plugin, which `python -m asyncgrpo.serve --transport URL`
+    enables). 'path': the trainer fetches it and sends a path on its own disk (replicas must see
+    it). 'auto': fetch when proxy.upstreams lists replicas, path when all replicas are local."""
 
     def __post_init__(self) -> None:
         check_fields(
