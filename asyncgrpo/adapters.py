@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo.errors import ConfigError, NotFound
-from asyncgrpo.transport import Transport, open_transport
+from asyncgrpo.transport import Transport
 from asyncgrpo.transport.base import join_key
 from asyncgrpo.transport.bundle import (
+    BundleStore,
     delete_bundle,
     download_bundle,
     list_bundles,
@@ -110,28 +111,18 @@ def _lora_fields(local_dir: Path) -> tuple[dict[str, Any], str | None]:
     return lora, config.get("base_model_name_or_path")
 
 
-class AdapterStore:
+class AdapterStore(BundleStore):
     """Publish, list, fetch and prune adapter versions on one transport.
 
     ``keep_last`` (if set) prunes after every publish, keeping the newest ``keep_last`` versions
     of that name plus any in ``pinned``.
     """
 
-    def __init__(
-        self,
-        transport: Transport | str,
-        *,
-        prefix: str = "adapters",
-        keep_last: int | None = None,
-        concurrency: int = 8,
-    ) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise ConfigError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
-        self.transport = open_transport(transport) if isinstance(transport, str) else transport
-        self.prefix = prefix
-        self.keep_last = keep_last
+    default_prefix = "adapters"
+
+    def __init__(self, transport: Transport | str, **options: Any) -> None:
+        super().__init__(transport, **options)  # prefix, keep_last, concurrency
         self.pinned: set[tuple[str, int]] = set()
-        self._concurrency = concurrency
 
     def _key(self, name: str, version: int | None = None) -> str:
         name = _check_name(name)

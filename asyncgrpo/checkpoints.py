@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from asyncgrpo.errors import ConfigError, NotFound
-from asyncgrpo.transport import Transport, open_transport
 from asyncgrpo.transport.base import join_key
 from asyncgrpo.transport.bundle import (
+    BundleStore,
     delete_bundle,
     download_bundle,
     list_bundles,
@@ -36,26 +36,13 @@ log = logging.getLogger(__name__)
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointStore:
+class CheckpointStore(BundleStore):
     """Save, list, load and prune checkpoints under one prefix of a transport.
 
     ``keep_last`` (if set) prunes after every save.
     """
 
-    def __init__(
-        self,
-        transport: Transport | str,
-        *,
-        prefix: str = "checkpoints",
-        keep_last: int | None = None,
-        concurrency: int = 8,
-    ) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise ConfigError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
-        self.transport = open_transport(transport) if isinstance(transport, str) else transport
-        self.prefix = prefix
-        self.keep_last = keep_last
-        self._concurrency = concurrency
+    default_prefix = "checkpoints"
 
     def _key(self, step: int) -> str:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:

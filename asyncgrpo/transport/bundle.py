@@ -32,13 +32,15 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from asyncgrpo.errors import AlreadyExists, IntegrityError, NotFound, TransportError
+from asyncgrpo.errors import AlreadyExists, ConfigError, IntegrityError, NotFound, TransportError
 from asyncgrpo.transport.base import Transport, check_key, join_key
+from asyncgrpo.transport.registry import open_transport
 
 __all__ = [
     "LOCAL_MANIFEST",
     "MANIFEST",
     "BundleListing",
+    "BundleStore",
     "delete_bundle",
     "download_bundle",
     "list_bundles",
@@ -274,3 +276,28 @@ async def list_bundles(transport: Transport, root: str) -> BundleListing:
         published=sorted(c for c, ok in children.items() if ok),
         unpublished=sorted(c for c, ok in children.items() if not ok),
     )
+
+
+class BundleStore:
+    """Bundles under one prefix of a transport: what the adapter and checkpoint stores share.
+
+    ``keep_last`` (if set) is how many bundles the store keeps after each publish; a transport
+    given as a URL is opened here.
+    """
+
+    default_prefix = ""
+
+    def __init__(
+        self,
+        transport: Transport | str,
+        *,
+        prefix: str | None = None,
+        keep_last: int | None = None,
+        concurrency: int = 8,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ConfigError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
+        self.transport = open_transport(transport) if isinstance(transport, str) else transport
+        self.prefix = self.default_prefix if prefix is None else prefix
+        self.keep_last = keep_last
+        self._concurrency = concurrency
