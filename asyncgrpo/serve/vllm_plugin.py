@@ -96,25 +96,31 @@ class AsyncGRPOEndpointPlugin:
                 return _error(result.error.code, result.error.message, result.error.type)
             return Response(status_code=200, content=result)
 
-        async def body_of(request: Request) -> dict[str, Any] | None:
+        async def named_body(request: Request) -> tuple[dict[str, Any], str] | Any:
+            """The JSON body and its ``lora_name``, or the error answer (501 without vLLM's
+            internals, 400 for a body that is not ``{"lora_name": NAME, ...}``)."""
+            if isinstance(internals, str):
+                return _error(501, internals, "NotImplementedError")
             try:
                 body = await request.json()
             except ValueError:
-                return None
-            return body if isinstance(body, dict) else None
+                body = None
+            name = body.get("lora_name") if isinstance(body, dict) else None
+            if not isinstance(name, str) or not name:
+                return _error(
+                    400,
+                    'body must be a JSON object {"lora_name": NAME, ...} with a non-empty name',
+                    "BadRequestError",
+                )
+            return body, name
 
         @router.post(LOAD_PATH)
         async def load(request: Request) -> Any:
-            if isinstance(internals, str):
-                return _error(501, internals, "NotImplementedError")
-            models, error_response, load_request, _ = internals
-            body = await body_of(request)
-            if body is None:
-                return _error(400, "body must be a JSON object", "BadRequestError")
-            name, uri = body.get("lora_name"), body.get("lora_uri")
-            inplace = bool(body.get("load_inplace", False))
-            if not isinstance(name, str) or not name:
-                return _error(400, "lora_name must be a non-empty string", "BadRequestError")
+            parsed = await named_body(request)
+            if not isinstance(parsed, tuple):
+                return parsed
+            (body, name), (models, error_response, load_request, _) = parsed, internals
+            uri, inplace = body.get("lora_uri"), bool(body.get("load_inplace", False))
             serving = models(request)
             if name in serving.lora_requests and not inplace:
                 # Before any fetch; the wording is vLLM's, which the proxy's replay recognises.
@@ -153,13 +159,10 @@ class AsyncGRPOEndpointPlugin:
 
         @router.post(UNLOAD_PATH)
         async def unload(request: Request) -> Any:
-            if isinstance(internals, str):
-                return _error(501, internals, "NotImplementedError")
-            models, error_response, _, unload_request = internals
-            body = await body_of(request)
-            name = body.get("lora_name") if body else None
-            if not isinstance(name, str) or not name:
-                return _error(400, 'body must be {"lora_name": NAME}', "BadRequestError")
+            parsed = await named_body(request)
+            if not isinstance(parsed, tuple):
+                return parsed
+            (_, name), (models, error_response, _, unload_request) = parsed, internals
             serving = models(request)
             result = await serving.unload_lora_adapter(unload_request(lora_name=name))
             return answer(serving, fetcher_of(request), result, error_response)
