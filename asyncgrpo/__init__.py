@@ -6,8 +6,7 @@ transports never load torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from asyncgrpo.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -46,15 +45,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncgrpo' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -8,8 +8,7 @@ config must not import the launcher.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from asyncgrpo.lazy import lazy_exports
 
 _EXPORTS = {
     "JobSpec": "asyncgrpo.launch.plan",
@@ -20,9 +19,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
