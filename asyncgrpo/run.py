@@ -377,7 +377,7 @@ async def _rollout_client(
     """
     tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
     return RolloutClient(
-        base_urls=base_url,
+        base_url=base_url,
         dataset=PromptDataset.from_config(cfg.dataset, tokenizer=tokenizer),
         generation=cfg.generation,
         rollout=cfg.rollout,

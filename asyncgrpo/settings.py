@@ -82,7 +82,17 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+#: Keys earlier releases accepted, with what replaces them: a config that still sets one is
+#: told what to do instead of only that the key is unknown.
+RETIRED_KEYS = {
+    "rollout.max_inflight_per_replica": "the proxy balances load over the replicas now; "
+    "delete it (rollout.max_inflight caps completions in flight)",
+}
+
+
 def _unknown_key(where: str, key: str, cls: type) -> ConfigError:
+    if (retired := RETIRED_KEYS.get(where + key)) is not None:
+        return ConfigError(f"{where + key} was removed: {retired}")
     valid = ", ".join(sorted(n for n, f in _fields(cls).items() if not _derived(f, where)))
     return ConfigError(f"unknown key {where + key!r}; valid keys are: {valid}")
 

@@ -154,13 +154,6 @@ class RolloutConfig:
             "is handed to scoring). Too low and extra replicas sit idle; >= num_generations."
         },
     )
-    max_inflight_per_replica: int | None = field(
-        default=None,
-        metadata={
-            "help": "Optional cap per replica, applied when the client talks to replicas "
-            "directly (several base URLs). None: only the global cap."
-        },
-    )
     queue_maxsize: int = field(
         default=256,
         metadata={
@@ -206,7 +199,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         check_fields(
             self, "rollout", gt={"request_timeout_s": 0}, ge={"retries": 0, "retry_backoff_s": 0,
-            **dict.fromkeys(("max_inflight", "max_inflight_per_replica", "queue_maxsize",
+            **dict.fromkeys(("max_inflight", "queue_maxsize",
                              "reward_max_threads", "score_concurrency"), 1)},
         )  # fmt: skip
         if isinstance(self.reward_funcs, str):
