@@ -1,18 +1,11 @@
 """``await run_training(cfg)``: replicas, proxy, rollout client, trainer and sync in one process.
 
-Read top to bottom, it is the whole run:
-
-1. open the transport; the run id lives there (``run.json``), so a restarted run keeps its
-   adapter names and continues their numbering instead of colliding with an old ``-v1``;
-2. start local vLLM replicas (or take ``proxy.upstreams``) and the proxy in front of them; refuse
-   to start if ``/server_info`` shows LoRA off, a rank or slot count too small, or (when replicas
-   fetch adapters themselves: ``serve.adapter_delivery``) a replica lacks asyncgrpo's vLLM
-   plugin or may not fetch from this run's transport;
-3. build the trainer; resume from the latest checkpoint if there is one;
-4. publish the starting policy as a fresh version and load it everywhere;
-5. loop: take ``samples_per_step`` fresh samples (dropping stale ones), one optimizer step, every
-   ``weight_sync_steps`` publish + load a new version and switch the rollouts to it, every
-   ``save_steps`` checkpoint through the transport, log one metrics line.
+:func:`run_training` reads as the run's phases in order, each a function or async context
+manager saying why it is there: open the run (transport, run id), start or attach serving
+behind the proxy, preflight checks and adapter sync, the trainer (resumed), the first version,
+the sample source, the training loop, the finish. What a phase holds (transport, replicas and
+proxy, loaded adapters, rollouts) sits on one exit stack, so success, an error and
+cancellation all undo it in reverse order.
 
 Under torchrun (several ranks) this function is rank 0's; the other ranks run :func:`_follow`:
 they build the same trainer, resume from the checkpoint rank 0 names, and train on the shards
@@ -148,6 +141,28 @@ async def _save_adapter(trainer: Any, directory: Path) -> Path:
     return await anyio.to_thread.run_sync(trainer.save_adapter, directory)
 
 
+@dataclass
+class _Run:
+    """What the phases of one run share: its settings, its storage and its adapter names."""
+
+    cfg: TrainingConfig
+    transport: Transport
+    run_id: str
+    prefix: str  #: vLLM names are ``<prefix>-v<N>``
+    store: AdapterStore
+    checkpoints: CheckpointStore
+    cache_dir: Path  #: versions fetched here for replicas that share this disk
+
+
+@dataclass
+class _Start:
+    """The trainer and where it starts: the latest checkpoint's step and dataset position."""
+
+    trainer: Any
+    resumed_from: int | None
+    position: int
+
+
 async def run_training(
     cfg: TrainingConfig,
     *,
@@ -156,180 +171,292 @@ async def run_training(
     loader_factory: LoaderFactory | None = None,
     progress: Callable[[int, dict[str, float]], None] | None = None,
 ) -> RunResult:
-    """Train ``cfg`` to ``trainer.max_steps``; resumes from the latest checkpoint if any."""
-    from asyncgrpo.trainer.distributed import DataParallel
-    from asyncgrpo.trainer.loop import Trainer
+    """Train ``cfg`` to ``trainer.max_steps``; resumes from the latest checkpoint if any.
 
+    One line per phase; the exit stack undoes them in reverse (rollouts stop, adapters unload,
+    proxy and replicas stop, the transport closes) on success, an error and cancellation alike.
+    """
+    from asyncgrpo.trainer.distributed import DataParallel
+
+    _check_rollout_source(cfg, rollout_source)
+    dp = DataParallel.from_env(timeout_s=cfg.trainer.dp_timeout_s)  # None in one process
+    if dp is not None and not dp.is_main:
+        return await _follow(cfg, dp)
+    async with AsyncExitStack() as stack:
+        run = await stack.enter_async_context(_open_run(cfg, dp))
+        proxy_url = await stack.enter_async_context(
+            _endpoint(cfg, run.cache_dir, run.transport.url)
+        )
+        sync = await stack.enter_async_context(_adapter_sync(run, proxy_url, loader_factory))
+        start = await _start_trainer(run, dp)
+        work = Path(await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(dir=cfg.run_dir)))
+        version = await _publish_first_version(run, sync, start.trainer, work)
+        writer = stack.enter_context(_metrics_writer(cfg, run.prefix))
+        source = await stack.enter_async_context(
+            _sample_source(run, proxy_url, rollout_source, (sync.name(version), version), start)
+        )
+        step, version = await _train(
+            run, start.trainer, sync, source, writer, work, version,
+            on_step=on_step, progress=progress,
+        )  # fmt: skip
+        return await _finish(run, start, step, version)
+
+
+def _check_rollout_source(cfg: TrainingConfig, rollout_source: str) -> None:
+    """Refuse a split run that would unload versions remote rollouts still use."""
     if rollout_source == "channel" and cfg.trainer.max_staleness < 1:
         raise ConfigError(
             "split runs need trainer.max_staleness >= 1: remote rollout processes learn of a new "
             "version by polling, so the previous one must stay loaded a little longer"
         )
-    dp = DataParallel.from_env(timeout_s=cfg.trainer.dp_timeout_s)  # None in one process
-    if dp is not None and not dp.is_main:
-        return await _follow(cfg, dp)
-    run_dir = cfg.run_dir
-    await anyio.Path(run_dir).mkdir(parents=True, exist_ok=True)
-    cache_dir = (run_dir / "adapter-cache").resolve()
-    tcfg = cfg.trainer
+
+
+@asynccontextmanager
+async def _open_run(cfg: TrainingConfig, dp: Any) -> AsyncIterator[_Run]:
+    """The run directory, the transport, and the run's identity in it.
+
+    The run id lives in the transport (``run.json``), so a restarted run keeps its adapter names
+    and continues their numbering instead of colliding with an old ``-v1``.
+    """
+    await anyio.Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     transport = open_transport(_transport_url(cfg))
     async with AsyncExitStack() as stack:
         stack.push_async_callback(transport.aclose)
         if dp is not None:
             stack.callback(dp.close)
-        # -- 1. run identity --------------------------------------------------------------
         run_id = await _run_id(transport, cfg.run_name)
-        prefix = f"{cfg.run_name}-{run_id}"
-        store = AdapterStore(transport)
-        checkpoints = CheckpointStore(transport, keep_last=KEEP_CHECKPOINTS)
-
-        # -- 2. replicas and proxy ----------------------------------------------------------
-        proxy_url = await stack.enter_async_context(_endpoint(cfg, cache_dir, transport.url))
-        client = await stack.enter_async_context(VLLMClient(proxy_url, api_key=cfg.proxy.api_key))
-        check_lora_capacity(
-            await client.server_info(), lora_rank=cfg.lora.r, max_staleness=tcfg.max_staleness
+        yield _Run(
+            cfg=cfg,
+            transport=transport,
+            run_id=run_id,
+            prefix=f"{cfg.run_name}-{run_id}",
+            store=AdapterStore(transport),
+            checkpoints=CheckpointStore(transport, keep_last=KEEP_CHECKPOINTS),
+            cache_dir=(cfg.run_dir / "adapter-cache").resolve(),
         )
-        fetching = cfg.serve.delivery(remote_replicas=bool(cfg.proxy.upstreams)) == "fetch"
-        adapter_source: AdapterSource
+
+
+@asynccontextmanager
+async def _adapter_sync(
+    run: _Run, proxy_url: str, loader_factory: LoaderFactory | None
+) -> AsyncIterator[AdapterSync]:
+    """The preflight checks, then the sync that publishes each version and loads it on every
+    replica through the proxy; on exit it unloads what it loaded (the store keeps them all)."""
+    cfg = run.cfg
+    async with VLLMClient(proxy_url, api_key=cfg.proxy.api_key) as client:
+        fetching = await _preflight(cfg, client, run.transport.url)
+        source: AdapterSource
         if fetching:  # replicas fetch each version themselves: nothing of this disk is needed
-            check_adapter_fetching(await client.adapter_plugin_info(), transport.url)
-            adapter_source = TransportSource(store)
+            source = TransportSource(run.store)
         else:
-            adapter_source = LocalCacheSource(store, cache_dir)
+            source = LocalCacheSource(run.store, run.cache_dir)
         loader = (
             loader_factory(proxy_url) if loader_factory else ProxyLoader(client, fetching=fetching)
         )
         sync = AdapterSync(
-            store=store,
-            source=adapter_source,
+            store=run.store,
+            source=source,
             loader=loader,
-            prefix=prefix,
-            max_staleness=tcfg.max_staleness,
+            prefix=run.prefix,
+            max_staleness=cfg.trainer.max_staleness,
             base_model=cfg.model,
         )
+        try:
+            yield sync
+        finally:
+            await sync.unload_all()
 
-        stack.push_async_callback(sync.unload_all)
 
-        # -- 3. trainer, resumed if a checkpoint exists --------------------------------------
-        trainer = await anyio.to_thread.run_sync(lambda: Trainer.from_config(cfg, dp=dp))
-        resumed_from: int | None = None
-        position = 0
-        latest = await checkpoints.latest_checkpoint()
-        if dp is not None:  # every rank resumes from this one
-            await anyio.to_thread.run_sync(dp.broadcast, {"step": latest, "prefix": prefix})
-        if latest is not None:
-            ckpt_dir, meta = await checkpoints.load(latest, run_dir / "resume" / f"step-{latest}")
-            await anyio.to_thread.run_sync(trainer.load_checkpoint, ckpt_dir)
-            resumed_from, position = latest, int(meta.get("position", 0))
-            logger.info("resumed from checkpoint step %d (data position %d)", latest, position)
-        step = trainer.step_count
+async def _preflight(cfg: TrainingConfig, client: VLLMClient, transport_url: str) -> bool:
+    """Refuse to start, before the trainer loads its model, when the served replicas cannot
+    hold the run: LoRA off, a rank or slot count too small, or (when replicas fetch adapters
+    themselves: ``serve.adapter_delivery``) no asyncgrpo vLLM plugin or no access to this
+    run's transport. Returns whether the replicas fetch."""
+    check_lora_capacity(
+        await client.server_info(), lora_rank=cfg.lora.r, max_staleness=cfg.trainer.max_staleness
+    )
+    fetching = cfg.serve.delivery(remote_replicas=bool(cfg.proxy.upstreams)) == "fetch"
+    if fetching:
+        check_adapter_fetching(await client.adapter_plugin_info(), transport_url)
+    return fetching
 
-        # -- 4. the starting policy, as a fresh version -------------------------------------
-        last = await store.latest(prefix)
-        version = 0 if last is None else last + 1  # never reuse a name, even after a crash
-        await sync.retire_leftovers()
-        work = Path(await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(dir=run_dir)))
-        await sync.sync(version, await _save_adapter(trainer, work / f"v{version}"), step=step)
-        await transport.put(POLICY_KEY, _policy_doc(sync.name(version), version))
 
-        writer = MetricsWriter(
-            run_dir,
-            jsonl=cfg.logging.jsonl,
-            trackio=cfg.logging.trackio,
-            project=cfg.logging.trackio_project,
-            run_name=prefix,
-            config=cfg.to_dict(),
+async def _start_trainer(run: _Run, dp: Any) -> _Start:
+    """The trainer, resumed from the latest checkpoint if there is one; under torchrun every
+    rank resumes from the checkpoint rank 0 names here."""
+    from asyncgrpo.trainer.loop import Trainer
+
+    cfg = run.cfg
+    trainer = await anyio.to_thread.run_sync(lambda: Trainer.from_config(cfg, dp=dp))
+    latest = await run.checkpoints.latest_checkpoint()
+    if dp is not None:
+        await anyio.to_thread.run_sync(dp.broadcast, {"step": latest, "prefix": run.prefix})
+    if latest is None:
+        return _Start(trainer=trainer, resumed_from=None, position=0)
+    dest = cfg.run_dir / "resume" / f"step-{latest}"
+    ckpt_dir, meta = await run.checkpoints.load(latest, dest)
+    await anyio.to_thread.run_sync(trainer.load_checkpoint, ckpt_dir)
+    position = int(meta.get("position", 0))
+    logger.info("resumed from checkpoint step %d (data position %d)", latest, position)
+    return _Start(trainer=trainer, resumed_from=latest, position=position)
+
+
+async def _publish_first_version(run: _Run, sync: AdapterSync, trainer: Any, work: Path) -> int:
+    """Publish the starting policy as a fresh version, load it everywhere and name it in
+    ``policy.json``. Fresh even on resume: a name is never reused, even after a crash, so no
+    replica can serve other weights under it. Returns the version."""
+    last = await run.store.latest(run.prefix)
+    version = 0 if last is None else last + 1
+    await sync.retire_leftovers()
+    step = trainer.step_count
+    await sync.sync(version, await _save_adapter(trainer, work / f"v{version}"), step=step)
+    await run.transport.put(POLICY_KEY, _policy_doc(sync.name(version), version))
+    return version
+
+
+def _metrics_writer(cfg: TrainingConfig, prefix: str) -> MetricsWriter:
+    """One metrics line per logged step, to ``metrics.jsonl`` and (optionally) trackio."""
+    return MetricsWriter(
+        cfg.run_dir,
+        jsonl=cfg.logging.jsonl,
+        trackio=cfg.logging.trackio,
+        project=cfg.logging.trackio_project,
+        run_name=prefix,
+        config=cfg.to_dict(),
+    )
+
+
+@asynccontextmanager
+async def _sample_source(
+    run: _Run, proxy_url: str, rollout_source: str, policy: tuple[str, int], start: _Start
+) -> AsyncIterator[_SampleSource]:
+    """Where samples come from: this process's rollout client, or remote rollout processes
+    through the transport's channel (continued from the checkpoint's position on resume)."""
+    cfg = run.cfg
+    tcfg = cfg.trainer
+    if rollout_source != "local":
+        channel = RolloutChannel(run.transport)
+        if start.resumed_from is not None:
+            await channel.seek(start.position)
+        yield _ChannelSource(channel)
+        return
+    # Start no rollout the trainer would drop as stale.
+    window = AdmissionWindow(
+        per_version=tcfg.samples_per_step * tcfg.weight_sync_steps,
+        max_staleness=tcfg.max_staleness,
+    )
+    client = await _rollout_client(cfg, proxy_url, policy, start.position, window=window)
+    async with client:
+        yield _LocalSource(client)
+
+
+async def _train(
+    run: _Run,
+    trainer: Any,
+    sync: AdapterSync,
+    source: _SampleSource,
+    writer: MetricsWriter,
+    work: Path,
+    version: int,
+    *,
+    on_step: StepHook | None,
+    progress: Callable[[int, dict[str, float]], None] | None,
+) -> tuple[int, int]:
+    """The loop, until ``trainer.max_steps`` or the end of the dataset: fresh samples, one
+    optimizer step; every ``weight_sync_steps`` publish and load a new version and switch the
+    rollouts to it; every ``save_steps`` a checkpoint; one metrics line. Returns (step, version).
+    """
+    tcfg = run.cfg.trainer
+
+    async def switch_policy(name: str, new_version: int) -> None:
+        source.set_policy(name, new_version)
+        await run.transport.put(POLICY_KEY, _policy_doc(name, new_version))
+
+    step = trainer.step_count
+    dropped_total = 0
+    while step < tcfg.max_steps:
+        t_step = time.perf_counter()
+        samples, dropped = await _take_fresh(
+            source, tcfg.samples_per_step, version, tcfg.max_staleness
         )
-        stack.callback(writer.close)
+        dropped_total += dropped
+        wait_s = time.perf_counter() - t_step
+        if not samples:
+            logger.info("the dataset is exhausted after %d steps", step)
+            break
+        if on_step is not None:
+            on_step(step + 1, samples, version)
+        metrics = await anyio.to_thread.run_sync(trainer.step, samples)
+        step = trainer.step_count
+        metrics.update(staleness_stats(samples, current_version=version))
+        metrics.update(source.stats())
+        metrics["perf/rollout_wait_s"] = wait_s
+        metrics["sample/dropped_stale_total"] = float(dropped_total)
+        metrics["sample/rollout_queue_size"] = float(source.queue_size())
+        metrics["adapter_version"] = float(version)
 
-        # -- the sample source ------------------------------------------------------------
-        if rollout_source == "local":
-            rollouts = await stack.enter_async_context(
-                await _rollout_client(
-                    cfg,
-                    proxy_url,
-                    (sync.name(version), version),
-                    position,
-                    window=AdmissionWindow(
-                        per_version=tcfg.samples_per_step * tcfg.weight_sync_steps,
-                        max_staleness=tcfg.max_staleness,
-                    ),
-                )
+        if step % tcfg.weight_sync_steps == 0:
+            version += 1
+            adapter_dir = await _save_adapter(trainer, work / f"v{version}")
+            metrics.update(
+                await sync.sync(version, adapter_dir, step=step, on_loaded=switch_policy)
             )
-            source: _SampleSource = _LocalSource(rollouts)
-        else:
-            channel = RolloutChannel(transport)
-            if resumed_from is not None:
-                await channel.seek(position)
-            source = _ChannelSource(channel)
-
-        async def switch_policy(name: str, new_version: int) -> None:
-            source.set_policy(name, new_version)
-            await transport.put(POLICY_KEY, _policy_doc(name, new_version))
-
-        # -- 5. the loop --------------------------------------------------------------------
-        dropped_total = 0
-        while step < tcfg.max_steps:
-            t_step = time.perf_counter()
-            samples: list[Sample] = []
-            while len(samples) < tcfg.samples_per_step:
-                got = await source.take(tcfg.samples_per_step - len(samples))
-                if not got:
-                    break
-                fresh, dropped = filter_stale(
-                    got, current_version=version, max_staleness=tcfg.max_staleness
-                )
-                samples += fresh
-                dropped_total += dropped
-            wait_s = time.perf_counter() - t_step
-            if not samples:
-                logger.info("the dataset is exhausted after %d steps", step)
-                break
-            if on_step is not None:
-                on_step(step + 1, samples, version)
-            metrics = await anyio.to_thread.run_sync(trainer.step, samples)
-            step = trainer.step_count
-            metrics.update(staleness_stats(samples, current_version=version))
-            metrics.update(source.stats())
-            metrics["perf/rollout_wait_s"] = wait_s
-            metrics["sample/dropped_stale_total"] = float(dropped_total)
-            metrics["sample/rollout_queue_size"] = float(source.queue_size())
             metrics["adapter_version"] = float(version)
 
-            if step % tcfg.weight_sync_steps == 0:
-                version += 1
-                adapter_dir = await _save_adapter(trainer, work / f"v{version}")
-                metrics.update(
-                    await sync.sync(version, adapter_dir, step=step, on_loaded=switch_policy)
-                )
-                metrics["adapter_version"] = float(version)
+        if tcfg.save_steps and (step % tcfg.save_steps == 0 or step == tcfg.max_steps):
+            t_ckpt = time.perf_counter()
+            await _checkpoint(run, trainer, source, work / f"ckpt-{step}", step, version)
+            metrics["perf/checkpoint_s"] = time.perf_counter() - t_ckpt
 
-            if tcfg.save_steps and (step % tcfg.save_steps == 0 or step == tcfg.max_steps):
-                t_ckpt = time.perf_counter()
-                meta = {"version": version, "position": source.position(), "run_id": run_id}
-                ckpt = await anyio.to_thread.run_sync(
-                    lambda d=work / f"ckpt-{step}", m=meta: trainer.save_checkpoint(d, extra=m)
-                )
-                await checkpoints.save(step, ckpt, meta)
-                await source.committed()
-                metrics["perf/checkpoint_s"] = time.perf_counter() - t_ckpt
+        metrics["perf/step_s"] = time.perf_counter() - t_step
+        if step % run.cfg.logging.log_every == 0:
+            writer.log(metrics, step=step)
+        if progress is not None:
+            progress(step, metrics)
+    return step, version
 
-            metrics["perf/step_s"] = time.perf_counter() - t_step
-            if step % cfg.logging.log_every == 0:
-                writer.log(metrics, step=step)
-            if progress is not None:
-                progress(step, metrics)
 
-        await anyio.to_thread.run_sync(trainer.release)  # the other ranks' follow() returns
-        await transport.put(DONE_KEY, json.dumps({"step": step, "version": version}).encode())
-        return RunResult(
-            run_dir=run_dir,
-            adapter_prefix=prefix,
-            steps=step,
-            final_version=version,
-            resumed_from_step=resumed_from,
-            transport_url=transport.url,
-        )
+async def _take_fresh(
+    source: _SampleSource, n: int, version: int, max_staleness: int
+) -> tuple[list[Sample], int]:
+    """``n`` samples within ``max_staleness`` of ``version`` (fewer only when the source ends),
+    and how many staler ones were dropped on the way."""
+    samples: list[Sample] = []
+    dropped_total = 0
+    while len(samples) < n:
+        got = await source.take(n - len(samples))
+        if not got:
+            break
+        fresh, dropped = filter_stale(got, current_version=version, max_staleness=max_staleness)
+        samples += fresh
+        dropped_total += dropped
+    return samples, dropped_total
+
+
+async def _checkpoint(
+    run: _Run, trainer: Any, source: _SampleSource, directory: Path, step: int, version: int
+) -> None:
+    """Trainer state plus the data position through the transport; then the channel may drop
+    what the checkpoint covers (a resumed run continues from that position)."""
+    meta = {"version": version, "position": source.position(), "run_id": run.run_id}
+    ckpt = await anyio.to_thread.run_sync(lambda: trainer.save_checkpoint(directory, extra=meta))
+    await run.checkpoints.save(step, ckpt, meta)
+    await source.committed()
+
+
+async def _finish(run: _Run, start: _Start, step: int, version: int) -> RunResult:
+    """Release the other ranks (their :func:`_follow` returns) and write ``done.json``, which
+    ends the split run's rollout processes."""
+    await anyio.to_thread.run_sync(start.trainer.release)
+    await run.transport.put(DONE_KEY, json.dumps({"step": step, "version": version}).encode())
+    return RunResult(
+        run_dir=run.cfg.run_dir,
+        adapter_prefix=run.prefix,
+        steps=step,
+        final_version=version,
+        resumed_from_step=start.resumed_from,
+        transport_url=run.transport.url,
+    )
 
 
 async def _follow(cfg: TrainingConfig, dp: Any) -> RunResult:
@@ -377,7 +504,7 @@ async def _rollout_client(
     """
     tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
     return RolloutClient(
-        base_urls=base_url,
+        base_url=base_url,
         dataset=PromptDataset.from_config(cfg.dataset, tokenizer=tokenizer),
         generation=cfg.generation,
         rollout=cfg.rollout,

@@ -113,6 +113,10 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _unknown_key(where: str, key: str, cls: type) -> ConfigError:
+    """The error for a key ``cls`` lacks: the valid keys, or for a key an earlier release
+    accepted (the config's ``retired_keys``), what replaced it."""
+    if (retired := getattr(cls, "retired_keys", {}).get(key)) is not None:
+        return ConfigError(f"{where + key} was removed: {retired}")
     valid = ", ".join(sorted(n for n, f in _fields(cls).items() if not _derived(f, where)))
     return ConfigError(f"unknown key {where + key!r}; valid keys are: {valid}")
 

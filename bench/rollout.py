@@ -1,8 +1,9 @@
 """Rollout client throughput side by side: one request with n=G vs G requests with n=1.
 
-Starts two float32 vLLM replicas of the tiny model (or uses ``--urls``), warms them up, then
-runs the same prompts through ``RolloutClient`` in each request mode, with the client
-balancing over the replicas itself, and prints wall time, completions/s and tokens/s.
+Starts two float32 vLLM replicas of the tiny model (or uses ``--urls``) behind an in-process
+proxy (as ``run_training`` does), warms them up, then runs the same prompts through
+``RolloutClient`` in each request mode via the proxy, and prints wall time, completions/s and
+tokens/s.
 
 Run: ``python bench/rollout.py [--prompts 64] [--g 8] [--tokens 64] [--inflight 64]
 [--rounds 2] [--urls URL ...]``.
@@ -42,11 +43,11 @@ def prompts(n: int) -> list[list[dict[str, str]]]:
 
 
 async def run_mode(
-    urls: list[str], model: str, tok: Any, mode: str, args: argparse.Namespace
+    url: str, model: str, tok: Any, mode: str, args: argparse.Namespace
 ) -> dict[str, float]:
     dataset = PromptDataset(prompts(args.prompts), tokenizer=tok, shuffle=False)
     client = RolloutClient(
-        base_urls=urls,
+        base_url=url,
         dataset=dataset,
         generation=GenerationConfig(
             num_generations=args.g,
@@ -82,21 +83,25 @@ async def bench(args: argparse.Namespace) -> None:
 async def run_all(urls: list[str], args: argparse.Namespace, model: str | None = None) -> None:
     import aiohttp
 
-    async with aiohttp.ClientSession() as session, session.get(f"{urls[0]}/v1/models") as resp:
-        served = (await resp.json())["data"]
-    model = model or next(m["id"] for m in served if m.get("parent") is None)
-    tok = load_tokenizer(model)  # the base model is served under its directory
+    from asyncgrpo.proxy import ProxyConfig, serve_proxy
 
-    # warm-up: first requests on a fresh CPU replica are slow (compilation, allocation)
-    await run_mode(urls, model, tok, "n", argparse.Namespace(**{**vars(args), "prompts": 8}))
+    async with serve_proxy(ProxyConfig(upstreams=tuple(urls), port=0)) as url:
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/models") as resp:
+            served = (await resp.json())["data"]
+        model = model or next(m["id"] for m in served if m.get("parent") is None)
+        tok = load_tokenizer(model)  # the base model is served under its directory
 
-    results: dict[str, list[dict[str, float]]] = {"n": [], "per_sample": []}
-    for _ in range(args.rounds):
-        for mode in results:  # interleaved, so drift hits both modes alike
-            results[mode].append(await run_mode(urls, model, tok, mode, args))
+        # warm-up: first requests on a fresh CPU replica are slow (compilation, allocation)
+        warm_up = argparse.Namespace(**{**vars(args), "prompts": 8})
+        await run_mode(url, model, tok, "n", warm_up)
+
+        results: dict[str, list[dict[str, float]]] = {"n": [], "per_sample": []}
+        for _ in range(args.rounds):
+            for mode in results:  # interleaved, so drift hits both modes alike
+                results[mode].append(await run_mode(url, model, tok, mode, args))
 
     print(
-        f"\n{len(urls)} replicas, {args.prompts} prompts x G={args.g}, <= {args.tokens} new "
+        f"\n{len(urls)} replicas behind the proxy, {args.prompts} prompts x G={args.g}, <= {args.tokens} new "
         f"tokens, max_inflight {args.inflight}, median of {args.rounds} rounds\n"
     )
     print("| request mode | wall s | completions/s | generated tok/s | score_block s |")

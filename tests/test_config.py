@@ -87,6 +87,7 @@ def test_round_trip_to_dict():
         ("serve.dtype=half", "use one of 'auto'"),
         ("serve.nice=20", "serve.nice=20: must be <= 19"),
         ("rollout.max_inflight=4", "raise max_inflight to at least num_generations"),
+        ("rollout.max_inflight_per_replica=3", "max_inflight_per_replica was removed: the proxy"),
         ("trainer.max_steps", "write it as section.field=value"),
         ("trainer.max_steps.x=1", "has no fields"),
     ],

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy.__main__ import parse as parse_proxy
@@ -69,6 +70,21 @@ def test_every_cli_refuses_a_bad_value_in_one_line(
     assert p.returncode == 2, p.stderr
     assert len(lines) == 1, p.stderr
     assert names in lines[0] and "error:" in lines[0], lines[0]
+
+
+def test_a_config_file_with_a_removed_key_says_what_replaced_it(tmp_path) -> None:
+    """The client-side balancer is gone; a file still capping it per replica is told why."""
+    config = tmp_path / "run.yaml"
+    data = yaml.safe_load((ROOT / "examples" / "tiny_cpu.yaml").read_text())
+    data["rollout"]["max_inflight_per_replica"] = 3
+    config.write_text(yaml.safe_dump(data))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([*TRAIN[:4], str(config), "--dry-run"], capture_output=True, text=True,
+                       env=env, timeout=120)  # fmt: skip
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert "rollout.max_inflight_per_replica was removed" in lines[0], lines[0]
+    assert "the proxy balances load" in lines[0], lines[0]
 
 
 def test_flags_are_typed_from_the_fields() -> None:

@@ -8,8 +8,9 @@ Pipeline (one task group, owned by ``async with RolloutClient(...)``)::
 A group keeps its G in-flight slots until a scoring worker takes it, so a full queue blocks
 scoring (``rollout/backpressure_s``), busy scorers block generation
 (``rollout/score_block_s``), and no more than ``max_inflight`` completions are ever generated or
-waiting. The base URL is the proxy or a vLLM server (same API); with several URLs the client
-picks the least-loaded one itself and honours ``max_inflight_per_replica``. With an
+waiting. The client talks to one base URL: the proxy (``asyncgrpo.proxy``), which balances
+over the replicas by KV-prefix affinity and fails over, or a single vLLM server (same API). It
+keeps no balancer of its own, so routing has one implementation and one place to tune. With an
 :class:`~asyncgrpo.rollout.window.AdmissionWindow` (the trainer's own client), no group starts
 whose samples the trainer would drop as stale.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ import aiohttp
 import anyio
 import anyio.abc
 
-from asyncgrpo.errors import ReplicaError
+from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import Prompt, PromptDataset
 from asyncgrpo.rollout.rewards import RewardScorer
@@ -58,15 +59,6 @@ class _Slots:
         waiters, self._waiters = self._waiters, []
         for event in waiters:
             event.set()
-
-
-@dataclass(slots=True)
-class _Replica:
-    url: str
-    cap: int | None
-    used: int = 0
-    last_pick: int = 0
-    down_until: float = 0.0
 
 
 @dataclass(slots=True)
@@ -126,7 +118,7 @@ class RolloutClient:
     def __init__(
         self,
         *,
-        base_urls: str | Sequence[str],
+        base_url: str,
         dataset: PromptDataset | Iterable[Prompt],
         generation: GenerationConfig,
         rollout: RolloutConfig,
@@ -138,9 +130,12 @@ class RolloutClient:
         window: AdmissionWindow | None = None,
     ) -> None:
         rollout.check_against(generation)
-        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
-        if not urls:
-            raise ReplicaError("RolloutClient needs at least one base URL")
+        if not isinstance(base_url, str) or not base_url:
+            raise ConfigError(
+                f"RolloutClient(base_url={base_url!r}): give one URL, the proxy's or a single "
+                "vLLM server's; to use several replicas put the proxy in front of them "
+                "(asyncgrpo.proxy.serve_proxy, or python -m asyncgrpo.proxy --upstream URL ...)"
+            )
         self.generation = generation
         self.config = rollout
         self.scorer = scorer or RewardScorer(
@@ -152,11 +147,7 @@ class RolloutClient:
         self._start_position = start_position
         self._advantage_eps = advantage_eps
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._replicas = [
-            _Replica(url.rstrip("/"), rollout.max_inflight_per_replica) for url in urls
-        ]
-        self._replica_waiters: list[anyio.Event] = []
-        self._picks = 0
+        self._url = f"{base_url.rstrip('/')}/v1/completions"
         self._policy = policy
         self._slots = _Slots(rollout.max_inflight)
         self._window = window
@@ -433,34 +424,6 @@ class RolloutClient:
 
     # ----------------------------------------------------------------- HTTP
 
-    async def _pick_replica(self, n: int) -> _Replica:
-        """Least-loaded replica with room for n completions, preferring ones not failing."""
-        while True:
-            now = anyio.current_time()
-            # An idle replica takes any request, even one larger than its cap.
-            fits = [
-                r for r in self._replicas if r.cap is None or r.used == 0 or r.used + n <= r.cap
-            ]
-            if fits:
-                up = [r for r in fits if r.down_until <= now]
-                if up:
-                    replica = min(up, key=lambda r: (r.used, r.last_pick))
-                else:
-                    replica = min(fits, key=lambda r: r.down_until)
-                self._picks += 1
-                replica.used += n
-                replica.last_pick = self._picks
-                return replica
-            event = anyio.Event()
-            self._replica_waiters.append(event)
-            await event.wait()
-
-    def _release_replica(self, replica: _Replica, n: int) -> None:
-        replica.used -= n
-        waiters, self._replica_waiters = self._replica_waiters, []
-        for event in waiters:
-            event.set()
-
     def _body(self, prompt: Prompt, model: str, n: int, seed_offset: int) -> dict[str, Any]:
         gen = self.generation
         body: dict[str, Any] = {
@@ -489,8 +452,7 @@ class RolloutClient:
         attempt = 0
         while True:
             model, version = self._policy
-            replica = await self._pick_replica(n)
-            url = f"{replica.url}/v1/completions"
+            url = self._url
             self._inflight += n
             try:
                 async with self._session.post(
@@ -518,7 +480,6 @@ class RolloutClient:
                 return self._parse(prompt, data, version, url)
             finally:
                 self._inflight -= n
-                self._release_replica(replica, n)
             attempt += 1
             if attempt > self.config.retries:
                 raise ReplicaError(
@@ -526,7 +487,6 @@ class RolloutClient:
                     f"{self.config.retries}): {type(err).__name__}: {err}"
                 ) from err
             delay = min(self.config.retry_backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
-            replica.down_until = anyio.current_time() + delay
             self._retries_total += 1
             logger.warning(
                 "rollout request to %s failed (%s: %s); retry %d/%d in %.2f s",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.settings import check_fields
@@ -123,12 +123,15 @@ class RolloutConfig:
     ``max_inflight`` counts completions, not HTTP requests: a request with ``n=G`` holds G.
     """
 
+    retired_keys: ClassVar[dict[str, str]] = {
+        "max_inflight_per_replica": "the proxy balances load over the replicas now; delete it "
+        "(rollout.max_inflight caps completions in flight)",
+    }
+    """Keys earlier releases accepted, with what replaces them (named in the error)."""
+
     max_inflight: int = 64
     """Global cap on completions admitted at once (a group of G holds G until it is handed to
     scoring). Too low and extra replicas sit idle; >= num_generations."""
-    max_inflight_per_replica: int | None = None
-    """Optional cap per replica, applied when the client talks to replicas directly (several
-    base URLs). None: only the global cap."""
     queue_maxsize: int = 256
     """Capacity of the scored-sample queue, in samples. A full queue blocks scoring
     (rollout/backpressure_s), which then blocks generation."""
@@ -152,7 +155,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         check_fields(
             self, "rollout", gt={"request_timeout_s": 0}, ge={"retries": 0, "retry_backoff_s": 0,
-            **dict.fromkeys(("max_inflight", "max_inflight_per_replica", "queue_maxsize",
+            **dict.fromkeys(("max_inflight", "queue_maxsize",
                              "reward_max_threads", "score_concurrency"), 1)},
         )  # fmt: skip
         if isinstance(self.reward_funcs, str):

@@ -1,5 +1,6 @@
 """The rollout client against a real vLLM replica (shared session fixture), through a small
-aiohttp pass-through where a test must count concurrency or inject failures."""
+aiohttp pass-through where a test must count concurrency or inject failures, and through the
+real proxy where it meets several replicas."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import anyio
 import pytest
 from aiohttp import web
 
-from asyncgrpo.errors import ReplicaError
+from asyncgrpo.errors import ConfigError, ReplicaError
+from asyncgrpo.proxy import ProxyConfig, serve_proxy
 from asyncgrpo.rollout.client import RolloutClient
 from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import PromptDataset, load_tokenizer
@@ -54,14 +56,14 @@ def client_for(
     served: tuple[str, str],
     dataset: PromptDataset,
     *,
-    url: str | list[str] | None = None,
+    url: Any = None,
     generation: dict[str, Any] | None = None,
     rollout: dict[str, Any] | None = None,
     scorer: RewardScorer | None = None,
     version: int = 0,
 ) -> RolloutClient:
     return RolloutClient(
-        base_urls=url or served[0],
+        base_url=url or served[0],
         dataset=dataset,
         generation=GenerationConfig(
             **{"num_generations": 4, "max_completion_length": 8, **(generation or {})}
@@ -115,13 +117,13 @@ class PassThrough:
             self.current -= n
 
     @contextlib.asynccontextmanager
-    async def serve(self) -> AsyncIterator[str]:
+    async def serve(self, port: int = 0) -> AsyncIterator[str]:
         self.session = aiohttp.ClientSession()
         app = web.Application()
         app.router.add_post("/v1/completions", self.handle)
         runner = web.AppRunner(app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", port)
         await site.start()
         port = runner.addresses[0][1]
         try:
@@ -205,22 +207,30 @@ async def test_max_inflight_counts_completions(served, tiny_model) -> None:
         assert proxy.requests == expected_requests
 
 
-async def test_per_replica_cap_with_several_base_urls(served, tiny_model) -> None:
-    proxies = [PassThrough(served[0]), PassThrough(served[0])]
-    async with proxies[0].serve() as url_a, proxies[1].serve() as url_b:
+async def test_several_replicas_go_behind_the_proxy(vllm_replicas, served, tiny_model) -> None:
+    """The client keeps no balancer: given several URLs it says to use the proxy, and through
+    the proxy it reaches every replica under its one global cap."""
+    urls = [r.url for r in vllm_replicas]
+    with pytest.raises(ConfigError, match=r"base_url=\[.*put the proxy in front of them"):
+        client_for(served, make_dataset(tiny_model, 1), url=urls)
+    async with serve_proxy(ProxyConfig(upstreams=tuple(urls), port=0)) as base:
         client = client_for(
             served,
             make_dataset(tiny_model, 12),
-            url=[url_a, url_b],
+            url=base,
             generation={"request_mode": "per_sample", "num_generations": 4},
-            rollout={"max_inflight": 16, "max_inflight_per_replica": 3},
+            rollout={"max_inflight": 8},
         )
         async with client:
-            samples = await client.get(100)
+            samples = []
+            while batch := await client.get(4):
+                samples += batch
+                assert client.stats()["rollout/inflight"] <= 8
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{base}/proxy/stats") as resp:
+                routed = [u["routed"] for u in (await resp.json())["upstreams"]]
     assert len(samples) == 48
-    assert [p.max_current <= 3 for p in proxies] == [True, True]
-    assert all(p.requests >= 12 for p in proxies), [p.requests for p in proxies]
-    assert sum(p.requests for p in proxies) == 48
+    assert sum(routed) >= 48 and min(routed) > 0, routed
 
 
 async def test_backpressure_when_nobody_consumes(served, tiny_model) -> None:
@@ -274,12 +284,18 @@ async def test_raising_reward_function_does_not_kill_the_run(served, tiny_model)
 
 
 async def test_retries_connection_errors_and_5xx(served, tiny_model) -> None:
-    with socket.socket() as sock:  # a port nobody listens on
+    # Connection refused until the server (a restarting proxy) listens again.
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    async with client_for(served, make_dataset(tiny_model, 3), url=[closed, served[0]]) as client:
-        samples = await client.get(100)
-        assert client.stats()["rollout/retries_total"] >= 1
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    async with client_for(served, make_dataset(tiny_model, 3), url=url) as client:
+        with anyio.fail_after(60):
+            # refused at least once (a counter to poll: the client has no event for it)
+            while client.stats()["rollout/retries_total"] < 1:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        async with PassThrough(served[0]).serve(port):
+            samples = await client.get(100)
     assert len(samples) == 12
 
     for mode in ("503", "drop"):
@@ -302,7 +318,7 @@ async def test_gives_up_after_retries_and_surfaces_4xx(served, tiny_model) -> No
             await client.get(100)
 
     bad = RolloutClient(
-        base_urls=served[0],
+        base_url=served[0],
         dataset=make_dataset(tiny_model, 2),
         generation=GenerationConfig(num_generations=2, max_completion_length=4),
         rollout=RolloutConfig(max_inflight=4),
@@ -321,7 +337,7 @@ async def test_resume_position(served, tiny_model) -> None:
         position = client.position
     assert 3 <= position <= 5  # 3 groups taken; the queue and the next group may be done too
     resumed = RolloutClient(
-        base_urls=served[0],
+        base_url=served[0],
         dataset=dataset,
         generation=GenerationConfig(num_generations=4, max_completion_length=4),
         rollout=RolloutConfig(max_inflight=16),
