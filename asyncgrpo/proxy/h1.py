@@ -1,23 +1,21 @@
-"""A keep-alive HTTP/1.1 client on llhttp (``httptools``), callback-driven: the proxy's hops to
-the replicas (buffered generation requests) and to its own aiohttp application (the rest).
+"""A keep-alive HTTP/1.1 client on llhttp (``httptools``), driven by callbacks: the proxy's hops
+to the replicas (buffered generation requests) and to its own aiohttp application (the rest).
 
 Why callbacks: every Python step between a replica's bytes arriving and the client's answer
-leaving is added latency. Each pooled connection is an :class:`asyncio.Protocol` whose
-``data_received`` feeds llhttp, which calls back into the waiting :class:`Exchange` in the same
-callback: no task, no future, no stream buffer.
+leaving is added latency. A pooled connection's ``data_received`` feeds llhttp, which calls back
+into the waiting :class:`Exchange` in the same callback: no task, no future, no stream buffer.
 
 An exchange learns its outcome once: :meth:`Exchange.on_response`, or :meth:`Exchange.on_error`
-with :class:`ConnectFailed` (refused or unreachable), ``TimeoutError`` (the connect took too
-long) or :class:`Disconnected` (the connection broke mid-answer, or the answer was not valid
-HTTP/1.x). A reused keep-alive connection closed before a byte of the answer arrived is retried
-once on a fresh one (nothing was processed). Deadlines are the caller's: :meth:`Exchange.abort`.
+with :class:`ConnectFailed`, ``TimeoutError`` (the connect took too long) or
+:class:`Disconnected` (the connection broke mid-answer, or the answer was not HTTP/1.x). A
+reused connection closed before a byte of the answer came is retried once on a fresh one
+(nothing was processed). Deadlines are the caller's: :meth:`Exchange.abort`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
 from typing import cast
 
 import httptools
@@ -39,47 +37,47 @@ class Disconnected(OSError):
     """The connection broke (or spoke something other than HTTP/1.x) during the exchange."""
 
 
+class _Second(Exception):
+    """A second answer began: a server never sends one unasked."""
+
+
 class ResponseParser:
-    """One HTTP/1.x answer, fed as its bytes arrive, parsed by llhttp (pure: no I/O).
+    """One HTTP/1.x answer, fed as its bytes arrive (pure: no I/O).
 
     :meth:`feed` returns ``(response, keep_alive)`` once the answer is complete, else None;
     :meth:`eof` ends an answer delimited by the connection's close; both raise
-    :class:`Disconnected` on a malformed answer. Interim (1xx) answers are skipped. Bytes after
-    the answer make the connection unusable: a server never sends an unrequested answer. With
-    ``sink`` (an :class:`Exchange` that streams) the head and body go to it as they arrive.
+    :class:`Disconnected` on a malformed answer. Interim (1xx) answers are skipped; bytes after
+    the answer make the connection unusable. With ``sink`` (an :class:`Exchange` that streams)
+    the head and body go to it as they arrive.
     """
 
-    __slots__ = ("_body", "_done", "_extra", "_framed", "_head", "_headers", "_keep", "_parser",
-                 "_sink", "head_request", "started")  # fmt: skip
+    __slots__ = ("_body", "_done", "_extra", "_head", "_headers", "_parser", "_sink",
+                 "head_request", "started")  # fmt: skip
 
     def __init__(self, sink: Exchange | None = None, *, head_request: bool = False) -> None:
         self._parser = httptools.HttpResponseParser(self)
         self.reset(sink, head_request)
 
     def reset(self, sink: Exchange | None, head_request: bool) -> None:
-        """Ready for the next answer on the same connection (llhttp's state carries over)."""
+        """Ready for the next answer on the same connection."""
         self._sink = sink if sink is not None and sink.streams else None
         self.head_request = head_request  # a HEAD request's answer has no body, whatever it says
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._head: tuple[int, list[tuple[bytes, bytes]]] | None = None
-        self._framed = False  # Content-Length or chunked: not delimited by the close
-        self._done = self._extra = self._keep = False
-        self.started = False  # any byte received
+        self._done = self._extra = self.started = False
 
     # -- llhttp callbacks ---------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self._done:
+            raise _Second
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self._done:  # a second answer: a server never sends one unasked
-            self._extra = True
-            return
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
-        if self._done:  # a second answer: a server never sends one unasked
-            self._extra = True
-            return
         if status < 200:  # an interim answer (100 Continue): the real one follows
             self._headers = []
             return
@@ -87,9 +85,11 @@ class ResponseParser:
         if self._sink is not None:
             self._sink.on_head(status, self._headers)
         if self.head_request:  # no body follows, whatever the head says: never reuse
-            self._framed = self._done = True
+            self._done = self._extra = True
 
     def on_body(self, data: bytes) -> None:
+        if self._done:
+            raise _Second
         if self._sink is not None:
             self._sink.on_body(data)
         else:
@@ -97,7 +97,8 @@ class ResponseParser:
 
     def on_message_complete(self) -> None:
         if self._head is not None and not self._done:
-            self._done, self._keep = True, self._parser.should_keep_alive()
+            self._done = True
+            self._extra = not self._parser.should_keep_alive()
 
     # -- feeding ------------------------------------------------------------------------------
 
@@ -112,11 +113,11 @@ class ResponseParser:
         if not self._done:
             return None
         assert self._head is not None
-        return (*self._head, b"".join(self._body)), self._keep and not self._extra
+        return (*self._head, b"".join(self._body)), not self._extra
 
     def eof(self) -> Response:
         """The connection closed: the answer if it was delimited by the close."""
-        framed = self._framed or any(
+        framed = any(
             n.lower() in (b"content-length", b"transfer-encoding") for n, _ in self._headers
         )
         if self._head is not None and (self._done or not framed):
@@ -182,7 +183,7 @@ class _Conn(asyncio.Protocol):
         self.request = b""
         self.reused = False
         self.parser = ResponseParser()  # one llhttp parser for the connection's answers
-        self.used = time.monotonic()
+        self.used = 0.0
 
     def start(self, exchange: Exchange, request: bytes, head_request: bool) -> None:
         exchange.conn = self
@@ -218,9 +219,9 @@ class _Conn(asyncio.Protocol):
             return
         response, keep = done
         self.exchange = exchange.conn = None
-        if keep and len(self.pool._idle) < _MAX_IDLE:
+        if keep and len(self.pool.idle) < _MAX_IDLE:
             self.used, self.reused = time.monotonic(), False
-            self.pool._idle.append(self)
+            self.pool.idle.append(self)
         else:
             self.close()
         exchange.on_response(response)
@@ -229,8 +230,8 @@ class _Conn(asyncio.Protocol):
         return False  # close; connection_lost finishes the exchange
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self in self.pool._idle:
-            self.pool._idle.remove(self)
+        if self in self.pool.idle:
+            self.pool.idle.remove(self)
         exchange = self.exchange
         if exchange is None:
             return
@@ -239,7 +240,7 @@ class _Conn(asyncio.Protocol):
             response = self.parser.eof()
         except Disconnected as err:
             if self.reused and not self.parser.started:  # a keep-alive race: once more
-                self.pool._send_fresh(exchange, self.request, self.parser.head_request)
+                self.pool.send_fresh(exchange, self.request, self.parser.head_request)
             else:
                 exchange.on_error(err)
             return
@@ -267,7 +268,7 @@ class H1Pool:
         self.connect_timeout_s = connect_timeout_s
         authority = f"[{host}]" if ":" in host else host  # an IPv6 literal
         self.host_header = f"Host: {authority}:{port}\r\n".encode("ascii")
-        self._idle: list[_Conn] = []
+        self.idle: list[_Conn] = []
 
     def request(self, method: bytes, path_qs: bytes, header_lines: bytes, body: bytes) -> bytes:
         """The bytes of one request: ``header_lines`` ("Name: value\\r\\n" each, validated by
@@ -279,19 +280,20 @@ class H1Pool:
 
     def send(self, exchange: Exchange, request: bytes, *, head_request: bool = False) -> None:
         """Send ``request`` (from :meth:`request`) on an idle connection or a new one."""
-        now = time.monotonic()
-        idle = self._idle
-        while idle:
-            conn = idle.pop()
-            t = conn.transport
-            if t is not None and not t.is_closing() and now - conn.used < self.keepalive_s:
-                conn.reused = True
-                conn.start(exchange, request, head_request)
-                return
-            conn.close()
-        self._send_fresh(exchange, request, head_request)
+        idle = self.idle
+        if idle:
+            oldest = time.monotonic() - self.keepalive_s
+            while idle:
+                conn = idle.pop()
+                t = conn.transport
+                if t is not None and not t.is_closing() and conn.used > oldest:
+                    conn.reused = True
+                    conn.start(exchange, request, head_request)
+                    return
+                conn.close()
+        self.send_fresh(exchange, request, head_request)
 
-    def _send_fresh(self, exchange: Exchange, request: bytes, head_request: bool) -> None:
+    def send_fresh(self, exchange: Exchange, request: bytes, head_request: bool) -> None:
         conn = _Conn(self)
         conn.start(exchange, request, head_request)
         conn.connecting = asyncio.get_running_loop().create_task(self._connect(conn))
@@ -324,34 +326,6 @@ class H1Pool:
 
     def close(self) -> None:
         """Close every idle connection (in-flight ones close when their request ends)."""
-        idle, self._idle = self._idle, []
+        idle, self.idle = self.idle, []
         for conn in idle:
             conn.close()
-
-    async def post(self, path_qs: str, headers: Iterable[tuple[str, str]], body: bytes) -> Response:
-        """POST ``body`` and wait for the answer (a coroutine over :meth:`send`)."""
-        fut: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
-        exchange = _FutureExchange(fut)
-        lines = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
-        self.send(exchange, self.request(b"POST", path_qs.encode(), lines, body))
-        try:
-            return await fut
-        finally:
-            if not fut.done():
-                exchange.abort()
-
-
-class _FutureExchange(Exchange):
-    __slots__ = ("fut",)
-
-    def __init__(self, fut: asyncio.Future[Response]) -> None:
-        super().__init__()
-        self.fut = fut
-
-    def on_response(self, response: Response) -> None:
-        if not self.fut.done():
-            self.fut.set_result(response)
-
-    def on_error(self, exc: OSError) -> None:
-        if not self.fut.done():
-            self.fut.set_exception(exc)
