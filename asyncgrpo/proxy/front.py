@@ -1,19 +1,16 @@
 """One client connection to the proxy: HTTP/1.1 parsed by llhttp (``httptools``), answered in order.
 
 Why not aiohttp's server: it costs about a quarter of a millisecond of CPU per request, more than
-routing and forwarding together. So, as uvicorn's ``httptools_impl`` does, each connection is an
-:class:`asyncio.Protocol` whose ``data_received`` feeds llhttp. A request that llhttp and
-:mod:`asyncgrpo.proxy.inbound` accept is a non-streaming generation request, answered by a
-:class:`~asyncgrpo.proxy.unary.UnaryRequest`, or anything else, relayed to the aiohttp
-application (:class:`~asyncgrpo.proxy.relay.Relay`). A refused request gets an answer saying
-why, nothing is forwarded, and the connection closes after the answers to what was pipelined
-before it. Also: keep-alive, pipelining, ``Expect: 100-continue``, half-closed clients.
+routing and forwarding together. As in uvicorn's ``httptools_impl``, each connection is an
+:class:`asyncio.Protocol` feeding llhttp. A request that llhttp and :mod:`~asyncgrpo.proxy.inbound`
+accept is answered by a :class:`~asyncgrpo.proxy.unary.UnaryRequest` (non-streaming generation)
+or relayed to the aiohttp application (:class:`~asyncgrpo.proxy.relay.Relay`); a refused one gets
+an answer saying why, nothing is forwarded, and the connection closes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import deque
 from typing import TYPE_CHECKING, cast
 
@@ -33,8 +30,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Connection"]
 
-log = logging.getLogger(__name__)
-
 #: Seconds a connection closed after a refusal keeps reading (and dropping) what the client sends.
 LINGER_S = 2.0
 #: Complete requests queued behind the one being answered before reading pauses.
@@ -42,7 +37,7 @@ MAX_QUEUED = 16
 
 _GENERATE = frozenset({b"/v1/completions", b"/v1/chat/completions"})
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_HEAD_TOO_LARGE = f"request head over {HEAD_LIMIT} bytes"
+_TOO_LARGE = f"request head over {HEAD_LIMIT} bytes"
 
 
 class Connection(asyncio.Protocol):
@@ -81,12 +76,12 @@ class Connection(asyncio.Protocol):
         self.req.headers.append((name, value))
         self.head_size += len(name) + len(value) + 4
         if self.head_size > HEAD_LIMIT:
-            raise Refused(431, _HEAD_TOO_LARGE)
+            raise Refused(431, _TOO_LARGE)
 
     def on_headers_complete(self) -> None:
         self.in_head = False
-        if self.head_size > HEAD_LIMIT:  # a long target and no header
-            raise Refused(431, _HEAD_TOO_LARGE)
+        if self.head_size > HEAD_LIMIT:  # a long target
+            raise Refused(431, _TOO_LARGE)
         req, parser = self.req, cast(httptools.HttpRequestParser, self.parser)
         req.method = parser.get_method()
         check_head(req, parser.get_http_version(), self.max_body, self.front.auth)
@@ -123,12 +118,12 @@ class Connection(asyncio.Protocol):
                     break
                 except httptools.HttpParserUpgrade as exc:  # no protocol switch: read on
                     data = data[exc.args[0] :]
-            # llhttp buffers a header it has not finished: count what may be in it. A head
-            # begun in this piece has at most this piece unfinished: it counts from the next.
+            # llhttp keeps an unfinished header line: bound it. One begun in this piece has
+            # at most this piece in it, and counts from the next.
             if self.in_head and not self.begun:
                 self.head_size += len(data)
                 if self.head_size > HEAD_LIMIT:
-                    raise Refused(431, _HEAD_TOO_LARGE)
+                    raise Refused(431, _TOO_LARGE)
         except httptools.HttpParserError as exc:
             self.queue.append(refusal(exc, self.in_head))
             self.parser = None  # what follows a refused request cannot be framed
@@ -140,11 +135,9 @@ class Connection(asyncio.Protocol):
     def eof_received(self) -> bool:
         """The client shut down its sending side: answer what it sent, then close.
 
-        A client that closed the whole connection looks the same until something is written
-        to it, so an HTTP/1.1 request still waiting for its answer gets an interim
-        ``100 Continue`` (HTTP/1.1 clients must accept it) and another shortly after: a gone
-        client answers the first with a reset and the second write fails, which drops its
-        request (vLLM aborts a request whose connection closes).
+        A client gone altogether looks the same until something is written to it: a request
+        still waiting for its answer gets an interim ``100 Continue`` and another shortly after;
+        to a gone client the second write fails, which drops its request.
         """
         self.eof = True
         if self.current is None and not self.queue:
@@ -185,8 +178,7 @@ class Connection(asyncio.Protocol):
                     return
                 item = self.queue.popleft()
                 if isinstance(item, Refused):
-                    self._refuse(item)
-                    return
+                    return self._refuse(item)
                 self.current, self.started, self.waiting_since = item, False, None
                 self._dispatch(item)
             if self.current is None and self.eof:
@@ -209,21 +201,15 @@ class Connection(asyncio.Protocol):
                 parsed = decode_object(body, self.max_body)
             except BodyError as exc:
                 core.stats.reject(exc.status)
-                self.answer((exc.status, [], error_body(exc.status, str(exc))))
-                return
+                return self.answer((exc.status, [], error_body(exc.status, str(exc))))
             if parsed.get("stream") is not True:
                 req.lines.append(core.pool.header_lines)
-                try:
-                    chains = request_chains(core, parsed)
-                except Exception:  # a router bug must not cost the request: route it unmatched
-                    log.exception("no routing key for %r", req.target)
-                    chains = []
+                chains = request_chains(core, parsed)
                 lines = b"".join(req.lines)
                 self.work = UnaryRequest(
                     core, self.loop, req.target, body, chains, lines, self.answer
                 )
-                self.work.start()
-                return
+                return self.work.start()
         if req.auth is not None:  # the application checks the API key too
             req.lines.append(b"Authorization: %s\r\n" % req.auth)
         self.work = relay = Relay(self)

@@ -25,6 +25,8 @@ __all__ = ["ConnectFailed", "Disconnected", "Exchange", "H1Pool", "Response", "R
 #: Idle connections kept per pool; more are closed when returned.
 _MAX_IDLE = 1024
 
+_FRAMING = (b"content-length", b"transfer-encoding")
+
 #: (status, headers as (name, value) bytes pairs, body)
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
 
@@ -37,21 +39,17 @@ class Disconnected(OSError):
     """The connection broke (or spoke something other than HTTP/1.x) during the exchange."""
 
 
-class _Second(Exception):
-    """A second answer began: a server never sends one unasked."""
-
-
 class ResponseParser:
     """One HTTP/1.x answer, fed as its bytes arrive (pure: no I/O).
 
     :meth:`feed` returns ``(response, keep_alive)`` once the answer is complete, else None;
     :meth:`eof` ends an answer delimited by the connection's close; both raise
     :class:`Disconnected` on a malformed answer. Interim (1xx) answers are skipped; bytes after
-    the answer make the connection unusable. With ``sink`` (an :class:`Exchange` that streams)
-    the head and body go to it as they arrive.
+    the answer make the connection unusable. A ``sink`` that streams gets head and body as
+    they arrive.
     """
 
-    __slots__ = ("_body", "_done", "_extra", "_head", "_headers", "_parser", "_sink",
+    __slots__ = ("_body", "_done", "_headers", "_keep", "_parser", "_sink", "_status",
                  "head_request", "started")  # fmt: skip
 
     def __init__(self, sink: Exchange | None = None, *, head_request: bool = False) -> None:
@@ -64,14 +62,14 @@ class ResponseParser:
         self.head_request = head_request  # a HEAD request's answer has no body, whatever it says
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
-        self._head: tuple[int, list[tuple[bytes, bytes]]] | None = None
-        self._done = self._extra = self.started = False
+        self._status = 0
+        self._done = self._keep = self.started = False
 
-    # -- llhttp callbacks ---------------------------------------------------------------------
+    # -- llhttp callbacks (raising after the answer: bytes nobody asked for) --------------------
 
     def on_message_begin(self) -> None:
         if self._done:
-            raise _Second
+            raise Disconnected("a second answer")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name, value))
@@ -81,26 +79,22 @@ class ResponseParser:
         if status < 200:  # an interim answer (100 Continue): the real one follows
             self._headers = []
             return
-        self._head = (status, self._headers)
+        self._status = status
         if self._sink is not None:
             self._sink.on_head(status, self._headers)
-        if self.head_request:  # no body follows, whatever the head says: never reuse
-            self._done = self._extra = True
+        self._done = self.head_request  # no body follows, whatever the head says: no reuse
 
     def on_body(self, data: bytes) -> None:
         if self._done:
-            raise _Second
+            raise Disconnected("a body after a HEAD answer")
         if self._sink is not None:
             self._sink.on_body(data)
         else:
             self._body.append(data)
 
     def on_message_complete(self) -> None:
-        if self._head is not None and not self._done:
-            self._done = True
-            self._extra = not self._parser.should_keep_alive()
-
-    # -- feeding ------------------------------------------------------------------------------
+        if self._status and not self._done:
+            self._done, self._keep = True, self._parser.should_keep_alive()
 
     def feed(self, data: bytes) -> tuple[Response, bool] | None:
         self.started = True
@@ -109,19 +103,16 @@ class ResponseParser:
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             if not self._done:
                 raise Disconnected(f"malformed answer: {exc}") from None
-            self._extra = True
+            self._keep = False
         if not self._done:
             return None
-        assert self._head is not None
-        return (*self._head, b"".join(self._body)), not self._extra
+        return (self._status, self._headers, b"".join(self._body)), self._keep
 
     def eof(self) -> Response:
         """The connection closed: the answer if it was delimited by the close."""
-        framed = any(
-            n.lower() in (b"content-length", b"transfer-encoding") for n, _ in self._headers
-        )
-        if self._head is not None and (self._done or not framed):
-            return (*self._head, b"".join(self._body))
+        framed = any(n.lower() in _FRAMING for n, _ in self._headers)
+        if self._status and (self._done or not framed):
+            return self._status, self._headers, b"".join(self._body)
         if not self.started:
             raise Disconnected("connection closed before the answer")
         raise Disconnected("answer cut short by the connection's close")
@@ -203,28 +194,29 @@ class _Conn(asyncio.Protocol):
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
 
+    def detach(self) -> Exchange | None:
+        exchange, self.exchange = self.exchange, None
+        if exchange is not None:
+            exchange.conn = None
+        return exchange
+
     def data_received(self, data: bytes) -> None:
-        exchange = self.exchange
-        if exchange is None:  # bytes nobody asked for: never reuse this connection
-            self.close()
-            return
+        if self.exchange is None:  # bytes nobody asked for: never reuse this connection
+            return self.close()
         try:
             done = self.parser.feed(data)
         except Disconnected as exc:
-            self.exchange = exchange.conn = None
+            exchange = cast(Exchange, self.detach())
             self.close()
-            exchange.on_error(exc)
-            return
-        if done is None:
-            return
-        response, keep = done
-        self.exchange = exchange.conn = None
-        if keep and len(self.pool.idle) < _MAX_IDLE:
-            self.used, self.reused = time.monotonic(), False
-            self.pool.idle.append(self)
-        else:
-            self.close()
-        exchange.on_response(response)
+            return exchange.on_error(exc)
+        if done is not None:
+            exchange = cast(Exchange, self.detach())
+            if done[1] and len(self.pool.idle) < _MAX_IDLE:
+                self.used, self.reused = time.monotonic(), False
+                self.pool.idle.append(self)
+            else:
+                self.close()
+            exchange.on_response(done[0])
 
     def eof_received(self) -> bool:
         return False  # close; connection_lost finishes the exchange
@@ -232,10 +224,9 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self in self.pool.idle:
             self.pool.idle.remove(self)
-        exchange = self.exchange
+        exchange = self.detach()
         if exchange is None:
             return
-        self.exchange = exchange.conn = None
         try:
             response = self.parser.eof()
         except Disconnected as err:
@@ -309,9 +300,7 @@ class H1Pool:
                     await loop.create_connection(lambda: conn, self.host, self.port)
         except OSError as exc:  # TimeoutError included
             conn.connecting = None
-            exchange, conn.exchange = conn.exchange, None
-            if exchange is not None:
-                exchange.conn = None
+            if (exchange := conn.detach()) is not None:
                 exchange.on_error(
                     TimeoutError(f"connect to {where} took over {self.connect_timeout_s} s")
                     if isinstance(exc, TimeoutError)
