@@ -19,7 +19,7 @@ import httptools
 from asyncgrpo.proxy.attempts import request_chains
 from asyncgrpo.proxy.h1 import Response
 from asyncgrpo.proxy.headers import DROP_RESPONSE_B, head_lines
-from asyncgrpo.proxy.inbound import HEAD_LIMIT, Refused, Request, check_head, refusal
+from asyncgrpo.proxy.inbound import HEAD_LIMIT, TOO_LARGE, Refused, Request, check_head, refusal
 from asyncgrpo.proxy.jsonbody import BodyError, decode_object
 from asyncgrpo.proxy.relay import Relay
 from asyncgrpo.proxy.state import error_body
@@ -37,7 +37,6 @@ MAX_QUEUED = 16
 
 _GENERATE = frozenset({b"/v1/completions", b"/v1/chat/completions"})
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_TOO_LARGE = f"request head over {HEAD_LIMIT} bytes"
 
 
 class Connection(asyncio.Protocol):
@@ -70,18 +69,12 @@ class Connection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self.req.target += url
-        self.head_size += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.req.headers.append((name, value))
-        self.head_size += len(name) + len(value) + 4
-        if self.head_size > HEAD_LIMIT:
-            raise Refused(431, _TOO_LARGE)
 
     def on_headers_complete(self) -> None:
         self.in_head = False
-        if self.head_size > HEAD_LIMIT:  # a long target
-            raise Refused(431, _TOO_LARGE)
         req, parser = self.req, cast(httptools.HttpRequestParser, self.parser)
         req.method = parser.get_method()
         check_head(req, parser.get_http_version(), self.max_body, self.front.auth)
@@ -118,12 +111,12 @@ class Connection(asyncio.Protocol):
                     break
                 except httptools.HttpParserUpgrade as exc:  # no protocol switch: read on
                     data = data[exc.args[0] :]
-            # llhttp keeps an unfinished header line: bound it. One begun in this piece has
-            # at most this piece in it, and counts from the next.
+            # A head still unfinished (trickling) is bounded by what came since it began (one
+            # begun in this piece counts from the next); a finished one by check_head.
             if self.in_head and not self.begun:
                 self.head_size += len(data)
                 if self.head_size > HEAD_LIMIT:
-                    raise Refused(431, _TOO_LARGE)
+                    raise Refused(431, TOO_LARGE)
         except httptools.HttpParserError as exc:
             self.queue.append(refusal(exc, self.in_head))
             self.parser = None  # what follows a refused request cannot be framed
@@ -133,12 +126,9 @@ class Connection(asyncio.Protocol):
         self._process()
 
     def eof_received(self) -> bool:
-        """The client shut down its sending side: answer what it sent, then close.
-
-        A client gone altogether looks the same until something is written to it: a request
-        still waiting for its answer gets an interim ``100 Continue`` and another shortly after;
-        to a gone client the second write fails, which drops its request.
-        """
+        """The client shut down its sending side: answer what it sent, then close. A client
+        gone altogether looks the same until written to: two interim ``100 Continue`` a moment
+        apart make a gone client's connection fail, which drops its request."""
         self.eof = True
         if self.current is None and not self.queue:
             self.close()
@@ -155,7 +145,9 @@ class Connection(asyncio.Protocol):
         self.closed = True
         self.front.clients.discard(self)
         self.waiting_since = None
-        self._drop()
+        work, self.work = self.work, None
+        if work is not None:
+            work.cancel()
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -181,16 +173,12 @@ class Connection(asyncio.Protocol):
                     return self._refuse(item)
                 self.current, self.started, self.waiting_since = item, False, None
                 self._dispatch(item)
+            pause = len(self.queue) > MAX_QUEUED  # a client pipelining without reading
             if self.current is None and self.eof:
                 self.close()
-            elif self.transport is not None and self.reading_paused != (
-                len(self.queue) > MAX_QUEUED
-            ):  # a client pipelining without reading is paused
-                self.reading_paused = not self.reading_paused
-                if self.reading_paused:
-                    self.transport.pause_reading()
-                else:
-                    self.transport.resume_reading()
+            elif self.transport is not None and pause != self.reading_paused:
+                self.reading_paused = pause
+                (self.transport.pause_reading if pause else self.transport.resume_reading)()
         finally:
             self.processing = False
 
@@ -245,9 +233,8 @@ class Connection(asyncio.Protocol):
             self._process()
 
     def _refuse(self, exc: Refused) -> None:
-        """Answer a refused request and close, reading (and dropping) input for a moment:
-        closing with unread input makes the kernel send a reset, which can destroy the answer
-        before the client reads it (a client still sending a large body or head)."""
+        """Answer a refused request and close after reading (and dropping) input for a moment:
+        closing with unread input sends a reset, which can destroy the answer unread."""
         self.front.core.stats.reject(exc.status)
         self.parser = None
         self.queue.clear()
@@ -268,9 +255,4 @@ class Connection(asyncio.Protocol):
         """Close gracefully (what was written is still sent); in-flight work is dropped."""
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
-        self._drop()
-
-    def _drop(self) -> None:
-        work, self.work = self.work, None
-        if work is not None:
-            work.cancel()
+        self.connection_lost(None)

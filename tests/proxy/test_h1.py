@@ -8,14 +8,7 @@ import socket
 import pytest
 from aiohttp import web
 
-from asyncgrpo.proxy.h1 import (
-    ConnectFailed,
-    Disconnected,
-    Exchange,
-    H1Pool,
-    Response,
-    ResponseParser,
-)
+from asyncgrpo.proxy.h1 import ConnectFailed, Disconnected, Exchange, H1Pool, Response, _Conn
 
 
 class _Waiter(Exchange):
@@ -38,6 +31,39 @@ async def _post(pool: H1Pool, path: str, headers: list[tuple[str, str]], body: b
     lines = b"".join(f"{k}: {v}\r\n".encode() for k, v in headers)
     pool.send(waiter, pool.request(b"POST", path.encode(), lines, body))
     return await waiter.fut
+
+
+class ResponseParser(Exchange):
+    """A pooled connection's answer parsing without a socket: :meth:`feed` returns
+    ``(response, reusable)`` once the answer is complete, :meth:`eof` is the connection's close;
+    both raise what the exchange would get as its error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = H1Pool()
+        self.c = _Conn(self.pool)
+        self.c.start(self, b"", head_request=False)
+        self.outcome: Response | OSError | None = None
+
+    def on_response(self, response: Response) -> None:
+        self.outcome = response
+
+    def on_error(self, exc: OSError) -> None:
+        self.outcome = exc
+
+    def _result(self) -> Response | None:
+        if isinstance(self.outcome, OSError):
+            raise self.outcome
+        return self.outcome
+
+    def feed(self, data: bytes) -> tuple[Response, bool] | None:
+        self.c.data_received(data)
+        response = self._result()
+        return None if response is None else (response, self.c in self.pool.idle)
+
+    def eof(self) -> Response | None:
+        self.c.connection_lost(None)
+        return self._result()
 
 
 def _feed_bytewise(parser: ResponseParser, raw: bytes) -> list[object]:
