@@ -1,11 +1,11 @@
 """One client connection to the proxy: HTTP/1.1 parsed by llhttp (``httptools``), answered in order.
 
-Why not aiohttp's server: it costs about a quarter of a millisecond of CPU per request, more than
-routing and forwarding together. As in uvicorn's ``httptools_impl``, each connection is an
-:class:`asyncio.Protocol` feeding llhttp. A request that llhttp and :mod:`~asyncgrpo.proxy.inbound`
-accept is answered by a :class:`~asyncgrpo.proxy.unary.UnaryRequest` (non-streaming generation)
-or relayed to the aiohttp application (:class:`~asyncgrpo.proxy.relay.Relay`); a refused one gets
-an answer saying why, nothing is forwarded, and the connection closes.
+Why not aiohttp's server: its quarter millisecond of CPU per request is more than routing and
+forwarding take. As in uvicorn's ``httptools_impl``, the connection is an asyncio protocol
+feeding llhttp. A request that llhttp and :mod:`~asyncgrpo.proxy.inbound` accept goes to a
+:class:`~asyncgrpo.proxy.unary.UnaryRequest` (non-streaming generation) or a
+:class:`~asyncgrpo.proxy.relay.Relay` (the rest); a refused one gets an answer saying why,
+nothing is forwarded, and the connection closes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, cast
 
 import httptools
 
-from asyncgrpo.proxy.attempts import request_chains
 from asyncgrpo.proxy.h1 import Response
 from asyncgrpo.proxy.headers import DROP_RESPONSE_B, head_lines
 from asyncgrpo.proxy.inbound import HEAD_LIMIT, TOO_LARGE, Refused, Request, check_head, refusal
@@ -95,8 +94,7 @@ class Connection(asyncio.Protocol):
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it.
-        self.transport = cast(asyncio.Transport, transport)
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's: not a subclass
         self.front.clients.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -142,9 +140,8 @@ class Connection(asyncio.Protocol):
             self.write(_CONTINUE)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
+        self.closed, self.waiting_since = True, None
         self.front.clients.discard(self)
-        self.waiting_since = None
         work, self.work = self.work, None
         if work is not None:
             work.cancel()
@@ -154,7 +151,7 @@ class Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.writing_paused = False
-        if self.work is not None:
+        if isinstance(self.work, Relay):
             self.work.pause_reading(False)
         self._process()
 
@@ -192,18 +189,13 @@ class Connection(asyncio.Protocol):
                 return self.answer((exc.status, [], error_body(exc.status, str(exc))))
             if parsed.get("stream") is not True:
                 req.lines.append(core.pool.header_lines)
-                chains = request_chains(core, parsed)
                 lines = b"".join(req.lines)
                 self.work = UnaryRequest(
-                    core, self.loop, req.target, body, chains, lines, self.answer
+                    core, self.loop, req.target, body, parsed, lines, self.answer
                 )
                 return self.work.start()
-        if req.auth is not None:  # the application checks the API key too
-            req.lines.append(b"Authorization: %s\r\n" % req.auth)
-        self.work = relay = Relay(self)
-        pool = self.front.relay
-        request = pool.request(req.method, req.target, b"".join(req.lines), body)
-        pool.send(relay, request, head_request=req.method == b"HEAD")
+        self.work = Relay(self)
+        self.work.send(req, body)
 
     def _write_answer(self, answer: Response, keep_alive: bool) -> None:
         """Write a buffered answer (its per-hop headers dropped, framing added)."""
@@ -239,12 +231,10 @@ class Connection(asyncio.Protocol):
         self.parser = None
         self.queue.clear()
         self._write_answer((exc.status, [], error_body(exc.status, str(exc))), False)
-        transport = self.transport
-        if self.eof or transport is None:
+        if self.eof or self.transport is None:
             self.close()
-        elif not transport.is_closing():
-            if transport.can_write_eof():
-                transport.write_eof()
+        elif not self.transport.is_closing():
+            self.transport.write_eof()
             self.loop.call_later(LINGER_S, self.close)
 
     def write(self, data: bytes) -> None:

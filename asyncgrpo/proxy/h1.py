@@ -1,10 +1,9 @@
 """A keep-alive HTTP/1.1 client on llhttp (``httptools``), driven by callbacks: the proxy's hops
 to the replicas (buffered generation requests) and to its own aiohttp application (the rest).
 
-Why callbacks: a pooled connection's ``data_received`` feeds llhttp, which calls back into the
-waiting :class:`Exchange` in the same callback: no task, future or stream buffer adds latency.
-A reused connection closed before a byte of the answer came is retried once on a fresh one
-(nothing was processed). Deadlines are the caller's: :meth:`Exchange.abort`.
+Why callbacks: a pooled connection's ``data_received`` feeds llhttp, which calls the waiting
+:class:`Exchange` back in the same callback: no task, future or stream buffer adds latency. A
+reused connection closed before a byte of the answer came is retried once on a fresh one.
 """
 
 from __future__ import annotations
@@ -53,12 +52,6 @@ class Exchange:
 
     def on_error(self, exc: OSError) -> None: ...
 
-    def pause_reading(self, paused: bool) -> None:
-        """Back-pressure: stop (or resume) reading the answer while its reader cannot keep up."""
-        t = self.conn.transport if self.conn is not None else None
-        if t is not None and not t.is_closing():
-            (t.pause_reading if paused else t.resume_reading)()
-
     def abort(self) -> None:
         """Give up on the request in flight: its connection is closed, no callback follows."""
         if (conn := self.conn) is not None:
@@ -80,8 +73,7 @@ class _Conn(asyncio.Protocol):
         self.connecting: asyncio.Task[None] | None = None
         self.exchange: Exchange | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.reused = False
-        self.used = 0.0
+        self.reused, self.used = False, 0.0
 
     def start(self, exchange: Exchange, request: bytes, head_request: bool) -> None:
         exchange.conn = self
@@ -164,9 +156,6 @@ class _Conn(asyncio.Protocol):
                 self.close()
             exchange.on_response((self.status, self.headers, b"".join(self.body)))
 
-    def eof_received(self) -> bool:
-        return False  # close; connection_lost finishes the exchange
-
     def connection_lost(self, exc: Exception | None) -> None:
         if self in self.pool.idle:
             self.pool.idle.remove(self)
@@ -178,10 +167,10 @@ class _Conn(asyncio.Protocol):
             exchange.on_response((self.status, self.headers, b"".join(self.body)))
         elif self.reused and not self.started:  # a keep-alive race: once more
             self.pool.send_fresh(exchange, self.request, self.head_request)
-        elif not self.started:
-            exchange.on_error(Disconnected("connection closed before the answer"))
-        else:
+        elif self.started:
             exchange.on_error(Disconnected("answer cut short by the connection's close"))
+        else:
+            exchange.on_error(Disconnected("connection closed before the answer"))
 
 
 class H1Pool:
@@ -199,8 +188,7 @@ class H1Pool:
         connect_timeout_s: float = 5.0,
     ) -> None:
         self.host, self.port, self.path = host, port, path
-        self.keepalive_s = keepalive_s
-        self.connect_timeout_s = connect_timeout_s
+        self.keepalive_s, self.connect_timeout_s = keepalive_s, connect_timeout_s
         authority = f"[{host}]" if ":" in host else host  # an IPv6 literal
         self.host_header = f"Host: {authority}:{port}\r\n".encode("ascii")
         self.idle: list[_Conn] = []
@@ -214,17 +202,14 @@ class H1Pool:
 
     def send(self, exchange: Exchange, request: bytes, *, head_request: bool = False) -> None:
         """Send ``request`` (from :meth:`request`) on an idle connection or a new one."""
-        idle = self.idle
-        if idle:
-            oldest = time.monotonic() - self.keepalive_s
-            while idle:
-                conn = idle.pop()
-                t = conn.transport
-                if t is not None and not t.is_closing() and conn.used > oldest:
-                    conn.reused = True
-                    conn.start(exchange, request, head_request)
-                    return
-                conn.close()
+        idle, oldest = self.idle, time.monotonic() - self.keepalive_s
+        while idle:
+            conn = idle.pop()
+            t = conn.transport
+            if t is not None and not t.is_closing() and conn.used > oldest:
+                conn.reused = True
+                return conn.start(exchange, request, head_request)
+            conn.close()
         self.send_fresh(exchange, request, head_request)
 
     def send_fresh(self, exchange: Exchange, request: bytes, head_request: bool) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from asyncgrpo.proxy.h1 import Exchange, Response
 from asyncgrpo.proxy.headers import head_lines
+from asyncgrpo.proxy.inbound import Request
 from asyncgrpo.proxy.state import error_body
 
 if TYPE_CHECKING:
@@ -37,6 +38,20 @@ class Relay(Exchange):
         self.chunked = False
 
     cancel = Exchange.abort  # the client went away
+
+    def send(self, req: Request, body: bytes) -> None:
+        """Send ``req`` (with ``body``) to the application."""
+        if req.auth is not None:  # the application checks the API key too
+            req.lines.append(b"Authorization: %s\r\n" % req.auth)
+        pool = self.client.front.relay
+        request = pool.request(req.method, req.target, b"".join(req.lines), body)
+        pool.send(self, request, head_request=req.method == b"HEAD")
+
+    def pause_reading(self, paused: bool) -> None:
+        """Back-pressure: stop (or resume) reading the answer while the client cannot keep up."""
+        t = self.conn.transport if self.conn is not None else None
+        if t is not None and not t.is_closing():
+            (t.pause_reading if paused else t.resume_reading)()
 
     def on_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         client, req = self.client, self.client.current

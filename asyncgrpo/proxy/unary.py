@@ -47,7 +47,7 @@ class UnaryRequest(Exchange):
         loop: asyncio.AbstractEventLoop,
         path_qs: bytes,
         body: bytes,
-        chains: list[tuple[int, ...]],
+        parsed: dict[str, Any],
         header_lines: bytes,
         on_answer: Callable[[Response], None],
     ) -> None:
@@ -58,7 +58,7 @@ class UnaryRequest(Exchange):
         self.headers = header_lines  # forwarded as they are; the pool adds Host, Content-Length
         self.on_answer: Callable[[Response], None] | None = on_answer
         self.loop = loop
-        self.attempts = Attempts(core, chains, path_qs.decode("latin-1"))
+        self.attempts = Attempts(core, request_chains(core, parsed), path_qs.decode("latin-1"))
         self.timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
 
@@ -168,8 +168,7 @@ async def forward_unary(
             fut.set_result(answer)
 
     lines = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
-    chains = request_chains(core, parsed)
-    request = UnaryRequest(core, loop, path_qs.encode("latin-1"), body, chains, lines, on_answer)
+    request = UnaryRequest(core, loop, path_qs.encode("latin-1"), body, parsed, lines, on_answer)
     request.start()
     try:
         return await fut
