@@ -40,7 +40,7 @@ _EXPORTS = {
     "open_transport": "asyncgrpo.transport",
     "run_rollouts": "asyncgrpo.run",
     "run_training": "asyncgrpo.run",
-    "serve_proxy": "asyncgrpo.proxy.front",
+    "serve_proxy": "asyncgrpo.proxy.server",
 }
 
 __all__ = sorted(_EXPORTS)

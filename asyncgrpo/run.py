@@ -40,7 +40,7 @@ from asyncgrpo.checkpoints import CheckpointStore
 from asyncgrpo.config import TrainingConfig
 from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound, ReplicaError
 from asyncgrpo.metrics import MetricsWriter
-from asyncgrpo.proxy.front import serve_proxy
+from asyncgrpo.proxy.server import serve_proxy
 from asyncgrpo.rollout.client import RolloutClient
 from asyncgrpo.rollout.dataset import PromptDataset, load_tokenizer
 from asyncgrpo.rollout.window import AdmissionWindow

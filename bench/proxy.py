@@ -13,6 +13,7 @@
     python bench/proxy.py --part overhead      # (b) only, ~1 min
     python bench/proxy.py --upstream URL --upstream URL --part routing   # reuse running replicas
     python bench/proxy.py --part overhead --baseline ../main   # A/B: that checkout's proxy too
+    python bench/proxy.py --part overhead --baseline /tmp/old --baseline ../main   # A/B/C
 """
 
 from __future__ import annotations
@@ -238,17 +239,17 @@ def pct(sorted_lat: list[float], q: float) -> float:
     return sorted_lat[min(int(len(sorted_lat) * q), len(sorted_lat) - 1)] * 1e3
 
 
-async def part_overhead(baseline: str | None = None) -> list[list[str]]:
+async def part_overhead(baselines: list[str] | None = None) -> list[list[str]]:
     """Paths to one canned upstream: direct, the zero-work relay, the proxy, the proxy as one
-    aiohttp stack (its application on aiohttp's server and client), and with ``baseline`` (a
-    checkout of this repository) that checkout's proxy, side by side.
+    aiohttp stack (its application on aiohttp's server and client), and for each of
+    ``baselines`` (checkouts of this repository) that checkout's proxy, side by side.
 
     At 1 in flight the paths take turns in blocks of ``OVERHEAD_BLOCK_1`` requests, so a change in
     machine speed (large and frequent on a shared VM) hits all three alike; p50/p99 are over all
     their requests. At 256 in flight they take turns by rounds; the table shows per-path medians
     and the median of the per-round throughput ratios.
     """
-    up_port, relay_port, px_port, base_port, aio_port = (free_port() for _ in range(5))
+    up_port, relay_port, px_port, aio_port = (free_port() for _ in range(4))
     rng = random.Random(0)
     body = json.dumps(
         {"model": "bench-v1", "prompt": [rng.randrange(50000) for _ in range(300)],
@@ -270,11 +271,12 @@ async def part_overhead(baseline: str | None = None) -> list[list[str]]:
             argv = [PY, __file__, "--_aiohttp-proxy", str(aio_port), upstream]
             pids["aiohttp"] = stack.enter_context(subprocess_server(argv))
             paths["aiohttp"] = f"http://127.0.0.1:{aio_port}"
-            if baseline:  # its own code first on the path: run from it, not from here
+            for baseline in baselines or []:  # its own code first on the path: run from it
+                name, port = os.path.basename(os.path.abspath(baseline)), free_port()
                 env = {**os.environ, "PYTHONPATH": os.path.abspath(baseline)}
-                argv = [*proxy_argv, str(base_port)]
-                pids["baseline"] = stack.enter_context(subprocess_server(argv, env, baseline))
-                paths["baseline"] = f"http://127.0.0.1:{base_port}"
+                argv = [*proxy_argv, str(port)]
+                pids[name] = stack.enter_context(subprocess_server(argv, env, baseline))
+                paths[name] = f"http://127.0.0.1:{port}"
             for url in paths.values():
                 await wait_http(url + "/health")
             for inflight in (1, 256):
@@ -441,7 +443,9 @@ if __name__ == "__main__":
     parser.add_argument(
         "--baseline",
         metavar="DIR",
-        help="also measure the proxy of this checkout (A/B), e.g. ../main",
+        action="append",
+        help="also measure the proxy of this checkout (A/B), e.g. ../main; repeatable; the "
+        "table names it by the directory's name",
     )
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:

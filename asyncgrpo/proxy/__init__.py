@@ -7,7 +7,7 @@ Needs aiohttp only (uvloop if installed for the CLI), never torch.
 
 from asyncgrpo.proxy.app import create_app
 from asyncgrpo.proxy.config import ProxyConfig
-from asyncgrpo.proxy.front import serve_proxy
 from asyncgrpo.proxy.router import Decision, Router, request_hashes
+from asyncgrpo.proxy.server import serve_proxy
 
 __all__ = ["Decision", "ProxyConfig", "Router", "create_app", "request_hashes", "serve_proxy"]

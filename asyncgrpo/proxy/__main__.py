@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy.config import ProxyConfig
-from asyncgrpo.proxy.front import serve_proxy
+from asyncgrpo.proxy.server import serve_proxy
 from asyncgrpo.settings import exit_on_config_error, parse_args
 
 PROG = "python -m asyncgrpo.proxy"

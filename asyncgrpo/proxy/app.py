@@ -24,6 +24,7 @@ from asyncgrpo.proxy import broadcast, metrics
 from asyncgrpo.proxy.attempts import Attempts, request_chains
 from asyncgrpo.proxy.auth import AUTH_MESSAGE, authorized, expected_header
 from asyncgrpo.proxy.config import ProxyConfig
+from asyncgrpo.proxy.deadlines import Deadlines
 from asyncgrpo.proxy.headers import DROP_REQUEST, DROP_RESPONSE, DROP_RESPONSE_B, REPLICA_HEADER
 from asyncgrpo.proxy.jsonbody import BodyError, decode_object
 from asyncgrpo.proxy.router import Router
@@ -340,7 +341,8 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         cookie_jar=aiohttp.DummyCookieJar(),  # a proxy keeps no cookies (and skips their cost)
     )
     pool = app[POOL] = UpstreamPool(config, app[ROUTER], session)
-    app[CORE] = Core(config, app[ROUTER], pool, app[STATS])
+    deadlines = Deadlines(asyncio.get_running_loop())
+    app[CORE] = Core(config, app[ROUTER], pool, app[STATS], deadlines)
     if pool.block_size is None:
         pool.block_size = await pool.discover_block_size()
     checker = asyncio.create_task(pool.run_health_checks(), name="asyncgrpo-proxy-health")
@@ -354,6 +356,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         checker.cancel()
+        deadlines.close()
         try:
             await checker
         except asyncio.CancelledError:

@@ -33,7 +33,11 @@ def request_chains(core: Core, parsed: dict[str, Any]) -> list[tuple[int, ...]]:
     if core.router.policy != "affinity":
         return []
     t0 = time.perf_counter()
-    chains = request_hashes(parsed, core.pool.block_size or FALLBACK_BLOCK_SIZE)
+    try:
+        chains = request_hashes(parsed, core.pool.block_size or FALLBACK_BLOCK_SIZE)
+    except Exception:  # a router bug must not cost the request: route it unmatched
+        log.exception("no routing key for a generation request")
+        chains = []
     core.stats.route_seconds += time.perf_counter() - t0
     return chains
 

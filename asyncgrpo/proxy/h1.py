@@ -1,31 +1,24 @@
-"""A keep-alive HTTP/1.1 client on llhttp (``httptools``), callback-driven: the proxy's hops to
-the replicas (buffered generation requests) and to its own aiohttp application (the rest).
+"""A keep-alive HTTP/1.1 client on llhttp (``httptools``), driven by callbacks: the proxy's hops
+to the replicas (buffered generation requests) and to its own aiohttp application (the rest).
 
-Why callbacks: every Python step between a replica's bytes arriving and the client's answer
-leaving is added latency. Each pooled connection is an :class:`asyncio.Protocol` whose
-``data_received`` feeds llhttp, which calls back into the waiting :class:`Exchange` in the same
-callback: no task, no future, no stream buffer.
-
-An exchange learns its outcome once: :meth:`Exchange.on_response`, or :meth:`Exchange.on_error`
-with :class:`ConnectFailed` (refused or unreachable), ``TimeoutError`` (the connect took too
-long) or :class:`Disconnected` (the connection broke mid-answer, or the answer was not valid
-HTTP/1.x). A reused keep-alive connection closed before a byte of the answer arrived is retried
-once on a fresh one (nothing was processed). Deadlines are the caller's: :meth:`Exchange.abort`.
+Why callbacks: a pooled connection's ``data_received`` feeds llhttp, which calls the waiting
+:class:`Exchange` back in the same callback: no task, future or stream buffer adds latency. A
+reused connection closed before a byte of the answer came is retried once on a fresh one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
 from typing import cast
 
 import httptools
 
-__all__ = ["ConnectFailed", "Disconnected", "Exchange", "H1Pool", "Response", "ResponseParser"]
+__all__ = ["ConnectFailed", "Disconnected", "Exchange", "H1Pool", "Response"]
 
 #: Idle connections kept per pool; more are closed when returned.
 _MAX_IDLE = 1024
+_FRAMING = (b"content-length", b"transfer-encoding")
 
 #: (status, headers as (name, value) bytes pairs, body)
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
@@ -39,99 +32,11 @@ class Disconnected(OSError):
     """The connection broke (or spoke something other than HTTP/1.x) during the exchange."""
 
 
-class ResponseParser:
-    """One HTTP/1.x answer, fed as its bytes arrive, parsed by llhttp (pure: no I/O).
-
-    :meth:`feed` returns ``(response, keep_alive)`` once the answer is complete, else None;
-    :meth:`eof` ends an answer delimited by the connection's close; both raise
-    :class:`Disconnected` on a malformed answer. Interim (1xx) answers are skipped. Bytes after
-    the answer make the connection unusable: a server never sends an unrequested answer. With
-    ``sink`` (an :class:`Exchange` that streams) the head and body go to it as they arrive.
-    """
-
-    __slots__ = ("_body", "_done", "_extra", "_framed", "_head", "_headers", "_keep", "_parser",
-                 "_sink", "head_request", "started")  # fmt: skip
-
-    def __init__(self, sink: Exchange | None = None, *, head_request: bool = False) -> None:
-        self._parser = httptools.HttpResponseParser(self)
-        self.reset(sink, head_request)
-
-    def reset(self, sink: Exchange | None, head_request: bool) -> None:
-        """Ready for the next answer on the same connection (llhttp's state carries over)."""
-        self._sink = sink if sink is not None and sink.streams else None
-        self.head_request = head_request  # a HEAD request's answer has no body, whatever it says
-        self._headers: list[tuple[bytes, bytes]] = []
-        self._body: list[bytes] = []
-        self._head: tuple[int, list[tuple[bytes, bytes]]] | None = None
-        self._framed = False  # Content-Length or chunked: not delimited by the close
-        self._done = self._extra = self._keep = False
-        self.started = False  # any byte received
-
-    # -- llhttp callbacks ---------------------------------------------------------------------
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self._done:  # a second answer: a server never sends one unasked
-            self._extra = True
-            return
-        self._headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        status = self._parser.get_status_code()
-        if self._done:  # a second answer: a server never sends one unasked
-            self._extra = True
-            return
-        if status < 200:  # an interim answer (100 Continue): the real one follows
-            self._headers = []
-            return
-        self._head = (status, self._headers)
-        if self._sink is not None:
-            self._sink.on_head(status, self._headers)
-        if self.head_request:  # no body follows, whatever the head says: never reuse
-            self._framed = self._done = True
-
-    def on_body(self, data: bytes) -> None:
-        if self._sink is not None:
-            self._sink.on_body(data)
-        else:
-            self._body.append(data)
-
-    def on_message_complete(self) -> None:
-        if self._head is not None and not self._done:
-            self._done, self._keep = True, self._parser.should_keep_alive()
-
-    # -- feeding ------------------------------------------------------------------------------
-
-    def feed(self, data: bytes) -> tuple[Response, bool] | None:
-        self.started = True
-        try:
-            self._parser.feed_data(data)
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            if not self._done:
-                raise Disconnected(f"malformed answer: {exc}") from None
-            self._extra = True
-        if not self._done:
-            return None
-        assert self._head is not None
-        return (*self._head, b"".join(self._body)), self._keep and not self._extra
-
-    def eof(self) -> Response:
-        """The connection closed: the answer if it was delimited by the close."""
-        framed = self._framed or any(
-            n.lower() in (b"content-length", b"transfer-encoding") for n, _ in self._headers
-        )
-        if self._head is not None and (self._done or not framed):
-            return (*self._head, b"".join(self._body))
-        if not self.started:
-            raise Disconnected("connection closed before the answer")
-        raise Disconnected("answer cut short by the connection's close")
-
-
 class Exchange:
-    """The receiving end of one request on an :class:`H1Pool` (subclass and override).
-
-    A buffering exchange gets the whole answer in :meth:`on_response`; one with ``streams`` set
-    gets :meth:`on_head` and :meth:`on_body` as the bytes arrive, then :meth:`on_response`.
-    """
+    """The receiving end of one request on an :class:`H1Pool`: its outcome comes once, as
+    :meth:`on_response` or :meth:`on_error` (:class:`ConnectFailed`, ``TimeoutError`` of the
+    connect, :class:`Disconnected`). With ``streams`` set, :meth:`on_head` and :meth:`on_body`
+    come first, as the bytes arrive."""
 
     __slots__ = ("conn",)
     streams = False
@@ -139,39 +44,27 @@ class Exchange:
     def __init__(self) -> None:
         self.conn: _Conn | None = None
 
-    def on_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        pass
+    def on_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
 
-    def on_body(self, data: bytes) -> None:
-        pass
+    def on_body(self, data: bytes) -> None: ...
 
-    def on_response(self, response: Response) -> None:
-        raise NotImplementedError
+    def on_response(self, response: Response) -> None: ...
 
-    def on_error(self, exc: OSError) -> None:
-        raise NotImplementedError
-
-    def pause_reading(self, paused: bool) -> None:
-        """Back-pressure: stop (or resume) reading the answer while its reader cannot keep up."""
-        transport = self.conn.transport if self.conn is not None else None
-        if transport is not None and not transport.is_closing():
-            if paused:
-                transport.pause_reading()
-            else:
-                transport.resume_reading()
+    def on_error(self, exc: OSError) -> None: ...
 
     def abort(self) -> None:
         """Give up on the request in flight: its connection is closed, no callback follows."""
-        conn, self.conn = self.conn, None
-        if conn is not None:
-            conn.exchange = None
+        if (conn := self.conn) is not None:
+            conn.detach()
             conn.close()
 
 
 class _Conn(asyncio.Protocol):
-    """One pooled connection: idle, or carrying one exchange."""
+    """One pooled connection, idle or carrying one exchange; llhttp parses its answers.
+    Interim (1xx) answers are skipped; bytes after the answer make it unusable."""
 
-    __slots__ = ("connecting", "exchange", "parser", "pool", "request", "reused", "transport",
+    __slots__ = ("body", "connecting", "done", "exchange", "head_request", "headers", "keep",
+                 "parser", "pool", "request", "reused", "sink", "started", "status", "transport",
                  "used")  # fmt: skip
 
     def __init__(self, pool: H1Pool) -> None:
@@ -179,18 +72,25 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.connecting: asyncio.Task[None] | None = None
         self.exchange: Exchange | None = None
-        self.request = b""
-        self.reused = False
-        self.parser = ResponseParser()  # one llhttp parser for the connection's answers
-        self.used = time.monotonic()
+        self.parser = httptools.HttpResponseParser(self)
+        self.reused, self.used = False, 0.0
 
     def start(self, exchange: Exchange, request: bytes, head_request: bool) -> None:
         exchange.conn = self
-        self.exchange = exchange
-        self.request = request
-        self.parser.reset(exchange, head_request)
+        self.exchange, self.request, self.head_request = exchange, request, head_request
+        self.sink = exchange if exchange.streams else None
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body: list[bytes] = []
+        self.status = 0
+        self.done = self.keep = self.started = False
         if self.transport is not None:
             self.transport.write(request)
+
+    def detach(self) -> Exchange | None:
+        exchange, self.exchange = self.exchange, None
+        if exchange is not None:
+            exchange.conn = None
+        return exchange
 
     def close(self) -> None:
         if self.connecting is not None:
@@ -198,60 +98,85 @@ class _Conn(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    # -- llhttp callbacks (raising after the answer: bytes nobody asked for) --------------------
+
+    def on_message_begin(self) -> None:
+        if self.done:
+            raise Disconnected("a second answer")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:  # an interim answer (100 Continue): the real one follows
+            self.headers = []
+            return
+        self.status = status
+        if self.sink is not None:
+            self.sink.on_head(status, self.headers)
+        self.done = self.head_request  # no body follows, whatever the head says: no reuse
+
+    def on_body(self, data: bytes) -> None:
+        if self.done:
+            raise Disconnected("a body after a HEAD answer")
+        if self.sink is not None:
+            self.sink.on_body(data)
+        else:
+            self.body.append(data)
+
+    def on_message_complete(self) -> None:
+        if self.status and not self.done:
+            self.done, self.keep = True, self.parser.should_keep_alive()
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        exchange = self.exchange
-        if exchange is None:  # bytes nobody asked for: never reuse this connection
-            self.close()
-            return
+        if self.exchange is None:  # bytes nobody asked for: never reuse this connection
+            return self.close()
+        self.started = True
         try:
-            done = self.parser.feed(data)
-        except Disconnected as exc:
-            self.exchange = exchange.conn = None
-            self.close()
-            exchange.on_error(exc)
-            return
-        if done is None:
-            return
-        response, keep = done
-        self.exchange = exchange.conn = None
-        if keep and len(self.pool._idle) < _MAX_IDLE:
-            self.used, self.reused = time.monotonic(), False
-            self.pool._idle.append(self)
-        else:
-            self.close()
-        exchange.on_response(response)
-
-    def eof_received(self) -> bool:
-        return False  # close; connection_lost finishes the exchange
+            self.parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if not self.done:
+                exchange = cast(Exchange, self.detach())
+                self.close()
+                return exchange.on_error(Disconnected(f"malformed answer: {exc}"))
+            self.keep = False
+        if self.done:
+            exchange = cast(Exchange, self.detach())
+            if self.keep and len(self.pool.idle) < _MAX_IDLE:
+                self.used, self.reused = time.monotonic(), False
+                self.pool.idle.append(self)
+            else:
+                self.close()
+            exchange.on_response((self.status, self.headers, b"".join(self.body)))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self in self.pool._idle:
-            self.pool._idle.remove(self)
-        exchange = self.exchange
+        if self in self.pool.idle:
+            self.pool.idle.remove(self)
+        exchange = self.detach()
         if exchange is None:
             return
-        self.exchange = exchange.conn = None
-        try:
-            response = self.parser.eof()
-        except Disconnected as err:
-            if self.reused and not self.parser.started:  # a keep-alive race: once more
-                self.pool._send_fresh(exchange, self.request, self.parser.head_request)
-            else:
-                exchange.on_error(err)
-            return
-        exchange.on_response(response)
+        framed = any(n.lower() in _FRAMING for n, _ in self.headers)
+        if self.status and (self.done or not framed):  # complete, or delimited by the close
+            exchange.on_response((self.status, self.headers, b"".join(self.body)))
+        elif self.reused and not self.started:  # a keep-alive race: once more
+            self.pool.send_fresh(exchange, self.request, self.head_request)
+        elif self.started:
+            exchange.on_error(Disconnected("answer cut short by the connection's close"))
+        else:
+            exchange.on_error(Disconnected("connection closed before the answer"))
 
 
 class H1Pool:
     """Keep-alive connections to one ``http://host:port`` server, or to a unix socket (``path``).
-
-    ``keepalive_s`` stays below the server's own idle timeout (uvicorn's is 5 s), so a pooled
-    connection is rarely one the server is closing.
-    """
+    ``keepalive_s`` is below the server's idle timeout (uvicorn's is 5 s): a pooled connection
+    is rarely one the server is closing."""
 
     def __init__(
         self,
@@ -263,15 +188,13 @@ class H1Pool:
         connect_timeout_s: float = 5.0,
     ) -> None:
         self.host, self.port, self.path = host, port, path
-        self.keepalive_s = keepalive_s
-        self.connect_timeout_s = connect_timeout_s
+        self.keepalive_s, self.connect_timeout_s = keepalive_s, connect_timeout_s
         authority = f"[{host}]" if ":" in host else host  # an IPv6 literal
         self.host_header = f"Host: {authority}:{port}\r\n".encode("ascii")
-        self._idle: list[_Conn] = []
+        self.idle: list[_Conn] = []
 
     def request(self, method: bytes, path_qs: bytes, header_lines: bytes, body: bytes) -> bytes:
-        """The bytes of one request: ``header_lines`` ("Name: value\\r\\n" each, validated by
-        the caller) plus ``Host`` and ``Content-Length``."""
+        """One request: ``header_lines`` ("Name: value\\r\\n", validated) + Host, Content-Length."""
         return b"".join(
             (method, b" ", path_qs, b" HTTP/1.1\r\n", self.host_header, header_lines,
              b"Content-Length: %d\r\n\r\n" % len(body), body)
@@ -279,19 +202,17 @@ class H1Pool:
 
     def send(self, exchange: Exchange, request: bytes, *, head_request: bool = False) -> None:
         """Send ``request`` (from :meth:`request`) on an idle connection or a new one."""
-        now = time.monotonic()
-        idle = self._idle
+        idle, oldest = self.idle, time.monotonic() - self.keepalive_s
         while idle:
             conn = idle.pop()
             t = conn.transport
-            if t is not None and not t.is_closing() and now - conn.used < self.keepalive_s:
+            if t is not None and not t.is_closing() and conn.used > oldest:
                 conn.reused = True
-                conn.start(exchange, request, head_request)
-                return
+                return conn.start(exchange, request, head_request)
             conn.close()
-        self._send_fresh(exchange, request, head_request)
+        self.send_fresh(exchange, request, head_request)
 
-    def _send_fresh(self, exchange: Exchange, request: bytes, head_request: bool) -> None:
+    def send_fresh(self, exchange: Exchange, request: bytes, head_request: bool) -> None:
         conn = _Conn(self)
         conn.start(exchange, request, head_request)
         conn.connecting = asyncio.get_running_loop().create_task(self._connect(conn))
@@ -307,9 +228,7 @@ class H1Pool:
                     await loop.create_connection(lambda: conn, self.host, self.port)
         except OSError as exc:  # TimeoutError included
             conn.connecting = None
-            exchange, conn.exchange = conn.exchange, None
-            if exchange is not None:
-                exchange.conn = None
+            if (exchange := conn.detach()) is not None:
                 exchange.on_error(
                     TimeoutError(f"connect to {where} took over {self.connect_timeout_s} s")
                     if isinstance(exc, TimeoutError)
@@ -324,34 +243,6 @@ class H1Pool:
 
     def close(self) -> None:
         """Close every idle connection (in-flight ones close when their request ends)."""
-        idle, self._idle = self._idle, []
+        idle, self.idle = self.idle, []
         for conn in idle:
             conn.close()
-
-    async def post(self, path_qs: str, headers: Iterable[tuple[str, str]], body: bytes) -> Response:
-        """POST ``body`` and wait for the answer (a coroutine over :meth:`send`)."""
-        fut: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
-        exchange = _FutureExchange(fut)
-        lines = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
-        self.send(exchange, self.request(b"POST", path_qs.encode(), lines, body))
-        try:
-            return await fut
-        finally:
-            if not fut.done():
-                exchange.abort()
-
-
-class _FutureExchange(Exchange):
-    __slots__ = ("fut",)
-
-    def __init__(self, fut: asyncio.Future[Response]) -> None:
-        super().__init__()
-        self.fut = fut
-
-    def on_response(self, response: Response) -> None:
-        if not self.fut.done():
-            self.fut.set_result(response)
-
-    def on_error(self, exc: OSError) -> None:
-        if not self.fut.done():
-            self.fut.set_exception(exc)

@@ -6,7 +6,7 @@ chunk sizes and extensions, bare LF line ends. A request it accepted is still re
 its version is not HTTP/1.0 or 1.1 (505), it is a CONNECT (405), it has a transfer coding other
 than chunked (501; any in HTTP/1.0: 400), its body is over the limit (413), it has no Host
 (HTTP/1.1) or several (400), the wrong API key (401), an expectation other than 100-continue
-(417). Each refusal says what was wrong.
+(417), a head over :data:`HEAD_LIMIT` (431). Each refusal says what was wrong.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import httptools
 from asyncgrpo.proxy.auth import AUTH_MESSAGE, authorized
 from asyncgrpo.proxy.headers import DROP_REQUEST_B
 
-__all__ = ["HEAD_LIMIT", "Refused", "Request", "check_head", "refusal"]
+__all__ = ["HEAD_LIMIT", "TOO_LARGE", "Refused", "Request", "check_head", "refusal"]
 
 #: Longest request head (request line and headers).
 HEAD_LIMIT = 64 * 1024
+TOO_LARGE = f"request head over {HEAD_LIMIT} bytes"
 
 
 class Refused(Exception):
@@ -48,10 +49,13 @@ class Request:
         self.http11 = self.keep_alive = True
         self.body: list[bytes] = []
 
-    def scan_headers(self) -> None:
-        """Read what the rules need from the headers, and keep the forwardable ones as lines."""
+    def scan_headers(self) -> int:
+        """Read what the rules need from the headers, and keep the forwardable ones as lines;
+        returns the size of the head."""
         lines = self.lines
+        size = len(self.target)
         for name, value in self.headers:
+            size += len(name) + len(value) + 4
             lower = name.lower()
             if lower not in DROP_REQUEST_B:
                 lines.append(b"%s: %s\r\n" % (name, value))
@@ -65,11 +69,13 @@ class Request:
                 self.auth = value
             elif lower == b"expect":
                 self.expect = value.lower()
+        return size
 
 
 def check_head(req: Request, version: str, max_body: int, auth: bytes | None) -> None:
     """Raise :class:`Refused` if the front does not take a request with this head."""
-    req.scan_headers()
+    if req.scan_headers() > HEAD_LIMIT:
+        raise Refused(431, TOO_LARGE)
     if version not in ("1.1", "1.0"):
         raise Refused(505, f"HTTP/{version} is not supported: only HTTP/1.0 and 1.1")
     req.http11 = version == "1.1"

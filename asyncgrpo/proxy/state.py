@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from asyncgrpo.proxy.config import ProxyConfig
+from asyncgrpo.proxy.deadlines import Deadlines
 from asyncgrpo.proxy.router import Router
 from asyncgrpo.proxy.upstream import UpstreamPool
 
@@ -52,6 +53,7 @@ class Core:
     router: Router
     pool: UpstreamPool
     stats: ProxyStats
+    deadlines: Deadlines  # of the buffered generation requests in flight
 
 
 CONFIG = web.AppKey("config", ProxyConfig)

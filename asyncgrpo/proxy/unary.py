@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from asyncgrpo.proxy.attempts import Attempts, request_chains
+from asyncgrpo.proxy.deadlines import Expiring
 from asyncgrpo.proxy.h1 import Exchange, Response
 from asyncgrpo.proxy.headers import REPLICA_HEADER_B
 from asyncgrpo.proxy.state import Core
@@ -34,12 +35,13 @@ class UnaryRequest(Exchange):
     as it sent them plus :data:`~asyncgrpo.proxy.headers.REPLICA_HEADER`; whoever writes the
     answer drops the per-hop ones (``DROP_RESPONSE``) as it renders them.
 
-    While an attempt runs the request sits in its replica's ``deadlines`` (``expired`` and
-    ``reschedule``, like :class:`asyncio.Timeout`), so a replica leaving rotation can end it now.
+    Each attempt's deadline is in ``core.deadlines`` (one timer for all requests); while it runs
+    the request also sits in its replica's ``deadlines`` (``expired`` and ``reschedule``, like
+    :class:`asyncio.Timeout`), so a replica leaving rotation can end it now.
     """
 
-    __slots__ = ("attempts", "body", "core", "headers", "loop", "on_answer", "path", "task",
-                 "timer")  # fmt: skip
+    __slots__ = ("attempts", "body", "core", "headers", "loop", "on_answer", "path", "slot",
+                 "task", "timer")  # fmt: skip
 
     def __init__(
         self,
@@ -47,7 +49,7 @@ class UnaryRequest(Exchange):
         loop: asyncio.AbstractEventLoop,
         path_qs: bytes,
         body: bytes,
-        chains: list[tuple[int, ...]],
+        parsed: dict[str, Any],
         header_lines: bytes,
         on_answer: Callable[[Response], None],
     ) -> None:
@@ -58,8 +60,9 @@ class UnaryRequest(Exchange):
         self.headers = header_lines  # forwarded as they are; the pool adds Host, Content-Length
         self.on_answer: Callable[[Response], None] | None = on_answer
         self.loop = loop
-        self.attempts = Attempts(core, chains, path_qs.decode("latin-1"))
-        self.timer: asyncio.TimerHandle | None = None
+        self.attempts = Attempts(core, request_chains(core, parsed), path_qs.decode("latin-1"))
+        self.slot: set[Expiring] | None = None  # in core.deadlines
+        self.timer: asyncio.TimerHandle | None = None  # a deadline rescheduled
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -71,8 +74,8 @@ class UnaryRequest(Exchange):
             up.h1.send(self, up.h1.request(b"POST", self.path, self.headers, self.body))
         else:
             self.task = self.loop.create_task(self._via_aiohttp(up))
-        loop = self.loop
-        self.timer = loop.call_at(loop.time() + self.core.config.request_timeout_s, self._expire)
+        when = self.loop.time() + self.core.config.request_timeout_s
+        self.slot = self.core.deadlines.add(self, when)
         up.deadlines.add(self)
 
     def cancel(self) -> None:
@@ -82,9 +85,7 @@ class UnaryRequest(Exchange):
 
     def _end(self, outcome: int | BaseException | None, detail: str = "") -> bool:
         """End the attempt in progress (see :meth:`Attempts.done`); True: try another."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self._clear_deadline()
         if outcome is None or isinstance(outcome, TimeoutError):
             self.abort()  # the raw connection, if any
             if self.task is not None:
@@ -120,21 +121,29 @@ class UnaryRequest(Exchange):
         self._end(exc)
         self.start()
 
-    def _expire(self) -> None:
-        self.timer = None
+    def _clear_deadline(self) -> None:
+        if self.slot is not None:
+            self.slot.discard(self)
+            self.slot = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def on_deadline(self) -> None:
+        self.slot = self.timer = None
         self._end(TimeoutError(f"no answer within the deadline on {self.path.decode('latin-1')}"))
         self.start()
 
     # -- the replica's deadline handle (Upstream.expire_inflight) -----------------------------
 
     def expired(self) -> bool:
-        return self.timer is None
+        return self.slot is None and self.timer is None
 
     def reschedule(self, when: float | None) -> None:
-        if self.timer is None:
+        if self.expired():
             return
-        self.timer.cancel()
-        self.timer = None if when is None else self.loop.call_at(when, self._expire)
+        self._clear_deadline()
+        self.timer = None if when is None else self.loop.call_at(when, self.on_deadline)
 
     # -- replicas the raw pool cannot reach (https, a path prefix) ------------------------------
 
@@ -168,8 +177,7 @@ async def forward_unary(
             fut.set_result(answer)
 
     lines = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
-    chains = request_chains(core, parsed)
-    request = UnaryRequest(core, loop, path_qs.encode("latin-1"), body, chains, lines, on_answer)
+    request = UnaryRequest(core, loop, path_qs.encode("latin-1"), body, parsed, lines, on_answer)
     request.start()
     try:
         return await fut

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -249,6 +250,23 @@ async def test_idle_and_trickling_clients_are_disconnected(upstream) -> None:
         assert await asyncio.wait_for(idle[0].read(), 5) == b""
         for _, w in (trickle, idle, busy):
             w.close()
+
+
+async def test_a_replica_past_the_deadline_is_given_up(upstream) -> None:
+    """A held completion ends at ``request_timeout_s`` (not before): a 503 naming the timeout."""
+    url, state = upstream
+    body = json.dumps({"model": "m", "prompt": [1] * 40, "hold": True}).encode()
+    cfg = _config(url, request_timeout_s=0.3, max_attempts=1)
+    async with serve_proxy(cfg) as base, aiohttp.ClientSession() as s:
+        t0 = time.monotonic()
+        try:
+            async with s.post(base + "/v1/completions", data=body) as r:
+                took = time.monotonic() - t0
+                assert r.status == 503
+                assert "TimeoutError" in (await r.json())["error"]["message"]
+        finally:
+            state["release"].set()
+    assert 0.3 <= took < 10
 
 
 async def test_client_gone_mid_request_frees_the_replica_slot(upstream) -> None:

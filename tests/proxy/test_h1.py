@@ -8,7 +8,62 @@ import socket
 import pytest
 from aiohttp import web
 
-from asyncgrpo.proxy.h1 import ConnectFailed, Disconnected, H1Pool, ResponseParser
+from asyncgrpo.proxy.h1 import ConnectFailed, Disconnected, Exchange, H1Pool, Response, _Conn
+
+
+class _Waiter(Exchange):
+    __slots__ = ("fut",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fut: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+
+    def on_response(self, response: Response) -> None:
+        self.fut.set_result(response)
+
+    def on_error(self, exc: OSError) -> None:
+        self.fut.set_exception(exc)
+
+
+async def _post(pool: H1Pool, path: str, headers: list[tuple[str, str]], body: bytes) -> Response:
+    """POST ``body`` on ``pool`` and wait for the answer."""
+    waiter = _Waiter()
+    lines = b"".join(f"{k}: {v}\r\n".encode() for k, v in headers)
+    pool.send(waiter, pool.request(b"POST", path.encode(), lines, body))
+    return await waiter.fut
+
+
+class ResponseParser(Exchange):
+    """A pooled connection's answer parsing without a socket: :meth:`feed` returns
+    ``(response, reusable)`` once the answer is complete, :meth:`eof` is the connection's close;
+    both raise what the exchange would get as its error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = H1Pool()
+        self.c = _Conn(self.pool)
+        self.c.start(self, b"", head_request=False)
+        self.outcome: Response | OSError | None = None
+
+    def on_response(self, response: Response) -> None:
+        self.outcome = response
+
+    def on_error(self, exc: OSError) -> None:
+        self.outcome = exc
+
+    def _result(self) -> Response | None:
+        if isinstance(self.outcome, OSError):
+            raise self.outcome
+        return self.outcome
+
+    def feed(self, data: bytes) -> tuple[Response, bool] | None:
+        self.c.data_received(data)
+        response = self._result()
+        return None if response is None else (response, self.c in self.pool.idle)
+
+    def eof(self) -> Response | None:
+        self.c.connection_lost(None)
+        return self._result()
 
 
 def _feed_bytewise(parser: ResponseParser, raw: bytes) -> list[object]:
@@ -102,15 +157,15 @@ async def test_keepalive_reuse_chunked_and_status() -> None:
     runner, port = await _server(_app(peers))
     pool = H1Pool("127.0.0.1", port)
     try:
-        status, headers, data = await pool.post("/echo", [("X-Test", "a")], b'{"x": 1}')
+        status, headers, data = await _post(pool, "/echo", [("X-Test", "a")], b'{"x": 1}')
         assert (status, data, dict(headers)[b"X-Seen"]) == (200, b'{"x": 1}', b"a")
-        status, _, data = await pool.post("/echo?status=503", [], b"boom")
+        status, _, data = await _post(pool, "/echo?status=503", [], b"boom")
         assert (status, data) == (503, b"boom")
-        status, headers, data = await pool.post("/echo?chunked=1", [], b"0123456789")
+        status, headers, data = await _post(pool, "/echo?chunked=1", [], b"0123456789")
         assert (status, data, dict(headers)[b"X-Kind"]) == (200, b"0123456789", b"chunked")
         assert len(set(peers)) == 1  # one connection, kept alive
-        await pool.post("/echo?close=1", [], b"bye")
-        await pool.post("/echo", [], b"again")
+        await _post(pool, "/echo?close=1", [], b"bye")
+        await _post(pool, "/echo", [], b"again")
         assert len(set(peers)) == 2  # "Connection: close" was honoured
     finally:
         pool.close()
@@ -122,9 +177,9 @@ async def test_idle_connection_closed_by_server_is_retried_fresh() -> None:
     runner, port = await _server(_app(peers), keepalive_timeout=0.1)
     pool = H1Pool("127.0.0.1", port, keepalive_s=60)
     try:
-        await pool.post("/echo", [], b"1")
+        await _post(pool, "/echo", [], b"1")
         await asyncio.sleep(0.4)  # the server closes the idle connection
-        status, _, data = await pool.post("/echo", [], b"2")
+        status, _, data = await _post(pool, "/echo", [], b"2")
         assert (status, data) == (200, b"2")
         assert len(set(peers)) == 2
     finally:
@@ -137,7 +192,7 @@ async def test_refused_and_cut_short() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(ConnectFailed):
-        await H1Pool("127.0.0.1", port).post("/x", [], b"")
+        await _post(H1Pool("127.0.0.1", port), "/x", [], b"")
 
     async def half_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
@@ -149,7 +204,7 @@ async def test_refused_and_cut_short() -> None:
     port = server.sockets[0].getsockname()[1]
     try:
         with pytest.raises(Disconnected, match="cut short"):
-            await H1Pool("127.0.0.1", port).post("/x", [], b"")
+            await _post(H1Pool("127.0.0.1", port), "/x", [], b"")
     finally:
         server.close()
         await server.wait_closed()
