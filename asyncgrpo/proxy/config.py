@@ -57,7 +57,7 @@ class ProxyConfig:
     request_timeout_s: float = 600.0
     """Deadline for a replica to answer a non-streaming request (or send the first chunk of a
     stream). On expiry the replica leaves rotation and the request is retried elsewhere: catches
-    a replica whose engine stopped while its HTTP server lingers."""
+    a replica whose engine stopped while its HTTP server lingers. Checked every 0.1 s."""
     stream_idle_timeout_s: float = 120.0
     """Largest gap between two chunks of a streamed answer."""
     client_idle_timeout_s: float = 75.0
