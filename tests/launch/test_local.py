@@ -29,10 +29,14 @@ from asyncgrpo.launch.progress import parse_progress
 
 #: Answers /health on the port given as argv[1], after writing its cwd and a child's pid.
 REPLICA = textwrap.dedent("""
-    import http.server, os, subprocess, sys
+    import http.server, os, subprocess, sys, time
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     print("cwd", os.getcwd(), "child", child.pid, flush=True)
     if os.environ.get("FAIL_REPLICA") == os.path.basename(os.getcwd()):
+        # Fail once the other replica has a child for the launch to stop (slow start-ups).
+        survivor = os.environ["SURVIVOR_LOG"]
+        while not os.path.exists(survivor) or "child" not in open(survivor).read():
+            time.sleep(0.05)
         print("vllm: CUDA out of memory", flush=True)
         sys.exit(3)
     class H(http.server.BaseHTTPRequestHandler):
@@ -134,7 +138,8 @@ def test_roles_run_apart_share_only_the_s3_server_and_stop_with_the_launch(
 
 def test_a_replica_that_dies_fails_the_launch_with_its_log(tmp_path: Path) -> None:
     cfg = config(tmp_path)
-    environ = {**os.environ, "FAIL_REPLICA": "replica-1"}
+    survivor = cfg.run_dir / "launch" / "local-run-replica-0.log"
+    environ = {**os.environ, "FAIL_REPLICA": "replica-1", "SURVIVOR_LOG": str(survivor)}
     backend = ScriptedRoles(cfg, cfg.run_dir / "launch", environ=environ)
 
     async def main() -> None:
@@ -144,7 +149,6 @@ def test_a_replica_that_dies_fails_the_launch_with_its_log(tmp_path: Path) -> No
     with pytest.raises(LaunchError, match="CUDA out of memory") as info:
         anyio.run(main)
     assert "local-run-replica-1" in str(info.value) and "exit code 3" in str(info.value)
-    survivor = cfg.run_dir / "launch" / "local-run-replica-0.log"
     child = int(log_field(survivor, "child"))
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
