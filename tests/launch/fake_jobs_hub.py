@@ -10,15 +10,16 @@ the test sets: ``hub.script(role) -> dict`` returns what a new job of that role 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
+
+from aiohttp import web
+from threaded_app import ThreadedApp
 
 NAMESPACE = "testns"
 TOKEN = "hf_fakeTOKEN1234567890secret"
@@ -55,18 +56,14 @@ class FakeJob:
             self.stage = "COMPLETED"
 
 
-class FakeHub:
+class FakeHub(ThreadedApp):
     def __init__(self) -> None:
-        self.url = ""
+        super().__init__()
         self.requests: list[dict[str, Any]] = []
         self.jobs: dict[str, FakeJob] = {}
         self.buckets: list[str] = []
         self.report_expose_urls = True
         self.scripts: dict[str, Callable[[], dict[str, Any]]] = {}
-        self._ready = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
 
     # -- test helpers --------------------------------------------------------------------------
 
@@ -84,16 +81,6 @@ class FakeHub:
         return [r for r in self.requests if r["path"].startswith("/api/")]
 
     # -- server ------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError("fake hub did not start")
-
-    def stop(self) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(10)
 
     def _job_json(self, job: FakeJob) -> dict[str, Any]:
         job.tick()
@@ -120,12 +107,7 @@ class FakeHub:
             "expose": spec.get("expose"),
         }
 
-    async def _serve(self) -> None:
-        from aiohttp import web
-
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-
+    async def make_app(self) -> web.Application:
         def authorized(request: web.Request) -> bool:
             return request.headers.get("Authorization") == f"Bearer {TOKEN}"
 
@@ -210,12 +192,4 @@ class FakeHub:
         app.router.add_post("/api/jobs/{ns}/{id}/cancel", cancel)
         app.router.add_get("/api/jobs/{ns}/{id}/logs", logs)
         app.router.add_get("/exposed/{id}/health", exposed)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
-        self._ready.set()
-        await self._stop.wait()
-        await runner.cleanup()
+        return app

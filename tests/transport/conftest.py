@@ -13,15 +13,16 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
+from threaded_app import ThreadedApp
 
 BUCKET = "asyncgrpo-test"
 NAMESPACE = "testns"
@@ -45,22 +46,18 @@ def moto_endpoint() -> Iterator[str]:
         server.stop()
 
 
-class FaultProxy:
+class FaultProxy(ThreadedApp):
     """Forward every request to ``upstream``; fail the next ``n`` ones on demand."""
 
     def __init__(self, upstream: str, strip_prefix: str) -> None:
+        super().__init__()
         self.upstream = upstream
         self.strip_prefix = strip_prefix
-        self.url = ""
         self.requests = 0
         self.failed = 0
         self.seen: list[tuple[str, str, dict[str, str]]] = []  # method, raw path, headers
         self._fail_next = 0
         self._fail_status = 503
-        self._ready = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
 
     def fail_next(self, n: int, status: int = 503) -> None:
         self._fail_next, self._fail_status = n, status
@@ -69,26 +66,11 @@ class FaultProxy:
         self._fail_next, self.requests, self.failed = 0, 0, 0
         self.seen.clear()
 
-    def start(self) -> None:
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError("fault proxy did not start")
+    async def on_stop(self) -> None:
+        await self._session.close()
 
-    def stop(self) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        asyncio.run(self._serve())
-
-    async def _serve(self) -> None:
-        import aiohttp
-        from aiohttp import web
-
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        session = aiohttp.ClientSession(auto_decompress=False)
+    async def make_app(self) -> web.Application:
+        self._session = session = aiohttp.ClientSession(auto_decompress=False)
 
         async def handle(request: web.Request) -> web.StreamResponse:
             self.requests += 1
@@ -129,16 +111,7 @@ class FaultProxy:
 
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
-        self._ready.set()
-        await self._stop.wait()
-        await runner.cleanup()
-        await session.close()
+        return app
 
 
 @pytest.fixture(scope="session")
