@@ -8,9 +8,13 @@
     requests/s and p50/p99 latency direct vs through the proxy, 1 and 256 in flight. A third path,
     a zero-work TCP relay (asyncio protocol, bytes in -> bytes out, no parsing), shows what any
     extra local hop costs on this machine: the floor under the proxy's added latency.
+(c) llhttp's share: microseconds for httptools to parse the request of (b) and the canned answer,
+    with the callbacks the proxy registers (one Python call per header) and with none but
+    on_message_complete.
 
     python bench/proxy.py                      # both parts; starts 2 vLLM replicas of a tiny model
     python bench/proxy.py --part overhead      # (b) only, ~1 min
+    python bench/proxy.py --part parse         # (c) only, seconds
     python bench/proxy.py --upstream URL --upstream URL --part routing   # reuse running replicas
     python bench/proxy.py --part overhead --baseline ../main   # A/B: that checkout's proxy too
     python bench/proxy.py --part overhead --baseline /tmp/old --baseline ../main   # A/B/C
@@ -396,6 +400,60 @@ async def part_routing(upstreams: list[str]) -> list[list[str]]:
         return await run([r.url for r in replicas])
 
 
+class _Recorder:
+    """The callbacks the front and the pooled client register, doing what theirs do."""
+
+    def on_message_begin(self) -> None:
+        self.url, self.headers, self.body = b"", [], []
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        pass
+
+    def on_body(self, data: bytes) -> None:
+        self.body.append(data)
+
+    def on_message_complete(self) -> None:
+        self.done = True
+
+
+class _Bare:
+    def on_message_complete(self) -> None:
+        self.done = True
+
+
+def part_parse(n: int = 100_000) -> list[list[str]]:
+    """llhttp on a 7-header request with the (b) body and a 4-header canned answer."""
+    import timeit
+
+    import httptools
+
+    body = json.dumps({"model": "bench-v1", "prompt": list(range(1000, 1300)), "max_tokens": 2})
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nUser-Agent: bench\r\n"
+        b"Accept: */*\r\nAccept-Encoding: gzip\r\nConnection: keep-alive\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (len(body), body.encode())
+    )
+    answer = (
+        b"HTTP/1.1 200 OK\r\ndate: Mon, 30 Nov 2026 14:00:00 GMT\r\nserver: uvicorn\r\n"
+        b"content-length: %d\r\ncontent-type: application/json\r\n\r\n%s" % (len(CANNED), CANNED)
+    )
+    rows = []
+    for name, protocol in (("proxy's callbacks", _Recorder), ("on_message_complete only", _Bare)):
+        req_s = timeit.timeit(lambda p=protocol: httptools.HttpRequestParser(p()).feed_data(request),
+                              number=n)  # fmt: skip
+        ans_s = timeit.timeit(lambda p=protocol: httptools.HttpResponseParser(p()).feed_data(answer),
+                              number=n)  # fmt: skip
+        rows.append([name, f"{req_s / n * 1e6:.2f}", f"{ans_s / n * 1e6:.2f}"])
+    return rows
+
+
 def table(title: str, header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
 
@@ -425,6 +483,12 @@ async def main(args: argparse.Namespace) -> None:
              "proxy CPU us/req"],
             rows,
         ), flush=True)  # fmt: skip
+    if args.part in ("parse", "all"):
+        print(table(
+            "(c) llhttp (httptools) parse of one request (7 headers, (b)'s body) and one answer "
+            "(4 headers), us each, parser creation included",
+            ["callbacks", "request us", "answer us"], part_parse(),
+        ), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
@@ -438,7 +502,7 @@ if __name__ == "__main__":
         run_relay(int(sys.argv[2]), int(sys.argv[3]))
         sys.exit(0)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("all", "routing", "overhead"), default="all")
+    parser.add_argument("--part", choices=("all", "routing", "overhead", "parse"), default="all")
     parser.add_argument("--upstream", action="append", help="reuse running vLLM replicas")
     parser.add_argument(
         "--baseline",
