@@ -137,8 +137,9 @@ async def _endpoint(cfg: TrainingConfig, cache_dir: Path, transport_url: str) ->
         yield await stack.enter_async_context(serve_proxy(proxy))
 
 
-async def _save_adapter(trainer: Any, directory: Path) -> Path:
-    return await anyio.to_thread.run_sync(trainer.save_adapter, directory)
+async def _save_adapter(trainer: Any, directory: Path, version: int) -> Path:
+    """Save the weights published as ``version`` (the trainer counts staleness from it)."""
+    return await anyio.to_thread.run_sync(lambda: trainer.save_adapter(directory, version=version))
 
 
 @dataclass
@@ -309,7 +310,7 @@ async def _publish_first_version(run: _Run, sync: AdapterSync, trainer: Any, wor
     version = 0 if last is None else last + 1
     await sync.retire_leftovers()
     step = trainer.step_count
-    await sync.sync(version, await _save_adapter(trainer, work / f"v{version}"), step=step)
+    await sync.sync(version, await _save_adapter(trainer, work / f"v{version}", version), step=step)
     await run.transport.put(POLICY_KEY, _policy_doc(sync.name(version), version))
     return version
 
@@ -397,7 +398,7 @@ async def _train(
 
         if step % tcfg.weight_sync_steps == 0:
             version += 1
-            adapter_dir = await _save_adapter(trainer, work / f"v{version}")
+            adapter_dir = await _save_adapter(trainer, work / f"v{version}", version)
             metrics.update(
                 await sync.sync(version, adapter_dir, step=step, on_loaded=switch_policy)
             )
