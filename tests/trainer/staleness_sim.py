@@ -26,23 +26,20 @@ DIGITS = 12  # token ids 0..11 earn reward
 
 @torch.no_grad()
 def _sample(
-    trainer: Trainer, prompt: list[int], n: int, length: int, gen: torch.Generator
+    trainer: Trainer, prompts: list[list[int]], length: int, gen: torch.Generator
 ) -> tuple[list[list[int]], list[list[float]]]:
-    """``n`` completions of ``length`` tokens at temperature 1, with their logprobs."""
-    model = trainer.model
-    ids = torch.tensor([prompt] * n)
-    out_ids: list[list[int]] = [[] for _ in range(n)]
-    out_lp: list[list[float]] = [[] for _ in range(n)]
+    """One completion of ``length`` tokens per prompt (all of one length), at temperature 1,
+    with its logprobs."""
+    ids = torch.tensor(prompts)
+    logps = []
     for _ in range(length):
-        logits = model(input_ids=ids, use_cache=False).logits[:, -1].float()
+        logits = trainer.model(input_ids=ids, use_cache=False).logits[:, -1].float()
         logp = torch.log_softmax(logits, dim=-1)
         tok = torch.multinomial(logp.exp(), 1, generator=gen)
-        lp = logp.gather(-1, tok)
-        for i in range(n):
-            out_ids[i].append(int(tok[i]))
-            out_lp[i].append(float(lp[i]))
+        logps.append(logp.gather(-1, tok))
         ids = torch.cat([ids, tok], dim=1)
-    return out_ids, out_lp
+    completions = ids[:, len(prompts[0]) :].tolist()
+    return completions, torch.cat(logps, dim=1).tolist()
 
 
 def simulate(
@@ -75,11 +72,7 @@ def simulate(
     )
     gen = torch.Generator().manual_seed(seed)
     vocab = trainer.model.config.vocab_size
-    prompt_set = [
-        torch.randint(DIGITS, vocab, (int(torch.randint(3, 8, (1,), generator=gen)),),
-                      generator=gen).tolist()
-        for _ in range(8)
-    ]  # fmt: skip
+    prompt_set = torch.randint(DIGITS, vocab, (8, 5), generator=gen).tolist()
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     history: deque[list[torch.Tensor]] = deque(maxlen=staleness + 1)
     rewards = []
@@ -93,16 +86,17 @@ def simulate(
                 for p, old in zip(params, history[0], strict=True):
                     p.copy_(old)
             trainer.model.eval()
+            chosen = [prompt_set[(step * prompts + k) % len(prompt_set)] for k in range(prompts)]
+            ids, lps = _sample(trainer, [p for p in chosen for _ in range(group)], length, gen)
+            scores = [sum(t < DIGITS for t in c) / len(c) for c in ids]
             samples: list[Sample] = []
-            for k in range(prompts):
-                prompt = prompt_set[(step * prompts + k) % len(prompt_set)]
-                ids, lps = _sample(trainer, prompt, group, length, gen)
-                scores = [sum(t < DIGITS for t in c) / len(c) for c in ids]
-                advs = group_advantages(scores)
+            for k, prompt in enumerate(chosen):
+                rows = range(k * group, (k + 1) * group)
+                advs = group_advantages([scores[i] for i in rows])
                 samples += [
-                    Sample(prompt_ids=prompt, completion_ids=c, logprobs=lp, reward=r,
-                           advantage=a, version=version, group_id=f"{step}-{k}")
-                    for c, lp, r, a in zip(ids, lps, scores, advs, strict=True)
+                    Sample(prompt_ids=prompt, completion_ids=ids[i], logprobs=lps[i],
+                           reward=scores[i], advantage=a, version=version, group_id=f"{step}-{k}")
+                    for i, a in zip(rows, advs, strict=True)
                 ]  # fmt: skip
             with torch.no_grad():
                 for p, cur in zip(params, now, strict=True):
