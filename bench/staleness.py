@@ -147,7 +147,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "reward": series("reward"),
         "step_s": series("perf/step_s"),
-        "staleness": series("sample/staleness_mean"),
+        "stale_mean": series("sample/staleness_mean"),
         "weight_max": max(
             (v for v in series("off_policy/weight_max") if not math.isnan(v)), default=math.nan
         ),
@@ -176,7 +176,7 @@ def figures(row: dict[str, Any]) -> dict[str, Any]:
         "step": step,
         "secs": sum(row["step_s"][:step]) if step else None,
         "s_step": statistics.median(row["step_s"]),
-        "stale": statistics.fmean(v for v in row["staleness"] if not math.isnan(v)),
+        "stale": statistics.fmean(v for v in row["stale_mean"] if not math.isnan(v)),
     }
 
 
