@@ -180,11 +180,16 @@ def figures(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def wfmt(w: float) -> str:
+    """A weight: near 1 to 1e-7 (vLLM's numerics show), far from it to 3 digits."""
+    return f"{w:.7f}" if abs(w - 1) < 1e-3 else f"{w:.3g}"
+
+
 def line(row: dict[str, Any]) -> str:
     f = figures(row)
     return (f"{row['key']:<18} reward {f['first']:.3f} -> {f['last']:.3f}  step>=0.5 "
             f"{f['step'] or '-':>3}  {f['s_step']:.2f} s/step  stale {f['stale']:.2f}  "
-            f"w max {row['weight_max']:.3g}  ratio [{row['ratio_min']:.6f}, "
+            f"w max {wfmt(row['weight_max'])}  ratio [{row['ratio_min']:.6f}, "
             f"{row['ratio_max']:.6f}] on {row['ratio_steps']} steps  wall {row['wall_s']:.0f} s")  # fmt: skip
 
 
@@ -204,7 +209,7 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
             secs = f"{f['secs']:.0f}" if f["secs"] else "-"
             print(f"| {k} | {correction} | {row['seed']} | {f['first']:.3f} -> {f['last']:.3f} | "
                   f"{f['step'] or 'never'} | {secs} | {f['s_step']:.2f} | {f['stale']:.2f} | "
-                  f"{row['weight_max']:.3g} | {row['cut']:.4f} |")  # fmt: skip
+                  f"{wfmt(row['weight_max'])} | {row['cut']:.4f} |")  # fmt: skip
     print()
     for (k, correction), members in groups.items():
         fs = [figures(r) for r in members]
