@@ -77,7 +77,7 @@ async def test_end_to_end_served_logprobs_equal_trainer_and_reward_rises(
                 "batch/microbatches_per_step", "ratio", "kl", "entropy", "reward", "reward_std",
                 "rewards/digit_fraction", "adapter_version"):  # fmt: skip
         assert key in records[-1], key
-    # max_staleness=0: the admission window starts no rollout the trainer would drop.
+    # The admission window starts no rollout the trainer would drop as stale.
     assert records[-1]["sample/dropped_stale_total"] == 0
     # Learning. The reward is the share of digits; a random policy puts ~3 % of its mass on
     # the 12 digit tokens. Sampled rewards over 30 steps are too noisy for a sharp test, so
@@ -238,8 +238,10 @@ def test_split_mode_rollouts_ship_through_the_transport(
     assert shipped >= 4 * 32
     records = read_metrics(tmp_path / "t" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    # The step ratio also moves with policy drift (stale samples, lr 5e-2): a sanity bound only.
-    assert all(0.5 < r["ratio"] < 2 for r in records)
+    # `ratio` covers the tokens sampled from the trainer's current weights (NaN on a step
+    # without any; step 1 always has them): there it is the serving check
+    ratios = [r["ratio"] for r in records if not math.isnan(r["ratio"])]
+    assert ratios and all(abs(x - 1) < 1e-3 for x in ratios), ratios
     assert records[-1]["adapter_version"] == 2
     assert {r["sample/staleness_max"] for r in records} <= {0, 1, 2}
 
@@ -267,8 +269,10 @@ async def test_training_continues_when_a_replica_dies(tiny_model: Path, tmp_path
     assert result.steps == 8
     assert result.final_version == 4  # syncs after the death reached the surviving replica
     records = read_metrics(result.run_dir / "metrics.jsonl")
-    # The step ratio also moves with policy drift (stale samples, lr 5e-2): a sanity bound only.
-    assert all(0.5 < r["ratio"] < 2 for r in records)
+    # `ratio` covers the tokens sampled from the trainer's current weights (NaN on a step
+    # without any; step 1 always has them): there it is the serving check
+    ratios = [r["ratio"] for r in records if not math.isnan(r["ratio"])]
+    assert ratios and all(abs(x - 1) < 1e-3 for x in ratios), ratios
 
 
 def _torchrun(*args: str, ranks: int = 2) -> list[str]:
