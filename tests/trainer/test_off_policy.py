@@ -21,9 +21,17 @@ EPS_LO, EPS_HI = 0.2, 0.28
 
 
 def _trainer(model_dir, correction: str, **overrides) -> Trainer:
-    cfg = dict(learning_rate=1e-3, token_budget=64, max_grad_norm=None, dtype="float32",
-               epsilon=EPS_LO, epsilon_high=EPS_HI, off_policy=correction, max_staleness=2,
-               **overrides)  # fmt: skip
+    cfg = dict(
+        learning_rate=1e-3,
+        token_budget=64,
+        max_grad_norm=None,
+        dtype="float32",
+        epsilon=EPS_LO,
+        epsilon_high=EPS_HI,
+        off_policy=correction,
+        max_staleness=2,
+    )
+    cfg |= overrides
     trainer = Trainer(model_dir, lora=LoraConfig(r=2, alpha=4.0), trainer=TrainerConfig(**cfg),
                       device="cpu")  # fmt: skip
     gen = torch.Generator().manual_seed(7)
