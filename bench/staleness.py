@@ -54,7 +54,7 @@ SYNC = "any"  # the correction label of max_staleness 0 (all coincide there)
 
 
 def key(k: int, correction: str, seed: int) -> str:
-    return f"k{k}-{correction}-s{seed}"
+    return f"k{k}-{correction.replace('@', '-cap')}-s{seed}"
 
 
 def grid(args: argparse.Namespace) -> list[tuple[int, str, int]]:
@@ -110,10 +110,12 @@ async def measure(args: argparse.Namespace, todo: list[tuple[int, str, int]]) ->
             run_dir = out / "runs" / name
             if run_dir.exists():  # an interrupted attempt: start fresh, never resume it
                 shutil.rmtree(run_dir)
+            off_policy, _, cap = correction.partition("@")
             cfg = TrainingConfig.from_yaml(EXAMPLE, [
                 f"model={model}", f"output_dir={out / 'runs'}", f"run_name={name}",
                 f"seed={seed}", f"trainer.max_staleness={k}",
-                f"trainer.off_policy={'decoupled' if correction == SYNC else correction}",
+                f"trainer.off_policy={'decoupled' if correction == SYNC else off_policy}",
+                *([f"trainer.importance_cap={cap}"] if cap else []),
                 "serve.replicas=0", f"proxy.upstreams=[{','.join(urls)}]",
                 *([f"trainer.max_steps={args.steps}"] if args.steps else []),
             ])  # fmt: skip
@@ -291,7 +293,8 @@ def main() -> None:
     ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
     p.add_argument("--staleness", type=ints, default=STALENESS, help="max_staleness values")
     p.add_argument("--corrections", type=lambda v: v.split(","), default=CORRECTIONS,
-                   help="trainer.off_policy values (max_staleness 0 runs once for all)")  # fmt: skip
+                   help="trainer.off_policy values, NAME@CAP for another importance_cap "
+                        "(max_staleness 0 runs once for all)")  # fmt: skip
     p.add_argument("--seeds", type=ints, default=SEEDS, help="training seeds")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo's)")
     p.add_argument("--out", type=Path, default=OUT, help="results.jsonl, run directories")
