@@ -132,12 +132,12 @@ class TrainerConfig:
     """Upper clip range (1 + epsilon_high); None: same as epsilon. DAPO: 0.28."""
     off_policy: OffPolicy = "decoupled"
     """How the loss corrects for samples drawn by an older policy (stale versions) and for
-    vLLM's numerics, with w = pi_trainer / pi_vllm per token. 'decoupled' (AReaL): clip around
-    the trainer's own policy, weight w, tokens with w > importance_cap dropped. 'tis': weight
-    min(w, cap). 'mis_token': weight w, tokens outside [1/cap, cap] dropped. 'mis_sequence':
-    the same on the product of w over each completion. 'none': PPO ratio against vLLM's
-    logprobs (TRL's GRPOTrainer), no correction. All coincide on fresh samples; formulas and
-    default caps: docs/trainer.md."""
+    vLLM's numerics, with w = pi_trainer / pi_vllm per token. 'decoupled' (decoupled PPO): clip
+    around the trainer's own policy, weight min(w, importance_cap). 'tis': the same with a cap
+    of 2. 'mis_token': weight w, tokens outside [1/cap, cap] dropped. 'mis_sequence': the same
+    on the product of w over each completion. 'none': PPO ratio against vLLM's logprobs (TRL's
+    GRPOTrainer), no correction. On fresh samples they coincide; formulas, default caps and
+    learning curves: docs/trainer.md."""
     importance_cap: float | None = None
     """Cap of the off_policy weight (> 1). None: the correction's default (decoupled 5, tis 2,
     mis_token 2, mis_sequence 2; none: off). With off_policy=none it is the dual clip: where

@@ -15,8 +15,8 @@ vLLM-vs-trainer numerics), ``r = exp(logp - logp_prox)`` the PPO ratio. Per toke
 
     none          loss_t = -min(r_b A, clip(r_b) A), r_b = exp(logp - logp_b);
                   with C: min(loss_t, -C A) where A < 0 (dual clip, TRL's delta)
-    decoupled     loss_t = -f(w) min(r A, clip(r) A),  f(w) = w 1[w <= C]         (AReaL)
-    tis           f(w) = min(w, C)
+    decoupled     loss_t = -f(w) min(r A, clip(r) A),  f(w) = min(w, C)   (Hilton et al.; AReaL)
+    tis           the same f(w) = min(w, C), with Yao et al.'s cap
     mis_token     f(w) = w 1[1/C <= w <= C]
     mis_sequence  f = W 1[1/C <= W <= C], W = prod of w over the token's completion
 
@@ -61,7 +61,7 @@ import torch
 #: The default ``importance_cap`` of each correction (None: no cap).
 DEFAULT_CAPS: dict[str, float | None] = {
     "none": None,  # no dual clip, as TRL's delta=None
-    "decoupled": 5.0,  # AReaL's example configs (behav_imp_weight_cap)
+    "decoupled": 5.0,  # as AReaL's example configs (behav_imp_weight_cap)
     "tis": 2.0,  # Yao et al.; verl and slime default to 2
     "mis_token": 2.0,  # verl / slime: kept within [1/2, 2]
     "mis_sequence": 2.0,
@@ -158,13 +158,10 @@ def _token_weights(
         if sequence_ids is None:
             raise ValueError("mis_sequence needs sequence_ids (which completion each token is in)")
         log_w = _sequence_log_weights(log_w, sequence_ids)
-    if correction == "tis":
+    if correction in ("decoupled", "tis"):
         truncated = log_w > log_cap
         return torch.exp(torch.clamp(log_w, max=log_cap)), truncated, no
-    if correction == "decoupled":
-        keep = log_w <= log_cap
-    else:  # mis_token, mis_sequence: two-sided
-        keep = (log_w <= log_cap) & (log_w >= -log_cap)
+    keep = (log_w <= log_cap) & (log_w >= -log_cap)  # mis_token, mis_sequence: two-sided
     # exp of the clamped value: a dropped token's weight never overflows into inf * 0
     coef = torch.where(keep, torch.exp(torch.clamp(log_w, max=log_cap)), torch.zeros_like(log_w))
     return coef, no, ~keep

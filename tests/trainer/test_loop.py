@@ -170,8 +170,8 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_model_dir):
 
 
 def test_non_finite_gradient_skips_the_update(tiny_model_dir, caplog):
-    # without a correction that drops it (off_policy=none) a NaN behaviour logprob poisons
-    # the gradient; the masking corrections drop the token (tests/trainer/test_loss.py)
+    # unless a masking correction (mis_*) drops it (tests/trainer/test_loss.py), a NaN
+    # behaviour logprob poisons the gradient
     trainer = _trainer(tiny_model_dir, off_policy="none")
     samples = make_samples(4, seed=5)
     samples[0].logprobs[0] = math.nan

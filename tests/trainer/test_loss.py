@@ -62,7 +62,7 @@ def test_each_correction_matches_the_reference_loss_and_gradient(correction, cap
     torch.testing.assert_close(x.grad, t64(ref_grad), rtol=0, atol=1e-12)
     # the data reaches every branch: both clip sides, and the cap where there is one
     assert bool((terms.ratio < 1 - EPS_LO).any()) and bool((terms.ratio > 1 + EPS_HI).any())
-    if correction in ("tis",) or (correction == "none" and cap is not None):
+    if correction in ("decoupled", "tis") or (correction == "none" and cap is not None):
         assert bool(terms.truncated.any()) and not bool(terms.masked.any())
     elif correction != "none":
         assert bool(terms.masked.any()) and not bool(terms.truncated.any())
@@ -131,7 +131,7 @@ def test_a_corrupt_behaviour_logprob_is_dropped_not_spread():
         loss_t, terms = per_token_loss(x, old, adv, Objective(correction),
                                        sequence_ids=torch.tensor([0, 1, 2]))  # fmt: skip
         loss_t.sum().backward()
-        dropped = correction in ("decoupled", "mis_token", "mis_sequence")
+        dropped = correction in ("mis_token", "mis_sequence")
         assert bool(torch.isfinite(x.grad).all()) == dropped, correction
         if dropped:
             assert terms.masked.tolist() == [False, True, False]
@@ -146,7 +146,7 @@ def test_stats_per_staleness_and_on_policy_ratio():
     adv = t64([1.0, -1.0, 0.5, 1.0, 1.0, -1.0])
     staleness = torch.tensor([0, 0, 0, 1, 1, 2])
     _, sums = grpo_loss(
-        logp.clone().requires_grad_(), old, adv, Objective("decoupled", cap=2.0), num_tokens=6,
+        logp.clone().requires_grad_(), old, adv, Objective("mis_token", cap=2.0), num_tokens=6,
         staleness=staleness, on_policy=staleness == 0, buckets=2,
         sequence_ids=torch.tensor([0, 0, 0, 1, 1, 2]), entropy=t64([1.5] * 6),
     )  # fmt: skip

@@ -95,7 +95,7 @@ def test_lora_gradients_of_each_correction_equal_the_reference(tiny_model_dir, t
     for name, g in want.items():
         torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-6, msg=name)
     # the caps bound or dropped some tokens, as the data meant them to
-    if correction == "tis":
+    if correction in ("decoupled", "tis"):
         assert metrics["off_policy/truncated"] > 0
     elif correction != "none":
         assert 0 < metrics["off_policy/masked"] < 1
@@ -132,7 +132,7 @@ def test_staleness_is_counted_per_token_from_the_published_version(tiny_model_di
 def test_without_the_correction_stale_samples_stop_teaching(tiny_model):
     """Async GRPO at the demo's learning rate with every sample two versions old (no vLLM:
     ``staleness_sim``): the default correction learns, today's PPO objective does not. Both
-    over two seeds; over seeds 0-4 the last-5-step reward was 0.68-1.00 with ``decoupled``,
+    over two seeds; over seeds 0-4 the last-5-step reward was 0.77-1.00 with ``decoupled``,
     0.04-0.08 with ``none``, and 0.75-1.00 without staleness."""
     last5 = {}
     for correction in ("decoupled", "none"):

@@ -55,9 +55,7 @@ def reference_loss(logp, prox, old, adv, seq, correction, cap, *, eps_lo, eps_hi
         else:
             r = math.exp(lp - p)
             w = math.exp(p - o)
-            if correction == "decoupled":
-                f = w if w <= cap else 0.0
-            elif correction == "tis":
+            if correction in ("decoupled", "tis"):
                 f = min(w, cap)
             elif correction == "mis_token":
                 f = w if 1 / cap <= w <= cap else 0.0
