@@ -36,6 +36,7 @@ import math
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -125,7 +126,8 @@ async def measure(args: argparse.Namespace, todo: list[tuple[int, str, int]]) ->
             wall = time.monotonic() - t0
             row = summarize(read_metrics(result.run_dir / "metrics.jsonl"))
             row.update(key=name, staleness=k, correction=correction, seed=seed, wall_s=wall,
-                       load=[load_start, os.getloadavg()[0]], time=time.time())  # fmt: skip
+                       load=[load_start, os.getloadavg()[0]], time=time.time(),
+                       commit=args.commit)  # fmt: skip
             with (out / "results.jsonl").open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(line(row), flush=True)
@@ -308,6 +310,8 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args.out = args.out.resolve()
+    args.commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                 capture_output=True, text=True).stdout.strip()  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.jsonl"
     if not args.report:
