@@ -8,7 +8,7 @@ One fleet of replicas is started once and every run trains against it in turn (`
 =0``, ``proxy.upstreams``), each run under its own name and store.
 
 At ``max_staleness`` 0 the corrections are one objective (every sample comes from the trainer's
-current weights, so the importance weight is vLLM's numerics, |w - 1| ~ 1e-7: see
+current weights, so the importance weight is vLLM's numerics, |w - 1| < 1e-3: see
 ``tests/trainer/test_loss.py::test_on_fresh_tokens_the_corrections_coincide``), so it runs once
 per seed, with the default correction, as the synchronous baseline of every correction.
 
@@ -229,26 +229,33 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 def verdict(groups: dict[tuple[int, str], list[dict[str, Any]]]) -> None:
-    """The issue's bar: max_staleness 4 with the default correction, against the sync run."""
+    """The issue's bar: at max_staleness 4 with the default correction, every seed's last-5
+    reward >= 0.9 and the median first step with a 3-step mean >= 0.5 within 1.25x of the
+    synchronous run's, over the same seeds: for all seeds, and for each block of 3 seeds."""
     sync, target = groups.get((0, SYNC)), groups.get((4, "decoupled"))
     if not sync or not target:
         return
-    seeds = {r["seed"] for r in sync} & {r["seed"] for r in target}
-    pick = lambda rows: [figures(r) for r in rows if r["seed"] in seeds]  # noqa: E731
-    s, t = pick(sync), pick(target)
-    med = lambda fs: statistics.median(f["step"] or math.inf for f in fs)  # noqa: E731
-    ok_last = all(f["last"] >= 0.9 for f in t)
-    ratio = med(t) / med(s)
-    print(
-        f"\nmax_staleness 4, decoupled, seeds {sorted(seeds)}: every last-5 reward >= 0.9: "
-        f"{'yes' if ok_last else 'no'}; median step>=0.5 {med(t):g} vs synchronous {med(s):g} "
-        f"= {ratio:.2f}x ({'<=' if ratio <= 1.25 else '>'} 1.25x)"
-    )
+    by_seed = {r["seed"]: r for r in sync}
+    common = sorted(r["seed"] for r in target if r["seed"] in by_seed)
+    blocks = [common[i : i + 3] for i in range(0, len(common), 3)] if len(common) > 3 else []
+    print()
+    for seeds in [common, *blocks]:
+        s = [figures(by_seed[k]) for k in seeds]
+        t = [figures(r) for r in target if r["seed"] in seeds]
+        med_s = statistics.median(f["step"] or math.inf for f in s)
+        med_t = statistics.median(f["step"] or math.inf for f in t)
+        ok_last = all(f["last"] >= 0.9 for f in t)
+        print(f"max_staleness 4, decoupled, seeds {seeds}: every last-5 reward >= 0.9: "
+              f"{'yes' if ok_last else 'no'} (synchronous: "
+              f"{sum(f['last'] >= 0.9 for f in s)} of {len(s)}); median step>=0.5 {med_t:g} vs "
+              f"synchronous {med_s:g} = {med_t / med_s:.2f}x "
+              f"({'<=' if med_t / med_s <= 1.25 else '>'} 1.25x)")  # fmt: skip
 
 
 def plot(groups: dict[tuple[int, str], list[dict[str, Any]]], path: Path) -> None:
-    """Mean reward over seeds (min-max shaded) against step and against training time, one row
-    per max_staleness > 0, each with the synchronous run for reference."""
+    """Median reward over seeds (min-max shaded) against step and against training time, one
+    row per max_staleness > 0, each with the synchronous run for reference. The median, not the
+    mean: one seed that collapses late would drag a mean down for every step after."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -266,17 +273,17 @@ def plot(groups: dict[tuple[int, str], list[dict[str, Any]]], path: Path) -> Non
             style = "--" if gk == 0 else "-"
             n = min(len(r["reward"]) for r in members)
             curves = [r["reward"][:n] for r in members]
-            mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
+            middle = [statistics.median(c[i] for c in curves) for i in range(n)]
             lo = [min(c[i] for c in curves) for i in range(n)]
             hi = [max(c[i] for c in curves) for i in range(n)]
             steps = list(range(1, n + 1))
-            clock = [statistics.fmean(sum(r["step_s"][: i + 1]) for r in members)
+            clock = [statistics.median(sum(r["step_s"][: i + 1]) for r in members)
                      for i in range(n)]  # fmt: skip
             for ax, xs in zip(row_axes, (steps, clock), strict=True):
-                ax.plot(xs, mean, style, color=colours.get(correction, "grey"), linewidth=1.3,
+                ax.plot(xs, middle, style, color=colours.get(correction, "grey"), linewidth=1.3,
                         label=f"{label} ({len(members)} seeds)")  # fmt: skip
                 ax.fill_between(xs, lo, hi, color=colours.get(correction, "grey"), alpha=0.12)
-        row_axes[0].set_title(f"max_staleness {k}: reward by step")
+        row_axes[0].set_title(f"max_staleness {k}: reward by step (median, min-max)")
         row_axes[1].set_title(f"max_staleness {k}: reward by training time")
         row_axes[0].set_xlabel("optimizer step")
         row_axes[1].set_xlabel("training wall clock [s] (sum of step times)")
