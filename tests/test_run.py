@@ -45,6 +45,7 @@ def tiny_config(
 ) -> TrainingConfig:
     data = yaml.safe_load(EXAMPLE.read_text())
     data.update(model=str(model), output_dir=str(tmp_path), run_name=run_name)
+    data["trainer"]["max_staleness"] = 2  # the session's replicas hold 4 adapters
     data["serve"] = {"replicas": 0}
     data["proxy"]["upstreams"] = list(urls)
     return TrainingConfig.from_dict(data, overrides)
@@ -163,6 +164,7 @@ async def test_a_replica_serving_a_stale_version_is_caught(
 def _write_config(tmp_path: Path, model: Path, urls: Sequence[str], **sections: Any) -> Path:
     data = yaml.safe_load(EXAMPLE.read_text())
     data.update(model=str(model), output_dir=str(tmp_path), run_name="t")
+    data["trainer"]["max_staleness"] = 2  # the session's replicas hold 4 adapters
     data["serve"] = {"replicas": 0}
     data["proxy"]["upstreams"] = list(urls)
     for section, values in sections.items():
