@@ -54,9 +54,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from asyncgrpo.config import TrainerConfig
 
 #: The default ``importance_cap`` of each correction (None: no cap).
 DEFAULT_CAPS: dict[str, float | None] = {
@@ -82,13 +85,12 @@ class Objective:
             raise ValueError(f"unknown off-policy correction {self.correction!r}")
 
     @classmethod
-    def from_config(cls, cfg: object) -> Objective:
-        """From a ``TrainerConfig``."""
+    def from_config(cls, cfg: TrainerConfig) -> Objective:
         return cls(
-            correction=cfg.off_policy,  # type: ignore[attr-defined]
-            cap=cfg.importance_cap,  # type: ignore[attr-defined]
-            epsilon_low=cfg.epsilon,  # type: ignore[attr-defined]
-            epsilon_high=cfg.clip_high,  # type: ignore[attr-defined]
+            correction=cfg.off_policy,
+            cap=cfg.importance_cap,
+            epsilon_low=cfg.epsilon,
+            epsilon_high=cfg.clip_high,
         )
 
     @property
