@@ -54,7 +54,8 @@ def tiny_config(
 async def test_end_to_end_served_logprobs_equal_trainer_and_reward_rises(
     vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
 ) -> None:
-    cfg = tiny_config(tmp_path, tiny_model, [r.url for r in vllm_replicas], "trainer.max_steps=30")
+    cfg = tiny_config(tmp_path, tiny_model, [r.url for r in vllm_replicas], "trainer.max_steps=30",
+                      "trainer.max_staleness=0")  # fmt: skip
     batches: list[tuple[int, list[Sample]]] = []
     result = await run_training(cfg, on_step=lambda step, s, v: batches.append((v, list(s))))
 
@@ -78,7 +79,7 @@ async def test_end_to_end_served_logprobs_equal_trainer_and_reward_rises(
                 "batch/microbatches_per_step", "ratio", "kl", "entropy", "reward", "reward_std",
                 "rewards/digit_fraction", "adapter_version"):  # fmt: skip
         assert key in records[-1], key
-    # The admission window starts no rollout the trainer would drop as stale.
+    # max_staleness=0: the admission window starts no rollout the trainer would drop.
     assert records[-1]["sample/dropped_stale_total"] == 0
     # Learning. The reward is the share of digits; a random policy puts ~3 % of its mass on
     # the 12 digit tokens. Sampled rewards over 30 steps are too noisy for a sharp test, so
