@@ -1,29 +1,18 @@
-"""State shared by the proxy's handlers: typed app keys, counters, the error body."""
+"""What every request shares: settings, router, replicas, counters, deadlines; the error body."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from dataclasses import dataclass
-
-from aiohttp import web
 
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.deadlines import Deadlines
+from asyncgrpo.proxy.h1 import Response
 from asyncgrpo.proxy.router import Router
 from asyncgrpo.proxy.upstream import UpstreamPool
 
-__all__ = [
-    "CONFIG",
-    "CORE",
-    "POOL",
-    "ROUTER",
-    "STATS",
-    "Core",
-    "ProxyStats",
-    "error_body",
-    "error_response",
-]
+__all__ = ["Proxy", "ProxyStats", "error_answer", "error_body", "json_answer"]
 
 
 class ProxyStats:
@@ -45,22 +34,32 @@ class ProxyStats:
         self.broadcasts[key] = self.broadcasts.get(key, 0) + 1
 
 
-@dataclass(frozen=True, slots=True)
-class Core:
-    """What every request needs, looked up once (not four app-dict lookups per request)."""
+class Proxy:
+    """The state of one running proxy, looked up once per request."""
 
-    config: ProxyConfig
-    router: Router
-    pool: UpstreamPool
-    stats: ProxyStats
-    deadlines: Deadlines  # of the buffered generation requests in flight
+    __slots__ = ("config", "deadlines", "loop", "pool", "router", "stats", "tasks")
 
+    def __init__(self, config: ProxyConfig, loop: asyncio.AbstractEventLoop) -> None:
+        self.config = config
+        self.loop = loop
+        self.router = Router(
+            imbalance=config.imbalance,
+            imbalance_ratio=config.imbalance_ratio,
+            max_blocks=config.max_tracked_blocks,
+            policy=config.routing,
+        )
+        self.pool = UpstreamPool(config, self.router)
+        self.stats = ProxyStats()
+        self.deadlines = Deadlines(loop)  # of the relayed requests in flight
+        self.tasks: set[asyncio.Task[None]] = set()  # control calls and the health checker
 
-CONFIG = web.AppKey("config", ProxyConfig)
-ROUTER = web.AppKey("router", Router)
-POOL = web.AppKey("pool", UpstreamPool)
-STATS = web.AppKey("stats", ProxyStats)
-CORE = web.AppKey("core", Core)  # set when the upstream pool starts
+    def spawn(self, coro: object, name: str) -> asyncio.Task[None]:
+        """Run ``coro`` until it ends or the proxy stops (a client going away does not stop it:
+        a broadcast half done would leave the replicas disagreeing)."""
+        task = self.loop.create_task(coro, name=name)  # type: ignore[arg-type]
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
 
 
 def error_body(status: int, message: str, *, kind: str = "BadRequestError") -> bytes:
@@ -69,10 +68,11 @@ def error_body(status: int, message: str, *, kind: str = "BadRequestError") -> b
     return json.dumps(body).encode()
 
 
-def error_response(status: int, message: str, *, kind: str = "BadRequestError") -> web.Response:
-    """:func:`error_body` as an aiohttp response."""
-    return web.Response(
-        body=error_body(status, message, kind=kind),
-        status=status,
-        content_type="application/json",
-    )
+def json_answer(
+    status: int, obj: object, headers: tuple[tuple[bytes, bytes], ...] = ()
+) -> Response:
+    return status, [(b"Content-Type", b"application/json"), *headers], json.dumps(obj).encode()
+
+
+def error_answer(status: int, message: str, *, kind: str = "BadRequestError") -> Response:
+    return status, [(b"Content-Type", b"application/json")], error_body(status, message, kind=kind)
