@@ -24,10 +24,10 @@ import posixpath
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from asyncgrpo.proxy import metrics
 from asyncgrpo.proxy.h1 import Response, split_url
 from asyncgrpo.proxy.headers import REPLICA_HEADER_B
 from asyncgrpo.proxy.jsonbody import BodyError, decode_object
+from asyncgrpo.proxy.metrics import render, stats_json
 from asyncgrpo.proxy.state import Proxy, error_answer, json_answer
 from asyncgrpo.proxy.upstream import Circuit, Upstream
 from asyncgrpo.vllm_client import (
@@ -252,11 +252,11 @@ async def health(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
 
 
 async def stats(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
-    return json_answer(200, metrics.stats_json(proxy))
+    return json_answer(200, stats_json(proxy))
 
 
 async def prometheus(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
-    text = metrics.render(proxy).encode()
+    text = render(proxy).encode()
     return 200, [(b"Content-Type", b"text/plain; charset=utf-8")], text
 
 

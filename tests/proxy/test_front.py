@@ -291,5 +291,7 @@ async def test_client_gone_mid_request_frees_the_replica_slot(upstream) -> None:
         finally:
             state["release"].set()
         body = json.dumps({"model": "m", "prompt": [1] * 40}).encode()
-        async with s.post(base + "/v1/completions", data=body, headers=JSON) as r:  # the proxy still serves
+        async with s.post(
+            base + "/v1/completions", data=body, headers=JSON
+        ) as r:  # the proxy still serves
             assert r.status == 200
