@@ -94,5 +94,5 @@ def test_cycle_finder_finds_a_cycle() -> None:
 
 def test_no_import_cycle_in_the_package() -> None:
     graph = import_graph()
-    assert "asyncgrpo.proxy.front" in graph and graph["asyncgrpo.proxy.front"]
+    assert graph.get("asyncgrpo.proxy.front")  # the graph sees the proxy's imports
     assert cycles(graph) == []
