@@ -241,7 +241,8 @@ async def test_replica_joining_at_run_time_gets_adapters_replayed(
 ) -> None:
     first, second = (r.url for r in vllm_replicas)
     name = f"proxy-join-{uuid.uuid4().hex[:8]}"
-    cfg = ProxyConfig(upstreams=(first,), port=0)
+    cfg = ProxyConfig(upstreams=(first,), port=0, admin_api_key="admin-test-key")
+    admin = {"Authorization": "Bearer admin-test-key"}
     async with serve_proxy(cfg) as base, aiohttp.ClientSession() as s:
         body = {"lora_name": name, "lora_path": str(lora_adapter)}
         async with s.post(base + "/v1/load_lora_adapter", json=body) as r:
@@ -249,18 +250,18 @@ async def test_replica_joining_at_run_time_gets_adapters_replayed(
         try:
             async with VLLMClient(second) as c:
                 assert name not in await c.models()
-            async with s.post(base + "/proxy/upstreams", json={"url": second}) as r:
+            async with s.post(base + "/proxy/upstreams", json={"url": second}, headers=admin) as r:
                 assert r.status == 200, await r.text()
                 assert (await r.json())["adapters"] == [name]
             async with VLLMClient(second) as c:
                 assert name in await c.models()  # replayed before it entered rotation
-            async with s.get(base + "/proxy/upstreams") as r:
+            async with s.get(base + "/proxy/upstreams", headers=admin) as r:
                 ups = (await r.json())["upstreams"]
                 assert [u["circuit"] for u in ups] == ["closed", "closed"]
         finally:
             async with s.post(base + "/v1/unload_lora_adapter", json={"lora_name": name}) as r:
                 assert r.status == 200, await r.text()
-        async with s.delete(base + "/proxy/upstreams", json={"url": second}) as r:
+        async with s.delete(base + "/proxy/upstreams", json={"url": second}, headers=admin) as r:
             assert r.status == 200
         async with s.get(base + "/proxy/stats") as r:
             assert [u["url"] for u in (await r.json())["upstreams"]] == [first]
