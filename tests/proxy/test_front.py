@@ -11,9 +11,11 @@ import asyncio
 import json
 import logging
 import os
+import ssl
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -295,3 +297,95 @@ async def test_client_gone_mid_request_frees_the_replica_slot(upstream) -> None:
             base + "/v1/completions", data=body, headers=JSON
         ) as r:  # the proxy still serves
             assert r.status == 200
+
+
+def _self_signed(tmp: Path) -> tuple[Path, Path]:
+    """A certificate for localhost / 127.0.0.1 and its key, as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(san), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+async def test_https_replica_under_a_path_prefix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ``https://`` replica (a Hugging Face Job's exposed URL, say) behind a path prefix:
+    the same pooled client over TLS, its certificate verified, for generation (buffered and
+    streamed) and control calls alike."""
+    cert, key = _self_signed(tmp_path)
+    seen: list[str] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("Authorization", ""))
+        parsed = await request.json()
+        if not parsed.get("stream"):
+            return web.json_response({"echo": parsed["prompt"], "tls": request.secure})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for part in (b"data: 1\n\n", b"data: [DONE]\n\n"):
+            await out.write(part)
+        await out.write_eof()
+        return out
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_post("/job/v1/completions", completions)
+    app.router.add_get("/job/health", health)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls).start()
+    url = f"https://localhost:{runner.addresses[0][1]}/job"
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # trust it as the system's CAs are trusted
+    try:
+        cfg = _config(url, block_size=16, upstream_api_key="hf_secret")
+        async with serve_proxy(cfg) as base, aiohttp.ClientSession() as s:
+            body = {"model": "m", "prompt": "over tls"}
+            async with s.post(base + "/v1/completions", json=body) as r:
+                assert r.status == 200 and await r.json() == {"echo": "over tls", "tls": True}
+                assert r.headers[REPLICA_HEADER] == url
+            async with s.post(base + "/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status == 200 and await r.read() == b"data: 1\n\ndata: [DONE]\n\n"
+            async with s.get(base + "/health") as r:
+                assert r.status == 200, await r.text()
+        assert seen == ["Bearer hf_secret"] * 2
+        # Without the certificate trusted, the replica cannot be reached: no request goes out.
+        monkeypatch.delenv("SSL_CERT_FILE")
+        async with serve_proxy(_config(url, block_size=16)) as base, aiohttp.ClientSession() as s:
+            async with s.post(base + "/v1/completions", json=body) as r:
+                assert r.status == 503
+            async with s.get(base + "/health") as r:
+                assert r.status == 503 and "CERTIFICATE_VERIFY_FAILED" in await r.text()
+        assert len(seen) == 2
+    finally:
+        await runner.cleanup()
