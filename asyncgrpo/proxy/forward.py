@@ -3,8 +3,8 @@
 Every request that goes to a single replica is a :class:`Forward`: buffered generation requests,
 streamed ones and pass-through calls (``/tokenize``, a GET). It runs from the client connection's
 ``data_received`` to the replica connection's (:mod:`asyncgrpo.proxy.h1`) and back by callbacks,
-without a task or a future: at one request in flight every Python step is added latency. Its
-:class:`Attempts` route each try to a replica not tried yet; a failed try (a refused or dropped
+without a task or a future: at one request in flight every Python step is added latency. Each
+try goes to a replica not tried yet; a failed one (a refused or dropped
 connection, a 5xx for generation, a missed deadline) withdraws its routing claims, counts against
 the replica (:func:`~asyncgrpo.proxy.upstream.failure_kind`) and goes elsewhere as long as the
 client has received nothing (a completion has no side effects), up to ``max_attempts``; then the
@@ -27,7 +27,7 @@ from asyncgrpo.proxy.router import Decision, request_hashes
 from asyncgrpo.proxy.state import Proxy, error_answer
 from asyncgrpo.proxy.upstream import Upstream
 
-__all__ = ["FALLBACK_BLOCK_SIZE", "Attempts", "Client", "Forward", "request_chains"]
+__all__ = ["FALLBACK_BLOCK_SIZE", "Client", "Forward", "request_chains"]
 
 log = logging.getLogger(__name__)
 
@@ -65,52 +65,87 @@ def request_chains(proxy: Proxy, parsed: dict[str, Any]) -> list[tuple[int, ...]
     return chains
 
 
-class Attempts:
-    """The tries of one request: :meth:`next` picks a replica, :meth:`done` ends the try.
-    ``chains`` None: not a generation request (round-robin, not counted in flight, the
-    replica's answer is the answer whatever its status)."""
+class Forward(Exchange):
+    """Relay one request; the client gets exactly one answer (or a stream) unless
+    :meth:`cancel` comes first. ``chains`` None: not a generation request (round-robin, not
+    counted in flight, the replica's answer is the answer whatever its status). Each try's
+    deadline is in ``proxy.deadlines`` (one timer for all requests); while it runs the request
+    also sits in its replica's ``deadlines`` (``expired`` and ``reschedule``, like
+    :class:`asyncio.Timeout`), so a replica leaving rotation can end it now."""
 
-    __slots__ = ("chains", "decision", "last_error", "path", "proxy", "tried", "up")
+    __slots__ = ("body", "chains", "client", "decision", "head", "last_error", "lines", "method",
+                 "path", "proxy", "slot", "started", "stream", "timeout", "timer", "tried", "up")  # fmt: skip
 
-    def __init__(self, proxy: Proxy, chains: list[tuple[int, ...]] | None, path: str) -> None:
-        self.proxy = proxy
-        self.chains = chains
-        self.path = path
+    def __init__(
+        self,
+        proxy: Proxy,
+        client: Client,
+        req: tuple[bytes, bytes, bytes, bytes],
+        chains: list[tuple[int, ...]] | None,
+        *,
+        stream: bool = False,
+    ) -> None:
+        super().__init__()
+        self.proxy, self.chains = proxy, chains
+        self.client: Client | None = client
+        # The client's header lines are forwarded as they are; the pool adds Host, auth, length.
+        self.method, self.path, self.lines, self.body = req
+        self.stream, self.started = stream, False
+        cfg = proxy.config
+        self.timeout = cfg.request_timeout_s if chains is not None else cfg.broadcast_timeout_s
+        self.head: list[tuple[bytes, bytes]] = []
         self.tried: list[str] = []
         self.last_error = ""
         self.up: Upstream | None = None  # of the try in progress
         self.decision: Decision | None = None
+        self.slot: set[Expiring] | None = None  # in proxy.deadlines
+        self.timer: Any = None  # an asyncio.TimerHandle: a deadline rescheduled
 
-    def next(self) -> Upstream | None:
-        """Route the next try; None when ``max_attempts`` are spent or none is in rotation."""
+    def start(self) -> None:
+        """Send the next try to a replica not tried yet, or answer 503 naming the last error."""
         proxy = self.proxy
-        if len(self.tried) >= proxy.config.max_attempts:
-            return None
-        t0 = time.perf_counter()
-        try:
-            if self.chains is None:
-                url = proxy.router.pick(exclude=self.tried)
-            else:
-                self.decision = proxy.router.route(self.chains, exclude=self.tried)
-                url = self.decision.replica
-        except NoHealthyReplica:
-            return None
-        up = self.up = proxy.pool.upstreams[url]
-        self.tried.append(url)
-        if self.decision is not None:
-            proxy.stats.route_seconds += time.perf_counter() - t0
-            proxy.stats.route_count += 1
-            proxy.pool.on_routed(up)
-        return up
+        up = None
+        if len(self.tried) < proxy.config.max_attempts:
+            t0 = time.perf_counter()
+            try:
+                if self.chains is None:
+                    up = proxy.pool.upstreams[proxy.router.pick(exclude=self.tried)]
+                else:
+                    self.decision = proxy.router.route(self.chains, exclude=self.tried)
+                    up = proxy.pool.upstreams[self.decision.replica]
+                    proxy.stats.route_seconds += time.perf_counter() - t0
+                    proxy.stats.route_count += 1
+                    proxy.pool.on_routed(up)
+            except NoHealthyReplica:
+                pass
+        if up is None:
+            proxy.stats.reject(503)
+            message = (f"no replica could serve the request (tried {len(self.tried)}): "
+                       f"{self.last_error or 'none in rotation'}")  # fmt: skip
+            return self._answer(error_answer(503, message, kind="ServiceUnavailableError"))
+        self.up = up
+        self.tried.append(up.url)
+        up.h1.send(self, up.h1.request(self.method, self.path, self.lines, self.body),
+                   head_request=self.method == b"HEAD")  # fmt: skip
+        self.slot = proxy.deadlines.add(self, proxy.loop.time() + self.timeout)
+        up.deadlines.add(self)
 
-    def done(self, outcome: int | BaseException | None, detail: str = "") -> bool:
+    def cancel(self) -> None:
+        """The client went away or the proxy stops: drop the try, answer nothing."""
+        self.client = None
+        self._end(None)
+
+    def _end(self, outcome: int | BaseException | None, detail: str = "") -> bool:
         """End the try in progress with ``outcome`` (a status, what it raised, or None: the
-        client went away). True if it failed and the request should try :meth:`next`."""
-        up, decision = self.up, self.decision
+        client went away); True if it failed and the request may try elsewhere."""
+        self._clear_deadline()
+        if outcome is None or isinstance(outcome, TimeoutError):
+            self.abort()  # the replica connection, if any
+        up, decision, proxy = self.up, self.decision, self.proxy
         if up is None:
             return False
+        up.deadlines.discard(self)
         self.up = self.decision = None
-        proxy = self.proxy
         if outcome is None or (decision is None and isinstance(outcome, int)):
             if decision is not None:
                 proxy.router.finish(decision, ok=False)
@@ -126,71 +161,6 @@ class Attempts:
                 proxy.stats.retries += 1
                 log.info("retrying %s elsewhere after %s", self.path, self.last_error)
         return failed
-
-    def exhausted(self) -> Response:
-        """The 503 for a request no replica could serve."""
-        self.proxy.stats.reject(503)
-        message = (
-            f"no replica could serve the request (tried {len(self.tried)}): "
-            f"{self.last_error or 'none in rotation'}"
-        )
-        return error_answer(503, message, kind="ServiceUnavailableError")
-
-
-class Forward(Exchange):
-    """Relay one request; the client gets exactly one answer (or a stream) unless
-    :meth:`cancel` comes first. Each try's deadline is in ``proxy.deadlines`` (one timer for all
-    requests); while it runs the request also sits in its replica's ``deadlines`` (``expired``
-    and ``reschedule``, like :class:`asyncio.Timeout`), so a replica leaving rotation can end it
-    now."""
-
-    __slots__ = ("attempts", "body", "client", "head", "lines", "method", "path", "proxy", "slot",
-                 "started", "stream", "timeout", "timer")  # fmt: skip
-
-    def __init__(
-        self,
-        proxy: Proxy,
-        client: Client,
-        req: tuple[bytes, bytes, bytes, bytes],
-        chains: list[tuple[int, ...]] | None,
-        *,
-        stream: bool = False,
-    ) -> None:
-        super().__init__()
-        self.proxy = proxy
-        self.client: Client | None = client
-        # The client's header lines are forwarded as they are; the pool adds Host, auth, length.
-        self.method, self.path, self.lines, self.body = req
-        self.attempts = Attempts(proxy, chains, self.path.decode("latin-1"))
-        self.stream, self.started = stream, False
-        cfg = proxy.config
-        self.timeout = cfg.request_timeout_s if chains is not None else cfg.broadcast_timeout_s
-        self.head: list[tuple[bytes, bytes]] = []
-        self.slot: set[Expiring] | None = None  # in proxy.deadlines
-        self.timer: Any = None  # an asyncio.TimerHandle: a deadline rescheduled
-
-    def start(self) -> None:
-        up = self.attempts.next()
-        if up is None:
-            return self._answer(self.attempts.exhausted())
-        request = up.h1.request(self.method, self.path, self.lines, self.body)
-        up.h1.send(self, request, head_request=self.method == b"HEAD")
-        self.slot = self.proxy.deadlines.add(self, self.proxy.loop.time() + self.timeout)
-        up.deadlines.add(self)
-
-    def cancel(self) -> None:
-        """The client went away or the proxy stops: drop the try, answer nothing."""
-        self.client = None
-        self._end(None)
-
-    def _end(self, outcome: int | BaseException | None, detail: str = "") -> bool:
-        """End the try in progress (see :meth:`Attempts.done`); True: try another."""
-        self._clear_deadline()
-        if outcome is None or isinstance(outcome, TimeoutError):
-            self.abort()  # the replica connection, if any
-        if (up := self.attempts.up) is not None:
-            up.deadlines.discard(self)
-        return self.attempts.done(outcome, detail)
 
     def _answer(self, answer: Response) -> None:
         client, self.client = self.client, None
@@ -215,11 +185,11 @@ class Forward(Exchange):
 
     def on_body(self, data: bytes) -> None:
         client, proxy = self.client, self.proxy
-        if client is None or self.attempts.up is None:
+        if client is None or self.up is None:
             return
         if not self.started:
             self.started = True
-            self.head.append((REPLICA_HEADER_B, self.attempts.up.url_b))
+            self.head.append((REPLICA_HEADER_B, self.up.url_b))
             client.stream_head(200, self.head)
         client.stream_body(data)
         self._clear_deadline()
@@ -237,9 +207,9 @@ class Forward(Exchange):
             if client is not None:
                 client.stream_end()
             return
-        up = self.attempts.up
+        up = self.up
         assert up is not None
-        if status >= 500 and self.attempts.chains is not None:
+        if status >= 500 and self.chains is not None:
             # The replica failed (vLLM answers 500 EngineDeadError while it shuts down): out of
             # rotation, and the request, which has no side effects, goes elsewhere.
             self._end(status, data[:200].decode(errors="replace"))
@@ -261,7 +231,8 @@ class Forward(Exchange):
 
     def on_deadline(self) -> None:
         self.slot = self.timer = None
-        self._fail(TimeoutError(f"no answer within the deadline on {self.attempts.path}"))
+        path = self.path.decode("latin-1")
+        self._fail(TimeoutError(f"no answer within the deadline on {path}"))
 
     # -- the replica's deadline handle (Upstream.expire_inflight) -----------------------------
 

@@ -1,14 +1,12 @@
-"""The replicas: membership, circuit breaker, health checks, and the deadlines of requests in flight.
+"""The replicas: membership, circuit breaker, health checks, the deadlines of requests in flight.
 
 A replica is in rotation while its circuit is CLOSED (or HALF_OPEN for a single probe request).
-Any refused connection, deadline or 5xx opens the circuit at once; every request still in flight
-on it has its deadline moved to *now*, so none hangs on a replica whose engine has stopped while
-its HTTP server lingers (vLLM draining after SIGTERM). After ``circuit_open_s`` (doubling on each
-consecutive failure) a successful ``GET /health`` replays the loaded adapters and moves it to
-HALF_OPEN: it gets one request, and that request's success closes the circuit.
-
-Membership and the broadcast targets live here only (:meth:`UpstreamPool.add`, ``remove``,
-``targets``): whoever changes the fleet changes it through them.
+A refused connection, a deadline or a 5xx opens it at once, and (but for a deadline) moves the
+deadline of every request in flight on it to *now*: none hangs on a replica whose engine stopped
+while its HTTP server lingers (vLLM draining after SIGTERM). After ``circuit_open_s`` (doubling
+per consecutive failure) a successful ``GET /health`` replays the loaded adapters and makes it
+HALF_OPEN; the success of its one request closes the circuit. Membership and the broadcast
+targets change here only (:meth:`UpstreamPool.add`, ``remove``, ``targets``).
 """
 
 from __future__ import annotations
@@ -42,13 +40,9 @@ class Circuit(enum.Enum):
 
 def failure_kind(outcome: int | BaseException) -> tuple[str, bool] | None:
     """The one table from an exchange's outcome (a status, or what it raised) to how it counts
-    against the replica: (failure kind, trips the circuit), or None for no failure.
-
-    A 5xx, a refused connect and a deadline trip the circuit. A dropped connection does not by
-    itself: it is also what a keep-alive race looks like, and a crashed replica is caught by
-    the next refused connect or health check. Every failure is worth a retry elsewhere while
-    the client has received nothing (a completion has no side effects).
-    """
+    against the replica: (failure kind, trips the circuit), or None for no failure. A dropped
+    connection does not trip it: it is also what a keep-alive race looks like, and a crashed
+    replica is caught by the next refused connect or health check."""
     if isinstance(outcome, int):
         return (f"http_{outcome}", True) if outcome >= 500 else None
     if isinstance(outcome, ConnectFailed):
@@ -184,12 +178,7 @@ class UpstreamPool:
         return True
 
     def on_failure(self, up: Upstream, kind: str, detail: str = "", *, trip: bool = True) -> None:
-        """A refused connection, deadline or 5xx: out of rotation at once.
-
-        ``trip=False`` only counts it: a dropped keep-alive connection (the server closed it just
-        as we reused it) says nothing about the replica; the request is retried and the next
-        connect or health check decides.
-        """
+        """Count a failure; unless ``trip`` is False, the replica leaves rotation at once."""
         up.failures[kind] += 1
         up.last_error = f"{kind}: {detail}"[:300]
         if not trip:
@@ -227,10 +216,7 @@ class UpstreamPool:
         return status, data
 
     async def probe(self, up: Upstream) -> bool | None:
-        """GET /health once: True healthy, False refused or 5xx (dead), None timed out (slow).
-
-        Updates ``up.healthy`` and ``up.last_error``.
-        """
+        """GET /health once: True healthy, False refused or 5xx (dead), None timed out (slow)."""
         timeout = self.config.health_timeout_s
         ok: bool | None
         try:
@@ -277,10 +263,8 @@ class UpstreamPool:
             self._open(up)
 
     async def replay(self, up: Upstream) -> str | None:
-        """Bring a (re)joining replica up to date: loaded adapters, then pause state.
-
-        Returns an error message, or None when the replica may enter rotation.
-        """
+        """Bring a (re)joining replica up to date (loaded adapters, pause state); an error
+        message, or None when it may enter rotation."""
         try:
             # A replica that fetches adapters itself fetches them again here: nothing of this
             # host's disk is needed to bring it up to date.
