@@ -1,17 +1,10 @@
 """The proxy's control routes, each a plain coroutine: broadcasts, health, stats, metrics, admin.
 
-A broadcast goes to every replica taking requests (:meth:`UpstreamPool.targets`). Two load
-endpoints share it: vLLM's ``/v1/load_lora_adapter`` (a local ``lora_path``, which must be under
-``lora_roots``) and the asyncgrpo replica plugin's ``/v1/asyncgrpo/load`` (a transport
-``lora_uri`` each replica fetches and checks against its own transport roots; its ``lora_name``
-must be the version the URI names, ``<name>-v<N>``). ``load_inplace`` is refused: a served name
-never changes weights. A load is retried on one replica only while it answers that the adapter
-is not there yet (vLLM's ``No adapter found``, the plugin's ``AdapterNotPublished``), up to
-``load_deadline_s``; then the proxy answers 504, never 404 (TRL reads 404 as "runtime LoRA
-updating is disabled"). Any other rejection, "already loaded" included (names are never reused),
-unloads the adapter from the replicas that accepted it and is returned. A replica that cannot be
-reached leaves rotation instead of failing the load, and gets every loaded adapter replayed
-before it returns.
+A broadcast goes to every replica taking requests (:meth:`UpstreamPool.targets`). A load is all
+or nothing: retried on one replica only while it answers that the adapter is not there yet, up to
+``load_deadline_s`` (then 504, never 404: TRL reads 404 as "runtime LoRA updating is disabled");
+any other rejection ("already loaded" included: names are never reused) is rolled back on the
+replicas that accepted it. Rules and reasons: ``docs/proxy.md``, "Adapter broadcast".
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """One client request relayed to one replica at a time: route, send, retry elsewhere, answer.
 
-Every request that goes to a single replica is a :class:`Forward`: buffered generation requests,
-streamed ones and pass-through calls (``/tokenize``, a GET). It runs from the client connection's
-``data_received`` to the replica connection's (:mod:`asyncgrpo.proxy.h1`) and back by callbacks,
-without a task or a future: at one request in flight every Python step is added latency. Each
-try goes to a replica not tried yet; a failed one (a refused or dropped
-connection, a 5xx for generation, a missed deadline) withdraws its routing claims, counts against
-the replica (:func:`~asyncgrpo.proxy.upstream.failure_kind`) and goes elsewhere as long as the
-client has received nothing (a completion has no side effects), up to ``max_attempts``; then the
-answer is a 503 naming the last error. A stream is held back until its first chunk, so a replica
-that fails before it is retried too; after it, each gap between chunks gets
-``stream_idle_timeout_s`` and a failure cuts the client's answer short.
+Buffered and streamed generation requests and pass-through calls (``/tokenize``, a GET) are each a
+:class:`Forward`, driven by callbacks from the client connection to the replica connection and
+back, without a task or a future: at one request in flight every Python step is added latency.
+A failed try (refused or dropped connection, 5xx for generation, missed deadline) withdraws its
+routing claims, counts against the replica (:func:`~asyncgrpo.proxy.upstream.failure_kind`) and
+goes to another replica while the client has received nothing, up to ``max_attempts``; then a
+503 names the last error. A stream's head waits for its first chunk, so that stays retryable.
 """
 
 from __future__ import annotations

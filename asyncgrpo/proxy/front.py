@@ -8,13 +8,8 @@ llhttp. A request that llhttp and :mod:`~asyncgrpo.proxy.inbound` accept goes to
 (:data:`~asyncgrpo.proxy.control.ROUTES`); a refused one gets an answer saying why, nothing is
 forwarded, and the connection closes.
 
-Limits (:class:`Clients`): at most ``max_connections`` open (at the cap a new one closes those
-that waited longest without a request in progress); a request's head within ``head_timeout_s``
-of the connection or of its first byte, its body and the next request within
-``client_idle_timeout_s``. A connection holds at most the body being answered and, while that
-runs, queued requests (:data:`MAX_QUEUED`) and a partial one whose bodies add up to
-``max_body_bytes`` (reading pauses there): about twice ``max_body_bytes`` plus a head and a
-socket read.
+Limits: connections (:class:`Clients`), time to send a head or a body, bytes held per connection
+(reading pauses): ``docs/proxy.md``, "Security".
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The proxy's one HTTP client: keep-alive HTTP/1.1 on llhttp (``httptools``), plain or TLS.
 
-Every call to a replica goes through an :class:`H1Pool`: relayed generation requests and streams
-(callbacks: a pooled connection's ``data_received`` feeds llhttp, which calls the waiting
-:class:`Exchange` back in the same callback, with no task, future or stream buffer in between) and
-control calls (:meth:`H1Pool.fetch`, a coroutine over the same exchange). ``https://`` replicas
-are the same connections over asyncio's TLS transport, verified against the system's CAs
-(``SSL_CERT_FILE`` adds others). A reused connection closed before a byte of the answer came is
-retried once on a fresh one.
+Relayed requests are callbacks: a pooled connection's ``data_received`` feeds llhttp, which calls
+the waiting :class:`Exchange` back in the same callback (no task, future or stream buffer);
+control calls await the same exchange (:meth:`H1Pool.fetch`). ``https://`` replicas use asyncio's
+TLS transport, verified against the system's CAs (``SSL_CERT_FILE`` adds others). A reused
+connection closed before a byte of the answer came is retried once on a fresh one.
 """
 
 from __future__ import annotations

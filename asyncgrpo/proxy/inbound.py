@@ -1,16 +1,9 @@
 """What the front accepts from a client, on top of llhttp's own strictness (pure: no I/O).
 
-llhttp (``httptools``) already refuses control characters in header values, invalid header
-names, obs-fold, bad or duplicate Content-Length, Content-Length with Transfer-Encoding, bad
-chunk sizes and extensions, bare LF line ends. A request it accepted is still refused here when
-its version is not HTTP/1.0 or 1.1 (505), it is a CONNECT (405), it has a transfer coding other
-than chunked (501; any in HTTP/1.0: 400), its body is over the limit (413), it has no Host
-(HTTP/1.1) or several (400), the wrong API key (401; the admin key on the admin routes, 403 when
-none is configured), an expectation other than 100-continue (417), a head over
-:data:`HEAD_LIMIT` (431). And, because a web page in the user's browser may send requests to
-localhost without asking (no CORS preflight for a ``text/plain`` POST): an ``Origin`` header
-(403), a body that is not JSON by its Content-Type (415), and, on a proxy bound to loopback, a
-Host that is not a loopback name (403: DNS rebinding). Each refusal says what was wrong.
+A request llhttp accepted is still refused here for its version, method, transfer coding, size,
+Host, key, expectation, and for what only a web page in the user's browser would send (an
+``Origin``, a body that is not JSON, a Host that is not this machine's on a loopback proxy: a
+``text/plain`` POST needs no CORS preflight). The list: ``docs/proxy.md``, "Security".
 """
 
 from __future__ import annotations
