@@ -113,7 +113,7 @@ class Request:
         return size
 
 
-def _json_type(value: bytes) -> bool:
+def _json(value: bytes) -> bool:
     media = value.partition(b";")[0].strip().lower()
     return media == b"application/json" or media.endswith(b"+json")
 
@@ -153,9 +153,9 @@ def check_head(req: Request, version: str, rules: Rules) -> None:
         raise Refused(401, "missing or wrong 'Authorization: Bearer <key>'")
     if req.expect not in (None, b"100-continue"):
         raise Refused(417, f"unsupported Expect {req.expect!r}: only 100-continue")
-    if req.content_type is not None and (req.te or req.length) and not _json_type(req.content_type):
-        ct = req.content_type.decode("latin-1")
-        raise Refused(415, f"Content-Type {ct!r}: request bodies must be application/json")
+    ct = req.content_type
+    if ct is not None and ct != b"application/json" and (req.te or req.length) and not _json(ct):
+        raise Refused(415, f"Content-Type {ct.decode('latin-1')!r}: bodies must be application/json")
 
 
 def refusal(exc: httptools.HttpParserError, in_head: bool) -> Refused:
