@@ -155,7 +155,9 @@ def check_head(req: Request, version: str, rules: Rules) -> None:
         raise Refused(417, f"unsupported Expect {req.expect!r}: only 100-continue")
     ct = req.content_type
     if ct is not None and ct != b"application/json" and (req.te or req.length) and not _json(ct):
-        raise Refused(415, f"Content-Type {ct.decode('latin-1')!r}: bodies must be application/json")
+        raise Refused(
+            415, f"Content-Type {ct.decode('latin-1')!r}: bodies must be application/json"
+        )
 
 
 def refusal(exc: httptools.HttpParserError, in_head: bool) -> Refused:
