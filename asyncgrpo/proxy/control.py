@@ -109,8 +109,9 @@ async def _load_one(
         await asyncio.sleep(cfg.load_retry_interval_s)
 
 
-async def load(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
+async def load(proxy: Proxy, method: str, target: str, body: bytes) -> Response:
     cfg, pool, stats = proxy.config, proxy.pool, proxy.stats
+    path = target.partition("?")[0]  # the query is not replayed
     try:
         parsed = decode_object(body, cfg.max_body_bytes)
     except BodyError as exc:
@@ -159,8 +160,9 @@ async def _post_all(proxy: Proxy, path_qs: str, body: bytes) -> list[tuple[Upstr
     return [(up, status, data) for up, (status, data) in zip(targets, answers, strict=True)]
 
 
-async def unload(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
+async def unload(proxy: Proxy, method: str, target: str, body: bytes) -> Response:
     """Every replica; 200 if any unloaded it, 404 if none knew it."""
+    path = target.partition("?")[0]
     try:
         name = decode_object(body, proxy.config.max_body_bytes).get("lora_name")
     except BodyError:
