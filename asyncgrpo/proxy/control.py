@@ -173,19 +173,17 @@ async def unload(proxy: Proxy, method: str, target: str, body: bytes) -> Respons
     results = await _post_all(proxy, path, body)
     if not results:
         return error_answer(503, _NONE, kind="ServiceUnavailableError")
-    by_status = {}
-    for r in results:
-        by_status.setdefault(r[1] if r[1] in (0, 200, 404) else -1, r)
-    if (failed := by_status.get(-1)) is not None:
+    if failed := [r for r in results if r[1] not in (0, 200, 404)]:
+        up, status, data = failed[0]
         proxy.stats.broadcast("unload", "failed")
-        return failed[1], [(REPLICA_HEADER_B, failed[0].url_b)], failed[2]
+        return status, [(REPLICA_HEADER_B, up.url_b)], data
     for status, outcome, kind in (
         (200, "ok", b"text/plain"),
         (404, "not_found", b"application/json"),
     ):
-        if (hit := by_status.get(status)) is not None:
+        if hit := [data for _, got, data in results if got == status]:
             proxy.stats.broadcast("unload", outcome)
-            return status, [(b"Content-Type", kind)], hit[2]
+            return status, [(b"Content-Type", kind)], hit[0]
     return error_answer(503, "no replica could be reached", kind="ServiceUnavailableError")
 
 

@@ -389,3 +389,54 @@ async def test_https_replica_under_a_path_prefix(
         assert len(seen) == 2
     finally:
         await runner.cleanup()
+
+
+async def test_stream_retried_until_its_first_chunk_then_cut_short(upstream) -> None:
+    """A replica failing a stream before its first chunk (a 500, or a close) costs the client
+    nothing: another replica serves it. One failing after the first chunk cuts the client's
+    answer short: it has part of an answer, which no retry could complete."""
+    url, state = upstream
+    mode = {"fail": "500"}
+
+    async def flaky(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if mode["fail"] == "500":
+            return web.Response(status=500, text="EngineDeadError")
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        if mode["fail"] == "midway":
+            await out.write(b'data: {"n": 1}\n\n')
+            await asyncio.sleep(0.1)
+        request.transport.close()  # no chunk (or one), then the connection drops
+        return out
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", flaky)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    bad = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    state["release"].set()  # the good replica streams both chunks at once
+    body = {"model": "m", "prompt": [7] * 40, "stream": True}
+    try:
+        for fail in ("500", "close"):
+            mode["fail"] = fail
+            cfg = ProxyConfig(upstreams=(bad, url), port=0, block_size=16, routing="round_robin")
+            async with serve_proxy(cfg) as base, aiohttp.ClientSession() as s:
+                for _ in range(2):  # round-robin: one of them starts on the bad replica
+                    async with s.post(base + "/v1/completions", json=body) as r:
+                        assert r.status == 200 and r.headers[REPLICA_HEADER] == url
+                        assert (await r.read()).endswith(b"data: [DONE]\n\n")
+        mode["fail"] = "midway"
+        cfg = ProxyConfig(upstreams=(bad,), port=0, block_size=16)
+        async with serve_proxy(cfg) as base, aiohttp.ClientSession() as s:
+            async with s.post(base + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await r.read()
+    finally:
+        await runner.cleanup()
