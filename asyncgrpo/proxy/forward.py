@@ -66,8 +66,7 @@ class Forward(Exchange):
     :meth:`cancel` comes first. ``chains`` None: not a generation request (round-robin, not
     counted in flight, the replica's answer is the answer whatever its status). Each try's
     deadline is in ``proxy.deadlines`` (one timer for all requests); while it runs the request
-    also sits in its replica's ``deadlines`` (``expired`` and ``reschedule``, like
-    :class:`asyncio.Timeout`), so a replica leaving rotation can end it now."""
+    also sits in its replica's ``inflight``, so a replica leaving rotation can end it now."""
 
     __slots__ = ("body", "chains", "client", "decision", "head", "last_error", "lines", "method",
                  "path", "proxy", "slot", "started", "stream", "timeout", "timer", "tried", "up")  # fmt: skip
@@ -95,7 +94,7 @@ class Forward(Exchange):
         self.up: Upstream | None = None  # of the try in progress
         self.decision: Decision | None = None
         self.slot: set[Expiring] | None = None  # in proxy.deadlines
-        self.timer: Any = None  # an asyncio.TimerHandle: a deadline rescheduled
+        self.timer: Any = None  # an asyncio.Handle: the deadline brought forward to now
 
     def start(self) -> None:
         """Send the next try to a replica not tried yet, or answer 503 naming the last error."""
@@ -124,7 +123,7 @@ class Forward(Exchange):
         up.h1.send(self, up.h1.request(self.method, self.path, self.lines, self.body),
                    head_request=self.method == b"HEAD")  # fmt: skip
         self.slot = proxy.deadlines.add(self, proxy.loop.time() + self.timeout)
-        up.deadlines.add(self)
+        up.inflight.add(self)
 
     def cancel(self) -> None:
         """The client went away or the proxy stops: drop the try, answer nothing."""
@@ -140,7 +139,7 @@ class Forward(Exchange):
         up, decision, proxy = self.up, self.decision, self.proxy
         if up is None:
             return False
-        up.deadlines.discard(self)
+        up.inflight.discard(self)
         self.up = self.decision = None
         if outcome is None or (decision is None and isinstance(outcome, int)):
             if decision is not None:
@@ -230,13 +229,10 @@ class Forward(Exchange):
         path = self.path.decode("latin-1")
         self._fail(TimeoutError(f"no answer within the deadline on {path}"))
 
-    # -- the replica's deadline handle (Upstream.expire_inflight) -----------------------------
-
-    def expired(self) -> bool:
-        return self.slot is None and self.timer is None
-
-    def reschedule(self, when: float | None) -> None:
-        if self.expired():
-            return
+    def expire(self) -> bool:
+        """Its replica left rotation: end the try now (Upstream.expire_inflight)."""
+        if self.slot is None:
+            return False
         self._clear_deadline()
-        self.timer = None if when is None else self.proxy.loop.call_at(when, self.on_deadline)
+        self.timer = self.proxy.loop.call_soon(self.on_deadline)
+        return True

@@ -24,7 +24,7 @@ from asyncgrpo.proxy.h1 import ConnectFailed, H1Pool
 from asyncgrpo.proxy.router import Router
 from asyncgrpo.vllm_client import SERVER_INFO_PATH, already_loaded, block_size_of
 
-__all__ = ["Circuit", "Deadline", "Upstream", "UpstreamPool", "failure_kind"]
+__all__ = ["Circuit", "Inflight", "Upstream", "UpstreamPool", "failure_kind"]
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,12 @@ def failure_kind(outcome: int | BaseException) -> tuple[str, bool] | None:
     return "disconnect", False
 
 
-class Deadline(Protocol):
-    """A request in flight on a replica, as :class:`asyncio.Timeout` exposes its deadline."""
+class Inflight(Protocol):
+    """A request in flight on a replica."""
 
-    def expired(self) -> bool: ...
-
-    def reschedule(self, when: float | None) -> None: ...
+    def expire(self) -> bool:
+        """Reach the request's deadline now; False if it was not waiting on one."""
+        ...
 
 
 class Upstream:
@@ -74,19 +74,13 @@ class Upstream:
         self.consecutive_failures = 0
         self.routed = 0
         self.failures: Counter[str] = Counter()
-        self.deadlines: set[Deadline] = set()
+        self.inflight: set[Inflight] = set()
         self.probe_inflight = False
         self.slow_health = 0  # consecutive health checks that timed out
 
     def expire_inflight(self) -> int:
         """Make every in-flight request on this replica hit its deadline now."""
-        now = asyncio.get_running_loop().time()
-        n = 0
-        for t in list(self.deadlines):
-            if not t.expired():
-                t.reschedule(now)
-                n += 1
-        return n
+        return sum(request.expire() for request in list(self.inflight))
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -440,3 +440,57 @@ async def test_stream_retried_until_its_first_chunk_then_cut_short(upstream) -> 
                     await r.read()
     finally:
         await runner.cleanup()
+
+
+async def test_a_failing_replica_hands_its_requests_in_flight_to_another() -> None:
+    """A 5xx takes a replica out of rotation and ends every request still waiting on it now
+    (a vLLM engine that died leaves its HTTP server up): they are retried elsewhere."""
+    held, two_waiting = asyncio.Event(), asyncio.Event()
+    waiting: list[int] = []
+
+    async def dying(request: web.Request) -> web.Response:
+        parsed = await request.json()
+        if parsed.get("hold"):
+            waiting.append(1)
+            if len(waiting) == 2:
+                two_waiting.set()
+            await held.wait()  # set only at the end: only the proxy can end these
+        return web.Response(status=500, text="EngineDeadError")
+
+    async def fine(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    runners, urls = [], []
+    for handler in (dying, fine):
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    cfg = ProxyConfig(upstreams=tuple(urls), port=0, block_size=16, routing="round_robin")
+    try:
+        async with serve_proxy(cfg) as base, aiohttp.ClientSession() as s:
+
+            async def post(body: dict) -> tuple[int, str]:
+                async with s.post(base + "/v1/completions", json=body) as r:
+                    return r.status, r.headers.get(REPLICA_HEADER, "")
+
+            holds = [asyncio.create_task(post({"prompt": "x", "hold": True})) for _ in range(4)]
+            await two_waiting.wait()  # two on each replica; the fine one answered its two
+            t0 = time.monotonic()
+            assert {await post({"prompt": "y"}) for _ in range(2)} == {(200, urls[1])}
+            assert [await h for h in holds] == [(200, urls[1])] * 4
+            assert time.monotonic() - t0 < 5  # not request_timeout_s (600 s)
+            async with s.get(base + "/proxy/stats") as r:
+                dead = next(u for u in (await r.json())["upstreams"] if u["url"] == urls[0])
+            assert dead["circuit"] == "open" and dead["failures"]["http_500"] == 1
+    finally:
+        held.set()
+        for runner in runners:
+            await runner.cleanup()
