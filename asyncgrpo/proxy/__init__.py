@@ -2,7 +2,7 @@
 
 ``python -m asyncgrpo.proxy --upstream URL --upstream URL`` or, in-process,
 ``async with serve_proxy(ProxyConfig(upstreams=(...), port=0)) as url: ...``.
-Needs httptools only (uvloop and orjson if installed), never torch.
+Runs on the light core (its HTTP on httptools; uvloop and orjson if installed), never torch.
 """
 
 from asyncgrpo.proxy.config import ProxyConfig
