@@ -494,3 +494,64 @@ async def test_a_failing_replica_hands_its_requests_in_flight_to_another() -> No
         held.set()
         for runner in runners:
             await runner.cleanup()
+
+
+class _Transport:
+    """What a client connection needs of its transport, recording reads paused and writes."""
+
+    def __init__(self) -> None:
+        self.paused, self.written, self.closing = False, b"", False
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+
+async def test_a_client_pipelining_without_reading_holds_at_most_two_bodies(upstream) -> None:
+    """While one request is answered, queued requests and a partial one are read only up to
+    ``max_body_bytes`` in all: a connection holds about twice that, however much is sent."""
+    from asyncgrpo.proxy.front import Clients, Connection
+    from asyncgrpo.proxy.state import Proxy
+
+    url, state = upstream
+    limit = 100_000
+    proxy = Proxy(_config(url, max_body_bytes=limit, block_size=16), asyncio.get_running_loop())
+    clients = Clients(proxy, cap=8)
+    conn, transport = Connection(clients), _Transport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    try:
+        held = json.dumps({"model": "m", "prompt": [1] * 40, "hold": True}).encode()
+        conn.data_received(_post(held))
+        body = json.dumps({"model": "m", "prompt": "x" * 30_000}).encode()
+        sent = 0
+        for piece in (_post(body)[i : i + 8192] for _ in range(40) for i in range(0, 30_200, 8192)):
+            if transport.paused:
+                break
+            conn.data_received(piece)
+            sent += len(piece)
+        assert transport.paused and conn.current is not None
+        partial = conn.req.size if conn.in_message else 0
+        assert limit <= conn.queued_bytes + partial < limit + len(body) + 8192
+        assert sent < 3 * limit  # 40 requests were offered: 1.2 MB
+        state["release"].set()
+        for _ in range(100):  # the held answer, then the queue drains and reading resumes
+            if not transport.paused:
+                break
+            await asyncio.sleep(0.05)
+        assert not transport.paused
+    finally:
+        state["release"].set()
+        clients.close()
+        proxy.pool.close()
+        proxy.deadlines.close()
