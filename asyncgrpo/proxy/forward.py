@@ -69,7 +69,7 @@ class Forward(Exchange):
     also sits in its replica's ``inflight``, so a replica leaving rotation can end it now."""
 
     __slots__ = ("body", "chains", "client", "decision", "head", "last_error", "lines", "method",
-                 "path", "proxy", "slot", "started", "stream", "timeout", "timer", "tried", "up")  # fmt: skip
+                 "path", "proxy", "slot", "started", "streams", "timeout", "timer", "tried", "up")  # fmt: skip
 
     def __init__(
         self,
@@ -85,7 +85,7 @@ class Forward(Exchange):
         self.client: Client | None = client
         # The client's header lines are forwarded as they are; the pool adds Host, auth, length.
         self.method, self.path, self.lines, self.body = req
-        self.stream, self.started = stream, False
+        self.streams, self.started = stream, False
         cfg = proxy.config
         self.timeout = cfg.request_timeout_s if chains is not None else cfg.broadcast_timeout_s
         self.head: list[tuple[bytes, bytes]] = []
@@ -173,7 +173,7 @@ class Forward(Exchange):
     # -- outcomes (h1.Exchange) -----------------------------------------------------------------
 
     def on_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> bool:
-        if self.stream and status == 200:  # held back until its first chunk
+        if status == 200:  # held back until its first chunk
             self.head = headers
             return True
         return False

@@ -56,14 +56,16 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class Clients:
-    """The open client connections: their cap, their timeouts (one sweeper for all), and the
-    ``Date`` header of this second."""
+    """The open client connections: their cap, their timeouts (one sweeper for all, which also
+    keeps ``now``, the loop's time at its last pass: deadlines need no clock read per request),
+    and the ``Date`` header of this second."""
 
     def __init__(self, proxy: Proxy, cap: int) -> None:
         cfg = proxy.config
         self.proxy, self.cap, self.rules = proxy, cap, Rules(cfg)
         self.head_s, self.idle_s = cfg.head_timeout_s, cfg.client_idle_timeout_s
         self.conns: set[Connection] = set()
+        self.now = proxy.loop.time()
         self._date = (0, b"")
         self._sweeper = proxy.loop.create_task(self._sweep(), name="asyncgrpo-proxy-sweeper")
 
@@ -80,7 +82,7 @@ class Clients:
         """Close connections past their deadline (see :class:`Connection`)."""
         while True:
             await asyncio.sleep(min(self.head_s / 4, self.idle_s / 4, 1.0))
-            now = self.proxy.loop.time()
+            self.now = now = self.proxy.loop.time()
             for c in [c for c in self.conns if c.deadline is not None and c.deadline < now]:
                 c.close()
 
@@ -129,7 +131,7 @@ class Connection(asyncio.Protocol):
         self.in_head = self.begun = self.in_message = True
         self.head_size = 0
         if self.current is None:
-            self.deadline = self.loop.time() + self.clients.head_s
+            self.deadline = self.clients.now + self.clients.head_s
 
     def on_url(self, url: bytes) -> None:
         self.req.target += url
@@ -143,7 +145,7 @@ class Connection(asyncio.Protocol):
         req.method = parser.get_method()
         check_head(req, parser.get_http_version(), self.rules)
         if self.current is None:
-            self.deadline = self.loop.time() + self.clients.idle_s  # for the body
+            self.deadline = self.clients.now + self.clients.idle_s  # for the body
             if req.expect and (req.te or req.length) and not self.queue:
                 self.write(_CONTINUE)
 
@@ -348,7 +350,7 @@ class Connection(asyncio.Protocol):
         elif req is not None:
             self.served = True
             wait = self.clients.head_s if self.in_head else self.clients.idle_s
-            self.deadline = self.loop.time() + wait
+            self.deadline = self.clients.now + wait
             self._process()
 
     def _refuse(self, exc: Refused) -> None:

@@ -53,10 +53,12 @@ class Disconnected(OSError):
 class Exchange:
     """The receiving end of one request on an :class:`H1Pool`: its outcome comes once, as
     :meth:`on_response` or :meth:`on_error` (:class:`ConnectFailed`, ``TimeoutError`` of the
-    connect, :class:`Disconnected`). :meth:`on_head` comes first; if it returns True the body
-    comes to :meth:`on_body` piece by piece as it arrives, else with :meth:`on_response`."""
+    connect, :class:`Disconnected`). With ``streams`` set, :meth:`on_head` comes first; if it
+    returns True the body comes to :meth:`on_body` piece by piece as it arrives, else with
+    :meth:`on_response`."""
 
     __slots__ = ("conn",)
+    streams = False
 
     def __init__(self) -> None:
         self.conn: _Conn | None = None
@@ -118,7 +120,7 @@ class _Conn(asyncio.Protocol):
     def start(self, exchange: Exchange, request: bytes, head_request: bool) -> None:
         exchange.conn = self
         self.exchange, self.request, self.head_request = exchange, request, head_request
-        self.sink: Exchange | None = None
+        self.sink = exchange if exchange.streams else None
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.status = 0
@@ -153,9 +155,8 @@ class _Conn(asyncio.Protocol):
             self.headers = []
             return
         self.status = status
-        exchange = self.exchange
-        if exchange is not None and exchange.on_head(status, self.headers):
-            self.sink = exchange
+        if self.sink is not None and not self.sink.on_head(status, self.headers):
+            self.sink = None
         self.done = self.head_request  # no body follows, whatever the head says: no reuse
 
     def on_body(self, data: bytes) -> None:

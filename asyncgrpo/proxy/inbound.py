@@ -139,7 +139,13 @@ def check_head(req: Request, version: str, rules: Rules) -> None:
         raise Refused(400, "a request needs exactly one Host header (RFC 9112 3.2)")
     if req.origin is not None:
         raise Refused(403, "requests from web pages (an Origin header) are refused")
-    if rules.loopback and req.host is not None and not rules.local_host(req.host):
+    host = req.host
+    if (
+        rules.loopback
+        and host is not None
+        and host not in rules.hosts
+        and not rules.local_host(host)
+    ):
         raise Refused(
             403, "this proxy listens on loopback and answers only Host localhost or a loopback "
             "address (a guard against DNS rebinding)",
