@@ -16,7 +16,6 @@ import time
 from typing import Any, Protocol
 
 from asyncgrpo.errors import NoHealthyReplica
-from asyncgrpo.proxy.deadlines import Expiring
 from asyncgrpo.proxy.h1 import Exchange, Response
 from asyncgrpo.proxy.headers import REPLICA_HEADER_B
 from asyncgrpo.proxy.router import Decision, request_hashes
@@ -64,12 +63,12 @@ def request_chains(proxy: Proxy, parsed: dict[str, Any]) -> list[tuple[int, ...]
 class Forward(Exchange):
     """Relay one request; the client gets exactly one answer (or a stream) unless
     :meth:`cancel` comes first. ``chains`` None: not a generation request (round-robin, not
-    counted in flight, the replica's answer is the answer whatever its status). Each try's
-    deadline is in ``proxy.deadlines`` (one timer for all requests); while it runs the request
-    also sits in its replica's ``inflight``, so a replica leaving rotation can end it now."""
+    counted in flight, the replica's answer is the answer whatever its status). While a try runs
+    the request is in ``proxy.inflight`` (its deadline ``due`` checked every tick) and in its
+    replica's ``inflight``, so a replica leaving rotation can end it at the next tick."""
 
-    __slots__ = ("body", "chains", "client", "decision", "head", "last_error", "lines", "method",
-                 "path", "proxy", "slot", "started", "streams", "timeout", "timer", "tried", "up")  # fmt: skip
+    __slots__ = ("body", "chains", "client", "decision", "due", "head", "last_error", "lines",
+                 "method", "path", "proxy", "started", "streams", "timeout", "tried", "up")  # fmt: skip
 
     def __init__(
         self,
@@ -93,8 +92,7 @@ class Forward(Exchange):
         self.last_error = ""
         self.up: Upstream | None = None  # of the try in progress
         self.decision: Decision | None = None
-        self.slot: set[Expiring] | None = None  # in proxy.deadlines
-        self.timer: Any = None  # an asyncio.Handle: the deadline brought forward to now
+        self.due = 0.0
 
     def start(self) -> None:
         """Send the next try to a replica not tried yet, or answer 503 naming the last error."""
@@ -122,7 +120,8 @@ class Forward(Exchange):
         self.tried.append(up.url)
         up.h1.send(self, up.h1.request(self.method, self.path, self.lines, self.body),
                    head_request=self.method == b"HEAD")  # fmt: skip
-        self.slot = proxy.deadlines.add(self, proxy.loop.time() + self.timeout)
+        self.due = proxy.loop.time() + self.timeout
+        proxy.inflight.add(self)
         up.inflight.add(self)
 
     def cancel(self) -> None:
@@ -133,10 +132,10 @@ class Forward(Exchange):
     def _end(self, outcome: int | BaseException | None, detail: str = "") -> bool:
         """End the try in progress with ``outcome`` (a status, what it raised, or None: the
         client went away); True if it failed and the request may try elsewhere."""
-        self._clear_deadline()
+        up, decision, proxy = self.up, self.decision, self.proxy
+        proxy.inflight.discard(self)
         if outcome is None or isinstance(outcome, TimeoutError):
             self.abort()  # the replica connection, if any
-        up, decision, proxy = self.up, self.decision, self.proxy
         if up is None:
             return False
         up.inflight.discard(self)
@@ -187,10 +186,7 @@ class Forward(Exchange):
             self.head.append((REPLICA_HEADER_B, self.up.url_b))
             client.stream_head(200, self.head)
         client.stream_body(data)
-        self._clear_deadline()
-        self.slot = proxy.deadlines.add(
-            self, proxy.loop.time() + proxy.config.stream_idle_timeout_s
-        )
+        self.due = proxy.now + proxy.config.stream_idle_timeout_s
         if client.writing_paused:
             self.pause_reading(True)
 
@@ -216,23 +212,13 @@ class Forward(Exchange):
     def on_error(self, exc: OSError) -> None:
         self._fail(exc)
 
-    def _clear_deadline(self) -> None:
-        if self.slot is not None:
-            self.slot.discard(self)
-            self.slot = None
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
     def on_deadline(self) -> None:
-        self.slot = self.timer = None
         path = self.path.decode("latin-1")
         self._fail(TimeoutError(f"no answer within the deadline on {path}"))
 
     def expire(self) -> bool:
-        """Its replica left rotation: end the try now (Upstream.expire_inflight)."""
-        if self.slot is None:
+        """Its replica left rotation: end the try at the next tick (Upstream.expire_inflight)."""
+        if self.due == 0.0 or self not in self.proxy.inflight:
             return False
-        self._clear_deadline()
-        self.timer = self.proxy.loop.call_soon(self.on_deadline)
+        self.due = 0.0
         return True

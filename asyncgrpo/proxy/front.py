@@ -39,7 +39,7 @@ from asyncgrpo.proxy.inbound import (
     refusal,
 )
 from asyncgrpo.proxy.jsonbody import BodyError, decode_object
-from asyncgrpo.proxy.state import Proxy, error_answer
+from asyncgrpo.proxy.state import TICK_S, Proxy, error_answer
 
 __all__ = ["Clients", "Connection"]
 
@@ -56,18 +56,17 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class Clients:
-    """The open client connections: their cap, their timeouts (one sweeper for all, which also
-    keeps ``now``, the loop's time at its last pass: deadlines need no clock read per request),
-    and the ``Date`` header of this second."""
+    """The open client connections: their cap, their timeouts (:meth:`sweep`), and the ``Date``
+    header of this second."""
 
     def __init__(self, proxy: Proxy, cap: int) -> None:
         cfg = proxy.config
         self.proxy, self.cap, self.rules = proxy, cap, Rules(cfg)
         self.head_s, self.idle_s = cfg.head_timeout_s, cfg.client_idle_timeout_s
+        #: Ticks between two sweeps: a quarter of the shortest timeout, at most a second.
+        self.every = max(1, round(min(self.head_s / 4, self.idle_s / 4, 1.0) / TICK_S))
         self.conns: set[Connection] = set()
-        self.now = proxy.loop.time()
         self._date = (0, b"")
-        self._sweeper = proxy.loop.create_task(self._sweep(), name="asyncgrpo-proxy-sweeper")
 
     def admit(self) -> bool:
         """Make room for one more connection; False if every open one is busy."""
@@ -78,13 +77,10 @@ class Clients:
             c.close()
         return len(self.conns) < self.cap
 
-    async def _sweep(self) -> None:
+    def sweep(self, now: float) -> None:
         """Close connections past their deadline (see :class:`Connection`)."""
-        while True:
-            await asyncio.sleep(min(self.head_s / 4, self.idle_s / 4, 1.0))
-            self.now = now = self.proxy.loop.time()
-            for c in [c for c in self.conns if c.deadline is not None and c.deadline < now]:
-                c.close()
+        for c in [c for c in self.conns if c.deadline is not None and c.deadline < now]:
+            c.close()
 
     def http_date(self) -> bytes:
         now = int(time.time())
@@ -94,7 +90,6 @@ class Clients:
 
     def close(self) -> None:
         """Close every client connection (in-flight requests are dropped)."""
-        self._sweeper.cancel()
         for c in list(self.conns):
             c.close()
 
@@ -131,7 +126,7 @@ class Connection(asyncio.Protocol):
         self.in_head = self.begun = self.in_message = True
         self.head_size = 0
         if self.current is None:
-            self.deadline = self.clients.now + self.clients.head_s
+            self.deadline = self.proxy.now + self.clients.head_s
 
     def on_url(self, url: bytes) -> None:
         self.req.target += url
@@ -145,7 +140,7 @@ class Connection(asyncio.Protocol):
         req.method = parser.get_method()
         check_head(req, parser.get_http_version(), self.rules)
         if self.current is None:
-            self.deadline = self.clients.now + self.clients.idle_s  # for the body
+            self.deadline = self.proxy.now + self.clients.idle_s  # for the body
             if req.expect and (req.te or req.length) and not self.queue:
                 self.write(_CONTINUE)
 
@@ -350,7 +345,7 @@ class Connection(asyncio.Protocol):
         elif req is not None:
             self.served = True
             wait = self.clients.head_s if self.in_head else self.clients.idle_s
-            self.deadline = self.clients.now + wait
+            self.deadline = self.proxy.now + wait
             self._process()
 
     def _refuse(self, exc: Refused) -> None:

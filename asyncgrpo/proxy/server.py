@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.front import Clients, Connection
-from asyncgrpo.proxy.state import Proxy
+from asyncgrpo.proxy.state import TICK_S, Proxy
 
 __all__ = ["raise_open_files", "serve_proxy"]
 
@@ -42,6 +42,17 @@ def raise_open_files() -> int:
     return want
 
 
+async def _tick(proxy: Proxy, clients: Clients) -> None:
+    """Every tick, the requests past their deadline; every few, the connections past theirs."""
+    n = 0
+    while True:
+        await asyncio.sleep(TICK_S)
+        now = proxy.tick()
+        n += 1
+        if n % clients.every == 0:
+            clients.sweep(now)
+
+
 @asynccontextmanager
 async def serve_proxy(config: ProxyConfig) -> AsyncIterator[str]:
     """Run the proxy in this event loop; yields its base URL (``port=0`` picks a free port)."""
@@ -59,6 +70,7 @@ async def serve_proxy(config: ProxyConfig) -> AsyncIterator[str]:
             pool.block_size = await pool.discover_block_size()
         proxy.spawn(pool.run_health_checks(), "asyncgrpo-proxy-health")
         clients = Clients(proxy, cap)
+        proxy.spawn(_tick(proxy, clients), "asyncgrpo-proxy-deadlines")
         server = await loop.create_server(
             lambda: Connection(clients), config.host, config.port, backlog=1024
         )
@@ -76,7 +88,6 @@ async def serve_proxy(config: ProxyConfig) -> AsyncIterator[str]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        proxy.deadlines.close()
         proxy.pool.close()
         if server is not None:
             await server.wait_closed()

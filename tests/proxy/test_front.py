@@ -554,4 +554,3 @@ async def test_a_client_pipelining_without_reading_holds_at_most_two_bodies(upst
         state["release"].set()
         clients.close()
         proxy.pool.close()
-        proxy.deadlines.close()
