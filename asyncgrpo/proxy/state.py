@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Protocol
 
 from asyncgrpo.proxy.config import ProxyConfig
@@ -12,7 +11,7 @@ from asyncgrpo.proxy.h1 import Response
 from asyncgrpo.proxy.router import Router
 from asyncgrpo.proxy.upstream import UpstreamPool
 
-__all__ = ["TICK_S", "Proxy", "ProxyStats", "Timed", "error_answer", "error_body", "json_answer"]
+__all__ = ["TICK_S", "Proxy", "ProxyStats", "Timed", "error_answer", "json_answer"]
 
 #: How often deadlines are checked: one fires up to this late.
 TICK_S = 0.1
@@ -27,7 +26,6 @@ class ProxyStats:
         self.retries = 0
         self.rejected: dict[int, int] = {}
         self.broadcasts: dict[tuple[str, str], int] = {}
-        self.started = time.time()
 
     def reject(self, status: int) -> None:
         self.rejected[status] = self.rejected.get(status, 0) + 1
@@ -84,12 +82,6 @@ class Proxy:
         return now
 
 
-def error_body(status: int, message: str, *, kind: str = "BadRequestError") -> bytes:
-    """An OpenAI-style error body, so SDK clients show the message."""
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return json.dumps(body).encode()
-
-
 def json_answer(
     status: int, obj: object, headers: tuple[tuple[bytes, bytes], ...] = ()
 ) -> Response:
@@ -97,4 +89,6 @@ def json_answer(
 
 
 def error_answer(status: int, message: str, *, kind: str = "BadRequestError") -> Response:
-    return status, [(b"Content-Type", b"application/json")], error_body(status, message, kind=kind)
+    """An OpenAI-style error, so SDK clients show the message."""
+    error = {"message": message, "type": kind, "param": None, "code": status}
+    return json_answer(status, {"error": error})
