@@ -83,10 +83,12 @@ def _load_refusal(path: str, parsed: dict[str, Any], roots: tuple[str, ...]) -> 
     return None
 
 
-async def _call(proxy: Proxy, up: Upstream, path_qs: str, body: bytes | None) -> tuple[int, bytes]:
+async def _call(
+    proxy: Proxy, up: Upstream, path_qs: str, body: bytes | None, timeout_s: float = 0
+) -> tuple[int, bytes]:
     """POST to one replica; an unreachable one leaves rotation (status 0)."""
     try:
-        return await proxy.pool.call(up, "POST", path_qs, body)
+        return await proxy.pool.call(up, "POST", path_qs, body, timeout_s)
     except OSError as exc:  # TimeoutError included
         proxy.pool.on_failure(up, "broadcast", f"{type(exc).__name__}: {exc}")
         return 0, str(exc).encode()
@@ -99,7 +101,7 @@ async def _load_one(
     its last status, its last answer)."""
     loop, cfg = proxy.loop, proxy.config
     while True:
-        status, data = await _call(proxy, up, path, body)
+        status, data = await _call(proxy, up, path, body, max(deadline - loop.time(), 1))
         if status in (0, 200):
             return ("ok" if status else "unreachable"), status, data
         if not adapter_not_there_yet(status, data):

@@ -201,12 +201,19 @@ class UpstreamPool:
     # -- calls to one replica, health ----------------------------------------------------------
 
     async def call(
-        self, up: Upstream, method: str, path_qs: str, body: bytes | None = None
+        self,
+        up: Upstream,
+        method: str,
+        path_qs: str,
+        body: bytes | None = None,
+        timeout_s: float = 0,
     ) -> tuple[int, bytes]:
-        """One control call under ``broadcast_timeout_s``; raises OSError (TimeoutError too)."""
-        status, _, data = await up.h1.fetch(
-            method, path_qs, body, timeout_s=self.config.broadcast_timeout_s
+        """One control call under ``timeout_s`` (default ``broadcast_timeout_s``); raises
+        OSError (TimeoutError too)."""
+        timeout_s = min(
+            timeout_s or self.config.broadcast_timeout_s, self.config.broadcast_timeout_s
         )
+        status, _, data = await up.h1.fetch(method, path_qs, body, timeout_s=timeout_s)
         return status, data
 
     async def probe(self, up: Upstream) -> bool | None:
