@@ -101,7 +101,8 @@ async def _load_one(
     its last status, its last answer)."""
     loop, cfg = proxy.loop, proxy.config
     while True:
-        status, data = await _call(proxy, up, path, body, max(deadline - loop.time(), 1))
+        timeout_s = min(cfg.broadcast_timeout_s, max(deadline - loop.time(), 1))
+        status, data = await _call(proxy, up, path, body, timeout_s)
         if status in (0, 200):
             return ("ok" if status else "unreachable"), status, data
         if not adapter_not_there_yet(status, data):

@@ -200,19 +200,11 @@ class UpstreamPool:
 
     # -- calls to one replica, health ----------------------------------------------------------
 
-    async def call(
-        self,
-        up: Upstream,
-        method: str,
-        path_qs: str,
-        body: bytes | None = None,
-        timeout_s: float = 0,
-    ) -> tuple[int, bytes]:
+    async def call(self, up: Upstream, method: str, path_qs: str, body: bytes | None = None,
+                   timeout_s: float = 0) -> tuple[int, bytes]:  # fmt: skip
         """One control call under ``timeout_s`` (default ``broadcast_timeout_s``); raises
         OSError (TimeoutError too)."""
-        timeout_s = min(
-            timeout_s or self.config.broadcast_timeout_s, self.config.broadcast_timeout_s
-        )
+        timeout_s = timeout_s or self.config.broadcast_timeout_s
         status, _, data = await up.h1.fetch(method, path_qs, body, timeout_s=timeout_s)
         return status, data
 
