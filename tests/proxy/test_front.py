@@ -14,7 +14,7 @@ import os
 import ssl
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -81,6 +81,27 @@ async def upstream() -> AsyncIterator[tuple[str, dict]]:
 
 def _config(url: str, **kw: object) -> ProxyConfig:
     return ProxyConfig(upstreams=(url,), port=0, **kw)  # type: ignore[arg-type]
+
+
+async def _replica(
+    completions: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    *,
+    prefix: str = "",
+    tls: ssl.SSLContext | None = None,
+) -> tuple[web.AppRunner, str]:
+    """A stand-in replica: ``completions`` and an always-healthy ``/health`` under ``prefix``."""
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_post(prefix + "/v1/completions", completions)
+    app.router.add_get(prefix + "/health", health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls).start()
+    scheme = "https://localhost" if tls else "http://127.0.0.1"
+    return runner, f"{scheme}:{runner.addresses[0][1]}{prefix}"
 
 
 async def _raw(base: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -358,18 +379,9 @@ async def test_https_replica_under_a_path_prefix(
         await out.write_eof()
         return out
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    app = web.Application()
-    app.router.add_post("/job/v1/completions", completions)
-    app.router.add_get("/job/health", health)
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     tls.load_cert_chain(cert, key)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls).start()
-    url = f"https://localhost:{runner.addresses[0][1]}/job"
+    runner, url = await _replica(completions, prefix="/job", tls=tls)
     monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # trust it as the system's CAs are trusted
     try:
         cfg = _config(url, block_size=16, upstream_api_key="hf_secret")
@@ -414,16 +426,7 @@ async def test_stream_retried_until_its_first_chunk_then_cut_short(upstream) -> 
         request.transport.close()  # no chunk (or one), then the connection drops
         return out
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", flaky)
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    bad = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, bad = await _replica(flaky)
     state["release"].set()  # the good replica streams both chunks at once
     body = {"model": "m", "prompt": [7] * 40, "stream": True}
     try:
@@ -464,19 +467,7 @@ async def test_a_failing_replica_hands_its_requests_in_flight_to_another() -> No
     async def fine(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    runners, urls = [], []
-    for handler in (dying, fine):
-        app = web.Application()
-        app.router.add_post("/v1/completions", handler)
-        app.router.add_get("/health", health)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    runners, urls = zip(*[await _replica(handler) for handler in (dying, fine)], strict=True)
     cfg = ProxyConfig(upstreams=tuple(urls), port=0, block_size=16, routing="round_robin")
     try:
         async with serve_proxy(cfg) as base, aiohttp.ClientSession() as s:
