@@ -34,8 +34,8 @@ class ProxyConfig:
     api_key: str | None = field(default=None, repr=False, metadata={"secret": True})
     """Bearer token clients must send. Never logged."""
     admin_api_key: str | None = field(default=None, repr=False, metadata={"secret": True})
-    """Bearer token of the admin routes (/proxy/upstreams: list, add, remove replicas), instead
-    of api_key. None: those routes answer 403. Never logged."""
+    """Bearer token of the admin routes (POST and DELETE /proxy/upstreams: add, remove replicas),
+    instead of api_key. None: those routes answer 403. Never logged."""
     upstream_api_key: str | None = field(default=None, repr=False, metadata={"secret": True})
     """Bearer token sent to every upstream (e.g. HF_TOKEN for a Hugging Face Job's exposed port,
     or vLLM's --api-key). Never logged."""

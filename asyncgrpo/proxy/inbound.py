@@ -21,8 +21,10 @@ __all__ = ["ADMIN_PATHS", "HEAD_LIMIT", "TOO_LARGE", "Refused", "Request", "Rule
 #: Longest request head (request line and headers).
 HEAD_LIMIT = 64 * 1024
 TOO_LARGE = f"request head over {HEAD_LIMIT} bytes"
-#: Routes that change the replica set: the admin key, not the client key.
+#: Routes that change the replica set (but for reading it: GET, HEAD): the admin key, not the
+#: client key. Reading the list stays with the client key, as ``/proxy/stats`` shows it too.
 ADMIN_PATHS = frozenset({b"/proxy/upstreams"})
+_READ = frozenset({b"GET", b"HEAD"})
 _WATCH = frozenset({b"origin", b"content-type"})
 _ADMIN_OFF = (
     "admin routes are off: give the proxy an admin key (export ASYNCGRPO_PROXY_ADMIN_API_KEY, or "
@@ -150,7 +152,7 @@ def check_head(req: Request, version: str, rules: Rules) -> None:
             403, "this proxy listens on loopback and answers only Host localhost or a loopback "
             "address (a guard against DNS rebinding)",
         )  # fmt: skip
-    if req.target.partition(b"?")[0] in ADMIN_PATHS:
+    if req.method not in _READ and req.target.partition(b"?")[0] in ADMIN_PATHS:
         if rules.admin is None:
             raise Refused(403, _ADMIN_OFF)
         if not hmac.compare_digest(req.auth or b"", rules.admin):

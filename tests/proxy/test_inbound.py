@@ -49,6 +49,9 @@ ADMIN = b"/proxy/upstreams"
         (_req((b"Host", b"127.0.0.1.evil.example"), KEY), "1.1", 403, "DNS rebinding"),
         # the admin routes take the admin key only, and are off without one
         (_req(HOST, KEY, target=ADMIN), "1.1", 401, "admin key"),
+        (_req(HOST, KEY, method=b"DELETE", target=ADMIN), "1.1", 401, "admin key"),
+        (_req(HOST, KEY, method=b"GET", target=ADMIN), "1.1", 200, ""),  # reading: client key
+        (_req(HOST, method=b"GET", target=ADMIN), "1.1", 401, "Bearer <key>"),
         (_req(HOST, (b"Authorization", b"Bearer a"), target=ADMIN + b"?x"), "1.1", 200, ""),
         (_req(HOST, (b"Authorization", b"Bearer a")), "1.1", 401, "Bearer <key>"),
     ],

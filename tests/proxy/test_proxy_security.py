@@ -206,20 +206,24 @@ async def test_admin_routes_are_off_unless_configured_and_need_the_admin_key(
     replicas: list[Recorder],
 ) -> None:
     """Adding a replica is how a caller would collect the upstream token and serve forged
-    completions; removing one empties the pool."""
+    completions; removing one empties the pool. Reading the list (GET) takes the client key: a
+    run asks it to tell a standalone proxy from a replica, and /proxy/stats shows it too."""
     add = json.dumps({"url": replicas[1].url}).encode()
     json_type = {"Content-Type": "application/json"}
     async with serve_proxy(_config([replicas[0].url], upstream_api_key=TOKEN)) as base:
-        for method in ("GET", "POST", "DELETE"):
+        for method in ("POST", "DELETE"):
             status, answer = await _request(base, method, "/proxy/upstreams", add, json_type)
             assert status == 403 and "ASYNCGRPO_PROXY_ADMIN_API_KEY" in _message(answer)
     cfg = _config([replicas[0].url], api_key="client-key", admin_api_key="admin-key-456")
     async with serve_proxy(cfg) as base:
         client = {**json_type, "Authorization": "Bearer client-key"}
-        for headers in (json_type, client):
-            status, answer = await _request(base, "POST", "/proxy/upstreams", add, headers)
-            assert status == 401 and "admin key" in _message(answer)
+        for method in ("POST", "DELETE"):
+            for headers in (json_type, client):
+                status, answer = await _request(base, method, "/proxy/upstreams", add, headers)
+                assert status == 401 and "admin key" in _message(answer)
         status, answer = await _request(base, "GET", "/proxy/upstreams", headers=ADMIN)
+        assert status == 401  # the admin key is not a client key
+        status, answer = await _request(base, "GET", "/proxy/upstreams", headers=client)
         assert status == 200
         assert [u["url"] for u in json.loads(answer)["upstreams"]] == [replicas[0].url]
     assert replicas[1].paths() == []  # never contacted
