@@ -49,7 +49,8 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 #: Environment variables ``ASYNCGRPO_<SECTION>__<FIELD>`` override the YAML file.
 ENV_PREFIX = "ASYNCGRPO_"
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+#: Matched whole and ASCII only: ``$`` would accept a trailing newline, ``\d`` other digits.
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,7 +222,7 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model is empty: give a model directory or a Hugging Face id")
-        if not _RUN_NAME.match(self.run_name):
+        if not isinstance(self.run_name, str) or not _RUN_NAME.fullmatch(self.run_name):
             raise ConfigError(
                 f"run_name={self.run_name!r}: use letters, digits, '.', '_' and '-' (it becomes "
                 "part of adapter names and storage keys)"

@@ -575,7 +575,7 @@ class _ChannelSource(_SampleSource):
         await self.channel.commit()
 
     def stats(self) -> dict[str, float]:
-        return {}
+        return {"rollout/quarantined_batches": float(self.channel.quarantined)}
 
     def queue_size(self) -> int:
         return len(self.buffer)
