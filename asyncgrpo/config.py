@@ -14,8 +14,9 @@ fatal and the error lists the valid ones::
     cfg = TrainingConfig.from_yaml("run.yaml", overrides=["trainer.learning_rate=1e-4"])
 
 Between the two, ``ASYNCGRPO_SECTION__FIELD`` environment variables (``ASYNCGRPO_PROXY__API_KEY``)
-override the file. The loader is :mod:`asyncgrpo.settings`, shared with the proxy's and the
-replicas' own command lines.
+override the file. Secret fields come only from there: set in the file or as an override they
+are refused. The loader is :mod:`asyncgrpo.settings`, shared with the proxy's and the replicas'
+own command lines; ``redacted(cfg)`` is what may be shown of a config (``repr`` shows the same).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from asyncgrpo.settings import (
     config_from_dict,
     env_overrides,
     read_yaml,
+    redacted_repr,
+    refuse_file_secrets,
     to_dict,
 )
 
@@ -219,6 +222,8 @@ class TrainingConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """`asyncgrpo launch`: jobs, images, hardware (asyncgrpo.launch.config)."""
 
+    __repr__ = redacted_repr  # the generated repr would print credentials in transport_url
+
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model is empty: give a model directory or a Hugging Face id")
@@ -258,8 +263,9 @@ class TrainingConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], overrides: Sequence[str] = ()) -> TrainingConfig:
-        """Build from a plain dict (e.g. parsed YAML), after applying ``overrides``."""
-        return config_from_dict(cls, apply_overrides(cls, data, overrides))
+        """Build from a plain dict (e.g. parsed YAML), after applying ``overrides`` (from a
+        command line: a secret field there is refused)."""
+        return config_from_dict(cls, apply_overrides(cls, data, overrides, env_prefix=ENV_PREFIX))
 
     @classmethod
     def from_yaml(
@@ -270,8 +276,9 @@ class TrainingConfig:
     ) -> TrainingConfig:
         """Read a YAML file, then ``ASYNCGRPO_SECTION__FIELD`` variables (``environ``, default
         ``os.environ``), then ``section.field=value`` overrides; validate."""
-        data = env_overrides(cls, read_yaml(path), ENV_PREFIX, environ)
-        return cls.from_dict(data, overrides)
+        data = read_yaml(path)
+        refuse_file_secrets(cls, data, f"config file {path}", env_prefix=ENV_PREFIX)
+        return cls.from_dict(env_overrides(cls, data, ENV_PREFIX, environ), overrides)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples) that ``from_dict`` turns back into an equal config."""

@@ -11,7 +11,7 @@ from typing import Literal
 
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.serve.adapter_fetch import CACHE_DIR_ENV, TRANSPORTS_ENV
-from asyncgrpo.settings import check_fields
+from asyncgrpo.settings import check_fields, redacted_repr
 
 #: The ``vllm.endpoint_plugins`` entry point name of :mod:`asyncgrpo.serve.vllm_plugin`.
 PLUGIN_NAME = "asyncgrpo"
@@ -103,6 +103,8 @@ class ServeConfig:
     machines; needs asyncgrpo's vLLM plugin, which `python -m asyncgrpo.serve --transport URL`
     enables). 'path': the trainer fetches it and sends a path on its own disk (replicas must see
     it). 'auto': fetch when proxy.upstreams lists replicas, path when all replicas are local."""
+
+    __repr__ = redacted_repr  # transports may be URLs with credentials (a SAS token)
 
     def __post_init__(self) -> None:
         check_fields(

@@ -203,7 +203,7 @@ async def publish_bundle(
 _UNKNOWN = object()
 
 
-async def _manifest_attempt(transport: Transport, prefix: str) -> str | None | object:
+async def _manifest_attempt(transport: Transport, prefix: str) -> str | object | None:
     """The ``files_prefix`` the bundle's manifest names; None when there is no manifest;
     ``_UNKNOWN`` when it cannot be read (then nothing may be deleted)."""
     try:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound, TransportError
+from asyncgrpo.redaction import redact_text
 from asyncgrpo.transport.base import (
     ObjectInfo,
     PutMode,
@@ -33,22 +33,13 @@ from asyncgrpo.transport.base import (
     too_large,
 )
 
-__all__ = ["ObjectStoreTransport", "redact"]
-
-_SECRET_QUERY = re.compile(
-    r"(?i)\b(sig|signature|x-amz-signature|x-amz-credential|x-amz-security-token|"
-    r"x-goog-signature|x-goog-credential|accountkey|sharedaccesssignature)=[^&;\s\"'<>]+"
-)
-
-
-def redact(text: str) -> str:
-    """Blank out signatures and keys an error message may quote (SAS URLs, connection strings)."""
-    return _SECRET_QUERY.sub(lambda m: f"{m.group(1)}=REDACTED", text)
+__all__ = ["ObjectStoreTransport"]
 
 
 def _first_line(exc: BaseException) -> str:
+    """The first line of an obstore error, without the credentials it may quote (a SAS URL)."""
     text = str(exc).strip()
-    return redact(text.splitlines()[0][:300]) if text else type(exc).__name__
+    return redact_text(text.splitlines()[0])[:300] if text else type(exc).__name__
 
 
 @contextlib.contextmanager
