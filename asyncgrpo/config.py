@@ -53,7 +53,8 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 #: Environment variables ``ASYNCGRPO_<SECTION>__<FIELD>`` override the YAML file.
 ENV_PREFIX = "ASYNCGRPO_"
 #: Matched whole and ASCII only: ``$`` would accept a trailing newline, ``\d`` other digits.
-_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+#: At most 119 characters: adapter names ``<run_name>-<8 hex run id>`` stop at 128.
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,118}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,8 +197,8 @@ class TrainingConfig:
     dataset: DatasetConfig
     """Prompts: file, inline list or datasets name."""
     run_name: str = "asyncgrpo"
-    """Names the run directory and the adapter versions (<run_name>-<run id>-vN); letters,
-    digits, '.', '_', '-'."""
+    """Names the run directory and the adapter versions (<run_name>-<run id>-vN); up to 119
+    letters, digits, '.', '_', '-'."""
     output_dir: str = "runs"
     """Parent of the run directory (<output_dir>/<run_name>)."""
     seed: int = 0
@@ -229,8 +230,8 @@ class TrainingConfig:
             raise ConfigError("model is empty: give a model directory or a Hugging Face id")
         if not isinstance(self.run_name, str) or not _RUN_NAME.fullmatch(self.run_name):
             raise ConfigError(
-                f"run_name={self.run_name!r}: use letters, digits, '.', '_' and '-' (it becomes "
-                "part of adapter names and storage keys)"
+                f"run_name={self.run_name!r}: use at most 119 letters, digits, '.', '_' and '-' "
+                "(it becomes part of adapter names and storage keys)"
             )
         self.rollout.check_against(self.generation)
         # The replicas serve the trained model and adapter: one source for each shared value.
