@@ -11,8 +11,7 @@ import pytest
 from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.errors import IntegrityError
 from asyncgrpo.serve import ServeConfig
-from asyncgrpo.serve.adapter_fetch import AdapterFetcher, adapter_uri, limits_from_env
-from asyncgrpo.transport.bundle import FetchLimits
+from asyncgrpo.serve.adapter_fetch import AdapterFetcher, adapter_uri
 from asyncgrpo.transport.local import LocalTransport
 
 pytestmark = pytest.mark.anyio
@@ -56,17 +55,19 @@ async def test_a_file_larger_than_its_manifest_says_is_not_downloaded(tmp_path: 
 @pytest.mark.parametrize(
     ("limits", "why"),
     [
-        (FetchLimits(max_files=2), "lists 3 files"),
-        (FetchLimits(max_total_bytes=3 * 4096 - 1), f"lists {3 * 4096} bytes"),
-        (FetchLimits(max_manifest_bytes=256), "more than 256 bytes"),
+        ({"max_files": 2}, "lists 3 files"),
+        ({"max_total_bytes": 3 * 4096 - 1}, f"lists {3 * 4096} bytes"),
+        ({"max_manifest_bytes": 256}, "more than 256 bytes"),
     ],
 )
 async def test_caps_refuse_a_version_before_any_file_is_fetched(
-    tmp_path: Path, limits: FetchLimits, why: str
+    tmp_path: Path, limits: dict[str, int], why: str
 ) -> None:
+    from asyncgrpo.transport.bundle import FetchLimits
+
     store, _ = await _published(tmp_path, n_files=3)
     root = LocalTransport(tmp_path).url
-    fetcher = AdapterFetcher([root], tmp_path / "cache", limits=limits)
+    fetcher = AdapterFetcher([root], tmp_path / "cache", limits=FetchLimits(**limits))
     ref = fetcher.resolve(adapter_uri(store.transport.url, store.prefix, "run", 1))
     with pytest.raises(IntegrityError, match=why):
         await fetcher.fetch(ref)
@@ -91,6 +92,9 @@ async def test_a_manifest_listing_a_huge_file_is_refused_before_downloading(
 
 
 def test_a_replicas_limits_are_settings_and_reach_its_fetcher() -> None:
+    from asyncgrpo.serve.adapter_fetch import limits_from_env
+    from asyncgrpo.transport.bundle import FetchLimits
+
     config = ServeConfig(model="m", adapter_max_total_bytes=5 << 20, adapter_max_files=7,
                          adapter_max_manifest_bytes=4096)  # fmt: skip
     assert limits_from_env(config.env()) == FetchLimits(

@@ -12,7 +12,6 @@ import aiohttp
 import pytest
 
 from asyncgrpo.serve import Replica, launch_replicas
-from asyncgrpo.serve.replicas import dev_routes_open
 from asyncgrpo.testing import tiny_serve_config
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
@@ -73,10 +72,14 @@ async def test_a_replica_beyond_loopback_needs_its_key_on_every_route_but_health
             assert r.status == 200 and await r.json() == {"results": [None]}
         async with session.get(replica.url + "/server_info", headers=auth) as r:
             assert r.status == 200 and "vllm_config" in await r.text()
+        from asyncgrpo.serve.replicas import dev_routes_open
+
         assert not await dev_routes_open(replica.url)
 
 
 async def test_an_unguarded_replica_is_recognised(vllm_replicas: list[Replica]) -> None:
     """The check a replica beyond loopback must pass at start: the session's loopback
     replicas have no key, so their development routes answer anyone, and it says so."""
+    from asyncgrpo.serve.replicas import dev_routes_open
+
     assert await dev_routes_open(vllm_replicas[0].url)

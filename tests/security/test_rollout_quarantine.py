@@ -10,7 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from asyncgrpo.adapters import AdapterStore, check_adapter_name, parse_version
+from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.channel import RolloutChannel, encode_batch
 from asyncgrpo.config import TrainingConfig
 from asyncgrpo.errors import ConfigError
@@ -69,6 +69,8 @@ async def test_a_malformed_batch_is_quarantined_and_the_consumer_moves_on(
 
 @pytest.mark.parametrize("bad", ["run\n", "run1\u0661", "\u0661run", "-run", "r" * 129, ""])
 def test_names_are_matched_whole_and_in_ascii(bad: str) -> None:
+    from asyncgrpo.adapters import check_adapter_name
+
     with pytest.raises(ConfigError):
         check_adapter_name(bad)
     with pytest.raises(ConfigError, match="run_name"):
@@ -76,6 +78,8 @@ def test_names_are_matched_whole_and_in_ascii(bad: str) -> None:
 
 
 def test_versions_and_steps_are_ascii_digits_only() -> None:
+    from asyncgrpo.adapters import parse_version
+
     assert parse_version("v12") == 12
     for bad in ("v\u0661", "v1\n", "v", "v-1", "V1"):
         assert parse_version(bad) is None, bad

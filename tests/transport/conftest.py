@@ -5,8 +5,8 @@
   It strips a leading ``/testns`` path segment, which is how the Hugging Face S3 gateway
   addresses ``https://s3.hf.co/<namespace>/<bucket>/<key>``, and it injects faults: answer the
   next N requests with a status (503 for transient, 403 for permanent) without forwarding them,
-  or forward the next request whose path ends with a given suffix and answer 503 anyway (a
-  write that landed but whose answer was lost).
+  or forward the next request of a method whose path ends with a given suffix and answer 503
+  anyway (a write that landed but whose answer was lost).
 * ``azurite``: Microsoft's Azure Storage emulator (npm ``azurite``, installed on first use into
   ``.emulators/`` at the repository root), and ``fake_gcs``: fake-gcs-server; both from
   :mod:`asyncgrpo.testing.emulators`. ``azure_proxy`` / ``gcs_proxy`` put a fault-injecting
@@ -60,14 +60,15 @@ class FaultProxy(ThreadedApp):
         self.seen: list[tuple[str, str, dict[str, str]]] = []  # method, raw path, headers
         self._fail_next = 0
         self._fail_status = 503
-        self._lose_answer_to: str | None = None
+        self._lose_answer_to: tuple[str, str] | None = None
 
     def fail_next(self, n: int, status: int = 503) -> None:
         self._fail_next, self._fail_status = n, status
 
-    def lose_answer_to(self, suffix: str) -> None:
-        """Forward the next request whose path ends with ``suffix``, then answer 503."""
-        self._lose_answer_to = suffix
+    def lose_answer_to(self, method: str, suffix: str) -> None:
+        """Forward the next ``method`` request whose path ends with ``suffix``, then answer
+        503 (the request took effect; its answer is lost)."""
+        self._lose_answer_to = (method, suffix)
 
     def reset(self) -> None:
         self._fail_next, self.requests, self.failed = 0, 0, 0
@@ -108,7 +109,10 @@ class FaultProxy(ThreadedApp):
                 skip_auto_headers=["Content-Type"],
             ) as up:
                 payload = await up.read()
-                if self._lose_answer_to is not None and path.endswith(self._lose_answer_to):
+                if self._lose_answer_to is not None and (
+                    request.method == self._lose_answer_to[0]
+                    and path.endswith(self._lose_answer_to[1])
+                ):
                     self._lose_answer_to = None
                     self.failed += 1
                     return web.Response(status=503, text="<Error><Code>AnswerLost</Code></Error>")

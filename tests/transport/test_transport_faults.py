@@ -248,9 +248,10 @@ async def test_a_create_that_landed_but_answered_already_exists_keeps_its_files(
     fault_proxy = proxy_of("s3-proxy")
     store = AdapterStore(transport)
     src = make_adapter(tmp_path / "src", n_files=2)
-    fault_proxy.lose_answer_to("/adapters/run/v1/manifest.json")
+    fault_proxy.lose_answer_to("PUT", "/adapters/run/v1/manifest.json")
     published = await store.publish("run", 1, src, step=3)
-    assert fault_proxy.failed == 1  # the fault did hit the manifest write
+    manifest_puts = [m for m, p, _ in fault_proxy.seen if m == "PUT" and "manifest" in p]
+    assert fault_proxy.failed == 1 and len(manifest_puts) == 2  # landed, lost, retried: 412
     assert published.step == 3 and await store.versions("run") == [1]
     path = await store.fetch("run", 1, tmp_path / "cache")
     for f in src.iterdir():
