@@ -27,6 +27,17 @@ def outside(tmp_path: Path) -> Path:
     return path
 
 
+async def _published(tmp_path: Path) -> tuple[AdapterStore, Path]:
+    """A store with version 1 of ``run`` (one 700-byte file), and that file in the store."""
+    store = AdapterStore(LocalTransport(tmp_path / "store"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "adapter_model.safetensors").write_bytes(b"weights" * 100)
+    await store.publish("run", 1, src)
+    (victim,) = (tmp_path / "store").rglob("v1/files-*/adapter_model.safetensors")
+    return store, victim
+
+
 async def test_a_linked_file_is_never_read(tmp_path: Path, outside: Path) -> None:
     transport = LocalTransport(tmp_path / "store")
     (tmp_path / "store" / "dir").mkdir()
@@ -63,12 +74,7 @@ async def test_a_version_whose_file_is_a_link_is_refused_without_describing_it(
     """A storage writer replaces a published file by a link to the reader's secret; the fetch
     must fail, and its error (which a proxy client may see) must not give the secret's size or
     hash prefix."""
-    store = AdapterStore(LocalTransport(tmp_path / "store"))
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "adapter_model.safetensors").write_bytes(b"weights" * 100)
-    await store.publish("run", 1, src)
-    (victim,) = (tmp_path / "store").rglob("v1/files-*/adapter_model.safetensors")
+    store, victim = await _published(tmp_path)
     victim.unlink()
     os.symlink(outside, victim)
     with pytest.raises(TransportError) as info:
@@ -82,12 +88,7 @@ async def test_a_version_whose_file_is_a_link_is_refused_without_describing_it(
 async def test_an_integrity_error_names_the_file_and_the_manifest_not_what_was_read(
     tmp_path: Path,
 ) -> None:
-    store = AdapterStore(LocalTransport(tmp_path / "store"))
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "adapter_model.safetensors").write_bytes(b"weights" * 100)
-    await store.publish("run", 1, src)
-    (victim,) = (tmp_path / "store").rglob("v1/files-*/adapter_model.safetensors")
+    store, victim = await _published(tmp_path)
     planted = b"somebody else's bytes, shorter"
     victim.write_bytes(planted)
     with pytest.raises(IntegrityError, match=r"adapter_model\.safetensors") as info:
