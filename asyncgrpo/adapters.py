@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 # ASCII only and matched whole (``fullmatch``): ``$`` would accept a trailing newline and ``\d``
 # other scripts' digits, so two spellings could name one version, or a key no listing finds.
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_VERSION_RE = re.compile(r"v([0-9]+)")
+_VERSION_RE = re.compile(r"v([0-9]{1,18})")  # at most 18 digits: int() refuses 4,300+
 
 
 @dataclass(frozen=True, slots=True)

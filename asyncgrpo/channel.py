@@ -69,7 +69,7 @@ FORMAT_VERSION = 1
 _HEAD = struct.Struct("<4sBI")  # magic, format version, header JSON length
 _SCALARS = ("reward", "advantage", "version", "group_id", "temperature", "rewards", "finish_reason")
 _LITTLE = sys.byteorder == "little"
-_BATCH_NAME = re.compile(r"([0-9]+)\.agrb")  # fullmatch; ASCII digits only
+_BATCH_NAME = re.compile(r"([0-9]{1,18})\.agrb")  # fullmatch; ASCII digits only
 
 
 # ---- encoding ------------------------------------------------------------------------------------

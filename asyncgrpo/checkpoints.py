@@ -34,7 +34,7 @@ __all__ = ["CheckpointStore"]
 
 log = logging.getLogger(__name__)
 
-_STEP_RE = re.compile(r"step-([0-9]+)")  # fullmatch, ASCII digits: one spelling per step
+_STEP_RE = re.compile(r"step-([0-9]{1,18})")  # fullmatch, ASCII digits: one spelling per step
 
 
 class CheckpointStore(BundleStore):

@@ -81,7 +81,7 @@ def test_versions_and_steps_are_ascii_digits_only() -> None:
     from asyncgrpo.adapters import parse_version
 
     assert parse_version("v12") == 12
-    for bad in ("v\u0661", "v1\n", "v", "v-1", "V1"):
+    for bad in ("v\u0661", "v1\n", "v", "v-1", "V1", "v" + "9" * 5000):
         assert parse_version(bad) is None, bad
 
 
@@ -111,3 +111,11 @@ def test_a_bad_adapter_name_in_a_fetch_uri_is_refused_before_any_read(
     fetcher = AdapterFetcher([root], tmp_path / "cache")
     with pytest.raises(SourceForbidden, match="adapter name"):
         fetcher.resolve(f"{root}/adapters/{name}/v1")
+
+
+def test_a_version_too_long_for_an_int_is_refused(tmp_path: Path) -> None:
+    """int() refuses 4,300+ digits: that was an unhandled ValueError (a 500) in the plugin."""
+    root = LocalTransport(tmp_path / "store").url
+    fetcher = AdapterFetcher([root], tmp_path / "cache")
+    with pytest.raises(SourceForbidden, match="v<N>"):
+        fetcher.resolve(f"{root}/adapters/run/v{'9' * 5000}")
