@@ -105,14 +105,16 @@ def secret_keys(cls: type, where: str = "") -> list[str]:
 def redacted(obj: Any, *, where: str = "") -> Any:
     """``to_dict(obj)`` fit to show: a set secret field is ``REDACTED``, every string has its
     URL credentials hidden. For trackio, logs and dry runs; not loadable back."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {
-            f.name: (REDACTED if _secret(f) and getattr(obj, f.name) else
-                     redacted(getattr(obj, f.name), where=f"{where}{f.name}."))
-            for f in dataclasses.fields(obj)
-            if not _derived(f, where)
-        }  # fmt: skip
-    return to_dict(_shown(obj))
+    if not (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+        return to_dict(_shown(obj))
+    out = {}
+    for f in dataclasses.fields(obj):
+        if _derived(f, where):
+            continue
+        value = getattr(obj, f.name)
+        hidden = _secret(f) and value
+        out[f.name] = REDACTED if hidden else redacted(value, where=f"{where}{f.name}.")
+    return out
 
 
 def redacted_repr(obj: Any) -> str:

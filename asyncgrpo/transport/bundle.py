@@ -176,8 +176,9 @@ async def publish_bundle(
         with anyio.CancelScope(shield=True):
             winner = await _manifest_attempt(transport, prefix)
             if winner == attempt:
-                log.info("%s/%s: our create landed though it reported %s", transport.url,
-                         prefix, type(exc).__name__)  # fmt: skip
+                log.info(
+                    "%s/%s: our create landed, though it reported %r", transport.url, prefix, exc
+                )
             elif winner is not _UNKNOWN:
                 await _delete_files(transport, join_key(prefix, attempt))
         if winner == attempt and isinstance(exc, Exception):
@@ -247,7 +248,7 @@ async def read_manifest(
     return manifest
 
 
-def manifest_files(
+def _manifest_files(
     manifest: Any, limits: FetchLimits, where: str
 ) -> tuple[str, list[tuple[str, int, str]]]:
     """The files prefix and ``(path, size, sha256)`` of each file a manifest lists, checked
@@ -315,7 +316,7 @@ async def download_bundle(
     if manifest is None:
         manifest = await read_manifest(transport, prefix, max_bytes=limits.max_manifest_bytes)
     where = f"{transport.url}/{prefix}"
-    attempt, files = manifest_files(manifest, limits, where)
+    attempt, files = _manifest_files(manifest, limits, where)
     files_prefix = join_key(prefix, attempt)
     if not reuse and (dest.exists() or dest.is_symlink()):
         await anyio.to_thread.run_sync(_remove_tree, dest)
