@@ -56,7 +56,9 @@ __all__ = [
     "AdapterRef",
     "SourceForbidden",
     "adapter_uri",
+    "limits_from_env",
     "parse_transports",
+    "private_dir",
 ]
 
 log = logging.getLogger(__name__)
