@@ -43,7 +43,6 @@ import inspect
 import itertools
 import operator
 import os
-import sys
 import textwrap
 import types
 import typing
@@ -53,6 +52,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 
 import yaml
 
+from asyncgrpo.console import DEBUG_HELP, fail
 from asyncgrpo.errors import ConfigError
 
 T = TypeVar("T")
@@ -420,7 +420,7 @@ class ConfigParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line and exit with status 2 (no usage dump)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {_one_line(message)}\n")
+        fail(self.prog, ConfigError(message))
 
 
 def _is_list(tp: Any) -> bool:
@@ -502,13 +502,14 @@ def parse_args(
         "--config", metavar="YAML", help="A YAML mapping of these settings; env and flags win."
     )
     add_fields(parser, cls, env_prefix=env_prefix)
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     if extra is not None:
         extra(parser)
     args = parser.parse_args(argv)
     try:
         return _from_namespace(cls, args, env_prefix), args
     except ConfigError as exc:
-        parser.error(str(exc))
+        fail(prog, exc, debug=args.debug)
 
 
 def _from_namespace(cls: type[T], args: argparse.Namespace, env_prefix: str) -> T:
@@ -539,6 +540,6 @@ def _from_namespace(cls: type[T], args: argparse.Namespace, env_prefix: str) -> 
 
 
 def exit_on_config_error(prog: str, exc: ConfigError) -> NoReturn:
-    """The CLIs' answer to a bad setting found after parsing: one line, status 2."""
-    print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
-    sys.exit(2)
+    """The CLIs' answer to a bad setting found after parsing: one line, status 2
+    (:func:`asyncgrpo.console.fail`, which reports every command's errors)."""
+    fail(prog, exc)

@@ -25,6 +25,7 @@ import anyio.abc
 from anyio.abc import Process
 
 from asyncgrpo.errors import ReplicaStartError
+from asyncgrpo.model_source import check_model
 from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.serve.memory import with_kv_cache_size
 
@@ -85,11 +86,13 @@ class Replica:
             causes = root_causes(self.log_path.read_text(errors="replace"))
         except OSError:
             causes = []
-        detail = "\n".join(f"  {c}" for c in causes) or self.log_tail()
-        kind = "root cause" if causes else "last lines"
+        where = f"vLLM replica {self.index} (port {self.port}) {what}"
+        if causes:  # one line: the cause is what a user acts on
+            return ReplicaStartError(
+                f"{where}; root cause: {'; '.join(causes)}; full log: {self.log_path}"
+            )
         return ReplicaStartError(
-            f"vLLM replica {self.index} (port {self.port}) {what}; {kind}:\n{detail}\n"
-            f"full log: {self.log_path}"
+            f"{where}; full log: {self.log_path}, last lines:\n{self.log_tail()}"
         )
 
 
@@ -242,6 +245,7 @@ async def launch_replicas(config: ServeConfig) -> AsyncIterator[list[Replica]]:
     ``startup_timeout_s``; the others are stopped before it propagates. On a CPU host without
     ``kv_cache_gib`` the KV cache is sized first (:mod:`asyncgrpo.serve.memory`).
     """
+    await anyio.to_thread.run_sync(check_model, config.model)
     config = with_kv_cache_size(config)
     replicas: list[Replica] = []
     try:
