@@ -100,6 +100,9 @@ class Replica:
 _PROCESS_TAG = re.compile(r"^\((?P<tag>[^()]*?pid=\d+)\)\s*")
 #: A log record below ERROR (a warning may mention an error it merely guards against).
 _QUIET = re.compile(r"(?:DEBUG|INFO|WARNING) \d\d-\d\d ")
+#: A later process's error that contains this many leading characters of an earlier one's
+#: message passes that error on (vLLM's engine core: "Worker failed with error '...'").
+_QUOTED_CHARS = 20
 _ERROR = re.compile(r"(?<![\w.])(?:[A-Za-z_][\w.]*)?(?:Error|Exception): \S.*")
 
 
@@ -109,8 +112,9 @@ def root_causes(log: str) -> list[str]:
     A replica is several processes (API server, engine core, workers) writing one log; the API
     server's own last words are only "Engine core initialization failed. See root cause above",
     so the cause is the first error each process printed, not the tail. Indented lines right
-    after it (a multi-line message, e.g. pydantic's) are joined to it; a message already quoted
-    (a re-raise in another process) is not repeated.
+    after it (a multi-line message, e.g. pydantic's) are joined to it. A process that only passes
+    an earlier one's error on (its message quotes that message's start, or says "see root cause
+    above") is left out when an earlier cause remains.
     """
     first: dict[str, str] = {}
     following = None  # the process whose error line came last, while its message continues
@@ -126,7 +130,15 @@ def root_causes(log: str) -> list[str]:
             continue
         if (error := _ERROR.search(rest)) and error[0] not in first.values():
             first[process], following = error[0], process
-    return [f"({p}) {e}" if p else e for p, e in first.items()]
+    causes: list[tuple[str, str]] = []
+    for process, error in first.items():
+        message = error.split(": ", 1)[-1]
+        passed_on = "root cause above" in message.lower() or any(
+            earlier.split(": ", 1)[-1][:_QUOTED_CHARS] in message for _, earlier in causes
+        )
+        if not (passed_on and causes):
+            causes.append((process, error))
+    return [f"({p}) {e}" if p else e for p, e in causes]
 
 
 def _process_tree(pid: int) -> list[int]:
