@@ -16,6 +16,8 @@ import aiohttp
 from asyncgrpo.errors import ConfigError, ReplicaError, ReplicaHTTPError
 
 ADAPTER_NOT_FOUND = "No adapter found"
+#: The asyncgrpo proxy's list of replicas; a vLLM server has no such route.
+PROXY_UPSTREAMS_PATH = "/proxy/upstreams"
 #: Where a replica describes its configuration as JSON (needs ``VLLM_SERVER_DEV_MODE=1``).
 SERVER_INFO_PATH = "/server_info?config_format=json"
 
@@ -133,6 +135,23 @@ class VLLMClient:
         except ReplicaError:
             return False
         return status == 200
+
+    async def proxy_upstreams(self) -> list[str] | None:
+        """The replicas behind this URL if it is an asyncgrpo proxy (``GET /proxy/upstreams``),
+        else None (a vLLM server answers 404)."""
+        status, body = await self._request("GET", PROXY_UPSTREAMS_PATH)
+        if status in (401, 403):
+            raise ConfigError(
+                f"{self.base_url} refused the API key ({status}): give the key it expects "
+                "(a run's proxy.upstream_api_key: export ASYNCGRPO_PROXY__UPSTREAM_API_KEY)"
+            )
+        try:
+            doc = json.loads(body) if status == 200 else None
+        except ValueError:
+            return None
+        if not isinstance(doc, dict) or not isinstance(doc.get("upstreams"), list):
+            return None
+        return [str(u.get("url")) for u in doc["upstreams"] if isinstance(u, dict)]
 
     async def models(self) -> list[str]:
         body = json.loads(await self._ok("GET", "/v1/models"))
