@@ -38,6 +38,7 @@ from asyncgrpo.settings import (
     check_fields,
     config_from_dict,
     env_overrides,
+    parse_yaml,
     read_yaml,
     to_dict,
 )
@@ -270,6 +271,19 @@ class TrainingConfig:
         """Read a YAML file, then ``ASYNCGRPO_SECTION__FIELD`` variables (``environ``, default
         ``os.environ``), then ``section.field=value`` overrides; validate."""
         data = env_overrides(cls, read_yaml(path), ENV_PREFIX, environ)
+        return cls.from_dict(data, overrides)
+
+    @classmethod
+    def from_yaml_text(
+        cls,
+        text: str,
+        source: str,
+        overrides: Sequence[str] = (),
+        environ: Mapping[str, str] | None = None,
+    ) -> TrainingConfig:
+        """:meth:`from_yaml` for YAML text (a launched job's config arrives in its
+        environment); ``source`` names the text in errors."""
+        data = env_overrides(cls, parse_yaml(text, source), ENV_PREFIX, environ)
         return cls.from_dict(data, overrides)
 
     def to_dict(self) -> dict[str, Any]:

@@ -83,21 +83,27 @@ def error_lines(prog: str, exc: BaseException) -> list[str]:
     return [f"{prog}: error: {m}" for e in _reported(exc) if (m := _message(e)) is not None]
 
 
-def fail(prog: str, exc: BaseException, *, debug: bool = False) -> NoReturn:
-    """Report ``exc`` (its traceback first when debugging) and exit with its status."""
+def report(prog: str, exc: BaseException, *, debug: bool = False) -> int:
+    """Print ``exc`` as its error lines (its traceback first when debugging); its status."""
     if debug_requested(debug) and exc.__traceback__ is not None:
         traceback.print_exception(exc, file=sys.stderr)
     for line in error_lines(prog, exc):
         print(line, file=sys.stderr)
-    exit_process(exit_status(exc))
+    return exit_status(exc)
+
+
+def fail(prog: str, exc: BaseException, *, debug: bool = False) -> NoReturn:
+    """Report an error found before anything started (parsing, settings) and exit with its
+    status (``SystemExit``: callers and tests may catch it)."""
+    sys.exit(report(prog, exc, debug=debug))
 
 
 def run_command(body: Callable[[], object], prog: str, *, debug: bool = False) -> NoReturn:
-    """Run a command's body and exit: 0, or :func:`fail`'s line(s) and status."""
+    """Run a command's body and exit: 0, or its error lines and status (:func:`report`)."""
     try:
         body()
     except BaseException as exc:
-        fail(prog, exc, debug=debug)
+        exit_process(report(prog, exc, debug=debug))
     exit_process(EXIT_OK)
 
 

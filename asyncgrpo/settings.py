@@ -400,14 +400,19 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} does not exist") from exc
     except OSError as exc:
         raise ConfigError(f"config file {path}: {exc.strerror}") from exc
+    return parse_yaml(text, f"config file {path}")
+
+
+def parse_yaml(text: str, source: str) -> dict[str, Any]:
+    """YAML text whose top level is a mapping (empty: ``{}``); ``source`` names it in errors."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {_one_line(exc)}") from exc
+        raise ConfigError(f"{source} is not valid YAML: {_one_line(exc)}") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: the top level must be a mapping of fields")
+        raise ConfigError(f"{source}: the top level must be a mapping of fields")
     return data
 
 

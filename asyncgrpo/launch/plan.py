@@ -4,68 +4,51 @@ Roles: N replicas (``python -m asyncgrpo.serve``, one vLLM server each, fetching
 versions from the transport themselves) and one trainer (``python -m asyncgrpo.launch.trainer``:
 the proxy in front of the replicas' URLs, the rollout client and the trainer). The transport is
 the only state they share. Secret values travel in :attr:`JobSpec.secrets` only, which nothing
-prints; commands and plain environment variables hold none.
+prints; commands and plain environment variables hold none. A job reads its secrets from the
+environment like every other command: the variables :func:`job_secrets` names are the ones
+:mod:`asyncgrpo.settings` reads (``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``).
 """
 
 from __future__ import annotations
 
-import shlex
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import yaml
 
-from asyncgrpo.config import TrainingConfig, to_dict
+from asyncgrpo.config import ENV_PREFIX, TrainingConfig, to_dict
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.launch.trainer import CONFIG_ENV
+from asyncgrpo.launch.jobs import JobSpec, Role
+from asyncgrpo.settings import env_name
 
-Role = Literal["replica", "trainer"]
-
-#: Config fields that hold secrets; the config shipped to a job has them emptied.
-SECRET_FIELDS = (("proxy", "api_key"), ("proxy", "upstream_api_key"))
+__all__ = ["JobSpec", "job_config", "job_secrets", "labels", "replica_args", "trainer_args"]
 
 
-@dataclass(frozen=True)
-class JobSpec:
-    """One job (or local process group): what runs, where, with which environment."""
-
-    role: Role
-    name: str
-    command: tuple[str, ...]
-    env: Mapping[str, str] = field(default_factory=dict)
-    #: name -> value; the values are never printed, logged or put in a command line
-    secrets: Mapping[str, str] = field(default_factory=dict, repr=False)
-    image: str | None = None
-    flavor: str | None = None
-    timeout_s: int | None = None
-    port: int | None = None
-    labels: Mapping[str, str] = field(default_factory=dict)
-
-    def describe(self) -> str:
-        """The spec as ``--dry-run`` prints it: secret *names* only, env names and values
-        except the (long) config."""
-        lines = [f"{self.role} job {self.name}"]
-        if self.image is not None:
-            lines.append(f"  image:   {self.image}")
-        if self.flavor is not None:
-            lines.append(f"  flavor:  {self.flavor}")
-        if self.timeout_s is not None:
-            lines.append(f"  timeout: {self.timeout_s} s")
-        lines.append(f"  ports:   {self.port if self.port is not None else '-'}")
-        lines.append(f"  command: {shlex.join(self.command)}")
-        env = [k if k == CONFIG_ENV else f"{k}={v}" for k, v in sorted(self.env.items())]
-        lines.append(f"  env:     {', '.join(env) or '-'}")
-        lines.append(f"  secrets: {', '.join(sorted(self.secrets)) or '-'}")
-        return "\n".join(lines)
+def _secret_fields(obj: Any, where: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every field marked ``secret`` in ``obj`` and its sections."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            yield from _secret_fields(value, f"{where}{f.name}.")
+        elif f.metadata.get("secret"):
+            yield where + f.name, value
 
 
 def job_config(cfg: TrainingConfig) -> str:
-    """The config as YAML for ``$ASYNCGRPO_CONFIG``, with every secret field emptied."""
+    """The config as YAML for ``$ASYNCGRPO_CONFIG``, with every secret field emptied (they
+    travel as :func:`job_secrets`)."""
     data: dict[str, Any] = to_dict(cfg)
-    for section, name in SECRET_FIELDS:
+    for key, _ in _secret_fields(cfg):
+        section, name = key.rsplit(".", 1)
         data[section][name] = None
     return yaml.safe_dump(data, sort_keys=False)
+
+
+def job_secrets(cfg: TrainingConfig) -> dict[str, str]:
+    """Every secret set in ``cfg``, under the environment variable the job's config loader
+    reads it from (``proxy.api_key`` -> ``ASYNCGRPO_PROXY__API_KEY``)."""
+    return {env_name(ENV_PREFIX, key): value for key, value in _secret_fields(cfg) if value}
 
 
 def replica_args(
@@ -100,14 +83,16 @@ def replica_args(
     return args
 
 
-def trainer_args(urls: list[str], *, upstream_key_env: str | None = None) -> list[str]:
+def trainer_args(urls: list[str]) -> list[str]:
     """``python -m asyncgrpo.launch.trainer`` arguments: the replicas' URLs, no local replica."""
     if not urls:
         raise ConfigError("the trainer needs at least one replica URL")
-    args = ["-m", "asyncgrpo.launch.trainer"]
-    if upstream_key_env is not None:
-        args += ["--upstream-key-env", upstream_key_env]
-    return [*args, "serve.replicas=0", "proxy.upstreams=" + ",".join(urls)]
+    return [
+        "-m",
+        "asyncgrpo.launch.trainer",
+        "serve.replicas=0",
+        "proxy.upstreams=" + ",".join(urls),
+    ]
 
 
 def labels(cfg: TrainingConfig, role: Role) -> dict[str, str]:

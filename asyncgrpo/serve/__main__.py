@@ -23,8 +23,13 @@ PROG = "python -m asyncgrpo.serve"
 ENV_PREFIX = "ASYNCGRPO_SERVE_"
 
 
-def parse(argv: Sequence[str] | None = None) -> tuple[ServeConfig, bool]:
-    """The config and ``--debug``; a bad value exits with status 2 and one line."""
+def parse(argv: Sequence[str] | None = None) -> ServeConfig:
+    """The config; a bad value exits with status 2 and one line."""
+    return _parse(argv)[0]
+
+
+def _parse(argv: Sequence[str] | None) -> tuple[ServeConfig, bool]:
+    """The config and ``--debug``."""
     config, args = parse_args(
         ServeConfig, argv, prog=PROG, description=__doc__, env_prefix=ENV_PREFIX
     )
@@ -42,7 +47,7 @@ async def _serve(config: ServeConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config, debug = parse(argv)
+    config, debug = _parse(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

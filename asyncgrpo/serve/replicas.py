@@ -1,9 +1,8 @@
 """Start vLLM replicas as subprocesses and make sure none outlives its owner.
 
 Each replica runs in its own session (process group), so the API server, its engine-core
-process and any workers can be signalled together. Shutdown sends SIGTERM to the group, waits,
-then SIGKILLs whatever is left, including descendants that moved to another group; it runs in
-a shielded scope so cancellation and Ctrl-C still clean up.
+process and any workers are stopped together (:func:`asyncgrpo.processes.stop_group`, in a
+shielded scope so cancellation and Ctrl-C still clean up).
 """
 
 from __future__ import annotations
@@ -12,22 +11,21 @@ import contextlib
 import logging
 import os
 import re
-import signal
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import anyio
 import anyio.abc
 from anyio.abc import Process
 
 from asyncgrpo.errors import ReplicaStartError
 from asyncgrpo.model_source import check_model
+from asyncgrpo.processes import free_port, kill_tree, process_tree, stop_group
 from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.serve.memory import with_kv_cache_size
+from asyncgrpo.vllm_client import wait_healthy
 
 logger = logging.getLogger(__name__)
 
@@ -62,16 +60,11 @@ class Replica:
 
     def descendants(self) -> list[int]:
         """PIDs of the API server and every process below it."""
-        return _process_tree(self.pid)
+        return process_tree(self.pid)
 
     def kill(self) -> None:
         """SIGKILL the whole process tree at once (simulates a crashed host)."""
-        pids = self.descendants()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_tree(self.pid)
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
@@ -141,88 +134,22 @@ def root_causes(log: str) -> list[str]:
     return [f"({p}) {e}" if p else e for p, e in causes]
 
 
-def _process_tree(pid: int) -> list[int]:
-    try:
-        import psutil
-    except ImportError:  # vLLM depends on psutil; without it the process group covers most cases
-        return [pid]
-    try:
-        proc = psutil.Process(pid)
-        return [pid, *(c.pid for c in proc.children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 async def _wait_healthy(replica: Replica, timeout_s: float, api_key: str | None) -> None:
+    async def url() -> str:
+        if replica.process.returncode is not None:
+            raise replica.failure(
+                f"exited with code {replica.process.returncode} before becoming healthy"
+            )
+        return replica.url
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(headers=headers) as session:
-        while True:
-            if replica.process.returncode is not None:
-                raise replica.failure(
-                    f"exited with code {replica.process.returncode} before becoming healthy"
-                )
-            if time.monotonic() > deadline:
-                raise replica.failure(
-                    f"not healthy after {timeout_s:.0f} s (raise serve.startup_timeout_s if the "
-                    "host is slow)"
-                )
-            try:
-                async with session.get(
-                    f"{replica.url}/health", timeout=aiohttp.ClientTimeout(total=2)
-                ) as resp:
-                    if resp.status == 200:
-                        return
-            except (aiohttp.ClientError, TimeoutError):
-                pass
-            await anyio.sleep(0.5)
-
-
-def _alive(pids: list[int]) -> list[int]:
-    try:
-        import psutil
-    except ImportError:
-        return []
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-async def _wait_gone(replica: Replica, pids: list[int], timeout_s: float) -> bool:
-    with anyio.move_on_after(timeout_s):
-        await replica.process.wait()
-        # The engine core may outlive the API server by a moment; nothing to await but its exit.
-        while _alive(pids):  # noqa: ASYNC110
-            await anyio.sleep(0.1)
-        return True
-    return False
-
-
-async def _stop(replica: Replica) -> None:
-    pids = replica.descendants()
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(replica.pid, signal.SIGTERM)
-    if await _wait_gone(replica, pids, STOP_GRACE_S):
-        return
-    logger.warning("replica %d ignored SIGTERM for %.0f s; killing it", replica.index, STOP_GRACE_S)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(replica.pid, signal.SIGKILL)
-    for pid in _alive(pids):  # descendants that left the group
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    await _wait_gone(replica, pids, 10)
+    if not await wait_healthy(
+        url, timeout_s=timeout_s, interval_s=0.5, headers=headers, request_timeout_s=2
+    ):
+        raise replica.failure(
+            f"not healthy after {timeout_s:.0f} s (raise serve.startup_timeout_s if the host is "
+            "slow)"
+        )
 
 
 def _log_paths(config: ServeConfig) -> list[Path]:
@@ -308,6 +235,8 @@ async def launch_replicas(config: ServeConfig) -> AsyncIterator[list[Replica]]:
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
                 for replica in replicas:
-                    tg.start_soon(_stop, replica)
+                    tg.start_soon(
+                        stop_group, replica.process, STOP_GRACE_S, f"replica {replica.index}"
+                    )
             for replica in replicas:
                 await replica.process.aclose()
