@@ -29,7 +29,7 @@ Ranges and choices: each config's ``__post_init__`` calls ``check_fields(self, s
 ge=..., gt=..., le=..., lt=...)`` once, so a field is validated the same way however it was set.
 
 Why home-grown rather than pydantic-settings, tyro, simple-parsing or jsonargparse: see
-``docs/config.md`` (in short, the light core stays aiohttp, anyio, aiofiles and pyyaml).
+``docs/config.md`` (in short, the light core stays aiohttp, httptools, anyio and pyyaml).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from asyncgrpo.model_source import check_model
 from asyncgrpo.processes import free_port, kill_tree, process_tree, stop_group
 from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.serve.memory import with_kv_cache_size
+from asyncgrpo.serve.vllm_support import check_plugin_support
 from asyncgrpo.vllm_client import wait_healthy
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,8 @@ async def launch_replicas(config: ServeConfig) -> AsyncIterator[list[Replica]]:
     ``kv_cache_gib`` the KV cache is sized first (:mod:`asyncgrpo.serve.memory`).
     """
     await anyio.to_thread.run_sync(check_model, config.model)
+    if config.transports:  # replicas that fetch adapters need the plugin's vLLM internals
+        check_plugin_support()
     config = with_kv_cache_size(config)
     replicas: list[Replica] = []
     try:
