@@ -38,10 +38,10 @@ async def run_rollouts(cfg: TrainingConfig, *, poll_interval_s: float = 0.5) -> 
     shipped = 0
     try:
         async with AsyncExitStack() as stack:
-            policy = await store.wait_for_policy(poll_interval_s)
-            endpoint = await stack.enter_async_context(
+            endpoint = await stack.enter_async_context(  # first: a bad setup fails at once
                 open_endpoint(cfg, cfg.run_dir / "adapter-cache", transport.url)
             )
+            policy = await store.wait_for_policy(poll_interval_s)
             client = await stack.enter_async_context(
                 await rollout_client(cfg, endpoint.url, policy, 0, api_key=endpoint.api_key)
             )
