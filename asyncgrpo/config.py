@@ -50,6 +50,9 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 #: Environment variables ``ASYNCGRPO_<SECTION>__<FIELD>`` override the YAML file.
 ENV_PREFIX = "ASYNCGRPO_"
+#: The repository's example configs, next to the package in a source checkout (the README's
+#: install is an editable one), so ``examples/NAME.yaml`` names them from any directory.
+EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -270,7 +273,7 @@ class TrainingConfig:
     ) -> TrainingConfig:
         """Read a YAML file, then ``ASYNCGRPO_SECTION__FIELD`` variables (``environ``, default
         ``os.environ``), then ``section.field=value`` overrides; validate."""
-        data = env_overrides(cls, read_yaml(path), ENV_PREFIX, environ)
+        data = env_overrides(cls, read_yaml(example_path(path)), ENV_PREFIX, environ)
         return cls.from_dict(data, overrides)
 
     @classmethod
@@ -289,3 +292,14 @@ class TrainingConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples) that ``from_dict`` turns back into an equal config."""
         return to_dict(self)
+
+
+def example_path(path: str | Path) -> Path:
+    """``path``; or, for an ``examples/NAME.yaml`` that does not exist here, the checkout's own
+    example of that name (so the README's commands run from any directory)."""
+    path = Path(path)
+    if not path.exists() and path.parts[:1] == ("examples",) and len(path.parts) == 2:
+        bundled = EXAMPLES_DIR / path.name
+        if bundled.is_file():
+            return bundled
+    return path

@@ -1,7 +1,7 @@
 """How every asyncgrpo command runs and ends: one line per error, and a documented exit status.
 
-Exit statuses (every command: ``asyncgrpo ...``, ``python -m asyncgrpo.serve``, the proxy's and
-the launched trainer job's):
+Exit statuses (``asyncgrpo ...``, ``python -m asyncgrpo.serve``, the launched trainer job, and the
+settings of ``python -m asyncgrpo.proxy``; docs/config.md, "Exit statuses"):
 
 - 0: done;
 - 1: the run failed: a replica did not start, a sync did not reach every replica, storage
