@@ -17,6 +17,7 @@ import argparse
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from asyncgrpo.console import DEBUG_HELP, run_async, run_command
 from asyncgrpo.errors import ConfigError
@@ -28,6 +29,13 @@ class CommandParser(ConfigParser):
     --replicas 3 x=1``), which plain argparse refuses once an option came after a positional."""
 
     _intermixing = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # also after the subcommand (`asyncgrpo train CONFIG --debug`); unset here leaves the
+        # top-level parser's value
+        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help=DEBUG_HELP)  # fmt: skip
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         if self._intermixing:  # parse_known_intermixed_args calls back in here

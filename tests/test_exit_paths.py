@@ -107,8 +107,8 @@ def test_rollout_config_error(tmp_path: Path, env: dict[str, str]) -> None:
 @pytest.mark.parametrize("debug", [False, True])
 def test_launch_config_error(tmp_path: Path, debug: bool) -> None:
     flag = ["--debug"] if debug else []
-    p = run([*ASYNCGRPO, *flag, "launch", TINY_CONFIG, "--backend", "local", "--replicas", "0"],
-            tmp_path)  # fmt: skip
+    p = run([*ASYNCGRPO, "launch", TINY_CONFIG, "--backend", "local", "--replicas", "0", *flag],
+            tmp_path)  # --debug after the subcommand works too  # fmt: skip
     check(p, 2, "launch.replicas=0: set it to 1 or more", debug=debug)
 
 
