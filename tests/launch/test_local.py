@@ -87,7 +87,7 @@ class ScriptedRoles(LocalBackend):
 
 def config(tmp_path: Path, *overrides: str) -> TrainingConfig:
     data = {
-        "model": "m/m",
+        "model": str(tmp_path),  # the stand-ins load nothing; the launch checks it exists
         "run_name": "local-run",
         "output_dir": str(tmp_path / "runs"),
         "dataset": {"prompts": ["p"]},
