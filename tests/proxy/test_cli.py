@@ -11,8 +11,8 @@ import time
 import pytest
 
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.processes import free_port
 from asyncgrpo.proxy import ProxyConfig
+from asyncgrpo.serve.replicas import free_port
 
 
 @pytest.mark.parametrize(
