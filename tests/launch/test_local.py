@@ -23,8 +23,8 @@ import pytest
 from asyncgrpo.config import TrainingConfig
 from asyncgrpo.errors import LaunchError
 from asyncgrpo.launch import launch
+from asyncgrpo.launch.jobs import JobSpec
 from asyncgrpo.launch.local import LocalBackend
-from asyncgrpo.launch.plan import JobSpec
 from asyncgrpo.launch.progress import parse_progress
 
 #: Answers /health on the port given as argv[1], after writing its cwd and a child's pid.
@@ -87,7 +87,7 @@ class ScriptedRoles(LocalBackend):
 
 def config(tmp_path: Path, *overrides: str) -> TrainingConfig:
     data = {
-        "model": "m/m",
+        "model": str(tmp_path),  # the stand-ins load nothing; the launch checks it exists
         "run_name": "local-run",
         "output_dir": str(tmp_path / "runs"),
         "dataset": {"prompts": ["p"]},
@@ -195,7 +195,8 @@ def test_tiny_run_end_to_end_as_separate_processes_then_resumed(
         replica_log = (launch_dir / f"replica-{i}" / "replica-0.log").read_text()
         loaded = re.findall(r"Loaded new LoRA adapter: name '(\S+)', path '(\S+)'", replica_log)
         assert len(loaded) >= 40, loaded  # a version per step (and v0)
-        assert all(path.startswith("adapters/") for _, path in loaded), loaded  # its own cache
+        own_cache = str(launch_dir / f"replica-{i}" / "adapters") + "/"
+        assert all(path.startswith(own_cache) for _, path in loaded), loaded  # its own cache
         assert trainer_dir not in replica_log
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
