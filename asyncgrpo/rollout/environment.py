@@ -40,6 +40,7 @@ __all__ = [
     "ChatContinuation",
     "Environment",
     "Episode",
+    "Message",
     "MultiTurnEnv",
     "SingleTurnEnv",
     "Trajectory",
