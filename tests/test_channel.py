@@ -178,7 +178,7 @@ def test_multi_turn_fields_roundtrip_and_old_formats_are_refused() -> None:
                         "temperature": 1.0, "rewards": {}, "finish_reason": None,
                         "np": 1, "nc": 1}]).encode()  # fmt: skip
     old = struct.pack("<4sBI", b"AGRB", 1, len(head)) + head + b"\0" * 12
-    with pytest.raises(IntegrityError, match="format v1, this asyncgrpo reads v2.*same release"):
+    with pytest.raises(IntegrityError, match=r"format v1, this asyncgrpo reads v2.*same release"):
         decode_batch(old)
     newer = bytearray(encode_batch(batch))
     newer[4] = 3

@@ -56,7 +56,10 @@ def tokenizer(tiny_model: Path) -> Any:
 def test_chat_continuation_follows_the_template(tokenizer: Any) -> None:
     chat = ChatContinuation(tokenizer)
     msg = [{"role": "tool", "content": "42"}]
-    assert chat.text(msg, after_eos=True) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        chat.text(msg, after_eos=True)
+        == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    )
     # A turn cut by max_tokens has no end-of-turn token yet: the continuation closes it.
     assert chat.text(msg, after_eos=False).startswith("<|im_end|>\n<|im_start|>tool")
     eos = tokenizer.eos_token_id
@@ -79,7 +82,7 @@ def test_chat_continuation_refuses_a_template_that_rewrites_history(tokenizer: A
     class NoTemplate:
         chat_template = None
 
-    with pytest.raises(ConfigError, match="no chat template|has none"):
+    with pytest.raises(ConfigError, match=r"no chat template|has none"):
         ChatContinuation(NoTemplate())
 
 
@@ -87,7 +90,10 @@ def test_load_environment(tokenizer: Any) -> None:
     gen = GenerationConfig(num_generations=2)
     assert isinstance(load_environment(None, None, tokenizer=None, generation=gen), SingleTurnEnv)
     env = load_environment(
-        "asyncgrpo.testing.envs:CalculatorEnv", {"max_turns": 2}, tokenizer=tokenizer, generation=gen
+        "asyncgrpo.testing.envs:CalculatorEnv",
+        {"max_turns": 2},
+        tokenizer=tokenizer,
+        generation=gen,
     )
     assert isinstance(env, CalculatorEnv) and env.max_turns == 2
     cases = [
@@ -127,7 +133,9 @@ def test_calculator_env_protocol_and_reward(tokenizer: Any) -> None:
         return replies, await env.reward(task, messages, state)
 
     replies, reward = anyio.run(play, "cat dog", "add", f"it is {total}")
-    assert replies[0][0]["role"] == "user" and replies[1] == [{"role": "tool", "content": str(total)}]
+    assert replies[0][0]["role"] == "user" and replies[1] == [
+        {"role": "tool", "content": str(total)}
+    ]
     assert replies[2] is None and reward == {"tool_call": 0.5, "answer": 1.0}
     _, reward = anyio.run(play, "add", "12 x")
     assert reward == {"tool_call": 0.5, "answer": pytest.approx(0.5 * 2 / 3)}
