@@ -67,6 +67,8 @@ class Episode:
     completion: str | list[Message] = ""
     finish_reason: str | None = None
     model_turns: int = 1
+    #: The replica that served each model turn, as the proxy names it (None without a proxy).
+    replicas: list[str | None] | None = None
     #: The environment's own reward (a number or named parts, summed); None: reward functions.
     reward: float | Mapping[str, float] | None = None
 
@@ -87,6 +89,7 @@ class Trajectory:
         self.versions: list[int] = []
         self.model_turns = 0
         self.finish_reason: str | None = None
+        self.replicas: list[str | None] = []
 
     def add_turn(self, turn: Turn) -> None:
         if turn.prompt_ids != self.ids:
@@ -103,6 +106,7 @@ class Trajectory:
         self.versions += [turn.version] * n
         self.model_turns += 1
         self.finish_reason = turn.finish_reason
+        self.replicas.append(turn.replica)
 
     def add_env(self, token_ids: Sequence[int]) -> None:
         """Environment tokens: no loss; tagged with the version of the turn before them."""
@@ -126,6 +130,7 @@ class Trajectory:
             completion=completion,
             finish_reason=self.finish_reason,
             model_turns=self.model_turns,
+            replicas=self.replicas,
             reward=reward,
         )
 
@@ -239,6 +244,7 @@ class SingleTurnEnv(Environment):
             version=turn.version,
             completion=[{"role": "assistant", "content": turn.text}] if task.is_chat else turn.text,
             finish_reason=turn.finish_reason,
+            replicas=[turn.replica],
         )
 
 

@@ -21,6 +21,7 @@ import aiohttp
 import anyio
 
 from asyncgrpo.errors import ReplicaError
+from asyncgrpo.proxy.headers import REPLICA_HEADER
 from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class Turn:
     version: int
     text: str
     finish_reason: str | None
+    #: The replica that served it, as the proxy names it (None: no proxy in front).
+    replica: str | None = None
 
 
 class _Retryable(Exception):
@@ -146,12 +149,13 @@ class PolicyClient:
                             f"{text[:500]}"
                         )
                     data = await resp.json()
+                    replica = resp.headers.get(REPLICA_HEADER)
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
                 err: Exception = exc
             except _Retryable as exc:
                 err = exc
             else:
-                return self._parse(prompt_ids, data, version)
+                return self._parse(prompt_ids, data, version, replica)
             finally:
                 self.inflight -= n
             attempt += 1
@@ -173,7 +177,9 @@ class PolicyClient:
             )
             await anyio.sleep(delay)
 
-    def _parse(self, prompt_ids: Sequence[int], data: dict[str, Any], version: int) -> list[Turn]:
+    def _parse(
+        self, prompt_ids: Sequence[int], data: dict[str, Any], version: int, replica: str | None
+    ) -> list[Turn]:
         out: list[Turn] = []
         choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
         for choice in choices:
@@ -201,6 +207,7 @@ class PolicyClient:
                     version=version,
                     text=choice.get("text") or "",
                     finish_reason=choice.get("finish_reason"),
+                    replica=replica,
                 )
             )
         return out
