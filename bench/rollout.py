@@ -143,14 +143,19 @@ async def run_all(urls: list[str], args: argparse.Namespace, model: str | None =
         f"\n{len(urls)} replicas behind the proxy, {args.prompts} prompts x G={args.g}, <= {args.tokens} new "
         f"tokens, max_inflight {args.inflight}, median of {args.rounds} rounds\n"
     )
-    print("| client | request mode | wall s | completions/s | generated tok/s |")
-    print("|---|---|---|---|---|")
+    print(
+        "| client | request mode | wall s | wall s, each round | completions/s | generated tok/s |"
+    )
+    print("|---|---|---|---|---|---|")
     for (variant, mode), runs in results.items():
         wall = statistics.median(x["wall_s"] for x in runs)
         comp = statistics.median(x["completions"] / x["wall_s"] for x in runs)
         tps = statistics.median(x["tokens"] / x["wall_s"] for x in runs)
         label = "n=G, 1 request" if mode == "n" else "n=1, G requests"
-        print(f"| {variant or 'this tree'} | {label} | {wall:.2f} | {comp:.0f} | {tps:.0f} |")
+        each = " ".join(f"{x['wall_s']:.1f}" for x in runs)
+        print(
+            f"| {variant or 'this tree'} | {label} | {wall:.2f} | {each} | {comp:.0f} | {tps:.0f} |"
+        )
 
 
 def main() -> None:
