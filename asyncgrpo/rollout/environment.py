@@ -330,7 +330,10 @@ class MultiTurnEnv(Environment):
                 if room < 1:
                     break
                 turns = await policy.complete(
-                    traj.ids, seed=self.seed(task, index, traj.model_turns), max_tokens=room
+                    traj.ids,
+                    seed=self.seed(task, index, traj.model_turns),
+                    max_tokens=room,
+                    session=f"{task.index}-{index}",
                 )
                 if not turns:
                     if not traj.model_turns:

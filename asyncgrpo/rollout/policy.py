@@ -27,6 +27,9 @@ from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
+#: Names the episode a turn belongs to (the same value every turn), the convention of session-
+#: affinity routers (and of verifiers' clients) for pinning an episode's turns to one replica.
+SESSION_HEADER = "X-Session-ID"
 
 
 @dataclass(slots=True)
@@ -120,11 +123,14 @@ class PolicyClient:
         seed: int | None = None,
         max_tokens: int | None = None,
         stop: Sequence[str] | None = None,
+        session: str | None = None,
     ) -> list[Turn]:
         """``n`` sampled continuations of ``prompt_ids`` (fewer if some came back without
         usable logprobs: those are dropped and counted). ``max_tokens`` and ``stop`` default to
-        the generation settings. Transport errors are retried with backoff, then raise
-        :class:`ReplicaError`; a 4xx raises at once."""
+        the generation settings; ``session`` names the episode (sent as ``X-Session-ID``).
+        Transport errors are retried with backoff, then raise :class:`ReplicaError`; a 4xx
+        raises at once."""
+        headers = {SESSION_HEADER: session} if session else None
         attempt = 0
         while True:
             model, version = self._policy()
@@ -133,7 +139,7 @@ class PolicyClient:
                 body = self.body(
                     prompt_ids, model, n=n, seed=seed, max_tokens=max_tokens, stop=stop
                 )
-                async with self._session.post(self._url, json=body) as resp:
+                async with self._session.post(self._url, json=body, headers=headers) as resp:
                     if resp.status >= 500 or resp.status == 429:
                         text = await resp.text()
                         raise _Retryable(f"HTTP {resp.status}: {text[:300]}")
