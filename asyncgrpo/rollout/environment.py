@@ -45,6 +45,7 @@ __all__ = [
     "SingleTurnEnv",
     "Trajectory",
     "combine_reward",
+    "environment_class",
     "load_environment",
 ]
 
@@ -369,22 +370,8 @@ def combine_reward(reward: float | Mapping[str, float]) -> tuple[float, dict[str
     return float(reward), {}
 
 
-def load_environment(
-    path: str | None,
-    args: Mapping[str, Any] | None,
-    *,
-    tokenizer: Any,
-    generation: GenerationConfig,
-) -> Environment:
-    """The environment named by ``rollout.environment`` (``'package.module:Class'``), built
-    with ``rollout.environment_args``; :class:`SingleTurnEnv` when ``path`` is None."""
-    args = dict(args or {})
-    if path is None:
-        if args:
-            raise ConfigError(
-                f"rollout.environment_args {sorted(args)} given without rollout.environment"
-            )
-        return SingleTurnEnv(tokenizer=tokenizer, generation=generation)
+def environment_class(path: str) -> type[Environment]:
+    """The class ``rollout.environment`` names (``'package.module:Class'``), imported."""
     module_name, _, attr = path.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
@@ -402,7 +389,27 @@ def load_environment(
             f"rollout.environment={path!r} is not an asyncgrpo Environment subclass "
             "(asyncgrpo.rollout.environment.Environment)"
         )
+    return obj
+
+
+def load_environment(
+    path: str | None,
+    args: Mapping[str, Any] | None,
+    *,
+    tokenizer: Any,
+    generation: GenerationConfig,
+) -> Environment:
+    """The environment named by ``rollout.environment``, built with
+    ``rollout.environment_args``; :class:`SingleTurnEnv` when ``path`` is None."""
+    args = dict(args or {})
+    if path is None:
+        if args:
+            raise ConfigError(
+                f"rollout.environment_args {sorted(args)} given without rollout.environment"
+            )
+        return SingleTurnEnv(tokenizer=tokenizer, generation=generation)
+    cls = environment_class(path)
     try:
-        return obj(tokenizer=tokenizer, generation=generation, **args)
+        return cls(tokenizer=tokenizer, generation=generation, **args)
     except TypeError as exc:
         raise ConfigError(f"rollout.environment_args for {path}: {exc}") from exc

@@ -15,7 +15,6 @@ import random
 import re
 from typing import Any
 
-from asyncgrpo.rollout.config import GenerationConfig
 from asyncgrpo.rollout.dataset import Prompt
 from asyncgrpo.rollout.environment import Message, MultiTurnEnv
 
@@ -50,21 +49,6 @@ class CalculatorEnv(MultiTurnEnv):
     """Ask for a sum; the model may call the calculator (say ``add``); then it answers."""
 
     provides_reward = True
-
-    def __init__(
-        self,
-        *,
-        tokenizer: Any,
-        generation: GenerationConfig,
-        max_turns: int = 3,
-        max_episode_tokens: int = 512,
-    ) -> None:
-        super().__init__(
-            tokenizer=tokenizer,
-            generation=generation,
-            max_turns=max_turns,
-            max_episode_tokens=max_episode_tokens,
-        )
 
     async def setup(self, task: Prompt) -> dict[str, Any]:
         return {"sum": int(task.extra["a"]) + int(task.extra["b"]), "called": False}
