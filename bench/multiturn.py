@@ -133,26 +133,34 @@ async def part_cache(args: argparse.Namespace) -> None:
 
 
 async def part_learn(args: argparse.Namespace) -> None:
+    """One pair of replicas for every seed (each run reaches them as ``proxy.upstreams`` and
+    has them fetch its adapter versions from its own transport)."""
     from asyncgrpo.config import TrainingConfig
     from asyncgrpo.metrics import read_metrics
     from asyncgrpo.run import run_training, summarize
-    from asyncgrpo.testing import make_tiny_model
+    from asyncgrpo.serve import launch_replicas
+    from asyncgrpo.testing import make_tiny_model, tiny_serve_config
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "model", seed=0)
-        for seed in args.seeds:
-            overrides = [f"model={model}", f"output_dir={tmp}", f"run_name=calc-{seed}",
-                         f"seed={seed}", f"dataset.seed={seed}", f"trainer.max_steps={args.steps}"]  # fmt: skip
-            cfg = TrainingConfig.from_yaml(EXAMPLE, overrides=overrides)
-            t0 = time.perf_counter()
-            result = await run_training(cfg)
-            records = read_metrics(result.run_dir / "metrics.jsonl")
-            first, last = summarize(records, "reward")
-            tool_first, tool_last = summarize(records, "rewards/tool_call")
-            ratios = [r["ratio"] for r in records if "ratio" in r]
-            rows.append((seed, first, last, tool_first, tool_last, min(ratios), max(ratios),
-                         time.perf_counter() - t0))  # fmt: skip
+        serve = tiny_serve_config(model, replicas=2, max_model_len=512, transports=(tmp,),
+                                  adapter_cache_dir=str(Path(tmp) / "replica-cache"))  # fmt: skip
+        async with launch_replicas(serve) as replicas:
+            urls = ",".join(r.url for r in replicas)
+            for seed in args.seeds:
+                overrides = [f"model={model}", f"output_dir={tmp}", f"run_name=calc-{seed}",
+                             f"seed={seed}", f"dataset.seed={seed}", "serve.replicas=0",
+                             f"proxy.upstreams=[{urls}]", f"trainer.max_steps={args.steps}"]  # fmt: skip
+                cfg = TrainingConfig.from_yaml(EXAMPLE, overrides=overrides)
+                t0 = time.perf_counter()
+                result = await run_training(cfg)
+                records = read_metrics(result.run_dir / "metrics.jsonl")
+                first, last = summarize(records, "reward")
+                tool_first, tool_last = summarize(records, "rewards/tool_call")
+                ratios = [r["ratio"] for r in records if "ratio" in r]
+                rows.append((seed, first, last, tool_first, tool_last, min(ratios), max(ratios),
+                             time.perf_counter() - t0))  # fmt: skip
     print(f"\ncalculator tool environment, tiny model, {args.steps} steps per seed; means of the "
           "first and last 5 steps\n")  # fmt: skip
     print("| seed | reward first 5 | reward last 5 | tool_call first 5 | tool_call last 5 | "
