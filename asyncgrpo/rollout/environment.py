@@ -142,8 +142,9 @@ class ChatContinuation:
     Rendered with the model's chat template once per call, from a sentinel conversation, so the
     text between the end of an assistant message and the next generation prompt is the
     template's own (``<|im_end|>\\n<|im_start|>tool\\n...<|im_end|>\\n<|im_start|>assistant\\n``
-    for Qwen-style templates); the model's own end-of-turn token is not repeated when it stopped
-    on it.
+    for Qwen-style templates). When the model stopped on a token the template writes at the end
+    of a message (its end-of-turn token, whichever of the model's stop tokens that is), the token
+    is not repeated; a turn cut by ``max_tokens`` gets the template's whole closing text.
     """
 
     _SENTINEL = "\x00asyncgrpo-sentinel\x00"
@@ -155,10 +156,10 @@ class ChatContinuation:
                 "template, and this tokenizer has none: use a model with one"
             )
         self.tokenizer = tokenizer
-        self.eos_id = tokenizer.eos_token_id
-        self.eos_text = tokenizer.eos_token or ""
 
-    def text(self, messages: Sequence[Message], *, after_eos: bool) -> str:
+    def text(self, messages: Sequence[Message], *, ended_with: str = "") -> str:
+        """The text after a model turn whose last sampled token, decoded, is ``ended_with``
+        (empty when the turn did not stop on a token)."""
         head: list[Message] = [
             {"role": "user", "content": "x"},
             {"role": "assistant", "content": self._SENTINEL},
@@ -172,14 +173,16 @@ class ChatContinuation:
                 "(it is not append-only), so a turn cannot be continued token-exactly"
             )
         tail = before[before.index(self._SENTINEL) + len(self._SENTINEL) :]
-        if after_eos and self.eos_text and tail.startswith(self.eos_text):
-            tail = tail[len(self.eos_text) :]
+        if ended_with.strip() and tail.startswith(ended_with):
+            tail = tail[len(ended_with) :]
         return tail + after[len(before) :]
 
     def ids(self, messages: Sequence[Message], *, after: Turn) -> list[int]:
         """Ids of ``messages`` appended after the model turn ``after``."""
-        ended = bool(after.token_ids) and after.token_ids[-1] == self.eos_id
-        text = self.text(messages, after_eos=ended)
+        last = ""
+        if after.finish_reason == "stop" and after.token_ids:
+            last = self.tokenizer.decode([after.token_ids[-1]], skip_special_tokens=False)
+        text = self.text(messages, ended_with=last)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 

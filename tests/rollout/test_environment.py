@@ -56,16 +56,16 @@ def tokenizer(tiny_model: Path) -> Any:
 def test_chat_continuation_follows_the_template(tokenizer: Any) -> None:
     chat = ChatContinuation(tokenizer)
     msg = [{"role": "tool", "content": "42"}]
-    assert (
-        chat.text(msg, after_eos=True)
-        == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
-    )
+    after_eos = chat.text(msg, ended_with="<|im_end|>")
+    assert after_eos == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
     # A turn cut by max_tokens has no end-of-turn token yet: the continuation closes it.
-    assert chat.text(msg, after_eos=False).startswith("<|im_end|>\n<|im_start|>tool")
+    assert chat.text(msg).startswith("<|im_end|>\n<|im_start|>tool")
     eos = tokenizer.eos_token_id
     ids = chat.ids(msg, after=turn([1], [5, eos], 0))
-    assert tokenizer.decode(ids) == chat.text(msg, after_eos=True)
+    assert tokenizer.decode(ids) == after_eos
     assert chat.ids(msg, after=turn([1], [5, 6], 0))[0] == eos
+    cut = Turn([1], [5, eos], [-1.0, -1.0], 0, "t", "length")  # ended by max_tokens
+    assert chat.ids(msg, after=cut)[0] == eos
 
 
 def test_chat_continuation_refuses_a_template_that_rewrites_history(tokenizer: Any) -> None:
@@ -77,7 +77,7 @@ def test_chat_continuation_refuses_a_template_that_rewrites_history(tokenizer: A
             return f"{len(messages)}:" + "".join(m["content"] for m in messages)
 
     with pytest.raises(ConfigError, match="not append-only"):
-        ChatContinuation(Rewriting()).text([{"role": "user", "content": "a"}], after_eos=True)
+        ChatContinuation(Rewriting()).text([{"role": "user", "content": "a"}])
 
     class NoTemplate:
         chat_template = None
