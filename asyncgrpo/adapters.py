@@ -35,12 +35,14 @@ from asyncgrpo.transport.bundle import (
     read_manifest,
 )
 
-__all__ = ["AdapterStore", "AdapterVersion"]
+__all__ = ["AdapterStore", "AdapterVersion", "check_adapter_name", "parse_version"]
 
 log = logging.getLogger(__name__)
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_VERSION_RE = re.compile(r"^v(\d+)$")
+# ASCII only and matched whole (``fullmatch``): ``$`` would accept a trailing newline and ``\d``
+# other scripts' digits, so two spellings could name one version, or a key no listing finds.
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_VERSION_RE = re.compile(r"v([0-9]{1,18})")  # at most 18 digits: int() refuses 4,300+
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +86,20 @@ class AdapterVersion:
         )
 
 
-def _check_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+def check_adapter_name(name: object) -> str:
+    """``name`` if it is a valid adapter name, else :class:`ConfigError` saying what is."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ConfigError(
             f"adapter name {name!r} must be 1-128 characters of letters, digits, '.', '_' or '-' "
             "starting with a letter or digit (it becomes a storage key and a vLLM model name)"
         )
     return name
+
+
+def parse_version(segment: str) -> int | None:
+    """The N of a ``v<N>`` key segment (ASCII digits only), else None."""
+    match = _VERSION_RE.fullmatch(segment)
+    return int(match.group(1)) if match else None
 
 
 def _check_version(version: int) -> int:
@@ -121,11 +130,11 @@ class AdapterStore(BundleStore):
     default_prefix = "adapters"
 
     def __init__(self, transport: Transport | str, **options: Any) -> None:
-        super().__init__(transport, **options)  # prefix, keep_last, concurrency
+        super().__init__(transport, **options)  # prefix, keep_last, concurrency, limits
         self.pinned: set[tuple[str, int]] = set()
 
     def _key(self, name: str, version: int | None = None) -> str:
-        name = _check_name(name)
+        name = check_adapter_name(name)
         if version is None:
             return join_key(self.prefix, name)
         return join_key(self.prefix, name, f"v{_check_version(version)}")
@@ -179,23 +188,37 @@ class AdapterStore(BundleStore):
         """The manifest of one version; :class:`NotFound` naming the versions that exist."""
         try:
             return AdapterVersion.from_manifest(
-                await read_manifest(self.transport, self._key(name, version))
+                await read_manifest(
+                    self.transport,
+                    self._key(name, version),
+                    max_bytes=self.limits.max_manifest_bytes,
+                )
             )
         except NotFound:
             raise await self._missing(name, version) from None
 
-    async def fetch(self, name: str, version: int, cache_dir: str | os.PathLike[str]) -> Path:
+    async def fetch(
+        self, name: str, version: int, cache_dir: str | os.PathLike[str], *, reuse: bool = True
+    ) -> Path:
         """Return a local directory holding the verified files of ``name`` version ``version``.
 
         The directory is ``<cache_dir>/<name>-v<N>``; it appears atomically and only after every
         sha256 matched, so concurrent fetchers (threads or processes) are safe and a tampered
         file raises :class:`~asyncgrpo.errors.IntegrityError` without leaving a usable copy.
+        A version beyond the store's :class:`~asyncgrpo.transport.bundle.FetchLimits` is refused
+        the same way. ``reuse=False``: fetch again even if the directory exists (for a cache
+        that other processes could have written).
         """
         key = self._key(name, version)
         dest = Path(cache_dir) / f"{name}-v{version}"
         try:
             path, _ = await download_bundle(
-                self.transport, key, dest, concurrency=self._concurrency
+                self.transport,
+                key,
+                dest,
+                concurrency=self._concurrency,
+                limits=self.limits,
+                reuse=reuse,
             )
         except NotFound:
             if await self.transport.exists(join_key(key, "manifest.json")):
@@ -213,7 +236,7 @@ class AdapterStore(BundleStore):
 
     def pin(self, name: str, version: int) -> None:
         """Keep this version whatever ``keep_last`` says."""
-        self.pinned.add((_check_name(name), _check_version(version)))
+        self.pinned.add((check_adapter_name(name), _check_version(version)))
 
     def unpin(self, name: str, version: int) -> None:
         self.pinned.discard((name, version))
@@ -245,9 +268,4 @@ class AdapterStore(BundleStore):
 
 
 def _parse_versions(children: list[str]) -> list[int]:
-    out = []
-    for child in children:
-        match = _VERSION_RE.match(child)
-        if match:
-            out.append(int(match.group(1)))
-    return out
+    return [v for child in children if (v := parse_version(child)) is not None]

@@ -19,8 +19,16 @@ meta and :meth:`~RolloutChannel.seek` to it on restore, so the channel and the w
 With ``compact=True`` a committed batch is overwritten by an empty tombstone (not deleted, so a
 lagging producer's create on that number still fails and nothing is lost).
 
-**Encoding** (format version 2; a reader refuses batches of any other version, naming the
-mismatch, since rollout processes and the trainer must run one release), measured with ``bench/rollout_encoding.py`` (64 samples x 256 prompt + 1024
+A batch that does not decode (a buggy or hostile writer) is **quarantined**: copied to
+``rollouts/quarantine/<seq>.agrb`` for inspection, replaced by a tombstone, counted
+(:attr:`RolloutChannel.quarantined`) and logged, and the consumer moves on. Leaving it in place
+would stop the trainer at the same batch on every resume. A batch of another **format version**
+is not malformed but written by another asyncgrpo release: the consumer stops there with a
+``ConfigError`` naming both versions (quarantining would skip every batch of a fleet that runs
+mixed releases), and the batch stays for a reader of its version.
+
+**Encoding** (format version 2: per-token versions and policy masks of multi-turn episodes),
+measured with ``bench/rollout_encoding.py`` (64 samples x 256 prompt + 1024
 completion tokens, 2 shared CPU cores): the binary ``AGRB`` layout (a JSON header for the scalar
 fields, then int32 token ids and float32 logprobs) is 0.60 MB (7.3 B/token), encodes in 9-31 ms
 and decodes in 5-18 ms; JSONL is 1.83 MB (22.3 B/token), 220-510 ms and 97-125 ms. zlib saves
@@ -33,6 +41,8 @@ from __future__ import annotations
 import array
 import json
 import logging
+import math
+import re
 import struct
 import sys
 import time
@@ -64,6 +74,7 @@ FORMAT_VERSION = 2
 _HEAD = struct.Struct("<4sBI")  # magic, format version, header JSON length
 _SCALARS = ("reward", "advantage", "version", "group_id", "temperature", "rewards", "finish_reason")
 _LITTLE = sys.byteorder == "little"
+_BATCH_NAME = re.compile(r"([0-9]{1,18})\.agrb")  # fullmatch; ASCII digits only
 
 
 # ---- encoding ------------------------------------------------------------------------------------
@@ -109,9 +120,10 @@ def encode_batch(samples: Sequence[Sample]) -> bytes:
 
 
 def _check_format(fmt: Any, where: str) -> None:
-    """Refuse a batch written by another release: its samples would be misread."""
+    """Refuse a batch written by another release: its samples would be misread. A
+    :class:`ConfigError`, not an :class:`IntegrityError`: the batch is sound, the fleet is not."""
     if fmt != FORMAT_VERSION:
-        raise ValueError(
+        raise ConfigError(
             f"{where} is rollout format v{fmt}, this asyncgrpo reads v{FORMAT_VERSION}: the "
             "rollout processes and the trainer run different asyncgrpo releases; install the "
             "same release on both"
@@ -128,6 +140,7 @@ def decode_batch(data: bytes) -> list[Sample]:
         offset = _HEAD.size
         header = json.loads(data[offset : offset + head_len])
         offset += head_len
+        _check_header(header)
         n_tok = sum(r["np"] + r["nc"] for r in header)
         n_lp = sum(r["nc"] for r in header)
         n_ver = sum(r["nc"] for r in header if r.get("v"))
@@ -166,8 +179,51 @@ def decode_batch(data: bytes) -> list[Sample]:
             t += n_p + n_c
             lp += n_c
         return samples
-    except (ValueError, KeyError, TypeError, struct.error) as exc:
+    except ConfigError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
         raise IntegrityError(f"cannot decode rollout batch: {exc}") from exc
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+_ROW_CHECKS: dict[str, tuple[str, Any]] = {
+    "np": ("a count", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "nc": ("a count", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "reward": ("a number", _is_number),
+    "advantage": ("a finite number", lambda v: _is_number(v) and math.isfinite(v)),
+    "version": ("a version", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "group_id": ("a string", lambda v: isinstance(v, str)),
+    "temperature": ("a number > 0", lambda v: _is_number(v) and v > 0),
+    "rewards": (
+        "a mapping of numbers",
+        lambda v: isinstance(v, dict) and all(_is_number(x) for x in v.values()),
+    ),
+    "finish_reason": ("a string or null", lambda v: v is None or isinstance(v, str)),
+}
+
+
+#: Present (= 1) when the sample carries per-token versions ("v") / a policy mask ("m").
+_ROW_FLAGS = frozenset({"v", "m"})
+_ROW_KEYS = _ROW_FLAGS | set(_ROW_CHECKS)
+
+
+def _check_header(header: Any) -> None:
+    """Each row holds exactly the fields a :class:`Sample` needs, each of the right type, so a
+    batch that decodes cannot crash the trainer later (a string version, a NaN advantage)."""
+    if not isinstance(header, list):
+        raise ValueError("the header is not a list of samples")
+    for i, row in enumerate(header):
+        if not isinstance(row, dict) or not set(_ROW_CHECKS) <= set(row) <= _ROW_KEYS:
+            raise ValueError(f"sample {i}: expected the fields {sorted(_ROW_CHECKS)}")
+        for key, (what, ok) in _ROW_CHECKS.items():
+            if not ok(row[key]):
+                raise ValueError(f"sample {i}: {key} is not {what}")
+        for key in _ROW_FLAGS.intersection(row):
+            if row[key] != 1:
+                raise ValueError(f"sample {i}: {key} is not 1")
 
 
 def encode_jsonl(samples: Sequence[Sample]) -> bytes:
@@ -190,6 +246,8 @@ def decode_jsonl(data: bytes) -> list[Sample]:
             row = json.loads(line)
             _check_format(row.pop("format", 1), f"JSONL row {i}")
             out.append(Sample(**row))
+        except ConfigError:
+            raise
         except (ValueError, TypeError) as exc:
             raise IntegrityError(f"cannot decode rollout batch: {exc}") from exc
     return out
@@ -231,6 +289,8 @@ class RolloutChannel:
         self._next_write: int | None = None
         self._cursor: int | None = None  # next seq to hand out
         self._pending: int | None = None  # handed out, not yet committed
+        self.quarantined = 0
+        """Batches this consumer found malformed and moved aside (see the module docstring)."""
 
     def _batch_key(self, seq: int) -> str:
         return join_key(self.prefix, "batches", f"{seq:012d}.agrb")
@@ -238,13 +298,16 @@ class RolloutChannel:
     def _cursor_key(self, consumer: str) -> str:
         return join_key(self.prefix, "cursors", f"{consumer}.json")
 
+    def _quarantine_key(self, seq: int) -> str:
+        return join_key(self.prefix, "quarantine", f"{seq:012d}.agrb")
+
     # ---- producer -----------------------------------------------------------------------------
     async def _first_free_seq(self) -> int:
         highest = -1
         async for info in self.transport.list(join_key(self.prefix, "batches")):
-            name = info.key.rsplit("/", 1)[-1]
-            if name.endswith(".agrb") and name[:-5].isdigit():
-                highest = max(highest, int(name[:-5]))
+            match = _BATCH_NAME.fullmatch(info.key.rsplit("/", 1)[-1])
+            if match:
+                highest = max(highest, int(match.group(1)))
         # Read cursors after listing: a consumer writes its cursor before compacting.
         async for info in self.transport.list(join_key(self.prefix, "cursors")):
             try:
@@ -337,10 +400,30 @@ class RolloutChannel:
                     )
                     self._cursor = seq + 1
                     continue
-                samples = decode_batch(data)
+                try:
+                    samples = decode_batch(data)
+                except IntegrityError as exc:
+                    await self._quarantine(seq, data, exc)
+                    self._cursor = seq + 1
+                    continue
                 self._pending = seq
                 self._cursor = seq + 1
                 return Batch(seq=seq, samples=samples)
+
+    async def _quarantine(self, seq: int, data: bytes, error: IntegrityError) -> None:
+        """Move a batch that does not decode aside (kept for inspection) and leave a tombstone,
+        so no consumer stops on it again and no producer reuses its number."""
+        await self.transport.put(self._quarantine_key(seq), data)
+        await self.transport.put(self._batch_key(seq), b"")
+        self.quarantined += 1
+        log.error(
+            "rollout batch %d is malformed (%s): moved to %s/%s and skipped (%d quarantined)",
+            seq,
+            error,
+            self.transport.url,
+            self._quarantine_key(seq),
+            self.quarantined,
+        )
 
     async def __aiter__(self) -> AsyncIterator[Batch]:
         while True:

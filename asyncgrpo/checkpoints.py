@@ -22,6 +22,7 @@ from asyncgrpo.errors import ConfigError, NotFound
 from asyncgrpo.transport.base import join_key
 from asyncgrpo.transport.bundle import (
     BundleStore,
+    FetchLimits,
     delete_bundle,
     download_bundle,
     list_bundles,
@@ -33,7 +34,7 @@ __all__ = ["CheckpointStore"]
 
 log = logging.getLogger(__name__)
 
-_STEP_RE = re.compile(r"^step-(\d+)$")
+_STEP_RE = re.compile(r"step-([0-9]{1,18})")  # fullmatch, ASCII digits: one spelling per step
 
 
 class CheckpointStore(BundleStore):
@@ -43,6 +44,8 @@ class CheckpointStore(BundleStore):
     """
 
     default_prefix = "checkpoints"
+    #: The trainer's own state can be large (optimizer moments): no cap on the total by default.
+    default_limits = FetchLimits(max_total_bytes=None)
 
     def _key(self, step: int) -> str:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -77,7 +80,10 @@ class CheckpointStore(BundleStore):
 
     async def meta(self, step: int) -> dict[str, Any]:
         """The ``meta`` saved with ``step`` (no file download)."""
-        return dict((await read_manifest(self.transport, self._key(step)))["meta"])
+        manifest = await read_manifest(
+            self.transport, self._key(step), max_bytes=self.limits.max_manifest_bytes
+        )
+        return dict(manifest["meta"])
 
     async def load(
         self, step: int | Literal["latest"] | None, dest_dir: str | os.PathLike[str]
@@ -95,7 +101,9 @@ class CheckpointStore(BundleStore):
         assert isinstance(step, int)
         key = self._key(step)
         try:
-            manifest = await read_manifest(self.transport, key)
+            manifest = await read_manifest(
+                self.transport, key, max_bytes=self.limits.max_manifest_bytes
+            )
         except NotFound:
             steps = await self.steps()
             raise NotFound(
@@ -108,6 +116,7 @@ class CheckpointStore(BundleStore):
             Path(dest_dir) / f"step-{step:09d}",
             manifest=manifest,
             concurrency=self._concurrency,
+            limits=self.limits,
         )
         return path, {**manifest["meta"], "step": manifest["step"]}
 
@@ -130,4 +139,4 @@ class CheckpointStore(BundleStore):
 
 
 def _parse_steps(children: list[str]) -> list[int]:
-    return [int(m.group(1)) for c in children if (m := _STEP_RE.match(c))]
+    return [int(m.group(1)) for c in children if (m := _STEP_RE.fullmatch(c))]

@@ -14,8 +14,9 @@ fatal and the error lists the valid ones::
     cfg = TrainingConfig.from_yaml("run.yaml", overrides=["trainer.learning_rate=1e-4"])
 
 Between the two, ``ASYNCGRPO_SECTION__FIELD`` environment variables (``ASYNCGRPO_PROXY__API_KEY``)
-override the file. The loader is :mod:`asyncgrpo.settings`, shared with the proxy's and the
-replicas' own command lines.
+override the file. Secret fields come only from there: set in the file or as an override they
+are refused. The loader is :mod:`asyncgrpo.settings`, shared with the proxy's and the replicas'
+own command lines; ``redacted(cfg)`` is what may be shown of a config (``repr`` shows the same).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from asyncgrpo.settings import (
     config_from_dict,
     env_overrides,
     read_yaml,
+    redacted_repr,
+    refuse_file_secrets,
     to_dict,
 )
 
@@ -49,7 +52,9 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 #: Environment variables ``ASYNCGRPO_<SECTION>__<FIELD>`` override the YAML file.
 ENV_PREFIX = "ASYNCGRPO_"
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+#: Matched whole and ASCII only: ``$`` would accept a trailing newline, ``\d`` other digits.
+#: At most 119 characters: adapter names ``<run_name>-<8 hex run id>`` stop at 128.
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,118}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,8 +197,8 @@ class TrainingConfig:
     dataset: DatasetConfig
     """Prompts: file, inline list or datasets name."""
     run_name: str = "asyncgrpo"
-    """Names the run directory and the adapter versions (<run_name>-<run id>-vN); letters,
-    digits, '.', '_', '-'."""
+    """Names the run directory and the adapter versions (<run_name>-<run id>-vN); up to 119
+    letters, digits, '.', '_', '-'."""
     output_dir: str = "runs"
     """Parent of the run directory (<output_dir>/<run_name>)."""
     seed: int = 0
@@ -218,13 +223,15 @@ class TrainingConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """`asyncgrpo launch`: jobs, images, hardware (asyncgrpo.launch.config)."""
 
+    __repr__ = redacted_repr  # the generated repr would print credentials in transport_url
+
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model is empty: give a model directory or a Hugging Face id")
-        if not _RUN_NAME.match(self.run_name):
+        if not isinstance(self.run_name, str) or not _RUN_NAME.fullmatch(self.run_name):
             raise ConfigError(
-                f"run_name={self.run_name!r}: use letters, digits, '.', '_' and '-' (it becomes "
-                "part of adapter names and storage keys)"
+                f"run_name={self.run_name!r}: use at most 119 letters, digits, '.', '_' and '-' "
+                "(it becomes part of adapter names and storage keys)"
             )
         self.rollout.check_against(self.generation)
         # The replicas serve the trained model and adapter: one source for each shared value.
@@ -257,8 +264,9 @@ class TrainingConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], overrides: Sequence[str] = ()) -> TrainingConfig:
-        """Build from a plain dict (e.g. parsed YAML), after applying ``overrides``."""
-        return config_from_dict(cls, apply_overrides(cls, data, overrides))
+        """Build from a plain dict (e.g. parsed YAML), after applying ``overrides`` (from a
+        command line: a secret field there is refused)."""
+        return config_from_dict(cls, apply_overrides(cls, data, overrides, env_prefix=ENV_PREFIX))
 
     @classmethod
     def from_yaml(
@@ -269,8 +277,9 @@ class TrainingConfig:
     ) -> TrainingConfig:
         """Read a YAML file, then ``ASYNCGRPO_SECTION__FIELD`` variables (``environ``, default
         ``os.environ``), then ``section.field=value`` overrides; validate."""
-        data = env_overrides(cls, read_yaml(path), ENV_PREFIX, environ)
-        return cls.from_dict(data, overrides)
+        data = read_yaml(path)
+        refuse_file_secrets(cls, data, f"config file {path}", env_prefix=ENV_PREFIX)
+        return cls.from_dict(env_overrides(cls, data, ENV_PREFIX, environ), overrides)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples) that ``from_dict`` turns back into an equal config."""

@@ -46,6 +46,7 @@ from asyncgrpo.rollout.dataset import PromptDataset, load_tokenizer
 from asyncgrpo.rollout.window import AdmissionWindow
 from asyncgrpo.sample import Sample
 from asyncgrpo.serve import ServeConfig, launch_replicas
+from asyncgrpo.settings import redacted
 from asyncgrpo.sync import (
     AdapterLoader,
     AdapterSource,
@@ -322,7 +323,7 @@ def _metrics_writer(cfg: TrainingConfig, prefix: str) -> MetricsWriter:
         trackio=cfg.logging.trackio,
         project=cfg.logging.trackio_project,
         run_name=prefix,
-        config=cfg.to_dict(),
+        config=redacted(cfg),
     )
 
 
@@ -575,7 +576,7 @@ class _ChannelSource(_SampleSource):
         await self.channel.commit()
 
     def stats(self) -> dict[str, float]:
-        return {}
+        return {"rollout/quarantined_batches": float(self.channel.quarantined)}
 
     def queue_size(self) -> int:
         return len(self.buffer)

@@ -13,7 +13,14 @@ setting is declared twice:
 - ``parse_args(cls, argv, ...)``: an ``argparse`` CLI with one flag per field: ``--field-name``,
   a repeatable singular flag for a tuple or list (``upstreams`` -> ``--upstream``), ``--x`` /
   ``--no-x`` for a bool, the choices of a ``Literal``; secrets (``metadata["secret"]``) only
-  through an environment variable, named by ``--field-env``, never argv.
+  through an environment variable, named by ``--field-env``, never argv;
+- ``redacted(obj)`` / ``redacted_repr(obj)``: what may be shown of a config (trackio, logs,
+  reprs): secret fields as ``REDACTED``, credentials inside URLs hidden
+  (:mod:`asyncgrpo.redaction`).
+
+Secrets come only from the environment: a secret field set by an override (``key=value`` on a
+command line) or in a config file is refused, naming the variable to use instead, and a
+secret's value never appears in an error message.
 
 Precedence: field defaults < ``--config`` YAML < environment < flags. A bad value at any layer
 is a :class:`ConfigError` naming what the user typed (the flag, the variable or the key), the
@@ -54,6 +61,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 import yaml
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.redaction import REDACTED, redact_text
 
 T = TypeVar("T")
 
@@ -76,6 +84,66 @@ def to_dict(obj: Any, *, where: str = "") -> Any:
     if isinstance(obj, dict):
         return {k: to_dict(v) for k, v in obj.items()}
     return obj
+
+
+def _secret(f: dataclasses.Field) -> bool:
+    return bool(f.metadata.get("secret"))
+
+
+def secret_keys(cls: type, where: str = "") -> list[str]:
+    """Dotted keys of every secret field of ``cls`` and its sections (``proxy.api_key``)."""
+    hints = _hints(cls)
+    keys = []
+    for name, f in _fields(cls).items():
+        if _secret(f):
+            keys.append(where + name)
+        elif dataclasses.is_dataclass(hints[name]):
+            keys += secret_keys(hints[name], f"{where}{name}.")
+    return keys
+
+
+def redacted(obj: Any, *, where: str = "") -> Any:
+    """``to_dict(obj)`` fit to show: a set secret field is ``REDACTED``, every string has its
+    URL credentials hidden. For trackio, logs and dry runs; not loadable back."""
+    if not (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+        return to_dict(_shown(obj))
+    out = {}
+    for f in dataclasses.fields(obj):
+        if _derived(f, where):
+            continue
+        value = getattr(obj, f.name)
+        hidden = _secret(f) and value
+        out[f.name] = REDACTED if hidden else redacted(value, where=f"{where}{f.name}.")
+    return out
+
+
+def redacted_repr(obj: Any) -> str:
+    """A dataclass repr that shows no secret: assign it as ``__repr__ = redacted_repr`` in a
+    config whose strings may carry credentials (the generated repr would print them)."""
+    shown = []
+    for f in dataclasses.fields(obj):
+        if not f.repr:
+            continue
+        value = getattr(obj, f.name)
+        if _secret(f) and value:
+            text = repr(REDACTED)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            text = redacted_repr(value)
+        else:
+            text = repr(_shown(value))
+        shown.append(f"{f.name}={text}")
+    return f"{type(obj).__name__}({', '.join(shown)})"
+
+
+def _shown(value: Any) -> Any:
+    """``value`` with URL credentials hidden in every string, containers kept as they are."""
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, list | tuple):
+        return type(value)(_shown(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _shown(v) for k, v in value.items()}
+    return value
 
 
 def _fields(cls: type) -> dict[str, dataclasses.Field]:
@@ -151,7 +219,7 @@ def config_from_dict(cls: type[T], data: Any, *, where: str = "") -> T:
                 f"{where}{key} is set from {fields[key].metadata['derived']}: remove it and "
                 f"set {fields[key].metadata['derived']} instead"
             )
-        kwargs[key] = _coerce(value, hints[key], f"{where}{key}")
+        kwargs[key] = _coerce_field(fields[key], value, hints[key], f"{where}{key}")
     missing = [
         name
         for name, f in fields.items()
@@ -167,6 +235,19 @@ def config_from_dict(cls: type[T], data: Any, *, where: str = "") -> T:
         raise
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where.rstrip('.') or cls.__name__}: {exc}") from exc
+
+
+def _coerce_field(f: dataclasses.Field, value: Any, tp: Any, where: str) -> Any:
+    """``_coerce``, but a secret's error does not quote the value (it may be the secret)."""
+    try:
+        return _coerce(value, tp, where)
+    except ConfigError:
+        if not _secret(f):
+            raise
+        raise ConfigError(
+            f"{where}: expected {_type_name(tp)}, got a {type(value).__name__} (not shown: it "
+            "is a secret)"
+        ) from None
 
 
 def _type_name(tp: Any) -> str:
@@ -312,9 +393,20 @@ def _one_line(exc: BaseException | str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _set(cls: type, data: dict[str, Any], key: str, value: Any, label: str) -> None:
+def _set(
+    cls: type,
+    data: dict[str, Any],
+    key: str,
+    value: Any,
+    label: str,
+    *,
+    secret_from: str | None = None,
+) -> None:
     """Set dotted ``key`` in ``data``; ``value`` is text (parsed by the field's type) or a list
-    of texts for a list field. ``label`` is what the user typed, for error messages."""
+    of texts for a list field. ``label`` is what the user typed, for error messages.
+
+    ``secret_from``: the environment variable a secret field must come from instead; given,
+    setting a secret field is refused naming it (the value came from a command line)."""
     parts = key.split(".")
     target: Any = cls
     node = data
@@ -334,13 +426,18 @@ def _set(cls: type, data: dict[str, Any], key: str, value: Any, label: str) -> N
                 raise ConfigError(f"{label}: {where}{part} is not a section")
             node, target = child, tp
             continue
+        if _secret(fields[part]) and secret_from is not None:
+            raise ConfigError(
+                f"{label} is a secret: set it in the environment as {secret_from}, not on the "
+                "command line (where `ps` and shell history show it)"
+            )
         if isinstance(value, list):
             item = (typing.get_args(_strip_none(tp)) or (Any,))[0]
             node[part] = [parse_text(v, item, label) for v in value]
         else:
             node[part] = parse_text(value, tp, label)
         if not dataclasses.is_dataclass(tp):  # check now: the error names what the user typed
-            _coerce(node[part], tp, label)
+            _coerce_field(fields[part], node[part], tp, label)
 
 
 def _strip_none(tp: Any) -> Any:
@@ -351,16 +448,42 @@ def _strip_none(tp: Any) -> Any:
     return tp
 
 
-def apply_overrides(cls: type, data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` strings to a copy of ``data``; values are typed by ``cls``'s fields."""
+def apply_overrides(
+    cls: type, data: dict[str, Any], overrides: Sequence[str], *, env_prefix: str = ""
+) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` strings to a copy of ``data``; values are typed by ``cls``'s fields.
+
+    A secret field is refused, naming its ``env_prefix`` variable: overrides come from a
+    command line, which other users and shell history can read."""
     data = copy.deepcopy(data)
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip().removeprefix("--")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: write it as section.field=value")
-        _set(cls, data, key, text, key)
+        _set(cls, data, key, text, key, secret_from=env_name(env_prefix, key))
     return data
+
+
+def refuse_file_secrets(
+    cls: type, data: Mapping[str, Any], source: str, *, env_prefix: str, where: str = ""
+) -> None:
+    """Refuse a secret field set in a config file (files get committed, copied, shipped),
+    naming the environment variable to use instead."""
+    hints = _hints(cls)
+    for name, f in _fields(cls).items():
+        value = data.get(name) if isinstance(data, Mapping) else None
+        if value in (None, "", {}):
+            continue
+        if _secret(f):
+            raise ConfigError(
+                f"{source} sets {where}{name}, a secret: remove it there and set "
+                f"{env_name(env_prefix, where + name)} in the environment"
+            )
+        if dataclasses.is_dataclass(hints[name]) and isinstance(value, Mapping):
+            refuse_file_secrets(
+                hints[name], value, source, env_prefix=env_prefix, where=f"{where}{name}."
+            )
 
 
 def _leaf_keys(cls: type, where: str = "") -> list[tuple[str, dataclasses.Field]]:
@@ -518,6 +641,7 @@ def parse_args(
 
 def _from_namespace(cls: type[T], args: argparse.Namespace, env_prefix: str) -> T:
     data = read_yaml(args.config) if args.config else {}
+    refuse_file_secrets(cls, data, f"config file {args.config}", env_prefix=env_prefix)
     data = env_overrides(cls, data, env_prefix)
     hints = _hints(cls)
     for name, f in _fields(cls).items():

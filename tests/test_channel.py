@@ -15,7 +15,7 @@ from asyncgrpo.channel import (
     encode_batch,
     encode_jsonl,
 )
-from asyncgrpo.errors import IntegrityError
+from asyncgrpo.errors import ConfigError, IntegrityError
 from asyncgrpo.sample import Sample
 from asyncgrpo.transport.local import LocalTransport
 
@@ -178,13 +178,30 @@ def test_multi_turn_fields_roundtrip_and_old_formats_are_refused() -> None:
                         "temperature": 1.0, "rewards": {}, "finish_reason": None,
                         "np": 1, "nc": 1}]).encode()  # fmt: skip
     old = struct.pack("<4sBI", b"AGRB", 1, len(head)) + head + b"\0" * 12
-    with pytest.raises(IntegrityError, match=r"format v1, this asyncgrpo reads v2.*same release"):
+    with pytest.raises(ConfigError, match=r"format v1, this asyncgrpo reads v2.*same release"):
         decode_batch(old)
     newer = bytearray(encode_batch(batch))
     newer[4] = 3
-    with pytest.raises(IntegrityError, match="format v3"):
+    with pytest.raises(ConfigError, match="format v3"):
         decode_batch(bytes(newer))
     row = json.loads(encode_jsonl([multi]))
     del row["format"]  # JSONL of format 1 had no tag
-    with pytest.raises(IntegrityError, match="format v1"):
+    with pytest.raises(ConfigError, match="format v1"):
         decode_jsonl(json.dumps(row).encode())
+
+
+async def test_a_batch_of_another_format_stops_the_consumer_and_stays(
+    transport: LocalTransport,
+) -> None:
+    """Not quarantined like a malformed batch: every batch of a mixed-release fleet would be
+    skipped. The consumer stops with the versions named; the batch waits for a matching reader."""
+    ch = RolloutChannel(transport, poll_interval_s=0.01)
+    await ch.append([sample("a")])
+    key = "rollouts/batches/000000000000.agrb"
+    data = bytearray(await transport.get(key))
+    data[4] = 1
+    await transport.put(key, bytes(data))
+    with pytest.raises(ConfigError, match="format v1, this asyncgrpo reads v2"):
+        await ch.receive(timeout_s=5)
+    assert ch.quarantined == 0
+    assert await transport.get(key) == bytes(data)

@@ -37,6 +37,7 @@ from asyncgrpo.launch.plan import (
     replica_args,
     trainer_args,
     transport_credentials,
+    transport_secret,
 )
 from asyncgrpo.launch.trainer import CONFIG_ENV
 
@@ -129,7 +130,7 @@ class HfJobsBackend:
                 name=f"{self.cfg.run_name}-replica-{i}",
                 command=tuple(command),
                 env={**env, **self.env},
-                secrets=self.secrets,
+                secrets={**self.secrets, **transport_secret("replica", self._transport())},
                 image=lcfg.image,
                 flavor=lcfg.replica_flavor,
                 timeout_s=lcfg.timeout_s,
@@ -148,7 +149,7 @@ class HfJobsBackend:
             name=f"{self.cfg.run_name}-trainer",
             command=tuple(command),
             env={**env, **self.env, CONFIG_ENV: job_config(self.cfg)},
-            secrets=self.secrets,
+            secrets={**self.secrets, **transport_secret("trainer", self._transport())},
             image=lcfg.trainer_image or lcfg.image,
             flavor=lcfg.trainer_flavor,
             timeout_s=lcfg.timeout_s,

@@ -27,7 +27,14 @@ from anyio.abc import Process
 from asyncgrpo.config import TrainingConfig
 from asyncgrpo.errors import LaunchError
 from asyncgrpo.launch.launcher import Job, JobStatus
-from asyncgrpo.launch.plan import JobSpec, job_config, labels, replica_args, trainer_args
+from asyncgrpo.launch.plan import (
+    JobSpec,
+    job_config,
+    labels,
+    replica_args,
+    trainer_args,
+    transport_secret,
+)
 from asyncgrpo.launch.trainer import CONFIG_ENV
 from asyncgrpo.serve.replicas import free_port
 
@@ -100,6 +107,7 @@ class LocalBackend:
                     *("--log-dir", ".", "--adapter-cache-dir", "adapters"),
                 ),
                 env=dict(self.transport_env),
+                secrets=transport_secret("replica", self.transport_url),
                 port=port,
                 labels=labels(self.cfg, "replica"),
             )
@@ -126,6 +134,7 @@ class LocalBackend:
             name=f"{self.cfg.run_name}-trainer",
             command=(sys.executable, *trainer_args(urls)),
             env={**self.transport_env, CONFIG_ENV: job_config(cfg)},
+            secrets=transport_secret("trainer", self.transport_url),
             labels=labels(self.cfg, "trainer"),
         )
 

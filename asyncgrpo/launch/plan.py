@@ -19,11 +19,22 @@ import yaml
 from asyncgrpo.config import TrainingConfig, to_dict
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.launch.trainer import CONFIG_ENV
+from asyncgrpo.redaction import has_credentials, redact_text
+from asyncgrpo.settings import secret_keys
 
 Role = Literal["replica", "trainer"]
 
-#: Config fields that hold secrets; the config shipped to a job has them emptied.
-SECRET_FIELDS = (("proxy", "api_key"), ("proxy", "upstream_api_key"))
+#: A transport URL with credentials in it (a SAS token) reaches each role as this secret,
+#: never in a command line or the shipped config.
+TRANSPORT_SECRET_ENV = {
+    "replica": "ASYNCGRPO_SERVE_TRANSPORTS",
+    "trainer": "ASYNCGRPO_TRANSPORT_URL",
+}
+
+
+def transport_secret(role: Role, url: str) -> dict[str, str]:
+    """The secret a ``role`` job needs for transport ``url``: none unless it has credentials."""
+    return {TRANSPORT_SECRET_ENV[role]: url} if has_credentials(url) else {}
 
 
 @dataclass(frozen=True)
@@ -53,18 +64,27 @@ class JobSpec:
         if self.timeout_s is not None:
             lines.append(f"  timeout: {self.timeout_s} s")
         lines.append(f"  ports:   {self.port if self.port is not None else '-'}")
-        lines.append(f"  command: {shlex.join(self.command)}")
-        env = [k if k == CONFIG_ENV else f"{k}={v}" for k, v in sorted(self.env.items())]
+        lines.append(f"  command: {redact_text(shlex.join(self.command))}")
+        env = [
+            k if k == CONFIG_ENV else f"{k}={redact_text(v)}" for k, v in sorted(self.env.items())
+        ]
         lines.append(f"  env:     {', '.join(env) or '-'}")
         lines.append(f"  secrets: {', '.join(sorted(self.secrets)) or '-'}")
         return "\n".join(lines)
 
 
 def job_config(cfg: TrainingConfig) -> str:
-    """The config as YAML for ``$ASYNCGRPO_CONFIG``, with every secret field emptied."""
+    """The config as YAML for ``$ASYNCGRPO_CONFIG``, with every secret field emptied and a
+    transport URL with credentials left out (it travels as :func:`transport_secret`)."""
     data: dict[str, Any] = to_dict(cfg)
-    for section, name in SECRET_FIELDS:
-        data[section][name] = None
+    for key in secret_keys(TrainingConfig):
+        *sections, name = key.split(".")
+        node = data
+        for section in sections:
+            node = node[section]
+        node[name] = None
+    if cfg.transport_url and has_credentials(cfg.transport_url):
+        data["transport_url"] = None
     return yaml.safe_dump(data, sort_keys=False)
 
 
@@ -77,14 +97,15 @@ def replica_args(
     api_key_env: str | None = None,
 ) -> list[str]:
     """``python -m asyncgrpo.serve`` arguments of one replica: one vLLM server sized like the
-    trainer's local replicas would be (LoRA rank, slots from max_staleness, dtype, length)."""
+    trainer's local replicas would be (LoRA rank, slots from max_staleness, dtype, length). A
+    transport URL with credentials is not among them: see :func:`transport_secret`."""
     args = [
         "-m", "asyncgrpo.serve",
         "--model", cfg.model,
         "--replicas", "1",
         "--host", host,
         "--port", str(port),
-        "--transport", transport_url,
+        *(() if has_credentials(transport_url) else ("--transport", transport_url)),
         "--lora-rank", str(cfg.lora.r),
         "--max-staleness", str(cfg.trainer.max_staleness),
         "--dtype", cfg.serve.dtype,

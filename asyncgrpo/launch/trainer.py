@@ -24,7 +24,8 @@ CONFIG_ENV = "ASYNCGRPO_CONFIG"
 
 def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None):
     """The run's config from ``$ASYNCGRPO_CONFIG`` plus the command line's overrides."""
-    from asyncgrpo.config import TrainingConfig
+    from asyncgrpo.config import ENV_PREFIX, TrainingConfig
+    from asyncgrpo.settings import env_overrides
 
     environ = dict(os.environ if environ is None else environ)
     p = argparse.ArgumentParser(prog="python -m asyncgrpo.launch.trainer", description=__doc__)
@@ -38,6 +39,8 @@ def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | Non
     data = yaml.safe_load(text)
     if not isinstance(data, dict):
         raise ConfigError(f"${CONFIG_ENV} must hold a YAML mapping of sections")
+    # Secrets (a transport URL with credentials) arrive as ASYNCGRPO_* variables, as everywhere.
+    data = env_overrides(TrainingConfig, data, ENV_PREFIX, environ)
     cfg = TrainingConfig.from_dict(data, args.overrides)
     if args.upstream_key_env:
         token = environ.get(args.upstream_key_env)

@@ -13,48 +13,63 @@ with its *own* settings and credentials. A URI is matched against the roots' can
 (``Transport.url``: no query, no credentials); a query in the URI (``?endpoint=``) is refused, so a
 request can never redirect a replica to another server. Nothing is read before the check passes.
 
-The cache holds only versions vLLM still serves: :meth:`AdapterFetcher.prune` drops the others,
-and a (re)started replica starts with an empty cache directory of its own.
+The cache holds only versions vLLM still serves: :meth:`AdapterFetcher.prune` drops the others.
+Each replica process makes a new private cache directory (``mkdtemp``: mode 0700, a random
+name, owner checked), so nobody else can plant files in it, and even there it trusts only the
+versions this process fetched and verified itself (an in-memory record): a directory it finds
+but did not verify is deleted and fetched again. A manifest, a file count or a total size beyond
+the replica's :class:`~asyncgrpo.transport.bundle.FetchLimits` is refused before any file is
+fetched (``ASYNCGRPO_ADAPTER_MAX_*``).
 
 This module knows nothing of vLLM; :mod:`asyncgrpo.serve.vllm_plugin` exposes it over HTTP.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import logging
 import os
-import re
 import shutil
+import stat
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncgrpo.adapters import AdapterStore
+import anyio
+
+from asyncgrpo.adapters import AdapterStore, check_adapter_name, parse_version
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.redaction import redact_text
+from asyncgrpo.settings import config_from_dict, env_overrides
 from asyncgrpo.transport import Transport, open_transport
 from asyncgrpo.transport.base import check_key
+from asyncgrpo.transport.bundle import FetchLimits
 
 __all__ = [
     "CACHE_DIR_ENV",
+    "LIMITS_ENV_PREFIX",
     "TRANSPORTS_ENV",
     "AdapterFetcher",
     "AdapterRef",
     "SourceForbidden",
     "adapter_uri",
+    "limits_from_env",
     "parse_transports",
+    "private_dir",
 ]
 
 log = logging.getLogger(__name__)
 
 #: Transport roots a replica may fetch adapters from (comma-separated URLs or paths).
 TRANSPORTS_ENV = "ASYNCGRPO_ADAPTER_TRANSPORTS"
-#: Directory under which the replica keeps its adapter cache (default: the system temp dir).
+#: Directory under which the replica makes its adapter cache (default: the system temp dir).
 CACHE_DIR_ENV = "ASYNCGRPO_ADAPTER_CACHE_DIR"
-
-_VERSION_RE = re.compile(r"^v(\d+)$")
+#: ``ASYNCGRPO_ADAPTER_MAX_MANIFEST_BYTES``, ``..._MAX_FILES``, ``..._MAX_TOTAL_BYTES``:
+#: the replica's :class:`FetchLimits`.
+LIMITS_ENV_PREFIX = "ASYNCGRPO_ADAPTER_"
 
 
 class SourceForbidden(ConfigError):
@@ -85,32 +100,91 @@ class AdapterRef:
     version: int
 
 
-class AdapterFetcher:
-    """Resolve URIs against allowed roots, fetch verified versions, keep the cache bounded."""
+def private_dir(path: Path) -> Path:
+    """``path`` as a directory only this user can reach: created with mode 0700 if missing; if
+    it exists it must be a real directory (no link), owned by this user, closed to others."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"adapter cache {path} is not a directory (a link or a file)")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(
+            f"adapter cache {path} belongs to uid {st.st_uid}, not this user "
+            f"({os.geteuid()}): someone else could put files in it; use another directory"
+        )
+    if st.st_mode & 0o077:
+        raise ConfigError(
+            f"adapter cache {path} has mode {stat.S_IMODE(st.st_mode):o}: other users could "
+            "reach it; chmod 700 it or let the replica make its own"
+        )
+    return path
 
-    def __init__(self, roots: Iterable[str], cache_dir: str | os.PathLike[str]) -> None:
+
+def _check_base(base: Path) -> None:
+    """The parent of a replica's cache: ours or root's; writable by others only if sticky (as
+    /tmp is), so nobody else can rename or replace our directory inside it."""
+    st = os.stat(base)
+    if st.st_uid not in (os.geteuid(), 0):
+        raise ConfigError(
+            f"{CACHE_DIR_ENV}={base} belongs to uid {st.st_uid}: use a directory of your own"
+        )
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise ConfigError(
+            f"{CACHE_DIR_ENV}={base} is writable by other users and not sticky (mode "
+            f"{stat.S_IMODE(st.st_mode):o}): they could swap the cache; use a private directory"
+        )
+
+
+def limits_from_env(environ: Mapping[str, str] | None = None) -> FetchLimits:
+    """The replica's fetch limits: ``ASYNCGRPO_ADAPTER_MAX_*`` over :class:`FetchLimits`."""
+    return config_from_dict(FetchLimits, env_overrides(FetchLimits, {}, LIMITS_ENV_PREFIX, environ))
+
+
+class AdapterFetcher:
+    """Resolve URIs against allowed roots, fetch verified versions, keep the cache bounded.
+
+    ``cache_dir`` is created private (0700) or must already be: see :func:`private_dir`.
+    """
+
+    def __init__(
+        self,
+        roots: Iterable[str],
+        cache_dir: str | os.PathLike[str],
+        *,
+        limits: FetchLimits | None = None,
+    ) -> None:
         self._roots: dict[str, Transport] = {}
         for root in roots:
             try:
                 transport = open_transport(root)
             except ConfigError as exc:
-                raise ConfigError(f"{TRANSPORTS_ENV}: cannot open {root!r}: {exc}") from exc
+                raise ConfigError(
+                    redact_text(f"{TRANSPORTS_ENV}: cannot open {root!r}: {exc}")
+                ) from None
             self._roots[transport.url.rstrip("/")] = transport
-        self.cache_dir = Path(cache_dir)
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.cache_dir = private_dir(Path(cache_dir).absolute())
+        self.limits = limits or FetchLimits()
         self._loading: dict[Path, int] = {}  # fetched, vLLM not done loading: prune keeps them
+        self._verified: set[Path] = set()  # what this process fetched and checked itself
+        self._locks: dict[Path, anyio.Lock] = {}
 
     @classmethod
     def from_env(cls, port: int | None = None) -> AdapterFetcher:
-        """The fetcher of a vLLM process: roots and cache from the environment.
+        """The fetcher of a vLLM process: roots, cache base and limits from the environment.
 
-        The cache is ``<base>/asyncgrpo-adapters-<port>``, emptied at start: two replicas on one
-        host never share it, and a restarted replica reuses nothing it did not verify itself.
+        The cache is a new ``<base>/asyncgrpo-adapters-<port>-<random>`` (``mkdtemp``), removed
+        at exit: two replicas on one host never share one, and nobody can prepare it in advance.
         """
         base = Path(os.environ.get(CACHE_DIR_ENV) or tempfile.gettempdir())
-        cache = base / f"asyncgrpo-adapters-{port if port is not None else os.getpid()}"
-        shutil.rmtree(cache, ignore_errors=True)
-        return cls(parse_transports(os.environ.get(TRANSPORTS_ENV)), cache)
+        base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_base(base)
+        tag = port if port is not None else os.getpid()
+        cache = Path(tempfile.mkdtemp(prefix=f"asyncgrpo-adapters-{tag}-", dir=base))
+        atexit.register(_remove_cache, cache)
+        return cls(
+            parse_transports(os.environ.get(TRANSPORTS_ENV)), cache, limits=limits_from_env()
+        )
 
     @property
     def roots(self) -> list[str]:
@@ -123,8 +197,8 @@ class AdapterFetcher:
             raise SourceForbidden("lora_uri must be a non-empty string")
         if any(c in uri for c in "?#\\\x00") or any(ord(c) < 0x20 for c in uri):
             raise SourceForbidden(
-                f"lora_uri {uri!r} must be a plain URL (no query, fragment, backslash or control "
-                "characters): the replica connects with its own settings"
+                f"lora_uri {redact_text(uri)!r} must be a plain URL (no query, fragment, "
+                "backslash or control characters): the replica connects with its own settings"
             )
         if not self._roots:
             raise SourceForbidden(
@@ -137,22 +211,26 @@ class AdapterFetcher:
                 break
         else:
             raise SourceForbidden(
-                f"lora_uri {uri!r} is not under this replica's allowed transports {self.roots}; "
-                f"add its root with --transport (or {TRANSPORTS_ENV})"
+                f"lora_uri {redact_text(uri)!r} is not under this replica's allowed transports "
+                f"{self.roots}; add its root with --transport (or {TRANSPORTS_ENV})"
             )
         try:
             parts = check_key(rel).split("/")
         except ValueError as exc:
             raise SourceForbidden(f"lora_uri {uri!r}: {exc}") from None
-        match = _VERSION_RE.match(parts[-1])
-        if len(parts) < 2 or match is None:
+        version = parse_version(parts[-1])
+        if len(parts) < 2 or version is None:
             raise SourceForbidden(
                 f"lora_uri {uri!r} must end in <adapter name>/v<N> (an AdapterStore version)"
             )
-        return AdapterRef(uri, root, "/".join(parts[:-2]), parts[-2], int(match.group(1)))
+        try:
+            name = check_adapter_name(parts[-2])
+        except ConfigError as exc:
+            raise SourceForbidden(f"lora_uri {uri!r}: {exc}") from None
+        return AdapterRef(uri, root, "/".join(parts[:-2]), name, version)
 
     def _store(self, ref: AdapterRef) -> AdapterStore:
-        return AdapterStore(self._roots[ref.root], prefix=ref.store_prefix)
+        return AdapterStore(self._roots[ref.root], prefix=ref.store_prefix, limits=self.limits)
 
     def _cache_for(self, ref: AdapterRef) -> Path:
         # One subdirectory per store: two runs may share an adapter name under different roots.
@@ -160,8 +238,19 @@ class AdapterFetcher:
         return self.cache_dir / digest
 
     async def fetch(self, ref: AdapterRef) -> Path:
-        """A verified local copy of ``ref`` (NotFound if unpublished, IntegrityError if bad)."""
-        return await self._store(ref).fetch(ref.name, ref.version, self._cache_for(ref))
+        """A verified local copy of ``ref`` (NotFound if unpublished, IntegrityError if bad or
+        beyond the limits). A copy this process did not verify itself is fetched again."""
+        store_dir = self._cache_for(ref)
+        dest = (store_dir / f"{ref.name}-v{ref.version}").absolute()
+        lock = self._locks.setdefault(dest, anyio.Lock())
+        async with lock:
+            if dest in self._verified and dest.is_dir():
+                return dest
+            self._verified.discard(dest)
+            await anyio.to_thread.run_sync(private_dir, store_dir)
+            await self._store(ref).fetch(ref.name, ref.version, store_dir, reuse=False)
+            self._verified.add(dest)
+            return dest
 
     @contextlib.contextmanager
     def loading(self, path: Path) -> Iterator[Path]:
@@ -184,25 +273,33 @@ class AdapterFetcher:
             for version_dir in store_dir.iterdir() if store_dir.is_dir() else ():
                 if version_dir.name.startswith("."):
                     continue  # a fetch in progress (temp dirs are hidden)
-                if version_dir.resolve() not in kept:
-                    shutil.rmtree(version_dir, ignore_errors=True)
-                    removed.append(version_dir)
+                if version_dir.resolve() in kept:
+                    continue
+                self._verified.discard(version_dir.absolute())  # never trusted again
+                try:
+                    shutil.rmtree(version_dir)
+                except OSError as exc:
+                    log.warning("adapter cache: cannot remove %s: %s", version_dir, exc)
+                    continue
+                removed.append(version_dir)
         if removed:
             log.info("adapter cache: removed %d version(s) vLLM no longer serves", len(removed))
         return removed
 
     def cached(self) -> list[Path]:
-        """Verified versions in the cache."""
-        if not self.cache_dir.is_dir():
-            return []
-        return sorted(
-            v
-            for s in self.cache_dir.iterdir()
-            if s.is_dir()
-            for v in s.iterdir()
-            if not v.name.startswith(".")
-        )
+        """Versions in the cache that this process fetched and verified."""
+        return sorted(p for p in self._verified if p.is_dir())
 
     async def aclose(self) -> None:
         for transport in self._roots.values():
             await transport.aclose()
+
+
+def _remove_cache(cache: Path) -> None:
+    """At exit: the cache is this process's alone; a failure is reported, not ignored."""
+    try:
+        shutil.rmtree(cache)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove the adapter cache %s: %s", cache, exc)

@@ -10,8 +10,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.serve.adapter_fetch import CACHE_DIR_ENV, TRANSPORTS_ENV
-from asyncgrpo.settings import check_fields
+from asyncgrpo.serve.adapter_fetch import CACHE_DIR_ENV, LIMITS_ENV_PREFIX, TRANSPORTS_ENV
+from asyncgrpo.settings import check_fields, env_name, redacted_repr
+from asyncgrpo.transport.bundle import FetchLimits
+
+_LIMITS = FetchLimits()
 
 #: The ``vllm.endpoint_plugins`` entry point name of :mod:`asyncgrpo.serve.vllm_plugin`.
 PLUGIN_NAME = "asyncgrpo"
@@ -95,8 +98,16 @@ class ServeConfig:
     fetch adapter versions from themselves; each replica fetches into its own cache and verifies
     every sha256. Credentials come from the replica's environment."""
     adapter_cache_dir: str | None = None
-    """where each replica keeps fetched adapters (a subdirectory per replica, emptied at start);
-    default the system temp directory"""
+    """Where each replica makes its private adapter cache (a new 0700 directory per replica
+    process, removed at exit); None: the system temp directory."""
+    adapter_max_total_bytes: int | None = _LIMITS.max_total_bytes
+    """Largest adapter version a replica fetches (the sum of its manifest's file sizes, in
+    bytes), refused before any download; None: no cap. Each file is read no further than the
+    size its manifest declares."""
+    adapter_max_files: int = _LIMITS.max_files
+    """Most files one adapter version may list."""
+    adapter_max_manifest_bytes: int = _LIMITS.max_manifest_bytes
+    """Largest adapter manifest a replica reads, in bytes."""
     adapter_delivery: AdapterDelivery = field(default="auto", metadata={"cli": False})
     """A run's: how replicas get each adapter version. 'fetch': the trainer sends a transport
     reference and every replica fetches and verifies the version itself (replicas on other
@@ -104,10 +115,14 @@ class ServeConfig:
     enables). 'path': the trainer fetches it and sends a path on its own disk (replicas must see
     it). 'auto': fetch when proxy.upstreams lists replicas, path when all replicas are local."""
 
+    __repr__ = redacted_repr  # transports may be URLs with credentials (a SAS token)
+
     def __post_init__(self) -> None:
         check_fields(
             self, "serve", ge={"replicas": 0, "max_staleness": 0, "nice": 0, "port": 1,
-            "max_model_len": 1, "kv_cache_gib": 1}, le={"nice": 19, "port": 65535},
+            "max_model_len": 1, "kv_cache_gib": 1, "adapter_max_total_bytes": 1,
+            "adapter_max_files": 1, "adapter_max_manifest_bytes": 1},
+            le={"nice": 19, "port": 65535},
             gt={"startup_timeout_s": 0, "gpu_memory_utilization": 0},
         )  # fmt: skip
         if self.max_loras is not None and self.max_loras < self.max_staleness + 2:
@@ -179,6 +194,9 @@ class ServeConfig:
             env[TRANSPORTS_ENV] = ",".join(self.transports)
         if self.adapter_cache_dir is not None:
             env[CACHE_DIR_ENV] = self.adapter_cache_dir
+        for name in ("max_total_bytes", "max_files", "max_manifest_bytes"):
+            value = getattr(self, f"adapter_{name}")
+            env[env_name(LIMITS_ENV_PREFIX, name)] = "none" if value is None else str(value)
         if self.api_key:
             # Passed by environment, not argv, so it never shows in `ps` or our logs.
             env["VLLM_API_KEY"] = self.api_key

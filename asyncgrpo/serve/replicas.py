@@ -25,7 +25,7 @@ import anyio.abc
 from anyio.abc import Process
 
 from asyncgrpo.errors import ReplicaStartError
-from asyncgrpo.serve.config import ServeConfig
+from asyncgrpo.serve.config import ServeConfig, is_loopback
 from asyncgrpo.serve.memory import with_kv_cache_size
 
 logger = logging.getLogger(__name__)
@@ -170,6 +170,32 @@ async def _wait_healthy(replica: Replica, timeout_s: float, api_key: str | None)
             await anyio.sleep(0.5)
 
 
+async def dev_routes_open(url: str) -> bool:
+    """Whether the vLLM server at ``url`` answers a development route (``/server_info``)
+    without a key. vLLM's ``--api-key`` guards only ``/v1``-style paths; asyncgrpo's plugin
+    guards the rest, so True means it did not load."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{url}/server_info", timeout=aiohttp.ClientTimeout(total=10)) as resp,
+    ):
+        return resp.status != 401
+
+
+async def _refuse_open_routes(replica: Replica, host: str) -> None:
+    """A replica other machines can reach must not answer development routes without the key."""
+    try:
+        is_open = await dev_routes_open(replica.url)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise replica.failure(f"could not be checked for open development routes ({exc})") from exc
+    if is_open:
+        raise replica.failure(
+            f"binds {host} but answers /server_info without the API key, so /collective_rpc, "
+            "/pause and the other development routes are open to anyone who reaches it: "
+            "asyncgrpo's vLLM plugin did not load (check VLLM_PLUGINS=asyncgrpo and that this "
+            "vLLM supports endpoint plugins)"
+        )
+
+
 def _alive(pids: list[int]) -> list[int]:
     try:
         import psutil
@@ -270,6 +296,8 @@ async def launch_replicas(config: ServeConfig) -> AsyncIterator[list[Replica]]:
             spawned = replica.started_s
             try:
                 await _wait_healthy(replica, config.startup_timeout_s, config.api_key)
+                if not is_loopback(config.host):
+                    await _refuse_open_routes(replica, config.host)
             except ReplicaStartError as exc:
                 failures.append(exc)
                 tg.cancel_scope.cancel()  # fail fast: no point waiting for the others

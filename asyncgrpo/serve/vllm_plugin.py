@@ -6,13 +6,25 @@ vLLM's ``--api-key`` guards them like its own:
 
 ``POST /v1/asyncgrpo/load``   ``{"lora_name": N, "lora_uri": "s3://.../adapters/<name>/v<K>"}``
     check the URI against the allowed roots, fetch and verify the version into this replica's
-    cache, then load it exactly as ``/v1/load_lora_adapter`` would. Answers: 200; 400 bad body or
-    name already loaded; 403 URI not allowed (nothing fetched); 409 ``AdapterNotPublished`` (not
-    there yet: the proxy retries); 422 ``AdapterIntegrityError`` (a size or sha256 mismatch, naming
-    the file); 502 ``AdapterFetchError`` (storage failed); vLLM's own error if the load fails.
+    cache, then load it exactly as ``/v1/load_lora_adapter`` would. ``lora_name`` must be the
+    URI's version (``<name>-v<K>``) and ``load_inplace`` is refused: a served name never changes
+    weights. Answers: 200; 400 bad body, name not the URI's version, ``load_inplace`` or name
+    already loaded; 403 URI malformed or not allowed (nothing fetched); 409
+    ``AdapterNotPublished`` (not there yet: the proxy retries); 422 ``AdapterIntegrityError`` (a
+    size or sha256 mismatch naming the file, or a version beyond the replica's fetch limits); 502
+    ``AdapterFetchError`` (storage failed); vLLM's own error if the load fails.
 ``POST /v1/asyncgrpo/unload`` ``{"lora_name": N}``: vLLM's unload, then the cached copy goes.
 ``GET /v1/asyncgrpo/info``    the allowed roots and cached versions: lets a trainer check each
     replica before its first sync and name the fix.
+
+**Every route needs the key.** vLLM's ``--api-key`` (``VLLM_API_KEY``) guards only paths under
+``/v1``, ``/v2``, ``/inference`` and ``/cohere``; the development routes the sync needs
+(``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``, ``/server_info``) and the ones it does not
+(``/collective_rpc``, ``/sleep``, ``/update_weights``, ``/reset_prefix_cache``) and ``/metrics``
+answer anyone. So when a key is configured, the plugin adds a middleware that asks vLLM's own
+key check on every path except ``/health``. ``python -m asyncgrpo.serve`` and a run's replicas
+load the plugin always, and refuse a replica beyond loopback whose ``/server_info`` answers
+without the key.
 
 Why an endpoint plugin and not a LoRA resolver: ``/v1/load_lora_adapter`` never consults
 resolvers; a resolver runs only when a completion names an unknown adapter, inside that request,
@@ -53,6 +65,54 @@ def _error(status: int, message: str, kind: str) -> Any:
     )
 
 
+#: The one path a replica answers without the key (health checks carry none).
+OPEN_PATHS = frozenset({"/health"})
+
+
+def _guard_every_route(app: Any) -> None:
+    """When vLLM has a key, require it on every path but :data:`OPEN_PATHS`, with vLLM's own
+    check (its middleware guards only ``/v1``-style paths). Fails closed: without vLLM's check
+    every other path is refused."""
+    from vllm import envs
+
+    args = getattr(app.state, "args", None)
+    tokens = [key for key in ((args and args.api_key) or [envs.VLLM_API_KEY]) if key]
+    if not tokens:
+        return  # no key: vLLM binds loopback only (asyncgrpo refuses otherwise)
+    try:
+        from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+        verify = AuthenticationMiddleware(None, tokens).verify_token
+    except ImportError as exc:
+        log.error(
+            "this vLLM lacks the key check asyncgrpo's plugin reuses (%s): refusing every route "
+            "but /health; install the vLLM asyncgrpo supports",
+            exc,
+        )
+
+        def verify(headers: Any) -> bool:
+            return False
+
+    class GuardEveryRoute:
+        """vLLM's authentication, applied to every path (pure ASGI, like vLLM's)."""
+
+        def __init__(self, app: Any) -> None:
+            self.app = app
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            from starlette.datastructures import Headers
+            from starlette.responses import JSONResponse
+
+            if scope["type"] not in ("http", "websocket"):
+                return await self.app(scope, receive, send)
+            path = scope["path"].removeprefix(scope.get("root_path", ""))
+            if path in OPEN_PATHS or verify(Headers(scope=scope)):
+                return await self.app(scope, receive, send)
+            await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+
+    app.add_middleware(GuardEveryRoute)
+
+
 def _vllm_internals() -> tuple[Any, Any, Any, Any] | str:
     """The pinned vLLM internals the routes use, or why they are missing."""
     try:
@@ -83,6 +143,7 @@ class AsyncGRPOEndpointPlugin:
         from fastapi import APIRouter, Request
         from fastapi.responses import Response
 
+        _guard_every_route(app)
         router = APIRouter()
         internals = _vllm_internals()
 
@@ -120,9 +181,16 @@ class AsyncGRPOEndpointPlugin:
             if not isinstance(parsed, tuple):
                 return parsed
             (body, name), (models, error_response, load_request, _) = parsed, internals
-            uri, inplace = body.get("lora_uri"), bool(body.get("load_inplace", False))
+            if body.get("load_inplace"):
+                return _error(
+                    400,
+                    "load_inplace is refused: a served name never changes weights (vLLM keys "
+                    "its prefix cache by name); publish a new version under a new name",
+                    "BadRequestError",
+                )
+            uri = body.get("lora_uri")
             serving = models(request)
-            if name in serving.lora_requests and not inplace:
+            if name in serving.lora_requests:
                 # Before any fetch; the wording is vLLM's, which the proxy's replay recognises.
                 return _error(
                     400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput"
@@ -134,6 +202,13 @@ class AsyncGRPOEndpointPlugin:
             except SourceForbidden as exc:
                 log.warning("refused to fetch adapter %s: %s", name, exc)
                 return _error(403, str(exc), "ForbiddenError")
+            if name != f"{ref.name}-v{ref.version}":
+                return _error(
+                    400,
+                    f"lora_name {name!r} is not the version the URI names: serve it as "
+                    f"'{ref.name}-v{ref.version}' (a name means one version's weights)",
+                    "BadRequestError",
+                )
             try:
                 path = await fetcher.fetch(ref)
             except NotFound as exc:
@@ -153,7 +228,7 @@ class AsyncGRPOEndpointPlugin:
                 )
             with fetcher.loading(path):
                 result = await serving.load_lora_adapter(
-                    load_request(lora_name=name, lora_path=str(path), load_inplace=inplace)
+                    load_request(lora_name=name, lora_path=str(path))
                 )
             return answer(serving, fetcher, result, error_response)
 

@@ -25,9 +25,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal, Self
 
-from asyncgrpo.errors import InvalidKey, NotFound
+from asyncgrpo.errors import IntegrityError, InvalidKey, NotFound
 
-__all__ = ["ObjectInfo", "PutMode", "Transport", "check_key", "join_key"]
+__all__ = ["ObjectInfo", "PutMode", "Transport", "check_key", "join_key", "too_large"]
 
 PutMode = Literal["overwrite", "create"]
 """``"overwrite"`` replaces an existing object; ``"create"`` raises ``AlreadyExists`` instead."""
@@ -66,6 +66,11 @@ def check_key(key: str, *, allow_empty: bool = False) -> str:
     return stripped
 
 
+def too_large(what: str, max_bytes: int) -> IntegrityError:
+    """The error for an object that holds more than a reader's ``max_bytes``."""
+    return IntegrityError(f"{what} holds more than {max_bytes} bytes, the most this read accepts")
+
+
 def join_key(*parts: str) -> str:
     """Join key segments with ``/``, skipping empty ones."""
     return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
@@ -84,8 +89,9 @@ class Transport(abc.ABC):
 
     # ---- abstract operations ------------------------------------------------------------------
     @abc.abstractmethod
-    async def get(self, key: str) -> bytes:
-        """Return the whole object; ``NotFound`` if missing."""
+    async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """Return the whole object; ``NotFound`` if missing. With ``max_bytes``, an object
+        larger than that raises :class:`~asyncgrpo.errors.IntegrityError`, read no further."""
 
     @abc.abstractmethod
     async def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> None:
@@ -121,9 +127,12 @@ class Transport(abc.ABC):
         data = await _read_file(Path(path))
         await self.put(key, data, mode=mode)
 
-    async def get_file(self, key: str, path: str | os.PathLike[str]) -> int:
-        """Download ``key`` to ``path`` (written to a temp name, then renamed); return its size."""
-        data = await self.get(key)
+    async def get_file(
+        self, key: str, path: str | os.PathLike[str], *, max_bytes: int | None = None
+    ) -> int:
+        """Download ``key`` to ``path`` (written to a temp name, then renamed); return its size.
+        ``max_bytes`` as for :meth:`get`: nothing is left at ``path`` then."""
+        data = await self.get(key, max_bytes=max_bytes)
         await _write_file_atomic(Path(path), [data])
         return len(data)
 

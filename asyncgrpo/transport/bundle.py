@@ -13,6 +13,12 @@ bundle; :func:`list_bundles` reports such leftovers so retention can delete them
 Downloads go to a temp directory beside the destination, every file is checked against the
 manifest's size and sha256, and only then is the directory renamed into place, so a destination
 directory that exists is complete and verified, also with several processes fetching at once.
+
+A reader trusts the storage no further than :class:`FetchLimits` says: the manifest, the number
+of files and their total size are capped before anything is downloaded, and each file is read
+no further than the size its manifest entry declares, so a writer to the storage cannot fill a
+reader's disk. An integrity error names the file and what the manifest declares, never what was
+found (that could describe a file the reader was tricked into reading).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ __all__ = [
     "MANIFEST",
     "BundleListing",
     "BundleStore",
+    "FetchLimits",
     "delete_bundle",
     "download_bundle",
     "list_bundles",
@@ -54,6 +61,31 @@ MANIFEST = "manifest.json"
 LOCAL_MANIFEST = ".asyncgrpo-manifest.json"
 """Copy of the manifest inside a downloaded directory (hidden: vLLM and peft ignore it)."""
 FORMAT = "asyncgrpo.bundle/1"
+_SHA256_HEX = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True, slots=True)
+class FetchLimits:
+    """How much one bundle download may take; checked before any file is fetched."""
+
+    max_manifest_bytes: int = 1 << 20
+    """Largest manifest read (a manifest of 1,000 files is ~150 KB)."""
+    max_files: int = 1024
+    """Most files one bundle may list."""
+    max_total_bytes: int | None = 16 << 30
+    """Largest sum of the listed file sizes; None: no cap (each file is still read no further
+    than its declared size)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_manifest_bytes", "max_files", "max_total_bytes"):
+            value = getattr(self, name)
+            if value is None and name == "max_total_bytes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"FetchLimits.{name}={value!r}: must be an integer >= 1")
+
+
+_DEFAULT_LIMITS = FetchLimits()
 
 
 def _hash_file(path: Path) -> tuple[int, str]:
@@ -124,17 +156,34 @@ async def publish_bundle(
         await _gather(
             [upload(p, e["path"]) for p, e in zip(paths, entries, strict=True)], concurrency
         )
-        manifest = {
-            "format": FORMAT,
-            **fields,
-            "files_prefix": attempt,
-            "files": entries,
-            "created_at": time.time(),
-        }
-        await transport.put(manifest_key, json.dumps(manifest, indent=1).encode(), mode="create")
-    except BaseException as exc:
+    except BaseException:
         with anyio.CancelScope(shield=True):
             await _delete_files(transport, join_key(prefix, attempt))
+        raise
+    manifest = {
+        "format": FORMAT,
+        **fields,
+        "files_prefix": attempt,
+        "files": entries,
+        "created_at": time.time(),
+    }
+    try:
+        await transport.put(manifest_key, json.dumps(manifest, indent=1).encode(), mode="create")
+    except BaseException as exc:
+        # A create can land and still fail: its answer lost, then the retry told AlreadyExists,
+        # or a timeout after the write. Our files are deleted only once the manifest is known
+        # not to be ours; else they are leftovers that retention removes.
+        with anyio.CancelScope(shield=True):
+            winner = await _manifest_attempt(transport, prefix)
+            if winner == attempt:
+                log.info(
+                    "%s/%s: our create landed, though it reported %r", transport.url, prefix, exc
+                )
+            elif winner is not _UNKNOWN:
+                await _delete_files(transport, join_key(prefix, attempt))
+        if winner == attempt and isinstance(exc, Exception):
+            await _delete_stale_attempts(transport, prefix, keep=attempt)
+            return manifest
         if isinstance(exc, AlreadyExists):
             raise AlreadyExists(
                 f"{transport.url}/{prefix} was published by someone else first"
@@ -152,6 +201,22 @@ async def publish_bundle(
     return manifest
 
 
+_UNKNOWN = object()
+
+
+async def _manifest_attempt(transport: Transport, prefix: str) -> str | object | None:
+    """The ``files_prefix`` the bundle's manifest names; None when there is no manifest;
+    ``_UNKNOWN`` when it cannot be read (then nothing may be deleted)."""
+    try:
+        manifest = await read_manifest(transport, prefix)
+    except NotFound:
+        return None
+    except (TransportError, OSError) as exc:
+        log.warning("cannot tell whether %s/%s is ours: %s", transport.url, prefix, exc)
+        return _UNKNOWN
+    return manifest.get("files_prefix")
+
+
 async def _delete_stale_attempts(transport: Transport, prefix: str, *, keep: str) -> None:
     """After winning, drop files of killed or losing attempts (best effort, never fatal)."""
     try:
@@ -166,10 +231,14 @@ async def _delete_stale_attempts(transport: Transport, prefix: str, *, keep: str
         log.warning("could not delete stale uploads under %s/%s: %s", transport.url, prefix, exc)
 
 
-async def read_manifest(transport: Transport, prefix: str) -> dict[str, Any]:
-    """Return the manifest of the bundle at ``prefix``; :class:`NotFound` if unpublished."""
+async def read_manifest(
+    transport: Transport, prefix: str, *, max_bytes: int | None = None
+) -> dict[str, Any]:
+    """Return the manifest of the bundle at ``prefix``; :class:`NotFound` if unpublished,
+    :class:`IntegrityError` if it is not a manifest or holds more than ``max_bytes`` (default
+    :attr:`FetchLimits.max_manifest_bytes`)."""
     key = join_key(check_key(prefix), MANIFEST)
-    raw = await transport.get(key)
+    raw = await transport.get(key, max_bytes=max_bytes or _DEFAULT_LIMITS.max_manifest_bytes)
     try:
         manifest = json.loads(raw)
     except ValueError as exc:
@@ -179,6 +248,48 @@ async def read_manifest(transport: Transport, prefix: str) -> dict[str, Any]:
     return manifest
 
 
+def _manifest_files(
+    manifest: Any, limits: FetchLimits, where: str
+) -> tuple[str, list[tuple[str, int, str]]]:
+    """The files prefix and ``(path, size, sha256)`` of each file a manifest lists, checked
+    against ``limits`` and for shape (relative paths without '..', each once; sizes; hex
+    digests) before anything is downloaded. ``where`` names the bundle in errors."""
+    bad = f"{where}: malformed manifest"
+    if not isinstance(manifest, dict):
+        raise IntegrityError(f"{bad} (not an object)")
+    files, files_prefix = manifest.get("files"), manifest.get("files_prefix")
+    if not isinstance(files, list) or not isinstance(files_prefix, str):
+        raise IntegrityError(f"{bad} (no files or files_prefix)")
+    if len(files) > limits.max_files:
+        raise IntegrityError(
+            f"{where} lists {len(files)} files, more than this reader accepts "
+            f"({limits.max_files}; raise the max files limit if the bundle is legitimate)"
+        )
+    try:
+        files_prefix = check_key(files_prefix)
+        if "/" in files_prefix:
+            raise ValueError("files_prefix must be one key segment")
+        out: list[tuple[str, int, str]] = []
+        for entry in files:
+            path, size, sha = entry["path"], entry["size"], entry["sha256"]
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ValueError(f"size {size!r} of {path!r}")
+            if not isinstance(sha, str) or len(sha) != 64 or not _SHA256_HEX.issuperset(sha):
+                raise ValueError(f"sha256 of {path!r}")
+            out.append((check_key(path), size, sha))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise IntegrityError(f"{bad} ({exc})") from None
+    if len({p for p, _, _ in out}) != len(out) or any(p == LOCAL_MANIFEST for p, _, _ in out):
+        raise IntegrityError(f"{bad} (a path listed twice or reserved)")
+    total = sum(size for _, size, _ in out)
+    if limits.max_total_bytes is not None and total > limits.max_total_bytes:
+        raise IntegrityError(
+            f"{where} lists {total} bytes, more than this reader accepts "
+            f"({limits.max_total_bytes}; raise the max bytes limit if the bundle is legitimate)"
+        )
+    return files_prefix, out
+
+
 async def download_bundle(
     transport: Transport,
     prefix: str,
@@ -186,52 +297,70 @@ async def download_bundle(
     *,
     manifest: dict[str, Any] | None = None,
     concurrency: int = 8,
+    limits: FetchLimits | None = None,
+    reuse: bool = True,
 ) -> tuple[Path, dict[str, Any]]:
     """Make ``dest`` a verified copy of the bundle; return it and the manifest.
 
-    If ``dest`` already exists it was produced by this function (it only ever appears by rename
-    after verification) and is returned as is. Raises :class:`IntegrityError` on a size or
-    sha256 mismatch, leaving nothing at ``dest``.
+    With ``reuse``, an existing ``dest`` is returned as is: this function only ever makes one
+    appear by rename after verification, so a caller that alone writes under ``dest``'s parent
+    may trust it. Without, an existing ``dest`` is deleted and fetched again. Raises
+    :class:`IntegrityError` on a size or sha256 mismatch or a bundle beyond ``limits`` (default
+    :class:`FetchLimits`'s), leaving nothing at ``dest``.
     """
     dest = Path(dest)
-    if (dest / LOCAL_MANIFEST).is_file():
+    limits = limits or _DEFAULT_LIMITS
+    if reuse and (dest / LOCAL_MANIFEST).is_file():
         cached = json.loads((dest / LOCAL_MANIFEST).read_text())
         return dest, cached
     if manifest is None:
-        manifest = await read_manifest(transport, prefix)
+        manifest = await read_manifest(transport, prefix, max_bytes=limits.max_manifest_bytes)
+    where = f"{transport.url}/{prefix}"
+    attempt, files = _manifest_files(manifest, limits, where)
+    files_prefix = join_key(prefix, attempt)
+    if not reuse and (dest.exists() or dest.is_symlink()):
+        await anyio.to_thread.run_sync(_remove_tree, dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        files_prefix = join_key(prefix, manifest["files_prefix"])
 
-        def fetch(entry: dict[str, Any]) -> Callable[[], Awaitable[None]]:
+        def fetch(rel: str, size: int, sha256: str) -> Callable[[], Awaitable[None]]:
             async def job() -> None:
-                rel = check_key(entry["path"])
                 target = tmp.joinpath(*rel.split("/"))
-                await transport.get_file(join_key(files_prefix, rel), target)
-                size, sha = await anyio.to_thread.run_sync(_hash_file, target)
-                if size != entry["size"] or sha != entry["sha256"]:
+                try:
+                    await transport.get_file(join_key(files_prefix, rel), target, max_bytes=size)
+                    got = await anyio.to_thread.run_sync(_hash_file, target)
+                except IntegrityError:
+                    got = None  # more bytes than declared: the transport stopped reading
+                if got != (size, sha256):
                     raise IntegrityError(
-                        f"{transport.url}/{files_prefix}/{rel}: got {size} bytes "
-                        f"sha256 {sha[:12]}, "
-                        f"manifest says {entry['size']} bytes sha256 {entry['sha256'][:12]}"
+                        f"{files_prefix}/{rel} under {transport.url} does not match its "
+                        f"manifest entry ({size} bytes, sha256 {sha256[:12]}...)"
                     )
 
             return job
 
-        await _gather([fetch(e) for e in manifest["files"]], concurrency)
+        await _gather([fetch(*f) for f in files], concurrency)
         (tmp / LOCAL_MANIFEST).write_text(json.dumps(manifest, indent=1))
         try:
             os.rename(tmp, dest)
         except OSError:
-            if not (dest / LOCAL_MANIFEST).is_file():
+            if not reuse or not (dest / LOCAL_MANIFEST).is_file():
                 raise
             log.debug("%s appeared concurrently; using it", dest)
     finally:
         if tmp.exists():
             await anyio.to_thread.run_sync(shutil.rmtree, tmp, True)
     return dest, manifest
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a file, link or directory tree; a failure raises (never trust what remains)."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
 
 
 async def _delete_files(transport: Transport, prefix: str) -> None:
@@ -281,11 +410,13 @@ async def list_bundles(transport: Transport, root: str) -> BundleListing:
 class BundleStore:
     """Bundles under one prefix of a transport: what the adapter and checkpoint stores share.
 
-    ``keep_last`` (if set) is how many bundles the store keeps after each publish; a transport
-    given as a URL is opened here.
+    ``keep_last`` (if set) is how many bundles the store keeps after each publish; ``limits``
+    caps what one download may take; a transport given as a URL is opened here.
     """
 
     default_prefix = ""
+
+    default_limits = _DEFAULT_LIMITS
 
     def __init__(
         self,
@@ -294,10 +425,12 @@ class BundleStore:
         prefix: str | None = None,
         keep_last: int | None = None,
         concurrency: int = 8,
+        limits: FetchLimits | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ConfigError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
         self.transport = open_transport(transport) if isinstance(transport, str) else transport
         self.prefix = self.default_prefix if prefix is None else prefix
         self.keep_last = keep_last
+        self.limits = self.default_limits if limits is None else limits
         self._concurrency = concurrency

@@ -4,34 +4,53 @@ Every write goes to a temp file beside its target and is renamed into place, so 
 host see the old object or the whole new one. ``mode="create"`` links the temp file to the
 target (``link(2)`` fails if the target exists, atomically, also on NFS); where hard links are
 unsupported it falls back to ``O_CREAT|O_EXCL`` plus an in-place write, which is exclusive but
-lets a concurrent reader see a partial file (we log that once). Keys are confined to the root:
-:func:`~asyncgrpo.transport.base.check_key` rejects ``..`` and absolute keys before any path is
-built. Temp files are named ``.~asyncgrpo.*`` and never listed.
+lets a concurrent reader see a partial file (we log that once); a fallback create that fails
+(a full disk) removes what it wrote, so no truncated object is left to be read as complete.
+
+Keys are confined to the root: :func:`~asyncgrpo.transport.base.check_key` rejects ``..`` and
+absolute keys before any path is built, and no symbolic link under the root is followed. Reads
+walk from the root one directory at a time with ``O_NOFOLLOW`` (and open only regular files),
+so a link planted by someone who can write the directory cannot make a reader return a file from
+elsewhere; writes, deletes and listings refuse a path with a link on it. The root itself may be
+a link: it is the user's choice. Temp files are named ``.~asyncgrpo.*`` and never listed.
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import logging
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import unquote, urlsplit
 
 import anyio
 import anyio.to_thread
 
 from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound, TransportError
-from asyncgrpo.transport.base import ObjectInfo, PutMode, Transport, check_key
+from asyncgrpo.transport.base import (
+    CHUNK_BYTES,
+    ObjectInfo,
+    PutMode,
+    Transport,
+    check_key,
+    too_large,
+)
 
 __all__ = ["LocalTransport"]
 
 log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".~asyncgrpo."
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
+# O_NONBLOCK: a FIFO planted as an object must not hang the reader (refused after fstat).
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 
 
 class LocalTransport(Transport):
@@ -69,6 +88,70 @@ class LocalTransport(Transport):
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))
 
+    def _refuse_links(self, path: Path) -> None:
+        """Raise if ``path`` or a directory between it and the root is a symbolic link."""
+        current = path
+        while current != self.root:
+            try:
+                if stat.S_ISLNK(os.lstat(current).st_mode):
+                    raise self._link_error(current)
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+            current = current.parent
+
+    def _link_error(self, path: Path) -> TransportError:
+        return TransportError(
+            f"{self.url}/{self._rel(path)} is a symbolic link; a local transport follows no "
+            "links under its root (someone with write access to it planted one, or a tool "
+            "copied the store without -P)"
+        )
+
+    def _open_object(self, key: str) -> tuple[int, os.stat_result]:
+        """An open descriptor of the regular file at ``key`` and its stat, reached from the root
+        without following any link: ``O_NOFOLLOW`` on every directory and on the file."""
+        parts = check_key(key).split("/")
+        where = self._path(key)
+        self._refuse_links(where)  # the walk below would refuse it too, less clearly
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+        except FileNotFoundError as exc:
+            raise NotFound(f"{self.url}/{key} does not exist") from exc
+        try:
+            for part in parts[:-1]:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = child
+            file_fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=fd)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise NotFound(f"{self.url}/{key} does not exist") from exc
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._link_error(where) from None
+            raise
+        finally:
+            os.close(fd)
+        st = os.fstat(file_fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(file_fd)
+            raise NotFound(f"{self.url}/{key} is not a regular file, not an object")
+        os.set_blocking(file_fd, True)
+        return file_fd, st
+
+    def _copy_object(self, key: str, sink: BinaryIO, max_bytes: int | None) -> int:
+        """Copy ``key`` into ``sink``; return the byte count. Reads at most ``max_bytes`` (+1,
+        to notice a file that grew while it was read)."""
+        fd, st = self._open_object(key)
+        with open(fd, "rb") as f:
+            if max_bytes is not None and st.st_size > max_bytes:
+                raise too_large(f"{self.url}/{key}", max_bytes)
+            copied = 0
+            while chunk := f.read(CHUNK_BYTES):
+                copied += len(chunk)
+                if max_bytes is not None and copied > max_bytes:
+                    raise too_large(f"{self.url}/{key}", max_bytes)
+                sink.write(chunk)
+            return copied
+
     def _tmp_for(self, path: Path) -> Path:
         return path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex[:12]}")
 
@@ -98,19 +181,29 @@ class LocalTransport(Transport):
             )
             self._warned_no_link = True
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         except FileExistsError:
             tmp.unlink(missing_ok=True)
             raise AlreadyExists(f"{self.url}/{self._rel(path)} already exists") from None
-        with os.fdopen(fd, "wb") as dst, tmp.open("rb") as src:
-            shutil.copyfileobj(src, dst)
-        tmp.unlink(missing_ok=True)
+        try:
+            with os.fdopen(fd, "wb") as dst, tmp.open("rb") as src:
+                shutil.copyfileobj(src, dst)
+                if self._fsync:
+                    os.fsync(dst.fileno())
+        except BaseException:
+            # A partial object must not stay: it would read as complete (a truncated manifest
+            # listed as a published version). We created it exclusively, so it is ours.
+            path.unlink(missing_ok=True)
+            raise
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def _rel(self, path: Path) -> str:
         return path.relative_to(self.root).as_posix()
 
     def _write(self, path: Path, data: bytes | None, src: Path | None, mode: PutMode) -> None:
-        if mode == "create" and path.exists():
+        self._refuse_links(path)
+        if mode == "create" and (path.exists() or path.is_symlink()):
             raise AlreadyExists(f"{self.url}/{self._rel(path)} already exists")
         tmp = self._tmp_for(path)
         for attempt in range(3):  # a concurrent delete may rmdir an empty parent under us
@@ -139,12 +232,13 @@ class LocalTransport(Transport):
             raise
 
     # ---- Transport ----------------------------------------------------------------------------
-    async def get(self, key: str) -> bytes:
-        path = self._path(key)
-        try:
-            return await anyio.to_thread.run_sync(path.read_bytes)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
-            raise NotFound(f"{self.url}/{key} does not exist") from exc
+    async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        def read() -> bytes:
+            buffer = io.BytesIO()
+            self._copy_object(key, buffer, max_bytes)
+            return buffer.getvalue()
+
+        return await anyio.to_thread.run_sync(read)
 
     async def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> None:
         await anyio.to_thread.run_sync(self._write, self._path(key), bytes(data), None, mode)
@@ -154,35 +248,32 @@ class LocalTransport(Transport):
     ) -> None:
         await anyio.to_thread.run_sync(self._write, self._path(key), None, Path(path), mode)
 
-    async def get_file(self, key: str, path: str | os.PathLike[str]) -> int:
-        src, dst = self._path(key), Path(path)
+    async def get_file(
+        self, key: str, path: str | os.PathLike[str], *, max_bytes: int | None = None
+    ) -> int:
+        dst = Path(path)
 
         def copy() -> int:
             dst.parent.mkdir(parents=True, exist_ok=True)
             tmp = self._tmp_for(dst)
             try:
-                shutil.copyfile(src, tmp)
+                with tmp.open("xb") as sink:
+                    size = self._copy_object(key, sink, max_bytes)
                 os.replace(tmp, dst)
-            except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
-                tmp.unlink(missing_ok=True)
-                if not src.is_file():
-                    raise NotFound(f"{self.url}/{key} does not exist") from exc
-                raise
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
-            return dst.stat().st_size
+            return size
 
         return await anyio.to_thread.run_sync(copy)
 
     async def head(self, key: str) -> ObjectInfo:
-        path = self._path(key)
-        try:
-            st = await anyio.to_thread.run_sync(path.stat)
-        except (FileNotFoundError, NotADirectoryError) as exc:
-            raise NotFound(f"{self.url}/{key} does not exist") from exc
-        if not path.is_file():
-            raise NotFound(f"{self.url}/{key} is a directory, not an object")
+        def stat_object() -> os.stat_result:
+            fd, st = self._open_object(key)
+            os.close(fd)
+            return st
+
+        st = await anyio.to_thread.run_sync(stat_object)
         return ObjectInfo(key=check_key(key), size=st.st_size, mtime=st.st_mtime)
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:  # type: ignore[override]
@@ -191,18 +282,21 @@ class LocalTransport(Transport):
 
         def walk() -> list[ObjectInfo]:
             found: list[ObjectInfo] = []
+            self._refuse_links(base)
             if not base.is_dir():
                 return found
+            # os.walk descends no linked directory; linked files are skipped by lstat.
             for dirpath, _dirs, files in os.walk(base):
                 for name in files:
                     if name.startswith(TMP_PREFIX):
                         continue
                     full = Path(dirpath, name)
                     try:
-                        st = full.stat()
+                        st = os.lstat(full)
                     except FileNotFoundError:  # deleted while walking
                         continue
-                    found.append(ObjectInfo(self._rel(full), st.st_size, st.st_mtime))
+                    if stat.S_ISREG(st.st_mode):
+                        found.append(ObjectInfo(self._rel(full), st.st_size, st.st_mtime))
             return found
 
         for info in await anyio.to_thread.run_sync(walk):
@@ -212,6 +306,7 @@ class LocalTransport(Transport):
         path = self._path(key)
 
         def remove() -> None:
+            self._refuse_links(path.parent)  # the link itself may go: unlink does not follow it
             try:
                 path.unlink()
             except FileNotFoundError:

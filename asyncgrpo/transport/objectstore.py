@@ -17,37 +17,29 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound, TransportError
+from asyncgrpo.redaction import redact_text
 from asyncgrpo.transport.base import (
     ObjectInfo,
     PutMode,
     Transport,
     _write_file_atomic,
     check_key,
+    too_large,
 )
 
-__all__ = ["ObjectStoreTransport", "redact"]
-
-_SECRET_QUERY = re.compile(
-    r"(?i)\b(sig|signature|x-amz-signature|x-amz-credential|x-amz-security-token|"
-    r"x-goog-signature|x-goog-credential|accountkey|sharedaccesssignature)=[^&;\s\"'<>]+"
-)
-
-
-def redact(text: str) -> str:
-    """Blank out signatures and keys an error message may quote (SAS URLs, connection strings)."""
-    return _SECRET_QUERY.sub(lambda m: f"{m.group(1)}=REDACTED", text)
+__all__ = ["ObjectStoreTransport"]
 
 
 def _first_line(exc: BaseException) -> str:
+    """The first line of an obstore error, without the credentials it may quote (a SAS URL)."""
     text = str(exc).strip()
-    return redact(text.splitlines()[0][:300]) if text else type(exc).__name__
+    return redact_text(text.splitlines()[0])[:300] if text else type(exc).__name__
 
 
 @contextlib.contextmanager
@@ -127,12 +119,19 @@ class ObjectStoreTransport(Transport):
         return f"{self.url}/{key}"
 
     # ---- Transport ----------------------------------------------------------------------------
-    async def get(self, key: str) -> bytes:
+    async def _open_get(self, key: str, max_bytes: int | None) -> Any:
+        """A started GET, refused before its body is read if larger than ``max_bytes``."""
         import obstore
 
+        result = await obstore.get_async(self._store, key)
+        if max_bytes is not None and result.meta["size"] > max_bytes:
+            raise too_large(self._what(key), max_bytes)
+        return result
+
+    async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         key = check_key(key)
         with _translate(self._what(key)):
-            result = await obstore.get_async(self._store, key)
+            result = await self._open_get(key, max_bytes)
             return bytes(await result.bytes_async())
 
     async def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> None:
@@ -154,16 +153,20 @@ class ObjectStoreTransport(Transport):
             # obstore streams a Path in multipart chunks; a create is a single conditional PUT.
             await obstore.put_async(self._store, key, path, mode=mode, chunk_size=self._chunk)
 
-    async def get_file(self, key: str, path: str | os.PathLike[str]) -> int:
-        import obstore
-
+    async def get_file(
+        self, key: str, path: str | os.PathLike[str], *, max_bytes: int | None = None
+    ) -> int:
         key = check_key(key)
         with _translate(self._what(key)):
-            result = await obstore.get_async(self._store, key)
+            result = await self._open_get(key, max_bytes)
 
             async def chunks() -> AsyncIterator[bytes]:
+                seen = 0
                 with _translate(self._what(key)):
                     async for chunk in result.stream(min_chunk_size=self._chunk):
+                        seen += len(chunk)
+                        if max_bytes is not None and seen > max_bytes:
+                            raise too_large(self._what(key), max_bytes)
                         yield bytes(chunk)
 
             return await _write_file_atomic(Path(path), chunks())

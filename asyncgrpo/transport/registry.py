@@ -17,8 +17,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.redaction import redact_text
 from asyncgrpo.transport.base import Transport
-from asyncgrpo.transport.objectstore import redact
 
 __all__ = ["ACCEPTED_FORMS", "TransportFactory", "open_transport", "register_scheme"]
 
@@ -125,13 +125,13 @@ def open_transport(url: str | Any, **options: Any) -> Transport:
     match = _SCHEME_RE.match(url)
     if match is None:
         if "://" in url or (":" in url.split("/", 1)[0] and not re.match(r"^[A-Za-z]:", url)):
-            raise ConfigError(f"malformed transport URL {redact(url)!r}; accepted: {_forms()}")
+            raise ConfigError(f"malformed transport URL {redact_text(url)!r}; accepted: {_forms()}")
         return _local(url, **options)
     scheme = match.group(1).lower()
     factory = _registry.get(scheme) or _BUILTIN.get(scheme) or _from_entry_points(scheme)
     if factory is None:
         raise ConfigError(
-            f"unknown transport scheme {scheme!r} in {redact(url)!r}; accepted: {_forms()} "
+            f"unknown transport scheme {scheme!r} in {redact_text(url)!r}; accepted: {_forms()} "
             f"(or a scheme registered via entry point group {ENTRY_POINT_GROUP!r})"
         )
     return factory(url, **options)

@@ -193,7 +193,8 @@ def test_tiny_run_end_to_end_as_separate_processes_then_resumed(
         replica_log = (launch_dir / f"replica-{i}" / "replica-0.log").read_text()
         loaded = re.findall(r"Loaded new LoRA adapter: name '(\S+)', path '(\S+)'", replica_log)
         assert len(loaded) >= 40, loaded  # a version per step (and v0)
-        assert all(path.startswith("adapters/") for _, path in loaded), loaded  # its own cache
+        own_cache = str(launch_dir / f"replica-{i}" / "adapters") + "/"
+        assert all(path.startswith(own_cache) for _, path in loaded), loaded  # its own cache
         assert trainer_dir not in replica_log
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # fmt: skip

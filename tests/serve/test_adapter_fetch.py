@@ -129,16 +129,17 @@ async def test_prune_keeps_only_what_vllm_still_serves(
     assert fetcher.cached() == [v1]
 
 
-def test_from_env_starts_with_an_empty_cache_of_its_own(
+def test_from_env_makes_an_empty_cache_of_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setenv(TRANSPORTS_ENV, f"{tmp_path / 'a'},{tmp_path / 'b'}")
-    leftover = tmp_path / "asyncgrpo-adapters-8001" / "x" / "run-v1"
-    leftover.mkdir(parents=True)
-    fetcher = AdapterFetcher.from_env(port=8001)
-    assert fetcher.cache_dir == tmp_path / "asyncgrpo-adapters-8001"
-    assert not leftover.exists()
-    assert fetcher.roots == sorted(
+    first, second = AdapterFetcher.from_env(port=8001), AdapterFetcher.from_env(port=8001)
+    assert first.cache_dir != second.cache_dir  # a restart never reuses a cache
+    assert first.cache_dir.parent == tmp_path and first.cache_dir.name.startswith(
+        "asyncgrpo-adapters-8001-"
+    )
+    assert list(first.cache_dir.iterdir()) == [] and first.cached() == []
+    assert first.roots == sorted(
         [open_transport(str(tmp_path / "a")).url, open_transport(str(tmp_path / "b")).url]
     )

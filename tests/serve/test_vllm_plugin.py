@@ -203,3 +203,37 @@ async def test_a_replica_joining_mid_run_fetches_the_current_version_itself(
                 assert error < 1e-4
             finally:
                 await client.unload_fetched_adapter(f"{name}-v0")
+
+
+async def _load(url: str, body: dict) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as s, s.post(f"{url}/v1/asyncgrpo/load", json=body) as r:
+        return r.status, await r.text()
+
+
+async def test_a_served_name_cannot_be_given_other_weights(
+    vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
+) -> None:
+    """Issue 21, item 6: ``load_inplace`` and a ``lora_name`` that is not the URI's version
+    would swap the weights behind a name in use (vLLM keys its prefix cache by name); a bad
+    adapter name in the URI is a 4xx, not a server error (item 11)."""
+    url = vllm_replicas[0].url
+    name = _name()
+    uri0 = await _publish(tmp_path, tiny_model, name, 0, seed=7)
+    uri1 = await _publish(tmp_path, tiny_model, name, 1, seed=8)
+    async with VLLMClient(url) as client:
+        await client.load_lora_adapter_from(f"{name}-v0", uri0)
+        try:
+            status, text = await _load(
+                url, {"lora_name": f"{name}-v0", "lora_uri": uri1, "load_inplace": True}
+            )
+            assert status == 400 and "load_inplace" in text, text
+            status, text = await _load(url, {"lora_name": f"{name}-v7", "lora_uri": uri1})
+            assert status == 400 and f"{name}-v1" in text, text
+            assert f"{name}-v7" not in await client.models()
+            error = await _served_logprob_error(url, f"{name}-v0", tiny_model, tmp_path / "src-0")
+            assert error < 1e-4  # still version 0's weights
+            bad = uri1.replace(f"/{name}/", "/" + "x" * 200 + "/")
+            status, text = await _load(url, {"lora_name": "x" * 200 + "-v1", "lora_uri": bad})
+            assert status == 403 and "adapter name" in text, text
+        finally:
+            await client.unload_fetched_adapter(f"{name}-v0")

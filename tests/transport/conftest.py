@@ -4,7 +4,9 @@
 * ``gateway``: a small aiohttp reverse proxy in front of moto, in its own thread and event loop.
   It strips a leading ``/testns`` path segment, which is how the Hugging Face S3 gateway
   addresses ``https://s3.hf.co/<namespace>/<bucket>/<key>``, and it injects faults: answer the
-  next N requests with a status (503 for transient, 403 for permanent) without forwarding them.
+  next N requests with a status (503 for transient, 403 for permanent) without forwarding them,
+  or forward the next request of a method whose path ends with a given suffix and answer 503
+  anyway (a write that landed but whose answer was lost).
 * ``azurite``: Microsoft's Azure Storage emulator (npm ``azurite``, installed on first use into
   ``.emulators/`` at the repository root), and ``fake_gcs``: fake-gcs-server; both from
   :mod:`asyncgrpo.testing.emulators`. ``azure_proxy`` / ``gcs_proxy`` put a fault-injecting
@@ -58,12 +60,19 @@ class FaultProxy(ThreadedApp):
         self.seen: list[tuple[str, str, dict[str, str]]] = []  # method, raw path, headers
         self._fail_next = 0
         self._fail_status = 503
+        self._lose_answer_to: tuple[str, str] | None = None
 
     def fail_next(self, n: int, status: int = 503) -> None:
         self._fail_next, self._fail_status = n, status
 
+    def lose_answer_to(self, method: str, suffix: str) -> None:
+        """Forward the next ``method`` request whose path ends with ``suffix``, then answer
+        503 (the request took effect; its answer is lost)."""
+        self._lose_answer_to = (method, suffix)
+
     def reset(self) -> None:
         self._fail_next, self.requests, self.failed = 0, 0, 0
+        self._lose_answer_to = None
         self.seen.clear()
 
     async def on_stop(self) -> None:
@@ -100,6 +109,13 @@ class FaultProxy(ThreadedApp):
                 skip_auto_headers=["Content-Type"],
             ) as up:
                 payload = await up.read()
+                if self._lose_answer_to is not None and (
+                    request.method == self._lose_answer_to[0]
+                    and path.endswith(self._lose_answer_to[1])
+                ):
+                    self._lose_answer_to = None
+                    self.failed += 1
+                    return web.Response(status=503, text="<Error><Code>AnswerLost</Code></Error>")
                 out_headers = {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS}
                 if request.method == "HEAD":
                     resp = web.StreamResponse(status=up.status, headers=out_headers)

@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from asyncgrpo.errors import AlreadyExists, InvalidKey, NotFound, TransportError
+from asyncgrpo.errors import AlreadyExists, IntegrityError, InvalidKey, NotFound, TransportError
 from asyncgrpo.transport import Transport
 
 pytestmark = pytest.mark.anyio
@@ -28,6 +28,22 @@ async def test_put_get_roundtrip_and_overwrite(transport: Transport) -> None:
     assert (info.key, info.size) == ("a/b/c.bin", len(b"second value"))
     await transport.put("empty", b"")
     assert await transport.get("empty") == b""
+
+
+async def test_a_read_stops_at_max_bytes(transport: Transport, tmp_path: Path) -> None:
+    """A reader bounds what it accepts (a manifest, a file of declared size): larger objects
+    raise IntegrityError and leave nothing behind; exactly max_bytes is fine."""
+    await transport.put("big/object", b"x" * 10_000)
+    assert await transport.get("big/object", max_bytes=10_000) == b"x" * 10_000
+    with pytest.raises(IntegrityError, match="more than 9999 bytes"):
+        await transport.get("big/object", max_bytes=9_999)
+    target = tmp_path / "out" / "object"
+    with pytest.raises(IntegrityError, match="more than 100 bytes"):
+        await transport.get_file("big/object", target, max_bytes=100)
+    assert not target.exists()
+    assert not target.parent.exists() or list(target.parent.iterdir()) == []  # no temp file
+    assert await transport.get_file("big/object", target, max_bytes=10_000) == 10_000
+    assert target.read_bytes() == b"x" * 10_000
 
 
 async def test_missing_key_is_not_found(transport: Transport) -> None:

@@ -236,3 +236,63 @@ async def test_tampered_file_raises_and_is_not_used(
     await transport.put(victim, good)  # repaired: now it fetches
     path = await store.fetch("run", 3, cache)
     assert (path / "adapter_model.safetensors").read_bytes() == good
+
+
+# ---- a publish that fails half-way must not break its version for good -------------------------
+async def test_a_create_that_landed_but_answered_already_exists_keeps_its_files(
+    transport_factory, proxy_of, tmp_path: Path
+) -> None:
+    """The manifest's create reaches S3, its answer is lost (503), the retry is told 412: the
+    version is ours, so publish must succeed, not delete the files its manifest lists."""
+    transport = transport_factory("s3-proxy")
+    fault_proxy = proxy_of("s3-proxy")
+    store = AdapterStore(transport)
+    src = make_adapter(tmp_path / "src", n_files=2)
+    fault_proxy.lose_answer_to("PUT", "/adapters/run/v1/manifest.json")
+    published = await store.publish("run", 1, src, step=3)
+    manifest_puts = [m for m, p, _ in fault_proxy.seen if m == "PUT" and "manifest" in p]
+    assert fault_proxy.failed == 1 and len(manifest_puts) == 2  # landed, lost, retried: 412
+    assert published.step == 3 and await store.versions("run") == [1]
+    path = await store.fetch("run", 1, tmp_path / "cache")
+    for f in src.iterdir():
+        assert (path / f.name).read_bytes() == f.read_bytes()
+
+
+async def test_a_full_disk_without_hard_links_leaves_no_truncated_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a filesystem without hard links the manifest's create is written in place; ENOSPC
+    half-way must remove it, or the truncated manifest lists as a published version."""
+    import errno
+    import shutil
+
+    from asyncgrpo.transport.local import LocalTransport
+
+    def no_link(src: str, dst: str, **kw: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")  # what such a filesystem answers
+
+    real_copy = shutil.copyfileobj
+
+    def disk_full(src, dst, length: int = 0) -> None:
+        if not isinstance(dst.name, int):  # only the in-place create writes to a bare fd
+            return real_copy(src, dst)
+        dst.write(src.read(40))
+        dst.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    transport = LocalTransport(tmp_path / "store")
+    store = AdapterStore(transport)
+    src = make_adapter(tmp_path / "src")
+    monkeypatch.setattr(os, "link", no_link)
+    monkeypatch.setattr(shutil, "copyfileobj", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        await store.publish("run", 1, src)
+    monkeypatch.undo()
+    assert await store.versions("run") == []
+    assert not (tmp_path / "store" / "adapters" / "run" / "v1" / "manifest.json").exists()
+    # the disk has room again: the same version publishes and fetches
+    await store.publish("run", 1, src)
+    path = await store.fetch("run", 1, tmp_path / "cache")
+    assert (path / "adapter_model.safetensors").read_bytes() == (
+        src / "adapter_model.safetensors"
+    ).read_bytes()
