@@ -27,7 +27,7 @@ _EXPORTS = {
     "ReplicaError": "asyncgrpo.errors",
     "RolloutChannel": "asyncgrpo.channel",
     "RolloutClient": "asyncgrpo.rollout.client",
-    "RunResult": "asyncgrpo.run",
+    "RunResult": "asyncgrpo.run_store",
     "Sample": "asyncgrpo.sample",
     "ServeConfig": "asyncgrpo.serve",
     "SyncError": "asyncgrpo.errors",
@@ -38,7 +38,7 @@ _EXPORTS = {
     "launch": "asyncgrpo.launch.launcher",
     "launch_replicas": "asyncgrpo.serve",
     "open_transport": "asyncgrpo.transport",
-    "run_rollouts": "asyncgrpo.run",
+    "run_rollouts": "asyncgrpo.rollout.remote",
     "run_training": "asyncgrpo.run",
     "serve_proxy": "asyncgrpo.proxy.server",
 }

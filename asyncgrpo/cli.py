@@ -15,47 +15,36 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import signal
-import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any
 
-from asyncgrpo.errors import AsyncGRPOError, ConfigError
-from asyncgrpo.settings import ConfigParser, exit_on_config_error
+from asyncgrpo.console import DEBUG_HELP, run_async, run_command
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.settings import ConfigParser
 
-T = TypeVar("T")
 
+class CommandParser(ConfigParser):
+    """A subcommand's parser: overrides may follow its flags (``launch CONFIG --backend local
+    --replicas 3 x=1``), which plain argparse refuses once an option came after a positional."""
 
-def _run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """Run ``fn`` under anyio with SIGINT and SIGTERM turned into cancellation, so replicas,
-    the proxy and the rollout client shut down cleanly (no orphan vLLM processes)."""
-    import anyio
+    _intermixing = False
 
-    interrupted = False
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # also after the subcommand (`asyncgrpo train CONFIG --debug`); unset here leaves the
+        # top-level parser's value
+        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help=DEBUG_HELP)  # fmt: skip
 
-    async def main() -> T | None:
-        nonlocal interrupted
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                nonlocal interrupted
-                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for _ in signals:
-                        interrupted = True
-                        tg.cancel_scope.cancel()
-                        return
-
-            tg.start_soon(watch)
-            result = await fn(*args)
-            tg.cancel_scope.cancel()
-            return result
-
-    result = anyio.run(main)
-    if interrupted:
-        raise KeyboardInterrupt
-    return result  # type: ignore[return-value]
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if self._intermixing:  # parse_known_intermixed_args calls back in here
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
 
 
 def _load(args: argparse.Namespace):
@@ -75,7 +64,7 @@ def _train(args: argparse.Namespace) -> None:
         print("recipe OK (dry run: nothing started or downloaded)")
         return
     source = "channel" if args.remote_rollouts else "local"
-    result = _run(lambda: run_training(cfg, rollout_source=source))
+    result = run_async(lambda: run_training(cfg, rollout_source=source))
     if result.rank == 0:  # under torchrun, rank 0 speaks for the job
         print(f"trained {result.steps} steps; final adapter {result.adapter_prefix}-v"
               f"{result.final_version} in {result.transport_url}; metrics in {result.run_dir}")  # fmt: skip
@@ -83,28 +72,44 @@ def _train(args: argparse.Namespace) -> None:
 
 def _rollout(args: argparse.Namespace) -> None:
     cfg = _load(args)
-    from asyncgrpo.run import run_rollouts
+    from asyncgrpo.rollout.remote import run_rollouts
 
-    shipped = _run(run_rollouts, cfg)
+    shipped = run_async(run_rollouts, cfg)
     print(f"shipped {shipped} samples")
 
 
 def _plot(args: argparse.Namespace) -> None:
+    from asyncgrpo.metrics import METRICS_FILE
     from asyncgrpo.plot import plot_run
 
+    if not (Path(args.run_dir) / METRICS_FILE).is_file():
+        raise ConfigError(
+            f"{args.run_dir} has no {METRICS_FILE}: give a run directory, <output_dir>/<run_name>"
+            " of a config (e.g. runs/demo)"
+        )
     print(plot_run(args.run_dir))
 
 
 def _demo(args: argparse.Namespace) -> None:
     from asyncgrpo.demo import run_demo
 
-    _run(run_demo, Path(args.output_dir), args.max_steps)
+    run_async(run_demo, Path(args.output_dir), args.max_steps)
 
 
 def _check_serving(args: argparse.Namespace) -> None:
     from asyncgrpo.demo import run_serving_check
 
-    _run(run_serving_check, Path(args.output_dir), args.replicas)
+    run_async(run_serving_check, Path(args.output_dir), args.replicas)
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be 1 or more")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -112,11 +117,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         prog="asyncgrpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
     demo = sub.add_parser("demo", help="run the tiny CPU demo end to end")
     demo.add_argument("--output-dir", default="runs/demo", help="model, run directory, plot")
-    demo.add_argument("--max-steps", type=int, default=None, help="override the demo's steps")
+    demo.add_argument("--max-steps", type=_at_least_one, default=None,
+                      help="override the demo's steps")  # fmt: skip
     demo.set_defaults(func=_demo)
 
     for name, func, text in (
@@ -147,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     check = sub.add_parser("check-serving", help="served logprobs vs transformers + peft")
     check.add_argument("--output-dir", default="runs/check-serving")
-    check.add_argument("--replicas", type=int, default=2)
+    check.add_argument("--replicas", type=_at_least_one, default=2, help="vLLM replicas to check")
     check.set_defaults(func=_check_serving)
 
     args = parser.parse_args(argv)
@@ -155,39 +162,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    run_and_exit(lambda: args.func(args), parser.prog)
-
-
-def run_and_exit(body: Callable[[], object], prog: str) -> NoReturn:
-    """Run a command's body and exit with its status: 0; 2 and one line for a setting the user
-    can fix (like argparse's own errors); 1 and the message for any other asyncgrpo error;
-    130 on Ctrl-C or SIGTERM. Never a traceback for a user mistake."""
-    try:
-        body()
-    except ConfigError as exc:
-        exit_on_config_error(prog, exc)
-    except AsyncGRPOError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        exit_process(1)
-    except KeyboardInterrupt:
-        exit_process(130)
-    exit_process(0)
-
-
-def exit_process(code: int) -> NoReturn:
-    """Exit with ``code`` without interpreter teardown, once output and logs are flushed.
-
-    obstore's background runtime (the S3, GCS, Azure and HF-bucket transports) can abort the
-    process (SIGABRT) while Python finalizes, after all work is done: 5 of 20 runs of a plain
-    put/get script against a loopback S3 server here, 2 of 20 with obstore alone. A finished
-    run must not report a crash to whoever reads its exit status (a launcher, torchrun, CI).
-    Everything that must outlive the process is closed before this point (the run's exit
-    stack closes the metrics writer and the transport).
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run_command(lambda: args.func(args), parser.prog, debug=args.debug)
 
 
 if __name__ == "__main__":

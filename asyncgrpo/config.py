@@ -39,6 +39,7 @@ from asyncgrpo.settings import (
     check_fields,
     config_from_dict,
     env_overrides,
+    parse_yaml,
     read_yaml,
     redacted_repr,
     refuse_file_secrets,
@@ -52,6 +53,9 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 #: Environment variables ``ASYNCGRPO_<SECTION>__<FIELD>`` override the YAML file.
 ENV_PREFIX = "ASYNCGRPO_"
+#: The repository's example configs, next to the package in a source checkout (the README's
+#: install is an editable one), so ``examples/NAME.yaml`` names them from any directory.
+EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 #: Matched whole and ASCII only: ``$`` would accept a trailing newline, ``\d`` other digits.
 #: At most 119 characters: adapter names ``<run_name>-<8 hex run id>`` stop at 128.
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,118}")
@@ -277,10 +281,35 @@ class TrainingConfig:
     ) -> TrainingConfig:
         """Read a YAML file, then ``ASYNCGRPO_SECTION__FIELD`` variables (``environ``, default
         ``os.environ``), then ``section.field=value`` overrides; validate."""
-        data = read_yaml(path)
+        data = read_yaml(example_path(path))
         refuse_file_secrets(cls, data, f"config file {path}", env_prefix=ENV_PREFIX)
+        return cls.from_dict(env_overrides(cls, data, ENV_PREFIX, environ), overrides)
+
+    @classmethod
+    def from_yaml_text(
+        cls,
+        text: str,
+        source: str,
+        overrides: Sequence[str] = (),
+        environ: Mapping[str, str] | None = None,
+    ) -> TrainingConfig:
+        """:meth:`from_yaml` for YAML text (a launched job's config arrives in its
+        environment); ``source`` names the text in errors."""
+        data = parse_yaml(text, source)
+        refuse_file_secrets(cls, data, source, env_prefix=ENV_PREFIX)
         return cls.from_dict(env_overrides(cls, data, ENV_PREFIX, environ), overrides)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, not tuples) that ``from_dict`` turns back into an equal config."""
         return to_dict(self)
+
+
+def example_path(path: str | Path) -> Path:
+    """``path``; or, for an ``examples/NAME.yaml`` that does not exist here, the checkout's own
+    example of that name (so the README's commands run from any directory)."""
+    path = Path(path)
+    if not path.exists() and path.parts[:1] == ("examples",) and len(path.parts) == 2:
+        bundled = EXAMPLES_DIR / path.name
+        if bundled.is_file():
+            return bundled
+    return path

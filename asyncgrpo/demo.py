@@ -86,9 +86,9 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
     from tqdm import tqdm
 
     from asyncgrpo.config import TrainingConfig
-    from asyncgrpo.metrics import read_metrics
+    from asyncgrpo.metrics import read_metrics, summarize
     from asyncgrpo.plot import plot_run
-    from asyncgrpo.run import run_training, summarize
+    from asyncgrpo.run import run_training
 
     if not EXAMPLE_CONFIG.exists():
         raise SystemExit(f"the demo config {EXAMPLE_CONFIG} is missing: run it from a checkout")

@@ -17,6 +17,9 @@ ours, or the builtin each one also is::
     ├── SyncError                                    an adapter version did not reach every replica
     ├── RankError                                    a data-parallel rank died or stopped answering
     └── LaunchError                                  a launched job failed to start or died (log tail)
+
+Task groups wrap what their tasks raise in exception groups; :func:`leaves` is the one place
+that unwraps them (the command line reports each leaf, the rollout client re-raises one).
 """
 
 from __future__ import annotations
@@ -83,3 +86,11 @@ class RankError(AsyncGRPOError):
 class LaunchError(AsyncGRPOError):
     """A job of a launched run failed to start, became unhealthy or died; the message quotes
     its last log lines."""
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside ``exc``'s (nested) exception groups, in order; ``[exc]`` for a
+    plain exception."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return [exc]
+    return [leaf for inner in exc.exceptions for leaf in leaves(inner)]

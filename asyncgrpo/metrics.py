@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -144,3 +145,14 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         record = {k: (math.nan if v is None else v) for k, v in record.items()}
         by_step[record.get("step")] = record
     return sorted(by_step.values(), key=lambda r: r.get("step", 0))
+
+
+def summarize(records: Sequence[dict[str, Any]], key: str, first: int = 5) -> tuple[float, float]:
+    """Mean of ``key`` over the first and the last ``first`` steps (NaN-skipping)."""
+    values = [
+        r[key] for r in records if isinstance(r.get(key), int | float) and not math.isnan(r[key])
+    ]
+    if not values:
+        return math.nan, math.nan
+    n = min(first, len(values))
+    return statistics.fmean(values[:n]), statistics.fmean(values[-n:])

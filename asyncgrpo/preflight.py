@@ -30,9 +30,9 @@ def _where(name: str) -> str:
 
 def dry_run(cfg: TrainingConfig) -> list[str]:
     """Report lines for a valid recipe; raises ``ConfigError`` naming the field to fix."""
+    from asyncgrpo.endpoint import replica_config
     from asyncgrpo.rollout.environment import environment_class
     from asyncgrpo.rollout.rewards import load_reward_func
-    from asyncgrpo.run import replica_config
     from asyncgrpo.vllm_client import check_lora_capacity
 
     gen, tr = cfg.generation, cfg.trainer

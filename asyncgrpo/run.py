@@ -1,29 +1,21 @@
-"""``await run_training(cfg)``: replicas, proxy, rollout client, trainer and sync in one process.
+"""``await run_training(cfg)``: the run's phases, in order, on rank 0.
 
 :func:`run_training` reads as the run's phases in order, each a function or async context
-manager saying why it is there: open the run (transport, run id), start or attach serving
-behind the proxy, preflight checks and adapter sync, the trainer (resumed), the first version,
-the sample source, the training loop, the finish. What a phase holds (transport, replicas and
-proxy, loaded adapters, rollouts) sits on one exit stack, so success, an error and
+manager saying why it is there: open the run (transport, run id), the endpoint (local replicas
+behind a proxy, or a standalone proxy it is given: :mod:`asyncgrpo.endpoint`), preflight checks
+and adapter sync, the trainer (resumed), the first version, the sample source
+(:mod:`asyncgrpo.sources`), the training loop, the finish. What a phase holds (transport,
+replicas and proxy, loaded adapters, rollouts) sits on one exit stack, so success, an error and
 cancellation all undo it in reverse order.
 
-Under torchrun (several ranks) this function is rank 0's; the other ranks run :func:`_follow`:
-they build the same trainer, resume from the checkpoint rank 0 names, and train on the shards
-of each step rank 0 scatters. Only rank 0 talks to the replicas, writes the transport and logs.
-
-Rollouts come from an in-process :class:`~asyncgrpo.rollout.RolloutClient`, or, with
-``rollout_source="channel"``, from rollout processes on other machines (:func:`run_rollouts`)
-through the transport's :class:`~asyncgrpo.channel.RolloutChannel`.
+Elsewhere: the other data-parallel ranks (:mod:`asyncgrpo.follower`), the rollout processes of a
+split run (:mod:`asyncgrpo.rollout.remote`), the run's documents in its transport
+(:mod:`asyncgrpo.run_store`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import math
-import secrets
-import statistics
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -38,15 +30,16 @@ from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.channel import RolloutChannel
 from asyncgrpo.checkpoints import CheckpointStore
 from asyncgrpo.config import TrainingConfig
-from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound, ReplicaError
+from asyncgrpo.endpoint import Endpoint, open_endpoint
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.follower import follow
 from asyncgrpo.metrics import MetricsWriter
-from asyncgrpo.proxy.server import serve_proxy
-from asyncgrpo.rollout.client import RolloutClient
-from asyncgrpo.rollout.dataset import PromptDataset, load_tokenizer
+from asyncgrpo.model_source import check_model
 from asyncgrpo.rollout.window import AdmissionWindow
+from asyncgrpo.run_store import RunResult, RunStore, run_transport_url
 from asyncgrpo.sample import Sample
-from asyncgrpo.serve import ServeConfig, launch_replicas
 from asyncgrpo.settings import redacted
+from asyncgrpo.sources import ChannelSource, LocalSource, SampleSource, rollout_client
 from asyncgrpo.sync import (
     AdapterLoader,
     AdapterSource,
@@ -54,17 +47,15 @@ from asyncgrpo.sync import (
     LocalCacheSource,
     ProxyLoader,
     TransportSource,
-    read_policy,
 )
 from asyncgrpo.trainer.staleness import filter_stale, staleness_stats
 from asyncgrpo.transport import Transport, open_transport
 from asyncgrpo.vllm_client import VLLMClient, check_adapter_fetching, check_lora_capacity
 
+__all__ = ["LoaderFactory", "RunResult", "StepHook", "run_training"]
+
 logger = logging.getLogger(__name__)
 
-RUN_KEY = "run.json"
-POLICY_KEY = "policy.json"
-DONE_KEY = "done.json"
 KEEP_CHECKPOINTS = 2
 
 #: Called before each optimizer step with (step, samples, adapter version): tests use it to
@@ -72,70 +63,6 @@ KEEP_CHECKPOINTS = 2
 StepHook = Callable[[int, Sequence[Sample], int], None]
 #: Builds the adapter loader from the proxy URL (tests inject faults here).
 LoaderFactory = Callable[[str], AdapterLoader]
-
-
-@dataclass
-class RunResult:
-    run_dir: Path
-    adapter_prefix: str  #: vLLM names are ``<adapter_prefix>-v<N>``
-    steps: int
-    final_version: int
-    resumed_from_step: int | None
-    transport_url: str
-    rank: int = 0  #: data-parallel rank; on ranks > 0 ``final_version`` is -1 (not tracked)
-
-
-async def _run_id(transport: Transport, run_name: str) -> str:
-    """The run's id, created once (create-only write: two racing starts agree on one id)."""
-    doc = {"run_name": run_name, "run_id": secrets.token_hex(4), "created": time.time()}
-    try:
-        await transport.put(RUN_KEY, json.dumps(doc).encode(), mode="create")
-    except AlreadyExists:
-        pass
-    stored = json.loads(await transport.get(RUN_KEY))
-    if stored["run_name"] != run_name:
-        raise ConfigError(
-            f"transport {transport.url} holds run {stored['run_name']!r}, not {run_name!r}: "
-            "give each run its own transport_url (or prefix)"
-        )
-    return str(stored["run_id"])
-
-
-def _transport_url(cfg: TrainingConfig) -> str:
-    return cfg.transport_url or str((cfg.run_dir / "store").resolve())
-
-
-def replica_config(cfg: TrainingConfig, transport_url: str | None = None) -> ServeConfig:
-    """The settings of the replicas a run starts itself: ``serve``, with the run's log and cache
-    directories, allowed to fetch adapters from the run's transport."""
-    return dataclasses.replace(
-        cfg.serve,
-        log_dir=cfg.serve.log_dir or str(cfg.run_dir / "replica-logs"),
-        transports=(transport_url or _transport_url(cfg),),
-        adapter_cache_dir=cfg.serve.adapter_cache_dir or str(cfg.run_dir / "replica-adapters"),
-    )
-
-
-@asynccontextmanager
-async def _endpoint(cfg: TrainingConfig, cache_dir: Path, transport_url: str) -> AsyncIterator[str]:
-    """Local replicas (if any) plus ``proxy.upstreams``, behind an in-process proxy; yields its URL.
-
-    Local replicas may fetch adapters from the run's transport themselves, like remote ones; the
-    proxy accepts load paths only under ``cache_dir``, where the trainer fetches versions for
-    replicas that share its disk.
-    """
-    async with AsyncExitStack() as stack:
-        urls = list(cfg.proxy.upstreams)
-        if cfg.serve.replicas:
-            serve = replica_config(cfg, transport_url)
-            replicas = await stack.enter_async_context(launch_replicas(serve))
-            urls = [r.url for r in replicas] + urls
-        proxy = dataclasses.replace(
-            cfg.proxy,
-            upstreams=tuple(urls),
-            lora_roots=(*cfg.proxy.lora_roots, str(cache_dir)),
-        )
-        yield await stack.enter_async_context(serve_proxy(proxy))
 
 
 async def _save_adapter(trainer: Any, directory: Path) -> Path:
@@ -148,6 +75,7 @@ class _Run:
 
     cfg: TrainingConfig
     transport: Transport
+    documents: RunStore  #: run.json, policy.json, done.json
     run_id: str
     prefix: str  #: vLLM names are ``<prefix>-v<N>``
     store: AdapterStore
@@ -180,21 +108,22 @@ async def run_training(
     from asyncgrpo.trainer.distributed import DataParallel
 
     _check_rollout_source(cfg, rollout_source)
+    await anyio.to_thread.run_sync(check_model, cfg.model)
     dp = DataParallel.from_env(timeout_s=cfg.trainer.dp_timeout_s)  # None in one process
     if dp is not None and not dp.is_main:
-        return await _follow(cfg, dp)
+        return await follow(cfg, dp)
     async with AsyncExitStack() as stack:
         run = await stack.enter_async_context(_open_run(cfg, dp))
-        proxy_url = await stack.enter_async_context(
-            _endpoint(cfg, run.cache_dir, run.transport.url)
+        endpoint = await stack.enter_async_context(
+            open_endpoint(cfg, run.cache_dir, run.transport.url)
         )
-        sync = await stack.enter_async_context(_adapter_sync(run, proxy_url, loader_factory))
+        sync = await stack.enter_async_context(_adapter_sync(run, endpoint, loader_factory))
         start = await _start_trainer(run, dp)
         work = Path(await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(dir=cfg.run_dir)))
         version = await _publish_first_version(run, sync, start.trainer, work)
         writer = stack.enter_context(_metrics_writer(cfg, run.prefix))
         source = await stack.enter_async_context(
-            _sample_source(run, proxy_url, rollout_source, (sync.name(version), version), start)
+            _sample_source(run, endpoint, rollout_source, (sync.name(version), version), start)
         )
         step, version = await _train(
             run, start.trainer, sync, source, writer, work, version,
@@ -220,15 +149,17 @@ async def _open_run(cfg: TrainingConfig, dp: Any) -> AsyncIterator[_Run]:
     and continues their numbering instead of colliding with an old ``-v1``.
     """
     await anyio.Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    transport = open_transport(_transport_url(cfg))
+    transport = open_transport(run_transport_url(cfg))
     async with AsyncExitStack() as stack:
         stack.push_async_callback(transport.aclose)
         if dp is not None:
             stack.callback(dp.close)
-        run_id = await _run_id(transport, cfg.run_name)
+        documents = RunStore(transport)
+        run_id = await documents.run_id(cfg.run_name)
         yield _Run(
             cfg=cfg,
             transport=transport,
+            documents=documents,
             run_id=run_id,
             prefix=f"{cfg.run_name}-{run_id}",
             store=AdapterStore(transport),
@@ -239,12 +170,12 @@ async def _open_run(cfg: TrainingConfig, dp: Any) -> AsyncIterator[_Run]:
 
 @asynccontextmanager
 async def _adapter_sync(
-    run: _Run, proxy_url: str, loader_factory: LoaderFactory | None
+    run: _Run, endpoint: Endpoint, loader_factory: LoaderFactory | None
 ) -> AsyncIterator[AdapterSync]:
     """The preflight checks, then the sync that publishes each version and loads it on every
     replica through the proxy; on exit it unloads what it loaded (the store keeps them all)."""
     cfg = run.cfg
-    async with VLLMClient(proxy_url, api_key=cfg.proxy.api_key) as client:
+    async with VLLMClient(endpoint.url, api_key=endpoint.api_key) as client:
         fetching = await _preflight(cfg, client, run.transport.url)
         source: AdapterSource
         if fetching:  # replicas fetch each version themselves: nothing of this disk is needed
@@ -252,7 +183,9 @@ async def _adapter_sync(
         else:
             source = LocalCacheSource(run.store, run.cache_dir)
         loader = (
-            loader_factory(proxy_url) if loader_factory else ProxyLoader(client, fetching=fetching)
+            loader_factory(endpoint.url)
+            if loader_factory
+            else ProxyLoader(client, fetching=fetching)
         )
         sync = AdapterSync(
             store=run.store,
@@ -311,7 +244,7 @@ async def _publish_first_version(run: _Run, sync: AdapterSync, trainer: Any, wor
     await sync.retire_leftovers()
     step = trainer.step_count
     await sync.sync(version, await _save_adapter(trainer, work / f"v{version}"), step=step)
-    await run.transport.put(POLICY_KEY, _policy_doc(sync.name(version), version))
+    await run.documents.write_policy(sync.name(version), version)
     return version
 
 
@@ -329,8 +262,8 @@ def _metrics_writer(cfg: TrainingConfig, prefix: str) -> MetricsWriter:
 
 @asynccontextmanager
 async def _sample_source(
-    run: _Run, proxy_url: str, rollout_source: str, policy: tuple[str, int], start: _Start
-) -> AsyncIterator[_SampleSource]:
+    run: _Run, endpoint: Endpoint, rollout_source: str, policy: tuple[str, int], start: _Start
+) -> AsyncIterator[SampleSource]:
     """Where samples come from: this process's rollout client, or remote rollout processes
     through the transport's channel (continued from the checkpoint's position on resume)."""
     cfg = run.cfg
@@ -339,23 +272,25 @@ async def _sample_source(
         channel = RolloutChannel(run.transport)
         if start.resumed_from is not None:
             await channel.seek(start.position)
-        yield _ChannelSource(channel)
+        yield ChannelSource(channel)
         return
     # Start no rollout the trainer would drop as stale.
     window = AdmissionWindow(
         per_version=tcfg.samples_per_step * tcfg.weight_sync_steps,
         max_staleness=tcfg.max_staleness,
     )
-    client = await _rollout_client(cfg, proxy_url, policy, start.position, window=window)
+    client = await rollout_client(
+        cfg, endpoint.url, policy, start.position, api_key=endpoint.api_key, window=window
+    )
     async with client:
-        yield _LocalSource(client)
+        yield LocalSource(client)
 
 
 async def _train(
     run: _Run,
     trainer: Any,
     sync: AdapterSync,
-    source: _SampleSource,
+    source: SampleSource,
     writer: MetricsWriter,
     work: Path,
     version: int,
@@ -371,7 +306,7 @@ async def _train(
 
     async def switch_policy(name: str, new_version: int) -> None:
         source.set_policy(name, new_version)
-        await run.transport.put(POLICY_KEY, _policy_doc(name, new_version))
+        await run.documents.write_policy(name, new_version)
 
     step = trainer.step_count
     dropped_total = 0
@@ -418,7 +353,7 @@ async def _train(
 
 
 async def _take_fresh(
-    source: _SampleSource, n: int, version: int, max_staleness: int
+    source: SampleSource, n: int, version: int, max_staleness: int
 ) -> tuple[list[Sample], int]:
     """``n`` samples within ``max_staleness`` of ``version`` (fewer only when the source ends),
     and how many staler ones were dropped on the way."""
@@ -435,7 +370,7 @@ async def _take_fresh(
 
 
 async def _checkpoint(
-    run: _Run, trainer: Any, source: _SampleSource, directory: Path, step: int, version: int
+    run: _Run, trainer: Any, source: SampleSource, directory: Path, step: int, version: int
 ) -> None:
     """Trainer state plus the data position through the transport; then the channel may drop
     what the checkpoint covers (a resumed run continues from that position)."""
@@ -446,10 +381,10 @@ async def _checkpoint(
 
 
 async def _finish(run: _Run, start: _Start, step: int, version: int) -> RunResult:
-    """Release the other ranks (their :func:`_follow` returns) and write ``done.json``, which
-    ends the split run's rollout processes."""
+    """Release the other ranks (their :func:`~asyncgrpo.follower.follow` returns) and write
+    ``done.json``, which ends the split run's rollout processes."""
     await anyio.to_thread.run_sync(start.trainer.release)
-    await run.transport.put(DONE_KEY, json.dumps({"step": step, "version": version}).encode())
+    await run.documents.finish(step, version)
     return RunResult(
         run_dir=run.cfg.run_dir,
         adapter_prefix=run.prefix,
@@ -458,202 +393,3 @@ async def _finish(run: _Run, start: _Start, step: int, version: int) -> RunResul
         resumed_from_step=start.resumed_from,
         transport_url=run.transport.url,
     )
-
-
-async def _follow(cfg: TrainingConfig, dp: Any) -> RunResult:
-    """A data-parallel rank other than 0: the same trainer, resumed from the checkpoint rank 0
-    names, training on the shards rank 0 scatters until rank 0 releases it.
-
-    It reads the transport (the checkpoint) and never writes it; nothing here logs metrics.
-    """
-    from asyncgrpo.trainer.loop import Trainer
-
-    try:
-        trainer = await anyio.to_thread.run_sync(lambda: Trainer.from_config(cfg, dp=dp))
-        start = await anyio.to_thread.run_sync(dp.broadcast, None)
-        url = _transport_url(cfg)
-        if start["step"] is not None:
-            async with open_transport(url) as transport:
-                dest = cfg.run_dir / "resume" / f"rank-{dp.rank}"
-                ckpt_dir, _ = await CheckpointStore(transport).load(start["step"], dest)
-            await anyio.to_thread.run_sync(trainer.load_checkpoint, ckpt_dir)
-        await anyio.to_thread.run_sync(trainer.follow)
-    finally:
-        dp.close()
-    return RunResult(
-        run_dir=cfg.run_dir,
-        adapter_prefix=start["prefix"],
-        steps=trainer.step_count,
-        final_version=-1,
-        resumed_from_step=start["step"],
-        transport_url=url,
-        rank=dp.rank,
-    )
-
-
-async def _rollout_client(
-    cfg: TrainingConfig,
-    base_url: str,
-    policy: tuple[str, int],
-    position: int,
-    window: AdmissionWindow | None = None,
-) -> RolloutClient:
-    """The rollout client of a run: the dataset with the model's chat template, via the proxy.
-
-    ``window``: in the trainer's process, start no rollout the trainer would drop as stale (a
-    remote client cannot see what the trainer has read, and relies on the queue bound).
-    """
-    tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
-    return RolloutClient(
-        base_url=base_url,
-        dataset=PromptDataset.from_config(cfg.dataset, tokenizer=tokenizer),
-        generation=cfg.generation,
-        rollout=cfg.rollout,
-        policy=policy,
-        start_position=position,
-        api_key=cfg.proxy.api_key,
-        window=window,
-    )
-
-
-def _policy_doc(name: str, version: int) -> bytes:
-    return json.dumps({"adapter": name, "version": version, "time": time.time()}).encode()
-
-
-class _SampleSource:
-    async def take(self, n: int) -> list[Sample]: ...
-    def set_policy(self, name: str, version: int) -> None: ...
-    def position(self) -> int: ...
-    async def committed(self) -> None: ...
-    def stats(self) -> dict[str, float]: ...
-    def queue_size(self) -> int: ...
-
-
-class _LocalSource(_SampleSource):
-    def __init__(self, client: RolloutClient) -> None:
-        self.client = client
-
-    async def take(self, n: int) -> list[Sample]:
-        return await self.client.get(n)
-
-    def set_policy(self, name: str, version: int) -> None:
-        self.client.set_policy(name, version)
-
-    def position(self) -> int:
-        return self.client.position
-
-    async def committed(self) -> None:
-        pass
-
-    def stats(self) -> dict[str, float]:
-        return self.client.stats()
-
-    def queue_size(self) -> int:
-        return self.client.queue_size
-
-
-class _ChannelSource(_SampleSource):
-    """Samples shipped by remote rollout processes; the policy travels as ``policy.json``."""
-
-    def __init__(self, channel: RolloutChannel) -> None:
-        self.channel = channel
-        self.buffer: list[Sample] = []
-
-    async def take(self, n: int) -> list[Sample]:
-        while not self.buffer:
-            batch = await self.channel.receive()
-            self.buffer = list(batch.samples)
-        out, self.buffer = self.buffer[:n], self.buffer[n:]
-        return out
-
-    def set_policy(self, name: str, version: int) -> None:
-        pass  # the trainer writes policy.json; rollout processes poll it
-
-    def position(self) -> int:
-        return self.channel.position or 0
-
-    async def committed(self) -> None:
-        await self.channel.commit()
-
-    def stats(self) -> dict[str, float]:
-        return {"rollout/quarantined_batches": float(self.channel.quarantined)}
-
-    def queue_size(self) -> int:
-        return len(self.buffer)
-
-
-async def run_rollouts(cfg: TrainingConfig, *, poll_interval_s: float = 0.5) -> int:
-    """A rollout process for a split run: generate under the trainer's current policy and ship
-    scored samples through the transport until the trainer writes ``done.json``.
-
-    Uses ``proxy.upstreams`` (or local replicas) behind its own in-process proxy. Returns the number
-    of samples shipped.
-    """
-    transport = open_transport(_transport_url(cfg))
-    shipped = [0]
-    try:
-        await _ship_rollouts(cfg, transport, poll_interval_s, shipped)
-    except ReplicaError:
-        # The trainer unloads its adapters right after writing done.json; requests still in
-        # flight under them answer 404 before the next poll sees the end. That is the end too.
-        if not await transport.exists(DONE_KEY):
-            raise
-        logger.info("the trainer finished while rollouts were in flight; stopping")
-    finally:
-        await transport.aclose()
-    return shipped[0]
-
-
-async def _ship_rollouts(
-    cfg: TrainingConfig, transport: Transport, poll_interval_s: float, shipped: list[int]
-) -> None:
-    async with AsyncExitStack() as stack:
-        policy = await _wait_for(transport, POLICY_KEY, poll_interval_s)
-        name, version = read_policy(policy)
-        proxy_url = await stack.enter_async_context(
-            _endpoint(cfg, cfg.run_dir / "adapter-cache", transport.url)
-        )
-        channel = RolloutChannel(transport)
-        client = await stack.enter_async_context(
-            await _rollout_client(cfg, proxy_url, (name, version), 0)
-        )
-        async with anyio.create_task_group() as tg:
-
-            async def follow_policy() -> None:
-                while True:
-                    await anyio.sleep(poll_interval_s)
-                    if await transport.exists(DONE_KEY):
-                        tg.cancel_scope.cancel()
-                        return
-                    new_name, new_version = read_policy(await transport.get(POLICY_KEY))
-                    if new_version > client.policy[1]:
-                        client.set_policy(new_name, new_version)
-
-            tg.start_soon(follow_policy)
-            group = cfg.generation.num_generations
-            while True:
-                samples = await client.get(group)
-                if not samples:
-                    break
-                await channel.append(samples)
-                shipped[0] += len(samples)
-            tg.cancel_scope.cancel()
-
-
-async def _wait_for(transport: Transport, key: str, poll_interval_s: float) -> bytes:
-    while True:
-        try:
-            return await transport.get(key)
-        except NotFound:
-            await anyio.sleep(poll_interval_s)
-
-
-def summarize(records: Sequence[dict[str, Any]], key: str, first: int = 5) -> tuple[float, float]:
-    """Mean of ``key`` over the first and the last ``first`` steps (NaN-skipping)."""
-    values = [
-        r[key] for r in records if isinstance(r.get(key), int | float) and not math.isnan(r[key])
-    ]
-    if not values:
-        return math.nan, math.nan
-    n = min(first, len(values))
-    return statistics.fmean(values[:n]), statistics.fmean(values[-n:])

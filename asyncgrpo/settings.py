@@ -36,7 +36,7 @@ Ranges and choices: each config's ``__post_init__`` calls ``check_fields(self, s
 ge=..., gt=..., le=..., lt=...)`` once, so a field is validated the same way however it was set.
 
 Why home-grown rather than pydantic-settings, tyro, simple-parsing or jsonargparse: see
-``docs/config.md`` (in short, the light core stays aiohttp, anyio, aiofiles and pyyaml).
+``docs/config.md`` (in short, the light core stays aiohttp, httptools, anyio and pyyaml).
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ import inspect
 import itertools
 import operator
 import os
-import sys
 import textwrap
 import types
 import typing
@@ -60,6 +59,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 
 import yaml
 
+from asyncgrpo.console import DEBUG_HELP, fail
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.redaction import REDACTED, redact_text
 
@@ -528,14 +528,19 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} does not exist") from exc
     except OSError as exc:
         raise ConfigError(f"config file {path}: {exc.strerror}") from exc
+    return parse_yaml(text, f"config file {path}")
+
+
+def parse_yaml(text: str, source: str) -> dict[str, Any]:
+    """YAML text whose top level is a mapping (empty: ``{}``); ``source`` names it in errors."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {_one_line(exc)}") from exc
+        raise ConfigError(f"{source} is not valid YAML: {_one_line(exc)}") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: the top level must be a mapping of fields")
+        raise ConfigError(f"{source}: the top level must be a mapping of fields")
     return data
 
 
@@ -548,7 +553,7 @@ class ConfigParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line and exit with status 2 (no usage dump)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {_one_line(message)}\n")
+        fail(self.prog, ConfigError(message))
 
 
 def _is_list(tp: Any) -> bool:
@@ -630,13 +635,14 @@ def parse_args(
         "--config", metavar="YAML", help="A YAML mapping of these settings; env and flags win."
     )
     add_fields(parser, cls, env_prefix=env_prefix)
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     if extra is not None:
         extra(parser)
     args = parser.parse_args(argv)
     try:
         return _from_namespace(cls, args, env_prefix), args
     except ConfigError as exc:
-        parser.error(str(exc))
+        fail(prog, exc, debug=args.debug)
 
 
 def _from_namespace(cls: type[T], args: argparse.Namespace, env_prefix: str) -> T:
@@ -668,6 +674,6 @@ def _from_namespace(cls: type[T], args: argparse.Namespace, env_prefix: str) -> 
 
 
 def exit_on_config_error(prog: str, exc: ConfigError) -> NoReturn:
-    """The CLIs' answer to a bad setting found after parsing: one line, status 2."""
-    print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
-    sys.exit(2)
+    """The CLIs' answer to a bad setting found after parsing: one line, status 2
+    (:func:`asyncgrpo.console.fail`, which reports every command's errors)."""
+    fail(prog, exc)

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import anyio
 
@@ -252,11 +252,3 @@ class AdapterSync:
 def _permanent(exc: ReplicaError) -> bool:
     """A refusal a retry cannot change: bad request, forbidden source, tampered files."""
     return isinstance(exc, ReplicaHTTPError) and exc.status in (400, 401, 403, 422)
-
-
-def read_policy(data: bytes) -> tuple[str, int]:
-    """Decode the policy pointer the trainer writes after each sync (for split rollouts)."""
-    import json
-
-    doc: dict[str, Any] = json.loads(data)
-    return str(doc["adapter"]), int(doc["version"])

@@ -8,14 +8,18 @@ runtime LoRA endpoints are off, not that the adapter is missing.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
+import anyio
 
 from asyncgrpo.errors import ConfigError, ReplicaError, ReplicaHTTPError
 
 ADAPTER_NOT_FOUND = "No adapter found"
+#: The asyncgrpo proxy's list of replicas; a vLLM server has no such route.
+PROXY_UPSTREAMS_PATH = "/proxy/upstreams"
 #: Where a replica describes its configuration as JSON (needs ``VLLM_SERVER_DEV_MODE=1``).
 SERVER_INFO_PATH = "/server_info?config_format=json"
 
@@ -133,6 +137,23 @@ class VLLMClient:
         except ReplicaError:
             return False
         return status == 200
+
+    async def proxy_upstreams(self) -> list[str] | None:
+        """The replicas behind this URL if it is an asyncgrpo proxy (``GET /proxy/upstreams``),
+        else None (a vLLM server answers 404)."""
+        status, body = await self._request("GET", PROXY_UPSTREAMS_PATH)
+        if status in (401, 403):
+            raise ConfigError(
+                f"{self.base_url} refused the API key ({status}): give the key it expects "
+                "(a run's proxy.upstream_api_key: export ASYNCGRPO_PROXY__UPSTREAM_API_KEY)"
+            )
+        try:
+            doc = json.loads(body) if status == 200 else None
+        except ValueError:
+            return None
+        if not isinstance(doc, dict) or not isinstance(doc.get("upstreams"), list):
+            return None
+        return [str(u.get("url")) for u in doc["upstreams"] if isinstance(u, dict)]
 
     async def models(self) -> list[str]:
         body = json.loads(await self._ok("GET", "/v1/models"))
@@ -269,3 +290,34 @@ def check_adapter_fetching(replicas: list[Mapping[str, Any]], transport_url: str
                 f"{roots or 'no transport'}): start it with --transport {target} "
                 f"(python -m asyncgrpo.serve) or ASYNCGRPO_ADAPTER_TRANSPORTS={target}"
             )
+
+
+async def wait_healthy(
+    base_url: Callable[[], Awaitable[str | None]],
+    *,
+    timeout_s: float,
+    interval_s: float,
+    headers: Mapping[str, str] | None = None,
+    request_timeout_s: float = 10.0,
+) -> bool:
+    """Poll ``GET /health`` until it answers 200 (True) or ``timeout_s`` passes (False).
+
+    ``base_url()`` is awaited before each probe: it returns the server's URL (None while it is
+    not known yet), or raises to stop waiting (the process or job behind it has ended). The one
+    health poll of local replicas and of a launch's replica jobs.
+    """
+    deadline = time.monotonic() + timeout_s
+    timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+    async with aiohttp.ClientSession(headers=dict(headers or {})) as session:
+        while True:
+            url = await base_url()
+            if url is not None:
+                try:
+                    async with session.get(f"{url.rstrip('/')}/health", timeout=timeout) as resp:
+                        if resp.status == 200:
+                            return True
+                except (aiohttp.ClientError, TimeoutError):
+                    pass
+            if time.monotonic() > deadline:
+                return False
+            await anyio.sleep(interval_s)

@@ -29,7 +29,7 @@ import yaml
 
 from asyncgrpo.channel import decode_batch
 from asyncgrpo.metrics import read_metrics
-from asyncgrpo.serve.replicas import free_port
+from asyncgrpo.processes import free_port
 from asyncgrpo.testing.verify import served_logprob_errors
 from asyncgrpo.transport import open_transport
 

@@ -26,8 +26,8 @@ import yaml
 from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.checkpoints import CheckpointStore
 from asyncgrpo.config import TrainingConfig
-from asyncgrpo.metrics import read_metrics
-from asyncgrpo.run import run_training, summarize
+from asyncgrpo.metrics import read_metrics, summarize
+from asyncgrpo.run import run_training
 from asyncgrpo.sample import Sample
 from asyncgrpo.serve import Replica
 from asyncgrpo.sync import ProxyLoader

@@ -11,7 +11,7 @@ from __future__ import annotations
 from asyncgrpo.lazy import lazy_exports
 
 _EXPORTS = {
-    "JobSpec": "asyncgrpo.launch.plan",
+    "JobSpec": "asyncgrpo.launch.jobs",
     "LaunchConfig": "asyncgrpo.launch.config",
     "LaunchHandle": "asyncgrpo.launch.launcher",
     "launch": "asyncgrpo.launch.launcher",

@@ -1,42 +1,24 @@
 """``asyncgrpo launch CONFIG --backend hf-jobs|local [--dry-run] [flags] [overrides...]``.
 
-The flags are shorthands for ``launch.*`` overrides; progress lines and failures go to the
-terminal, each job's log to ``<run_dir>/launch/``. Ctrl-C or SIGTERM cancels every job started.
+Every field of the ``launch`` section is also a flag (``--replicas 3`` is ``launch.replicas=3``;
+flags win over overrides); progress lines and failures go to the terminal, each job's log to
+``<run_dir>/launch/``. Ctrl-C or SIGTERM cancels every job started.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
-#: flag -> launch config field
-FLAGS = {
-    "--replicas": ("replicas", int, "inference jobs (launch.replicas)"),
-    "--replica-flavor": ("replica_flavor", str, "hardware of each inference job"),
-    "--trainer-flavor": ("trainer_flavor", str, "hardware of the trainer job"),
-    "--image": ("image", str, "Docker image of the jobs (launch.image)"),
-    "--namespace": ("namespace", str, "user or organisation the jobs run under"),
-}
-
-
-class _IntermixedParser(argparse.ArgumentParser):
-    """Lets overrides follow the flags (``launch CONFIG --backend local --replicas 3 x=1``):
-    plain argparse stops taking positionals once an option came after them."""
-
-    _inner = False
-
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
-        if self._inner:  # parse_known_intermixed_args calls back in here
-            return super().parse_known_args(args, namespace)
-        self._inner = True
-        try:
-            return self.parse_known_intermixed_args(args, namespace)
-        finally:
-            self._inner = False
+from asyncgrpo.config import ENV_PREFIX
+from asyncgrpo.launch.config import LaunchConfig
+from asyncgrpo.settings import add_fields
 
 
 def add_parser(sub: Any) -> None:
+    """The ``launch`` subcommand, on ``sub`` (the ``asyncgrpo`` command's subparsers)."""
     p = sub.add_parser(
         "launch",
         help="start a run across machines (Hugging Face Jobs) or local processes",
@@ -49,28 +31,25 @@ def add_parser(sub: Any) -> None:
                    help="hf-jobs: Hugging Face Jobs; local: separate process groups here")  # fmt: skip
     p.add_argument("--dry-run", action="store_true",
                    help="print every job spec (secret names only) and start nothing")  # fmt: skip
-    for flag, (_, kind, text) in FLAGS.items():
-        p.add_argument(flag, type=kind, default=None, help=text)
+    add_fields(p.add_argument_group("the launch section"), LaunchConfig, env_prefix=ENV_PREFIX)
     p.set_defaults(func=run)
-    # The subcommand's parser is built by the top-level parser's class; give it intermixing.
-    p.__class__ = _IntermixedParser
 
 
 def overrides(args: argparse.Namespace) -> list[str]:
-    """The config overrides of the command line, the flags' last (they win)."""
+    """The config overrides of the command line, the ``launch`` flags' last (they win)."""
     out = list(args.overrides)
-    for flag, (name, _, _) in FLAGS.items():
-        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+    for f in dataclasses.fields(LaunchConfig):
+        value = getattr(args, f.name, None)
         if value is not None:
-            out.append(f"launch.{name}={value}")
+            out.append(f"launch.{f.name}={value}")
     return out
 
 
 def run(args: argparse.Namespace) -> None:
     import logging
 
-    from asyncgrpo.cli import _run
     from asyncgrpo.config import TrainingConfig
+    from asyncgrpo.console import run_async
     from asyncgrpo.launch.launcher import dry_run, launch
     from asyncgrpo.launch.progress import describe_progress
 
@@ -93,17 +72,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"trainer completed ({last}); every job stopped", flush=True)
 
     try:
-        _run(main)
-    except BaseExceptionGroup as group:  # the CLI's task group wraps what the launch raised
-        raise _single(group) from None
+        run_async(main)
     except KeyboardInterrupt:
         print("interrupted: every job of the launch was cancelled", file=sys.stderr)
         raise
-
-
-def _single(group: BaseExceptionGroup) -> BaseException:
-    """The one error inside (nested) groups of one, so the CLI reports it plainly."""
-    error: BaseException = group
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error

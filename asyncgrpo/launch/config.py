@@ -22,9 +22,10 @@ class LaunchConfig:
 
     replicas: int = 2
     """Inference jobs, one vLLM server each."""
-    image: str = "vllm/vllm-openai:v0.11.0"
+    image: str = "vllm/vllm-openai:v0.32.0"
     """Docker image of the inference jobs (and of the trainer unless trainer_image is set); it
-    must have Python, pip and vLLM >= 0.11."""
+    must have Python, pip and the vLLM asyncgrpo's replica plugin is written against (0.32): a
+    replica on another vLLM fails at start naming it, before the trainer starts."""
     trainer_image: str | None = None
     """Docker image of the trainer job; None: image."""
     replica_flavor: str = "a10g-large"

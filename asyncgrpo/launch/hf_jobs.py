@@ -8,8 +8,10 @@ Secrets per role, passed as job *secrets* (encrypted by the Hub, never in a comm
 
 * replica: ``HF_TOKEN`` (model download; and vLLM's API key, so the server refuses requests
   that do not carry the token the Jobs gateway already demanded), the transport's credentials;
-* trainer: ``HF_TOKEN`` (the proxy's outbound bearer token through the Jobs gateway, model and
-  dataset downloads), the transport's credentials.
+* trainer: ``HF_TOKEN`` (model and dataset downloads) and, as
+  ``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``, the proxy's outbound bearer token through the Jobs
+  gateway (the same token); every secret set in the config (``job_secrets``); the transport's
+  credentials.
 """
 
 from __future__ import annotations
@@ -27,19 +29,19 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
-from asyncgrpo.config import TrainingConfig
+from asyncgrpo.config import ENV_PREFIX, TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
-from asyncgrpo.launch.launcher import Job, JobStatus, Stage
+from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus, Stage
 from asyncgrpo.launch.plan import (
-    JobSpec,
     job_config,
+    job_secrets,
     labels,
     replica_args,
     trainer_args,
     transport_credentials,
     transport_secret,
 )
-from asyncgrpo.launch.trainer import CONFIG_ENV
+from asyncgrpo.settings import env_name
 
 logger = logging.getLogger(__name__)
 
@@ -142,14 +144,16 @@ class HfJobsBackend:
 
     def trainer_spec(self, urls: list[str]) -> JobSpec:
         lcfg = self.cfg.launch
-        args = trainer_args(urls, upstream_key_env=TOKEN_ENV)
-        command, env = in_image(args, lcfg.trainer_install)
+        command, env = in_image(trainer_args(urls), lcfg.trainer_install)
+        secrets = {**job_secrets(self.cfg), **self.secrets}
+        if self.token:  # the Jobs gateway in front of every replica demands the token
+            secrets[env_name(ENV_PREFIX, "proxy.upstream_api_key")] = self.token
         return JobSpec(
             role="trainer",
             name=f"{self.cfg.run_name}-trainer",
             command=tuple(command),
             env={**env, **self.env, CONFIG_ENV: job_config(self.cfg)},
-            secrets={**self.secrets, **transport_secret("trainer", self._transport())},
+            secrets=secrets,
             image=lcfg.trainer_image or lcfg.image,
             flavor=lcfg.trainer_flavor,
             timeout_s=lcfg.timeout_s,

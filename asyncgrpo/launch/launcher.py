@@ -18,73 +18,27 @@ from __future__ import annotations
 
 import json
 import logging
-import time
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import anyio
 
 from asyncgrpo.config import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
-from asyncgrpo.launch.plan import JobSpec
+from asyncgrpo.launch.jobs import TERMINAL, Backend, Job, JobSpec
 from asyncgrpo.launch.progress import describe_progress, parse_progress
+from asyncgrpo.vllm_client import wait_healthy
 
 logger = logging.getLogger(__name__)
 
-Stage = Literal["starting", "running", "completed", "failed", "canceled"]
-TERMINAL: frozenset[str] = frozenset({"completed", "failed", "canceled"})
+#: The one-line error every asyncgrpo command ends with (``asyncgrpo.console``).
+_ERROR_LINE = re.compile(r": error: (?P<cause>.+)$")
 BackendName = Literal["hf-jobs", "local"]
 ProgressHook = Callable[[dict[str, Any]], None]
 #: Seconds the trainer's log may take to drain after its job completed.
 DRAIN_S = 15.0
-
-
-@dataclass(eq=False)
-class Job:
-    """A started job: its spec, the backend's id for it, where its log is kept."""
-
-    spec: JobSpec
-    id: str
-    log_path: Path
-    url: str | None = None  #: replicas: the base URL of the vLLM server, once known
-    stage: Stage = "starting"
-    cancel_requested: bool = False
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-
-@dataclass(frozen=True)
-class JobStatus:
-    stage: Stage
-    url: str | None = None
-    message: str | None = None
-
-
-class Backend(Protocol):
-    """Where jobs run. Implementations: :mod:`.hf_jobs`, :mod:`.local`."""
-
-    name: str
-    missing: list[str]  #: environment variables the launch needs and does not have
-    #: True when each job writes ``job.log_path`` itself (local processes); else the launcher
-    #: writes there what ``follow_logs`` reports
-    writes_own_logs: bool
-
-    @property
-    def health_headers(self) -> dict[str, str]: ...
-    def replica_specs(self) -> list[JobSpec]: ...
-    def trainer_spec(self, urls: list[str]) -> JobSpec: ...
-    def check(self) -> None: ...
-    async def prepare(self) -> None: ...
-    async def start(self, spec: JobSpec) -> str: ...
-    async def status(self, job: Job) -> JobStatus: ...
-    async def log_tail(self, job: Job, lines: int) -> str: ...
-    async def follow_logs(self, job: Job, on_line: Callable[[str], None]) -> None: ...
-    async def cancel(self, job: Job) -> None: ...
-    async def aclose(self) -> None: ...
 
 
 def make_backend(
@@ -128,7 +82,7 @@ async def launch(
     """
     launch_dir = cfg.run_dir / "launch"
     be = make_backend(backend, cfg, launch_dir, **options) if isinstance(backend, str) else backend
-    be.check()
+    await anyio.to_thread.run_sync(be.check)
     await anyio.Path(launch_dir).mkdir(parents=True, exist_ok=True)
     handle = LaunchHandle(be, cfg, launch_dir, on_progress=on_progress)
     try:
@@ -243,10 +197,14 @@ class LaunchHandle:
         await self._start_job(self.backend.trainer_spec(self.urls))
 
     async def _failure(self, job: Job, what: str) -> LaunchError:
+        """The job's failure: on the first line, its own last error line when it printed one
+        (an asyncgrpo command always does); its log's tail below."""
         tail = await self._save_tail(job)
+        causes = [m["cause"] for line in tail.splitlines() if (m := _ERROR_LINE.search(line))]
+        cause = f": {causes[-1]}" if causes else ""
         return LaunchError(
-            f"{job.spec.role} job {job.name} ({job.id}) {what}; log {job.log_path}, last "
-            f"lines:\n{tail}"
+            f"{job.spec.role} job {job.name} ({job.id}) {what}{cause}; log {job.log_path}, "
+            f"last lines:\n{tail}"
         )
 
     async def _save_tail(self, job: Job) -> str:
@@ -260,34 +218,29 @@ class LaunchHandle:
         return tail
 
     async def _wait_healthy(self, job: Job) -> None:
-        import aiohttp
-
         lcfg = self.cfg.launch
-        deadline = time.monotonic() + lcfg.health_timeout_s
-        timeout = aiohttp.ClientTimeout(total=10)
-        async with aiohttp.ClientSession(headers=self.backend.health_headers) as session:
-            while True:
-                status = await self.backend.status(job)
-                job.stage = status.stage
-                if status.stage in TERMINAL:
-                    why = f" ({status.message})" if status.message else ""
-                    raise await self._failure(job, f"{status.stage} before it was healthy{why}")
-                job.url = job.url or status.url
-                if job.url is not None:
-                    try:
-                        async with session.get(f"{job.url}/health", timeout=timeout) as resp:
-                            if resp.status == 200:
-                                logger.info("%s healthy at %s", job.name, job.url)
-                                return
-                    except (aiohttp.ClientError, TimeoutError):
-                        pass
-                if time.monotonic() > deadline:
-                    raise await self._failure(
-                        job,
-                        f"not healthy after {lcfg.health_timeout_s:.0f} s (raise "
-                        "launch.health_timeout_s if the image or model is large)",
-                    )
-                await anyio.sleep(lcfg.poll_s)
+
+        async def url() -> str | None:
+            status = await self.backend.status(job)
+            job.stage = status.stage
+            if status.stage in TERMINAL:
+                why = f" ({status.message})" if status.message else ""
+                raise await self._failure(job, f"{status.stage} before it was healthy{why}")
+            job.url = job.url or status.url
+            return job.url
+
+        if not await wait_healthy(
+            url,
+            timeout_s=lcfg.health_timeout_s,
+            interval_s=lcfg.poll_s,
+            headers=self.backend.health_headers,
+        ):
+            raise await self._failure(
+                job,
+                f"not healthy after {lcfg.health_timeout_s:.0f} s (raise "
+                "launch.health_timeout_s if the image or model is large)",
+            )
+        logger.info("%s healthy at %s", job.name, job.url)
 
     # -- watching ----------------------------------------------------------------------------
 

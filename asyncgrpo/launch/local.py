@@ -10,11 +10,9 @@ long as the launch. Replicas listen on loopback only.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shlex
-import signal
 import sys
 import time
 import urllib.request
@@ -26,17 +24,17 @@ from anyio.abc import Process
 
 from asyncgrpo.config import TrainingConfig
 from asyncgrpo.errors import LaunchError
-from asyncgrpo.launch.launcher import Job, JobStatus
+from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus
 from asyncgrpo.launch.plan import (
-    JobSpec,
     job_config,
+    job_secrets,
     labels,
     replica_args,
     trainer_args,
     transport_secret,
 )
-from asyncgrpo.launch.trainer import CONFIG_ENV
-from asyncgrpo.serve.replicas import free_port
+from asyncgrpo.model_source import check_model
+from asyncgrpo.processes import free_port, stop_group
 
 logger = logging.getLogger(__name__)
 
@@ -134,12 +132,13 @@ class LocalBackend:
             name=f"{self.cfg.run_name}-trainer",
             command=(sys.executable, *trainer_args(urls)),
             env={**self.transport_env, CONFIG_ENV: job_config(cfg)},
-            secrets=transport_secret("trainer", self.transport_url),
+            secrets=job_secrets(cfg),
             labels=labels(self.cfg, "trainer"),
         )
 
     def check(self) -> None:
-        pass
+        """Refuse, before any process starts, a model this host cannot serve."""
+        check_model(self.cfg.model)
 
     def _workdir(self, spec: JobSpec) -> Path:
         return self._workdir_of(spec.name.removeprefix(f"{self.cfg.run_name}-"))
@@ -237,11 +236,11 @@ class LocalBackend:
             await anyio.sleep(0.5)
 
     async def cancel(self, job: Job) -> None:
-        await _stop(self._processes[job.id])
+        await stop_group(self._processes[job.id], STOP_GRACE_S, job.name)
 
     async def aclose(self) -> None:
         if self._moto is not None:
-            await _stop(self._moto)
+            await stop_group(self._moto, STOP_GRACE_S, "the S3 protocol server")
             self._moto = None
 
 
@@ -254,32 +253,3 @@ def _replace_model(cfg: TrainingConfig, model: str) -> TrainingConfig:
 def _create_bucket(endpoint: str) -> None:
     request = urllib.request.Request(f"{endpoint}/{S3_BUCKET}", method="PUT")
     urllib.request.urlopen(request, timeout=5).read()
-
-
-def _descendants(pid: int) -> list[int]:
-    try:
-        import psutil
-
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except Exception:  # psutil missing or the process gone: the group covers the rest
-        return []
-
-
-async def _stop(process: Process) -> None:
-    """SIGTERM the role's process group (a replica stops its own vLLM servers), then SIGKILL
-    whatever is left after the grace period, descendants in other groups included."""
-    if process.returncode is not None:
-        return
-    pids = _descendants(process.pid)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGTERM)
-    with anyio.move_on_after(STOP_GRACE_S):
-        await process.wait()
-        return
-    logger.warning("process %d ignored SIGTERM for %.0f s; killing it", process.pid, STOP_GRACE_S)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    await process.wait()

@@ -4,25 +4,33 @@ Roles: N replicas (``python -m asyncgrpo.serve``, one vLLM server each, fetching
 versions from the transport themselves) and one trainer (``python -m asyncgrpo.launch.trainer``:
 the proxy in front of the replicas' URLs, the rollout client and the trainer). The transport is
 the only state they share. Secret values travel in :attr:`JobSpec.secrets` only, which nothing
-prints; commands and plain environment variables hold none.
+prints; commands and plain environment variables hold none. A job reads its secrets from the
+environment like every other command: the variables :func:`job_secrets` names are the ones
+:mod:`asyncgrpo.settings` reads (``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``).
 """
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
-from asyncgrpo.config import TrainingConfig, to_dict
+from asyncgrpo.config import ENV_PREFIX, TrainingConfig, to_dict
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.launch.trainer import CONFIG_ENV
-from asyncgrpo.redaction import has_credentials, redact_text
-from asyncgrpo.settings import secret_keys
+from asyncgrpo.launch.jobs import JobSpec, Role
+from asyncgrpo.redaction import has_credentials
+from asyncgrpo.settings import env_name, secret_keys
 
-Role = Literal["replica", "trainer"]
+__all__ = [
+    "JobSpec",
+    "job_config",
+    "job_secrets",
+    "labels",
+    "replica_args",
+    "trainer_args",
+    "transport_secret",
+]
 
 #: A transport URL with credentials in it (a SAS token) reaches each role as this secret,
 #: never in a command line or the shipped config.
@@ -37,45 +45,20 @@ def transport_secret(role: Role, url: str) -> dict[str, str]:
     return {TRANSPORT_SECRET_ENV[role]: url} if has_credentials(url) else {}
 
 
-@dataclass(frozen=True)
-class JobSpec:
-    """One job (or local process group): what runs, where, with which environment."""
-
-    role: Role
-    name: str
-    command: tuple[str, ...]
-    env: Mapping[str, str] = field(default_factory=dict)
-    #: name -> value; the values are never printed, logged or put in a command line
-    secrets: Mapping[str, str] = field(default_factory=dict, repr=False)
-    image: str | None = None
-    flavor: str | None = None
-    timeout_s: int | None = None
-    port: int | None = None
-    labels: Mapping[str, str] = field(default_factory=dict)
-
-    def describe(self) -> str:
-        """The spec as ``--dry-run`` prints it: secret *names* only, env names and values
-        except the (long) config."""
-        lines = [f"{self.role} job {self.name}"]
-        if self.image is not None:
-            lines.append(f"  image:   {self.image}")
-        if self.flavor is not None:
-            lines.append(f"  flavor:  {self.flavor}")
-        if self.timeout_s is not None:
-            lines.append(f"  timeout: {self.timeout_s} s")
-        lines.append(f"  ports:   {self.port if self.port is not None else '-'}")
-        lines.append(f"  command: {redact_text(shlex.join(self.command))}")
-        env = [
-            k if k == CONFIG_ENV else f"{k}={redact_text(v)}" for k, v in sorted(self.env.items())
-        ]
-        lines.append(f"  env:     {', '.join(env) or '-'}")
-        lines.append(f"  secrets: {', '.join(sorted(self.secrets)) or '-'}")
-        return "\n".join(lines)
+def _secret_values(cfg: TrainingConfig) -> dict[str, Any]:
+    """Dotted key -> value of every secret field of ``cfg`` (``proxy.api_key``)."""
+    values = {}
+    for key in secret_keys(TrainingConfig):
+        node: Any = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        values[key] = node
+    return values
 
 
 def job_config(cfg: TrainingConfig) -> str:
     """The config as YAML for ``$ASYNCGRPO_CONFIG``, with every secret field emptied and a
-    transport URL with credentials left out (it travels as :func:`transport_secret`)."""
+    transport URL with credentials left out (both travel as :func:`job_secrets`)."""
     data: dict[str, Any] = to_dict(cfg)
     for key in secret_keys(TrainingConfig):
         *sections, name = key.split(".")
@@ -86,6 +69,13 @@ def job_config(cfg: TrainingConfig) -> str:
     if cfg.transport_url and has_credentials(cfg.transport_url):
         data["transport_url"] = None
     return yaml.safe_dump(data, sort_keys=False)
+
+
+def job_secrets(cfg: TrainingConfig) -> dict[str, str]:
+    """Every secret set in ``cfg``, under the environment variable the job's config loader
+    reads it from (``proxy.api_key`` -> ``ASYNCGRPO_PROXY__API_KEY``)."""
+    secrets = {env_name(ENV_PREFIX, k): v for k, v in _secret_values(cfg).items() if v}
+    return {**secrets, **transport_secret("trainer", cfg.transport_url or "")}
 
 
 def replica_args(
@@ -121,14 +111,16 @@ def replica_args(
     return args
 
 
-def trainer_args(urls: list[str], *, upstream_key_env: str | None = None) -> list[str]:
+def trainer_args(urls: list[str]) -> list[str]:
     """``python -m asyncgrpo.launch.trainer`` arguments: the replicas' URLs, no local replica."""
     if not urls:
         raise ConfigError("the trainer needs at least one replica URL")
-    args = ["-m", "asyncgrpo.launch.trainer"]
-    if upstream_key_env is not None:
-        args += ["--upstream-key-env", upstream_key_env]
-    return [*args, "serve.replicas=0", "proxy.upstreams=" + ",".join(urls)]
+    return [
+        "-m",
+        "asyncgrpo.launch.trainer",
+        "serve.replicas=0",
+        "proxy.upstreams=" + ",".join(urls),
+    ]
 
 
 def labels(cfg: TrainingConfig, role: Role) -> dict[str, str]:

@@ -1,53 +1,35 @@
 """``python -m asyncgrpo.launch.trainer [section.field=value ...]``: the trainer job of a launch.
 
 ``asyncgrpo train`` for a machine that has no copy of the config file: the config arrives as
-YAML in ``$ASYNCGRPO_CONFIG`` (the launcher strips secrets from it), the replicas' URLs as
-overrides on the command line, and the bearer token for the replicas by the *name* of an
-environment variable (``--upstream-key-env HF_TOKEN``), so no secret is ever in argv. Each
-optimizer step prints one progress line (:mod:`asyncgrpo.launch.progress`) for the launcher.
+YAML in ``$ASYNCGRPO_CONFIG`` (secrets emptied), the replicas' URLs as overrides on the command
+line, and secrets as the job's secret environment variables (``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``,
+...), read by the same loader as every command (:mod:`asyncgrpo.settings`), so no secret is ever
+in argv or in the config text. Each optimizer step prints one progress line
+(:mod:`asyncgrpo.launch.progress`) for the launcher.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
 import os
-from collections.abc import Sequence
-
-import yaml
+from collections.abc import Mapping, Sequence
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.launch.jobs import CONFIG_ENV
 
-CONFIG_ENV = "ASYNCGRPO_CONFIG"
+PROG = "python -m asyncgrpo.launch.trainer"
 
 
-def load_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None):
-    """The run's config from ``$ASYNCGRPO_CONFIG`` plus the command line's overrides."""
-    from asyncgrpo.config import ENV_PREFIX, TrainingConfig
-    from asyncgrpo.settings import env_overrides
+def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None):
+    """The run's config: ``$ASYNCGRPO_CONFIG``, then ``ASYNCGRPO_*`` variables, then ``argv``'s
+    overrides (:meth:`~asyncgrpo.config.TrainingConfig.from_yaml_text`)."""
+    from asyncgrpo.config import TrainingConfig
 
-    environ = dict(os.environ if environ is None else environ)
-    p = argparse.ArgumentParser(prog="python -m asyncgrpo.launch.trainer", description=__doc__)
-    p.add_argument("--upstream-key-env", default=None,
-                   help="environment variable holding the bearer token sent to the replicas")  # fmt: skip
-    p.add_argument("overrides", nargs="*", help="section.field=value overrides")
-    args = p.parse_args(argv)
+    environ = os.environ if environ is None else environ
     text = environ.get(CONFIG_ENV)
     if not text:
         raise ConfigError(f"${CONFIG_ENV} is empty: the launcher passes the run's config there")
-    data = yaml.safe_load(text)
-    if not isinstance(data, dict):
-        raise ConfigError(f"${CONFIG_ENV} must hold a YAML mapping of sections")
-    # Secrets (a transport URL with credentials) arrive as ASYNCGRPO_* variables, as everywhere.
-    data = env_overrides(TrainingConfig, data, ENV_PREFIX, environ)
-    cfg = TrainingConfig.from_dict(data, args.overrides)
-    if args.upstream_key_env:
-        token = environ.get(args.upstream_key_env)
-        if not token:
-            raise ConfigError(f"--upstream-key-env {args.upstream_key_env}: the variable is unset")
-        cfg.proxy = dataclasses.replace(cfg.proxy, upstream_api_key=token)
-    return cfg
+    return TrainingConfig.from_yaml_text(text, f"${CONFIG_ENV}", argv, environ)
 
 
 async def train(cfg) -> None:
@@ -63,12 +45,21 @@ async def train(cfg) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from asyncgrpo.cli import _run, run_and_exit
+    import argparse
 
+    from asyncgrpo.console import DEBUG_HELP, run_async, run_command
+    from asyncgrpo.settings import ConfigParser
+
+    parser = ConfigParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    run_and_exit(lambda: _run(train, load_config(argv)), "python -m asyncgrpo.launch.trainer")
+    run_command(lambda: run_async(train, load_config(args.overrides)), PROG, debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import aiohttp
 import anyio
 import anyio.abc
 
-from asyncgrpo.errors import ConfigError, ReplicaError
+from asyncgrpo.errors import ConfigError, ReplicaError, leaves
 from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import Prompt, PromptDataset
 from asyncgrpo.rollout.environment import Environment, Episode, combine_reward, load_environment
@@ -201,7 +201,7 @@ class RolloutClient:
             return await self._tg.__aexit__(*exc_info)
         except BaseExceptionGroup as group:
             errors = [
-                e for e in _leaves(group) if not isinstance(e, anyio.get_cancelled_exc_class())
+                e for e in leaves(group) if not isinstance(e, anyio.get_cancelled_exc_class())
             ]
             # Concurrent groups often fail alike (a dead server): surface one readable error.
             if len(errors) == 1 or (errors and all(isinstance(e, ReplicaError) for e in errors)):
@@ -451,13 +451,3 @@ class RolloutClient:
     def _wake_producer(self) -> None:
         self._window_moved.set()
         self._window_moved = anyio.Event()
-
-
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            out.extend(_leaves(exc))
-        else:
-            out.append(exc)
-    return out

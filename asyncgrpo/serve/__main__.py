@@ -9,13 +9,12 @@ trees).
 from __future__ import annotations
 
 import logging
-import signal
-import sys
 from collections.abc import Sequence
 
 import anyio
 
-from asyncgrpo.errors import AsyncGRPOError, ConfigError
+from asyncgrpo.console import run_async, run_command
+from asyncgrpo.errors import ConfigError
 from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.serve.replicas import launch_replicas
 from asyncgrpo.settings import exit_on_config_error, parse_args
@@ -26,43 +25,40 @@ ENV_PREFIX = "ASYNCGRPO_SERVE_"
 
 def parse(argv: Sequence[str] | None = None) -> ServeConfig:
     """The config; a bad value exits with status 2 and one line."""
-    config, _ = parse_args(ServeConfig, argv, prog=PROG, description=__doc__, env_prefix=ENV_PREFIX)
+    return _parse(argv)[0]
+
+
+def _parse(argv: Sequence[str] | None) -> tuple[ServeConfig, bool]:
+    """The config and ``--debug``."""
+    config, args = parse_args(
+        ServeConfig, argv, prog=PROG, description=__doc__, env_prefix=ENV_PREFIX
+    )
     if config.replicas < 1:
         exit_on_config_error(PROG, ConfigError(f"--replicas={config.replicas}: start 1 or more"))
-    return config
+    return config, args.debug
 
 
 async def _serve(config: ServeConfig) -> None:
-    async with anyio.create_task_group() as tg:
-
-        async def stop_on_signal() -> None:
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for _ in signals:
-                    tg.cancel_scope.cancel()
-                    return
-
-        tg.start_soon(stop_on_signal)
-        async with launch_replicas(config) as replicas:
-            for r in replicas:
-                print(f"replica {r.index} ready: {r.url} (pid {r.pid}, log {r.log_path}, "
-                      f"{r.started_s:.1f} s)", flush=True)  # fmt: skip
-            await anyio.sleep_forever()
+    async with launch_replicas(config) as replicas:
+        for r in replicas:
+            print(f"replica {r.index} ready: {r.url} (pid {r.pid}, log {r.log_path}, "
+                  f"{r.started_s:.1f} s)", flush=True)  # fmt: skip
+        await anyio.sleep_forever()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config = parse(argv)
+    config, debug = _parse(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    run_command(lambda: _until_stopped(config), PROG, debug=debug)
+
+
+def _until_stopped(config: ServeConfig) -> None:
     try:
-        anyio.run(_serve, config)
-    except ConfigError as exc:
-        exit_on_config_error(PROG, exc)
-    except AsyncGRPOError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        run_async(_serve, config)
     except KeyboardInterrupt:
-        pass
+        pass  # SIGINT or SIGTERM is how a server is stopped: status 0
 
 
 if __name__ == "__main__":

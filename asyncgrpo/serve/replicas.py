@@ -1,9 +1,8 @@
 """Start vLLM replicas as subprocesses and make sure none outlives its owner.
 
 Each replica runs in its own session (process group), so the API server, its engine-core
-process and any workers can be signalled together. Shutdown sends SIGTERM to the group, waits,
-then SIGKILLs whatever is left, including descendants that moved to another group; it runs in
-a shielded scope so cancellation and Ctrl-C still clean up.
+process and any workers are stopped together (:func:`asyncgrpo.processes.stop_group`, in a
+shielded scope so cancellation and Ctrl-C still clean up).
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ import contextlib
 import logging
 import os
 import re
-import signal
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,8 +22,12 @@ import anyio.abc
 from anyio.abc import Process
 
 from asyncgrpo.errors import ReplicaStartError
+from asyncgrpo.model_source import check_model
+from asyncgrpo.processes import free_port, kill_tree, process_tree, stop_group
 from asyncgrpo.serve.config import ServeConfig, is_loopback
 from asyncgrpo.serve.memory import with_kv_cache_size
+from asyncgrpo.serve.vllm_support import check_plugin_support
+from asyncgrpo.vllm_client import wait_healthy
 
 logger = logging.getLogger(__name__)
 
@@ -61,16 +62,11 @@ class Replica:
 
     def descendants(self) -> list[int]:
         """PIDs of the API server and every process below it."""
-        return _process_tree(self.pid)
+        return process_tree(self.pid)
 
     def kill(self) -> None:
         """SIGKILL the whole process tree at once (simulates a crashed host)."""
-        pids = self.descendants()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_tree(self.pid)
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
@@ -85,11 +81,13 @@ class Replica:
             causes = root_causes(self.log_path.read_text(errors="replace"))
         except OSError:
             causes = []
-        detail = "\n".join(f"  {c}" for c in causes) or self.log_tail()
-        kind = "root cause" if causes else "last lines"
+        where = f"vLLM replica {self.index} (port {self.port}) {what}"
+        if causes:  # one line: the cause is what a user acts on
+            return ReplicaStartError(
+                f"{where}; root cause: {'; '.join(causes)}; full log: {self.log_path}"
+            )
         return ReplicaStartError(
-            f"vLLM replica {self.index} (port {self.port}) {what}; {kind}:\n{detail}\n"
-            f"full log: {self.log_path}"
+            f"{where}; full log: {self.log_path}, last lines:\n{self.log_tail()}"
         )
 
 
@@ -97,6 +95,9 @@ class Replica:
 _PROCESS_TAG = re.compile(r"^\((?P<tag>[^()]*?pid=\d+)\)\s*")
 #: A log record below ERROR (a warning may mention an error it merely guards against).
 _QUIET = re.compile(r"(?:DEBUG|INFO|WARNING) \d\d-\d\d ")
+#: A later process's error that contains this many leading characters of an earlier one's
+#: message passes that error on (vLLM's engine core: "Worker failed with error '...'").
+_QUOTED_CHARS = 20
 _ERROR = re.compile(r"(?<![\w.])(?:[A-Za-z_][\w.]*)?(?:Error|Exception): \S.*")
 
 
@@ -106,8 +107,9 @@ def root_causes(log: str) -> list[str]:
     A replica is several processes (API server, engine core, workers) writing one log; the API
     server's own last words are only "Engine core initialization failed. See root cause above",
     so the cause is the first error each process printed, not the tail. Indented lines right
-    after it (a multi-line message, e.g. pydantic's) are joined to it; a message already quoted
-    (a re-raise in another process) is not repeated.
+    after it (a multi-line message, e.g. pydantic's) are joined to it. A process that only passes
+    an earlier one's error on (its message quotes that message's start, or says "see root cause
+    above") is left out when an earlier cause remains.
     """
     first: dict[str, str] = {}
     following = None  # the process whose error line came last, while its message continues
@@ -123,51 +125,33 @@ def root_causes(log: str) -> list[str]:
             continue
         if (error := _ERROR.search(rest)) and error[0] not in first.values():
             first[process], following = error[0], process
-    return [f"({p}) {e}" if p else e for p, e in first.items()]
-
-
-def _process_tree(pid: int) -> list[int]:
-    try:
-        import psutil
-    except ImportError:  # vLLM depends on psutil; without it the process group covers most cases
-        return [pid]
-    try:
-        proc = psutil.Process(pid)
-        return [pid, *(c.pid for c in proc.children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    causes: list[tuple[str, str]] = []
+    for process, error in first.items():
+        message = error.split(": ", 1)[-1]
+        passed_on = "root cause above" in message.lower() or any(
+            earlier.split(": ", 1)[-1][:_QUOTED_CHARS] in message for _, earlier in causes
+        )
+        if not (passed_on and causes):
+            causes.append((process, error))
+    return [f"({p}) {e}" if p else e for p, e in causes]
 
 
 async def _wait_healthy(replica: Replica, timeout_s: float, api_key: str | None) -> None:
+    async def url() -> str:
+        if replica.process.returncode is not None:
+            raise replica.failure(
+                f"exited with code {replica.process.returncode} before becoming healthy"
+            )
+        return replica.url
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(headers=headers) as session:
-        while True:
-            if replica.process.returncode is not None:
-                raise replica.failure(
-                    f"exited with code {replica.process.returncode} before becoming healthy"
-                )
-            if time.monotonic() > deadline:
-                raise replica.failure(
-                    f"not healthy after {timeout_s:.0f} s (raise serve.startup_timeout_s if the "
-                    "host is slow)"
-                )
-            try:
-                async with session.get(
-                    f"{replica.url}/health", timeout=aiohttp.ClientTimeout(total=2)
-                ) as resp:
-                    if resp.status == 200:
-                        return
-            except (aiohttp.ClientError, TimeoutError):
-                pass
-            await anyio.sleep(0.5)
+    if not await wait_healthy(
+        url, timeout_s=timeout_s, interval_s=0.5, headers=headers, request_timeout_s=2
+    ):
+        raise replica.failure(
+            f"not healthy after {timeout_s:.0f} s (raise serve.startup_timeout_s if the host is "
+            "slow)"
+        )
 
 
 async def dev_routes_open(url: str) -> bool:
@@ -194,46 +178,6 @@ async def _refuse_open_routes(replica: Replica, host: str) -> None:
             "asyncgrpo's vLLM plugin did not load (check VLLM_PLUGINS=asyncgrpo and that this "
             "vLLM supports endpoint plugins)"
         )
-
-
-def _alive(pids: list[int]) -> list[int]:
-    try:
-        import psutil
-    except ImportError:
-        return []
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-async def _wait_gone(replica: Replica, pids: list[int], timeout_s: float) -> bool:
-    with anyio.move_on_after(timeout_s):
-        await replica.process.wait()
-        # The engine core may outlive the API server by a moment; nothing to await but its exit.
-        while _alive(pids):  # noqa: ASYNC110
-            await anyio.sleep(0.1)
-        return True
-    return False
-
-
-async def _stop(replica: Replica) -> None:
-    pids = replica.descendants()
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(replica.pid, signal.SIGTERM)
-    if await _wait_gone(replica, pids, STOP_GRACE_S):
-        return
-    logger.warning("replica %d ignored SIGTERM for %.0f s; killing it", replica.index, STOP_GRACE_S)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(replica.pid, signal.SIGKILL)
-    for pid in _alive(pids):  # descendants that left the group
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    await _wait_gone(replica, pids, 10)
 
 
 def _log_paths(config: ServeConfig) -> list[Path]:
@@ -268,6 +212,9 @@ async def launch_replicas(config: ServeConfig) -> AsyncIterator[list[Replica]]:
     ``startup_timeout_s``; the others are stopped before it propagates. On a CPU host without
     ``kv_cache_gib`` the KV cache is sized first (:mod:`asyncgrpo.serve.memory`).
     """
+    await anyio.to_thread.run_sync(check_model, config.model)
+    if config.transports:  # replicas that fetch adapters need the plugin's vLLM internals
+        check_plugin_support()
     config = with_kv_cache_size(config)
     replicas: list[Replica] = []
     try:
@@ -320,6 +267,8 @@ async def launch_replicas(config: ServeConfig) -> AsyncIterator[list[Replica]]:
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
                 for replica in replicas:
-                    tg.start_soon(_stop, replica)
+                    tg.start_soon(
+                        stop_group, replica.process, STOP_GRACE_S, f"replica {replica.index}"
+                    )
             for replica in replicas:
                 await replica.process.aclose()

@@ -100,7 +100,9 @@ def test_launch_creates_replicas_then_trainer_and_follows_it_to_completion(
     urls = [f"{hub.url}/exposed/{j.id}" for j in replicas]
     assert "proxy.upstreams=" + ",".join(urls) in spec["command"]
     assert "serve.replicas=0" in spec["command"]
-    assert spec["secrets"] == ENVIRON
+    # the proxy's outbound token through the Jobs gateway, read like every command's secrets
+    token = {"ASYNCGRPO_PROXY__UPSTREAM_API_KEY": ENVIRON["HF_TOKEN"]}
+    assert spec["secrets"] == {**ENVIRON, **token}
     shipped = spec["environment"]["ASYNCGRPO_CONFIG"]
     assert "Qwen/Qwen2.5-0.5B-Instruct" in shipped
     # no secret in any command line, plain environment variable or log

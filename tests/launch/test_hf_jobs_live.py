@@ -22,7 +22,7 @@ import yaml
 from asyncgrpo.config import TrainingConfig
 from asyncgrpo.launch import launch
 from asyncgrpo.launch.hf_jobs import HfJobsBackend
-from asyncgrpo.launch.plan import JobSpec
+from asyncgrpo.launch.jobs import JobSpec
 
 _missing = [n for n in ("HF_TOKEN", "ASYNCGRPO_TEST_HF_JOBS") if not os.environ.get(n)]
 pytestmark = [

@@ -23,8 +23,8 @@ import pytest
 from asyncgrpo.config import TrainingConfig
 from asyncgrpo.errors import LaunchError
 from asyncgrpo.launch import launch
+from asyncgrpo.launch.jobs import JobSpec
 from asyncgrpo.launch.local import LocalBackend
-from asyncgrpo.launch.plan import JobSpec
 from asyncgrpo.launch.progress import parse_progress
 
 #: Answers /health on the port given as argv[1], after writing its cwd and a child's pid.
@@ -87,7 +87,7 @@ class ScriptedRoles(LocalBackend):
 
 def config(tmp_path: Path, *overrides: str) -> TrainingConfig:
     data = {
-        "model": "m/m",
+        "model": str(tmp_path),  # the stand-ins load nothing; the launch checks it exists
         "run_name": "local-run",
         "output_dir": str(tmp_path / "runs"),
         "dataset": {"prompts": ["p"]},

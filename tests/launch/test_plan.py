@@ -7,9 +7,10 @@ import yaml
 
 from asyncgrpo.config import TrainingConfig
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.launch.jobs import JobSpec
 from asyncgrpo.launch.plan import (
-    JobSpec,
     job_config,
+    job_secrets,
     replica_args,
     trainer_args,
     transport_credentials,
@@ -34,22 +35,35 @@ def test_replica_args_size_the_server_like_the_trainer_would() -> None:
     assert pairs["--transport"] == "s3://b/p" and pairs["--api-key-env"] == "HF_TOKEN"
 
 
-def test_trainer_args_round_trip_through_the_trainer_entry_point() -> None:
-    cfg = config(proxy={"api_key": "client-secret", "upstream_api_key": "up-secret"})
+def test_trainer_config_and_secrets_round_trip_through_the_trainer_entry_point() -> None:
+    """The job's config text holds no secret; each travels as a job secret under the variable
+    the config loader reads, like every command's."""
+    cfg = config(
+        proxy={"api_key": "client-secret", "upstream_api_key": "up-secret"},
+        serve={"api_key": "serve-secret"},
+    )
     shipped = job_config(cfg)
-    assert "client-secret" not in shipped and "up-secret" not in shipped
+    assert not any(s in shipped for s in ("client-secret", "up-secret", "serve-secret"))
+    secrets = job_secrets(cfg)
+    assert secrets == {
+        "ASYNCGRPO_PROXY__API_KEY": "client-secret",
+        "ASYNCGRPO_PROXY__UPSTREAM_API_KEY": "up-secret",
+        "ASYNCGRPO_SERVE__API_KEY": "serve-secret",
+    }
     urls = ["https://a--8000.hf.jobs", "https://b--8000.hf.jobs"]
-    args = trainer_args(urls, upstream_key_env="HF_TOKEN")
-    environ = {"ASYNCGRPO_CONFIG": shipped, "HF_TOKEN": "hf_x"}
-    loaded = load_config(args[2:], environ)
+    args = trainer_args(urls)
+    assert not any("secret" in a for a in args)
+    loaded = load_config(args[2:], {"ASYNCGRPO_CONFIG": shipped, **secrets})
     assert list(loaded.proxy.upstreams) == urls and loaded.serve.replicas == 0
-    assert loaded.proxy.upstream_api_key == "hf_x" and loaded.proxy.api_key is None
+    assert loaded.proxy.upstream_api_key == "up-secret" and loaded.proxy.api_key == "client-secret"
     assert loaded.model == "m/m"
     assert yaml.safe_load(shipped)["launch"]["replicas"] == cfg.launch.replicas
-    with pytest.raises(ConfigError, match="HF_TOKEN"):
-        load_config(args[2:], {"ASYNCGRPO_CONFIG": shipped})
+    bare = load_config(args[2:], {"ASYNCGRPO_CONFIG": shipped})
+    assert bare.proxy.upstream_api_key is None and bare.serve.api_key is None
     with pytest.raises(ConfigError, match="ASYNCGRPO_CONFIG"):
         load_config([], {})
+    with pytest.raises(ConfigError, match=r"\$ASYNCGRPO_CONFIG is not valid YAML"):
+        load_config([], {"ASYNCGRPO_CONFIG": "a: [b"})
 
 
 def test_transport_credentials_per_scheme() -> None:

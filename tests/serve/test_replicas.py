@@ -22,15 +22,28 @@ RuntimeError: Engine core initialization failed. See root cause above. Failed co
 """
 
 
-def test_first_error_of_each_process_and_no_warnings() -> None:
+def test_the_first_error_not_passed_on_and_no_warnings() -> None:
+    """The engine core only passes the worker's error on, the API server only points above:
+    one cause, the worker's."""
     assert root_causes(LOG) == [
         "(Worker pid=12) ValueError: Available memory on node 0 (7.1/8.96 GiB) on kv cache "
         "allocation is less than requested memory for kv (4096.0 GiB).",
-        "(EngineCore pid=11) RuntimeError: Worker failed with error 'Available memory on node 0'",
-        "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
-        "proc(s): {}",
     ]
     assert root_causes("INFO all fine\n") == []
+
+
+def test_unrelated_errors_of_several_processes_are_all_kept() -> None:
+    log = (
+        "(Worker pid=1) ERROR 11-30 10:18:40 [x.py:1] OSError: disk full\n"
+        "(EngineCore pid=2) ERROR 11-30 10:18:40 [y.py:1] KeyError: 'weight'\n"
+        "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
+    assert root_causes(log) == [
+        "(Worker pid=1) OSError: disk full",
+        "(EngineCore pid=2) KeyError: 'weight'",
+    ]
+    only = "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    assert root_causes(only) == [only.strip()]
 
 
 def test_a_multi_line_message_is_joined() -> None:

@@ -1,0 +1,104 @@
+"""What a launch is made of, for the launcher and every backend: job specs, started jobs, their
+status, and the interface a backend implements. Backends import this module, never the launcher.
+
+Secret values travel in :attr:`JobSpec.secrets` only, which nothing prints; commands and plain
+environment variables hold none.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+from asyncgrpo.redaction import redact_text
+
+Role = Literal["replica", "trainer"]
+Stage = Literal["starting", "running", "completed", "failed", "canceled"]
+TERMINAL: frozenset[str] = frozenset({"completed", "failed", "canceled"})
+#: The trainer job's config (YAML, secrets emptied) travels in this environment variable.
+CONFIG_ENV = "ASYNCGRPO_CONFIG"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job (or local process group): what runs, where, with which environment."""
+
+    role: Role
+    name: str
+    command: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    #: name -> value; the values are never printed, logged or put in a command line
+    secrets: Mapping[str, str] = field(default_factory=dict, repr=False)
+    image: str | None = None
+    flavor: str | None = None
+    timeout_s: int | None = None
+    port: int | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """The spec as ``--dry-run`` prints it: secret *names* only, env names and values
+        except the (long) config."""
+        lines = [f"{self.role} job {self.name}"]
+        if self.image is not None:
+            lines.append(f"  image:   {self.image}")
+        if self.flavor is not None:
+            lines.append(f"  flavor:  {self.flavor}")
+        if self.timeout_s is not None:
+            lines.append(f"  timeout: {self.timeout_s} s")
+        lines.append(f"  ports:   {self.port if self.port is not None else '-'}")
+        lines.append(f"  command: {redact_text(shlex.join(self.command))}")
+        env = [
+            k if k == CONFIG_ENV else f"{k}={redact_text(v)}" for k, v in sorted(self.env.items())
+        ]
+        lines.append(f"  env:     {', '.join(env) or '-'}")
+        lines.append(f"  secrets: {', '.join(sorted(self.secrets)) or '-'}")
+        return "\n".join(lines)
+
+
+@dataclass(eq=False)
+class Job:
+    """A started job: its spec, the backend's id for it, where its log is kept."""
+
+    spec: JobSpec
+    id: str
+    log_path: Path
+    url: str | None = None  #: replicas: the base URL of the vLLM server, once known
+    stage: Stage = "starting"
+    cancel_requested: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    stage: Stage
+    url: str | None = None
+    message: str | None = None
+
+
+class Backend(Protocol):
+    """Where jobs run. Implementations: :mod:`.hf_jobs`, :mod:`.local`."""
+
+    name: str
+    missing: list[str]  #: environment variables the launch needs and does not have
+    #: True when each job writes ``job.log_path`` itself (local processes); else the launcher
+    #: writes there what ``follow_logs`` reports
+    writes_own_logs: bool
+
+    @property
+    def health_headers(self) -> dict[str, str]: ...
+    def replica_specs(self) -> list[JobSpec]: ...
+    def trainer_spec(self, urls: list[str]) -> JobSpec: ...
+    def check(self) -> None: ...
+    async def prepare(self) -> None: ...
+    async def start(self, spec: JobSpec) -> str: ...
+    async def status(self, job: Job) -> JobStatus: ...
+    async def log_tail(self, job: Job, lines: int) -> str: ...
+    async def follow_logs(self, job: Job, on_line: Callable[[str], None]) -> None: ...
+    async def cancel(self, job: Job) -> None: ...
+    async def aclose(self) -> None: ...

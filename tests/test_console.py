@@ -1,0 +1,47 @@
+"""How a command turns an error into lines and an exit status (pure parts; the commands
+themselves are run in tests/test_exit_paths.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from asyncgrpo.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, error_lines, exit_status
+from asyncgrpo.errors import ConfigError, LaunchError, ReplicaStartError, SyncError, leaves
+
+
+def test_leaves_flattens_nested_groups_in_order() -> None:
+    a, b, c = ValueError("a"), KeyError("b"), OSError("c")
+    group = BaseExceptionGroup("outer", [ExceptionGroup("inner", [a, b]), c])
+    assert leaves(group) == [a, b, c]
+    assert leaves(a) == [a]
+
+
+def test_one_leaf_is_its_message_and_several_are_each_a_line() -> None:
+    one = ExceptionGroup("task group", [ExceptionGroup("nested", [SyncError("not loaded")])])
+    assert error_lines("asyncgrpo", one) == ["asyncgrpo: error: not loaded"]
+    assert exit_status(one) == EXIT_FAILED
+    several = ExceptionGroup("g", [ReplicaStartError("replica 0 died"), SyncError("no sync")])
+    assert error_lines("p", several) == ["p: error: replica 0 died", "p: error: no sync"]
+
+
+def test_cancellations_that_follow_an_error_are_left_out() -> None:
+    group = BaseExceptionGroup("g", [asyncio.CancelledError(), ConfigError("model=x: no such")])
+    assert error_lines("p", group) == ["p: error: model=x: no such"]
+    assert exit_status(group) == EXIT_USAGE
+
+
+def test_statuses() -> None:
+    assert exit_status(ConfigError("bad")) == EXIT_USAGE
+    assert exit_status(ExceptionGroup("g", [ConfigError("a"), LaunchError("b")])) == EXIT_FAILED
+    assert exit_status(BaseExceptionGroup("g", [KeyboardInterrupt()])) == EXIT_INTERRUPTED
+    assert error_lines("p", KeyboardInterrupt()) == []
+    assert exit_status(BaseExceptionGroup("g", [SystemExit("MISMATCH")])) == EXIT_FAILED
+    assert error_lines("p", SystemExit("MISMATCH")) == ["p: error: MISMATCH"]
+    assert exit_status(SystemExit(3)) == 3
+
+
+def test_a_setting_is_one_line_and_an_unexpected_error_names_its_type() -> None:
+    assert error_lines("p", ConfigError("a\n  b")) == ["p: error: a b"]
+    (line,) = error_lines("p", PermissionError(13, "Permission denied"))
+    assert line.startswith("p: error: PermissionError: [Errno 13] Permission denied")
+    assert "--debug" in line

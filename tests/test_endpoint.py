@@ -1,0 +1,66 @@
+"""A run nests no proxy inside a standalone one it is given (asyncgrpo.endpoint).
+
+Real proxies and a real HTTP server on loopback; no replica is needed to tell them apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from asyncgrpo.config import TrainingConfig
+from asyncgrpo.endpoint import open_endpoint
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.proxy.config import ProxyConfig
+from asyncgrpo.proxy.server import serve_proxy
+
+pytestmark = pytest.mark.anyio
+
+DEAD = "http://127.0.0.1:9"
+
+
+def run_config(upstream: str, **proxy: str) -> TrainingConfig:
+    return TrainingConfig.from_dict(
+        {"model": "m", "dataset": {"prompts": ["p"]}, "serve": {"replicas": 0},
+         "proxy": {"upstreams": [upstream], **proxy}}
+    )  # fmt: skip
+
+
+@asynccontextmanager
+async def plain_server() -> AsyncIterator[str]:
+    """An HTTP server that is not a proxy (like vLLM, it has no /proxy/upstreams)."""
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def upstreams_of(url: str) -> list[str]:
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/proxy/upstreams") as resp:
+        return [u["url"] for u in (await resp.json())["upstreams"]]
+
+
+async def test_a_standalone_proxy_is_used_directly(tmp_path: Path) -> None:
+    async with serve_proxy(ProxyConfig(upstreams=(DEAD,), port=0, api_key="k")) as proxy:
+        cfg = run_config(proxy, upstream_api_key="k")
+        async with open_endpoint(cfg, tmp_path, str(tmp_path)) as endpoint:
+            assert (endpoint.url, endpoint.api_key, endpoint.standalone) == (proxy, "k", True)
+        with pytest.raises(ConfigError, match="upstream_api_key"):
+            async with open_endpoint(run_config(proxy), tmp_path, str(tmp_path)):
+                pass
+
+
+async def test_a_replica_url_gets_a_proxy_of_the_runs_own(tmp_path: Path) -> None:
+    async with plain_server() as server:
+        async with open_endpoint(run_config(server), tmp_path, str(tmp_path)) as endpoint:
+            assert endpoint.url != server and not endpoint.standalone
+            assert await upstreams_of(endpoint.url) == [server]
