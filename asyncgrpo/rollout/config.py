@@ -135,9 +135,16 @@ class RolloutConfig:
     queue_maxsize: int = 256
     """Capacity of the scored-sample queue, in samples. A full queue blocks scoring
     (rollout/backpressure_s), which then blocks generation."""
+    environment: str | None = None
+    """The environment that turns a prompt into episodes, as an import path 'pkg.module:Class'
+    (a subclass of asyncgrpo.rollout.environment.Environment, e.g. a MultiTurnEnv with tools).
+    None: single-turn completions."""
+    environment_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor, e.g. {max_turns: 3}."""
     reward_funcs: list[str] = field(default_factory=list)
     """Reward functions as import paths 'pkg.module:fn', called as fn(prompts, completions,
-    **kwargs) -> list[float | None] once per group."""
+    **kwargs) -> list[float | None] once per group. Optional when the environment scores its
+    own episodes."""
     reward_weights: list[float] | None = None
     """Weights of reward_funcs in the combined reward; None: all 1.0."""
     reward_max_threads: int = 4
@@ -160,6 +167,11 @@ class RolloutConfig:
         )  # fmt: skip
         if isinstance(self.reward_funcs, str):
             self.reward_funcs = [self.reward_funcs]
+        if self.environment is not None and not _IMPORT_PATH.match(self.environment):
+            raise ConfigError(
+                f"rollout.environment={self.environment!r}: write it as an import path "
+                "'package.module:Class'"
+            )
         for path in self.reward_funcs:
             if not isinstance(path, str) or not _IMPORT_PATH.match(path):
                 raise ConfigError(

@@ -131,6 +131,11 @@ def build_row(samples: Sequence[Sample], indices: Sequence[int]) -> PackedRow:
     seq_lens: list[int] = []
     for i in indices:
         s = samples[i]
+        if s.completion_mask is not None and not all(s.completion_mask):
+            raise ValueError(
+                f"sample {s.group_id} holds environment tokens (a multi-turn episode); this "
+                "trainer cannot mask them out of the loss yet: train single-turn episodes"
+            )
         if not s.prompt_ids:
             raise ValueError(
                 f"sample {s.group_id}: empty prompt; the first completion token needs a "
