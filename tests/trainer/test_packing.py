@@ -158,16 +158,3 @@ def test_comparison_detects_cross_sample_attention(policy):
         logp, _ = row_logprobs(policy, row)
     expected = [x for i in row.sample_indices for x in _naive_logprobs(policy, samples[i])]
     assert (logp - torch.tensor(expected)).abs().max() > 1e-3
-
-
-def test_multi_turn_samples_are_refused_until_the_trainer_masks_them():
-    """Environment tokens must never be trained on as if the policy had sampled them."""
-    from asyncgrpo.sample import Sample
-
-    s = Sample(prompt_ids=[1], completion_ids=[2, 3, 4], logprobs=[-1.0, 0.0, -1.0], reward=1.0,
-               advantage=1.0, version=0, group_id="g", completion_mask=[True, False, True])  # fmt: skip
-    with pytest.raises(ValueError, match="holds environment tokens"):
-        build_row([s], [0])
-    all_policy = Sample(prompt_ids=[1], completion_ids=[2], logprobs=[-1.0], reward=1.0,
-                        advantage=1.0, version=0, group_id="g", completion_mask=[True])  # fmt: skip
-    assert build_row([all_policy], [0]).completion_mask.tolist() == [False, True]
