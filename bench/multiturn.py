@@ -5,8 +5,9 @@
     model turns with the environment's message between them (asyncgrpo.testing.envs.ChatterEnv),
     so turn k's prompt is turn k-1's whole sequence. Reports vLLM's own prefix-cache hit rate
     (``vllm:prefix_cache_hits_total / queries_total`` deltas, caches reset before each run), the
-    proxy's decisions (/proxy/stats), and the share of turns after the first that landed on the
-    replica that served the episode's previous turn (the proxy's ``X-Asyncgrpo-Replica``).
+    proxy's decisions (/proxy/stats; episodes send ``X-Session-ID``), and the share of turns after
+    the first that landed on the replica that served the episode's previous turn (the proxy's
+    ``X-Asyncgrpo-Replica``).
 (b) ``--part learn``: the calculator tool environment (examples/tool_calculator.yaml) trained
     with ``run_training`` for each of ``--seeds``: reward over the first and last steps.
 
@@ -123,12 +124,12 @@ async def part_cache(args: argparse.Namespace) -> None:
         f"{args.rounds} rounds\n"
     )
     print("| routing | vLLM prefix-cache hit rate | turns on the previous turn's replica | "
-          "affinity | unmatched | spill | wall s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "session | affinity | unmatched | spill | wall s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for routing, rs in runs.items():
         med = {k: statistics.median(r.get(k, 0.0) for r in rs) for k in rs[0]}
         print(f"| {routing} | {med['hit_rate']:.3f} | {med['same_replica']:.3f} | "
-              f"{med.get('affinity', 0):.3f} | {med.get('unmatched', 0):.3f} | "
+              f"{med.get('session', 0):.3f} | {med.get('affinity', 0):.3f} | {med.get('unmatched', 0):.3f} | "
               f"{med.get('spill', 0):.3f} | {med['wall_s']:.1f} |")  # fmt: skip
 
 

@@ -62,13 +62,15 @@ def request_chains(proxy: Proxy, parsed: dict[str, Any]) -> list[tuple[int, ...]
 
 class Forward(Exchange):
     """Relay one request; the client gets exactly one answer (or a stream) unless
-    :meth:`cancel` comes first. ``chains`` None: not a generation request (round-robin, not
+    :meth:`cancel` comes first. ``session``: the hash of its ``X-Session-ID``, if it has one.
+    ``chains`` None: not a generation request (round-robin, not
     counted in flight, the replica's answer is the answer whatever its status). While a try runs
     the request is in ``proxy.inflight`` (its deadline ``due`` checked every tick) and in its
     replica's ``inflight``, so a replica leaving rotation can end it at the next tick."""
 
     __slots__ = ("body", "chains", "client", "decision", "due", "head", "last_error", "lines",
-                 "method", "path", "proxy", "started", "streams", "timeout", "tried", "up")  # fmt: skip
+                 "method", "path", "proxy", "session", "started", "streams", "timeout", "tried",
+                 "up")  # fmt: skip
 
     def __init__(
         self,
@@ -78,9 +80,10 @@ class Forward(Exchange):
         chains: list[tuple[int, ...]] | None,
         *,
         stream: bool = False,
+        session: int | None = None,
     ) -> None:
         super().__init__()
-        self.proxy, self.chains = proxy, chains
+        self.proxy, self.chains, self.session = proxy, chains, session
         self.client: Client | None = client
         # The client's header lines are forwarded as they are; the pool adds Host, auth, length.
         self.method, self.path, self.lines, self.body = req
@@ -104,7 +107,9 @@ class Forward(Exchange):
                 if self.chains is None:
                     up = proxy.pool.upstreams[proxy.router.pick(exclude=self.tried)]
                 else:
-                    self.decision = proxy.router.route(self.chains, exclude=self.tried)
+                    self.decision = proxy.router.route(
+                        self.chains, exclude=self.tried, session=self.session
+                    )
                     up = proxy.pool.upstreams[self.decision.replica]
                     proxy.stats.route_seconds += time.perf_counter() - t0
                     proxy.stats.route_count += 1

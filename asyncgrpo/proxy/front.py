@@ -267,7 +267,8 @@ class Connection(asyncio.Protocol):
                 proxy.stats.reject(exc.status)
                 return self.answer(error_answer(exc.status, str(exc)))
             chains = request_chains(proxy, parsed)
-            self.work = Forward(proxy, self, forward, chains, stream=parsed.get("stream") is True)
+            self.work = Forward(proxy, self, forward, chains, stream=parsed.get("stream") is True,
+                                session=req.session)  # fmt: skip
         elif (handler := ROUTES.get((b"GET" if method == b"HEAD" else method, path))) is not None:
             self.work = proxy.spawn(self._control(handler, req, body), f"asyncgrpo-proxy {path!r}")
             return

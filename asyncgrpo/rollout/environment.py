@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -279,6 +280,17 @@ class MultiTurnEnv(Environment):
         self.max_turns = max_turns
         self.max_episode_tokens = max_episode_tokens
         self.chat = ChatContinuation(tokenizer)
+        self._sessions = secrets.token_hex(4)  # tells apart clients that share a proxy
+
+    def session(self, task: Prompt) -> str | None:
+        """The ``X-Session-ID`` sent with every turn of ``task``'s G episodes (None: none).
+
+        One per group, not per episode: the proxy keeps all of them on the replica that served
+        the group's first turn, which holds their shared prompt and each episode's turns so far
+        (within its load bound). Without it the proxy can only match prefixes, and a turn's
+        prompt ends in a block the previous prompt held only partially.
+        """
+        return f"{self._sessions}-{task.index}"
 
     async def setup(self, task: Prompt) -> dict[str, Any]:
         """Per-episode state handed to :meth:`env_response` and :meth:`reward`."""
@@ -306,8 +318,9 @@ class MultiTurnEnv(Environment):
         if room < 1:
             return []
         first = await policy.complete(
-            task.prompt_ids, n=g, seed=self.seed(task, 0), max_tokens=room
-        )
+            task.prompt_ids, n=g, seed=self.seed(task, 0), max_tokens=room,
+            session=self.session(task),
+        )  # fmt: skip
         results: list[Episode | None] = [None] * len(first)
 
         async def one(i: int) -> None:
@@ -327,6 +340,7 @@ class MultiTurnEnv(Environment):
         traj = Trajectory(task.prompt_ids)
         messages: list[Message] = []
         state = await self.setup(task)
+        session = self.session(task)
         turn = first
         while True:
             if turn is None:
@@ -337,7 +351,7 @@ class MultiTurnEnv(Environment):
                     traj.ids,
                     seed=self.seed(task, index, traj.model_turns),
                     max_tokens=room,
-                    session=f"{task.index}-{index}",
+                    session=session,
                 )
                 if not turns:
                     if not traj.model_turns:

@@ -21,15 +21,12 @@ import aiohttp
 import anyio
 
 from asyncgrpo.errors import ReplicaError
-from asyncgrpo.proxy.headers import REPLICA_HEADER
+from asyncgrpo.proxy.headers import REPLICA_HEADER, SESSION_HEADER
 from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 
 logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
-#: Names the episode a turn belongs to (the same value every turn), the convention of session-
-#: affinity routers (and of verifiers' clients) for pinning an episode's turns to one replica.
-SESSION_HEADER = "X-Session-ID"
 
 
 @dataclass(slots=True)
@@ -127,7 +124,7 @@ class PolicyClient:
     ) -> list[Turn]:
         """``n`` sampled continuations of ``prompt_ids`` (fewer if some came back without
         usable logprobs: those are dropped and counted). ``max_tokens`` and ``stop`` default to
-        the generation settings; ``session`` names the episode (sent as ``X-Session-ID``).
+        the generation settings; ``session`` names the episode or group (sent as ``X-Session-ID``).
         Transport errors are retried with backoff, then raise :class:`ReplicaError`; a 4xx
         raises at once."""
         headers = {SESSION_HEADER: session} if session else None
