@@ -84,3 +84,54 @@ def test_the_calculator_example_trains_through_the_cli(
     records = read_metrics(tmp_path / "calc" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     assert {"rewards/tool_call", "rewards/answer", "rollout/model_turns_total"} <= set(records[-1])
+
+
+VF_EXAMPLE = ROOT / "examples" / "vf_calculator.yaml"
+
+
+async def test_a_verifiers_multi_turn_env_trains_token_exactly(
+    vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
+) -> None:
+    """verifiers' MultiTurnEnv through asyncgrpo's policy client: 3 model turns per episode,
+    every policy token's served logprob equal to the trainer's on the ids it trained on (so
+    those are the ids vLLM sampled), rewards from the verifiers rubric."""
+    data = yaml.safe_load(VF_EXAMPLE.read_text())
+    data.update(model=str(tiny_model), output_dir=str(tmp_path), run_name="vf")
+    data["serve"] = {"replicas": 0}
+    data["proxy"]["upstreams"] = [r.url for r in vllm_replicas]
+    data["dataset"]["path"] = str(ROOT / "examples" / "calculator_tasks.jsonl")
+    data["rollout"].update(max_inflight=16, queue_maxsize=16)
+    data["generation"].update(num_generations=4, max_completion_length=8)
+    data["trainer"].update(samples_per_step=8, max_steps=3)
+    batches: list[list[Sample]] = []
+    result = await run_training(
+        TrainingConfig.from_dict(data), on_step=lambda step, s, v: batches.append(list(s))
+    )
+    samples = [s for b in batches for s in b]
+    assert result.steps == 3 and len(samples) == 24
+    assert all(model_turns(s) == 3 for s in samples)
+    errors = await anyio.to_thread.run_sync(
+        served_logprob_errors, tiny_model, result.transport_url, result.adapter_prefix, samples,
+        tmp_path / "check-cache",
+    )  # fmt: skip
+    assert max(errors) < 1e-4, f"{sum(e >= 1e-4 for e in errors)} (sample, version) pairs differ"
+    assert all(0.0 <= s.reward <= 1.5 for s in samples)
+    assert any(s.reward > 0 for s in samples)  # the rubric's digit share, at least once
+
+
+def test_a_verifiers_single_turn_env_trains_through_the_cli(
+    vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
+) -> None:
+    urls = ",".join(r.url for r in vllm_replicas)
+    single = "{verifiers: asyncgrpo.testing.vf_calculator, args: {kind: single}}"
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncgrpo.cli", "train", str(VF_EXAMPLE), f"model={tiny_model}",
+         f"output_dir={tmp_path}", "run_name=vf1", "serve.replicas=0",
+         f"proxy.upstreams=[{urls}]", "trainer.max_steps=2", f"rollout.environment={single}",
+         f"dataset.path={ROOT / 'examples' / 'calculator_tasks.jsonl'}"],
+        capture_output=True, text=True, timeout=600, env={**os.environ},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = read_metrics(tmp_path / "vf1" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["completions/mean_length"] <= 12 for r in records)  # one turn each

@@ -200,6 +200,17 @@ class Environment(ABC):
     def __init__(self, *, tokenizer: Any, generation: GenerationConfig) -> None:
         self.tokenizer = tokenizer
         self.generation = generation
+        self._sessions = secrets.token_hex(4)  # tells apart clients that share a proxy
+
+    def session(self, task: Prompt) -> str:
+        """The ``X-Session-ID`` sent with every turn of ``task``'s G episodes.
+
+        One per group, not per episode: the proxy keeps all of them on the replica that served
+        the group's first turn, which holds their shared prompt and each episode's turns so far
+        (within its load bound). Without it the proxy can only match prefixes, and a turn's
+        prompt ends in a block the previous prompt held only partially.
+        """
+        return f"{self._sessions}-{task.index}"
 
     def seed(self, task: Prompt, episode: int, turn: int = 0) -> int | None:
         """Sampling seed of turn ``turn`` of episode ``episode`` (None when unseeded): turn 0
@@ -280,17 +291,6 @@ class MultiTurnEnv(Environment):
         self.max_turns = max_turns
         self.max_episode_tokens = max_episode_tokens
         self.chat = ChatContinuation(tokenizer)
-        self._sessions = secrets.token_hex(4)  # tells apart clients that share a proxy
-
-    def session(self, task: Prompt) -> str | None:
-        """The ``X-Session-ID`` sent with every turn of ``task``'s G episodes (None: none).
-
-        One per group, not per episode: the proxy keeps all of them on the replica that served
-        the group's first turn, which holds their shared prompt and each episode's turns so far
-        (within its load bound). Without it the proxy can only match prefixes, and a turn's
-        prompt ends in a block the previous prompt held only partially.
-        """
-        return f"{self._sessions}-{task.index}"
 
     async def setup(self, task: Prompt) -> dict[str, Any]:
         """Per-episode state handed to :meth:`env_response` and :meth:`reward`."""
@@ -387,9 +387,21 @@ def combine_reward(reward: float | Mapping[str, float]) -> tuple[float, dict[str
     return float(reward), {}
 
 
-def environment_class(path: str) -> type[Environment]:
-    """The class ``rollout.environment`` names (``'package.module:Class'``), imported."""
+def environment_class(path: str | Mapping[str, Any]) -> type[Environment]:
+    """The class ``rollout.environment`` names (``'package.module:Class'``), imported; for
+    ``{verifiers: NAME}``, :class:`~asyncgrpo.rollout.verifiers_env.VerifiersEnv` once
+    ``verifiers`` and the module NAME are found (not imported: that loads the environment)."""
+    if isinstance(path, Mapping):
+        from asyncgrpo.rollout.verifiers_env import VerifiersEnv, find_verifiers_env
+
+        find_verifiers_env(str(path["verifiers"]))
+        return VerifiersEnv
     module_name, _, attr = path.partition(":")
+    if module_name.partition(".")[0] == "verifiers":
+        raise ConfigError(
+            f"rollout.environment={path!r} is a verifiers class: name an installed verifiers "
+            "environment as rollout.environment: {verifiers: NAME, args: {...}}"
+        )
     try:
         obj: Any = importlib.import_module(module_name)
         for part in attr.split("."):
@@ -410,14 +422,16 @@ def environment_class(path: str) -> type[Environment]:
 
 
 def load_environment(
-    path: str | None,
+    path: str | Mapping[str, Any] | None,
     args: Mapping[str, Any] | None,
     *,
     tokenizer: Any,
     generation: GenerationConfig,
 ) -> Environment:
     """The environment named by ``rollout.environment``, built with
-    ``rollout.environment_args``; :class:`SingleTurnEnv` when ``path`` is None."""
+    ``rollout.environment_args``; :class:`SingleTurnEnv` when ``path`` is None; a verifiers
+    environment (``{verifiers: NAME, args: {...}}``) loaded with ``args``, played by
+    :class:`~asyncgrpo.rollout.verifiers_env.VerifiersEnv` built with ``environment_args``."""
     args = dict(args or {})
     if path is None:
         if args:
@@ -426,6 +440,8 @@ def load_environment(
             )
         return SingleTurnEnv(tokenizer=tokenizer, generation=generation)
     cls = environment_class(path)
+    if isinstance(path, Mapping):
+        args.update(name=path["verifiers"], args=path.get("args"))
     try:
         return cls(tokenizer=tokenizer, generation=generation, **args)
     except TypeError as exc:

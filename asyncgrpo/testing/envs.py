@@ -22,7 +22,8 @@ _CALL = re.compile(r"\badd\b")
 
 
 def calculator_tasks(n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """Dataset rows for :class:`CalculatorEnv`: a chat prompt asking for ``a + b``, and a, b."""
+    """Dataset rows for :class:`CalculatorEnv`: a chat prompt asking for ``a + b``, a, b, and
+    the sum as ``answer`` (the column verifiers' rubrics read)."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
@@ -35,6 +36,7 @@ def calculator_tasks(n: int, seed: int = 0) -> list[dict[str, Any]]:
                 ],
                 "a": a,
                 "b": b,
+                "answer": str(a + b),
             }
         )
     return rows
