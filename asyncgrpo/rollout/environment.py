@@ -391,11 +391,10 @@ def environment_class(path: str | Mapping[str, Any]) -> type[Environment]:
     """The class ``rollout.environment`` names (``'package.module:Class'``), imported; for
     ``{verifiers: NAME}``, :class:`~asyncgrpo.rollout.verifiers_env.VerifiersEnv` once
     ``verifiers`` and the module NAME are found (not imported: that loads the environment)."""
-    if isinstance(path, Mapping):
-        from asyncgrpo.rollout.verifiers_env import VerifiersEnv, find_verifiers_env
-
-        find_verifiers_env(str(path["verifiers"]))
-        return VerifiersEnv
+    if isinstance(path, Mapping):  # loaded by path like any environment: it builds on this module
+        cls: Any = environment_class("asyncgrpo.rollout.verifiers_env:VerifiersEnv")
+        cls.find(str(path["verifiers"]))
+        return cls
     module_name, _, attr = path.partition(":")
     if module_name.partition(".")[0] == "verifiers":
         raise ConfigError(

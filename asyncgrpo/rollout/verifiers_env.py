@@ -38,26 +38,9 @@ from asyncgrpo.rollout.environment import (
 )
 from asyncgrpo.rollout.policy import PolicyClient, Turn
 
-__all__ = ["VerifiersEnv", "find_verifiers_env", "parse_tool_calls"]
+__all__ = ["VerifiersEnv", "parse_tool_calls"]
 
 logger = logging.getLogger(__name__)
-
-
-def find_verifiers_env(name: str) -> None:
-    """Raise ``ConfigError`` unless ``verifiers`` and the environment module ``name`` are
-    installed (found, not imported)."""
-    module = name.replace("-", "_").split("/")[-1]
-    needs = [("verifiers", "pip install 'asyncgrpo[envs]'"),
-             (module, f"install the environment's package (module {module!r})")]  # fmt: skip
-    for what, hint in needs:
-        try:
-            found = importlib.util.find_spec(what) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            raise ConfigError(
-                f"rollout.environment={{verifiers: {name!r}}}: {what} is not installed: {hint}"
-            )
 
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -222,6 +205,23 @@ class VerifiersEnv(Environment):
             raise ConfigError(f"VerifiersEnv: max_episode_tokens={max_episode_tokens} must be >= 2")
         self.name, self.env, self.max_episode_tokens = name, env, max_episode_tokens
         self.chat = ChatContinuation(tokenizer)
+
+    @staticmethod
+    def find(name: str) -> None:
+        """Raise ``ConfigError`` unless ``verifiers`` and the environment module ``name`` are
+        installed (found, not imported: importing loads the environment)."""
+        module = name.replace("-", "_").split("/")[-1]
+        needs = [("verifiers", "pip install 'asyncgrpo[envs]'"),
+                 (module, f"install the environment's package (module {module!r})")]  # fmt: skip
+        for what, hint in needs:
+            try:
+                found = importlib.util.find_spec(what) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                raise ConfigError(
+                    f"rollout.environment={{verifiers: {name!r}}}: {what} is not installed: {hint}"
+                )
 
     def prompt_ids(self, messages: list[Message], tools: Any) -> list[int]:
         """The first turn's ids: the messages through the chat template, with the tools."""
