@@ -155,6 +155,33 @@ class VLLMClient:
             return None
         return [str(u.get("url")) for u in doc["upstreams"] if isinstance(u, dict)]
 
+    async def add_upstream(self, url: str) -> None:
+        """Add the replica at ``url`` to this asyncgrpo proxy (an admin route: the client's key
+        is the proxy's admin key). The proxy answers once it has replayed its loaded adapters to
+        the replica and put it in rotation; a replica it already has counts as added."""
+        status, body = await self._request("POST", PROXY_UPSTREAMS_PATH, json_body={"url": url})
+        if status < 400 or (status == 400 and "already an upstream" in body):
+            return
+        raise ReplicaHTTPError(
+            f"adding replica {url} to the proxy at {self.base_url} failed ({status}): "
+            f"{body[:500]}",
+            url=self.base_url + PROXY_UPSTREAMS_PATH, status=status, body=body,
+        )  # fmt: skip
+
+    async def remove_upstream(self, url: str) -> bool:
+        """Take the replica at ``url`` out of this asyncgrpo proxy (admin route); False if the
+        proxy did not have it."""
+        status, body = await self._request("DELETE", PROXY_UPSTREAMS_PATH, json_body={"url": url})
+        if status == 404:
+            return False
+        if status >= 400:
+            raise ReplicaHTTPError(
+                f"removing replica {url} from the proxy at {self.base_url} failed ({status}): "
+                f"{body[:500]}",
+                url=self.base_url + PROXY_UPSTREAMS_PATH, status=status, body=body,
+            )  # fmt: skip
+        return True
+
     async def models(self) -> list[str]:
         body = json.loads(await self._ok("GET", "/v1/models"))
         return [m["id"] for m in body.get("data", [])]

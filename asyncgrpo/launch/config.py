@@ -52,6 +52,13 @@ class LaunchConfig:
     load)."""
     poll_s: float = 5.0
     """Seconds between status checks of the jobs."""
+    replica_restarts: int = 3
+    """Inference jobs the launch may start in place of ones that end during the run (spot
+    preemption, a crashed host); training continues on the others meanwhile. 0: a replica job
+    that ends stops the launch, naming it."""
+    replica_restart_backoff_s: float = 30.0
+    """Seconds before the first replacement starts; doubled for each further one, up to 10
+    minutes."""
     log_tail_lines: int = 40
     """Log lines quoted when a job fails."""
     local_transport: Literal["dir", "s3"] = "dir"
@@ -82,6 +89,15 @@ class LaunchConfig:
             raise ConfigError(f"launch.health_timeout_s={self.health_timeout_s}: must be > 0")
         if not self.poll_s > 0:
             raise ConfigError(f"launch.poll_s={self.poll_s}: must be > 0")
+        if self.replica_restarts < 0:
+            raise ConfigError(
+                f"launch.replica_restarts={self.replica_restarts}: set it to 0 (no replacement) "
+                "or more"
+            )
+        if self.replica_restart_backoff_s < 0:
+            raise ConfigError(
+                f"launch.replica_restart_backoff_s={self.replica_restart_backoff_s}: must be >= 0"
+            )
         if self.log_tail_lines < 1:
             raise ConfigError(f"launch.log_tail_lines={self.log_tail_lines}: set it to 1+")
         if self.local_transport not in ("dir", "s3"):

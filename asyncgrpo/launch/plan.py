@@ -111,16 +111,28 @@ def replica_args(
     return args
 
 
-def trainer_args(urls: list[str]) -> list[str]:
-    """``python -m asyncgrpo.launch.trainer`` arguments: the replicas' URLs, no local replica."""
+def trainer_args(
+    urls: list[str], *, proxy_host: str | None = None, proxy_port: int | None = None
+) -> list[str]:
+    """``python -m asyncgrpo.launch.trainer`` arguments: the replicas' URLs, no local replica;
+    where its proxy listens when the launcher must reach it (to add replacement replicas)."""
     if not urls:
         raise ConfigError("the trainer needs at least one replica URL")
-    return [
+    args = [
         "-m",
         "asyncgrpo.launch.trainer",
         "serve.replicas=0",
         "proxy.upstreams=" + ",".join(urls),
     ]
+    if proxy_host is not None:
+        args.append(f"proxy.host={proxy_host}")
+    if proxy_port is not None:
+        args.append(f"proxy.port={proxy_port}")
+    return args
+
+
+#: The variable the trainer job's config loader reads the proxy's admin key from.
+ADMIN_KEY_ENV = env_name(ENV_PREFIX, "proxy.admin_api_key")
 
 
 def labels(cfg: TrainingConfig, role: Role) -> dict[str, str]:

@@ -96,12 +96,19 @@ def test_launch_creates_replicas_then_trainer_and_follows_it_to_completion(
         assert spec["secrets"] == ENVIRON  # every secret as a secret
         assert job.health_checks >= 1
     spec = trainer[0].spec
-    assert spec["flavor"] == "a100-large" and "expose" not in spec
+    assert spec["flavor"] == "a100-large"
     urls = [f"{hub.url}/exposed/{j.id}" for j in replicas]
     assert "proxy.upstreams=" + ",".join(urls) in spec["command"]
     assert "serve.replicas=0" in spec["command"]
-    # the proxy's outbound token through the Jobs gateway, read like every command's secrets
-    token = {"ASYNCGRPO_PROXY__UPSTREAM_API_KEY": ENVIRON["HF_TOKEN"]}
+    # its proxy behind the gateway (where the launcher adds replacement replicas), on all
+    # interfaces of the job, so with a key: the token the gateway demands anyway
+    assert spec["expose"]["ports"] == [8000]
+    assert {"proxy.host=0.0.0.0", "proxy.port=8000"} <= set(spec["command"])
+    # the proxy's tokens, read like every command's secrets
+    token = {
+        f"ASYNCGRPO_PROXY__{name}": ENVIRON["HF_TOKEN"]
+        for name in ("UPSTREAM_API_KEY", "API_KEY", "ADMIN_API_KEY")
+    }
     assert spec["secrets"] == {**ENVIRON, **token}
     shipped = spec["environment"]["ASYNCGRPO_CONFIG"]
     assert "Qwen/Qwen2.5-0.5B-Instruct" in shipped

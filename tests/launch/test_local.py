@@ -67,17 +67,15 @@ TRAINER = textwrap.dedent("""
 class ScriptedRoles(LocalBackend):
     """The local backend with stand-in programs for vLLM and the trainer."""
 
-    def replica_specs(self) -> list[JobSpec]:
-        return [
-            JobSpec(
-                role="replica",
-                name=f"{self.cfg.run_name}-replica-{i}",
-                command=(sys.executable, "-c", REPLICA, str(port)),
-                env=self.transport_env,
-                port=port,
-            )
-            for i, port in enumerate(self.ports)
-        ]
+    def replica_spec(self, index: int) -> JobSpec:
+        port = self.port_of(index)
+        return JobSpec(
+            role="replica",
+            name=f"{self.cfg.run_name}-replica-{index}",
+            command=(sys.executable, "-c", REPLICA, str(port)),
+            env=self.transport_env,
+            port=port,
+        )
 
     def trainer_spec(self, urls: list[str]) -> JobSpec:
         return JobSpec(role="trainer", name=f"{self.cfg.run_name}-trainer",
