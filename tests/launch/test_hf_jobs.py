@@ -130,6 +130,54 @@ def test_launch_creates_replicas_then_trainer_and_follows_it_to_completion(
     assert hub.cancelled() == {j.id for j in replicas}
 
 
+def test_a_replica_job_reported_failed_is_replaced_and_added_to_the_trainers_proxy(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    """One replica job fails mid-run: a new job is started; once healthy, the dead URL leaves
+    the trainer's proxy and the new one joins it (the admin route, through the gateway with the
+    token); the trainer, which completes only once a replica was added, completes."""
+    count = iter(range(10))
+    hub.scripts["replica"] = lambda: {"fail_after_s": 0.5} if next(count) == 1 else {}
+
+    def added() -> bool:
+        (trainer,) = hub.created("trainer")
+        return any(m == "POST" for m, _, _ in hub.admin_calls(trainer))
+
+    hub.scripts["trainer"] = lambda: {"complete_when": added}
+    cfg = make_config(tmp_path, "launch.replica_restart_backoff_s=0")
+
+    async def body(handle):
+        await handle.wait()
+        return handle.urls
+
+    urls = run_launch(cfg, hub, body)
+    replicas, (trainer,) = hub.created("replica"), hub.created("trainer")
+    assert len(replicas) == 3 and replicas[1].stage == "ERROR"
+    url = [f"{hub.url}/exposed/{j.id}" for j in replicas]
+    assert hub.admin_calls(trainer) == [("DELETE", url[1], True), ("POST", url[2], True)]
+    assert urls == [url[0], url[2]]
+    # the spec of the replacement is a replica's, under the next name
+    assert replicas[2].spec["command"] == replicas[0].spec["command"]
+    manifest = json.loads((cfg.run_dir / "launch" / "jobs.json").read_text())
+    names = {j["id"]: j["name"] for j in manifest["jobs"]}
+    assert names[replicas[2].id] == "fake-run-replica-2"
+    assert hub.cancelled() == {replicas[0].id, replicas[2].id}  # the failed one had ended
+
+
+def test_a_spent_restart_budget_fails_the_launch_naming_the_job(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    count = iter(range(10))
+    hub.scripts["replica"] = lambda: {"fail_after_s": 0.5} if next(count) >= 1 else {}
+    hub.scripts["trainer"] = lambda: {"logs": ["training"]}  # never completes by itself
+    cfg = make_config(tmp_path, "launch.replica_restarts=1", "launch.replica_restart_backoff_s=0")
+    with pytest.raises(LaunchError, match=r"replica job fake-run-replica-2 \(\w+\) failed during "
+                       r"the run \(exit code 1\); launch.replica_restarts=1 replacements used"):  # fmt: skip
+        run_launch(cfg, hub, lambda handle: handle.wait())
+    assert len(hub.created("replica")) == 3  # two at start, one replacement
+    assert hub.cancelled() == {hub.created("replica")[0].id, hub.created("trainer")[0].id}
+
+
 def test_job_url_from_the_template_when_the_api_reports_none(tmp_path: Path, hub: FakeHub) -> None:
     hub.report_expose_urls = False
     hub.scripts["trainer"] = lambda: {"complete_after_s": 0.1}

@@ -8,9 +8,11 @@ failures and cancellation of whole process groups. The end-to-end run with real 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -149,6 +151,101 @@ def test_a_replica_that_dies_fails_the_launch_with_its_log(tmp_path: Path) -> No
     assert "local-run-replica-1" in str(info.value) and "exit code 3" in str(info.value)
     child = int(log_field(survivor, "child"))
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+#: The trainer's proxy as far as the launcher sees it: answers the admin route on argv[1]'s
+#: port, printing each call; completes its three steps once a replica was added with the key.
+TRAINER_PROXY = textwrap.dedent("""
+    import http.server, json, os, sys, threading
+    from asyncgrpo.launch.progress import progress_line
+    key = os.environ["ASYNCGRPO_PROXY__ADMIN_API_KEY"]
+    added = threading.Event()
+    class H(http.server.BaseHTTPRequestHandler):
+        def admin(self):
+            url = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["url"]
+            ok = self.headers.get("Authorization") == f"Bearer {key}"
+            print("admin", self.command, url, "authorized" if ok else "refused", flush=True)
+            self.send_response(200 if ok else 401); self.end_headers(); self.wfile.write(b"{}")
+            if ok and self.command == "POST":
+                added.set()
+        do_POST = do_DELETE = admin
+        def log_message(self, *a): pass
+    server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    if not added.wait(60):
+        sys.exit("no replica was added")
+    for step in (1, 2, 3):
+        print(progress_line(step, 3, {"reward": step / 10, "ratio": 1.0}), flush=True)
+""")
+
+
+class ElasticRoles(ScriptedRoles):
+    """Stand-in replicas, and a trainer that stands in for its proxy's admin route."""
+
+    def trainer_spec(self, urls: list[str]) -> JobSpec:
+        real = super(ScriptedRoles, self).trainer_spec(urls)  # the port and key it would get
+        script = (TRAINER_PROXY, str(real.port)) if real.port else ("import time; time.sleep(60)",)
+        return JobSpec(role="trainer", name=real.name, port=real.port,
+                       command=(sys.executable, "-c", *script), secrets=real.secrets)  # fmt: skip
+
+
+def kill_replica(handle, index: int) -> str:
+    """SIGKILL replica ``index``'s process group (a lost machine); its URL."""
+    job = handle.replicas[index]
+    os.killpg(int(job.id.removeprefix("pid-")), signal.SIGKILL)
+    return job.url
+
+
+def test_a_replica_killed_mid_run_is_replaced_and_added_to_the_trainers_proxy(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = config(tmp_path, "launch.replica_restart_backoff_s=0")
+    launch_dir = cfg.run_dir / "launch"
+    environ = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    backend = ElasticRoles(cfg, launch_dir, environ=environ)
+
+    async def main() -> tuple[list[dict], str, list[str]]:
+        async with await launch(cfg, backend) as handle:
+            dead = kill_replica(handle, 1)
+            progress = await handle.wait()
+            return progress, dead, handle.urls
+
+    caplog.set_level("INFO", logger="asyncgrpo.launch")
+    progress, dead, urls = anyio.run(main)
+    assert [r["step"] for r in progress] == [1, 2, 3]
+    new = f"http://127.0.0.1:{backend.ports[2]}"
+    assert urls[1:] == [new] and dead not in urls
+    trainer_log = (launch_dir / "local-run-trainer.log").read_text()
+    assert f"admin DELETE {dead} authorized" in trainer_log
+    assert f"admin POST {new} authorized" in trainer_log
+    assert "refused" not in trainer_log
+    assert log_field(launch_dir / "local-run-replica-2.log", "cwd") == str(launch_dir / "replica-2")
+    jobs = {j["name"]: j for j in json.loads((launch_dir / "jobs.json").read_text())["jobs"]}
+    assert jobs["local-run-replica-1"]["replaced_by"] == "local-run-replica-2"
+    assert jobs["local-run-replica-2"]["replaces"] == "local-run-replica-1"
+    said = caplog.text
+    assert "replica job local-run-replica-1" in said and "failed during the run" in said
+    assert "replacement 1 of launch.replica_restarts=3 (local-run-replica-2)" in said
+    assert "local-run-replica-2 (replacing local-run-replica-1) is in the trainer's proxy" in said
+
+
+def test_with_no_restarts_a_replica_killed_mid_run_stops_the_launch_naming_it(
+    tmp_path: Path,
+) -> None:
+    cfg = config(tmp_path, "launch.replica_restarts=0")
+    environ = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    backend = ElasticRoles(cfg, cfg.run_dir / "launch", environ=environ)
+    assert backend.admin_key is None and backend.proxy_port is None  # nothing to reach
+
+    async def main() -> None:
+        async with await launch(cfg, backend) as handle:
+            kill_replica(handle, 1)
+            await handle.wait()
+
+    with pytest.raises(LaunchError, match=r"replica job local-run-replica-1 \(pid-\d+\) failed "
+                       r"during the run \(exit code -9\)"):  # fmt: skip
+        anyio.run(main)
+    assert not (cfg.run_dir / "launch" / "local-run-replica-2.log").exists()
 
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
