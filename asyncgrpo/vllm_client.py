@@ -348,3 +348,44 @@ async def wait_healthy(
             if time.monotonic() > deadline:
                 return False
             await anyio.sleep(interval_s)
+
+
+async def update_proxy(
+    proxy_url: str,
+    admin_key: str | None,
+    replica_url: str,
+    *,
+    remove: bool = False,
+    timeout_s: float | None = None,
+    interval_s: float = 2.0,
+    on_retry: Callable[[str], None] | None = None,
+) -> bool:
+    """Add the replica at ``replica_url`` to the asyncgrpo proxy at ``proxy_url`` (or remove it),
+    retrying while the proxy cannot be reached or cannot take the replica in yet (a 5xx: it
+    could not replay the adapters to it). Returns False if ``timeout_s`` passed first; a refused
+    key (401, 403) raises :class:`ConfigError` at once. ``on_retry(error)`` before each retry."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    async with VLLMClient(proxy_url, api_key=admin_key, timeout_s=600) as proxy:
+        while True:
+            try:
+                if remove:
+                    await proxy.remove_upstream(replica_url)
+                else:
+                    await proxy.add_upstream(replica_url)
+                return True
+            except ReplicaHTTPError as exc:
+                if exc.status in (401, 403):
+                    raise ConfigError(
+                        f"the proxy at {proxy_url} refused the admin key ({exc.status}): give "
+                        "the key it was started with (its proxy.admin_api_key)"
+                    ) from exc
+                if exc.status < 500:
+                    raise
+                error = str(exc)
+            except ReplicaError as exc:
+                error = str(exc)
+            if deadline is not None and time.monotonic() + interval_s > deadline:
+                return False
+            if on_retry is not None:
+                on_retry(error)
+            await anyio.sleep(interval_s)

@@ -38,7 +38,7 @@ from asyncgrpo.config import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError, ReplicaError
 from asyncgrpo.launch.jobs import TERMINAL, Backend, Job, JobSpec
 from asyncgrpo.launch.progress import describe_progress, parse_progress
-from asyncgrpo.vllm_client import VLLMClient, wait_healthy
+from asyncgrpo.vllm_client import update_proxy, wait_healthy
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,7 @@ class LaunchHandle:
         self.jobs: list[Job] = []
         self.progress: list[dict[str, Any]] = []
         self.restarts = 0  #: replacement replica jobs started so far
+        self._trainer_url = anyio.Event()  #: set once the trainer job's URL is known
         self._on_progress = on_progress
         self._closed = False
 
@@ -356,6 +357,8 @@ class LaunchHandle:
                 status = await self.backend.status(job)
                 job.stage = status.stage
                 job.url = job.url or status.url
+                if job is trainer and job.url is not None:
+                    self._trainer_url.set()
                 if job is trainer and status.stage == "completed":
                     return None
                 if status.stage not in TERMINAL:
@@ -417,31 +420,29 @@ class LaunchHandle:
         )  # fmt: skip
 
     async def _admin(self, action: Literal["add", "remove"], url: str) -> None:
-        """Add ``url`` to, or remove it from, the trainer job's proxy; retried until it
-        answers (the trainer job may still be installing or loading its model)."""
+        """Add ``url`` to, or remove it from, the trainer job's proxy; retried until it answers
+        (the trainer job may still be installing or loading its model). A refusal is logged:
+        the run goes on with the replicas it has."""
         trainer = self.trainer
         assert trainer is not None
+        await self._trainer_url.wait()
+        assert trainer.url is not None
         warned = -ADMIN_WARN_S
-        while True:
-            if trainer.url is not None:
-                try:
-                    async with VLLMClient(
-                        trainer.url, api_key=self.backend.admin_key, timeout_s=600
-                    ) as client:
-                        if action == "add":
-                            await client.add_upstream(url)
-                        else:
-                            await client.remove_upstream(url)
-                    return
-                except ReplicaError as exc:
-                    error = str(exc)
-            else:
-                error = "the trainer job's URL is not known yet"
+        where = "to" if action == "add" else "from"
+
+        def on_retry(error: str) -> None:
+            nonlocal warned
             if anyio.current_time() - warned >= ADMIN_WARN_S:
                 warned = anyio.current_time()
-                logger.warning("could not %s replica %s %s the trainer's proxy yet (retrying): %s",
-                               action, url, "to" if action == "add" else "from", error)  # fmt: skip
-            await anyio.sleep(self.cfg.launch.poll_s)
+                logger.warning("could not %s replica %s %s the trainer's proxy yet (retrying): "
+                               "%s", action, url, where, error)  # fmt: skip
+
+        try:
+            await update_proxy(trainer.url, self.backend.admin_key, url, remove=action == "remove",
+                               interval_s=self.cfg.launch.poll_s, on_retry=on_retry)  # fmt: skip
+        except (ConfigError, ReplicaError) as exc:
+            logger.error("could not %s replica %s %s the trainer's proxy: %s", action, url, where,
+                         exc)  # fmt: skip
 
     async def cancel(self) -> None:
         """Cancel every job of the launch that is not known to have ended. Idempotent."""
