@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,9 +58,10 @@ logger = logging.getLogger(__name__)
 
 KEEP_CHECKPOINTS = 2
 
-#: Called before each optimizer step with (step, samples, adapter version): tests use it to
-#: check served logprobs against the trainer's.
-StepHook = Callable[[int, Sequence[Sample], int], None]
+#: Called before each optimizer step with (step, samples, adapter version), and awaited if it
+#: returns an awaitable: tests use it to check served logprobs against the trainer's, and to
+#: change the fleet at a given step.
+StepHook = Callable[[int, Sequence[Sample], int], Awaitable[None] | None]
 #: Builds the adapter loader from the proxy URL (tests inject faults here).
 LoaderFactory = Callable[[str], AdapterLoader]
 
@@ -320,8 +321,8 @@ async def _train(
         if not samples:
             logger.info("the dataset is exhausted after %d steps", step)
             break
-        if on_step is not None:
-            on_step(step + 1, samples, version)
+        if on_step is not None and (hooked := on_step(step + 1, samples, version)) is not None:
+            await hooked
         metrics = await anyio.to_thread.run_sync(trainer.step, samples)
         step = trainer.step_count
         metrics.update(staleness_stats(samples, current_version=version))

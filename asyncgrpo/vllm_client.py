@@ -296,11 +296,14 @@ def check_lora_capacity(info: Mapping[str, Any], *, lora_rank: int, max_stalenes
 
 
 def check_adapter_fetching(replicas: list[Mapping[str, Any]], transport_url: str) -> None:
-    """Refuse to start unless every replica runs the adapter plugin and may fetch from
-    ``transport_url``; the message names the replica and the fix."""
-    if not replicas:
+    """Refuse to start unless every replica that answered runs the adapter plugin and may fetch
+    from ``transport_url``; the message names the replica and the fix. A replica that could not
+    be reached (status 0: it left the fleet) is not judged: the proxy replays the adapters to it
+    through the plugin before it takes requests again, which fails without the plugin."""
+    answered = [entry for entry in replicas if entry.get("status") != 0]
+    if not answered:
         raise ConfigError("no replica answered the adapter-plugin check")
-    for entry in replicas:
+    for entry in answered:
         url, info = entry.get("url"), entry.get("info")
         if not isinstance(info, Mapping):
             raise ConfigError(

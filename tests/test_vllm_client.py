@@ -44,6 +44,12 @@ def test_adapter_fetching_check_accepts_replicas_that_allow_the_transport() -> N
     )
 
 
+def test_adapter_fetching_check_leaves_out_a_replica_that_could_not_be_reached() -> None:
+    """A replica that left the fleet is not taken for one without the plugin."""
+    gone = {"url": "http://b", "status": 0, "body": "ConnectionRefusedError: ..."}
+    check_adapter_fetching([plugin("http://a", "s3://b/runs"), gone], "s3://b/runs/r1")
+
+
 @pytest.mark.parametrize(
     ("replicas", "message"),
     [
@@ -54,6 +60,7 @@ def test_adapter_fetching_check_accepts_replicas_that_allow_the_transport() -> N
         ([plugin("http://a")], "allows no transport"),
         ([plugin("http://a", "s3://b/runs", ok=False)], "vLLM 9 lacks it"),
         ([], "no replica"),
+        ([{"url": "http://a", "status": 0, "body": "ConnectionRefusedError"}], "no replica"),
     ],
 )  # fmt: skip
 def test_adapter_fetching_check_names_the_replica_and_the_fix(
