@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import anyio
@@ -255,24 +256,56 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 HIDE = os.geteuid() == 0 and shutil.which("unshare") is not None
 
 
-def launch_tiny(tiny_model: Path, tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+def launch_tiny(
+    tiny_model: Path, tmp_path: Path, *overrides: str, kill_replica_at: int | None = None
+) -> subprocess.CompletedProcess:
+    """``asyncgrpo launch examples/tiny_cpu.yaml --backend local``; with ``kill_replica_at``,
+    replica 1's process group is SIGKILLed once the trainer reports that step."""
     cmd = [sys.executable, "-m", "asyncgrpo.cli", "launch", str(EXAMPLE), "--backend", "local",
            f"model={tiny_model}", f"output_dir={tmp_path}", f"launch.local_hide_trainer={HIDE}",
            *overrides]  # fmt: skip
     environ = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.Popen(cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        if kill_replica_at is not None:
+            launch_dir = tmp_path / "tiny-cpu" / "launch"
+            trainer_log = launch_dir / "tiny-cpu-trainer.log"
+            deadline = time.monotonic() + 900
+            while not any(r["step"] >= kill_replica_at for r in map(parse_progress, (
+                    trainer_log.read_text().splitlines() if trainer_log.exists() else []))
+                    if r is not None):  # fmt: skip
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.2)
+            jobs = json.loads((launch_dir / "jobs.json").read_text())["jobs"]
+            job = next(j for j in jobs if j["name"] == "tiny-cpu-replica-1")
+            os.killpg(int(job["id"].removeprefix("pid-")), signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=1500)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def loaded_adapters(replica_dir: Path) -> list[tuple[str, str]]:
+    """(name, path) of every adapter a replica's vLLM loaded."""
+    log = (replica_dir / "replica-0.log").read_text()
+    return re.findall(r"Loaded new LoRA adapter: name '(\S+)', path '(\S+)'", log)
 
 
 @pytest.mark.vllm
-def test_tiny_run_end_to_end_as_separate_processes_then_resumed(
+def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     """`asyncgrpo launch examples/tiny_cpu.yaml --backend local`: two replica processes and a
     trainer process in their own directories, meeting only in the transport directory (as root,
     the trainer's directory is an empty tmpfs to the replicas, so every adapter version must
-    reach them through the transport); ratio 1, reward rising; a second launch of the same run
-    continues from its last checkpoint."""
-    out = launch_tiny(tiny_model, tmp_path)  # the example's 40 steps
+    reach them through the transport). Replica 1's process group is SIGKILLed at step 2: the
+    launcher starts a replacement, which joins the trainer's proxy and is brought up to date;
+    every step trains with ratio 1, reward rising. A second launch of the same run continues
+    from its last checkpoint."""
+    out = launch_tiny(tiny_model, tmp_path, "launch.replica_restart_backoff_s=0",
+                      kill_replica_at=2)  # the example's 40 steps  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     launch_dir = tmp_path / "tiny-cpu" / "launch"
     trainer_log = (launch_dir / "tiny-cpu-trainer.log").read_text()
@@ -282,15 +315,22 @@ def test_tiny_run_end_to_end_as_separate_processes_then_resumed(
     rewards = [r["reward"] for r in records]  # the demo measured 0.02 -> 0.99 over these steps
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
     assert "step 40/40" in out.stdout and "every job stopped" in out.stdout
+    # the log says what happened
+    assert re.search(r"replica job tiny-cpu-replica-1 \(pid-\d+\) failed during the run "
+                     r"\(exit code -9\); training continues", out.stderr), out.stderr[-3000:]  # fmt: skip
+    assert "tiny-cpu-replica-2 (replacing tiny-cpu-replica-1) is in the trainer's proxy" in (
+        out.stderr
+    ), out.stderr[-3000:]
     # the replicas worked in their own directories and never named a trainer's file
     trainer_dir = str(launch_dir / "trainer")
-    for i in (0, 1):
-        replica_log = (launch_dir / f"replica-{i}" / "replica-0.log").read_text()
-        loaded = re.findall(r"Loaded new LoRA adapter: name '(\S+)', path '(\S+)'", replica_log)
-        assert len(loaded) >= 40, loaded  # a version per step (and v0)
+    loaded = {i: loaded_adapters(launch_dir / f"replica-{i}") for i in (0, 1, 2)}
+    assert len(loaded[0]) >= 40, loaded[0]  # a version per step (and v0)
+    # the replacement got the current version replayed, then every later one
+    assert len(loaded[2]) >= 2 and loaded[2][-1][0] == loaded[0][-1][0], loaded[2]
+    for i in (0, 1, 2):
         own_cache = str(launch_dir / f"replica-{i}" / "adapters") + "/"
-        assert all(path.startswith(own_cache) for _, path in loaded), loaded  # its own cache
-        assert trainer_dir not in replica_log
+        assert all(path.startswith(own_cache) for _, path in loaded[i]), loaded[i]
+        assert trainer_dir not in (launch_dir / f"replica-{i}" / "replica-0.log").read_text()
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
 

@@ -95,3 +95,10 @@ def test_launch_section_validates() -> None:
                        ({"jobs_url_template": "https://x"}, "jobs_url_template")]:  # fmt: skip
         with pytest.raises(ConfigError, match=field):
             config(launch=bad)
+
+
+def test_replacements_back_off_doubling_up_to_ten_minutes() -> None:
+    from asyncgrpo.launch.launcher import restart_delay
+
+    assert [restart_delay(n, 30) for n in (1, 2, 3, 5, 6, 9)] == [30, 60, 120, 480, 600, 600]
+    assert restart_delay(4, 0) == 0
