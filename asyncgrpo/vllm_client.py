@@ -20,6 +20,8 @@ from asyncgrpo.errors import ConfigError, ReplicaError, ReplicaHTTPError
 ADAPTER_NOT_FOUND = "No adapter found"
 #: The asyncgrpo proxy's list of replicas; a vLLM server has no such route.
 PROXY_UPSTREAMS_PATH = "/proxy/upstreams"
+#: The asyncgrpo proxy's counters, the fleet's among them.
+PROXY_STATS_PATH = "/proxy/stats"
 #: Where a replica describes its configuration as JSON (needs ``VLLM_SERVER_DEV_MODE=1``).
 SERVER_INFO_PATH = "/server_info?config_format=json"
 
@@ -154,6 +156,16 @@ class VLLMClient:
         if not isinstance(doc, dict) or not isinstance(doc.get("upstreams"), list):
             return None
         return [str(u.get("url")) for u in doc["upstreams"] if isinstance(u, dict)]
+
+    async def proxy_stats(self) -> dict[str, Any] | None:
+        """An asyncgrpo proxy's ``GET /proxy/stats`` document; None if this URL does not answer
+        one (a vLLM server)."""
+        status, body = await self._request("GET", PROXY_STATS_PATH)
+        try:
+            doc = json.loads(body) if status == 200 else None
+        except ValueError:
+            return None
+        return doc if isinstance(doc, dict) else None
 
     async def add_upstream(self, url: str) -> None:
         """Add the replica at ``url`` to this asyncgrpo proxy (an admin route: the client's key
