@@ -8,6 +8,7 @@ runtime LoRA endpoints are off, not that the adapter is missing.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -56,6 +57,16 @@ _PLUGIN_FIX = (
     "(`python -m asyncgrpo.serve --transport URL` does both), or set "
     "serve.adapter_delivery=path if the replicas share the trainer's filesystem"
 )
+
+
+def plugin_served_name(uri: str) -> str | None:
+    """The one name a plugin load of ``uri`` (``<root>/[<prefix>/]<name>/v<N>``) may serve the
+    version under, ``<name>-v<N>``; None when the URI names no version."""
+    parts = uri.rsplit("/", 2)
+    version = re.fullmatch(r"v([0-9]+)", parts[-1])
+    if len(parts) < 3 or not parts[1] or version is None:
+        return None
+    return f"{parts[1]}-v{int(version[1])}"
 
 
 def adapter_not_there_yet(status: int, body: bytes | str) -> bool:

@@ -138,31 +138,6 @@ def run_canned_upstream(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
-def run_aiohttp_proxy(port: int, upstream: str) -> None:
-    """The proxy as one aiohttp stack: its aiohttp application served by aiohttp's own server
-    on TCP, forwarding with the aiohttp client (no llhttp front, no raw replica pool): the
-    alternative to the front, measured side by side."""
-    from aiohttp import web
-
-    from asyncgrpo.proxy import ProxyConfig, create_app
-    from asyncgrpo.proxy.state import POOL
-
-    app = create_app(ProxyConfig(upstreams=(upstream,), port=port))
-
-    async def aiohttp_client_only(app: web.Application) -> None:
-        for up in app[POOL].upstreams.values():
-            up.h1 = None  # the aiohttp client for every request
-
-    app.on_startup.append(aiohttp_client_only)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
-
-
 def run_relay(port: int, upstream_port: int) -> None:
     """The floor: one upstream connection per client connection, bytes copied both ways."""
 
@@ -244,8 +219,7 @@ def pct(sorted_lat: list[float], q: float) -> float:
 
 
 async def part_overhead(baselines: list[str] | None = None) -> list[list[str]]:
-    """Paths to one canned upstream: direct, the zero-work relay, the proxy, the proxy as one
-    aiohttp stack (its application on aiohttp's server and client), and for each of
+    """Paths to one canned upstream: direct, the zero-work relay, the proxy, and for each of
     ``baselines`` (checkouts of this repository) that checkout's proxy, side by side.
 
     At 1 in flight the paths take turns in blocks of ``OVERHEAD_BLOCK_1`` requests, so a change in
@@ -253,7 +227,7 @@ async def part_overhead(baselines: list[str] | None = None) -> list[list[str]]:
     their requests. At 256 in flight they take turns by rounds; the table shows per-path medians
     and the median of the per-round throughput ratios.
     """
-    up_port, relay_port, px_port, aio_port = (free_port() for _ in range(4))
+    up_port, relay_port, px_port = (free_port() for _ in range(3))
     rng = random.Random(0)
     body = json.dumps(
         {"model": "bench-v1", "prompt": [rng.randrange(50000) for _ in range(300)],
@@ -272,9 +246,6 @@ async def part_overhead(baselines: list[str] | None = None) -> list[list[str]]:
             pids = {"proxy": stack.enter_context(subprocess_server([*proxy_argv, str(px_port)]))}
             paths = {"direct": upstream, "relay": f"http://127.0.0.1:{relay_port}",
                      "proxy": f"http://127.0.0.1:{px_port}"}  # fmt: skip
-            argv = [PY, __file__, "--_aiohttp-proxy", str(aio_port), upstream]
-            pids["aiohttp"] = stack.enter_context(subprocess_server(argv))
-            paths["aiohttp"] = f"http://127.0.0.1:{aio_port}"
             for baseline in baselines or []:  # its own code first on the path: run from it
                 name, port = os.path.basename(os.path.abspath(baseline)), free_port()
                 env = {**os.environ, "PYTHONPATH": os.path.abspath(baseline)}
@@ -494,9 +465,6 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--_canned-upstream":
         run_canned_upstream(int(sys.argv[2]))
-        sys.exit(0)
-    if len(sys.argv) == 4 and sys.argv[1] == "--_aiohttp-proxy":
-        run_aiohttp_proxy(int(sys.argv[2]), sys.argv[3])
         sys.exit(0)
     if len(sys.argv) == 4 and sys.argv[1] == "--_relay":
         run_relay(int(sys.argv[2]), int(sys.argv[3]))

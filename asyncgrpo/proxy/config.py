@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.proxy.h1 import split_url
 from asyncgrpo.serve.config import is_loopback
 from asyncgrpo.settings import check_fields
 
-__all__ = ["ProxyConfig", "is_loopback"]
+__all__ = ["ProxyConfig", "is_loopback", "token_allowed"]
 
 
 @dataclass(kw_only=True)
@@ -18,7 +19,8 @@ class ProxyConfig:
     """One endpoint in front of many vLLM replicas.
 
     Groups: where it listens and who may talk to it (``host``, ``port``, ``api_key``,
-    ``max_body_bytes``, ``lora_roots``); where it sends (``upstreams``, ``upstream_api_key``);
+    ``admin_api_key``, ``max_body_bytes``, ``lora_roots``, connection limits); where it sends
+    (``upstreams``, ``upstream_api_key``, ``upstream_key_urls``);
     routing (``routing``, ``block_size``, ``imbalance``, ``max_tracked_blocks``); failure handling
     (timeouts, circuit breaker, retries); adapter broadcast (``load_deadline_s``, ...).
     """
@@ -31,9 +33,16 @@ class ProxyConfig:
     """Port to bind; 0 picks a free one."""
     api_key: str | None = field(default=None, repr=False, metadata={"secret": True})
     """Bearer token clients must send. Never logged."""
+    admin_api_key: str | None = field(default=None, repr=False, metadata={"secret": True})
+    """Bearer token of the admin routes (POST and DELETE /proxy/upstreams: add, remove replicas),
+    instead of api_key. None: those routes answer 403. Never logged."""
     upstream_api_key: str | None = field(default=None, repr=False, metadata={"secret": True})
     """Bearer token sent to every upstream (e.g. HF_TOKEN for a Hugging Face Job's exposed port,
     or vLLM's --api-key). Never logged."""
+    upstream_key_urls: tuple[str, ...] = ()
+    """Origins (scheme://host[:port]; the host may start with '*.', e.g. https://*.hf.space) of
+    replicas added at run time (POST /proxy/upstreams) that get upstream_api_key; any other
+    gets no token. The upstreams given at start always get it."""
     lora_roots: tuple[str, ...] = ()
     """Absolute directories a /v1/load_lora_adapter lora_path must lie under. Empty: any
     absolute path without '..' (only sensible on loopback)."""
@@ -61,8 +70,15 @@ class ProxyConfig:
     stream_idle_timeout_s: float = 120.0
     """Largest gap between two chunks of a streamed answer."""
     client_idle_timeout_s: float = 75.0
-    """A client connection idle this long between requests, or this slow to send one whole
-    request, is closed."""
+    """A client connection idle this long between requests, or this slow to send a request's
+    body after its head, is closed."""
+    head_timeout_s: float = 10.0
+    """A client must send a request's whole head within this many seconds of connecting or of
+    the request's first byte, else the connection is closed."""
+    max_connections: int = 4096
+    """Client connections open at once, at most (lowered to fit the open-file limit). At the
+    cap, a new connection closes the ones that waited longest without a request in progress
+    (those that never sent one first)."""
     max_attempts: int = 3
     """Tries per request across replicas (connect errors and deadlines)."""
     health_interval_s: float = 2.0
@@ -86,9 +102,19 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         self.upstreams = tuple(u.rstrip("/") for u in self.upstreams)
         self.lora_roots = tuple(self.lora_roots)
-        for u in self.upstreams:
-            if not u.startswith(("http://", "https://")):
-                raise ConfigError(f"upstreams: {u!r} is not an http(s) URL; write http://HOST:PORT")
+        self.upstream_key_urls = tuple(u.rstrip("/") for u in self.upstream_key_urls)
+        for name in ("upstreams", "upstream_key_urls"):
+            for u in getattr(self, name):
+                try:
+                    path = split_url(u)[3]
+                except ValueError as exc:
+                    raise ConfigError(f"{name}: {exc}; write http://HOST:PORT") from None
+                if path and name == "upstream_key_urls":
+                    raise ConfigError(f"{name}: {u!r} has a path; write scheme://HOST[:PORT]")
+        for name in ("api_key", "admin_api_key", "upstream_api_key"):
+            value = getattr(self, name)
+            if value is not None and (not value.isprintable() or " " in value):
+                raise ConfigError(f"proxy.{name}: a space or control character in the secret")
         if len(set(self.upstreams)) != len(self.upstreams):
             raise ConfigError("upstreams: the same URL is listed twice; list each replica once")
         if not is_loopback(self.host) and not self.api_key:
@@ -104,5 +130,19 @@ class ProxyConfig:
             self, "proxy", gt=dict.fromkeys(seconds, 0), le={"port": 65535},
             ge={"port": 0, "block_size": 1, "imbalance": 0, "imbalance_ratio": 1,
                 "max_tracked_blocks": 1, "max_body_bytes": 1024, "health_timeouts_to_open": 1,
-                "max_attempts": 1},
+                "max_attempts": 1, "max_connections": 1},
         )  # fmt: skip
+
+
+def token_allowed(url: str, config: ProxyConfig) -> bool:
+    """Whether a replica added at run time at ``url`` may get ``upstream_api_key``: its scheme,
+    host and port match an entry of ``upstream_key_urls`` (``*.`` matching any subdomain)."""
+    try:
+        scheme, host, port, _ = split_url(url)
+    except ValueError:
+        return False
+    for entry in config.upstream_key_urls:
+        s, h, p, _ = split_url(entry)
+        if (s, p) == (scheme, port) and (h == host or (h[:2] == "*." and host.endswith(h[1:]))):
+            return True
+    return False

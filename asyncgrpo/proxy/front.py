@@ -1,33 +1,49 @@
-"""One client connection to the proxy: HTTP/1.1 parsed by llhttp (``httptools``), answered in order.
+"""The proxy's one HTTP/1.1 server: client connections parsed by llhttp (``httptools``), answered
+in order.
 
 Why not aiohttp's server: its quarter millisecond of CPU per request is more than routing and
-forwarding take. As in uvicorn's ``httptools_impl``, the connection is an asyncio protocol
-feeding llhttp. A request that llhttp and :mod:`~asyncgrpo.proxy.inbound` accept goes to a
-:class:`~asyncgrpo.proxy.unary.UnaryRequest` (non-streaming generation) or a
-:class:`~asyncgrpo.proxy.relay.Relay` (the rest); a refused one gets an answer saying why,
-nothing is forwarded, and the connection closes.
+forwarding take. As in uvicorn's ``httptools_impl``, a connection is an asyncio protocol feeding
+llhttp. A request that llhttp and :mod:`~asyncgrpo.proxy.inbound` accept goes to a
+:class:`~asyncgrpo.proxy.forward.Forward` (generation, pass-through) or to a control coroutine
+(:data:`~asyncgrpo.proxy.control.ROUTES`); a refused one gets an answer saying why, nothing is
+forwarded, and the connection closes.
+
+Limits: connections (:class:`Clients`), time to send a head or a body, bytes held per connection
+(reading pauses): ``docs/proxy.md``, "Security".
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import logging
+import time
 from collections import deque
-from typing import TYPE_CHECKING, cast
+from collections.abc import Awaitable, Callable
+from email.utils import formatdate
+from typing import cast
 
 import httptools
 
+from asyncgrpo.proxy.control import ROUTES
+from asyncgrpo.proxy.forward import Forward, request_chains
 from asyncgrpo.proxy.h1 import Response
 from asyncgrpo.proxy.headers import DROP_RESPONSE_B, head_lines
-from asyncgrpo.proxy.inbound import HEAD_LIMIT, TOO_LARGE, Refused, Request, check_head, refusal
+from asyncgrpo.proxy.inbound import (
+    HEAD_LIMIT,
+    TOO_LARGE,
+    Refused,
+    Request,
+    Rules,
+    check_head,
+    refusal,
+)
 from asyncgrpo.proxy.jsonbody import BodyError, decode_object
-from asyncgrpo.proxy.relay import Relay
-from asyncgrpo.proxy.state import error_body
-from asyncgrpo.proxy.unary import UnaryRequest
+from asyncgrpo.proxy.state import TICK_S, Proxy, error_answer
 
-if TYPE_CHECKING:
-    from asyncgrpo.proxy.server import Front
+__all__ = ["Clients", "Connection"]
 
-__all__ = ["Connection"]
+log = logging.getLogger(__name__)
 
 #: Seconds a connection closed after a refusal keeps reading (and dropping) what the client sends.
 LINGER_S = 2.0
@@ -35,36 +51,82 @@ LINGER_S = 2.0
 MAX_QUEUED = 16
 
 _GENERATE = frozenset({b"/v1/completions", b"/v1/chat/completions"})
+_PASS_POST = frozenset({b"/tokenize", b"/detokenize"})
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
-class Connection(asyncio.Protocol):
-    """One client connection; ``waiting_since`` (loop time, None while answering) lets the
-    server close it when idle or trickling a request for ``client_idle_timeout_s``."""
+class Clients:
+    """The open client connections: their cap, their timeouts (:meth:`sweep`), and the ``Date``
+    header of this second."""
 
-    def __init__(self, front: Front) -> None:
-        self.front = front
-        self.loop = front.loop
-        self.max_body = front.config.max_body_bytes
+    def __init__(self, proxy: Proxy, cap: int) -> None:
+        cfg = proxy.config
+        self.proxy, self.cap, self.rules = proxy, cap, Rules(cfg)
+        self.head_s, self.idle_s = cfg.head_timeout_s, cfg.client_idle_timeout_s
+        #: Ticks between two sweeps: a quarter of the shortest timeout, at most a second.
+        self.every = max(1, round(min(self.head_s / 4, self.idle_s / 4, 1.0) / TICK_S))
+        self.conns: set[Connection] = set()
+        self._date = (0, b"")
+
+    def admit(self) -> bool:
+        """Make room for one more connection; False if every open one is busy."""
+        if len(self.conns) < self.cap:
+            return True
+        waiting = [c for c in self.conns if c.deadline is not None]
+        for c in heapq.nsmallest(max(1, self.cap // 16), waiting, key=_eviction_order):
+            c.close()
+        return len(self.conns) < self.cap
+
+    def sweep(self, now: float) -> None:
+        """Close connections past their deadline (see :class:`Connection`)."""
+        for c in [c for c in self.conns if c.deadline is not None and c.deadline < now]:
+            c.close()
+
+    def http_date(self) -> bytes:
+        now = int(time.time())
+        if self._date[0] != now:
+            self._date = (now, formatdate(now, usegmt=True).encode())
+        return self._date[1]
+
+    def close(self) -> None:
+        """Close every client connection (in-flight requests are dropped)."""
+        for c in list(self.conns):
+            c.close()
+
+
+def _eviction_order(c: Connection) -> tuple[bool, float]:
+    return c.served, cast(float, c.deadline)
+
+
+class Connection(asyncio.Protocol):
+    """One client connection. ``deadline`` (loop time) is when it closes unless something
+    happens: set while it waits for a request (head, body, or the next one), None while one of
+    its requests is answered."""
+
+    def __init__(self, clients: Clients) -> None:
+        self.clients, self.proxy = clients, clients.proxy
+        self.loop, self.rules = self.proxy.loop, clients.rules
         self.transport: asyncio.Transport | None = None
         self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self.req = Request()  # being parsed
-        self.in_head = self.begun = False
-        self.head_size = 0
+        self.in_head = self.begun = self.in_message = False
+        self.head_size = self.queued_bytes = 0
         self.queue: deque[Request | Refused] = deque()  # parsed, waiting their turn
         self.current: Request | None = None  # being answered
-        self.started = False  # the current answer's first byte was written
-        self.work: UnaryRequest | Relay | None = None  # what answers ``current``
+        self.started = self.chunked = False  # the current answer's head was written; its framing
+        self.work: Forward | asyncio.Task[None] | None = None  # what answers ``current``
         self.eof = self.closed = self.reading_paused = self.writing_paused = False
-        self.processing = False
-        self.waiting_since: float | None = self.loop.time()
+        self.processing = self.served = False
+        self.deadline: float | None = self.loop.time() + clients.head_s
 
     # -- llhttp callbacks (raising Refused refuses the request) --------------------------------
 
     def on_message_begin(self) -> None:
         self.req = Request()
-        self.in_head = self.begun = True
+        self.in_head = self.begun = self.in_message = True
         self.head_size = 0
+        if self.current is None:
+            self.deadline = self.proxy.now + self.clients.head_s
 
     def on_url(self, url: bytes) -> None:
         self.req.target += url
@@ -76,26 +138,36 @@ class Connection(asyncio.Protocol):
         self.in_head = False
         req, parser = self.req, cast(httptools.HttpRequestParser, self.parser)
         req.method = parser.get_method()
-        check_head(req, parser.get_http_version(), self.max_body, self.front.auth)
-        if req.expect and (req.te or req.length) and self.current is None and not self.queue:
-            self.write(_CONTINUE)
+        check_head(req, parser.get_http_version(), self.rules)
+        if self.current is None:
+            self.deadline = self.proxy.now + self.clients.idle_s  # for the body
+            if req.expect and (req.te or req.length) and not self.queue:
+                self.write(_CONTINUE)
 
     def on_body(self, data: bytes) -> None:
         req = self.req
         req.body.append(data)
         req.size += len(data)
-        if req.size > self.max_body:  # chunked: no length said in advance
-            raise Refused(413, f"request body too large: over {self.max_body} bytes")
+        if req.size > self.rules.max_body:  # chunked: no length said in advance
+            raise Refused(413, f"request body too large: over {self.rules.max_body} bytes")
 
     def on_message_complete(self) -> None:
         self.req.keep_alive = cast(httptools.HttpRequestParser, self.parser).should_keep_alive()
+        self.in_message = False
+        self.queued_bytes += self.req.size
         self.queue.append(self.req)
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's: not a subclass
-        self.front.clients.add(self)
+        if not self.clients.admit():
+            self.parser = None
+            self._write_answer(error_answer(503, "too many connections"), False, False)
+            self.closed = True
+            self.transport.close()
+            return
+        self.clients.conns.add(self)
 
     def data_received(self, data: bytes) -> None:
         parser = self.parser
@@ -140,18 +212,18 @@ class Connection(asyncio.Protocol):
             self.write(_CONTINUE)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed, self.waiting_since = True, None
-        self.front.clients.discard(self)
+        self.closed, self.deadline = True, None
+        self.clients.conns.discard(self)
         work, self.work = self.work, None
-        if work is not None:
-            work.cancel()
+        if isinstance(work, Forward):
+            work.cancel()  # a control call runs to its end: a broadcast is all or nothing
 
     def pause_writing(self) -> None:
         self.writing_paused = True
 
     def resume_writing(self) -> None:
         self.writing_paused = False
-        if isinstance(self.work, Relay):
+        if isinstance(self.work, Forward):
             self.work.pause_reading(False)
         self._process()
 
@@ -168,9 +240,14 @@ class Connection(asyncio.Protocol):
                 item = self.queue.popleft()
                 if isinstance(item, Refused):
                     return self._refuse(item)
-                self.current, self.started, self.waiting_since = item, False, None
+                self.queued_bytes -= item.size
+                self.current, self.started, self.deadline = item, False, None
                 self._dispatch(item)
-            pause = len(self.queue) > MAX_QUEUED  # a client pipelining without reading
+            # A client pipelining without reading: bounded in number and in bytes.
+            partial = self.req.size if self.in_message else 0
+            pause = (self.current is not None or bool(self.queue)) and (
+                len(self.queue) > MAX_QUEUED or self.queued_bytes + partial >= self.rules.max_body
+            )
             if self.current is None and self.eof:
                 self.close()
             elif self.transport is not None and pause != self.reading_paused:
@@ -180,62 +257,109 @@ class Connection(asyncio.Protocol):
             self.processing = False
 
     def _dispatch(self, req: Request) -> None:
-        body, core = b"".join(req.body), self.front.core
-        if req.method == b"POST" and req.target.partition(b"?")[0] in _GENERATE:
+        proxy, body = self.proxy, b"".join(req.body)
+        method, path = req.method, req.target.partition(b"?")[0]
+        forward = (method, req.target, b"".join(req.lines), body)
+        if method == b"POST" and path in _GENERATE:
             try:
-                parsed = decode_object(body, self.max_body)
+                parsed = decode_object(body, self.rules.max_body)
             except BodyError as exc:
-                core.stats.reject(exc.status)
-                return self.answer((exc.status, [], error_body(exc.status, str(exc))))
-            if parsed.get("stream") is not True:
-                req.lines.append(core.pool.header_lines)
-                lines = b"".join(req.lines)
-                self.work = UnaryRequest(
-                    core, self.loop, req.target, body, parsed, lines, self.answer
-                )
-                return self.work.start()
-        self.work = Relay(self)
-        self.work.send(req, body)
+                proxy.stats.reject(exc.status)
+                return self.answer(error_answer(exc.status, str(exc)))
+            chains = request_chains(proxy, parsed)
+            self.work = Forward(proxy, self, forward, chains, stream=parsed.get("stream") is True)
+        elif (handler := ROUTES.get((b"GET" if method == b"HEAD" else method, path))) is not None:
+            self.work = proxy.spawn(self._control(handler, req, body), f"asyncgrpo-proxy {path!r}")
+            return
+        elif method in (b"GET", b"HEAD") or (method == b"POST" and path in _PASS_POST):
+            self.work = Forward(proxy, self, forward, None)
+        else:
+            what = f"{method.decode()} {path.decode('latin-1')}"
+            return self.answer(error_answer(
+                404, f"{what} is not proxied: only GET, generation, tokenize and the broadcast "
+                "control calls are", kind="NotFoundError",
+            ))  # fmt: skip
+        self.work.start()
 
-    def _write_answer(self, answer: Response, keep_alive: bool) -> None:
+    async def _control(
+        self, handler: Callable[[Proxy, str, str, bytes], Awaitable[Response]], req: Request,
+        body: bytes,
+    ) -> None:  # fmt: skip
+        method = "GET" if req.method == b"HEAD" else req.method.decode()
+        try:
+            answer = await handler(self.proxy, method, req.target.decode("latin-1"), body)
+        except Exception:
+            log.exception("%s %r failed", method, req.target)
+            answer = error_answer(500, "the proxy failed on this request: see its log")
+        if self.current is req:
+            self.answer(answer)
+
+    def _write_answer(self, answer: Response, keep_alive: bool, head: bool) -> None:
         """Write a buffered answer (its per-hop headers dropped, framing added)."""
         status, headers, body = answer
         out, typed = head_lines(status, headers, DROP_RESPONSE_B, b"content-type")
         if not typed:
             out.append(b"Content-Type: application/json\r\n")
-        out.append(b"Date: %s\r\nContent-Length: %d\r\n" % (self.front.http_date(), len(body)))
+        out.append(b"Date: %s\r\nContent-Length: %d\r\n" % (self.clients.http_date(), len(body)))
         if not keep_alive:
             out.append(b"Connection: close\r\n")
-        out += (b"\r\n", body)
+        out += (b"\r\n", b"" if head else body)
         self.write(b"".join(out))
 
     def answer(self, answer: Response) -> None:
         """The whole answer to the current request, then the next one."""
         self.work = None
-        if self.current is not None and not self.closed:
-            self._write_answer(answer, self.current.keep_alive)
+        req = self.current
+        if req is not None and not self.closed:
+            self._write_answer(answer, req.keep_alive, req.method == b"HEAD")
             self.answered()
+
+    def stream_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Start a streamed answer: chunked, or delimited by the close for HTTP/1.0."""
+        req = cast(Request, self.current)
+        out, _ = head_lines(status, headers, DROP_RESPONSE_B, b"")
+        out.append(b"Date: %s\r\n" % self.clients.http_date())
+        self.chunked = req.http11
+        if self.chunked:
+            out.append(b"Transfer-Encoding: chunked\r\n")
+        req.keep_alive = req.keep_alive and req.http11
+        if not req.keep_alive:
+            out.append(b"Connection: close\r\n")
+        out.append(b"\r\n")
+        self.started = True
+        self.write(b"".join(out))
+
+    def stream_body(self, data: bytes) -> None:
+        self.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
+
+    def stream_end(self) -> None:
+        self.work = None
+        if self.chunked:
+            self.write(b"0\r\n\r\n")
+        self.answered()
 
     def answered(self) -> None:
         req, self.current = self.current, None
         if req is not None and not req.keep_alive:
             self.close()
         elif req is not None:
-            self.waiting_since = self.loop.time()
+            self.served = True
+            wait = self.clients.head_s if self.in_head else self.clients.idle_s
+            self.deadline = self.proxy.now + wait
             self._process()
 
     def _refuse(self, exc: Refused) -> None:
         """Answer a refused request and close after reading (and dropping) input for a moment:
         closing with unread input sends a reset, which can destroy the answer unread."""
-        self.front.core.stats.reject(exc.status)
+        self.proxy.stats.reject(exc.status)
         self.parser = None
         self.queue.clear()
-        self._write_answer((exc.status, [], error_body(exc.status, str(exc))), False)
+        self._write_answer(error_answer(exc.status, str(exc)), False, False)
         if self.eof or self.transport is None:
             self.close()
         elif not self.transport.is_closing():
             self.transport.write_eof()
-            self.loop.call_later(LINGER_S, self.close)
+            self.deadline = self.loop.time() + LINGER_S
 
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.closed:

@@ -1,27 +1,45 @@
-"""A keep-alive HTTP/1.1 client on llhttp (``httptools``), driven by callbacks: the proxy's hops
-to the replicas (buffered generation requests) and to its own aiohttp application (the rest).
+"""The proxy's one HTTP client: keep-alive HTTP/1.1 on llhttp (``httptools``), plain or TLS.
 
-Why callbacks: a pooled connection's ``data_received`` feeds llhttp, which calls the waiting
-:class:`Exchange` back in the same callback: no task, future or stream buffer adds latency. A
-reused connection closed before a byte of the answer came is retried once on a fresh one.
+Relayed requests are callbacks: a pooled connection's ``data_received`` feeds llhttp, which calls
+the waiting :class:`Exchange` back in the same callback (no task, future or stream buffer);
+control calls await the same exchange (:meth:`H1Pool.fetch`). ``https://`` replicas use asyncio's
+TLS transport, verified against the system's CAs (``SSL_CERT_FILE`` adds others). A reused
+connection closed before a byte of the answer came is retried once on a fresh one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from typing import cast
+from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["ConnectFailed", "Disconnected", "Exchange", "H1Pool", "Response"]
+__all__ = ["ConnectFailed", "Disconnected", "Exchange", "H1Pool", "Response", "split_url"]
 
 #: Idle connections kept per pool; more are closed when returned.
 _MAX_IDLE = 1024
 _FRAMING = (b"content-length", b"transfer-encoding")
+_JSON = b"Content-Type: application/json\r\n"
 
 #: (status, headers as (name, value) bytes pairs, body)
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
+
+
+def split_url(url: str) -> tuple[str, str, int, str]:
+    """``(scheme, host, port, path prefix)`` of a replica's base URL; ValueError says why not."""
+    u = urlsplit(url)
+    try:
+        port = u.port
+    except ValueError:
+        port = -1
+    if not url.isascii() or u.scheme not in ("http", "https") or not u.hostname or port == -1:
+        raise ValueError(f"{url!r} is not an http(s)://HOST[:PORT] URL")
+    if u.username is not None or u.query or u.fragment:
+        raise ValueError(f"{url!r}: no credentials, query or fragment in a replica's URL")
+    return u.scheme, u.hostname, port or (443 if u.scheme == "https" else 80), u.path.rstrip("/")
 
 
 class ConnectFailed(OSError):
@@ -35,8 +53,9 @@ class Disconnected(OSError):
 class Exchange:
     """The receiving end of one request on an :class:`H1Pool`: its outcome comes once, as
     :meth:`on_response` or :meth:`on_error` (:class:`ConnectFailed`, ``TimeoutError`` of the
-    connect, :class:`Disconnected`). With ``streams`` set, :meth:`on_head` and :meth:`on_body`
-    come first, as the bytes arrive."""
+    connect, :class:`Disconnected`). With ``streams`` set, :meth:`on_head` comes first; if it
+    returns True the body comes to :meth:`on_body` piece by piece as it arrives, else with
+    :meth:`on_response`."""
 
     __slots__ = ("conn",)
     streams = False
@@ -44,7 +63,8 @@ class Exchange:
     def __init__(self) -> None:
         self.conn: _Conn | None = None
 
-    def on_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+    def on_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> bool:
+        return False
 
     def on_body(self, data: bytes) -> None: ...
 
@@ -57,6 +77,28 @@ class Exchange:
         if (conn := self.conn) is not None:
             conn.detach()
             conn.close()
+
+    def pause_reading(self, paused: bool) -> None:
+        """Back-pressure: stop (or resume) reading the answer while its reader cannot keep up."""
+        t = self.conn.transport if self.conn is not None else None
+        if t is not None and not t.is_closing():
+            (t.pause_reading if paused else t.resume_reading)()
+
+
+class _Fetch(Exchange):
+    __slots__ = ("future",)
+
+    def __init__(self, future: asyncio.Future[Response]) -> None:
+        super().__init__()
+        self.future = future
+
+    def on_response(self, response: Response) -> None:
+        if not self.future.done():
+            self.future.set_result(response)
+
+    def on_error(self, exc: OSError) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
 
 
 class _Conn(asyncio.Protocol):
@@ -87,7 +129,7 @@ class _Conn(asyncio.Protocol):
             self.transport.write(request)
 
     def detach(self) -> Exchange | None:
-        exchange, self.exchange = self.exchange, None
+        exchange, self.exchange, self.sink = self.exchange, None, None
         if exchange is not None:
             exchange.conn = None
         return exchange
@@ -113,8 +155,8 @@ class _Conn(asyncio.Protocol):
             self.headers = []
             return
         self.status = status
-        if self.sink is not None:
-            self.sink.on_head(status, self.headers)
+        if self.sink is not None and not self.sink.on_head(status, self.headers):
+            self.sink = None
         self.done = self.head_request  # no body follows, whatever the head says: no reuse
 
     def on_body(self, data: bytes) -> None:
@@ -143,12 +185,12 @@ class _Conn(asyncio.Protocol):
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             if not self.done:
-                exchange = cast(Exchange, self.detach())
                 self.close()
-                return exchange.on_error(Disconnected(f"malformed answer: {exc}"))
+                if (exchange := self.detach()) is not None:
+                    exchange.on_error(Disconnected(f"malformed answer: {exc}"))
+                return
             self.keep = False
-        if self.done:
-            exchange = cast(Exchange, self.detach())
+        if self.done and (exchange := self.detach()) is not None:  # a sink may have aborted
             if self.keep and len(self.pool.idle) < _MAX_IDLE:
                 self.used, self.reused = time.monotonic(), False
                 self.pool.idle.append(self)
@@ -174,29 +216,35 @@ class _Conn(asyncio.Protocol):
 
 
 class H1Pool:
-    """Keep-alive connections to one ``http://host:port`` server, or to a unix socket (``path``).
-    ``keepalive_s`` is below the server's idle timeout (uvicorn's is 5 s): a pooled connection
-    is rarely one the server is closing."""
+    """Keep-alive connections to one replica, ``http(s)://host[:port][/prefix]``; every request
+    carries ``auth`` (the upstream token) if given. ``keepalive_s`` is below the server's idle
+    timeout (uvicorn's is 5 s): a pooled connection is rarely one the server is closing."""
 
     def __init__(
         self,
-        host: str = "localhost",
-        port: int = 80,
+        url: str,
         *,
-        path: str | None = None,
+        auth: str | None = None,
         keepalive_s: float = 4.0,
         connect_timeout_s: float = 5.0,
     ) -> None:
-        self.host, self.port, self.path = host, port, path
+        scheme, self.host, self.port, prefix = split_url(url)
+        self.ssl = ssl.create_default_context() if scheme == "https" else None
+        self.prefix = prefix.encode()
         self.keepalive_s, self.connect_timeout_s = keepalive_s, connect_timeout_s
-        authority = f"[{host}]" if ":" in host else host  # an IPv6 literal
-        self.host_header = f"Host: {authority}:{port}\r\n".encode("ascii")
+        authority = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
+        if self.port != (443 if self.ssl else 80):
+            authority += f":{self.port}"
+        self.head = f"Host: {authority}\r\n".encode()
+        if auth:
+            self.head += f"Authorization: Bearer {auth}\r\n".encode()
         self.idle: list[_Conn] = []
 
     def request(self, method: bytes, path_qs: bytes, header_lines: bytes, body: bytes) -> bytes:
-        """One request: ``header_lines`` ("Name: value\\r\\n", validated) + Host, Content-Length."""
+        """One request: ``header_lines`` ("Name: value\\r\\n", validated) + Host, Authorization,
+        Content-Length."""
         return b"".join(
-            (method, b" ", path_qs, b" HTTP/1.1\r\n", self.host_header, header_lines,
+            (method, b" ", self.prefix, path_qs, b" HTTP/1.1\r\n", self.head, header_lines,
              b"Content-Length: %d\r\n\r\n" % len(body), body)
         )  # fmt: skip
 
@@ -217,16 +265,39 @@ class H1Pool:
         conn.start(exchange, request, head_request)
         conn.connecting = asyncio.get_running_loop().create_task(self._connect(conn))
 
+    async def fetch(
+        self,
+        method: str,
+        path_qs: str,
+        body: bytes | None = None,
+        *,
+        timeout_s: float,
+        header_lines: bytes = _JSON,
+    ) -> Response:
+        """One whole exchange as a coroutine (control calls); raises :class:`ConnectFailed`,
+        :class:`Disconnected` or ``TimeoutError`` after ``timeout_s``."""
+        exchange = _Fetch(asyncio.get_running_loop().create_future())
+        data = body or b""
+        lines = header_lines if data else b""
+        request = self.request(method.encode(), path_qs.encode(), lines, data)
+        self.send(exchange, request, head_request=method == "HEAD")
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await exchange.future
+        finally:
+            if not exchange.future.done():  # timed out or cancelled
+                exchange.abort()
+
     async def _connect(self, conn: _Conn) -> None:
         loop = asyncio.get_running_loop()
-        where = self.path or f"{self.host}:{self.port}"
+        where = f"{self.host}:{self.port}"
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                if self.path is not None:
-                    await loop.create_unix_connection(lambda: conn, self.path)
-                else:
-                    await loop.create_connection(lambda: conn, self.host, self.port)
-        except OSError as exc:  # TimeoutError included
+                await loop.create_connection(
+                    lambda: conn, self.host, self.port, ssl=self.ssl,
+                    server_hostname=self.host if self.ssl else None,
+                )  # fmt: skip
+        except OSError as exc:  # TimeoutError and ssl.SSLError included
             conn.connecting = None
             if (exchange := conn.detach()) is not None:
                 exchange.on_error(

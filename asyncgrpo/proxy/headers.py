@@ -1,45 +1,26 @@
-"""Which headers cross the proxy, in one place (str forms for aiohttp, bytes for the raw paths)."""
+"""Which headers cross the proxy, in one place, and an answer's head as bytes."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from http import HTTPStatus
 
-__all__ = [
-    "DROP_REQUEST",
-    "DROP_REQUEST_B",
-    "DROP_RESPONSE",
-    "DROP_RESPONSE_B",
-    "REPLICA_HEADER",
-    "REPLICA_HEADER_B",
-    "head_lines",
-]
+__all__ = ["DROP_REQUEST_B", "DROP_RESPONSE_B", "REPLICA_HEADER", "REPLICA_HEADER_B", "head_lines"]
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the framing the next hop recomputes.
-_HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "content-length",
-    }
-)
+_HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+               b"trailer", b"transfer-encoding", b"upgrade", b"content-length"}  # fmt: skip
 #: Never forwarded to a replica: per-hop headers and the client's own credentials (the replicas
 #: get ``upstream_api_key`` instead).
-DROP_REQUEST = _HOP_BY_HOP | {"host", "authorization", "expect"}
+DROP_REQUEST_B = frozenset(_HOP_BY_HOP | {b"host", b"authorization", b"expect"})
 #: Never passed back to the client: per-hop headers and what the proxy writes itself.
-DROP_RESPONSE = _HOP_BY_HOP | {"date", "server"}
-DROP_REQUEST_B = frozenset(h.encode() for h in DROP_REQUEST)
-DROP_RESPONSE_B = frozenset(h.encode() for h in DROP_RESPONSE)
+DROP_RESPONSE_B = frozenset(_HOP_BY_HOP | {b"date", b"server"})
 
 #: Response header naming the replica that served a generation request (debugging, tests).
 REPLICA_HEADER = "X-Asyncgrpo-Replica"
 REPLICA_HEADER_B = REPLICA_HEADER.encode()
+
+_STATUS_LINES: dict[int, bytes] = {}
 
 
 def head_lines(
@@ -62,6 +43,3 @@ def head_lines(
             seen = seen or lower == probe
             out += (k, b": ", v, b"\r\n")
     return out, seen
-
-
-_STATUS_LINES: dict[int, bytes] = {}

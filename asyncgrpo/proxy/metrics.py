@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncgrpo.proxy.router import Router
-from asyncgrpo.proxy.upstream import Circuit, UpstreamPool
+from asyncgrpo.proxy.state import Proxy
+from asyncgrpo.proxy.upstream import Circuit
 
 __all__ = ["render", "stats_json"]
 
@@ -19,91 +19,48 @@ def _esc(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render(router: Router, pool: UpstreamPool, stats: Any) -> str:
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP {_P}{name} {help_}")
-        lines.append(f"# TYPE {_P}{name} {kind}")
-        for labels, value in samples:
-            lines.append(f"{_P}{name}{labels} {value}")
-
-    ups = list(pool.upstreams.values())
+def render(proxy: Proxy) -> str:
+    router, stats = proxy.router, proxy.stats
+    ups = list(proxy.pool.upstreams.values())
     lab = {u.url: f'{{replica="{_esc(u.url)}"}}' for u in ups}
-    metric(
-        "routed_total",
-        "counter",
-        "Generation requests routed to a replica.",
-        [(lab[u.url], u.routed) for u in ups],
-    )
-    metric(
-        "inflight",
-        "gauge",
-        "Routed generation requests in flight on a replica.",
-        [(lab[u.url], router.inflight(u.url)) for u in ups],
-    )
-    metric(
-        "failures_total",
-        "counter",
-        "Upstream failures by kind (connect, deadline, disconnect, http_5xx, health, broadcast).",
-        [
-            (f'{{replica="{_esc(u.url)}",kind="{k}"}}', n)
-            for u in ups
-            for k, n in sorted(u.failures.items())
-        ],
-    )
-    metric(
-        "replica_healthy",
-        "gauge",
-        "1 while the replica is in rotation (circuit closed).",
-        [(lab[u.url], int(u.circuit is Circuit.CLOSED)) for u in ups],
-    )
-    metric(
-        "route_decisions_total",
-        "counter",
-        "Routing decisions by kind.",
-        [(f'{{kind="{k}"}}', n) for k, n in router.decisions.items()],
-    )
-    metric(
-        "tracked_blocks", "gauge", "Prefix blocks the router tracks.", [("", router.tracked_blocks)]
-    )
-    metric(
-        "block_evictions_total",
-        "counter",
-        "Prefix blocks dropped by the LRU cap.",
-        [("", router.evictions)],
-    )
-    metric(
-        "route_seconds",
-        "summary",
-        "Time spent hashing prompts and choosing a replica.",
-        [("_sum", stats.route_seconds), ("_count", stats.route_count)],
-    )
-    metric(
-        "retries_total", "counter", "Requests retried on another replica.", [("", stats.retries)]
-    )
-    metric(
-        "rejected_total",
-        "counter",
-        "Requests answered by the proxy itself with an error.",
-        [(f'{{status="{s}"}}', n) for s, n in sorted(stats.rejected.items())],
-    )
-    metric(
-        "broadcasts_total",
-        "counter",
-        "Broadcast control calls by endpoint and outcome.",
-        [
-            (f'{{endpoint="{e}",outcome="{o}"}}', n)
-            for (e, o), n in sorted(stats.broadcasts.items())
-        ],
-    )
-    metric(
-        "adapters_loaded", "gauge", "Adapters loaded through the proxy.", [("", len(pool.adapters))]
-    )
+    families: list[tuple[str, str, str, list[tuple[str, float]]]] = [
+        ("routed_total", "counter", "Generation requests routed to a replica.",
+         [(lab[u.url], u.routed) for u in ups]),
+        ("inflight", "gauge", "Routed generation requests in flight on a replica.",
+         [(lab[u.url], router.inflight(u.url)) for u in ups]),
+        ("failures_total", "counter",
+         "Upstream failures by kind (connect, deadline, disconnect, http_5xx, health, broadcast).",
+         [(f'{{replica="{_esc(u.url)}",kind="{k}"}}', n)
+          for u in ups for k, n in sorted(u.failures.items())]),
+        ("replica_healthy", "gauge", "1 while the replica is in rotation (circuit closed).",
+         [(lab[u.url], int(u.circuit is Circuit.CLOSED)) for u in ups]),
+        ("route_decisions_total", "counter", "Routing decisions by kind.",
+         [(f'{{kind="{k}"}}', n) for k, n in router.decisions.items()]),
+        ("tracked_blocks", "gauge", "Prefix blocks the router tracks.",
+         [("", router.tracked_blocks)]),
+        ("block_evictions_total", "counter", "Prefix blocks dropped by the LRU cap.",
+         [("", router.evictions)]),
+        ("route_seconds", "summary", "Time spent hashing prompts and choosing a replica.",
+         [("_sum", stats.route_seconds), ("_count", stats.route_count)]),
+        ("retries_total", "counter", "Requests retried on another replica.",
+         [("", stats.retries)]),
+        ("rejected_total", "counter", "Requests answered by the proxy itself with an error.",
+         [(f'{{status="{s}"}}', n) for s, n in sorted(stats.rejected.items())]),
+        ("broadcasts_total", "counter", "Broadcast control calls by endpoint and outcome.",
+         [(f'{{endpoint="{e}",outcome="{o}"}}', n)
+          for (e, o), n in sorted(stats.broadcasts.items())]),
+        ("adapters_loaded", "gauge", "Adapters loaded through the proxy.",
+         [("", len(proxy.pool.adapters))]),
+    ]  # fmt: skip
+    lines: list[str] = []
+    for name, kind, help_, samples in families:
+        lines += (f"# HELP {_P}{name} {help_}", f"# TYPE {_P}{name} {kind}")
+        lines += (f"{_P}{name}{labels} {value}" for labels, value in samples)
     return "\n".join(lines) + "\n"
 
 
-def stats_json(router: Router, pool: UpstreamPool, stats: Any) -> dict[str, Any]:
+def stats_json(proxy: Proxy) -> dict[str, Any]:
+    router, pool, stats = proxy.router, proxy.pool, proxy.stats
     decisions = router.decisions
     total = sum(decisions.values()) or 1
     return {

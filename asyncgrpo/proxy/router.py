@@ -1,65 +1,9 @@
-"""KV-prefix-affinity routing: pure, synchronous, deterministic.
+"""KV-prefix-affinity routing: pure, synchronous, deterministic (no I/O, no clock reads).
 
-No I/O, no clock reads, no aiohttp: the HTTP layer parses a request, asks :func:`request_hashes`
-for its block hashes, asks :meth:`Router.route` for a replica, forwards, and reports the outcome
-with :meth:`Router.finish`.
-
-Why: vLLM caches prefix KV in blocks of ``block_size`` tokens (16 on GPU, 128 on CPU), keyed by
-adapter name. The G rollouts of one GRPO prompt share their prompt; sent to one replica, the first
-computes the prefill and the others reuse it.
-
-**Block hashes.** A prompt becomes a chain of hashes, one per block, where hash *k* covers blocks
-1..k and the chain is seeded with the ``model`` field (the adapter name), so a new adapter version
-is a new namespace, exactly like vLLM's own cache. The trailing partial block gets a hash too: vLLM
-caches only full blocks, but the tail tells prompts apart that share every full block (it makes a
-shared template block grow several successors, see below) and the G rollouts of one prompt still
-share it.
-
-* Token-id prompts (what our rollout client sends): exact blocks of ``block_size`` token ids, the
-  same boundaries vLLM uses.
-* String prompts and chat ``messages``: UTF-8 bytes in chunks of ``block_size * BYTES_PER_TOKEN``
-  bytes. For chat we render the messages deterministically (role, a separator, the content; list
-  contents and ``tools`` as sorted-key JSON) instead of applying the model's chat template or
-  calling the replica's ``/tokenize``: a ``/tokenize`` round trip per request would cost more than
-  the whole proxy hop, and the template only adds bytes that are identical for every request (its
-  KV is shared anyway). Routing does not need vLLM's exact block boundaries, only the property that
-  two requests share a leading chunk iff they share a leading stretch of prompt, which the rendering
-  keeps. ~4 bytes per BPE token keeps one chunk close to one KV block, so "prompt-specific matched
-  chunks" ranks replicas the way matched KV blocks would.
-* Batched prompts (a list of prompts in one request): routed by the first prompt; all of them are
-  recorded, since they all land on the chosen replica.
-
-**State.** An LRU map ``hash -> _Block(owners, successor, common)``: ``owners`` is a bitmask of the
-replica slots that served the block; ``successor`` is the first hash seen after it; ``common`` turns
-true when a second, different successor appears. Memory is bounded by ``max_blocks`` (evictions are
-counted); see ``docs/proxy.md`` for the measured bytes per tracked block.
-
-**Common blocks.** A block with several successors (chat template, shared system prompt, few-shot
-header) identifies no prompt; matches on it, and on every block before it in the chain, are
-ignored. A request whose next hash differs from a block's only known successor is about to make it
-common, and is scored as if it already were (else the second prompt behind a template would
-follow the first). A second rule found in other routers, "every replica has it", is
-deliberately dropped: it is what made a spilled prompt (now owned by every replica) lose its
-affinity for good and pushed "unmatched" far above the 1/G floor. A template is still caught by the
-successor rule as soon as two different prompts have used it.
-
-**Decision.** Score each available replica by the number of prompt-specific blocks of the request it
-owns. Among owners, by score then fewest in flight, the first that is at most ``imbalance`` requests
-ahead of the least-loaded available replica (or at most ``imbalance_ratio`` times its load) wins
-("affinity"): a prompt served by several replicas
-keeps affinity to the least-loaded of its owners. If no owner is within the bound, the least-loaded
-replica wins ("spill"). An unknown prompt goes to the least-loaded replica, round-robin on ties
-("unmatched").
-
-**Ownership is claimed at route time** (the G rollouts of a prompt arrive together, long before the
-first completes) and **withdrawn on failure**: :meth:`Router.finish` with ``ok=False`` clears the
-claims this request made, so a failed request never records affinity; ``ok=True`` re-confirms them.
-In-flight counts only routed generation requests.
-
-**Repeats.** The G rollouts of a prompt arrive with the same hashes. While no block, owner or
-replica changed since the first of them was scored (an epoch counter), the others reuse its
-scores, and they skip re-recording what it recorded until a failure or an eviction could have
-undone it.
+The HTTP layer asks :func:`request_hashes` for a request's block-hash chains, :meth:`Router.route`
+for a replica, and reports the outcome with :meth:`Router.finish`. Why this design (block hashes
+seeded by adapter name, "common" blocks, the decision, claims at route time withdrawn on failure,
+scores reused for the G rollouts of a prompt): ``docs/proxy.md``, section "Routing".
 """
 
 from __future__ import annotations

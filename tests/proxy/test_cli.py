@@ -25,6 +25,12 @@ from asyncgrpo.serve.replicas import free_port
         ({"imbalance": -1}, "imbalance"),
         ({"request_timeout_s": 0}, "request_timeout_s"),
         ({"routing": "random"}, "routing"),
+        ({"upstreams": ("http://user:pw@a:1",)}, "no credentials"),
+        ({"upstreams": ("http://a:99999",)}, "http"),
+        ({"upstream_key_urls": ("https://*.hf.space/path",)}, "has a path"),
+        ({"upstream_api_key": "tok\r\nX-Injected: 1"}, "control character"),
+        ({"max_connections": 0}, "max_connections"),
+        ({"head_timeout_s": 0}, "head_timeout_s"),
     ],
 )
 def test_config_errors_name_the_fix(kwargs: dict, match: str) -> None:
@@ -33,8 +39,10 @@ def test_config_errors_name_the_fix(kwargs: dict, match: str) -> None:
 
 
 def test_config_hides_secrets_and_allows_public_bind_with_key() -> None:
-    cfg = ProxyConfig(host="0.0.0.0", api_key="s3cret", upstream_api_key="hf_tok")
-    assert "s3cret" not in repr(cfg) and "hf_tok" not in repr(cfg)
+    cfg = ProxyConfig(
+        host="0.0.0.0", api_key="s3cret", upstream_api_key="hf_tok", admin_api_key="adm1n"
+    )
+    assert not [secret for secret in ("s3cret", "hf_tok", "adm1n") if secret in repr(cfg)]
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.Popen:

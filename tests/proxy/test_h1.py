@@ -40,7 +40,7 @@ class ResponseParser(Exchange):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = H1Pool()
+        self.pool = H1Pool("http://localhost")
         self.c = _Conn(self.pool)
         self.c.start(self, b"", head_request=False)
         self.outcome: Response | OSError | None = None
@@ -155,7 +155,7 @@ def _app(peers: list[object]) -> web.Application:
 async def test_keepalive_reuse_chunked_and_status() -> None:
     peers: list[object] = []
     runner, port = await _server(_app(peers))
-    pool = H1Pool("127.0.0.1", port)
+    pool = H1Pool(f"http://127.0.0.1:{port}")
     try:
         status, headers, data = await _post(pool, "/echo", [("X-Test", "a")], b'{"x": 1}')
         assert (status, data, dict(headers)[b"X-Seen"]) == (200, b'{"x": 1}', b"a")
@@ -175,7 +175,7 @@ async def test_keepalive_reuse_chunked_and_status() -> None:
 async def test_idle_connection_closed_by_server_is_retried_fresh() -> None:
     peers: list[object] = []
     runner, port = await _server(_app(peers), keepalive_timeout=0.1)
-    pool = H1Pool("127.0.0.1", port, keepalive_s=60)
+    pool = H1Pool(f"http://127.0.0.1:{port}", keepalive_s=60)
     try:
         await _post(pool, "/echo", [], b"1")
         await asyncio.sleep(0.4)  # the server closes the idle connection
@@ -192,7 +192,7 @@ async def test_refused_and_cut_short() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(ConnectFailed):
-        await _post(H1Pool("127.0.0.1", port), "/x", [], b"")
+        await _post(H1Pool(f"http://127.0.0.1:{port}"), "/x", [], b"")
 
     async def half_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
@@ -204,7 +204,7 @@ async def test_refused_and_cut_short() -> None:
     port = server.sockets[0].getsockname()[1]
     try:
         with pytest.raises(Disconnected, match="cut short"):
-            await _post(H1Pool("127.0.0.1", port), "/x", [], b"")
+            await _post(H1Pool(f"http://127.0.0.1:{port}"), "/x", [], b"")
     finally:
         server.close()
         await server.wait_closed()

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
-from asyncgrpo.proxy.app import REPLICA_HEADER
+from asyncgrpo.proxy.headers import REPLICA_HEADER
 from asyncgrpo.serve import Replica
 from asyncgrpo.testing.vllm_metrics import prefix_cache
 from asyncgrpo.vllm_client import VLLMClient
@@ -21,6 +21,7 @@ from asyncgrpo.vllm_client import VLLMClient
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 
 G = 8
+JSON = {"Content-Type": "application/json"}
 
 
 def grpo_prompts(n: int, seed: int, template_len: int = 151) -> list[list[int]]:
@@ -197,12 +198,12 @@ async def test_bad_input_is_rejected_clearly(vllm_replicas: list[Replica], tmp_p
     (root / "escape").symlink_to(tmp_path / "outside")
     cfg = ProxyConfig(upstreams=tuple(urls), port=0, lora_roots=(str(root),), max_body_bytes=4096)
     async with serve_proxy(cfg) as base, aiohttp.ClientSession() as s:
-        async with s.post(base + "/v1/completions", data=b"{not json") as r:
+        async with s.post(base + "/v1/completions", data=b"{not json", headers=JSON) as r:
             assert r.status == 400
             assert "not valid JSON" in (await r.json())["error"]["message"]
-        async with s.post(base + "/v1/completions", data=b"[1, 2]") as r:
+        async with s.post(base + "/v1/completions", data=b"[1, 2]", headers=JSON) as r:
             assert r.status == 400
-        async with s.post(base + "/v1/completions", data=b"x" * 5000) as r:
+        async with s.post(base + "/v1/completions", data=b"x" * 5000, headers=JSON) as r:
             assert r.status == 413
         for path in ("/etc/passwd", f"{root}/../outside", "relative/path", f"{root}/escape"):
             body = {"lora_name": "x", "lora_path": path}
@@ -240,7 +241,8 @@ async def test_replica_joining_at_run_time_gets_adapters_replayed(
 ) -> None:
     first, second = (r.url for r in vllm_replicas)
     name = f"proxy-join-{uuid.uuid4().hex[:8]}"
-    cfg = ProxyConfig(upstreams=(first,), port=0)
+    cfg = ProxyConfig(upstreams=(first,), port=0, admin_api_key="admin-test-key")
+    admin = {"Authorization": "Bearer admin-test-key"}
     async with serve_proxy(cfg) as base, aiohttp.ClientSession() as s:
         body = {"lora_name": name, "lora_path": str(lora_adapter)}
         async with s.post(base + "/v1/load_lora_adapter", json=body) as r:
@@ -248,7 +250,7 @@ async def test_replica_joining_at_run_time_gets_adapters_replayed(
         try:
             async with VLLMClient(second) as c:
                 assert name not in await c.models()
-            async with s.post(base + "/proxy/upstreams", json={"url": second}) as r:
+            async with s.post(base + "/proxy/upstreams", json={"url": second}, headers=admin) as r:
                 assert r.status == 200, await r.text()
                 assert (await r.json())["adapters"] == [name]
             async with VLLMClient(second) as c:
@@ -259,7 +261,7 @@ async def test_replica_joining_at_run_time_gets_adapters_replayed(
         finally:
             async with s.post(base + "/v1/unload_lora_adapter", json={"lora_name": name}) as r:
                 assert r.status == 200, await r.text()
-        async with s.delete(base + "/proxy/upstreams", json={"url": second}) as r:
+        async with s.delete(base + "/proxy/upstreams", json={"url": second}, headers=admin) as r:
             assert r.status == 200
         async with s.get(base + "/proxy/stats") as r:
             assert [u["url"] for u in (await r.json())["upstreams"]] == [first]

@@ -187,13 +187,15 @@ async def test_a_replica_joining_mid_run_fetches_the_current_version_itself(
     first, second = (r.url for r in vllm_replicas)
     name = _name()
     uri = await _publish(tmp_path, tiny_model, name, 0, seed=6)
-    async with serve_proxy(ProxyConfig(upstreams=(first,), port=0)) as base:
+    cfg = ProxyConfig(upstreams=(first,), port=0, admin_api_key="admin-test-key")
+    admin = {"Authorization": "Bearer admin-test-key"}
+    async with serve_proxy(cfg) as base:
         async with VLLMClient(base) as client:
             await client.load_lora_adapter_from(f"{name}-v0", uri)
             try:
                 async with (
                     aiohttp.ClientSession() as s,
-                    s.post(base + "/proxy/upstreams", json={"url": second}) as r,
+                    s.post(base + "/proxy/upstreams", json={"url": second}, headers=admin) as r,
                 ):
                     assert r.status == 200, await r.text()
                 assert f"{name}-v0" in await _cached(second)

@@ -1,0 +1,296 @@
+"""The proxy's control routes, each a plain coroutine: broadcasts, health, stats, metrics, admin.
+
+A broadcast goes to every replica taking requests (:meth:`UpstreamPool.targets`). A load is all
+or nothing: retried on one replica only while it answers that the adapter is not there yet, up to
+``load_deadline_s`` (then 504, never 404: TRL reads 404 as "runtime LoRA updating is disabled");
+any other rejection ("already loaded" included: names are never reused) is rolled back on the
+replicas that accepted it. Rules and reasons: ``docs/proxy.md``, "Adapter broadcast".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import posixpath
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from asyncgrpo.proxy.h1 import Response, split_url
+from asyncgrpo.proxy.headers import REPLICA_HEADER_B
+from asyncgrpo.proxy.jsonbody import BodyError, decode_object
+from asyncgrpo.proxy.metrics import render, stats_json
+from asyncgrpo.proxy.state import Proxy, error_answer, json_answer
+from asyncgrpo.proxy.upstream import Circuit, Upstream
+from asyncgrpo.vllm_client import (
+    PLUGIN_INFO_PATH,
+    PLUGIN_LOAD_PATH,
+    PLUGIN_UNLOAD_PATH,
+    adapter_not_there_yet,
+    plugin_served_name,
+)
+
+__all__ = ["ROUTES", "check_lora_path"]
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Proxy, str, str, bytes], Awaitable[Response]]
+_NONE = "no replica in rotation"
+
+
+def check_lora_path(path: object, roots: tuple[str, ...]) -> str | None:
+    """Why ``path`` may not be loaded, or None. Absolute, no ``..``, under a root if any."""
+    if not isinstance(path, str) or not path:
+        return "lora_path must be a non-empty string"
+    if not posixpath.isabs(path):
+        return f"lora_path {path!r} must be absolute"
+    if ".." in path.split("/"):
+        return f"lora_path {path!r} must not contain '..'"
+    if not roots:
+        return None
+    norm = posixpath.normpath(path)
+
+    def under(p: str, root: str) -> bool:
+        root = root.rstrip("/") or "/"
+        return p == root or p.startswith(root if root == "/" else root + "/")
+
+    if not any(under(norm, r) for r in roots):
+        return f"lora_path {path!r} is outside the allowed roots {list(roots)}"
+    if os.path.lexists(norm):  # a symlink inside a root must not lead outside it
+        real = os.path.realpath(norm)
+        if not any(under(real, os.path.realpath(r)) for r in roots):
+            return f"lora_path {path!r} resolves outside the allowed roots"
+    return None
+
+
+def _load_refusal(path: str, parsed: dict[str, Any], roots: tuple[str, ...]) -> str | None:
+    """Why a load request may not go out, or None."""
+    name = parsed.get("lora_name")
+    if not isinstance(name, str) or not name:
+        return "lora_name must be a non-empty string"
+    if parsed.get("load_inplace"):
+        return "load_inplace is refused: a served name never changes weights; load a new version"
+    if path != PLUGIN_LOAD_PATH:
+        return check_lora_path(parsed.get("lora_path"), roots)
+    uri = parsed.get("lora_uri")
+    if not isinstance(uri, str) or not uri:
+        return "lora_uri must be a non-empty string"
+    if (want := plugin_served_name(uri)) is None:
+        return f"lora_uri {uri!r} must end in <adapter name>/v<N>"
+    if name != want:
+        return f"lora_name {name!r} must be {want!r}, the version lora_uri names"
+    return None
+
+
+async def _call(
+    proxy: Proxy, up: Upstream, path_qs: str, body: bytes | None, timeout_s: float = 0
+) -> tuple[int, bytes]:
+    """POST to one replica; an unreachable one leaves rotation (status 0)."""
+    try:
+        return await proxy.pool.call(up, "POST", path_qs, body, timeout_s)
+    except OSError as exc:  # TimeoutError included
+        proxy.pool.on_failure(up, "broadcast", f"{type(exc).__name__}: {exc}")
+        return 0, str(exc).encode()
+
+
+async def _load_one(
+    proxy: Proxy, up: Upstream, path: str, body: bytes, deadline: float
+) -> tuple[str, int, bytes]:
+    """Load on one replica, waiting while storage lags: (ok, lagging, rejected or unreachable,
+    its last status, its last answer)."""
+    loop, cfg = proxy.loop, proxy.config
+    while True:
+        timeout_s = min(cfg.broadcast_timeout_s, max(deadline - loop.time(), 1))
+        status, data = await _call(proxy, up, path, body, timeout_s)
+        if status in (0, 200):
+            return ("ok" if status else "unreachable"), status, data
+        if not adapter_not_there_yet(status, data):
+            return "rejected", status, data
+        if loop.time() + cfg.load_retry_interval_s >= deadline:
+            return "lagging", status, data
+        await asyncio.sleep(cfg.load_retry_interval_s)
+
+
+async def load(proxy: Proxy, method: str, target: str, body: bytes) -> Response:
+    cfg, pool, stats = proxy.config, proxy.pool, proxy.stats
+    path = target.partition("?")[0]  # the query is not replayed
+    try:
+        parsed = decode_object(body, cfg.max_body_bytes)
+    except BodyError as exc:
+        return error_answer(exc.status, str(exc))
+    if why := _load_refusal(path, parsed, cfg.lora_roots):
+        stats.broadcast("load", "forbidden")
+        return error_answer(400, why)
+    name, targets = parsed["lora_name"], pool.targets()
+    if not targets:
+        return error_answer(503, _NONE, kind="ServiceUnavailableError")
+    deadline = proxy.loop.time() + cfg.load_deadline_s
+    results = await asyncio.gather(*(_load_one(proxy, u, path, body, deadline) for u in targets))
+    out: dict[str, list[tuple[Upstream, int, bytes]]] = {}
+    for up, (kind, status, data) in zip(targets, results, strict=True):
+        out.setdefault(kind, []).append((up, status, data))
+    ok, rejected, lagging = (out.get(k, []) for k in ("ok", "rejected", "lagging"))
+    if ok and not rejected and not lagging:
+        pool.adapters[name] = (path, body)
+        stats.broadcast("load", "ok")
+        log.info("adapter %s loaded on %d replicas", name, len(ok))
+        return 200, [(b"Content-Type", b"text/plain")], ok[0][2]
+    if ok:  # all or nothing: take it back from those that accepted
+        unload = json.dumps({"lora_name": name}).encode()
+        undo = PLUGIN_UNLOAD_PATH if path == PLUGIN_LOAD_PATH else "/v1/unload_lora_adapter"
+        await asyncio.gather(*(_call(proxy, up, undo, unload) for up, _, _ in ok))
+    if rejected:
+        up, status, data = rejected[0]
+        stats.broadcast("load", "rejected")
+        log.warning("adapter %s rejected by %s (HTTP %d); rolled back on %d replicas",
+                    name, up.url, status, len(ok))  # fmt: skip
+        return status, [(b"Content-Type", b"application/json"), (REPLICA_HEADER_B, up.url_b)], data
+    if lagging:
+        stats.broadcast("load", "deadline")
+        return error_answer(
+            504, f"adapter {name} not found on {[r[0].url for r in lagging]} within "
+            f"load_deadline_s={cfg.load_deadline_s}: storage has not caught up; rolled back",
+            kind="GatewayTimeoutError",
+        )  # fmt: skip
+    stats.broadcast("load", "unreachable")
+    return error_answer(503, "no replica could be reached", kind="ServiceUnavailableError")
+
+
+async def _post_all(proxy: Proxy, path_qs: str, body: bytes) -> list[tuple[Upstream, int, bytes]]:
+    targets = proxy.pool.targets()
+    answers = await asyncio.gather(*(_call(proxy, u, path_qs, body or None) for u in targets))
+    return [(up, status, data) for up, (status, data) in zip(targets, answers, strict=True)]
+
+
+async def unload(proxy: Proxy, method: str, target: str, body: bytes) -> Response:
+    """Every replica; 200 if any unloaded it, 404 if none knew it."""
+    path = target.partition("?")[0]
+    try:
+        name = decode_object(body, proxy.config.max_body_bytes).get("lora_name")
+    except BodyError:
+        name = None
+    if not isinstance(name, str):
+        return error_answer(400, 'body must be {"lora_name": NAME}')
+    proxy.pool.adapters.pop(name, None)
+    results = await _post_all(proxy, path, body)
+    if not results:
+        return error_answer(503, _NONE, kind="ServiceUnavailableError")
+    if failed := [r for r in results if r[1] not in (0, 200, 404)]:
+        up, status, data = failed[0]
+        proxy.stats.broadcast("unload", "failed")
+        return status, [(REPLICA_HEADER_B, up.url_b)], data
+    for status, outcome, kind in (
+        (200, "ok", b"text/plain"),
+        (404, "not_found", b"application/json"),
+    ):
+        if hit := [data for _, got, data in results if got == status]:
+            proxy.stats.broadcast("unload", outcome)
+            return status, [(b"Content-Type", kind)], hit[0]
+    return error_answer(503, "no replica could be reached", kind="ServiceUnavailableError")
+
+
+async def broadcast(proxy: Proxy, method: str, path_qs: str, body: bytes) -> Response:
+    """/pause, /resume, /reset_prefix_cache: every replica in rotation, 200 only if all agree."""
+    results = await _post_all(proxy, path_qs, body)
+    path, _, query = path_qs.partition("?")
+    if not results:
+        return error_answer(503, _NONE, kind="ServiceUnavailableError")
+    failed = [{"url": up.url, "status": status, "body": data[:300].decode(errors="replace")}
+              for up, status, data in results if status != 200]  # fmt: skip
+    if failed:
+        proxy.stats.broadcast(path.strip("/"), "failed")
+        error = {"message": "not every replica agreed", "failed": failed, "code": 502}
+        return json_answer(502, {"error": error})
+    if path == "/pause":
+        proxy.pool.paused_query = "?" + query if query else ""
+    elif path == "/resume":
+        proxy.pool.paused_query = None
+    proxy.stats.broadcast(path.strip("/"), "ok")
+    return 200, [(b"Content-Type", b"application/json")], results[0][2]
+
+
+async def fetch_info(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
+    """Every replica's adapter-plugin answer, so a trainer can check them all before a sync."""
+
+    async def one(up: Upstream) -> list[dict[str, Any]]:
+        try:
+            status, data = await proxy.pool.call(up, "GET", PLUGIN_INFO_PATH)
+        except OSError as exc:
+            return [{"url": up.url, "status": 0, "body": f"{type(exc).__name__}: {exc}"}]
+        try:
+            info = json.loads(data) if status == 200 else None
+        except ValueError:
+            info = None
+        if not isinstance(info, dict):
+            return [{"url": up.url, "status": status, "body": data[:300].decode(errors="replace")}]
+        if isinstance(info.get("replicas"), list):  # another proxy: report its replicas
+            return info["replicas"]
+        return [{"url": up.url, "status": status, "info": info}]
+
+    targets = proxy.pool.targets()
+    if not targets:
+        return error_answer(503, _NONE, kind="ServiceUnavailableError")
+    answers = await asyncio.gather(*(one(u) for u in targets))
+    return json_answer(200, {"replicas": [entry for answer in answers for entry in answer]})
+
+
+async def health(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
+    """200 only when every registered replica answers /health; otherwise 503 naming the others."""
+    pool = proxy.pool
+    ups = pool.in_rotation()
+    results = await asyncio.gather(*(pool.probe(u) for u in ups))
+    bad = [{"url": u.url, "circuit": u.circuit.value, "error": u.last_error}
+           for u, ok in zip(ups, results, strict=True) if ok is not True or u.circuit is Circuit.OPEN]  # fmt: skip
+    if not ups or bad:
+        return json_answer(503, {"status": "unhealthy", "replicas": len(ups), "unhealthy": bad})
+    return json_answer(200, {"status": "ok", "replicas": len(ups)})
+
+
+async def stats(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
+    return json_answer(200, stats_json(proxy))
+
+
+async def prometheus(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
+    text = render(proxy).encode()
+    return 200, [(b"Content-Type", b"text/plain; charset=utf-8")], text
+
+
+async def upstreams(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
+    """List (GET), add (POST ``{"url"}``) or remove (DELETE ``{"url"}``) a replica. A joining
+    replica first gets every adapter loaded through the proxy replayed (and /pause if paused)."""
+    pool = proxy.pool
+    if method == "GET":
+        return json_answer(200, {"upstreams": [u.as_dict() for u in pool.upstreams.values()]})
+    try:
+        url = str(decode_object(body, proxy.config.max_body_bytes).get("url") or "").rstrip("/")
+        split_url(url)
+    except (BodyError, ValueError) as exc:
+        return error_answer(400, f'body must be {{"url": "http://HOST:PORT"}}: {exc}')
+    if method == "DELETE":
+        if pool.remove(url) is None:
+            return error_answer(404, f"{url} is not an upstream", kind="NotFoundError")
+        log.info("replica %s removed", url)
+        return json_answer(200, {"removed": url})
+    if url in pool.upstreams:
+        return error_answer(400, f"{url} is already an upstream")
+    up = pool.add(url, circuit=Circuit.JOINING)
+    if error := await pool.replay(up):
+        pool.remove(url)
+        return error_answer(502, f"{url} could not join: {error}", kind="BadGatewayError")
+    pool.set_closed(up)
+    log.info("replica %s joined rotation", url)
+    return json_answer(200, {"added": url, "adapters": sorted(pool.adapters)})
+
+
+#: (method, path) -> handler; HEAD is answered as GET without the body.
+ROUTES: dict[tuple[bytes, bytes], Handler] = {
+    **{(b"POST", p): load for p in (b"/v1/load_lora_adapter", PLUGIN_LOAD_PATH.encode())},
+    **{(b"POST", p): unload for p in (b"/v1/unload_lora_adapter", PLUGIN_UNLOAD_PATH.encode())},
+    **{(b"POST", p): broadcast for p in (b"/pause", b"/resume", b"/reset_prefix_cache")},
+    **{(m, b"/proxy/upstreams"): upstreams for m in (b"GET", b"POST", b"DELETE")},
+    (b"GET", PLUGIN_INFO_PATH.encode()): fetch_info,
+    (b"GET", b"/health"): health,
+    (b"GET", b"/metrics"): prometheus,
+    (b"GET", b"/proxy/stats"): stats,
+}

@@ -1,0 +1,224 @@
+"""One client request relayed to one replica at a time: route, send, retry elsewhere, answer.
+
+Buffered and streamed generation requests and pass-through calls (``/tokenize``, a GET) are each a
+:class:`Forward`, driven by callbacks from the client connection to the replica connection and
+back, without a task or a future: at one request in flight every Python step is added latency.
+A failed try (refused or dropped connection, 5xx for generation, missed deadline) withdraws its
+routing claims, counts against the replica (:func:`~asyncgrpo.proxy.upstream.failure_kind`) and
+goes to another replica while the client has received nothing, up to ``max_attempts``; then a
+503 names the last error. A stream's head waits for its first chunk, so that stays retryable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+from asyncgrpo.errors import NoHealthyReplica
+from asyncgrpo.proxy.h1 import Exchange, Response
+from asyncgrpo.proxy.headers import REPLICA_HEADER_B
+from asyncgrpo.proxy.router import Decision, request_hashes
+from asyncgrpo.proxy.state import Proxy, error_answer
+from asyncgrpo.proxy.upstream import Upstream
+
+__all__ = ["FALLBACK_BLOCK_SIZE", "Client", "Forward", "request_chains"]
+
+log = logging.getLogger(__name__)
+
+#: Block size used for hashing until the replicas' /server_info has been read.
+FALLBACK_BLOCK_SIZE = 16
+
+
+class Client(Protocol):
+    """The client connection a :class:`Forward` answers."""
+
+    writing_paused: bool
+
+    def answer(self, response: Response) -> None: ...
+
+    def stream_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+
+    def stream_body(self, data: bytes) -> None: ...
+
+    def stream_end(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def request_chains(proxy: Proxy, parsed: dict[str, Any]) -> list[tuple[int, ...]]:
+    """The routing key of a parsed generation request (empty when routing ignores prefixes)."""
+    if proxy.router.policy != "affinity":
+        return []
+    t0 = time.perf_counter()
+    try:
+        chains = request_hashes(parsed, proxy.pool.block_size or FALLBACK_BLOCK_SIZE)
+    except Exception:  # a router bug must not cost the request: route it unmatched
+        log.exception("no routing key for a generation request")
+        chains = []
+    proxy.stats.route_seconds += time.perf_counter() - t0
+    return chains
+
+
+class Forward(Exchange):
+    """Relay one request; the client gets exactly one answer (or a stream) unless
+    :meth:`cancel` comes first. ``chains`` None: not a generation request (round-robin, not
+    counted in flight, the replica's answer is the answer whatever its status). While a try runs
+    the request is in ``proxy.inflight`` (its deadline ``due`` checked every tick) and in its
+    replica's ``inflight``, so a replica leaving rotation can end it at the next tick."""
+
+    __slots__ = ("body", "chains", "client", "decision", "due", "head", "last_error", "lines",
+                 "method", "path", "proxy", "started", "streams", "timeout", "tried", "up")  # fmt: skip
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        client: Client,
+        req: tuple[bytes, bytes, bytes, bytes],
+        chains: list[tuple[int, ...]] | None,
+        *,
+        stream: bool = False,
+    ) -> None:
+        super().__init__()
+        self.proxy, self.chains = proxy, chains
+        self.client: Client | None = client
+        # The client's header lines are forwarded as they are; the pool adds Host, auth, length.
+        self.method, self.path, self.lines, self.body = req
+        self.streams, self.started = stream, False
+        cfg = proxy.config
+        self.timeout = cfg.request_timeout_s if chains is not None else cfg.broadcast_timeout_s
+        self.head: list[tuple[bytes, bytes]] = []
+        self.tried: list[str] = []
+        self.last_error = ""
+        self.up: Upstream | None = None  # of the try in progress
+        self.decision: Decision | None = None
+        self.due = 0.0
+
+    def start(self) -> None:
+        """Send the next try to a replica not tried yet, or answer 503 naming the last error."""
+        proxy = self.proxy
+        up = None
+        if len(self.tried) < proxy.config.max_attempts:
+            t0 = time.perf_counter()
+            try:
+                if self.chains is None:
+                    up = proxy.pool.upstreams[proxy.router.pick(exclude=self.tried)]
+                else:
+                    self.decision = proxy.router.route(self.chains, exclude=self.tried)
+                    up = proxy.pool.upstreams[self.decision.replica]
+                    proxy.stats.route_seconds += time.perf_counter() - t0
+                    proxy.stats.route_count += 1
+                    proxy.pool.on_routed(up)
+            except NoHealthyReplica:
+                pass
+        if up is None:
+            proxy.stats.reject(503)
+            message = (f"no replica could serve the request (tried {len(self.tried)}): "
+                       f"{self.last_error or 'none in rotation'}")  # fmt: skip
+            return self._answer(error_answer(503, message, kind="ServiceUnavailableError"))
+        self.up = up
+        self.tried.append(up.url)
+        up.h1.send(self, up.h1.request(self.method, self.path, self.lines, self.body),
+                   head_request=self.method == b"HEAD")  # fmt: skip
+        self.due = proxy.loop.time() + self.timeout
+        proxy.inflight.add(self)
+        up.inflight.add(self)
+
+    def cancel(self) -> None:
+        """The client went away or the proxy stops: drop the try, answer nothing."""
+        self.client = None
+        self._end(None)
+
+    def _end(self, outcome: int | BaseException | None, detail: str = "") -> bool:
+        """End the try in progress with ``outcome`` (a status, what it raised, or None: the
+        client went away); True if it failed and the request may try elsewhere."""
+        up, decision, proxy = self.up, self.decision, self.proxy
+        proxy.inflight.discard(self)
+        if outcome is None or isinstance(outcome, TimeoutError):
+            self.abort()  # the replica connection, if any
+        if up is None:
+            return False
+        up.inflight.discard(self)
+        self.up = self.decision = None
+        if outcome is None or (decision is None and isinstance(outcome, int)):
+            if decision is not None:
+                proxy.router.finish(decision, ok=False)
+            return False
+        failed = proxy.pool.on_outcome(up, outcome, detail)
+        if decision is not None:
+            ok = not failed and isinstance(outcome, int) and outcome < 300
+            proxy.router.finish(decision, ok=ok)
+        if failed:
+            reason = outcome if isinstance(outcome, int) else type(outcome).__name__
+            self.last_error = f"{up.url}: {reason}" + (f" ({detail[:200]})" if detail else "")
+            if len(self.tried) < proxy.config.max_attempts:
+                proxy.stats.retries += 1
+                log.info("retrying %s elsewhere after %s", self.path, self.last_error)
+        return failed
+
+    def _answer(self, answer: Response) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            client.answer(answer)
+
+    def _fail(self, exc: OSError) -> None:
+        self._end(exc)
+        if not self.started:
+            return self.start()
+        client, self.client = self.client, None
+        if client is not None:
+            client.close()  # the client has part of the answer: it sees it cut short
+
+    # -- outcomes (h1.Exchange) -----------------------------------------------------------------
+
+    def on_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> bool:
+        if status == 200:  # held back until its first chunk
+            self.head = headers
+            return True
+        return False
+
+    def on_body(self, data: bytes) -> None:
+        client, proxy = self.client, self.proxy
+        if client is None or self.up is None:
+            return
+        if not self.started:
+            self.started = True
+            self.head.append((REPLICA_HEADER_B, self.up.url_b))
+            client.stream_head(200, self.head)
+        client.stream_body(data)
+        self.due = proxy.now + proxy.config.stream_idle_timeout_s
+        if client.writing_paused:
+            self.pause_reading(True)
+
+    def on_response(self, response: Response) -> None:
+        status, headers, data = response
+        if self.started:
+            self._end(status)
+            client, self.client = self.client, None
+            if client is not None:
+                client.stream_end()
+            return
+        up = self.up
+        assert up is not None
+        if status >= 500 and self.chains is not None:
+            # The replica failed (vLLM answers 500 EngineDeadError while it shuts down): out of
+            # rotation, and the request, which has no side effects, goes elsewhere.
+            self._end(status, data[:200].decode(errors="replace"))
+            return self.start()
+        headers.append((REPLICA_HEADER_B, up.url_b))
+        self._answer(response)  # the client first; the bookkeeping can wait
+        self._end(status)
+
+    def on_error(self, exc: OSError) -> None:
+        self._fail(exc)
+
+    def on_deadline(self) -> None:
+        path = self.path.decode("latin-1")
+        self._fail(TimeoutError(f"no answer within the deadline on {path}"))
+
+    def expire(self) -> bool:
+        """Its replica left rotation: end the try at the next tick (Upstream.expire_inflight)."""
+        if self.due == 0.0 or self not in self.proxy.inflight:
+            return False
+        self.due = 0.0
+        return True

@@ -1,0 +1,345 @@
+"""The proxy's exposed surface, attacked over real sockets: who may change the fleet, who gets
+the upstream token, what one request or one connection can cost, what a web page can make a
+browser send.
+
+Replicas are stand-ins that record every request they receive (method, path, Authorization),
+parsed by llhttp on a real listening socket, so "never received" is checked where it happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httptools
+import pytest
+
+from asyncgrpo.proxy import ProxyConfig, serve_proxy
+
+pytestmark = pytest.mark.anyio
+
+TOKEN = "upstream-token-123"
+ADMIN = {"Authorization": "Bearer admin-key-456"}
+COMPLETION = b'{"model": "m", "prompt": [1, 2, 3]}'
+
+
+@dataclass
+class Recorder:
+    """A stand-in replica: answers 200 ``{}`` to every request and records what it got."""
+
+    url: str = ""
+    seen: list[tuple[bytes, bytes, bytes | None]] = field(default_factory=list)
+
+    def tokens(self) -> set[bytes | None]:
+        return {auth for _, _, auth in self.seen}
+
+    def paths(self) -> list[bytes]:
+        """What it was asked, health checks left out."""
+        return [path for _, path, _ in self.seen if path != b"/health"]
+
+
+class _ReplicaConn(asyncio.Protocol):
+    def __init__(self, rec: Recorder) -> None:
+        self.rec, self.parser = rec, httptools.HttpRequestParser(self)
+        self.path, self.auth = b"", None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_message_begin(self) -> None:
+        self.path, self.auth = b"", None
+
+    def on_url(self, url: bytes) -> None:
+        self.path += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"authorization":
+            self.auth = value
+
+    def on_message_complete(self) -> None:
+        self.rec.seen.append((self.parser.get_method(), self.path, self.auth))
+        self.transport.write(  # type: ignore[attr-defined]
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+        )
+
+
+@pytest.fixture
+async def replicas() -> AsyncIterator[list[Recorder]]:
+    """Three recording replicas on loopback."""
+    loop = asyncio.get_running_loop()
+    recs, servers = [], []
+    for _ in range(3):
+        rec = Recorder()
+        server = await loop.create_server(lambda rec=rec: _ReplicaConn(rec), "127.0.0.1", 0)
+        rec.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        recs.append(rec)
+        servers.append(server)
+    yield recs
+    for server in servers:
+        server.close()
+
+
+def _config(urls: list[str], **kw: object) -> ProxyConfig:
+    return ProxyConfig(upstreams=tuple(urls), port=0, block_size=16, **kw)  # type: ignore[arg-type]
+
+
+async def _request(
+    base: str, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
+    """One request on a fresh connection, head and body as given (no client library adds a
+    Content-Type or an Origin behind the test's back)."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = {"Host": f"{host}:{port}", "Connection": "close", **(headers or {})}
+    lines = "".join(f"{k}: {v}\r\n" for k, v in head.items())
+    writer.write(f"{method} {path} HTTP/1.1\r\n{lines}Content-Length: {len(body)}\r\n\r\n".encode())
+    writer.write(body)
+    data = await asyncio.wait_for(reader.read(), 30)
+    writer.close()
+    head_bytes, _, answer = data.partition(b"\r\n\r\n")
+    return int(head_bytes.split()[1]), answer
+
+
+def _message(answer: bytes) -> str:
+    return json.loads(answer)["error"]["message"]
+
+
+async def test_a_deeply_nested_64_kib_body_is_refused_at_once(replicas: list[Recorder]) -> None:
+    """Nesting with an unterminated string of escaped quotes: the old regex backtracked over it
+    (0.7 s at 16 KiB, 11 s at 64 KiB, on the event loop that also runs the trainer)."""
+    bodies = [  # the issue's body, and the string first (brackets inside it do not count)
+        (b'{"prompt":' + b"[" * 129 + b'"' + b'\\"' * 32_690, "deeper than 128"),
+        (b'{"prompt": "' + b"[" * 129 + b'\\"' * 32_690, "not valid JSON"),
+    ]
+    async with serve_proxy(_config([replicas[0].url])) as base:
+        for body, message in bodies:
+            assert 65_000 < len(body) <= 65_536
+            took = []  # the best of three: a shared machine may stall any one of them
+            for _ in range(3):
+                t0 = time.perf_counter()
+                status, answer = await _request(base, "POST", "/v1/completions", body)
+                took.append(time.perf_counter() - t0)
+                assert status == 400 and message in _message(answer)
+            assert min(took) < 0.05, [f"{t * 1000:.0f} ms" for t in took]
+    assert replicas[0].paths() == []
+
+
+_IDLE_CHILD = textwrap.dedent(
+    """
+    import asyncio, resource, sys, tempfile
+    from asyncgrpo.proxy import ProxyConfig, serve_proxy
+
+    async def replica(reader, writer):  # answers /health, nothing else is asked
+        while await reader.readuntil(b"\\r\\n\\r\\n"):
+            writer.write(b"HTTP/1.1 200 OK\\r\\nContent-Length: 0\\r\\n\\r\\n")
+
+    async def main():
+        server = await asyncio.start_server(replica, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with serve_proxy(ProxyConfig(upstreams=(url,), port=0, block_size=16)) as base:
+            print(base, resource.getrlimit(resource.RLIMIT_NOFILE)[0], flush=True)
+            await asyncio.to_thread(sys.stdin.readline)  # the test has opened its connections
+            try:  # what the trainer sharing this process does: open files
+                files = [tempfile.TemporaryFile() for _ in range(200)]
+                print("opened", len(files), flush=True)
+            except OSError as exc:
+                print("failed", exc, flush=True)
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    asyncio.run(main())
+    """
+)
+
+
+def test_two_thousand_idle_connections_leave_health_and_files() -> None:
+    """The proxy in a process whose soft open-file limit is the common default (1024): 2,000
+    connections that send nothing, then ``/health`` on a new one and 200 files opened by the
+    same process. Without a raised limit, accept() fails with EMFILE and so does open()."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    child = subprocess.Popen(
+        [sys.executable, "-c", _IDLE_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    idle: list[socket.socket] = []
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        base, limit = child.stdout.readline().split()
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        for _ in range(2000):
+            idle.append(socket.create_connection((host, int(port)), timeout=10))
+        time.sleep(0.5)  # let the proxy accept them all
+        took = []  # the best of three: a shared machine may stall any one of them
+        for _ in range(3):
+            with socket.create_connection((host, int(port)), timeout=3) as s:
+                t0 = time.perf_counter()
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+                answer = b""
+                while chunk := s.recv(65536):
+                    answer += chunk
+                took.append(time.perf_counter() - t0)
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert min(took) < 0.1, [f"/health took {t * 1000:.0f} ms" for t in took]
+        child.stdin.write("open\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "opened 200"
+        assert int(limit) == hard  # raised from 1024 at start
+    finally:
+        for s in idle:
+            s.close()
+        child.kill()
+        child.wait()
+
+
+async def test_admin_routes_are_off_unless_configured_and_need_the_admin_key(
+    replicas: list[Recorder],
+) -> None:
+    """Adding a replica is how a caller would collect the upstream token and serve forged
+    completions; removing one empties the pool. Reading the list (GET) takes the client key: a
+    run asks it to tell a standalone proxy from a replica, and /proxy/stats shows it too."""
+    add = json.dumps({"url": replicas[1].url}).encode()
+    json_type = {"Content-Type": "application/json"}
+    async with serve_proxy(_config([replicas[0].url], upstream_api_key=TOKEN)) as base:
+        for method in ("POST", "DELETE"):
+            status, answer = await _request(base, method, "/proxy/upstreams", add, json_type)
+            assert status == 403 and "ASYNCGRPO_PROXY_ADMIN_API_KEY" in _message(answer)
+    cfg = _config([replicas[0].url], api_key="client-key", admin_api_key="admin-key-456")
+    async with serve_proxy(cfg) as base:
+        client = {**json_type, "Authorization": "Bearer client-key"}
+        for method in ("POST", "DELETE"):
+            for headers in (json_type, client):
+                status, answer = await _request(base, method, "/proxy/upstreams", add, headers)
+                assert status == 401 and "admin key" in _message(answer)
+        status, answer = await _request(base, "GET", "/proxy/upstreams", headers=ADMIN)
+        assert status == 401  # the admin key is not a client key
+        status, answer = await _request(base, "GET", "/proxy/upstreams", headers=client)
+        assert status == 200
+        assert [u["url"] for u in json.loads(answer)["upstreams"]] == [replicas[0].url]
+    assert replicas[1].paths() == []  # never contacted
+
+
+async def test_only_allow_listed_runtime_replicas_get_the_upstream_token(
+    replicas: list[Recorder],
+) -> None:
+    start, allowed, outside = replicas
+    allowed_port = allowed.url.rsplit(":", 1)[1]
+    cfg = _config(
+        [start.url], upstream_api_key=TOKEN, admin_api_key="admin-key-456",
+        upstream_key_urls=(allowed.url,), health_interval_s=0.05,
+    )  # fmt: skip
+    headers = {**ADMIN, "Content-Type": "application/json"}
+    # The same replica under another name than the allow-list's is outside it too.
+    renamed = f"http://localhost:{allowed_port}"
+    async with serve_proxy(cfg) as base:
+        for url in (allowed.url, outside.url, renamed):
+            body = json.dumps({"url": url}).encode()
+            status, answer = await _request(base, "POST", "/proxy/upstreams", body, headers)
+            assert status == 200, answer
+        for i in range(24):  # routed over all four
+            prompt = json.dumps({"model": "m", "prompt": [i] * 40}).encode()
+            status, _ = await _request(base, "POST", "/v1/completions", prompt, headers)
+            assert status == 200
+        await asyncio.sleep(0.3)  # health checks of every replica, several rounds
+    bearer = f"Bearer {TOKEN}".encode()
+    assert start.tokens() == {bearer}
+    assert b"/v1/completions" in outside.paths() and len(outside.seen) > len(outside.paths())
+    assert outside.tokens() == {None}  # no token at all, on any request
+    by_name = [auth for _, _, auth in allowed.seen]
+    assert bearer in by_name and None in by_name  # by its listed URL, and not by another name
+
+
+async def test_what_a_web_page_can_send_is_refused(replicas: list[Recorder]) -> None:
+    """A page in the user's browser may POST ``text/plain`` to localhost without a preflight
+    (the browser adds ``Origin``), or reach it by a name of its own that resolves to 127.0.0.1
+    (DNS rebinding). None of it reaches a replica."""
+    load = json.dumps({"lora_name": "x", "lora_path": "/tmp/x"}).encode()
+    async with serve_proxy(_config([replicas[0].url])) as base:
+        cases = [
+            ("/v1/load_lora_adapter", load, {"Content-Type": "text/plain"}, 415),
+            ("/v1/completions", COMPLETION, {"Content-Type": "text/plain;charset=UTF-8"}, 415),
+            ("/pause", b"", {"Origin": "https://evil.example"}, 403),
+            ("/v1/completions", COMPLETION, {"Origin": "null"}, 403),
+            ("/pause", b"", {"Host": "evil.example:8000"}, 403),
+        ]
+        for path, body, headers, want in cases:
+            status, answer = await _request(base, "POST", path, body, headers)
+            assert status == want, (path, headers, answer)
+            assert _message(answer)
+        status, _ = await _request(base, "POST", "/v1/completions", COMPLETION)  # no type: JSON
+        assert status == 200
+    assert replicas[0].paths().count(b"/v1/completions") == 1
+    assert (
+        b"/pause" not in replicas[0].paths() and b"/v1/load_lora_adapter" not in replicas[0].paths()
+    )
+
+
+async def test_a_served_name_cannot_be_swapped(replicas: list[Recorder]) -> None:
+    """``load_inplace`` would replace the weights behind a name in use, and a plugin load's
+    ``lora_name`` must be the version its URI names; neither goes out, nor is replayed."""
+    first, joiner = replicas[0], replicas[1]
+    uri = "s3://bucket/adapters/run/v3"
+    cfg = _config([first.url], admin_api_key="admin-key-456", lora_roots=("/tmp",))
+    refused = [
+        ("/v1/asyncgrpo/load", {"lora_name": "run-v3", "lora_uri": uri, "load_inplace": True},
+         "load_inplace"),
+        ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp/a", "load_inplace": 1},
+         "load_inplace"),
+        ("/v1/asyncgrpo/load", {"lora_name": "run-v2", "lora_uri": uri}, "'run-v3'"),
+        ("/v1/asyncgrpo/load", {"lora_name": "other-v3", "lora_uri": uri}, "'run-v3'"),
+        ("/v1/asyncgrpo/load", {"lora_name": "run-v3", "lora_uri": "s3://bucket/run"}, "v<N>"),
+    ]  # fmt: skip
+    json_type = {"Content-Type": "application/json"}
+    async with serve_proxy(cfg) as base:
+        for path, body, message in refused:
+            status, answer = await _request(
+                base, "POST", path, json.dumps(body).encode(), json_type
+            )
+            assert status == 400 and message in _message(answer), answer
+        assert first.paths() == []
+        good = json.dumps({"lora_name": "run-v3", "lora_uri": uri}).encode()
+        assert (await _request(base, "POST", "/v1/asyncgrpo/load", good, json_type))[0] == 200
+        add = json.dumps({"url": joiner.url}).encode()
+        headers = {**ADMIN, **json_type}
+        assert (await _request(base, "POST", "/proxy/upstreams", add, headers))[0] == 200
+    assert joiner.paths() == [b"/v1/asyncgrpo/load"]  # the good load replayed, nothing else
+
+
+async def test_connection_cap_and_head_timeout(replicas: list[Recorder]) -> None:
+    """At the cap a new connection closes the longest idle ones; a connection that sends no
+    head is closed after ``head_timeout_s``, one kept alive after a request is not."""
+    cfg = _config([replicas[0].url], max_connections=32, head_timeout_s=0.5)
+    async with serve_proxy(cfg) as base:
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        served = await asyncio.open_connection(host, int(port))
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(COMPLETION)}"
+        served[1].write(f"{head}\r\n\r\n".encode() + COMPLETION)
+        assert (await served[0].readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        await served[0].readexactly(2)
+        idle = [await asyncio.open_connection(host, int(port)) for _ in range(100)]
+        status, _ = await _request(base, "GET", "/proxy/stats")
+        assert status == 200  # room was made
+        closed = 0
+        for reader, _ in idle[:60]:
+            try:
+                closed += await asyncio.wait_for(reader.read(), 0.2) == b""
+            except TimeoutError:
+                pass
+        assert closed >= 60 - 32  # most of the oldest were closed for newer ones
+        await asyncio.sleep(1.2)
+        for reader, _ in idle[-10:]:  # no head within head_timeout_s: closed
+            assert await asyncio.wait_for(reader.read(), 1) == b""
+        served[1].write(f"{head}\r\n\r\n".encode() + COMPLETION)  # kept alive: still served
+        assert (await served[0].readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        for _, writer in [*idle, served]:
+            writer.close()
