@@ -42,6 +42,7 @@ from asyncgrpo.launch.plan import (
     ADMIN_KEY_ENV,
     job_config,
     job_secrets,
+    key_origins,
     labels,
     replica_args,
     trainer_args,
@@ -157,6 +158,8 @@ class HfJobsBackend:
             urls,
             proxy_host="0.0.0.0" if elastic else None,
             proxy_port=lcfg.port if elastic else None,
+            # replacements, added at run time, pass the gateway only with the token
+            key_urls=key_origins(urls) if elastic and self.token else None,
         )
         command, env = in_image(args, lcfg.trainer_install)
         secrets = {**job_secrets(self.cfg), **self.secrets}

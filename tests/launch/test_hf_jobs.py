@@ -14,6 +14,8 @@ from asyncgrpo.config import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch import launch
 from asyncgrpo.launch.progress import progress_line
+from asyncgrpo.launch.trainer import load_config
+from asyncgrpo.proxy.config import token_allowed
 
 S3_KEY, S3_SECRET = "HFAKfakeaccesskey", "fakeS3secretvalue987"
 ENVIRON = {
@@ -104,6 +106,8 @@ def test_launch_creates_replicas_then_trainer_and_follows_it_to_completion(
     # interfaces of the job, so with a key: the token the gateway demands anyway
     assert spec["expose"]["ports"] == [8000]
     assert {"proxy.host=0.0.0.0", "proxy.port=8000"} <= set(spec["command"])
+    # a replacement replica (added at run time) gets the token the gateway demands
+    assert f"proxy.upstream_key_urls={hub.url}" in spec["command"]
     # the proxy's tokens, read like every command's secrets
     token = {
         f"ASYNCGRPO_PROXY__{name}": ENVIRON["HF_TOKEN"]
@@ -158,6 +162,14 @@ def test_a_replica_job_reported_failed_is_replaced_and_added_to_the_trainers_pro
     assert urls == [url[0], url[2]]
     # the spec of the replacement is a replica's, under the next name
     assert replicas[2].spec["command"] == replicas[0].spec["command"]
+    # the trainer job's proxy, as the job loads its config: reachable by the launcher with the
+    # token, and sending the token on to the replacement (the gateway demands it)
+    command = trainer.spec["command"]
+    args = command[command.index("asyncgrpo.launch.trainer") + 1 :]
+    loaded = load_config(args, {**trainer.spec["environment"], **trainer.spec["secrets"]})
+    assert loaded.proxy.admin_api_key == loaded.proxy.api_key == TOKEN
+    assert (loaded.proxy.host, loaded.proxy.port) == ("0.0.0.0", 8000)
+    assert token_allowed(url[2], loaded.proxy) and loaded.proxy.upstream_api_key == TOKEN
     manifest = json.loads((cfg.run_dir / "launch" / "jobs.json").read_text())
     names = {j["id"]: j["name"] for j in manifest["jobs"]}
     assert names[replicas[2].id] == "fake-run-replica-2"
