@@ -76,15 +76,13 @@ class Background:
                 self.proc.wait()
 
 
-def get_json(url: str) -> dict:
+def get_text(url: str) -> str:
     with urllib.request.urlopen(url, timeout=30) as r:
-        return json.load(r)
+        return r.read().decode()
 
 
-def admin_json(url: str) -> dict:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
-    with urllib.request.urlopen(request, timeout=30) as r:
-        return json.load(r)
+def get_json(url: str) -> dict:
+    return json.loads(get_text(url))
 
 
 def serve_argv(model: Path, store: Path, log_dir: Path, replicas: int, *extra: str) -> list[str]:
@@ -153,12 +151,18 @@ async def test_a_replica_killed_mid_run_costs_nothing_and_a_new_one_joins_and_se
         result = await run_training(cfg, on_step=on_step)
         joiner = started[-1]
 
-        # every step, no failed or retried rollout request
+        # every step, no failed or retried rollout request, no sync retried
         assert result.steps == 12
         records = read_metrics(result.run_dir / "metrics.jsonl")
         assert records[-1]["rollout/retries_total"] == 0
         stats = get_json(proxy + "/proxy/stats")
         assert stats["rejected"] == {}
+        metrics = get_text(proxy + "/metrics")
+        assert not re.search(r'broadcasts_total\{[^}]*outcome="(failed|unreachable)"', metrics)
+        # the fleet as the trainer logged it: two, one, then two again
+        in_rotation = [r["fleet/in_rotation"] for r in records]
+        assert in_rotation[0] == 2 and 1 in in_rotation and in_rotation[-1] == 2, in_rotation
+        assert records[-1]["fleet/left_total"] == 1 and records[-1]["fleet/joins_total"] == 1
         # the new replica took traffic, and never a version older than the one current when
         # it joined (its first request included)
         joiner_url = joiner.wait_for(r"replica 0 ready: (\S+)")[0][1]
