@@ -38,7 +38,8 @@ class LaunchConfig:
     """Longest a job may run before Hugging Face stops it: seconds, or a number with s, m, h or
     d. A bound on the bill if the launcher dies."""
     port: int = 8000
-    """Port each vLLM server listens on."""
+    """Port each vLLM server listens on (exposed through the Jobs gateway); with
+    replica_restarts, the trainer job's proxy's too, where the launcher adds replacements."""
     replica_install: str | None = "asyncgrpo[s3,hf]"
     """pip requirement installed in each inference job before it starts (a name,
     'asyncgrpo[s3,hf] @ git+https://...', or a wheel URL); None: the image has it."""
