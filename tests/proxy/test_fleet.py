@@ -200,9 +200,6 @@ async def test_a_returner_catching_up_while_a_sync_runs_enters_with_the_new_vers
         a.hold.set()
         await b.stop()
         assert [(await h)[0] for h in held] == [200, 200]  # the one on b, redone on a
-        _, stats = await c.get("/proxy/stats")
-        lost = stats["fleet"]  # type: ignore[index]
-        assert lost["lost_requests_total"] == 1 and lost["lost_generation_s_total"] > 0
         await c.wait_circuit(b.url, "open")  # its health check failed: out of the fleet
         b.gates["v1"] = asyncio.Event()
         await b.start()
@@ -218,8 +215,9 @@ async def test_a_returner_catching_up_while_a_sync_runs_enters_with_the_new_vers
         assert [s for s, _ in answers] == [200] * 6 and b.served > 0
         assert (await c.upstream(b.url))["circuit"] == "closed"
         _, stats = await c.get("/proxy/stats")
-        assert stats["fleet"]["rejoins_total"] == 1  # type: ignore[index]
-        assert stats["fleet"]["in_rotation"] == 2  # type: ignore[index]
+        counted = stats["fleet"]  # type: ignore[index]
+        assert counted["rejoins_total"] == 1 and counted["in_rotation"] == 2
+        assert counted["lost_requests_total"] == 1 and counted["lost_generation_s_total"] > 0
         # a live replica refusing a version fails the load, rolled back everywhere
         b.refuse["v3"] = 422
         status, _ = await c.load("v3")
@@ -259,3 +257,25 @@ async def test_health_answers_for_the_fleet_down_to_a_minimum(fleet: list[StandI
             status, doc = await Client(session, base).get("/health")
         assert (status, doc["serving"]) == (want, alive), doc  # type: ignore[index]
         assert doc["min_healthy_replicas"] == need  # type: ignore[index]
+
+
+async def test_a_proxy_in_front_keeps_a_proxy_whose_fleet_lost_a_member(
+    fleet: list[StandIn],
+) -> None:
+    """A proxy (a trainer's, a load balancer) in front of a standalone proxy health-checks it:
+    one dead replica behind it must not take the whole fleet out of rotation."""
+    a, b = fleet
+    inner_cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, routing="round_robin", **FAST)
+    async with serve_proxy(inner_cfg) as inner:
+        outer_cfg = ProxyConfig(upstreams=(inner,), port=0, **FAST)
+        async with serve_proxy(outer_cfg) as base, aiohttp.ClientSession() as session:
+            c = Client(session, base)
+            assert (await c.load("v1"))[0] == 200
+            await b.stop()
+            await asyncio.sleep(1.0)  # ten health rounds of both proxies
+            assert (await c.upstream(inner))["circuit"] == "closed"
+            assert (await c.post("/pause?mode=keep"))[0] == 200
+            assert (await c.load("v2"))[0] == 200
+            assert (await c.post("/resume"))[0] == 200
+            answers = [await c.post("/v1/completions", {"model": "v2"}) for _ in range(4)]
+            assert [s for s, _ in answers] == [200] * 4 and a.served == 4
