@@ -189,7 +189,7 @@ async def unload(proxy: Proxy, method: str, target: str, body: bytes) -> Respons
     if not isinstance(name, str):
         return error_answer(400, 'body must be {"lora_name": NAME}')
     async with proxy.pool.fleet_lock:
-        proxy.pool.adapters.pop(name, None)
+        proxy.pool.retire(name)
         results = await _post_all(proxy, path, body)
     for up, status, _ in results:
         if status in (200, 404):

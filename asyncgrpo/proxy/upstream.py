@@ -39,6 +39,7 @@ __all__ = ["Circuit", "Inflight", "Upstream", "UpstreamPool", "failure_kind", "u
 log = logging.getLogger(__name__)
 
 _MAX_OPEN_S = 30.0
+RETIRED_KEPT = 4096
 
 
 def unload_path(load_path: str) -> str:
@@ -95,7 +96,7 @@ class Upstream:
         #: adapters it holds as far as the proxy knows (loaded through it, not unloaded since):
         #: name -> the path it was loaded through
         self.adapters: dict[str, str] = {}
-        self.paused = False  # paused by a broadcast and not resumed since
+        self.paused: bool | None = False  # by the last pause/resume it got; None: unknown
         self.catching_up = False
 
     @property
@@ -134,6 +135,9 @@ class UpstreamPool:
         #: fleet between broadcasts, never during one
         self.fleet_lock = asyncio.Lock()
         self.fleet: Counter[str] = Counter()  # joins, rejoins, left, replays, replay_failures
+        #: unloaded through the proxy: name -> load path, so a replica that was away while they
+        #: were retired unloads them when it catches up (the newest RETIRED_KEPT)
+        self.retired: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         for url in config.upstreams:
             self.add(url, circuit=Circuit.CLOSED, configured=True)
@@ -171,6 +175,14 @@ class UpstreamPool:
         up.consecutive_failures = 0
         up.probe_inflight = False
         self.router.set_available(up.url, True)
+
+    def retire(self, name: str) -> None:
+        """``name`` is being unloaded from the fleet: no longer replayed, unloaded from a
+        replica that catches up holding it."""
+        if (loaded := self.adapters.pop(name, None)) is not None:
+            self.retired[name] = loaded[0]
+            if len(self.retired) > RETIRED_KEPT:
+                del self.retired[next(iter(self.retired))]
 
     def close(self) -> None:
         for task in list(self._tasks):
@@ -219,7 +231,8 @@ class UpstreamPool:
     def _open(self, up: Upstream, *, expire: bool = True) -> None:
         if up.serving:
             self.fleet["left"] += 1
-        up.adapters.clear()  # a replica that died lost them; the catch-up replays them all
+        up.adapters.clear()  # unknown now (it may have restarted): its catch-up asks it
+        up.paused = None
         up.consecutive_failures += 1
         wait = min(self.config.circuit_open_s * 2 ** (up.consecutive_failures - 1), _MAX_OPEN_S)
         up.open_until = time.monotonic() + wait
@@ -309,7 +322,7 @@ class UpstreamPool:
         ``admit``: the adapters loaded through the proxy are replayed (slow: each is fetched),
         then, holding the fleet lock, what changed meanwhile and the pause state, and it is
         admitted before the lock is released. An error message, or None once admitted."""
-        error = await self._replay(up)
+        error = await self._replay(up, ask=True)
         if error is None:
             async with self.fleet_lock:
                 if self.upstreams.get(up.url) is not up:
@@ -323,10 +336,18 @@ class UpstreamPool:
         self.fleet["replays" if error is None else "replay_failures"] += 1
         return error
 
-    async def _replay(self, up: Upstream) -> str | None:
+    async def _replay(self, up: Upstream, *, ask: bool = False) -> str | None:
         """Load on ``up`` the adapters it lacks, unload those retired since, match the pause
-        state; an error message, or None."""
+        state; an error message, or None. ``ask``: first learn what it holds (``/v1/models``):
+        a replica that restarted holds nothing, one that was only unreachable what it had."""
         try:
+            if ask:
+                status, data = await self.call(up, "GET", "/v1/models")
+                if status != 200:
+                    return f"/v1/models: HTTP {status} {data[:200].decode(errors='replace')}"
+                known = {**self.retired, **{n: path for n, (path, _) in self.adapters.items()}}
+                served = [m.get("id") for m in json.loads(data).get("data", [])]
+                up.adapters = {name: known[name] for name in served if name in known}
             # A replica that fetches adapters itself fetches them again here: nothing of this
             # host's disk is needed to bring it up to date.
             for name, (endpoint, body) in list(self.adapters.items()):
@@ -342,17 +363,17 @@ class UpstreamPool:
                 if status not in (200, 404):
                     return f"unload {name}: HTTP {status} {data[:200].decode(errors='replace')}"
                 del up.adapters[name]
-            if self.paused_query is not None and not up.paused:
+            if self.paused_query is not None and up.paused is not True:
                 status, _ = await self.call(up, "POST", "/pause" + self.paused_query)
                 if status != 200:
                     return f"pause: HTTP {status}"
                 up.paused = True
-            elif self.paused_query is None and up.paused:
+            elif self.paused_query is None and up.paused is not False:
                 status, _ = await self.call(up, "POST", "/resume")
                 if status != 200:
                     return f"resume: HTTP {status}"
                 up.paused = False
-        except OSError as exc:
+        except (OSError, ValueError, AttributeError) as exc:  # unreachable, or not vLLM's JSON
             return f"{type(exc).__name__}: {exc}"
         return None
 

@@ -44,10 +44,13 @@ class StandIn:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def start(self) -> StandIn:
-        """Serve (again: on the same port, with nothing loaded, like a restarted vLLM)."""
-        self.adapters, self.paused = set(), False
+    async def start(self, *, forget: bool = True) -> StandIn:
+        """Serve (again: on the same port; with nothing loaded, like a restarted vLLM, unless
+        it was only unreachable)."""
+        if forget:
+            self.adapters, self.paused = set(), False
         app = web.Application()
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_post("/v1/load_lora_adapter", self.load)
         app.router.add_post("/v1/unload_lora_adapter", self.unload)
@@ -68,6 +71,10 @@ class StandIn:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
+
+    async def models(self, request: web.Request) -> web.Response:
+        names = ["base", *sorted(self.adapters)]
+        return web.json_response({"object": "list", "data": [{"id": n} for n in names]})
 
     async def load(self, request: web.Request) -> web.Response:
         name = (await request.json())["lora_name"]
@@ -222,6 +229,26 @@ async def test_a_returner_catching_up_while_a_sync_runs_enters_with_the_new_vers
         b.refuse["v3"] = 422
         status, _ = await c.load("v3")
         assert status == 422 and "v3" not in a.adapters | b.adapters
+
+
+async def test_a_replica_that_was_only_unreachable_unloads_what_was_retired_meanwhile(
+    fleet: list[StandIn],
+) -> None:
+    """Its vLLM kept running (a network partition): it still holds v1, which the fleet retired
+    while it was away; it comes back holding v2 only (no LoRA slot taken by a dead version)."""
+    a, b = fleet
+    cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, **FAST)
+    async with serve_proxy(cfg) as base, aiohttp.ClientSession() as session:
+        c = Client(session, base)
+        assert (await c.load("v1"))[0] == 200
+        await b.stop()
+        await c.wait_circuit(b.url, "open")
+        assert (await c.load("v2"))[0] == 200
+        assert (await c.post("/v1/unload_lora_adapter", {"lora_name": "v1"}))[0] == 200
+        assert b.adapters == {"v1"}
+        await b.start(forget=False)
+        await c.wait_circuit(b.url, "half_open", "closed")
+        assert a.adapters == b.adapters == {"v2"}
 
 
 async def test_a_joiner_added_at_run_time_catches_up_then_serves(fleet: list[StandIn]) -> None:
