@@ -79,7 +79,10 @@ def test_round_trip_to_dict():
         ("lora.r=0", "lora.r=0"),
         ("lora.dropout=1", "lora.dropout"),
         ("run_name=a/b", "run_name='a/b'"),
-        ("proxy.upstreams=[localhost:8000]", "not an http(s) URL"),
+        (
+            "proxy.upstreams=[localhost:8000]",
+            "is not an http(s)://HOST[:PORT] URL; write http://HOST:PORT",
+        ),
         ("serve.kv_cache_gib=1.5", "serve.kv_cache_gib='1.5': expected an integer"),
         ("serve.kv_cache_gib=0", "serve.kv_cache_gib=0: must be >= 1, or None"),
         ("serve.lora_rank=8", "serve.lora_rank is set from lora.r"),

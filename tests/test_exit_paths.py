@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -145,6 +146,17 @@ def test_proxy_config_error(tmp_path: Path, debug: bool) -> None:
     flag = ["--debug"] if debug else []
     p = run([*PROXY, "--upstream", "http://127.0.0.1:9", "--port", "abc", *flag], tmp_path)
     check(p, 2, "--port='abc': expected an integer", debug=debug)
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_proxy_on_a_busy_port(tmp_path: Path, debug: bool) -> None:
+    flag = ["--debug"] if debug else []
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        p = run([*PROXY, "--upstream", "http://127.0.0.1:9", "--port", port, *flag], tmp_path)
+    check(p, 2, f"cannot listen on 127.0.0.1:{port}", "choose another --port", debug=debug)
 
 
 # -- a model directory that does not exist: status 2, before any replica starts -----------------

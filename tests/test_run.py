@@ -118,11 +118,12 @@ def class_gains(
 
 
 class SkipOneReplica(ProxyLoader):
-    """Loads each new version correctly on replica 0 but makes replica 1 fetch the previous
-    version under the new name: the replica serves a stale policy under the right name."""
+    """Loads each new version correctly on replica 0 but makes replica 1 load the previous
+    version's files under the new name: the replica serves a stale policy under the right name.
+    (Path delivery: the fetching plugin refuses a name that is not its URI's version.)"""
 
     def __init__(self, client: VLLMClient, replicas: list[Replica]) -> None:
-        super().__init__(client, fetching=True)
+        super().__init__(client, fetching=False)
         self.replicas = replicas
         self.previous: str | None = None
 
@@ -131,7 +132,7 @@ class SkipOneReplica(ProxyLoader):
         self.previous = location
         for replica, source in zip(self.replicas, (location, stale), strict=True):
             async with VLLMClient(replica.url) as direct:
-                await direct.load_lora_adapter_from(name, source)
+                await direct.load_lora_adapter(name, source)
 
 
 async def test_a_replica_serving_a_stale_version_is_caught(
@@ -139,7 +140,7 @@ async def test_a_replica_serving_a_stale_version_is_caught(
 ) -> None:
     cfg = tiny_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
                       "trainer.max_steps=8", "trainer.weight_sync_steps=2",
-                      "proxy.routing=round_robin",
+                      "proxy.routing=round_robin", "serve.adapter_delivery=path",
                       "rollout.reward_funcs=asyncgrpo.testing.rewards:always_fails,"
                       "asyncgrpo.testing.rewards:digit_fraction")  # fmt: skip
     batches: list[tuple[int, list[Sample]]] = []

@@ -14,6 +14,7 @@ import logging
 import signal
 from collections.abc import Sequence
 
+from asyncgrpo.console import run_command
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.server import serve_proxy
@@ -31,6 +32,11 @@ def _log_level(parser: argparse.ArgumentParser) -> None:
 
 def parse(argv: Sequence[str] | None = None) -> tuple[ProxyConfig, str]:
     """The config and the log level; a bad value exits with status 2 and one line."""
+    config, args = _parse(argv)
+    return config, args.log_level
+
+
+def _parse(argv: Sequence[str] | None) -> tuple[ProxyConfig, argparse.Namespace]:
     config, args = parse_args(
         ProxyConfig,
         argv,
@@ -41,7 +47,7 @@ def parse(argv: Sequence[str] | None = None) -> tuple[ProxyConfig, str]:
     )
     if not config.upstreams:
         exit_on_config_error(PROG, ConfigError("give at least one --upstream URL"))
-    return config, args.log_level
+    return config, args
 
 
 async def _serve(config: ProxyConfig) -> None:
@@ -55,15 +61,22 @@ async def _serve(config: ProxyConfig) -> None:
     print("asyncgrpo proxy stopped", flush=True)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    config, level = parse(argv)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _run(config: ProxyConfig) -> None:
     try:
         import uvloop
     except ImportError:
         asyncio.run(_serve(config))
     else:
         uvloop.run(_serve(config))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (status 0); a start-up failure (a busy port) is one line."""
+    config, args = _parse(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    run_command(lambda: _run(config), PROG, debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.front import Clients, Connection
 from asyncgrpo.proxy.state import TICK_S, Proxy
@@ -71,9 +72,15 @@ async def serve_proxy(config: ProxyConfig) -> AsyncIterator[str]:
         proxy.spawn(pool.run_health_checks(), "asyncgrpo-proxy-health")
         clients = Clients(proxy, cap)
         proxy.spawn(_tick(proxy, clients), "asyncgrpo-proxy-deadlines")
-        server = await loop.create_server(
-            lambda: Connection(clients), config.host, config.port, backlog=1024
-        )
+        try:
+            server = await loop.create_server(
+                lambda: Connection(clients), config.host, config.port, backlog=1024
+            )
+        except OSError as exc:  # a busy port or an address not on this host: the user's to fix
+            raise ConfigError(
+                f"cannot listen on {config.host}:{config.port} ({exc.strerror or exc}): "
+                "choose another --port / proxy.port, or stop what holds it"
+            ) from exc
         host, port = server.sockets[0].getsockname()[:2]
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         log.info("proxy on %s over %d replicas (routing=%s, block_size=%s)",
