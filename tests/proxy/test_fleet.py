@@ -1,5 +1,6 @@
-"""The fleet: broadcasts go to the replicas in rotation; a replica that leaves does not fail them;
-one that returns or joins catches up before it takes a request, even while a sync runs.
+"""The fleet: broadcasts go to the replicas in rotation; a replica that leaves does not fail them
+(nor the trainer's sync); one that returns or joins catches up before it takes a request, even
+while a sync runs.
 
 Stand-in replicas (aiohttp) keep the state that matters, as vLLM does: the adapters loaded (a
 completion for another model is a 404), paused or not; a stopped one refuses connections, a
@@ -13,13 +14,17 @@ import json
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
 from asyncgrpo.proxy.headers import REPLICA_HEADER
+from asyncgrpo.sync import AdapterSync, LocalCacheSource, ProxyLoader
+from asyncgrpo.vllm_client import VLLMClient
 
 pytestmark = pytest.mark.anyio
 ADMIN = "fleet-admin-key-0123456789"
@@ -37,6 +42,8 @@ class StandIn:
     gates: dict[str, asyncio.Event] = field(default_factory=dict)  #: a load waits for it
     loading: dict[str, asyncio.Event] = field(default_factory=dict)  #: set once it waits
     refuse: dict[str, int] = field(default_factory=dict)  #: a load answers this status
+    die_on_pause: str = ""  #: its engine dies at a pause: "before" or "after" answering it
+    dead: bool = False  #: drops every connection
     hold: asyncio.Event = field(default_factory=asyncio.Event)  #: completions marked "hold"
     runner: web.AppRunner | None = None
 
@@ -49,7 +56,7 @@ class StandIn:
         it was only unreachable)."""
         if forget:
             self.adapters, self.paused = set(), False
-        app = web.Application()
+        app = web.Application(middlewares=[self.alive])
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_post("/v1/load_lora_adapter", self.load)
@@ -68,6 +75,16 @@ class StandIn:
         if self.runner is not None:
             await self.runner.cleanup()
             self.runner = None
+
+    @web.middleware
+    async def alive(self, request: web.Request, handler):
+        if request.path == "/pause" and self.die_on_pause == "before":
+            self.dead = True
+        if self.dead:  # what a crashed engine's host does: reset, no answer
+            if request.transport is not None:
+                request.transport.abort()
+            return web.Response(status=500)  # never sent
+        return await handler(request)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
@@ -99,6 +116,7 @@ class StandIn:
 
     async def pause(self, request: web.Request) -> web.Response:
         self.paused = True
+        self.dead = bool(self.die_on_pause)
         return web.json_response({})
 
     async def resume(self, request: web.Request) -> web.Response:
@@ -306,3 +324,34 @@ async def test_a_proxy_in_front_keeps_a_proxy_whose_fleet_lost_a_member(
             assert (await c.post("/resume"))[0] == 200
             answers = [await c.post("/v1/completions", {"model": "v2"}) for _ in range(4)]
             assert [s for s, _ in answers] == [200] * 4 and a.served == 4
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_the_trainers_sync_goes_through_when_a_replica_dies_in_the_middle_of_it(
+    fleet: list[StandIn], tmp_path: Path, when: str
+) -> None:
+    """The trainer's sequence (publish, pause, load, resume, switch, retire) with one attempt
+    only: a replica whose engine dies at the pause, before or after answering it, does not fail
+    it."""
+    a, b = fleet
+    b.die_on_pause = when
+    cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, lora_roots=(str(tmp_path),),
+                      **{**FAST, "health_interval_s": 3600})  # fmt: skip
+    store = AdapterStore(str(tmp_path / "store"))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 1, "lora_alpha": 2}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    async with serve_proxy(cfg) as base, VLLMClient(base) as client:
+        sync = AdapterSync(store=store, source=LocalCacheSource(store, tmp_path / "cache"),
+                           loader=ProxyLoader(client), prefix="run-x", max_staleness=0,
+                           attempts=1)  # fmt: skip
+        switched: list[str] = []
+
+        async def on_loaded(name: str, version: int) -> None:
+            switched.append(name)
+
+        await sync.sync(0, adapter, step=0, on_loaded=on_loaded)
+        await sync.sync(1, adapter, step=1, on_loaded=on_loaded)
+    assert switched == ["run-x-v0", "run-x-v1"]
+    assert a.adapters == {"run-x-v1"} and not a.paused and b.adapters == set()
