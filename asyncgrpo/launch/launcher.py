@@ -413,6 +413,7 @@ class LaunchHandle:
                 await self.backend.cancel(job)
             return
         assert job.url is not None
+        self._write_manifest()  # with its URL
         await self._admin("add", job.url)
         logger.info(
             "replica job %s (replacing %s) is in the trainer's proxy at %s",

@@ -224,6 +224,7 @@ def test_a_replica_killed_mid_run_is_replaced_and_added_to_the_trainers_proxy(
     jobs = {j["name"]: j for j in json.loads((launch_dir / "jobs.json").read_text())["jobs"]}
     assert jobs["local-run-replica-1"]["replaced_by"] == "local-run-replica-2"
     assert jobs["local-run-replica-2"]["replaces"] == "local-run-replica-1"
+    assert jobs["local-run-replica-2"]["url"] == new
     said = caplog.text
     assert "replica job local-run-replica-1" in said and "failed during the run" in said
     assert "replacement 1 of launch.replica_restarts=3 (local-run-replica-2)" in said
@@ -300,21 +301,25 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
     """`asyncgrpo launch examples/tiny_cpu.yaml --backend local`: two replica processes and a
     trainer process in their own directories, meeting only in the transport directory (as root,
     the trainer's directory is an empty tmpfs to the replicas, so every adapter version must
-    reach them through the transport). Replica 1's process group is SIGKILLed at step 2: the
+    reach them through the transport). Replica 1's process group is SIGKILLed at step 1: the
     launcher starts a replacement, which joins the trainer's proxy and is brought up to date;
-    every step trains with ratio 1, reward rising. A second launch of the same run continues
-    from its last checkpoint."""
+    every step trains with ratio 1, reward rising. 80 steps: enough for the replacement to
+    start (~20-40 s here) and serve. A second launch of the same run continues from its last
+    checkpoint."""
     out = launch_tiny(tiny_model, tmp_path, "launch.replica_restart_backoff_s=0",
-                      kill_replica_at=2)  # the example's 40 steps  # fmt: skip
+                      "trainer.max_steps=80", kill_replica_at=1)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     launch_dir = tmp_path / "tiny-cpu" / "launch"
     trainer_log = (launch_dir / "tiny-cpu-trainer.log").read_text()
     records = [r for r in map(parse_progress, trainer_log.splitlines()) if r is not None]
-    assert [r["step"] for r in records] == list(range(1, 41))
+    assert [r["step"] for r in records] == list(range(1, 81))
     assert all(abs(r["ratio"] - 1) < 1e-3 for r in records), [r["ratio"] for r in records]
-    rewards = [r["reward"] for r in records]  # the demo measured 0.02 -> 0.99 over these steps
+    rewards = [r["reward"] for r in records]  # the demo measured 0.02 -> 0.99 over 40 steps
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
-    assert "step 40/40" in out.stdout and "every job stopped" in out.stdout
+    assert "step 80/80" in out.stdout and "every job stopped" in out.stdout
+    # the trainer's proxy: two replicas, one, then two again until the end
+    replicas = [r["replicas"] for r in records]
+    assert replicas[0] == 2 and 1 in replicas and replicas[-1] == 2, replicas
     # the log says what happened
     assert re.search(r"replica job tiny-cpu-replica-1 \(pid-\d+\) failed during the run "
                      r"\(exit code -9\); training continues", out.stderr), out.stderr[-3000:]  # fmt: skip
@@ -324,7 +329,7 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
     # the replicas worked in their own directories and never named a trainer's file
     trainer_dir = str(launch_dir / "trainer")
     loaded = {i: loaded_adapters(launch_dir / f"replica-{i}") for i in (0, 1, 2)}
-    assert len(loaded[0]) >= 40, loaded[0]  # a version per step (and v0)
+    assert len(loaded[0]) >= 80, loaded[0]  # a version per step (and v0)
     # the replacement got the current version replayed, then every later one
     assert len(loaded[2]) >= 2 and loaded[2][-1][0] == loaded[0][-1][0], loaded[2]
     for i in (0, 1, 2):
@@ -334,8 +339,8 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
 
-    again = launch_tiny(tiny_model, tmp_path, "trainer.max_steps=42")
+    again = launch_tiny(tiny_model, tmp_path, "trainer.max_steps=82")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     trainer_log = (launch_dir / "tiny-cpu-trainer.log").read_text()
-    assert "resumed from checkpoint step 40" in trainer_log
-    assert "step 42/42" in again.stdout and "step 1/42" not in again.stdout
+    assert "resumed from checkpoint step 80" in trainer_log
+    assert "step 82/82" in again.stdout and "step 1/82" not in again.stdout
