@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -260,32 +261,52 @@ HIDE = os.geteuid() == 0 and shutil.which("unshare") is not None
 def launch_tiny(
     tiny_model: Path, tmp_path: Path, *overrides: str, kill_replica_at: int | None = None
 ) -> subprocess.CompletedProcess:
-    """``asyncgrpo launch examples/tiny_cpu.yaml --backend local``; with ``kill_replica_at``,
-    replica 1's process group is SIGKILLed once the trainer reports that step."""
+    """``asyncgrpo launch examples/tiny_cpu.yaml --backend local``. With ``kill_replica_at``,
+    replica 1's process group is SIGKILLed once the trainer reports that step, and the run's
+    scoring is held (a reward gate) until the launcher says the replacement is in the trainer's
+    proxy: the replacement then serves the rest of the run, however slow its start."""
+    from asyncgrpo.testing.rewards import GATE_ENV
+
     cmd = [sys.executable, "-m", "asyncgrpo.cli", "launch", str(EXAMPLE), "--backend", "local",
            f"model={tiny_model}", f"output_dir={tmp_path}", f"launch.local_hide_trainer={HIDE}",
            *overrides]  # fmt: skip
     environ = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.Popen(cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    gate = tmp_path / "reward-gate"
+    if kill_replica_at is not None:
+        cmd.append("rollout.reward_funcs=[asyncgrpo.testing.rewards:gated_digit_fraction]")
+        environ[GATE_ENV] = str(gate)
+        gate.touch()
+    out, err = tmp_path / "launch.out", tmp_path / "launch.err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.Popen(cmd, env=environ, stdout=stdout, stderr=stderr, text=True)
     try:
         if kill_replica_at is not None:
             launch_dir = tmp_path / "tiny-cpu" / "launch"
             trainer_log = launch_dir / "tiny-cpu-trainer.log"
-            deadline = time.monotonic() + 900
-            while not any(r["step"] >= kill_replica_at for r in map(parse_progress, (
-                    trainer_log.read_text().splitlines() if trainer_log.exists() else []))
-                    if r is not None):  # fmt: skip
-                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-                time.sleep(0.2)
+
+            def until(what: str, done: Callable[[], bool]) -> None:
+                deadline = time.monotonic() + 900
+                while not done():
+                    assert proc.poll() is None, f"the launch ended before {what}: {err.read_text()}"
+                    assert time.monotonic() < deadline, f"no {what}: {err.read_text()[-3000:]}"
+                    time.sleep(0.2)
+
+            until(f"step {kill_replica_at}", lambda: any(
+                r is not None and r["step"] >= kill_replica_at for r in map(parse_progress, (
+                    trainer_log.read_text().splitlines() if trainer_log.exists() else [])))
+            )  # fmt: skip
+            gate.unlink()
             jobs = json.loads((launch_dir / "jobs.json").read_text())["jobs"]
             job = next(j for j in jobs if j["name"] == "tiny-cpu-replica-1")
             os.killpg(int(job["id"].removeprefix("pid-")), signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=1500)
+            until("the replacement in the trainer's proxy",
+                  lambda: "is in the trainer's proxy" in err.read_text())  # fmt: skip
+            gate.touch()
+        proc.wait(timeout=1500)
     finally:
         if proc.poll() is None:
             proc.kill()
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(), err.read_text())
 
 
 def loaded_adapters(replica_dir: Path) -> list[tuple[str, str]]:
@@ -301,25 +322,24 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
     """`asyncgrpo launch examples/tiny_cpu.yaml --backend local`: two replica processes and a
     trainer process in their own directories, meeting only in the transport directory (as root,
     the trainer's directory is an empty tmpfs to the replicas, so every adapter version must
-    reach them through the transport). Replica 1's process group is SIGKILLed at step 1: the
+    reach them through the transport). Replica 1's process group is SIGKILLed at step 2: the
     launcher starts a replacement, which joins the trainer's proxy and is brought up to date;
-    every step trains with ratio 1, reward rising. 80 steps: enough for the replacement to
-    start (~20-40 s here) and serve. A second launch of the same run continues from its last
-    checkpoint."""
+    every step trains with ratio 1, reward rising. A second launch of the same run continues
+    from its last checkpoint."""
     out = launch_tiny(tiny_model, tmp_path, "launch.replica_restart_backoff_s=0",
-                      "trainer.max_steps=80", kill_replica_at=1)  # fmt: skip
+                      kill_replica_at=2)  # the example's 40 steps  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     launch_dir = tmp_path / "tiny-cpu" / "launch"
     trainer_log = (launch_dir / "tiny-cpu-trainer.log").read_text()
     records = [r for r in map(parse_progress, trainer_log.splitlines()) if r is not None]
-    assert [r["step"] for r in records] == list(range(1, 81))
+    assert [r["step"] for r in records] == list(range(1, 41))
     assert all(abs(r["ratio"] - 1) < 1e-3 for r in records), [r["ratio"] for r in records]
-    rewards = [r["reward"] for r in records]  # the demo measured 0.02 -> 0.99 over 40 steps
+    rewards = [r["reward"] for r in records]  # the demo measured 0.02 -> 0.99 over these steps
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
-    assert "step 80/80" in out.stdout and "every job stopped" in out.stdout
-    # the trainer's proxy: two replicas, one, then two again until the end
+    assert "step 40/40" in out.stdout and "every job stopped" in out.stdout
+    # the trainer's proxy: two replicas, and two again once the replacement is in
     replicas = [r["replicas"] for r in records]
-    assert replicas[0] == 2 and 1 in replicas and replicas[-1] == 2, replicas
+    assert replicas[:2] == [2, 2] and replicas[-1] == 2, replicas
     # the log says what happened
     assert re.search(r"replica job tiny-cpu-replica-1 \(pid-\d+\) failed during the run "
                      r"\(exit code -9\); training continues", out.stderr), out.stderr[-3000:]  # fmt: skip
@@ -329,9 +349,11 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
     # the replicas worked in their own directories and never named a trainer's file
     trainer_dir = str(launch_dir / "trainer")
     loaded = {i: loaded_adapters(launch_dir / f"replica-{i}") for i in (0, 1, 2)}
-    assert len(loaded[0]) >= 80, loaded[0]  # a version per step (and v0)
-    # the replacement got the current version replayed, then every later one
+    assert len(loaded[0]) >= 40, loaded[0]  # a version per step (and v0)
+    # the replacement got the current version replayed, then every later one, and generated
     assert len(loaded[2]) >= 2 and loaded[2][-1][0] == loaded[0][-1][0], loaded[2]
+    stats = (launch_dir / "replica-2" / "replica-0.log").read_text()
+    assert any(float(x) > 0 for x in re.findall(r"Avg generation throughput: ([\d.]+)", stats))
     for i in (0, 1, 2):
         own_cache = str(launch_dir / f"replica-{i}" / "adapters") + "/"
         assert all(path.startswith(own_cache) for _, path in loaded[i]), loaded[i]
@@ -339,8 +361,8 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
 
-    again = launch_tiny(tiny_model, tmp_path, "trainer.max_steps=82")
+    again = launch_tiny(tiny_model, tmp_path, "trainer.max_steps=42")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     trainer_log = (launch_dir / "tiny-cpu-trainer.log").read_text()
-    assert "resumed from checkpoint step 80" in trainer_log
-    assert "step 82/82" in again.stdout and "step 1/82" not in again.stdout
+    assert "resumed from checkpoint step 40" in trainer_log
+    assert "step 42/42" in again.stdout and "step 1/42" not in again.stdout
