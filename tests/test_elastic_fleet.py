@@ -180,6 +180,8 @@ async def test_a_replica_killed_mid_run_costs_nothing_and_a_new_one_joins_and_se
             samples, tmp_path / "verify",
         )  # fmt: skip
         assert max(errors) < TOLERANCE, max(errors)
+        print(f"max |served - trainer| logprob {max(errors):.2e} over {len(errors)} samples; "
+              f"the joiner served {len(names)} requests; fleet {stats['fleet']}")  # fmt: skip
     finally:
         for proc in reversed(started):
             proc.stop()
