@@ -66,7 +66,7 @@ class Proxy:
             max_blocks=config.max_tracked_blocks,
             policy=config.routing,
         )
-        self.pool = UpstreamPool(config, self.router)
+        self.pool = UpstreamPool(config, self.router, self.spawn)
         self.stats = ProxyStats()
         self.inflight: set[Timed] = set()  # relayed requests, each with its deadline
         self.now = loop.time()

@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from asyncgrpo.proxy.config import ProxyConfig, token_allowed
@@ -123,7 +124,9 @@ class Upstream:
 class UpstreamPool:
     """The replicas, the router's view of them, and the background health checker."""
 
-    def __init__(self, config: ProxyConfig, router: Router) -> None:
+    def __init__(
+        self, config: ProxyConfig, router: Router, spawn: Callable[[Any, str], object]
+    ) -> None:
         self.config = config
         self.router = router
         self.upstreams: dict[str, Upstream] = {}
@@ -138,7 +141,7 @@ class UpstreamPool:
         #: unloaded through the proxy: name -> load path, so a replica that was away while they
         #: were retired unloads them when it catches up (the newest RETIRED_KEPT)
         self.retired: dict[str, str] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.spawn = spawn  # a task the proxy cancels and awaits when it stops
         for url in config.upstreams:
             self.add(url, circuit=Circuit.CLOSED, configured=True)
 
@@ -185,8 +188,6 @@ class UpstreamPool:
                 del self.retired[next(iter(self.retired))]
 
     def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
         for up in self.upstreams.values():
             up.h1.close()
 
@@ -292,9 +293,7 @@ class UpstreamPool:
             # Its own task: the last step waits for the fleet lock, which a slow load holds,
             # and the health checks of the others must not wait with it.
             up.catching_up = True
-            task = asyncio.create_task(self._return(up), name=f"asyncgrpo-proxy-catch-up {up.url}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.spawn(self._return(up), f"asyncgrpo-proxy-catch-up {up.url}")
         elif up.circuit is Circuit.HALF_OPEN and not ok:
             self._open(up)
         elif up.circuit is Circuit.CLOSED and not ok:
