@@ -324,7 +324,7 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
     the trainer's directory is an empty tmpfs to the replicas, so every adapter version must
     reach them through the transport). Replica 1's process group is SIGKILLed at step 2: the
     launcher starts a replacement, which joins the trainer's proxy and is brought up to date;
-    every step trains with ratio 1, reward rising. A second launch of the same run continues
+    every step trains, ratio 1 where reported, reward rising. A second launch of the same run continues
     from its last checkpoint."""
     out = launch_tiny(tiny_model, tmp_path, "launch.replica_restart_backoff_s=0",
                       kill_replica_at=2)  # the example's 40 steps  # fmt: skip
@@ -333,7 +333,9 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
     trainer_log = (launch_dir / "tiny-cpu-trainer.log").read_text()
     records = [r for r in map(parse_progress, trainer_log.splitlines()) if r is not None]
     assert [r["step"] for r in records] == list(range(1, 41))
-    assert all(abs(r["ratio"] - 1) < 1e-3 for r in records), [r["ratio"] for r in records]
+    # the ratio is reported on steps that trained on tokens of the trainer's current weights
+    ratios = [r["ratio"] for r in records if "ratio" in r]
+    assert ratios and all(abs(x - 1) < 1e-3 for x in ratios), ratios
     rewards = [r["reward"] for r in records]  # the demo measured 0.02 -> 0.99 over these steps
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
     assert "step 40/40" in out.stdout and "every job stopped" in out.stdout
