@@ -199,7 +199,9 @@ def test_the_runs_proxy_sends_the_key_of_the_replicas_it_starts():
     assert TrainingConfig.from_dict({**base, **keep}).proxy.upstream_api_key == "k"
     remote = {"serve": {"replicas": 0, "api_key": "k"}, "proxy": {"upstreams": ["http://h:1"]}}
     assert TrainingConfig.from_dict({**base, **remote}).proxy.upstream_api_key is None
-    with pytest.raises(ConfigError, match=r"serve\.api_key and proxy\.upstream_api_key differ") as e:
+    with pytest.raises(
+        ConfigError, match=r"serve\.api_key and proxy\.upstream_api_key differ"
+    ) as e:
         TrainingConfig.from_dict(
             {**base, "serve": {"replicas": 1, "api_key": "k"}, "proxy": {"upstream_api_key": "j"}}
         )
