@@ -12,6 +12,12 @@ Secrets per role, passed as job *secrets* (encrypted by the Hub, never in a comm
   ``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``, the proxy's outbound bearer token through the Jobs
   gateway (the same token); every secret set in the config (``job_secrets``); the transport's
   credentials.
+
+With ``launch.replica_restarts`` the trainer's proxy listens on ``launch.port`` behind the Jobs
+gateway too, so that the launcher can add replacement replicas to it (``/proxy/upstreams``). The
+gateway lets through only requests that carry the token, and passes the ``Authorization``
+header on, so the token is also the proxy's client key and admin key: one header has to satisfy
+both, and whoever holds the token can start and cancel the run's jobs anyway.
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ from asyncgrpo.config import ENV_PREFIX, TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus, Stage
 from asyncgrpo.launch.plan import (
+    ADMIN_KEY_ENV,
     job_config,
     job_secrets,
+    key_origins,
     labels,
     replica_args,
     trainer_args,
@@ -113,10 +121,14 @@ class HfJobsBackend:
     def health_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
+    @property
+    def admin_key(self) -> str | None:
+        return self.token if self.cfg.launch.replica_restarts else None
+
     def _transport(self) -> str:
         return self.transport_url or "<transport_url>"
 
-    def replica_specs(self) -> list[JobSpec]:
+    def replica_spec(self, index: int) -> JobSpec:
         lcfg = self.cfg.launch
         args = replica_args(
             self.cfg,
@@ -126,28 +138,36 @@ class HfJobsBackend:
             api_key_env=TOKEN_ENV,
         )
         command, env = in_image(args, lcfg.replica_install)
-        return [
-            JobSpec(
-                role="replica",
-                name=f"{self.cfg.run_name}-replica-{i}",
-                command=tuple(command),
-                env={**env, **self.env},
-                secrets={**self.secrets, **transport_secret("replica", self._transport())},
-                image=lcfg.image,
-                flavor=lcfg.replica_flavor,
-                timeout_s=lcfg.timeout_s,
-                port=lcfg.port,
-                labels=labels(self.cfg, "replica"),
-            )
-            for i in range(lcfg.replicas)
-        ]
+        return JobSpec(
+            role="replica",
+            name=f"{self.cfg.run_name}-replica-{index}",
+            command=tuple(command),
+            env={**env, **self.env},
+            secrets={**self.secrets, **transport_secret("replica", self._transport())},
+            image=lcfg.image,
+            flavor=lcfg.replica_flavor,
+            timeout_s=lcfg.timeout_s,
+            port=lcfg.port,
+            labels=labels(self.cfg, "replica"),
+        )
 
     def trainer_spec(self, urls: list[str]) -> JobSpec:
         lcfg = self.cfg.launch
-        command, env = in_image(trainer_args(urls), lcfg.trainer_install)
+        elastic = lcfg.replica_restarts > 0
+        args = trainer_args(
+            urls,
+            proxy_host="0.0.0.0" if elastic else None,
+            proxy_port=lcfg.port if elastic else None,
+            # replacements, added at run time, pass the gateway only with the token
+            key_urls=key_origins(urls) if elastic and self.token else None,
+        )
+        command, env = in_image(args, lcfg.trainer_install)
         secrets = {**job_secrets(self.cfg), **self.secrets}
         if self.token:  # the Jobs gateway in front of every replica demands the token
             secrets[env_name(ENV_PREFIX, "proxy.upstream_api_key")] = self.token
+            if elastic:  # behind the gateway too: see the module docstring
+                secrets[env_name(ENV_PREFIX, "proxy.api_key")] = self.token
+                secrets[ADMIN_KEY_ENV] = self.token
         return JobSpec(
             role="trainer",
             name=f"{self.cfg.run_name}-trainer",
@@ -157,6 +177,7 @@ class HfJobsBackend:
             image=lcfg.trainer_image or lcfg.image,
             flavor=lcfg.trainer_flavor,
             timeout_s=lcfg.timeout_s,
+            port=lcfg.port if elastic else None,
             labels=labels(self.cfg, "trainer"),
         )
 

@@ -65,9 +65,13 @@ class Job:
     spec: JobSpec
     id: str
     log_path: Path
-    url: str | None = None  #: replicas: the base URL of the vLLM server, once known
+    url: str | None = None  #: replicas: the vLLM server's base URL; trainer: its proxy's
     stage: Stage = "starting"
     cancel_requested: bool = False
+    #: why the launcher gave up on it before it ended by itself (a replacement never healthy)
+    failure: str | None = None
+    replaced_by: str | None = None  #: a replica job that ended: the name of its replacement
+    replaces: str | None = None  #: a replacement: the name of the job it stands in for
 
     @property
     def name(self) -> str:
@@ -92,8 +96,21 @@ class Backend(Protocol):
 
     @property
     def health_headers(self) -> dict[str, str]: ...
-    def replica_specs(self) -> list[JobSpec]: ...
-    def trainer_spec(self, urls: list[str]) -> JobSpec: ...
+    @property
+    def admin_key(self) -> str | None:
+        """The key of the trainer job's proxy admin routes (``/proxy/upstreams``), which the
+        launcher calls to add a replacement replica; None when no replica is ever replaced."""
+        ...
+
+    def replica_spec(self, index: int) -> JobSpec:
+        """Replica ``index``: 0 .. ``launch.replicas`` - 1 at start, then each replacement."""
+        ...
+
+    def trainer_spec(self, urls: list[str]) -> JobSpec:
+        """The trainer job, its proxy in front of ``urls``; with ``launch.replica_restarts``,
+        that proxy is reachable by the launcher at the job's URL (``port``)."""
+        ...
+
     def check(self) -> None: ...
     async def prepare(self) -> None: ...
     async def start(self, spec: JobSpec) -> str: ...

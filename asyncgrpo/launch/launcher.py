@@ -9,9 +9,17 @@ The order is the same on every backend:
 3. start the trainer job with the replicas' URLs filled in.
 
 :meth:`LaunchHandle.wait` then follows every job's log into ``<run_dir>/launch/<job>.log``,
-reports the trainer's progress lines, and returns when the trainer job completes. Whatever ends
-the launch (success, a failed job, an error, cancellation, Ctrl-C) cancels every job it started
-that is still running: nothing is left billing.
+reports the trainer's progress lines, and returns when the trainer job completes. A replica job
+that ends during the run is replaced, up to ``launch.replica_restarts`` times with a doubling
+delay, while training continues on the others: the launcher takes its URL out of the trainer's
+proxy, starts a new job, waits for its health and adds its URL (the proxy's admin route
+``/proxy/upstreams``, with the backend's admin key); the proxy replays the current adapter
+versions to it before it takes requests. The launcher does this, not the trainer job: it is what
+holds the means to start and cancel jobs and knows every job to cancel at the end. The trainer
+job ending otherwise, or a replica job once the budget is spent, fails the launch (a launch of
+the same run again resumes from its last checkpoint). Whatever ends the launch (success, a
+failed job, an error, cancellation, Ctrl-C) cancels every job it started that is still running:
+nothing is left billing.
 """
 
 from __future__ import annotations
@@ -24,12 +32,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import anyio
+from anyio.abc import TaskGroup
 
 from asyncgrpo.config import TrainingConfig
-from asyncgrpo.errors import ConfigError, LaunchError
+from asyncgrpo.errors import ConfigError, LaunchError, ReplicaError
 from asyncgrpo.launch.jobs import TERMINAL, Backend, Job, JobSpec
 from asyncgrpo.launch.progress import describe_progress, parse_progress
-from asyncgrpo.vllm_client import wait_healthy
+from asyncgrpo.vllm_client import update_proxy, wait_healthy
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +48,16 @@ BackendName = Literal["hf-jobs", "local"]
 ProgressHook = Callable[[dict[str, Any]], None]
 #: Seconds the trainer's log may take to drain after its job completed.
 DRAIN_S = 15.0
+#: Longest delay before a replacement replica job starts.
+MAX_RESTART_DELAY_S = 600.0
+#: Seconds between two warnings that the trainer's proxy cannot be reached yet.
+ADMIN_WARN_S = 60.0
+
+
+def restart_delay(n: int, base_s: float) -> float:
+    """Seconds before the ``n``-th replacement (from 1) starts: ``base_s``, doubled for each
+    further one, at most :data:`MAX_RESTART_DELAY_S`."""
+    return min(base_s * 2 ** (n - 1), MAX_RESTART_DELAY_S)
 
 
 def make_backend(
@@ -59,7 +78,7 @@ def dry_run(cfg: TrainingConfig, backend: BackendName | str, **options: Any) -> 
     """Every job spec the launch would start, as text; starts nothing and sends no request."""
     be = make_backend(backend, cfg, cfg.run_dir / "launch", **options)
     urls = [f"<replica-{i} URL>" for i in range(cfg.launch.replicas)]
-    specs = [*be.replica_specs(), be.trainer_spec(urls)]
+    specs = [*map(be.replica_spec, range(cfg.launch.replicas)), be.trainer_spec(urls)]
     text = "\n\n".join(spec.describe() for spec in specs)
     if be.missing:
         text += f"\n\nnot set here, so a real launch would refuse: {', '.join(be.missing)}"
@@ -116,6 +135,8 @@ class LaunchHandle:
         self.launch_dir = launch_dir
         self.jobs: list[Job] = []
         self.progress: list[dict[str, Any]] = []
+        self.restarts = 0  #: replacement replica jobs started so far
+        self._trainer_url = anyio.Event()  #: set once the trainer job's URL is known
         self._on_progress = on_progress
         self._closed = False
 
@@ -131,8 +152,8 @@ class LaunchHandle:
 
     @property
     def urls(self) -> list[str]:
-        """The replicas' base URLs (what the trainer's proxy sends to)."""
-        return [j.url for j in self.replicas if j.url]
+        """The base URLs of the replicas serving (not replaced)."""
+        return [j.url for j in self.replicas if j.url and j.replaced_by is None]
 
     @property
     def job_ids(self) -> list[str]:
@@ -169,6 +190,8 @@ class LaunchHandle:
                     "id": j.id,
                     "url": j.url,
                     "log": str(j.log_path),
+                    **({"replaces": j.replaces} if j.replaces else {}),
+                    **({"replaced_by": j.replaced_by} if j.replaced_by else {}),
                 }
                 for j in self.jobs
             ],
@@ -177,8 +200,8 @@ class LaunchHandle:
 
     async def _start(self) -> None:
         await self.backend.prepare()
-        for spec in self.backend.replica_specs():
-            await self._start_job(spec)
+        for index in range(self.cfg.launch.replicas):
+            await self._start_job(self.backend.replica_spec(index))
         failures: list[BaseException] = []
         async with anyio.create_task_group() as tg:
 
@@ -297,8 +320,10 @@ class LaunchHandle:
     async def wait(self) -> list[dict[str, Any]]:
         """Follow the jobs until the trainer job completes; its progress records.
 
-        Raises :class:`~asyncgrpo.errors.LaunchError` with the log tail if any job fails or
-        stops early. On every way out, the jobs still running are cancelled.
+        Replaces replica jobs that end, within ``launch.replica_restarts``. Raises
+        :class:`~asyncgrpo.errors.LaunchError` with the log tail if the trainer job, or a replica
+        job beyond that budget, fails or stops early. On every way out, the jobs still running
+        are cancelled.
         """
         trainer = self.trainer
         if trainer is None:
@@ -308,7 +333,7 @@ class LaunchHandle:
                 drained = {job.id: anyio.Event() for job in self.jobs}
                 for job in self.jobs:
                     tg.start_soon(self._follow, job, drained[job.id])
-                failure = await self._watch(trainer)
+                failure = await self._watch(trainer, tg)
                 if failure is None:
                     logger.info("trainer job %s completed", trainer.name)
                     with anyio.move_on_after(DRAIN_S):
@@ -321,18 +346,104 @@ class LaunchHandle:
                 await self.cancel()
         return self.progress
 
-    async def _watch(self, trainer: Job) -> LaunchError | None:
-        """Poll every job until the trainer completes (None) or any job ends otherwise."""
+    async def _watch(self, trainer: Job, tg: TaskGroup) -> LaunchError | None:
+        """Poll every job until the trainer completes (None) or a job ends that is not to be
+        replaced (its failure)."""
+        lcfg = self.cfg.launch
         while True:
-            for job in self.jobs:
+            for job in list(self.jobs):
+                if job.replaced_by is not None:
+                    continue
                 status = await self.backend.status(job)
                 job.stage = status.stage
+                job.url = job.url or status.url
+                if job is trainer and job.url is not None:
+                    self._trainer_url.set()
                 if job is trainer and status.stage == "completed":
                     return None
-                if status.stage in TERMINAL:
-                    why = f" ({status.message})" if status.message else ""
-                    return await self._failure(job, f"{status.stage} during the run{why}")
-            await anyio.sleep(self.cfg.launch.poll_s)
+                if status.stage not in TERMINAL:
+                    continue
+                why = job.failure or f"{status.stage} during the run" + (
+                    f" ({status.message})" if status.message else ""
+                )
+                if job.spec.role == "replica" and self.restarts < lcfg.replica_restarts:
+                    await self._replace(job, why, tg)
+                    continue
+                if job.spec.role == "replica" and lcfg.replica_restarts:
+                    why += f"; launch.replica_restarts={lcfg.replica_restarts} replacements used"
+                return await self._failure(job, why)
+            await anyio.sleep(lcfg.poll_s)
+
+    # -- replacing replicas ------------------------------------------------------------------
+
+    async def _replace(self, dead: Job, why: str, tg: TaskGroup) -> None:
+        """Start bringing up a replacement for ``dead`` (after its backoff); the watch goes on."""
+        lcfg = self.cfg.launch
+        self.restarts += 1
+        delay = restart_delay(self.restarts, lcfg.replica_restart_backoff_s)
+        spec = self.backend.replica_spec(lcfg.replicas + self.restarts - 1)
+        dead.replaced_by = spec.name
+        await self._save_tail(dead)
+        logger.warning(
+            "replica job %s (%s) %s; training continues on the other replicas; replacement "
+            "%d of launch.replica_restarts=%d (%s) starts in %.0f s; its log: %s",
+            dead.name, dead.id, why, self.restarts, lcfg.replica_restarts, spec.name, delay,
+            dead.log_path,
+        )  # fmt: skip
+        self._write_manifest()
+        if dead.url is not None:
+            tg.start_soon(self._admin, "remove", dead.url)
+        tg.start_soon(self._bring_up, spec, dead, delay, tg)
+
+    async def _bring_up(self, spec: JobSpec, dead: Job, delay: float, tg: TaskGroup) -> None:
+        """Start the replacement, wait for its health, add it to the trainer's proxy. If it
+        ends or misses ``launch.health_timeout_s`` first, the watch treats it like any replica
+        job that ended (another replacement, or the launch fails)."""
+        await anyio.sleep(delay)
+        job = await self._start_job(spec)
+        job.replaces = dead.name
+        self._write_manifest()
+        tg.start_soon(self._follow, job, anyio.Event())
+        try:
+            await self._wait_healthy(job)
+        except LaunchError:
+            if job.stage not in TERMINAL:  # not healthy in time: give up on it
+                job.failure = f"not healthy after {self.cfg.launch.health_timeout_s:.0f} s"
+                job.cancel_requested = True
+                await self.backend.cancel(job)
+            return
+        assert job.url is not None
+        self._write_manifest()  # with its URL
+        await self._admin("add", job.url)
+        logger.info(
+            "replica job %s (replacing %s) is in the trainer's proxy at %s",
+            job.name, dead.name, job.url,
+        )  # fmt: skip
+
+    async def _admin(self, action: Literal["add", "remove"], url: str) -> None:
+        """Add ``url`` to, or remove it from, the trainer job's proxy; retried until it answers
+        (the trainer job may still be installing or loading its model). A refusal is logged:
+        the run goes on with the replicas it has."""
+        trainer = self.trainer
+        assert trainer is not None
+        await self._trainer_url.wait()
+        assert trainer.url is not None
+        warned = -ADMIN_WARN_S
+        where = "to" if action == "add" else "from"
+
+        def on_retry(error: str) -> None:
+            nonlocal warned
+            if anyio.current_time() - warned >= ADMIN_WARN_S:
+                warned = anyio.current_time()
+                logger.warning("could not %s replica %s %s the trainer's proxy yet (retrying): "
+                               "%s", action, url, where, error)  # fmt: skip
+
+        try:
+            await update_proxy(trainer.url, self.backend.admin_key, url, remove=action == "remove",
+                               interval_s=self.cfg.launch.poll_s, on_retry=on_retry)  # fmt: skip
+        except (ConfigError, ReplicaError) as exc:
+            logger.error("could not %s replica %s %s the trainer's proxy: %s", action, url, where,
+                         exc)  # fmt: skip
 
     async def cancel(self) -> None:
         """Cancel every job of the launch that is not known to have ended. Idempotent."""

@@ -5,13 +5,16 @@ account: replica ``i`` runs ``python -m asyncgrpo.serve`` in ``launch/replica-i/
 ``python -m asyncgrpo.launch.trainer`` in ``launch/trainer/``; they share nothing but the
 transport, which is ``transport_url`` if set, else (``launch.local_transport``) a directory
 ``launch/store`` no role works in, or an S3 protocol server (moto) on loopback that lives as
-long as the launch. Replicas listen on loopback only.
+long as the launch. Replicas listen on loopback only; so does the trainer's proxy, on a port
+chosen here, with an admin key made for the launch (the launcher adds replacement replicas to
+it).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shlex
 import sys
 import time
@@ -26,6 +29,7 @@ from asyncgrpo.config import TrainingConfig
 from asyncgrpo.errors import LaunchError
 from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus
 from asyncgrpo.launch.plan import (
+    ADMIN_KEY_ENV,
     job_config,
     job_secrets,
     labels,
@@ -74,6 +78,9 @@ class LocalBackend:
         self.launch_dir = launch_dir.resolve()
         self.environ = dict(os.environ if environ is None else environ)
         self.ports = [free_port(HOST) for _ in range(cfg.launch.replicas)]
+        elastic = cfg.launch.replica_restarts > 0
+        self.proxy_port = free_port(HOST) if elastic else None
+        self._admin_key = secrets.token_urlsafe(32) if elastic else None
         self.transport_env: dict[str, str] = {}
         self._moto: Process | None = None
         self._moto_port: int | None = None
@@ -94,23 +101,31 @@ class LocalBackend:
     def health_headers(self) -> dict[str, str]:
         return {}
 
-    def replica_specs(self) -> list[JobSpec]:
-        return [
-            JobSpec(
-                role="replica",
-                name=f"{self.cfg.run_name}-replica-{i}",
-                command=self._hidden(
-                    sys.executable,
-                    *replica_args(self.cfg, host=HOST, port=port, transport_url=self.transport_url),
-                    *("--log-dir", ".", "--adapter-cache-dir", "adapters"),
-                ),
-                env=dict(self.transport_env),
-                secrets=transport_secret("replica", self.transport_url),
-                port=port,
-                labels=labels(self.cfg, "replica"),
-            )
-            for i, port in enumerate(self.ports)
-        ]
+    @property
+    def admin_key(self) -> str | None:
+        return self._admin_key
+
+    def port_of(self, index: int) -> int:
+        """Replica ``index``'s port (a replacement gets a fresh one)."""
+        while len(self.ports) <= index:
+            self.ports.append(free_port(HOST))
+        return self.ports[index]
+
+    def replica_spec(self, index: int) -> JobSpec:
+        port = self.port_of(index)
+        return JobSpec(
+            role="replica",
+            name=f"{self.cfg.run_name}-replica-{index}",
+            command=self._hidden(
+                sys.executable,
+                *replica_args(self.cfg, host=HOST, port=port, transport_url=self.transport_url),
+                *("--log-dir", ".", "--adapter-cache-dir", "adapters"),
+            ),
+            env=dict(self.transport_env),
+            secrets=transport_secret("replica", self.transport_url),
+            port=port,
+            labels=labels(self.cfg, "replica"),
+        )
 
     def _hidden(self, *argv: str) -> tuple[str, ...]:
         """``argv``, in a private mount namespace hiding the trainer's directory if asked."""
@@ -127,12 +142,16 @@ class LocalBackend:
         import dataclasses
 
         cfg = dataclasses.replace(self.cfg, transport_url=self.transport_url, output_dir="runs")
+        secrets = job_secrets(cfg)
+        if self._admin_key is not None:
+            secrets[ADMIN_KEY_ENV] = self._admin_key
         return JobSpec(
             role="trainer",
             name=f"{self.cfg.run_name}-trainer",
-            command=(sys.executable, *trainer_args(urls)),
+            command=(sys.executable, *trainer_args(urls, proxy_port=self.proxy_port)),
             env={**self.transport_env, CONFIG_ENV: job_config(cfg)},
-            secrets=job_secrets(cfg),
+            secrets=secrets,
+            port=self.proxy_port,
             labels=labels(self.cfg, "trainer"),
         )
 

@@ -62,15 +62,15 @@ def request_chains(proxy: Proxy, parsed: dict[str, Any]) -> list[tuple[int, ...]
 
 class Forward(Exchange):
     """Relay one request; the client gets exactly one answer (or a stream) unless
-    :meth:`cancel` comes first. ``session``: the hash of its ``X-Session-ID``, if it has one.
-    ``chains`` None: not a generation request (round-robin, not
-    counted in flight, the replica's answer is the answer whatever its status). While a try runs
+    :meth:`cancel` comes first. ``chains`` None: not a generation request (round-robin, not
+    counted in flight, the replica's answer is the answer whatever its status); ``session``: the
+    hash of its ``X-Session-ID``, if it has one. While a try runs
     the request is in ``proxy.inflight`` (its deadline ``due`` checked every tick) and in its
     replica's ``inflight``, so a replica leaving rotation can end it at the next tick."""
 
     __slots__ = ("body", "chains", "client", "decision", "due", "head", "last_error", "lines",
-                 "method", "path", "proxy", "session", "started", "streams", "timeout", "tried",
-                 "up")  # fmt: skip
+                 "method", "path", "proxy", "sent", "session", "started", "streams", "timeout",
+                 "tried", "up")  # fmt: skip
 
     def __init__(
         self,
@@ -96,6 +96,7 @@ class Forward(Exchange):
         self.up: Upstream | None = None  # of the try in progress
         self.decision: Decision | None = None
         self.due = 0.0
+        self.sent = 0.0  # when the try in progress went out (the tick's coarse clock)
 
     def start(self) -> None:
         """Send the next try to a replica not tried yet, or answer 503 naming the last error."""
@@ -125,6 +126,7 @@ class Forward(Exchange):
         self.tried.append(up.url)
         up.h1.send(self, up.h1.request(self.method, self.path, self.lines, self.body),
                    head_request=self.method == b"HEAD")  # fmt: skip
+        self.sent = proxy.now
         self.due = proxy.loop.time() + self.timeout
         proxy.inflight.add(self)
         up.inflight.add(self)
@@ -154,6 +156,7 @@ class Forward(Exchange):
             ok = not failed and isinstance(outcome, int) and outcome < 300
             proxy.router.finish(decision, ok=ok)
         if failed:
+            proxy.stats.lost(proxy.now - self.sent)
             reason = outcome if isinstance(outcome, int) else type(outcome).__name__
             self.last_error = f"{up.url}: {reason}" + (f" ({detail[:200]})" if detail else "")
             if len(self.tried) < proxy.config.max_attempts:

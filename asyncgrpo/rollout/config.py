@@ -17,7 +17,7 @@ from asyncgrpo.settings import check_fields
 
 RequestMode = Literal["n", "per_sample"]
 
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
 @dataclass(kw_only=True)
@@ -179,13 +179,13 @@ class RolloutConfig:
                     f"rollout.environment={env!r}: a verifiers environment is written "
                     "{verifiers: NAME, args: {...}} (args optional)"
                 )
-        elif self.environment is not None and not _IMPORT_PATH.match(self.environment):
+        elif self.environment is not None and not _IMPORT_PATH.fullmatch(self.environment):
             raise ConfigError(
                 f"rollout.environment={self.environment!r}: write it as an import path "
                 "'package.module:Class'"
             )
         for path in self.reward_funcs:
-            if not isinstance(path, str) or not _IMPORT_PATH.match(path):
+            if not isinstance(path, str) or not _IMPORT_PATH.fullmatch(path):
                 raise ConfigError(
                     f"rollout.reward_funcs entry {path!r}: write it as an import path "
                     "'package.module:function'"
