@@ -69,20 +69,28 @@ async def test_multi_turn_training_serves_every_token_at_its_version(
         assert r["batch/completion_tokens"] == sum(s.num_policy_tokens for s in batch)
 
 
-def test_the_calculator_example_trains_through_the_cli(
-    vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
-) -> None:
-    urls = ",".join(r.url for r in vllm_replicas)
+def train_two_steps(
+    example: Path, replicas: list[Replica], model: Path, out_dir: Path, *overrides: str
+) -> list[dict]:
+    """``asyncgrpo train EXAMPLE`` for 2 steps on the session's replicas; its metrics."""
+    urls = ",".join(r.url for r in replicas)
     out = subprocess.run(
-        [sys.executable, "-m", "asyncgrpo.cli", "train", str(EXAMPLE), f"model={tiny_model}",
-         f"output_dir={tmp_path}", "run_name=calc", "serve.replicas=0",
+        [sys.executable, "-m", "asyncgrpo.cli", "train", str(example), f"model={model}",
+         f"output_dir={out_dir}", "run_name=cli", "serve.replicas=0",
          f"proxy.upstreams=[{urls}]", "trainer.max_steps=2",
-         f"dataset.path={ROOT / 'examples' / 'calculator_tasks.jsonl'}"],
+         f"dataset.path={ROOT / 'examples' / 'calculator_tasks.jsonl'}", *overrides],
         capture_output=True, text=True, timeout=600, env={**os.environ},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    records = read_metrics(tmp_path / "calc" / "metrics.jsonl")
+    records = read_metrics(out_dir / "cli" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
+    return records
+
+
+def test_the_calculator_example_trains_through_the_cli(
+    vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
+) -> None:
+    records = train_two_steps(EXAMPLE, vllm_replicas, tiny_model, tmp_path)
     assert {"rewards/tool_call", "rewards/answer", "rollout/model_turns_total"} <= set(records[-1])
 
 
@@ -122,16 +130,8 @@ async def test_a_verifiers_multi_turn_env_trains_token_exactly(
 def test_a_verifiers_single_turn_env_trains_through_the_cli(
     vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
 ) -> None:
-    urls = ",".join(r.url for r in vllm_replicas)
     single = "{verifiers: asyncgrpo.testing.vf_calculator, args: {kind: single}}"
-    out = subprocess.run(
-        [sys.executable, "-m", "asyncgrpo.cli", "train", str(VF_EXAMPLE), f"model={tiny_model}",
-         f"output_dir={tmp_path}", "run_name=vf1", "serve.replicas=0",
-         f"proxy.upstreams=[{urls}]", "trainer.max_steps=2", f"rollout.environment={single}",
-         f"dataset.path={ROOT / 'examples' / 'calculator_tasks.jsonl'}"],
-        capture_output=True, text=True, timeout=600, env={**os.environ},
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    records = read_metrics(tmp_path / "vf1" / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2]
+    records = train_two_steps(
+        VF_EXAMPLE, vllm_replicas, tiny_model, tmp_path, f"rollout.environment={single}"
+    )
     assert all(r["completions/mean_length"] <= 12 for r in records)  # one turn each
