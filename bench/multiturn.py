@@ -1,12 +1,12 @@
 """Multi-turn rollouts, side by side in one run.
 
-(a) ``--part cache``: prefix reuse of multi-turn episodes through the proxy, affinity routing vs
-    round-robin, on two real vLLM CPU replicas of the tiny model. Each episode is ``--turns``
-    model turns with the environment's message between them (asyncgrpo.testing.envs.ChatterEnv),
-    so turn k's prompt is turn k-1's whole sequence. Reports vLLM's own prefix-cache hit rate
-    (``vllm:prefix_cache_hits_total / queries_total`` deltas, caches reset before each run), the
-    proxy's decisions (/proxy/stats; episodes send ``X-Session-ID``), and the share of turns after
-    the first that landed on the replica that served the episode's previous turn (the proxy's
+(a) ``--part cache``: prefix reuse of multi-turn episodes through the proxy, round-robin vs
+    prefix affinity without and with the episodes' ``X-Session-ID``, on two real vLLM CPU
+    replicas of the tiny model. Each episode is ``--turns`` model turns with the environment's
+    message between them (asyncgrpo.testing.envs.ChatterEnv), so turn k's prompt is turn k-1's
+    whole sequence. Reports vLLM's own prefix-cache hit rate (``vllm:prefix_cache_hits_total /
+    queries_total`` deltas, caches reset before each run), the proxy's decisions
+    (/proxy/stats), and the share of turns after the first that landed on the replica that served the episode's previous turn (the proxy's
     ``X-Asyncgrpo-Replica``).
 (b) ``--part learn``: the calculator tool environment (examples/tool_calculator.yaml) trained
     with ``run_training`` for each of ``--seeds``: reward over the first and last steps.
@@ -44,11 +44,16 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tool_calculator.ya
 
 
 class _Tracked(ChatterEnv):
-    """ChatterEnv that keeps each episode's replicas, turn by turn."""
+    """ChatterEnv that keeps each episode's replicas, turn by turn; ``sessions=False`` sends no
+    ``X-Session-ID`` (the proxy then routes by prefixes alone)."""
 
-    def __init__(self, **kw: Any) -> None:
+    def __init__(self, *, sessions: bool = True, **kw: Any) -> None:
         super().__init__(**kw)
+        self.sessions = sessions
         self.replicas: list[list[str | None]] = []
+
+    def session(self, task: Prompt) -> str | None:
+        return super().session(task) if self.sessions else None
 
     async def group(self, task: Prompt, policy: PolicyClient, g: int) -> list[Episode]:
         episodes = await super().group(task, policy, g)
@@ -64,18 +69,25 @@ def prompts(n: int) -> list[list[dict[str, str]]]:
     ]
 
 
+#: The routings compared: the proxy's policy, and whether episodes send ``X-Session-ID``.
+ROUTINGS = {"round_robin": ("round_robin", True), "prefix only": ("affinity", False),
+            "affinity + session": ("affinity", True)}  # fmt: skip
+
+
 async def run_cache(urls: list[str], model: str, routing: str, args: argparse.Namespace) -> dict:
     from asyncgrpo.proxy import ProxyConfig, serve_proxy
 
+    policy, sessions = ROUTINGS[routing]
     tok = load_tokenizer(model)
     gen = GenerationConfig(num_generations=args.g, max_completion_length=args.tokens)
-    env = _Tracked(tokenizer=tok, generation=gen, max_turns=args.turns, max_episode_tokens=1024)
+    env = _Tracked(tokenizer=tok, generation=gen, max_turns=args.turns, max_episode_tokens=1024,
+                   sessions=sessions)  # fmt: skip
     async with aiohttp.ClientSession() as s:
         for url in urls:
             async with s.post(url + "/reset_prefix_cache") as r:
                 assert r.status == 200, await r.text()
     h0, q0 = await prefix_cache(urls)
-    proxy = ProxyConfig(upstreams=tuple(urls), port=0, routing=routing)  # type: ignore[arg-type]
+    proxy = ProxyConfig(upstreams=tuple(urls), port=0, routing=policy)  # type: ignore[arg-type]
     async with serve_proxy(proxy) as base:
         client = RolloutClient(
             base_url=base,
@@ -114,7 +126,7 @@ async def part_cache(args: argparse.Namespace) -> None:
             urls = [r.url for r in replicas]
             warm = argparse.Namespace(**{**vars(args), "prompts": 4})
             await run_cache(urls, model, "round_robin", warm)
-            runs: dict[str, list[dict]] = {"round_robin": [], "affinity": []}
+            runs: dict[str, list[dict]] = {routing: [] for routing in ROUTINGS}
             for _ in range(args.rounds):
                 for routing in runs:  # interleaved, so drift hits both alike
                     runs[routing].append(await run_cache(urls, model, routing, args))
@@ -129,7 +141,8 @@ async def part_cache(args: argparse.Namespace) -> None:
     for routing, rs in runs.items():
         med = {k: statistics.median(r.get(k, 0.0) for r in rs) for k in rs[0]}
         print(f"| {routing} | {med['hit_rate']:.3f} | {med['same_replica']:.3f} | "
-              f"{med.get('session', 0):.3f} | {med.get('affinity', 0):.3f} | {med.get('unmatched', 0):.3f} | "
+              f"{med.get('session', 0):.3f} | {med.get('affinity', 0):.3f} | "
+              f"{med.get('unmatched', 0):.3f} | "
               f"{med.get('spill', 0):.3f} | {med['wall_s']:.1f} |")  # fmt: skip
 
 

@@ -202,8 +202,8 @@ class Environment(ABC):
         self.generation = generation
         self._sessions = secrets.token_hex(4)  # tells apart clients that share a proxy
 
-    def session(self, task: Prompt) -> str:
-        """The ``X-Session-ID`` sent with every turn of ``task``'s G episodes.
+    def session(self, task: Prompt) -> str | None:
+        """The ``X-Session-ID`` sent with every turn of ``task``'s G episodes (None: none).
 
         One per group, not per episode: the proxy keeps all of them on the replica that served
         the group's first turn, which holds their shared prompt and each episode's turns so far
