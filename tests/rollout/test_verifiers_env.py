@@ -129,3 +129,22 @@ def test_configuration_mistakes_are_one_line_errors(tokenizer: Any) -> None:
     for bad in ({"verifier": VF}, {"verifiers": 3}, {"verifiers": VF, "args": [1]}):
         with pytest.raises(ConfigError, match=r"\{verifiers: NAME"):
             RolloutConfig(environment=bad)
+
+
+def test_an_environment_that_rewrites_history_is_refused(tokenizer: Any) -> None:
+    """A later turn whose conversation differs from what the model saw cannot be continued
+    token-exactly: the run stops naming the environment, it is not trained on."""
+    import verifiers as vf
+
+    class Rewriting(vf.MultiTurnEnv):
+        async def env_response(self, messages: Any, state: Any, **_: Any) -> Any:
+            messages[-1]["content"] = "something the model did not say"
+            return [{"role": "user", "content": "again"}]
+
+    vf_env = env(tokenizer, kind="multi")
+    vf_env.env = Rewriting(dataset=vf_env.env.dataset, rubric=vf_env.env.rubric, max_turns=3)
+    policy = Scripted(tokenizer, ["12"])
+    with pytest.raises(ExceptionGroup) as info:  # from the group's task group
+        anyio.run(vf_env.group, task(calculator_tasks(1)[0]), policy, 1)
+    assert info.group_contains(ConfigError, match="changed earlier messages")
+    assert len(policy.prompts) == 1
