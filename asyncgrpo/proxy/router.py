@@ -164,10 +164,13 @@ class Router:
     ``policy="round_robin"`` ignores prefixes (the baseline the benchmark compares against).
 
     Sessions: a request that names its session (a multi-turn episode or group; the proxy passes
-    a hash of the client's ``X-Session-ID``) goes where the session's previous request went,
-    under the same load bound, before prefixes are looked at. A turn's prompt is the previous
-    turn's whole sequence, whose last block the previous prompt held only partially, so prefix
-    scoring alone takes the earlier blocks for a shared template. ``max_sessions``: LRU cap.
+    a hash of the client's ``X-Session-ID``) goes to the session's home, the replica its first
+    request went to, under the same load bound, before prefixes are looked at. A turn's prompt
+    is the previous turn's whole sequence, whose last block the previous prompt held only
+    partially, so prefix scoring alone takes the earlier blocks for a shared template. A request
+    over the bound (or retried elsewhere) is routed as if it had no session, and the home stays:
+    moving it would take the group's other episodes along. The home moves only when its replica
+    leaves rotation. ``max_sessions``: LRU cap.
     """
 
     def __init__(
@@ -206,8 +209,8 @@ class Router:
         self.decisions: dict[DecisionKind, int] = {
             "session": 0, "affinity": 0, "spill": 0, "unmatched": 0
         }  # fmt: skip
-        self._sessions: OrderedDict[int, str] = OrderedDict()  # session -> its last replica
-        self.session_moves = 0  # known sessions sent elsewhere (replica gone, busy or excluded)
+        self._sessions: OrderedDict[int, str] = OrderedDict()  # session -> its home replica
+        self.session_moves = 0  # requests of known sessions sent away from home (gone, busy, retry)
 
     # -- replicas ---------------------------------------------------------------------------
 
@@ -303,10 +306,10 @@ class Router:
             choice = candidates[self._rr % len(candidates)]
             self._rr += 1
             session = None
-        elif session is not None and (last := self._sessions.get(session)) is not None:
+        elif session is not None and (home := self._sessions.get(session)) is not None:
             low = min([inflight[r] for r in candidates])
-            if last in candidates and inflight[last] <= self._bound(low):
-                choice, kind = last, "session"
+            if home in candidates and inflight[home] <= self._bound(low):
+                choice, kind = home, "session"
             else:
                 self.session_moves += 1
         if choice is None and self.policy == "affinity" and frozen:
@@ -330,7 +333,8 @@ class Router:
         inflight[choice] += 1
         if session is not None and self.max_sessions:
             sessions = self._sessions
-            sessions[session] = choice
+            if not self._available.get(sessions.get(session, ""), False):
+                sessions[session] = choice  # a new session, or its home left rotation
             sessions.move_to_end(session)
             if len(sessions) > self.max_sessions:
                 sessions.popitem(last=False)

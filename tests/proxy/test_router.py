@@ -382,19 +382,24 @@ def test_a_session_yields_to_the_load_bound_rotation_and_retries() -> None:
     first = r.route(chains(prompt(1)), session=7)
     assert first.replica == "r0"
     busy = [r.route(chains(prompt(2)), session=8) for _ in range(2)]
-    assert [d.replica for d in busy] == ["r1", "r1"]
+    assert [d.replica for d in busy] == ["r1", "r1"]  # session 8's home: r1
     # r0 at 1 in flight, r1 at 2: within the bound, the session wins over r1's load...
     assert r.route(chains(prompt(9)), session=8).kind == "session"
-    # ...but not past it: r1 at 3, r0 at 1 -> 3 <= 1 + 2 still; at 4 it moves
+    # ...but not past it: r1 at 3, r0 at 1 -> 3 <= 1 + 2 still; at 4 it goes elsewhere
     assert r.route(chains(prompt(9)), session=8).replica == "r1"
     moved = r.route(chains(prompt(9)), session=8)
     assert (moved.replica, moved.kind, r.session_moves) == ("r0", "spill", 1)
-    assert r.route(chains(prompt(9)), session=8).replica == "r0"  # it follows the move
+    # the home stays: r0 at 2, r1 at 4 is within the bound again, so the next one goes home
+    back = r.route(chains(prompt(9)), session=8)
+    assert (back.replica, back.kind) == ("r1", "session")
     retry = r.route(chains(prompt(1)), session=7, exclude=["r0"])  # a retry elsewhere
     assert retry.replica == "r1" and r.session_moves == 2
-    r.set_available("r1", False)
-    assert r.route(chains(prompt(1)), session=7).replica == "r0"  # out of rotation: moves
-    assert r.session_moves == 3
+    assert r.route(chains(prompt(1)), session=7).replica == "r0"  # still session 7's home
+    r.set_available("r1", False)  # session 8's home leaves rotation: the home moves for good
+    assert r.route(chains(prompt(2)), session=8).replica == "r0" and r.session_moves == 3
+    r.set_available("r1", True)
+    again = r.route(chains(prompt(2)), session=8)
+    assert (again.replica, again.kind, r.session_moves) == ("r0", "session", 3)
 
 
 def test_sessions_are_bounded_and_round_robin_ignores_them() -> None:
