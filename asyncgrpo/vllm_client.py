@@ -30,15 +30,29 @@ def already_loaded(status: int, body: bytes) -> bool:
     return status == 400 and b"already" in body
 
 
-def block_size_of(info: Any) -> int | None:
-    """``vllm_config.cache_config.block_size`` from a ``/server_info`` document, if it says."""
+def _server_setting(info: Any, section: str, name: str) -> int | None:
+    """``vllm_config.<section>.<name>`` from a ``/server_info`` document, if it says (an int)."""
     if not isinstance(info, dict):
         return None
     cfg = info.get("vllm_config", info)
-    cache = cfg.get("cache_config") if isinstance(cfg, dict) else None  # a string in some versions
-    if isinstance(cache, dict) and isinstance(cache.get("block_size"), int):
-        return cache["block_size"]
-    return None
+    part = cfg.get(section) if isinstance(cfg, dict) else None  # a string in some versions
+    value = part.get(name) if isinstance(part, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def block_size_of(info: Any) -> int | None:
+    """``vllm_config.cache_config.block_size`` from a ``/server_info`` document, if it says."""
+    return _server_setting(info, "cache_config", "block_size")
+
+
+def lora_slots_of(info: Any) -> int | None:
+    """The replica's ``--max-loras`` (None: LoRA off, or the document does not say)."""
+    return _server_setting(info, "lora_config", "max_loras")
+
+
+def max_num_seqs_of(info: Any) -> int | None:
+    """The replica's ``--max-num-seqs``: sequences it runs at once; beyond, it queues them."""
+    return _server_setting(info, "scheduler_config", "max_num_seqs")
 
 
 # Routes of asyncgrpo's vLLM endpoint plugin (asyncgrpo.serve.vllm_plugin): the replica fetches a
