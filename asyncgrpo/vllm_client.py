@@ -21,6 +21,8 @@ from asyncgrpo.errors import ConfigError, ReplicaError, ReplicaHTTPError
 ADAPTER_NOT_FOUND = "No adapter found"
 #: The asyncgrpo proxy's list of replicas; a vLLM server has no such route.
 PROXY_UPSTREAMS_PATH = "/proxy/upstreams"
+#: The asyncgrpo proxy's book of the runs sharing its replicas (their LoRA slots and weights).
+PROXY_RUNS_PATH = "/proxy/runs"
 #: Where a replica describes its configuration as JSON (needs ``VLLM_SERVER_DEV_MODE=1``).
 SERVER_INFO_PATH = "/server_info?config_format=json"
 
@@ -180,6 +182,33 @@ class VLLMClient:
             return None
         return [str(u.get("url")) for u in doc["upstreams"] if isinstance(u, dict)]
 
+    async def register_run(self, run: str, *, lora_slots: int, weight: float = 1.0) -> bool:
+        """Book ``lora_slots`` of the replicas' LoRA slots for adapter prefix ``run``, with its
+        share weight, on the asyncgrpo proxy behind this URL. False when it keeps no such book
+        (a vLLM server, an older proxy); ``ConfigError`` naming ``--max-loras`` and the numbers
+        when the runs sharing the replicas would need more slots than they have."""
+        body = {"run": run, "lora_slots": lora_slots, "weight": weight}
+        status, text = await self._request("POST", PROXY_RUNS_PATH, json_body=body)
+        if status == 404:
+            return False
+        if status == 409:
+            raise ConfigError(_error_message(text))
+        if status >= 400:
+            raise ReplicaHTTPError(
+                f"POST {self.base_url}{PROXY_RUNS_PATH} -> {status}: {text[:500]}",
+                url=self.base_url + PROXY_RUNS_PATH, status=status, body=text,
+            )  # fmt: skip
+        return True
+
+    async def release_run(self, run: str) -> None:
+        """Give back the LoRA slots :meth:`register_run` booked (a run that ends)."""
+        status, text = await self._request("DELETE", PROXY_RUNS_PATH, json_body={"run": run})
+        if status >= 400 and status != 404:
+            raise ReplicaHTTPError(
+                f"DELETE {self.base_url}{PROXY_RUNS_PATH} -> {status}: {text[:500]}",
+                url=self.base_url + PROXY_RUNS_PATH, status=status, body=text,
+            )  # fmt: skip
+
     async def models(self) -> list[str]:
         body = json.loads(await self._ok("GET", "/v1/models"))
         return [m["id"] for m in body.get("data", [])]
@@ -265,6 +294,16 @@ class VLLMClient:
 
     async def completions(self, payload: Mapping[str, Any]) -> dict[str, Any]:
         return json.loads(await self._ok("POST", "/v1/completions", json_body=payload))
+
+
+def _error_message(text: str) -> str:
+    """The message of an OpenAI-style error body (the proxy's), else the body itself."""
+    try:
+        error = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return text[:500]
+    message = error.get("message") if isinstance(error, dict) else None
+    return message if isinstance(message, str) else text[:500]
 
 
 def check_lora_capacity(info: Mapping[str, Any], *, lora_rank: int, max_staleness: int) -> int:

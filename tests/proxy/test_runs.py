@@ -10,8 +10,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
 from asyncgrpo.proxy.runs import OVERFLOW, Run, Runs, run_of, sequences
+from asyncgrpo.vllm_client import VLLMClient
 
 
 class Req:
@@ -283,3 +285,21 @@ async def test_runs_register_their_lora_slots_and_one_that_does_not_fit_is_refus
     assert {n: r["lora_slots"] for n, r in doc["runs"].items()} == {"a-1": 2, "b-2": None,
                                                                    "c-3": 1}  # fmt: skip
     assert doc["runs"]["b-2"]["weight"] == 2.0
+
+
+async def test_a_run_books_its_slots_through_the_client_and_a_plain_server_keeps_no_book(
+    replica,
+) -> None:
+    """What a run does at start (asyncgrpo.run): the refusal is a ConfigError carrying the
+    proxy's message; a vLLM server (no /proxy/runs) is no error, there is just no booking."""
+    url, _ = replica
+    async with serve_proxy(ProxyConfig(upstreams=(url,), port=0)) as base:
+        async with VLLMClient(base) as client:
+            assert await client.register_run("a-1", lora_slots=3)
+            with pytest.raises(ConfigError, match=r"run b-2 needs 2 LoRA slots.*--max-loras 4"):
+                await client.register_run("b-2", lora_slots=2, weight=0.5)
+            await client.release_run("a-1")
+            await client.release_run("a-1")  # gone already: nothing to give back
+            assert await client.register_run("b-2", lora_slots=2, weight=0.5)
+    async with VLLMClient(url) as client:
+        assert not await client.register_run("a-1", lora_slots=3)
