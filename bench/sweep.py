@@ -22,15 +22,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
-import os
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -162,7 +162,9 @@ async def part_sync(args: argparse.Namespace, work: Path) -> None:
     from asyncgrpo.vllm_client import VLLMClient
 
     model = make_tiny_model(work / "model")
-    adapters = [make_lora_adapter(model, work / f"adapter-{i}", r=1, alpha=2, seed=i) for i in (0, 1)]
+    adapters = [
+        make_lora_adapter(model, work / f"adapter-{i}", r=1, alpha=2, seed=i) for i in (0, 1)
+    ]
     store_dir = work / "store"
     serve = tiny_serve_config(
         model, replicas=2, runs=2, max_staleness=1, log_dir=str(work / "logs"), nice=args.nice,
@@ -199,10 +201,18 @@ async def part_sync(args: argparse.Namespace, work: Path) -> None:
                             m = await a.sync(version, adapters[0], step=version)
                             t1 = time.perf_counter()
                             version += 1
-                            load_from = t0 + m["perf/weight_sync/publish_s"] + m["perf/weight_sync/fetch_s"]
+                            load_from = (
+                                t0 + m["perf/weight_sync/publish_s"] + m["perf/weight_sync/fetch_s"]
+                            )
                             if i:  # the first round warms both ways up
                                 spans[way].append(
-                                    (before, t0, t1, load_from, load_from + m["perf/weight_sync/load_s"])
+                                    (
+                                        before,
+                                        t0,
+                                        t1,
+                                        load_from,
+                                        load_from + m["perf/weight_sync/load_s"],
+                                    )
                                 )
                     end = time.perf_counter()
                 finally:
@@ -221,10 +231,14 @@ async def part_sync(args: argparse.Namespace, work: Path) -> None:
           f"{args.gap:g} s; 2 float32 vLLM replicas of the tiny model (nice {args.nice}) behind one "
           f"proxy process; {args.rounds - 1} syncs per way after one warm-up round, the ways in "
           "turns")  # fmt: skip
-    print("| A's sync                       | A sync p50 ms | A load p50 ms | B tok/s before | "
-          "B tok/s during sync | during / before | B tok/s during load | during load / before |")
-    print("|--------------------------------|---------------|---------------|----------------|"
-          "---------------------|-----------------|---------------------|----------------------|")
+    print(
+        "| A's sync                       | A sync p50 ms | A load p50 ms | B tok/s before | "
+        "B tok/s during sync | during / before | B tok/s during load | during load / before |"
+    )
+    print(
+        "|--------------------------------|---------------|---------------|----------------|"
+        "---------------------|-----------------|---------------------|----------------------|"
+    )
     for way, rows in spans.items():
         before = rate([(s, t0) for s, t0, *_ in rows])
         during = rate([(t0, t1) for _, t0, t1, *_ in rows])
@@ -234,6 +248,114 @@ async def part_sync(args: argparse.Namespace, work: Path) -> None:
         print(f"| {way:<30} | {sync_ms:>13.1f} | {load_ms:>13.1f} | {before:>14.0f} | "
               f"{during:>19.0f} | {during / before:>15.0%} | {loading:>19.0f} | "
               f"{loading / before:>20.0%} |")  # fmt: skip
+
+
+# -- (b) N runs sharing two replicas, against each run alone -------------------------------------
+
+
+def run_config(work: Path, model: Path, proxy_url: str, name: str, seed: int, steps: int) -> Path:
+    """The demo recipe (examples/tiny_cpu.yaml) for one run, sent to the shared proxy."""
+    import yaml
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
+    data = yaml.safe_load(example.read_text())
+    data.update(model=str(model), output_dir=str(work / "runs"), run_name=name, seed=seed)
+    data["serve"] = {"replicas": 0}
+    data["proxy"] = {"upstreams": [proxy_url]}
+    data["trainer"].update(max_steps=steps, save_steps=0)
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def train_together(configs: list[Path], work: Path) -> list[list[dict]]:
+    """``asyncgrpo train`` per config, all at once, each its own process; their metrics."""
+    from asyncgrpo.metrics import read_metrics
+
+    procs = []
+    for cfg in configs:
+        with (work / f"{cfg.stem}.log").open("wb") as log:
+            argv = [PY, "-m", "asyncgrpo.cli", "train", str(cfg)]
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True))
+    for proc, cfg in zip(procs, configs, strict=True):
+        if proc.wait(900) != 0:
+            raise RuntimeError(f"{cfg.stem} failed: see {work / (cfg.stem + '.log')}")
+    return [read_metrics(work / "runs" / cfg.stem / "metrics.jsonl") for cfg in configs]
+
+
+def _at(records: list[dict], t: float) -> float:
+    """Generated tokens by time ``t``, interpolated between the steps around it."""
+    points = [(r["time"], r["rollout/generated_tokens_total"]) for r in records]
+    for (t0, n0), (t1, n1) in itertools.pairwise(points):
+        if t0 <= t <= t1:
+            return n0 + (n1 - n0) * (t - t0) / max(t1 - t0, 1e-9)
+    return points[0][1] if t < points[0][0] else points[-1][1]
+
+
+def measure(runs: list[list[dict]], warmup: int) -> dict[str, float]:
+    """While every run trains (from the last one's step ``warmup`` to the first one's end): the
+    runs' tokens/s, their sum, each run's median step time, evenness (slowest / fastest, Jain)."""
+    start = max(r[warmup - 1]["time"] for r in runs)
+    end = min(r[-1]["time"] for r in runs)
+    rates = [(_at(r, end) - _at(r, start)) / (end - start) for r in runs]
+    steps = [statistics.median(x["perf/step_s"] for x in r[warmup:]) for r in runs]
+    return {
+        "total": sum(rates),
+        "step": statistics.median(steps),
+        "min_max": min(rates) / max(rates),
+        "jain": sum(rates) ** 2 / (len(rates) * sum(x * x for x in rates)),
+        "seconds": end - start,
+    }
+
+
+async def part_sweep(args: argparse.Namespace, work: Path) -> None:
+    from asyncgrpo.serve import launch_replicas
+    from asyncgrpo.testing import make_tiny_model, tiny_serve_config
+
+    counts = sorted({int(n) for n in args.runs.split(",")})
+    model = make_tiny_model(work / "model")
+    serve = tiny_serve_config(model, replicas=2, runs=max(counts), max_staleness=0,
+                              log_dir=str(work / "logs"), max_model_len=512,
+                              transports=(str(work / "runs"),),
+                              adapter_cache_dir=str(work / "replica-cache"))  # fmt: skip
+    rows = []
+    async with launch_replicas(serve) as replicas:
+        with proxy_process([r.url for r in replicas], work / "proxy.log") as url:
+            alone: list[dict[str, float]] = []
+            for seed in range(max(counts)):  # each point alone on the two replicas
+                cfg = run_config(work, model, url, f"alone-{seed}", seed, args.steps)
+                alone.append(measure(await asyncio.to_thread(train_together, [cfg], work),
+                                     args.warmup_steps))  # fmt: skip
+                print(f"alone seed {seed}: {alone[-1]}", flush=True)
+            for n in counts:
+                if n == 1:
+                    shared = alone[0]
+                else:
+                    cfgs = [run_config(work, model, url, f"shared{n}-{seed}", seed, args.steps)
+                            for seed in range(n)]  # fmt: skip
+                    runs = await asyncio.to_thread(train_together, cfgs, work)
+                    shared = measure(runs, args.warmup_steps)
+                    print(f"{n} shared: {shared}", flush=True)
+                own = alone[:n]
+                rows.append((n, shared, sum(a["total"] for a in own),
+                             statistics.median(a["step"] for a in own)))  # fmt: skip
+    print(f"\n(b) the demo recipe (tiny model, 32 samples/step, G=8, max_staleness 0, a sync "
+          f"every step), {args.steps} steps per run, {args.warmup_steps} warm-up steps left out; "
+          "shared: N `asyncgrpo train` processes at once through one proxy process in front of "
+          "2 float32 vLLM replicas; own fleets: each of the N runs alone on those 2 replicas, one "
+          "after the other (what N fleets of 2 replicas would give)")  # fmt: skip
+    print(
+        "| runs | replicas shared | total tok/s | per-run median step s | slowest/fastest run "
+        "| Jain | replicas own fleets | total tok/s own fleets | median step s own fleets |"
+    )
+    print(
+        "|------|-----------------|-------------|-----------------------|---------------------"
+        "|------|---------------------|------------------------|--------------------------|"
+    )
+    for n, shared, own_total, own_step in rows:
+        print(f"| {n:>4} | {2:>15} | {shared['total']:>11.0f} | {shared['step']:>21.2f} | "
+              f"{shared['min_max']:>19.2f} | {shared['jain']:>4.2f} | {2 * n:>19} | "
+              f"{own_total:>22.0f} | {own_step:>24.2f} |")  # fmt: skip
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -257,6 +379,8 @@ def main() -> None:
     p.add_argument("--warmup-s", type=float, default=20.0, help="(a) B alone before A starts")
     p.add_argument("--nice", type=int, default=0, help="(a) the replicas' nice value")
     p.add_argument("--runs", default="1,2,4", help="(b) how many runs share the replicas")
+    p.add_argument("--steps", type=int, default=20, help="(b) steps per run")
+    p.add_argument("--warmup-steps", type=int, default=3, help="(b) steps left out at the start")
     asyncio.run(run(p.parse_args()))
 
 
