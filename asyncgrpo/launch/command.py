@@ -12,6 +12,8 @@ import dataclasses
 import sys
 from typing import Any
 
+import yaml
+
 from asyncgrpo.config import ENV_PREFIX
 from asyncgrpo.launch.config import LaunchConfig
 from asyncgrpo.settings import add_fields
@@ -40,6 +42,8 @@ def overrides(args: argparse.Namespace) -> list[str]:
     out = list(args.overrides)
     for f in dataclasses.fields(LaunchConfig):
         value = getattr(args, f.name, None)
+        if isinstance(value, list):  # --sweep, repeated: a YAML list keeps each entry whole
+            value = yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()
         if value is not None:
             out.append(f"launch.{f.name}={value}")
     return out
