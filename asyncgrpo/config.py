@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.launch.config import LaunchConfig
@@ -49,6 +50,7 @@ from asyncgrpo.settings import (
 logger = logging.getLogger(__name__)
 
 LrSchedule = Literal["constant", "linear", "cosine"]
+OffPolicy = Literal["none", "decoupled", "tis", "mis_token", "mis_sequence"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 #: Environment variables ``ASYNCGRPO_<SECTION>__<FIELD>`` override the YAML file.
@@ -59,6 +61,32 @@ EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 #: Matched whole and ASCII only: ``$`` would accept a trailing newline, ``\d`` other digits.
 #: At most 119 characters: adapter names ``<run_name>-<8 hex run id>`` stop at 128.
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,118}")
+
+
+def _check_behaviour_logprobs(generation: GenerationConfig) -> None:
+    """Refuse sampling settings whose logprobs the trainer cannot reproduce.
+
+    vLLM (``processed_logprobs``) returns each token's logprob under the distribution it sampled
+    from: after penalties, temperature, min_p, top_k and top_p, renormalised over the tokens
+    they kept. The trainer recomputes ``log_softmax(logits / temperature)`` only, so with any
+    of the others every ratio and importance weight would be biased (upwards: the truncated
+    distribution puts more mass on each kept token).
+    """
+    biased = {
+        "top_p": generation.top_p < 1,
+        "top_k": generation.top_k != -1,
+        "min_p": generation.min_p > 0,
+        "repetition_penalty": generation.repetition_penalty != 1,
+    }
+    for name, on in biased.items():
+        if on:
+            raise ConfigError(
+                f"generation.{name}={getattr(generation, name)!r}: vLLM's logprobs are then of "
+                "the truncated or penalised distribution, not of the policy the trainer "
+                "recomputes (softmax after temperature only), so every importance ratio would be "
+                "biased; sample with temperature only (top_p=1, top_k=-1, min_p=0, "
+                "repetition_penalty=1)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,6 +119,12 @@ class LoraConfig:
 class TrainerConfig:
     """Optimisation: loss, batching, schedule, and the cadence of syncs and checkpoints."""
 
+    retired_keys: ClassVar[dict[str, str]] = {
+        "tis_cap": "write trainer.off_policy=none trainer.importance_cap=C for the same dual "
+        "clip, or keep the default off_policy=decoupled, which bounds stale samples itself",
+    }
+    """Keys earlier releases accepted, with what replaces them (named in the error)."""
+
     learning_rate: float = 4e-5
     """AdamW peak learning rate."""
     lr_schedule: LrSchedule = "constant"
@@ -105,10 +139,19 @@ class TrainerConfig:
     """Lower clip range: the ratio is clipped at 1 - epsilon."""
     epsilon_high: float | None = None
     """Upper clip range (1 + epsilon_high); None: same as epsilon. DAPO: 0.28."""
-    tis_cap: float | None = None
-    """Truncated importance sampling: with a negative advantage the ratio is truncated at this
-    value (dual clip), so stale samples cannot blow up the loss. Must exceed 1 + epsilon_high;
-    None disables. E.g. 3.0."""
+    off_policy: OffPolicy = "decoupled"
+    """How the loss corrects for samples drawn by an older policy (stale versions) and for
+    vLLM's numerics, with w = pi_trainer / pi_vllm per token. 'decoupled' (decoupled PPO): clip
+    around the trainer's own policy, weight min(w, importance_cap). 'tis': the same with a cap
+    of 2. 'mis_token': weight w, tokens outside [1/cap, cap] dropped. 'mis_sequence': the same
+    on the product of w over each completion. 'none': PPO ratio against vLLM's logprobs (TRL's
+    GRPOTrainer), no correction. On fresh samples they coincide; formulas, default caps and
+    learning curves: docs/trainer.md."""
+    importance_cap: float | None = None
+    """Cap of the off_policy weight (> 1). None: the correction's default (decoupled 5, tis 2,
+    mis_token 2, mis_sequence 2; none: off). With off_policy=none it is the dual clip: where
+    the advantage is negative the ratio is truncated at the cap (TRL's delta); it must then
+    exceed 1 + epsilon_high."""
     samples_per_step: int = 64
     """Completions consumed by one optimizer step."""
     token_budget: int | None = 4096
@@ -156,11 +199,17 @@ class TrainerConfig:
                 "gradient_accumulation_steps": 1, "max_steps": 1, "max_staleness": 0,
                 "weight_sync_steps": 1, "save_steps": 0},
         )  # fmt: skip
-        if self.tis_cap is not None and not self.tis_cap > 1 + self.clip_high:
+        cap = self.importance_cap
+        if cap is not None and not (math.isfinite(cap) and cap > 1):
             raise ConfigError(
-                f"trainer.tis_cap={self.tis_cap}: must exceed 1 + epsilon_high = "
-                f"{1 + self.clip_high:g} (below it the cap would cut the clipped region); "
-                "e.g. 3.0, or None to disable"
+                f"trainer.importance_cap={cap}: must be a number > 1 (the largest importance "
+                "weight kept), or None for the correction's default"
+            )
+        if self.off_policy == "none" and cap is not None and not cap > 1 + self.clip_high:
+            raise ConfigError(
+                f"trainer.importance_cap={cap}: with off_policy=none it must exceed "
+                f"1 + epsilon_high = {1 + self.clip_high:g} (below it the cap would cut the "
+                "clipped region); e.g. 3.0, or None to disable"
             )
 
     @property
@@ -238,6 +287,7 @@ class TrainingConfig:
                 "(it becomes part of adapter names and storage keys)"
             )
         self.rollout.check_against(self.generation)
+        _check_behaviour_logprobs(self.generation)
         # The replicas serve the trained model and adapter: one source for each shared value.
         self.serve = dataclasses.replace(
             self.serve,

@@ -8,6 +8,8 @@ Equality (float32, ~1e-7) is what lets async GRPO trust the behaviour logprobs v
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import time
 from pathlib import Path
 
@@ -80,7 +82,11 @@ EXAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.ya
 
 
 async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
-    """Train the tiny model with async GRPO on 2 CPU replicas; leave metrics and a plot."""
+    """Train the tiny model with async GRPO on 2 CPU replicas; leave metrics and a plot.
+
+    Asynchronous: the replicas generate up to ``trainer.max_staleness`` versions ahead of the
+    trainer, and the loss corrects for it (``trainer.off_policy``).
+    """
     import shutil
 
     from tqdm import tqdm
@@ -107,7 +113,7 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
 
     def progress(step: int, m: dict[str, float]) -> None:
         bar.set_postfix(reward=f"{m.get('reward', float('nan')):.3f}",
-                        ratio=f"{m.get('ratio', float('nan')):.4f}",
+                        stale=f"{m.get('sample/staleness_mean', float('nan')):.1f}",
                         v=int(m.get("adapter_version", 0)))  # fmt: skip
         bar.update(step - bar.n)
 
@@ -127,11 +133,19 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
     records = read_metrics(result.run_dir / "metrics.jsonl")
     plot = await anyio.to_thread.run_sync(plot_run, result.run_dir)
     first, last = summarize(records, "reward")
-    ratios = [r["ratio"] for r in records if "ratio" in r]
+    # the ratio exists on steps that trained on tokens of the trainer's current weights
+    ratios = [r["ratio"] for r in records if not math.isnan(r.get("ratio", math.nan))]
+    stale = statistics.fmean(r.get("sample/staleness_mean", 0.0) for r in records)
     print(f"\n{'steps':>5} {'versions':>8} {'reward first 5':>14} {'reward last 5':>13} "
-          f"{'ratio min':>9} {'ratio max':>9} {'wall s':>7}")  # fmt: skip
+          f"{'staleness':>9} {'ratio min':>9} {'ratio max':>9} {'wall s':>7}")  # fmt: skip
     print(f"{result.steps:>5} {result.final_version + 1:>8} {first:>14.3f} {last:>13.3f} "
-          f"{min(ratios):>9.5f} {max(ratios):>9.5f} {time.monotonic() - started:>7.0f}")  # fmt: skip
+          f"{stale:>9.2f} {min(ratios, default=math.nan):>9.5f} "
+          f"{max(ratios, default=math.nan):>9.5f} {time.monotonic() - started:>7.0f}")  # fmt: skip
+    print(
+        f"(staleness: mean versions behind the trainer of the samples it trained on; ratio: "
+        f"trainer over vLLM on tokens of its current weights, {len(ratios)} of "
+        f"{len(records)} steps had some)"
+    )
     print(f"\nserved vs trainer logprobs (last 4 steps, {len(samples)} samples, each at its "
           f"adapter version): max |diff| = {max(errors):.1e}")  # fmt: skip
     print(f"metrics: {result.run_dir / 'metrics.jsonl'}\nplot:    {plot}")

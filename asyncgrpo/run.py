@@ -65,8 +65,9 @@ StepHook = Callable[[int, Sequence[Sample], int], None]
 LoaderFactory = Callable[[str], AdapterLoader]
 
 
-async def _save_adapter(trainer: Any, directory: Path) -> Path:
-    return await anyio.to_thread.run_sync(trainer.save_adapter, directory)
+async def _save_adapter(trainer: Any, directory: Path, version: int) -> Path:
+    """Save the weights published as ``version`` (the trainer counts staleness from it)."""
+    return await anyio.to_thread.run_sync(lambda: trainer.save_adapter(directory, version=version))
 
 
 @dataclass
@@ -263,7 +264,7 @@ async def _publish_first_version(run: _Run, sync: AdapterSync, trainer: Any, wor
     version = 0 if last is None else last + 1
     await sync.retire_leftovers()
     step = trainer.step_count
-    await sync.sync(version, await _save_adapter(trainer, work / f"v{version}"), step=step)
+    await sync.sync(version, await _save_adapter(trainer, work / f"v{version}", version), step=step)
     await run.documents.write_policy(sync.name(version), version)
     return version
 
@@ -353,7 +354,7 @@ async def _train(
 
         if step % tcfg.weight_sync_steps == 0:
             version += 1
-            adapter_dir = await _save_adapter(trainer, work / f"v{version}")
+            adapter_dir = await _save_adapter(trainer, work / f"v{version}", version)
             metrics.update(
                 await sync.sync(version, adapter_dir, step=step, on_loaded=switch_policy)
             )

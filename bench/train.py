@@ -231,7 +231,8 @@ def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path)
     """TRL GRPOTrainer with asyncgrpo's recipe ``cfg`` (the run just measured).
 
     Same model, LoRA config *and* starting LoRA weights, prompts in the same order, sampling
-    parameters, loss (``dapo``, ``beta=0``, clip range, ``delta`` = ``tis_cap``), advantages
+    parameters, loss (``dapo``, ``beta=0``, clip range, ``delta`` = ``importance_cap`` of
+    ``off_policy=none``), advantages
     (``scale_rewards="group"``), optimizer, schedule and samples per step. What stays different
     is the generation engine (transformers ``generate``, synchronous) and its random draws.
     """
@@ -270,7 +271,8 @@ def run_trl(model: str, key: str, cfg: Any, args: argparse.Namespace, out: Path)
         max_grad_norm=tc.max_grad_norm,
         epsilon=tc.epsilon,
         epsilon_high=tc.clip_high,
-        delta=tc.tis_cap,  # the same ratio cap (tests/trainer/test_trl_parity.py)
+        # the same ratio cap (tests/trainer/test_trl_parity.py); TRL has no other correction
+        delta=tc.importance_cap if tc.off_policy == "none" else None,
         beta=0.0,  # no KL term, like asyncgrpo
         num_iterations=1,
         loss_type="dapo",  # token-level mean over the step, like asyncgrpo

@@ -74,12 +74,24 @@ def test_round_trip_to_dict():
         ("trainer.epsilon=0", "trainer.epsilon=0.0: must be > 0"),
         ("trainer.max_staleness=-1", "trainer.max_staleness=-1"),
         ("trainer.weight_sync_steps=0", "trainer.weight_sync_steps=0"),
-        ("trainer.tis_cap=1.1", "must exceed 1 + epsilon_high"),
+        (
+            "trainer.tis_cap=3",
+            "trainer.tis_cap was removed: write trainer.off_policy=none trainer.importance_cap=C",
+        ),
+        ("trainer.off_policy=ppo", "trainer.off_policy='ppo': use one of 'none', 'decoupled'"),
+        ("trainer.importance_cap=1", "trainer.importance_cap=1.0: must be a number > 1"),
+        ("generation.top_p=0.9", "generation.top_p=0.9: vLLM's logprobs are then of the truncated"),
+        ("generation.top_k=20", "generation.top_k=20: vLLM's logprobs"),
+        ("generation.min_p=0.1", "generation.min_p=0.1: vLLM's logprobs"),
+        ("generation.repetition_penalty=1.1", "generation.repetition_penalty=1.1: vLLM's"),
         ("trainer.dp_timeout_s=0", "trainer.dp_timeout_s=0.0: must be > 0"),
         ("lora.r=0", "lora.r=0"),
         ("lora.dropout=1", "lora.dropout"),
         ("run_name=a/b", "run_name='a/b'"),
-        ("proxy.upstreams=[localhost:8000]", "not an http(s) URL"),
+        (
+            "proxy.upstreams=[localhost:8000]",
+            "is not an http(s)://HOST[:PORT] URL; write http://HOST:PORT",
+        ),
         ("serve.kv_cache_gib=1.5", "serve.kv_cache_gib='1.5': expected an integer"),
         ("serve.kv_cache_gib=0", "serve.kv_cache_gib=0: must be >= 1, or None"),
         ("serve.lora_rank=8", "serve.lora_rank is set from lora.r"),
@@ -169,3 +181,9 @@ def test_environment_overrides_between_file_and_arguments(tmp_path):
     assert TrainingConfig.from_yaml(path, ["trainer.max_steps=9"], env).trainer.max_steps == 9
     with pytest.raises(ConfigError, match="ASYNCGRPO_TRAINER__MAX_STEPS='x': expected an integer"):
         TrainingConfig.from_yaml(path, environ={"ASYNCGRPO_TRAINER__MAX_STEPS": "x"})
+
+
+def test_the_dual_clip_of_off_policy_none_must_exceed_the_clip_range():
+    with pytest.raises(ConfigError, match="with off_policy=none it must exceed 1 \\+ epsilon_high"):
+        _cfg("trainer.off_policy=none", "trainer.importance_cap=1.1")
+    assert _cfg("trainer.off_policy=decoupled", "trainer.importance_cap=1.1")

@@ -77,6 +77,12 @@ def test_plot_run_writes_png(tmp_path):
                     "perf/step_s": 2.0,
                     "sample/staleness_mean": 1.0 if step > 1 else math.nan,
                     "sample/staleness_max": 2.0,
+                    "off_policy/staleness_0/tokens": 0.5,
+                    "off_policy/staleness_1/tokens": 0.5,
+                    "off_policy/staleness_1/weight_mean": 1.1,
+                    "off_policy/staleness_1/weight_max": 3.0,
+                    "off_policy/masked": 0.01,
+                    **({"off_policy/staleness_0/weight_max": 1.0} if step % 3 else {}),
                 },
                 step=step,
             )

@@ -160,7 +160,7 @@ def test_replicas_on_other_hosts_fetch_every_version_from_s3(
 
         # -- the old way: a path on the trainer's disk reaches no replica ----------------------
         path_cfg = _config(trainer_dir / "path.yaml", tiny_model, trainer_dir / "path-run",
-                           proxy_url, max_steps=2)  # fmt: skip
+                           proxy_url, max_steps=2, max_staleness=1)  # fmt: skip
         failed = subprocess.run(
             [py, "-m", "asyncgrpo.cli", "train", str(path_cfg), "serve.adapter_delivery=path",
              "proxy.load_deadline_s=3", f"transport_url=s3://{BUCKET}/path-run"],

@@ -45,6 +45,7 @@ def tiny_config(
 ) -> TrainingConfig:
     data = yaml.safe_load(EXAMPLE.read_text())
     data.update(model=str(model), output_dir=str(tmp_path), run_name=run_name)
+    data["trainer"]["max_staleness"] = 2  # the session's replicas hold 4 adapters
     data["serve"] = {"replicas": 0}
     data["proxy"]["upstreams"] = list(urls)
     return TrainingConfig.from_dict(data, overrides)
@@ -53,7 +54,8 @@ def tiny_config(
 async def test_end_to_end_served_logprobs_equal_trainer_and_reward_rises(
     vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
 ) -> None:
-    cfg = tiny_config(tmp_path, tiny_model, [r.url for r in vllm_replicas], "trainer.max_steps=30")
+    cfg = tiny_config(tmp_path, tiny_model, [r.url for r in vllm_replicas], "trainer.max_steps=30",
+                      "trainer.max_staleness=0")  # fmt: skip
     batches: list[tuple[int, list[Sample]]] = []
     result = await run_training(cfg, on_step=lambda step, s, v: batches.append((v, list(s))))
 
@@ -118,11 +120,12 @@ def class_gains(
 
 
 class SkipOneReplica(ProxyLoader):
-    """Loads each new version correctly on replica 0 but makes replica 1 fetch the previous
-    version under the new name: the replica serves a stale policy under the right name."""
+    """Loads each new version correctly on replica 0 but makes replica 1 load the previous
+    version's files under the new name: the replica serves a stale policy under the right name.
+    (Path delivery: the fetching plugin refuses a name that is not its URI's version.)"""
 
     def __init__(self, client: VLLMClient, replicas: list[Replica]) -> None:
-        super().__init__(client, fetching=True)
+        super().__init__(client, fetching=False)
         self.replicas = replicas
         self.previous: str | None = None
 
@@ -131,7 +134,7 @@ class SkipOneReplica(ProxyLoader):
         self.previous = location
         for replica, source in zip(self.replicas, (location, stale), strict=True):
             async with VLLMClient(replica.url) as direct:
-                await direct.load_lora_adapter_from(name, source)
+                await direct.load_lora_adapter(name, source)
 
 
 async def test_a_replica_serving_a_stale_version_is_caught(
@@ -139,7 +142,7 @@ async def test_a_replica_serving_a_stale_version_is_caught(
 ) -> None:
     cfg = tiny_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
                       "trainer.max_steps=8", "trainer.weight_sync_steps=2",
-                      "proxy.routing=round_robin",
+                      "proxy.routing=round_robin", "serve.adapter_delivery=path",
                       "rollout.reward_funcs=asyncgrpo.testing.rewards:always_fails,"
                       "asyncgrpo.testing.rewards:digit_fraction")  # fmt: skip
     batches: list[tuple[int, list[Sample]]] = []
@@ -163,6 +166,7 @@ async def test_a_replica_serving_a_stale_version_is_caught(
 def _write_config(tmp_path: Path, model: Path, urls: Sequence[str], **sections: Any) -> Path:
     data = yaml.safe_load(EXAMPLE.read_text())
     data.update(model=str(model), output_dir=str(tmp_path), run_name="t")
+    data["trainer"]["max_staleness"] = 2  # the session's replicas hold 4 adapters
     data["serve"] = {"replicas": 0}
     data["proxy"]["upstreams"] = list(urls)
     for section, values in sections.items():
@@ -238,8 +242,10 @@ def test_split_mode_rollouts_ship_through_the_transport(
     assert shipped >= 4 * 32
     records = read_metrics(tmp_path / "t" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    # The step ratio also moves with policy drift (stale samples, lr 5e-2): a sanity bound only.
-    assert all(0.5 < r["ratio"] < 2 for r in records)
+    # `ratio` covers the tokens sampled from the trainer's current weights (NaN on a step
+    # without any; step 1 always has them): there it is the serving check
+    ratios = [r["ratio"] for r in records if not math.isnan(r["ratio"])]
+    assert ratios and all(abs(x - 1) < 1e-3 for x in ratios), ratios
     assert records[-1]["adapter_version"] == 2
     assert {r["sample/staleness_max"] for r in records} <= {0, 1, 2}
 
@@ -267,8 +273,10 @@ async def test_training_continues_when_a_replica_dies(tiny_model: Path, tmp_path
     assert result.steps == 8
     assert result.final_version == 4  # syncs after the death reached the surviving replica
     records = read_metrics(result.run_dir / "metrics.jsonl")
-    # The step ratio also moves with policy drift (stale samples, lr 5e-2): a sanity bound only.
-    assert all(0.5 < r["ratio"] < 2 for r in records)
+    # `ratio` covers the tokens sampled from the trainer's current weights (NaN on a step
+    # without any; step 1 always has them): there it is the serving check
+    ratios = [r["ratio"] for r in records if not math.isnan(r["ratio"])]
+    assert ratios and all(abs(x - 1) < 1e-3 for x in ratios), ratios
 
 
 def _torchrun(*args: str, ranks: int = 2) -> list[str]:

@@ -106,15 +106,18 @@ class DataParallel:
             ) from exc
 
     # -- samples ------------------------------------------------------------------------------
-    def scatter(self, samples: Sequence[Sample] | None) -> list[Sample] | None:
-        """Rank 0 passes the step's samples (or None: training is over); every rank gets its
-        token-balanced shard (or None)."""
+    def scatter(
+        self, samples: Sequence[Sample] | None, context: Any = None
+    ) -> tuple[list[Sample], Any] | None:
+        """Rank 0 passes the step's samples (or None: training is over) and ``context``, plain
+        data every rank needs (e.g. the trainer's policy version); every rank gets its
+        token-balanced shard and the context (or None)."""
         shards: list[Any] | None = None
         if self.is_main:
             shards = (
                 [None] * self.world_size
                 if samples is None
-                else shard_samples(samples, self.world_size)
+                else [(shard, context) for shard in shard_samples(samples, self.world_size)]
             )
         out: list[Any] = [None]
         self._collective(
@@ -141,6 +144,12 @@ class DataParallel:
         """Element-wise sum of ``values`` over the ranks (metric sums)."""
         t = torch.tensor(list(values), dtype=torch.float64, device="cpu")
         self._collective("summing metrics", lambda: dist.all_reduce(t))
+        return t.cpu().tolist()
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        """Element-wise maximum of ``values`` over the ranks (metric maxima)."""
+        t = torch.tensor(list(values), dtype=torch.float64, device="cpu")
+        self._collective("reducing metrics", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX))
         return t.cpu().tolist()
 
     def sum_gradients(self, params: Sequence[torch.Tensor]) -> None:

@@ -11,6 +11,13 @@ the trainer scatters token-balanced shards to the ranks (:mod:`asyncgrpo.trainer
 the other ranks sit in ``follow``. The completion-token count is summed over the ranks before
 the micro-steps, the adapter gradients after them, then every rank clips and steps identically.
 Rank 0 alone saves the adapter and checkpoints: every rank holds the whole adapter.
+
+Off-policy correction (``trainer.off_policy``, :mod:`asyncgrpo.trainer.loss`): every step is
+exactly one optimizer step over a batch no other step sees, so the proximal policy of the
+decoupled objective is the current forward pass, detached. A token's staleness is the trainer's
+newest published version minus the version that sampled it; the trainer learns its versions
+from ``save_adapter(path, version=N)`` (the run publishes through it), and the tokens of that
+version count as on-policy (``ratio``) while the weights have not moved since.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import torch
 
 from asyncgrpo.sample import Sample, group_stats
 from asyncgrpo.trainer.flops import ModelShape, step_flops
-from asyncgrpo.trainer.loss import STAT_KEYS, add_stats, finalize_stats, grpo_loss
+from asyncgrpo.trainer.loss import Objective, add_stats, finalize_stats, grpo_loss, stat_keys
 from asyncgrpo.trainer.model import default_device, load_policy, row_logprobs
 from asyncgrpo.trainer.model import save_adapter as _save_adapter
 from asyncgrpo.trainer.packing import PackedRow, build_row, pack_samples
@@ -151,6 +158,9 @@ class Trainer:
             ),
         )
         self.step_count = 0  # optimizer steps taken
+        self.objective = Objective.from_config(trainer)
+        self.buckets = trainer.max_staleness + 1  # staleness metrics: 0 .. max_staleness
+        self._published: tuple[int, int] | None = None  # (newest version, step it was saved at)
 
     @classmethod
     def from_config(
@@ -177,11 +187,24 @@ class Trainer:
         """
         if not samples:
             raise ValueError("Trainer.step needs at least one sample")
+        clock = self.policy_clock(samples)
         if self.dp is None:
-            return self._step(samples, samples)
-        shard = self.dp.scatter(samples)
+            return self._step(samples, samples, clock)
+        shard = self.dp.scatter(samples, clock)
         assert shard is not None
-        return self._step(shard, samples)
+        return self._step(shard[0], samples, shard[1])
+
+    def policy_clock(self, samples: Sequence[Sample]) -> tuple[int, bool]:
+        """The version staleness is counted from, and whether the weights still equal it.
+
+        That is the newest version published through ``save_adapter(..., version=N)`` and
+        whether no step was taken since; a trainer that never published counts from the
+        newest version among ``samples`` and takes its weights to be that version's.
+        """
+        if self._published is None:
+            return max(s.version for s in samples), True
+        version, at_step = self._published
+        return version, at_step == self.step_count
 
     def follow(self) -> int:
         """Ranks other than 0: train on the shards rank 0 scatters until it calls ``release``.
@@ -192,7 +215,7 @@ class Trainer:
             raise RuntimeError("Trainer.follow is for data-parallel ranks other than 0")
         steps = 0
         while (shard := self.dp.scatter(None)) is not None:
-            self._step(shard, None)
+            self._step(shard[0], None, shard[1])
             steps += 1
         return steps
 
@@ -202,9 +225,13 @@ class Trainer:
             self.dp.scatter(None)
 
     def _step(
-        self, samples: Sequence[Sample], step_samples: Sequence[Sample] | None
+        self,
+        samples: Sequence[Sample],
+        step_samples: Sequence[Sample] | None,
+        clock: tuple[int, bool],
     ) -> dict[str, float]:
-        """Train on this rank's ``samples``; ``step_samples`` are all ranks' (rank 0 only)."""
+        """Train on this rank's ``samples``; ``step_samples`` are all ranks' (rank 0 only);
+        ``clock`` is rank 0's ``policy_clock``."""
         cfg = self.config
         dp = self.dp
         self._sync()
@@ -247,14 +274,17 @@ class Trainer:
             t1 = time.perf_counter()
             mask = row.completion_mask
             device = logp.device
+            staleness = clock[0] - row.versions[mask]
             loss, part = grpo_loss(
                 logp,
                 row.behaviour_logprobs[mask].to(device),
                 row.advantages[mask].to(device),
+                self.objective,
                 num_tokens=num_tokens,
-                epsilon_low=cfg.epsilon,
-                epsilon_high=cfg.clip_high,
-                tis_cap=cfg.tis_cap,
+                staleness=staleness,
+                on_policy=(staleness == 0) & clock[1],
+                buckets=self.buckets,
+                sequence_ids=row.sequence_ids[mask].to(device),
                 entropy=entropy,
             )
             (loss * weight).backward()
@@ -267,8 +297,12 @@ class Trainer:
                 add_stats(sums, part)
         if dp is not None:  # gradient of the whole step; metric sums of all ranks
             dp.sum_gradients(self.params)
-            loss_total, *values = dp.sum([loss_total, *(sums.get(k, 0.0) for k in STAT_KEYS)])
-            sums = dict(zip(STAT_KEYS, values, strict=True))
+            keys = stat_keys(self.buckets)
+            summed = [k for k in keys if not k.endswith("_max")]
+            maxed = [k for k in keys if k.endswith("_max")]
+            loss_total, *values = dp.sum([loss_total, *(sums.get(k, 0.0) for k in summed)])
+            highest = dp.max([sums.get(k, -math.inf) for k in maxed])
+            sums = dict(zip(summed + maxed, values + highest, strict=True))
 
         # -- clip
         if cfg.max_grad_norm is not None:
@@ -298,7 +332,7 @@ class Trainer:
             "loss": loss_total,
             "grad_norm": grad_norm,
             "learning_rate": lr,
-            **finalize_stats(sums, with_tis=cfg.tis_cap is not None),
+            **finalize_stats(sums, self.buckets),
             "batch/tokens": float(total_tokens),
             "batch/completion_tokens": float(num_tokens),
             "batch/microbatches_per_step": float(num_rows),
@@ -347,9 +381,16 @@ class Trainer:
         finally:
             self.model.train(was_training)
 
-    def save_adapter(self, path: str | Path) -> Path:
-        """Write the adapter (safetensors + adapter_config.json) into directory ``path``."""
-        return _save_adapter(self.model, path)
+    def save_adapter(self, path: str | Path, *, version: int | None = None) -> Path:
+        """Write the adapter (safetensors + adapter_config.json) into directory ``path``.
+
+        ``version``: the adapter version these weights are published as; the trainer counts
+        each sample's staleness from the newest one (``policy_clock``).
+        """
+        out = _save_adapter(self.model, path)
+        if version is not None:
+            self._published = (version, self.step_count)
+        return out
 
     # -- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

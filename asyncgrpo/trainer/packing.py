@@ -7,8 +7,13 @@ turns those restarts into a block-diagonal causal mask so samples never attend t
 
 Every per-token tensor of a row is aligned with ``input_ids``: entry ``t`` describes token ``t``
 (its behaviour logprob, its advantage, whether it is a completion token, the sampling
-temperature its logprob was taken at). The model's logprob of token ``t`` comes from the logits
-at ``t - 1``; the first token of each sample is a prompt token, so it is never scored.
+temperature its logprob was taken at, the adapter version that sampled it). The model's logprob
+of token ``t`` comes from the logits at ``t - 1``; the first token of each sample is a prompt
+token, so it is never scored.
+
+Versions are per token, not per sample, so that the loss (staleness, importance weights) never
+assumes one version per sample: today every token of a sample carries ``Sample.version``; an
+episode whose turns came from different versions only has to fill this tensor differently.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class PackedRow:
     behaviour_logprobs: torch.Tensor
     advantages: torch.Tensor
     temperatures: torch.Tensor
+    versions: torch.Tensor
     seq_lens: list[int]
     sample_indices: list[int]
 
@@ -44,6 +50,13 @@ class PackedRow:
     @property
     def num_completion_tokens(self) -> int:
         return int(self.completion_mask.sum())
+
+    @property
+    def sequence_ids(self) -> torch.Tensor:
+        """Per token, the index of its sample within the row (0, 1, ...)."""
+        return torch.repeat_interleave(
+            torch.arange(len(self.seq_lens)), torch.tensor(self.seq_lens, dtype=torch.long)
+        )
 
     @property
     def cu_seqlens(self) -> list[int]:
@@ -114,6 +127,7 @@ def build_row(samples: Sequence[Sample], indices: Sequence[int]) -> PackedRow:
     logps: list[float] = []
     advs: list[float] = []
     temps: list[float] = []
+    versions: list[int] = []
     seq_lens: list[int] = []
     for i in indices:
         s = samples[i]
@@ -131,6 +145,7 @@ def build_row(samples: Sequence[Sample], indices: Sequence[int]) -> PackedRow:
         logps += s.logprobs
         advs += [0.0] * p + [float(s.advantage)] * c
         temps += [float(s.temperature)] * (p + c)
+        versions += [int(s.version)] * (p + c)
         seq_lens.append(p + c)
     return PackedRow(
         input_ids=torch.tensor(ids, dtype=torch.long),
@@ -139,6 +154,7 @@ def build_row(samples: Sequence[Sample], indices: Sequence[int]) -> PackedRow:
         behaviour_logprobs=torch.tensor(logps, dtype=torch.float32),
         advantages=torch.tensor(advs, dtype=torch.float32),
         temperatures=torch.tensor(temps, dtype=torch.float32),
+        versions=torch.tensor(versions, dtype=torch.long),
         seq_lens=seq_lens,
         sample_indices=list(indices),
     )

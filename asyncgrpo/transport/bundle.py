@@ -38,7 +38,14 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from asyncgrpo.errors import AlreadyExists, ConfigError, IntegrityError, NotFound, TransportError
+from asyncgrpo.errors import (
+    AlreadyExists,
+    ConfigError,
+    IntegrityError,
+    NotFound,
+    TransportError,
+    leaves,
+)
 from asyncgrpo.transport.base import Transport, check_key, join_key
 from asyncgrpo.transport.registry import open_transport
 
@@ -119,7 +126,7 @@ async def _gather(jobs: list[Callable[[], Awaitable[None]]], concurrency: int) -
             for job in jobs:
                 tg.start_soon(run, job)
     except BaseExceptionGroup as group:  # callers expect our error types, not a group
-        raise group.exceptions[0] from None
+        raise leaves(group)[0] from None
 
 
 async def publish_bundle(

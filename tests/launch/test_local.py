@@ -183,7 +183,9 @@ def test_tiny_run_end_to_end_as_separate_processes_then_resumed(
     trainer_log = (launch_dir / "tiny-cpu-trainer.log").read_text()
     records = [r for r in map(parse_progress, trainer_log.splitlines()) if r is not None]
     assert [r["step"] for r in records] == list(range(1, 41))
-    assert all(abs(r["ratio"] - 1) < 1e-3 for r in records), [r["ratio"] for r in records]
+    # the ratio is reported on steps that trained on tokens of the trainer's current weights
+    ratios = [r["ratio"] for r in records if "ratio" in r]
+    assert ratios and all(abs(x - 1) < 1e-3 for x in ratios), ratios
     rewards = [r["reward"] for r in records]  # the demo measured 0.02 -> 0.99 over these steps
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
     assert "step 40/40" in out.stdout and "every job stopped" in out.stdout

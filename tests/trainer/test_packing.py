@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -65,7 +66,9 @@ def test_plan_rows_by_count_and_one_per_row():
 
 
 def test_build_row_alignment_matches_naive():
-    samples = make_samples(5, seed=3)
+    samples = [
+        dataclasses.replace(s, version=10 + i) for i, s in enumerate(make_samples(5, seed=3))
+    ]
     row = build_row(samples, [0, 2, 4])
     pos = 0
     for k, i in enumerate([0, 2, 4]):
@@ -84,6 +87,9 @@ def test_build_row_alignment_matches_naive():
             assert row.behaviour_logprobs[pos] == pytest.approx(s.logprobs[j])
             assert row.advantages[pos] == pytest.approx(s.advantage)
             pos += 1
+        span = slice(row.cu_seqlens[k], pos)
+        assert row.versions[span].tolist() == [s.version] * (pos - row.cu_seqlens[k])
+        assert row.sequence_ids[span].tolist() == [k] * (pos - row.cu_seqlens[k])
     assert pos == row.num_tokens
     assert row.num_completion_tokens == sum(len(samples[i].completion_ids) for i in [0, 2, 4])
     assert row.sample_indices == [0, 2, 4]

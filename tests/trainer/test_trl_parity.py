@@ -12,8 +12,10 @@ the policy so clipping is active, rewards from a real reward function) goes thro
   ``Trainer.step`` (packing into several rows, the loss, backward, accumulation).
 
 Advantages, per-token logprobs and ratios, the loss, the clip fractions and every adapter
-gradient agree within 1e-5 in float32. The one loss option TRL spells differently is the ratio
-cap: asyncgrpo's ``trainer.tis_cap`` is TRL's ``delta`` (two-sided clipping), checked here too.
+gradient agree within 1e-5 in float32, with ``trainer.off_policy=none`` (the ratio against the
+behaviour logprobs, TRL's objective; the default ``decoupled`` is asyncgrpo's own). The one loss
+option TRL spells differently is the ratio cap: ``off_policy=none`` with
+``trainer.importance_cap`` is TRL's ``delta`` (two-sided clipping), checked here too.
 A second test runs TRL's own ``train()`` loop (AdamW, schedule, gradient clipping) for three steps
 on the batch and compares the adapter with ``Trainer.step``'s after each step.
 """
@@ -246,7 +248,8 @@ def _asyncgrpo(model_dir, lora, prompt_ids, completion_ids, behaviour, *, temper
             learning_rate=1e-3,
             epsilon=EPSILON,
             epsilon_high=EPSILON_HIGH,
-            tis_cap=cap,
+            off_policy="none",
+            importance_cap=cap,
             max_grad_norm=None,
             token_budget=64,  # several packed rows: the loss is normalised across micro-batches
             dtype="float32",
@@ -322,7 +325,7 @@ def test_loss_ratios_and_gradients_match_trl(tiny_model, tmp_path, monkeypatch, 
     assert ratios["ours"] == pytest.approx(ratios["trl"], rel=TOL)
     assert min(ratios["ours"]) < 1 - EPSILON and max(ratios["ours"]) > 1 + EPSILON_HIGH
     if cap is not None:  # some negative-advantage tokens are capped (a no-op for the others)
-        assert ours["metrics"]["clip_ratio/tis_mean"] > 0
+        assert ours["metrics"]["off_policy/truncated"] > 0
 
     # The loss and its clip fractions.
     assert ours["loss"] == pytest.approx(trl["loss"], abs=TOL)
@@ -384,6 +387,7 @@ def test_optimizer_steps_match_trl_train_loop(tiny_model, tmp_path, monkeypatch)
             max_grad_norm=1.0,
             epsilon=EPSILON,
             epsilon_high=EPSILON_HIGH,
+            off_policy="none",
             token_budget=64,
             dtype="float32",
         ),

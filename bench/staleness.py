@@ -1,0 +1,342 @@
+"""Learning curves by staleness: the demo recipe at several ``trainer.max_staleness`` values and
+off-policy corrections, several seeds each, reward against optimizer step and wall clock.
+
+Every run is ``examples/tiny_cpu.yaml`` (the ``asyncgrpo demo`` recipe: the tiny model, two
+float32 vLLM replicas behind the proxy, lr 3e-2, 32 samples per step, a sync every step,
+40 steps) with only ``seed``, ``trainer.max_staleness`` and ``trainer.off_policy`` changed.
+One fleet of replicas is started once and every run trains against it in turn (``serve.replicas
+=0``, ``proxy.upstreams``), each run under its own name and store.
+
+At ``max_staleness`` 0 the corrections are one objective (every sample comes from the trainer's
+current weights, so the importance weight is vLLM's numerics, |w - 1| < 1e-3: see
+``tests/trainer/test_loss.py::test_on_fresh_tokens_the_corrections_coincide``), so it runs once
+per seed, with the default correction, as the synchronous baseline of every correction.
+
+Results go to ``--out/results.jsonl``, one line per run, and runs already there are skipped, so
+the grid can be measured in chunks (``--max-minutes``; e.g. under a shared lock) and
+``--report`` renders the table and the plot from that file alone. The columns: ``last-5``
+(mean reward of the last 5 steps), ``step>=0.5`` (first step whose 3-step mean reward reaches
+0.5; ``-`` never), ``s to 0.5`` (training wall time until then: the sum of its steps, startup
+excluded), ``s/step`` (median step), ``stale`` (mean staleness of the trained samples, versions),
+``w max`` (largest importance weight pi_trainer / pi_vllm seen), ``cut`` (share of tokens the
+cap masked or truncated, over the run).
+
+Run: ``python bench/staleness.py`` (the whole grid, about 30 min on 2 quiet cores),
+``python bench/staleness.py --max-minutes 10`` (as much as fits; run again to continue),
+``python bench/staleness.py --staleness 4 --corrections decoupled --seeds 0`` (one run),
+``python bench/staleness.py --report`` (table and plot of what is measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
+OUT = ROOT / "runs" / "bench-staleness"
+PLOT = ROOT / "docs" / "staleness.png"
+STALENESS = [0, 1, 2, 4]
+CORRECTIONS = ["none", "decoupled", "tis"]
+SEEDS = [0, 1, 2]
+THRESHOLD, WINDOW, LAST = 0.5, 3, 5
+SYNC = "any"  # the correction label of max_staleness 0 (all coincide there)
+
+
+def key(k: int, correction: str, seed: int) -> str:
+    return f"k{k}-{correction.replace('@', '-cap')}-s{seed}"
+
+
+def grid(args: argparse.Namespace) -> list[tuple[int, str, int]]:
+    out = []
+    for k in args.staleness:
+        for correction in [SYNC] if k == 0 else args.corrections:
+            out += [(k, correction, seed) for seed in args.seeds]
+    return out
+
+
+def load(path: Path) -> dict[str, dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                rows[row["key"]] = row  # a rerun replaces an earlier line
+    return rows
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+async def measure(args: argparse.Namespace, todo: list[tuple[int, str, int]]) -> None:
+    import dataclasses
+
+    from asyncgrpo.config import TrainingConfig
+    from asyncgrpo.metrics import read_metrics
+    from asyncgrpo.run import run_training
+    from asyncgrpo.serve import launch_replicas
+    from asyncgrpo.testing import make_tiny_model
+
+    out: Path = args.out
+    model = make_tiny_model(out / "model", seed=0)  # the demo's model
+    base = TrainingConfig.from_yaml(
+        EXAMPLE, [f"model={model}", f"trainer.max_staleness={max(k for k, _, _ in todo)}"]
+    )
+    fleet = dataclasses.replace(
+        base.serve,
+        log_dir=str(out / "fleet-logs"),
+        transports=(str(out),),
+        adapter_cache_dir=str(out / "fleet-adapters"),
+    )
+    started = time.monotonic()
+    print(f"starting {fleet.replicas} vLLM replicas (--max-loras {fleet.lora_slots})", flush=True)
+    async with launch_replicas(fleet) as replicas:
+        urls = [r.url for r in replicas]
+        print(f"fleet up after {time.monotonic() - started:.0f} s: {', '.join(urls)}", flush=True)
+        for k, correction, seed in todo:
+            spent = (time.monotonic() - started) / 60
+            if args.max_minutes is not None and spent > args.max_minutes:
+                print(f"--max-minutes {args.max_minutes:g} reached; run again to continue")
+                return
+            name = key(k, correction, seed)
+            run_dir = out / "runs" / name
+            if run_dir.exists():  # an interrupted attempt: start fresh, never resume it
+                shutil.rmtree(run_dir)
+            off_policy, _, cap = correction.partition("@")
+            cfg = TrainingConfig.from_yaml(EXAMPLE, [
+                f"model={model}", f"output_dir={out / 'runs'}", f"run_name={name}",
+                f"seed={seed}", f"trainer.max_staleness={k}",
+                f"trainer.off_policy={'decoupled' if correction == SYNC else off_policy}",
+                *([f"trainer.importance_cap={cap}"] if cap else []),
+                "serve.replicas=0", f"proxy.upstreams=[{','.join(urls)}]",
+                *([f"trainer.max_steps={args.steps}"] if args.steps else []),
+            ])  # fmt: skip
+            load_start = os.getloadavg()[0]
+            t0 = time.monotonic()
+            result = await run_training(cfg)
+            wall = time.monotonic() - t0
+            row = summarize(read_metrics(result.run_dir / "metrics.jsonl"))
+            row.update(key=name, staleness=k, correction=correction, seed=seed, wall_s=wall,
+                       load=[load_start, os.getloadavg()[0]], time=time.time(),
+                       commit=args.commit)  # fmt: skip
+            with (out / "results.jsonl").open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(line(row), flush=True)
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's curves and figures from its metrics records."""
+
+    def series(name: str) -> list[float]:
+        return [float(r.get(name, math.nan)) for r in records]
+
+    def total(name: str) -> float:
+        return sum(v for v in series(name) if not math.isnan(v))
+
+    ratios = [v for v in series("ratio") if not math.isnan(v)]
+    tokens = series("batch/completion_tokens")
+    cut = sum(
+        (r.get("off_policy/masked", 0) + r.get("off_policy/truncated", 0)) * n
+        for r, n in zip(records, tokens, strict=True)
+    )
+    return {
+        "reward": series("reward"),
+        "step_s": series("perf/step_s"),
+        "stale_mean": series("sample/staleness_mean"),
+        "weight_max": max(
+            (v for v in series("off_policy/weight_max") if not math.isnan(v)), default=math.nan
+        ),
+        "cut": cut / total("batch/completion_tokens"),
+        "ratio_min": min(ratios, default=math.nan),
+        "ratio_max": max(ratios, default=math.nan),
+        "ratio_steps": len(ratios),
+        "dropped": float(records[-1].get("sample/dropped_stale_total", 0.0)),
+    }
+
+
+def reached(rewards: list[float]) -> int | None:
+    """1-based step at which the WINDOW-step mean reward first reaches THRESHOLD."""
+    for k in range(WINDOW, len(rewards) + 1):
+        if statistics.fmean(rewards[k - WINDOW : k]) >= THRESHOLD:
+            return k
+    return None
+
+
+def figures(row: dict[str, Any]) -> dict[str, Any]:
+    r = row["reward"]
+    step = reached(r)
+    return {
+        "last": statistics.fmean(r[-LAST:]),
+        "first": statistics.fmean(r[:LAST]),
+        "step": step,
+        "secs": sum(row["step_s"][:step]) if step else None,
+        "s_step": statistics.median(row["step_s"]),
+        "stale": statistics.fmean(v for v in row["stale_mean"] if not math.isnan(v)),
+    }
+
+
+def wfmt(w: float) -> str:
+    """A weight: near 1 to 1e-7 (vLLM's numerics show), far from it to 3 digits."""
+    return f"{w:.7f}" if abs(w - 1) < 1e-3 else f"{w:.3g}"
+
+
+def line(row: dict[str, Any]) -> str:
+    f = figures(row)
+    return (f"{row['key']:<18} reward {f['first']:.3f} -> {f['last']:.3f}  step>=0.5 "
+            f"{f['step'] or '-':>3}  {f['s_step']:.2f} s/step  stale {f['stale']:.2f}  "
+            f"w max {wfmt(row['weight_max'])}  ratio [{row['ratio_min']:.6f}, "
+            f"{row['ratio_max']:.6f}] on {row['ratio_steps']} steps  wall {row['wall_s']:.0f} s")  # fmt: skip
+
+
+# ---- report ------------------------------------------------------------------------------------
+def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    order = {c: i for i, c in enumerate([SYNC, *CORRECTIONS])}
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for row in sorted(rows.values(), key=lambda r: (r["staleness"], order.get(r["correction"], 9),
+                                                    r["seed"])):  # fmt: skip
+        groups.setdefault((row["staleness"], row["correction"]), []).append(row)
+    print("\n| max_staleness | correction | seed | reward first 5 -> last 5 | step>=0.5 | "
+          "s to 0.5 | s/step | stale | w max | cut |")  # fmt: skip
+    print("|---" * 10 + "|")
+    for (k, correction), members in groups.items():
+        for row in members:
+            f = figures(row)
+            secs = f"{f['secs']:.0f}" if f["secs"] else "-"
+            print(f"| {k} | {correction} | {row['seed']} | {f['first']:.3f} -> {f['last']:.3f} | "
+                  f"{f['step'] or 'never'} | {secs} | {f['s_step']:.2f} | {f['stale']:.2f} | "
+                  f"{wfmt(row['weight_max'])} | {row['cut']:.4f} |")  # fmt: skip
+    print()
+    for (k, correction), members in groups.items():
+        fs = [figures(r) for r in members]
+        steps = [f["step"] or math.inf for f in fs]
+        print(
+            f"max_staleness {k} {correction:<9} {len(fs)} seeds: last-5 reward min "
+            f"{min(f['last'] for f in fs):.3f}, median step>=0.5 {statistics.median(steps):g}"
+        )
+    verdict(groups)
+    if rows:
+        plot(groups, args.plot)
+        print(f"\nplot: {args.plot}")
+
+
+def verdict(groups: dict[tuple[int, str], list[dict[str, Any]]]) -> None:
+    """The issue's bar: at max_staleness 4 with the default correction, every seed's last-5
+    reward >= 0.9 and the median first step with a 3-step mean >= 0.5 within 1.25x of the
+    synchronous run's, over the same seeds: for all seeds, and for each block of 3 seeds."""
+    sync, target = groups.get((0, SYNC)), groups.get((4, "decoupled"))
+    if not sync or not target:
+        return
+    by_seed = {r["seed"]: r for r in sync}
+    common = sorted(r["seed"] for r in target if r["seed"] in by_seed)
+    blocks = [common[i : i + 3] for i in range(0, len(common), 3)] if len(common) > 3 else []
+    print()
+    for seeds in [common, *blocks]:
+        s = [figures(by_seed[k]) for k in seeds]
+        t = [figures(r) for r in target if r["seed"] in seeds]
+        med_s = statistics.median(f["step"] or math.inf for f in s)
+        med_t = statistics.median(f["step"] or math.inf for f in t)
+        ok_last = all(f["last"] >= 0.9 for f in t)
+        print(f"max_staleness 4, decoupled, seeds {seeds}: every last-5 reward >= 0.9: "
+              f"{'yes' if ok_last else 'no'} (synchronous: "
+              f"{sum(f['last'] >= 0.9 for f in s)} of {len(s)}); median step>=0.5 {med_t:g} vs "
+              f"synchronous {med_s:g} = {med_t / med_s:.2f}x "
+              f"({'<=' if med_t / med_s <= 1.25 else '>'} 1.25x)")  # fmt: skip
+
+
+def plot(groups: dict[tuple[int, str], list[dict[str, Any]]], path: Path) -> None:
+    """Median reward over seeds (min-max shaded) against step and against training time, one
+    row per max_staleness > 0, each with the synchronous run for reference. The median, not the
+    mean: one seed that collapses late would drag a mean down for every step after."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = sorted({k for k, _ in groups if k > 0})
+    fig, axes = plt.subplots(max(1, len(ks)), 2, figsize=(11, 3.2 * max(1, len(ks))),
+                             squeeze=False)  # fmt: skip
+    colours = {SYNC: "black", "none": "tab:red", "decoupled": "tab:blue", "tis": "tab:green"}
+    for row_axes, k in zip(axes, ks or [0], strict=True):
+        for (gk, correction), members in groups.items():
+            if gk not in (0, k):
+                continue
+            label = "max_staleness 0" if gk == 0 else correction
+            style = "--" if gk == 0 else "-"
+            n = min(len(r["reward"]) for r in members)
+            curves = [r["reward"][:n] for r in members]
+            middle = [statistics.median(c[i] for c in curves) for i in range(n)]
+            lo = [min(c[i] for c in curves) for i in range(n)]
+            hi = [max(c[i] for c in curves) for i in range(n)]
+            steps = list(range(1, n + 1))
+            clock = [statistics.median(sum(r["step_s"][: i + 1]) for r in members)
+                     for i in range(n)]  # fmt: skip
+            for ax, xs in zip(row_axes, (steps, clock), strict=True):
+                ax.plot(xs, middle, style, color=colours.get(correction, "grey"), linewidth=1.3,
+                        label=f"{label} ({len(members)} seeds)")  # fmt: skip
+                ax.fill_between(xs, lo, hi, color=colours.get(correction, "grey"), alpha=0.12)
+        row_axes[0].set_title(f"max_staleness {k}: reward by step (median, min-max)")
+        row_axes[1].set_title(f"max_staleness {k}: reward by training time")
+        row_axes[0].set_xlabel("optimizer step")
+        row_axes[1].set_xlabel("training wall clock [s] (sum of step times)")
+        for ax in row_axes:
+            ax.set_ylim(0, 1.02)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
+    p.add_argument("--staleness", type=ints, default=STALENESS, help="max_staleness values")
+    p.add_argument("--corrections", type=lambda v: v.split(","), default=CORRECTIONS,
+                   help="trainer.off_policy values, NAME@CAP for another importance_cap "
+                        "(max_staleness 0 runs once for all)")  # fmt: skip
+    p.add_argument("--seeds", type=ints, default=SEEDS, help="training seeds")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo's)")
+    p.add_argument("--out", type=Path, default=OUT, help="results.jsonl, run directories")
+    p.add_argument("--plot", type=Path, default=PLOT, help="where the PNG goes")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="start no run after this many minutes (continue later)")  # fmt: skip
+    p.add_argument("--rerun", action="store_true", help="measure runs already in results.jsonl")
+    p.add_argument("--report", action="store_true", help="only print the table and draw the plot")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args.out = args.out.resolve()
+    args.commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                 capture_output=True, text=True).stdout.strip()  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = args.out / "results.jsonl"
+    if not args.report:
+        done = load(results)
+        todo = [c for c in grid(args) if args.rerun or key(*c) not in done]
+        print(
+            f"{len(todo)} runs to measure ({len(done)} in {results}); "
+            f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
+            flush=True,
+        )
+        if todo:
+            import anyio
+
+            anyio.run(measure, args, todo)
+    rows = load(results)
+    wanted = {key(*c) for c in grid(args)}
+    report({k: v for k, v in rows.items() if k in wanted}, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Async GRPO without vLLM: rollouts drawn from the trainer's own policy, a fixed number of
+versions behind it, deterministically.
+
+Every step samples ``prompts x group`` completions from the adapter as it was ``staleness``
+optimizer steps ago (the worst case of a run at ``max_staleness``: every sample as old as
+allowed), with the exact behaviour logprobs of that policy, rewards them with the share of
+"digit" tokens (ids below ``DIGITS``, as ``digit_fraction`` on the demo), and takes one
+``Trainer.step``. No serving mismatch, no scheduling noise: only staleness differs between
+runs, so it isolates what the off-policy correction is for.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from asyncgrpo.config import LoraConfig, TrainerConfig
+from asyncgrpo.sample import Sample, group_advantages
+from asyncgrpo.trainer.loop import Trainer
+
+DIGITS = 12  # token ids 0..11 earn reward
+
+
+@torch.no_grad()
+def _sample(
+    trainer: Trainer, prompts: list[list[int]], length: int, gen: torch.Generator
+) -> tuple[list[list[int]], list[list[float]]]:
+    """One completion of ``length`` tokens per prompt (all of one length), at temperature 1,
+    with its logprobs."""
+    ids = torch.tensor(prompts)
+    logps = []
+    for _ in range(length):
+        logits = trainer.model(input_ids=ids, use_cache=False).logits[:, -1].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = torch.multinomial(logp.exp(), 1, generator=gen)
+        logps.append(logp.gather(-1, tok))
+        ids = torch.cat([ids, tok], dim=1)
+    completions = ids[:, len(prompts[0]) :].tolist()
+    return completions, torch.cat(logps, dim=1).tolist()
+
+
+def simulate(
+    model_dir: str | Path,
+    *,
+    off_policy: str,
+    staleness: int,
+    steps: int = 30,
+    seed: int = 0,
+    learning_rate: float = 3e-2,
+    prompts: int = 4,
+    group: int = 8,
+    length: int = 8,
+) -> list[float]:
+    """The mean reward of each step's samples."""
+    trainer = Trainer(
+        model_dir,
+        lora=LoraConfig(r=1, alpha=2.0),
+        trainer=TrainerConfig(
+            learning_rate=learning_rate,
+            off_policy=off_policy,  # type: ignore[arg-type]
+            max_staleness=staleness,
+            samples_per_step=prompts * group,
+            token_budget=4096,
+            max_steps=steps,
+            dtype="float32",
+        ),
+        seed=seed,
+        device="cpu",
+    )
+    gen = torch.Generator().manual_seed(seed)
+    vocab = trainer.model.config.vocab_size
+    prompt_set = torch.randint(DIGITS, vocab, (8, 5), generator=gen).tolist()
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    history: deque[list[torch.Tensor]] = deque(maxlen=staleness + 1)
+    rewards = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for step in range(steps):
+            history.append([p.detach().clone() for p in params])
+            trainer.save_adapter(Path(tmp) / "v", version=step)  # staleness counts from here
+            now = [p.detach().clone() for p in params]
+            version = max(0, step - staleness)
+            with torch.no_grad():  # sample with the adapter of `version`
+                for p, old in zip(params, history[0], strict=True):
+                    p.copy_(old)
+            trainer.model.eval()
+            chosen = [prompt_set[(step * prompts + k) % len(prompt_set)] for k in range(prompts)]
+            ids, lps = _sample(trainer, [p for p in chosen for _ in range(group)], length, gen)
+            scores = [sum(t < DIGITS for t in c) / len(c) for c in ids]
+            samples: list[Sample] = []
+            for k, prompt in enumerate(chosen):
+                rows = range(k * group, (k + 1) * group)
+                advs = group_advantages([scores[i] for i in rows])
+                samples += [
+                    Sample(prompt_ids=prompt, completion_ids=ids[i], logprobs=lps[i],
+                           reward=scores[i], advantage=a, version=version, group_id=f"{step}-{k}")
+                    for i, a in zip(rows, advs, strict=True)
+                ]  # fmt: skip
+            with torch.no_grad():
+                for p, cur in zip(params, now, strict=True):
+                    p.copy_(cur)
+            rewards.append(trainer.step(samples)["reward"])
+    return rewards
