@@ -253,12 +253,20 @@ async def part_sync(args: argparse.Namespace, work: Path) -> None:
 # -- (b) N runs sharing two replicas, against each run alone -------------------------------------
 
 
-def run_config(work: Path, model: Path, proxy_url: str, name: str, seed: int, steps: int) -> Path:
-    """The demo recipe (examples/tiny_cpu.yaml) for one run, sent to the shared proxy."""
+def recipe() -> dict:
+    """The demo recipe, ``examples/tiny_cpu.yaml``."""
     import yaml
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
-    data = yaml.safe_load(example.read_text())
+    return yaml.safe_load(
+        (Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml").read_text()
+    )
+
+
+def run_config(work: Path, model: Path, proxy_url: str, name: str, seed: int, steps: int) -> Path:
+    """The demo recipe for one run, sent to the shared proxy."""
+    import yaml
+
+    data = recipe()
     data.update(model=str(model), output_dir=str(work / "runs"), run_name=name, seed=seed)
     data["serve"] = {"replicas": 0}
     data["proxy"] = {"upstreams": [proxy_url]}
@@ -314,7 +322,8 @@ async def part_sweep(args: argparse.Namespace, work: Path) -> None:
 
     counts = sorted({int(n) for n in args.runs.split(",")})
     model = make_tiny_model(work / "model")
-    serve = tiny_serve_config(model, replicas=2, runs=max(counts), max_staleness=0,
+    staleness = recipe()["trainer"]["max_staleness"]
+    serve = tiny_serve_config(model, replicas=2, runs=max(counts), max_staleness=staleness,
                               log_dir=str(work / "logs"), max_model_len=512,
                               transports=(str(work / "runs"),),
                               adapter_cache_dir=str(work / "replica-cache"))  # fmt: skip
@@ -339,8 +348,8 @@ async def part_sweep(args: argparse.Namespace, work: Path) -> None:
                 own = alone[:n]
                 rows.append((n, shared, sum(a["total"] for a in own),
                              statistics.median(a["step"] for a in own)))  # fmt: skip
-    print(f"\n(b) the demo recipe (tiny model, 32 samples/step, G=8, max_staleness 0, a sync "
-          f"every step), {args.steps} steps per run, {args.warmup_steps} warm-up steps left out; "
+    print(f"\n(b) the demo recipe (examples/tiny_cpu.yaml: tiny model, 32 samples/step, G=8, "
+          f"max_staleness {staleness}, a sync every step), {args.steps} steps per run, {args.warmup_steps} warm-up steps left out; "
           "shared: N `asyncgrpo train` processes at once through one proxy process in front of "
           "2 float32 vLLM replicas; own fleets: each of the N runs alone on those 2 replicas, one "
           "after the other (what N fleets of 2 replicas would give)")  # fmt: skip

@@ -35,12 +35,14 @@ STEPS = 8
 
 
 def run_config(tmp_path: Path, model: Path, proxy_url: str, name: str, *overrides: str):
-    """The demo recipe (max_staleness 0: 2 LoRA slots), sent to the shared proxy only."""
+    """The demo recipe at max_staleness 0 (2 LoRA slots: 2 runs fill the replicas' 4), sent to
+    the shared proxy only."""
     data = yaml.safe_load(EXAMPLE.read_text())
     data.update(model=str(model), output_dir=str(tmp_path), run_name=name)
     data["serve"] = {"replicas": 0}
     data["proxy"] = {"upstreams": [proxy_url]}
-    return TrainingConfig.from_dict(data, [f"trainer.max_steps={STEPS}", *overrides])
+    fixed = [f"trainer.max_steps={STEPS}", "trainer.max_staleness=0"]
+    return TrainingConfig.from_dict(data, [*fixed, *overrides])
 
 
 async def test_two_runs_share_two_replicas_and_a_third_that_does_not_fit_is_refused(
