@@ -36,6 +36,7 @@ from asyncgrpo.launch.plan import (
     job_config,
     job_secrets,
     labels,
+    proxy_args,
     replica_args,
     trainer_args,
     transport_credentials,
@@ -142,22 +143,41 @@ class HfJobsBackend:
             for i in range(lcfg.replicas)
         ]
 
-    def trainer_spec(self, urls: list[str]) -> JobSpec:
+    def proxy_spec(self, urls: list[str]) -> JobSpec:
+        """A sweep's proxy: behind the Jobs gateway too, so its clients' key is the token."""
         lcfg = self.cfg.launch
+        args = proxy_args(urls, host="0.0.0.0", port=lcfg.port, key_env=TOKEN_ENV)
+        command, env = in_image(args, lcfg.replica_install)
+        return JobSpec(
+            role="proxy",
+            name=f"{self.cfg.run_name}-proxy",
+            command=tuple(command),
+            env=env,
+            secrets={TOKEN_ENV: self.token} if self.token else {},
+            image=lcfg.image,
+            flavor=lcfg.proxy_flavor,
+            timeout_s=lcfg.timeout_s,
+            port=lcfg.port,
+            labels=labels(self.cfg, "proxy"),
+        )
+
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
+        lcfg = self.cfg.launch
+        cfg = cfg or self.cfg
         command, env = in_image(trainer_args(urls), lcfg.trainer_install)
-        secrets = {**job_secrets(self.cfg), **self.secrets}
+        secrets = {**job_secrets(cfg), **self.secrets}
         if self.token:  # the Jobs gateway in front of every replica demands the token
             secrets[env_name(ENV_PREFIX, "proxy.upstream_api_key")] = self.token
         return JobSpec(
             role="trainer",
-            name=f"{self.cfg.run_name}-trainer",
+            name=f"{cfg.run_name}-trainer",
             command=tuple(command),
-            env={**env, **self.env, CONFIG_ENV: job_config(self.cfg)},
+            env={**env, **self.env, CONFIG_ENV: job_config(cfg)},
             secrets=secrets,
             image=lcfg.trainer_image or lcfg.image,
             flavor=lcfg.trainer_flavor,
             timeout_s=lcfg.timeout_s,
-            labels=labels(self.cfg, "trainer"),
+            labels=labels(cfg, "trainer"),
         )
 
     def check(self) -> None:

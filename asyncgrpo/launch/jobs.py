@@ -11,11 +11,14 @@ import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from asyncgrpo.redaction import redact_text
 
-Role = Literal["replica", "trainer"]
+if TYPE_CHECKING:
+    from asyncgrpo.config import TrainingConfig
+
+Role = Literal["replica", "proxy", "trainer"]
 Stage = Literal["starting", "running", "completed", "failed", "canceled"]
 TERMINAL: frozenset[str] = frozenset({"completed", "failed", "canceled"})
 #: The trainer job's config (YAML, secrets emptied) travels in this environment variable.
@@ -86,6 +89,7 @@ class Backend(Protocol):
 
     name: str
     missing: list[str]  #: environment variables the launch needs and does not have
+    transport_url: str | None  #: where the runs keep their state (a sweep: one root per point)
     #: True when each job writes ``job.log_path`` itself (local processes); else the launcher
     #: writes there what ``follow_logs`` reports
     writes_own_logs: bool
@@ -93,7 +97,15 @@ class Backend(Protocol):
     @property
     def health_headers(self) -> dict[str, str]: ...
     def replica_specs(self) -> list[JobSpec]: ...
-    def trainer_spec(self, urls: list[str]) -> JobSpec: ...
+    def proxy_spec(self, urls: list[str]) -> JobSpec:
+        """A sweep's standalone proxy in front of the replicas ``urls``; its runs use it."""
+        ...
+
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
+        """The trainer of ``cfg`` (default: the launch's config; a sweep: each point's),
+        sending to ``urls`` (the replicas, or a sweep's proxy)."""
+        ...
+
     def check(self) -> None: ...
     async def prepare(self) -> None: ...
     async def start(self, spec: JobSpec) -> str: ...

@@ -6,12 +6,16 @@ The order is the same on every backend:
 2. start the N replica jobs, then wait until each answers ``/health`` through its URL (with the
    backend's token). A job that ends first, or misses ``launch.health_timeout_s``, fails the
    launch with its last log lines;
-3. start the trainer job with the replicas' URLs filled in.
+3. start the trainer job with the replicas' URLs filled in. A sweep (``launch.sweep``,
+   :mod:`asyncgrpo.launch.sweep`) starts one proxy job in front of the replicas first, then
+   one trainer job per point, each sending to that proxy: the runs share the fleet.
 
 :meth:`LaunchHandle.wait` then follows every job's log into ``<run_dir>/launch/<job>.log``,
-reports the trainer's progress lines, and returns when the trainer job completes. Whatever ends
-the launch (success, a failed job, an error, cancellation, Ctrl-C) cancels every job it started
-that is still running: nothing is left billing.
+reports the trainers' progress lines, and returns when every trainer job completes. A sweep's
+trainer that fails is reported and the other points go on (the launch fails at the end, naming
+it); any other job that ends fails the launch. Whatever ends the launch (success, a failed job,
+an error, cancellation, Ctrl-C) cancels every job it started that is still running: nothing is
+left billing.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from asyncgrpo.config import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch.jobs import TERMINAL, Backend, Job, JobSpec
 from asyncgrpo.launch.progress import describe_progress, parse_progress
+from asyncgrpo.launch.sweep import Point, fleet_config, sweep_points
 from asyncgrpo.vllm_client import wait_healthy
 
 logger = logging.getLogger(__name__)
@@ -55,12 +60,30 @@ def make_backend(
     raise ConfigError(f"unknown launch backend {name!r}: use 'hf-jobs' or 'local'")
 
 
+def plan(
+    cfg: TrainingConfig, backend: BackendName | str, **options: Any
+) -> tuple[Backend, list[Point]]:
+    """The backend, with replicas sized for every point of a sweep, and the points (one
+    without a sweep)."""
+    points = sweep_points(cfg, None)
+    be = make_backend(backend, fleet_config(cfg, points), cfg.run_dir / "launch", **options)
+    if cfg.launch.sweep:  # each point's storage under the backend's
+        points = sweep_points(cfg, be.transport_url)
+    return be, points
+
+
 def dry_run(cfg: TrainingConfig, backend: BackendName | str, **options: Any) -> str:
     """Every job spec the launch would start, as text; starts nothing and sends no request."""
-    be = make_backend(backend, cfg, cfg.run_dir / "launch", **options)
+    be, points = plan(cfg, backend, **options)
     urls = [f"<replica-{i} URL>" for i in range(cfg.launch.replicas)]
-    specs = [*be.replica_specs(), be.trainer_spec(urls)]
+    specs = be.replica_specs()
+    if cfg.launch.sweep:
+        specs.append(be.proxy_spec(urls))
+        urls = ["<proxy URL>"]
+    specs += [be.trainer_spec(urls, p.cfg) for p in points]
     text = "\n\n".join(spec.describe() for spec in specs)
+    if cfg.launch.sweep:
+        text = "\n".join(f"point {p.cfg.run_name}: {p.label}" for p in points) + "\n\n" + text
     if be.missing:
         text += f"\n\nnot set here, so a real launch would refuse: {', '.join(be.missing)}"
     return text
@@ -81,10 +104,13 @@ async def launch(
     (:class:`~asyncgrpo.errors.LaunchError` with the job's log tail) propagates.
     """
     launch_dir = cfg.run_dir / "launch"
-    be = make_backend(backend, cfg, launch_dir, **options) if isinstance(backend, str) else backend
+    if isinstance(backend, str):
+        be, points = plan(cfg, backend, **options)
+    else:
+        be, points = backend, sweep_points(cfg, backend.transport_url)
     await anyio.to_thread.run_sync(be.check)
     await anyio.Path(launch_dir).mkdir(parents=True, exist_ok=True)
-    handle = LaunchHandle(be, cfg, launch_dir, on_progress=on_progress)
+    handle = LaunchHandle(be, cfg, launch_dir, on_progress=on_progress, points=points)
     try:
         await handle._start()
     except BaseException:
@@ -110,9 +136,12 @@ class LaunchHandle:
         launch_dir: Path,
         *,
         on_progress: ProgressHook | None = None,
+        points: list[Point] | None = None,
     ) -> None:
         self.backend = backend
         self.cfg = cfg
+        #: the runs: one, or a sweep's points (each a trainer job on the shared fleet)
+        self.points = points or [Point(cfg, "")]
         self.launch_dir = launch_dir
         self.jobs: list[Job] = []
         self.progress: list[dict[str, Any]] = []
@@ -127,7 +156,15 @@ class LaunchHandle:
 
     @property
     def trainer(self) -> Job | None:
-        return next((j for j in self.jobs if j.spec.role == "trainer"), None)
+        return next(iter(self.trainers), None)
+
+    @property
+    def trainers(self) -> list[Job]:
+        return [j for j in self.jobs if j.spec.role == "trainer"]
+
+    @property
+    def sweep(self) -> bool:
+        return bool(self.cfg.launch.sweep)
 
     @property
     def urls(self) -> list[str]:
@@ -194,7 +231,14 @@ class LaunchHandle:
         if failures:
             raise failures[0]
         self._write_manifest()
-        await self._start_job(self.backend.trainer_spec(self.urls))
+        urls = self.urls
+        if self.sweep:  # one proxy for every point: their LoRA slots and shares in one place
+            proxy = await self._start_job(self.backend.proxy_spec(urls))
+            await self._wait_healthy(proxy)
+            self._write_manifest()
+            urls = [str(proxy.url)]
+        for point in self.points:
+            await self._start_job(self.backend.trainer_spec(urls, point.cfg))
 
     async def _failure(self, job: Job, what: str) -> LaunchError:
         """The job's failure: on the first line, its own last error line when it printed one
@@ -244,10 +288,12 @@ class LaunchHandle:
 
     # -- watching ----------------------------------------------------------------------------
 
-    def _on_trainer_line(self, line: str) -> None:
+    def _on_trainer_line(self, job: Job, line: str) -> None:
         record = parse_progress(line)
         if record is None:
             return
+        if self.sweep:
+            record["run"] = job.name.removesuffix("-trainer")
         self.progress.append(record)
         logger.debug("%s", describe_progress(record))
         if self._on_progress is not None:
@@ -255,7 +301,7 @@ class LaunchHandle:
 
     def _line_handler(self, job: Job) -> Callable[[str], None]:
         if job.spec.role == "trainer":
-            return self._on_trainer_line
+            return lambda line: self._on_trainer_line(job, line)
         return lambda line: None
 
     async def _follow(self, job: Job, done: anyio.Event) -> None:
@@ -295,25 +341,31 @@ class LaunchHandle:
                     tg.cancel_scope.cancel()
 
     async def wait(self) -> list[dict[str, Any]]:
-        """Follow the jobs until the trainer job completes; its progress records.
+        """Follow the jobs until every trainer job completes; their progress records.
 
         Raises :class:`~asyncgrpo.errors.LaunchError` with the log tail if any job fails or
-        stops early. On every way out, the jobs still running are cancelled.
+        stops early (a sweep's failed point: once the other points are done). On every way out,
+        the jobs still running are cancelled.
         """
-        trainer = self.trainer
-        if trainer is None:
+        trainers = self.trainers
+        if not trainers:
             raise LaunchError("the launch has no trainer job (it did not start)")
         try:
             async with anyio.create_task_group() as tg:
                 drained = {job.id: anyio.Event() for job in self.jobs}
                 for job in self.jobs:
                     tg.start_soon(self._follow, job, drained[job.id])
-                failure = await self._watch(trainer)
+                failure, failed = await self._watch(trainers)
                 if failure is None:
-                    logger.info("trainer job %s completed", trainer.name)
                     with anyio.move_on_after(DRAIN_S):
-                        await drained[trainer.id].wait()
+                        for trainer in trainers:
+                            await drained[trainer.id].wait()
                 tg.cancel_scope.cancel()
+            if failure is None and failed:
+                failure = failed[0] if len(failed) == 1 else LaunchError(
+                    f"{len(failed)} of {len(trainers)} sweep points failed:\n"
+                    + "\n".join(str(f).splitlines()[0] for f in failed)
+                )  # fmt: skip
             if failure is not None:
                 raise failure
         finally:
@@ -321,17 +373,31 @@ class LaunchHandle:
                 await self.cancel()
         return self.progress
 
-    async def _watch(self, trainer: Job) -> LaunchError | None:
-        """Poll every job until the trainer completes (None) or any job ends otherwise."""
+    async def _watch(self, trainers: list[Job]) -> tuple[LaunchError | None, list[LaunchError]]:
+        """Poll every job until each trainer has ended: (None, the failures of a sweep's
+        points), or (the failure, ...) as soon as a job ends that the launch cannot go on
+        without (a replica, the proxy, the one trainer)."""
+        failed: dict[str, LaunchError] = {}
+        done: set[str] = set()
         while True:
             for job in self.jobs:
+                if job.id in done:
+                    continue
                 status = await self.backend.status(job)
                 job.stage = status.stage
-                if job is trainer and status.stage == "completed":
-                    return None
-                if status.stage in TERMINAL:
+                if job.spec.role == "trainer" and status.stage == "completed":
+                    logger.info("trainer job %s completed", job.name)
+                    done.add(job.id)
+                elif status.stage in TERMINAL:
                     why = f" ({status.message})" if status.message else ""
-                    return await self._failure(job, f"{status.stage} during the run{why}")
+                    error = await self._failure(job, f"{status.stage} during the run{why}")
+                    if job.spec.role != "trainer" or not self.sweep:
+                        return error, list(failed.values())
+                    logger.error("%s; the other points go on", str(error).splitlines()[0])
+                    failed[job.id] = error
+                    done.add(job.id)
+            if all(t.id in done for t in trainers):
+                return None, list(failed.values())
             await anyio.sleep(self.cfg.launch.poll_s)
 
     async def cancel(self) -> None:

@@ -29,6 +29,7 @@ from asyncgrpo.launch.plan import (
     job_config,
     job_secrets,
     labels,
+    proxy_args,
     replica_args,
     trainer_args,
     transport_secret,
@@ -123,17 +124,29 @@ class LocalBackend:
         )
         return ("unshare", "--mount", "--propagation", "private", "sh", "-c", script)
 
-    def trainer_spec(self, urls: list[str]) -> JobSpec:
+    def proxy_spec(self, urls: list[str]) -> JobSpec:
+        port = free_port(HOST)
+        return JobSpec(
+            role="proxy",
+            name=f"{self.cfg.run_name}-proxy",
+            command=(sys.executable, *proxy_args(urls, host=HOST, port=port)),
+            port=port,
+            labels=labels(self.cfg, "proxy"),
+        )
+
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
         import dataclasses
 
-        cfg = dataclasses.replace(self.cfg, transport_url=self.transport_url, output_dir="runs")
+        cfg = cfg or self.cfg
+        transport = cfg.transport_url or self.transport_url  # a sweep's point has its own
+        shipped = dataclasses.replace(cfg, transport_url=transport, output_dir="runs")
         return JobSpec(
             role="trainer",
-            name=f"{self.cfg.run_name}-trainer",
+            name=f"{cfg.run_name}-trainer",
             command=(sys.executable, *trainer_args(urls)),
-            env={**self.transport_env, CONFIG_ENV: job_config(cfg)},
-            secrets=job_secrets(cfg),
-            labels=labels(self.cfg, "trainer"),
+            env={**self.transport_env, CONFIG_ENV: job_config(shipped)},
+            secrets=job_secrets(shipped),
+            labels=labels(cfg, "trainer"),
         )
 
     def check(self) -> None:

@@ -27,6 +27,7 @@ __all__ = [
     "job_config",
     "job_secrets",
     "labels",
+    "proxy_args",
     "replica_args",
     "trainer_args",
     "transport_secret",
@@ -102,6 +103,8 @@ def replica_args(
     ]  # fmt: skip
     if cfg.serve.max_model_len is not None:
         args += ["--max-model-len", str(cfg.serve.max_model_len)]
+    if cfg.serve.max_loras is not None:  # a sweep's fleet: every run's window at once
+        args += ["--max-loras", str(cfg.serve.max_loras)]
     if cfg.serve.kv_cache_gib is not None:
         args += ["--kv-cache-gib", str(int(cfg.serve.kv_cache_gib))]
     if cfg.serve.nice:
@@ -121,6 +124,20 @@ def trainer_args(urls: list[str]) -> list[str]:
         "serve.replicas=0",
         "proxy.upstreams=" + ",".join(urls),
     ]
+
+
+def proxy_args(urls: list[str], *, host: str, port: int, key_env: str | None = None) -> list[str]:
+    """``python -m asyncgrpo.proxy`` arguments of a sweep's proxy in front of the replicas
+    ``urls``; ``key_env``: the variable holding both its clients' key and the replicas' (a
+    Hugging Face token through the Jobs gateway)."""
+    if not urls:
+        raise ConfigError("the proxy needs at least one replica URL")
+    args = ["-m", "asyncgrpo.proxy", "--host", host, "--port", str(port)]
+    for url in urls:
+        args += ["--upstream", url]
+    if key_env is not None:
+        args += ["--api-key-env", key_env, "--upstream-api-key-env", key_env]
+    return args
 
 
 def labels(cfg: TrainingConfig, role: Role) -> dict[str, str]:

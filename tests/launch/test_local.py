@@ -79,7 +79,7 @@ class ScriptedRoles(LocalBackend):
             for i, port in enumerate(self.ports)
         ]
 
-    def trainer_spec(self, urls: list[str]) -> JobSpec:
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
         return JobSpec(role="trainer", name=f"{self.cfg.run_name}-trainer",
                        command=(sys.executable, "-c", TRAINER, ",".join(urls)),
                        env={**self.transport_env, "TRANSPORT": self.transport_url})  # fmt: skip
