@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,10 +57,13 @@ __all__ = ["LoaderFactory", "RunResult", "StepHook", "run_training"]
 logger = logging.getLogger(__name__)
 
 KEEP_CHECKPOINTS = 2
+#: Seconds the proxy may take to say how its fleet is; a step does not wait longer.
+FLEET_TIMEOUT_S = 2.0
 
-#: Called before each optimizer step with (step, samples, adapter version): tests use it to
-#: check served logprobs against the trainer's.
-StepHook = Callable[[int, Sequence[Sample], int], None]
+#: Called before each optimizer step with (step, samples, adapter version), and awaited if it
+#: returns an awaitable: tests use it to check served logprobs against the trainer's, and to
+#: change the fleet at a given step.
+StepHook = Callable[[int, Sequence[Sample], int], Awaitable[None] | None]
 #: Builds the adapter loader from the proxy URL (tests inject faults here).
 LoaderFactory = Callable[[str], AdapterLoader]
 
@@ -126,9 +129,12 @@ async def run_training(
         source = await stack.enter_async_context(
             _sample_source(run, endpoint, rollout_source, (sync.name(version), version), start)
         )
+        proxy = await stack.enter_async_context(
+            VLLMClient(endpoint.url, api_key=endpoint.api_key, timeout_s=FLEET_TIMEOUT_S)
+        )
         step, version = await _train(
             run, start.trainer, sync, source, writer, work, version,
-            on_step=on_step, progress=progress,
+            on_step=on_step, progress=progress, fleet=lambda: _fleet_metrics(proxy),
         )  # fmt: skip
         return await _finish(run, start, step, version)
 
@@ -318,6 +324,7 @@ async def _train(
     *,
     on_step: StepHook | None,
     progress: Callable[[int, dict[str, float]], None] | None,
+    fleet: Callable[[], Awaitable[dict[str, float]]],
 ) -> tuple[int, int]:
     """The loop, until ``trainer.max_steps`` or the end of the dataset: fresh samples, one
     optimizer step; every ``weight_sync_steps`` publish and load a new version and switch the
@@ -341,8 +348,8 @@ async def _train(
         if not samples:
             logger.info("the dataset is exhausted after %d steps", step)
             break
-        if on_step is not None:
-            on_step(step + 1, samples, version)
+        if on_step is not None and (hooked := on_step(step + 1, samples, version)) is not None:
+            await hooked
         metrics = await anyio.to_thread.run_sync(trainer.step, samples)
         step = trainer.step_count
         metrics.update(staleness_stats(samples, current_version=version))
@@ -366,11 +373,25 @@ async def _train(
             metrics["perf/checkpoint_s"] = time.perf_counter() - t_ckpt
 
         metrics["perf/step_s"] = time.perf_counter() - t_step
+        metrics.update(await fleet())
         if step % run.cfg.logging.log_every == 0:
             writer.log(metrics, step=step)
         if progress is not None:
             progress(step, metrics)
     return step, version
+
+
+async def _fleet_metrics(proxy: VLLMClient) -> dict[str, float]:
+    """The proxy's fleet as ``fleet/*`` metrics (replicas in rotation, joins, rejoins, left,
+    catch-ups, requests and generation seconds lost to failures); none when it does not say."""
+    try:
+        doc = await proxy.proxy_stats()
+    except ReplicaError:
+        return {}
+    fleet = doc.get("fleet") if doc is not None else None
+    if not isinstance(fleet, dict):
+        return {}
+    return {f"fleet/{k}": float(v) for k, v in fleet.items() if isinstance(v, int | float)}
 
 
 async def _take_fresh(

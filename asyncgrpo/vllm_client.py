@@ -23,6 +23,8 @@ ADAPTER_NOT_FOUND = "No adapter found"
 PROXY_UPSTREAMS_PATH = "/proxy/upstreams"
 #: The asyncgrpo proxy's book of the runs sharing its replicas (their LoRA slots and weights).
 PROXY_RUNS_PATH = "/proxy/runs"
+#: The asyncgrpo proxy's counters, the fleet's among them.
+PROXY_STATS_PATH = "/proxy/stats"
 #: Where a replica describes its configuration as JSON (needs ``VLLM_SERVER_DEV_MODE=1``).
 SERVER_INFO_PATH = "/server_info?config_format=json"
 
@@ -209,6 +211,43 @@ class VLLMClient:
                 url=self.base_url + PROXY_RUNS_PATH, status=status, body=text,
             )  # fmt: skip
 
+    async def proxy_stats(self) -> dict[str, Any] | None:
+        """An asyncgrpo proxy's ``GET /proxy/stats`` document; None if this URL does not answer
+        one (a vLLM server)."""
+        status, body = await self._request("GET", PROXY_STATS_PATH)
+        try:
+            doc = json.loads(body) if status == 200 else None
+        except ValueError:
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    async def add_upstream(self, url: str) -> None:
+        """Add the replica at ``url`` to this asyncgrpo proxy (an admin route: the client's key
+        is the proxy's admin key). The proxy answers once it has replayed its loaded adapters to
+        the replica and put it in rotation; a replica it already has counts as added."""
+        status, body = await self._request("POST", PROXY_UPSTREAMS_PATH, json_body={"url": url})
+        if status < 400 or (status == 400 and "already an upstream" in body):
+            return
+        raise ReplicaHTTPError(
+            f"adding replica {url} to the proxy at {self.base_url} failed ({status}): "
+            f"{body[:500]}",
+            url=self.base_url + PROXY_UPSTREAMS_PATH, status=status, body=body,
+        )  # fmt: skip
+
+    async def remove_upstream(self, url: str) -> bool:
+        """Take the replica at ``url`` out of this asyncgrpo proxy (admin route); False if the
+        proxy did not have it."""
+        status, body = await self._request("DELETE", PROXY_UPSTREAMS_PATH, json_body={"url": url})
+        if status == 404:
+            return False
+        if status >= 400:
+            raise ReplicaHTTPError(
+                f"removing replica {url} from the proxy at {self.base_url} failed ({status}): "
+                f"{body[:500]}",
+                url=self.base_url + PROXY_UPSTREAMS_PATH, status=status, body=body,
+            )  # fmt: skip
+        return True
+
     async def models(self) -> list[str]:
         body = json.loads(await self._ok("GET", "/v1/models"))
         return [m["id"] for m in body.get("data", [])]
@@ -333,11 +372,14 @@ def check_lora_capacity(info: Mapping[str, Any], *, lora_rank: int, max_stalenes
 
 
 def check_adapter_fetching(replicas: list[Mapping[str, Any]], transport_url: str) -> None:
-    """Refuse to start unless every replica runs the adapter plugin and may fetch from
-    ``transport_url``; the message names the replica and the fix."""
-    if not replicas:
+    """Refuse to start unless every replica that answered runs the adapter plugin and may fetch
+    from ``transport_url``; the message names the replica and the fix. A replica that could not
+    be reached (status 0: it left the fleet) is not judged: the proxy replays the adapters to it
+    through the plugin before it takes requests again, which fails without the plugin."""
+    answered = [entry for entry in replicas if entry.get("status") != 0]
+    if not answered:
         raise ConfigError("no replica answered the adapter-plugin check")
-    for entry in replicas:
+    for entry in answered:
         url, info = entry.get("url"), entry.get("info")
         if not isinstance(info, Mapping):
             raise ConfigError(
@@ -384,4 +426,45 @@ async def wait_healthy(
                     pass
             if time.monotonic() > deadline:
                 return False
+            await anyio.sleep(interval_s)
+
+
+async def update_proxy(
+    proxy_url: str,
+    admin_key: str | None,
+    replica_url: str,
+    *,
+    remove: bool = False,
+    timeout_s: float | None = None,
+    interval_s: float = 2.0,
+    on_retry: Callable[[str], None] | None = None,
+) -> bool:
+    """Add the replica at ``replica_url`` to the asyncgrpo proxy at ``proxy_url`` (or remove it),
+    retrying while the proxy cannot be reached or cannot take the replica in yet (a 5xx: it
+    could not replay the adapters to it). Returns False if ``timeout_s`` passed first; a refused
+    key (401, 403) raises :class:`ConfigError` at once. ``on_retry(error)`` before each retry."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    async with VLLMClient(proxy_url, api_key=admin_key, timeout_s=600) as proxy:
+        while True:
+            try:
+                if remove:
+                    await proxy.remove_upstream(replica_url)
+                else:
+                    await proxy.add_upstream(replica_url)
+                return True
+            except ReplicaHTTPError as exc:
+                if exc.status in (401, 403):
+                    raise ConfigError(
+                        f"the proxy at {proxy_url} refused the admin key ({exc.status}): give "
+                        "the key it was started with (its proxy.admin_api_key)"
+                    ) from exc
+                if exc.status < 500:
+                    raise
+                error = str(exc)
+            except ReplicaError as exc:
+                error = str(exc)
+            if deadline is not None and time.monotonic() + interval_s > deadline:
+                return False
+            if on_retry is not None:
+                on_retry(error)
             await anyio.sleep(interval_s)

@@ -250,33 +250,45 @@ def test_split_mode_rollouts_ship_through_the_transport(
     assert {r["sample/staleness_max"] for r in records} <= {0, 1, 2}
 
 
-async def test_training_continues_when_a_replica_dies(tiny_model: Path, tmp_path: Path) -> None:
-    from asyncgrpo.serve import launch_replicas
-    from asyncgrpo.testing import tiny_serve_config
+async def test_training_continues_when_one_of_its_own_replicas_dies(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """``serve.replicas: 2``: the run's own replicas behind its in-process proxy. One replica's
+    process group is SIGKILLed mid-run; every step still trains, on served logprobs equal to the
+    trainer's, and no rollout request fails (the proxy sends it to the survivor)."""
+    import psutil
 
-    serve = tiny_serve_config(
-        tiny_model, replicas=2, log_dir=str(tmp_path / "logs"), transports=(str(tmp_path),)
-    )
-    async with launch_replicas(serve) as replicas:
-        cfg = tiny_config(tmp_path, tiny_model, [r.url for r in replicas],
-                          "trainer.max_steps=8", "trainer.weight_sync_steps=2",
-                          "proxy.health_interval_s=0.5")  # fmt: skip
-        killed: list[int] = []
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data.update(model=str(tiny_model), output_dir=str(tmp_path), run_name="t")
+    cfg = TrainingConfig.from_dict(data, ["trainer.max_steps=8", "serve.replicas=2",
+                                          "proxy.health_interval_s=0.5"])  # fmt: skip
+    killed: list[int] = []
+    batches: list[list[Sample]] = []
 
-        def kill_at_step_3(step: int, samples: Sequence[Sample], version: int) -> None:
-            if step == 3:
-                replicas[1].kill()
-                killed.append(step)
+    def kill_at_step_3(step: int, samples: Sequence[Sample], version: int) -> None:
+        batches.append(list(samples))
+        if step == 3:
+            servers = [p for p in psutil.Process().children()
+                       if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]  # fmt: skip
+            assert len(servers) == 2, servers
+            os.killpg(servers[1].pid, signal.SIGKILL)  # its own session: the whole replica
+            killed.append(step)
 
-        result = await run_training(cfg, on_step=kill_at_step_3)
+    result = await run_training(cfg, on_step=kill_at_step_3)
     assert killed == [3]
     assert result.steps == 8
-    assert result.final_version == 4  # syncs after the death reached the surviving replica
+    assert result.final_version == 8  # syncs after the death reached the surviving replica
     records = read_metrics(result.run_dir / "metrics.jsonl")
     # `ratio` covers the tokens sampled from the trainer's current weights (NaN on a step
     # without any; step 1 always has them): there it is the serving check
     ratios = [r["ratio"] for r in records if not math.isnan(r["ratio"])]
     assert ratios and all(abs(x - 1) < 1e-3 for x in ratios), ratios
+    assert records[-1]["rollout/retries_total"] == 0
+    diffs = await anyio.to_thread.run_sync(
+        served_logprob_errors, tiny_model, result.transport_url, result.adapter_prefix,
+        [s for batch in batches for s in batch], tmp_path / "check-cache",
+    )  # fmt: skip
+    assert max(diffs) < TOLERANCE, f"{sum(d >= TOLERANCE for d in diffs)} samples differ"
 
 
 def _torchrun(*args: str, ranks: int = 2) -> list[str]:

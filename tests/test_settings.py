@@ -103,6 +103,30 @@ def test_flags_are_typed_from_the_fields() -> None:
     assert parse_serve(["--model", "m", "--spread-cpu-cores"]).spread_cpu_cores is True
 
 
+def test_serve_register_reads_the_admin_key_from_the_environment(monkeypatch, capsys) -> None:
+    from asyncgrpo.serve.__main__ import _parse
+
+    monkeypatch.setenv("ASYNCGRPO_PROXY_ADMIN_API_KEY", "adm-default")
+    monkeypatch.setenv("MY_ADMIN", "adm-mine")
+    _, reg, _ = _parse(["--model", "m", "--register", "http://p:1/"])
+    assert (reg.proxy, reg.key) == ("http://p:1", "adm-default") and "adm" not in repr(reg)
+    _, reg, _ = _parse(
+        ["--model", "m", "--register", "http://p:1", "--register-key-env", "MY_ADMIN"]
+    )
+    assert reg.key == "adm-mine"
+    assert _parse(["--model", "m"])[1] is None
+    for argv, message in [
+        (["--register", "p:1"], "write the proxy's URL"),
+        (["--register", "http://p:1", "--register-key-env", "UNSET_X"], "UNSET_X: that variable"),
+        (["--register-key-env", "MY_ADMIN"], "without --register"),
+        (["--register", "http://p:1", "--host", "0.0.0.0", "--api-key-env", "MY_ADMIN"],
+         "bind the address the proxy reaches"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as info:
+            _parse(["--model", "m", *argv])
+        assert info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_precedence_file_then_environment_then_flags(tmp_path, monkeypatch) -> None:
     path = tmp_path / "proxy.yaml"
     path.write_text("upstreams: [http://a:1]\nport: 1\nimbalance: 3\nrouting: round_robin\n")

@@ -38,7 +38,8 @@ class LaunchConfig:
     """Longest a job may run before Hugging Face stops it: seconds, or a number with s, m, h or
     d. A bound on the bill if the launcher dies."""
     port: int = 8000
-    """Port each vLLM server listens on."""
+    """Port each vLLM server listens on (exposed through the Jobs gateway); with
+    replica_restarts, the trainer job's proxy's too, where the launcher adds replacements."""
     replica_install: str | None = "asyncgrpo[s3,hf]"
     """pip requirement installed in each inference job before it starts (a name,
     'asyncgrpo[s3,hf] @ git+https://...', or a wheel URL); None: the image has it."""
@@ -52,6 +53,13 @@ class LaunchConfig:
     load)."""
     poll_s: float = 5.0
     """Seconds between status checks of the jobs."""
+    replica_restarts: int = 3
+    """Inference jobs the launch may start in place of ones that end during the run (spot
+    preemption, a crashed host); training continues on the others meanwhile. 0: a replica job
+    that ends stops the launch, naming it."""
+    replica_restart_backoff_s: float = 30.0
+    """Seconds before the first replacement starts; doubled for each further one, up to 10
+    minutes."""
     log_tail_lines: int = 40
     """Log lines quoted when a job fails."""
     local_transport: Literal["dir", "s3"] = "dir"
@@ -88,6 +96,15 @@ class LaunchConfig:
             raise ConfigError(f"launch.health_timeout_s={self.health_timeout_s}: must be > 0")
         if not self.poll_s > 0:
             raise ConfigError(f"launch.poll_s={self.poll_s}: must be > 0")
+        if self.replica_restarts < 0:
+            raise ConfigError(
+                f"launch.replica_restarts={self.replica_restarts}: set it to 0 (no replacement) "
+                "or more"
+            )
+        if self.replica_restart_backoff_s < 0:
+            raise ConfigError(
+                f"launch.replica_restart_backoff_s={self.replica_restart_backoff_s}: must be >= 0"
+            )
         if self.log_tail_lines < 1:
             raise ConfigError(f"launch.log_tail_lines={self.log_tail_lines}: set it to 1+")
         if self.local_transport not in ("dir", "s3"):

@@ -12,6 +12,14 @@ Secrets per role, passed as job *secrets* (encrypted by the Hub, never in a comm
   ``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``, the proxy's outbound bearer token through the Jobs
   gateway (the same token); every secret set in the config (``job_secrets``); the transport's
   credentials.
+* a sweep's proxy (``launch.sweep``: the points' trainers send to it): ``HF_TOKEN``, its clients'
+  key, its upstream key, and with ``launch.replica_restarts`` its admin key (the reason below).
+
+With ``launch.replica_restarts`` the trainer's proxy (a sweep's proxy job) listens on ``launch.port`` behind the Jobs
+gateway too, so that the launcher can add replacement replicas to it (``/proxy/upstreams``). The
+gateway lets through only requests that carry the token, and passes the ``Authorization``
+header on, so the token is also the proxy's client key and admin key: one header has to satisfy
+both, and whoever holds the token can start and cancel the run's jobs anyway.
 """
 
 from __future__ import annotations
@@ -33,8 +41,10 @@ from asyncgrpo.config import ENV_PREFIX, TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus, Stage
 from asyncgrpo.launch.plan import (
+    ADMIN_KEY_ENV,
     job_config,
     job_secrets,
+    key_origins,
     labels,
     proxy_args,
     replica_args,
@@ -114,10 +124,14 @@ class HfJobsBackend:
     def health_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
+    @property
+    def admin_key(self) -> str | None:
+        return self.token if self.cfg.launch.replica_restarts else None
+
     def _transport(self) -> str:
         return self.transport_url or "<transport_url>"
 
-    def replica_specs(self) -> list[JobSpec]:
+    def replica_spec(self, index: int) -> JobSpec:
         lcfg = self.cfg.launch
         args = replica_args(
             self.cfg,
@@ -127,26 +141,31 @@ class HfJobsBackend:
             api_key_env=TOKEN_ENV,
         )
         command, env = in_image(args, lcfg.replica_install)
-        return [
-            JobSpec(
-                role="replica",
-                name=f"{self.cfg.run_name}-replica-{i}",
-                command=tuple(command),
-                env={**env, **self.env},
-                secrets={**self.secrets, **transport_secret("replica", self._transport())},
-                image=lcfg.image,
-                flavor=lcfg.replica_flavor,
-                timeout_s=lcfg.timeout_s,
-                port=lcfg.port,
-                labels=labels(self.cfg, "replica"),
-            )
-            for i in range(lcfg.replicas)
-        ]
+        return JobSpec(
+            role="replica",
+            name=f"{self.cfg.run_name}-replica-{index}",
+            command=tuple(command),
+            env={**env, **self.env},
+            secrets={**self.secrets, **transport_secret("replica", self._transport())},
+            image=lcfg.image,
+            flavor=lcfg.replica_flavor,
+            timeout_s=lcfg.timeout_s,
+            port=lcfg.port,
+            labels=labels(self.cfg, "replica"),
+        )
 
     def proxy_spec(self, urls: list[str]) -> JobSpec:
         """A sweep's proxy: behind the Jobs gateway too, so its clients' key is the token."""
         lcfg = self.cfg.launch
-        args = proxy_args(urls, host="0.0.0.0", port=lcfg.port, key_env=TOKEN_ENV)
+        elastic = lcfg.replica_restarts > 0
+        args = proxy_args(
+            urls,
+            host="0.0.0.0",
+            port=lcfg.port,
+            key_env=TOKEN_ENV,
+            admin_key_env=TOKEN_ENV if elastic else None,
+            key_urls=key_origins(urls) if elastic and self.token else None,
+        )
         command, env = in_image(args, lcfg.replica_install)
         return JobSpec(
             role="proxy",
@@ -163,11 +182,23 @@ class HfJobsBackend:
 
     def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
         lcfg = self.cfg.launch
+        # a sweep's point sends to the sweep's proxy, which the launcher adds replacements to
+        elastic = lcfg.replica_restarts > 0 and cfg is None
         cfg = cfg or self.cfg
-        command, env = in_image(trainer_args(urls), lcfg.trainer_install)
+        args = trainer_args(
+            urls,
+            proxy_host="0.0.0.0" if elastic else None,
+            proxy_port=lcfg.port if elastic else None,
+            # replacements, added at run time, pass the gateway only with the token
+            key_urls=key_origins(urls) if elastic and self.token else None,
+        )
+        command, env = in_image(args, lcfg.trainer_install)
         secrets = {**job_secrets(cfg), **self.secrets}
         if self.token:  # the Jobs gateway in front of every replica demands the token
             secrets[env_name(ENV_PREFIX, "proxy.upstream_api_key")] = self.token
+            if elastic:  # behind the gateway too: see the module docstring
+                secrets[env_name(ENV_PREFIX, "proxy.api_key")] = self.token
+                secrets[ADMIN_KEY_ENV] = self.token
         return JobSpec(
             role="trainer",
             name=f"{cfg.run_name}-trainer",
@@ -177,6 +208,7 @@ class HfJobsBackend:
             image=lcfg.trainer_image or lcfg.image,
             flavor=lcfg.trainer_flavor,
             timeout_s=lcfg.timeout_s,
+            port=lcfg.port if elastic else None,
             labels=labels(cfg, "trainer"),
         )
 

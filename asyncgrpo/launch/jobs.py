@@ -68,9 +68,13 @@ class Job:
     spec: JobSpec
     id: str
     log_path: Path
-    url: str | None = None  #: replicas: the base URL of the vLLM server, once known
+    url: str | None = None  #: replicas: the vLLM server's base URL; trainer: its proxy's
     stage: Stage = "starting"
     cancel_requested: bool = False
+    #: why the launcher gave up on it before it ended by itself (a replacement never healthy)
+    failure: str | None = None
+    replaced_by: str | None = None  #: a replica job that ended: the name of its replacement
+    replaces: str | None = None  #: a replacement: the name of the job it stands in for
 
     @property
     def name(self) -> str:
@@ -96,14 +100,28 @@ class Backend(Protocol):
 
     @property
     def health_headers(self) -> dict[str, str]: ...
-    def replica_specs(self) -> list[JobSpec]: ...
+    @property
+    def admin_key(self) -> str | None:
+        """The key of the admin routes (``/proxy/upstreams``) of the proxy in front of the
+        replicas (the trainer job's; a sweep's proxy job), which the launcher calls to add a
+        replacement replica; None when no replica is ever replaced."""
+        ...
+
+    def replica_spec(self, index: int) -> JobSpec:
+        """Replica ``index``: 0 .. ``launch.replicas`` - 1 at start, then each replacement."""
+        ...
+
     def proxy_spec(self, urls: list[str]) -> JobSpec:
-        """A sweep's standalone proxy in front of the replicas ``urls``; its runs use it."""
+        """A sweep's standalone proxy in front of the replicas ``urls``; its runs use it, and
+        with ``launch.replica_restarts`` the launcher adds replacements to it (``admin_key``)."""
         ...
 
     def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
-        """The trainer of ``cfg`` (default: the launch's config; a sweep: each point's),
-        sending to ``urls`` (the replicas, or a sweep's proxy)."""
+        """The trainer job of ``cfg`` (default: the launch's config; a sweep: each point's)
+        sending to ``urls``. The launch's one trainer puts its proxy in front of the replicas
+        ``urls``; with ``launch.replica_restarts`` that proxy is reachable by the launcher at
+        the job's URL (``port``). A sweep's point sends to the sweep's proxy (``urls``: its
+        URL)."""
         ...
 
     def check(self) -> None: ...

@@ -11,11 +11,19 @@ The order is the same on every backend:
    one trainer job per point, each sending to that proxy: the runs share the fleet.
 
 :meth:`LaunchHandle.wait` then follows every job's log into ``<run_dir>/launch/<job>.log``,
-reports the trainers' progress lines, and returns when every trainer job completes. A sweep's
-trainer that fails is reported and the other points go on (the launch fails at the end, naming
-it); any other job that ends fails the launch. Whatever ends the launch (success, a failed job,
-an error, cancellation, Ctrl-C) cancels every job it started that is still running: nothing is
-left billing.
+reports the trainers' progress lines, and returns when every trainer job completes. A replica job
+that ends during the run is replaced, up to ``launch.replica_restarts`` times with a doubling
+delay, while training continues on the others: the launcher takes its URL out of the proxy in
+front of the replicas (the trainer job's, or a sweep's proxy job), starts a new job, waits for
+its health and adds its URL (the proxy's admin route ``/proxy/upstreams``, with the backend's
+admin key); the proxy replays the current adapter versions to it before it takes requests. The
+launcher does this, not the trainer job: it is what holds the means to start and cancel jobs and
+knows every job to cancel at the end. A sweep's trainer job that fails is reported and the other
+points go on (the launch fails at the end, naming it). The trainer job ending otherwise, a
+sweep's proxy job ending, or a replica job once the budget is spent, fails the launch (a launch
+of the same run again resumes from its last checkpoint). Whatever ends the launch (success, a
+failed job, an error, cancellation, Ctrl-C) cancels every job it started that is still running:
+nothing is left billing.
 """
 
 from __future__ import annotations
@@ -28,13 +36,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import anyio
+from anyio.abc import TaskGroup
 
 from asyncgrpo.config import TrainingConfig
-from asyncgrpo.errors import ConfigError, LaunchError
+from asyncgrpo.errors import ConfigError, LaunchError, ReplicaError
 from asyncgrpo.launch.jobs import TERMINAL, Backend, Job, JobSpec
 from asyncgrpo.launch.progress import describe_progress, parse_progress
 from asyncgrpo.launch.sweep import Point, fleet_config, sweep_points
-from asyncgrpo.vllm_client import wait_healthy
+from asyncgrpo.vllm_client import update_proxy, wait_healthy
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +53,16 @@ BackendName = Literal["hf-jobs", "local"]
 ProgressHook = Callable[[dict[str, Any]], None]
 #: Seconds the trainer's log may take to drain after its job completed.
 DRAIN_S = 15.0
+#: Longest delay before a replacement replica job starts.
+MAX_RESTART_DELAY_S = 600.0
+#: Seconds between two warnings that the proxy in front of the replicas cannot be reached yet.
+ADMIN_WARN_S = 60.0
+
+
+def restart_delay(n: int, base_s: float) -> float:
+    """Seconds before the ``n``-th replacement (from 1) starts: ``base_s``, doubled for each
+    further one, at most :data:`MAX_RESTART_DELAY_S`."""
+    return min(base_s * 2 ** (n - 1), MAX_RESTART_DELAY_S)
 
 
 def make_backend(
@@ -76,11 +95,11 @@ def dry_run(cfg: TrainingConfig, backend: BackendName | str, **options: Any) -> 
     """Every job spec the launch would start, as text; starts nothing and sends no request."""
     be, points = plan(cfg, backend, **options)
     urls = [f"<replica-{i} URL>" for i in range(cfg.launch.replicas)]
-    specs = be.replica_specs()
+    specs = [be.replica_spec(i) for i in range(cfg.launch.replicas)]
     if cfg.launch.sweep:
         specs.append(be.proxy_spec(urls))
         urls = ["<proxy URL>"]
-    specs += [be.trainer_spec(urls, p.cfg) for p in points]
+    specs += [be.trainer_spec(urls, p.cfg if cfg.launch.sweep else None) for p in points]
     text = "\n\n".join(spec.describe() for spec in specs)
     if cfg.launch.sweep:
         text = "\n".join(f"point {p.cfg.run_name}: {p.label}" for p in points) + "\n\n" + text
@@ -145,6 +164,8 @@ class LaunchHandle:
         self.launch_dir = launch_dir
         self.jobs: list[Job] = []
         self.progress: list[dict[str, Any]] = []
+        self.restarts = 0  #: replacement replica jobs started so far
+        self._front_url = anyio.Event()  #: set once the URL of :attr:`front` is known
         self._on_progress = on_progress
         self._closed = False
 
@@ -167,9 +188,20 @@ class LaunchHandle:
         return bool(self.cfg.launch.sweep)
 
     @property
+    def front(self) -> Job | None:
+        """The job whose proxy is in front of the replicas, the one replacements join: a
+        sweep's proxy job, else the trainer job."""
+        role = "proxy" if self.sweep else "trainer"
+        return next((j for j in self.jobs if j.spec.role == role), None)
+
+    @property
+    def front_name(self) -> str:
+        return "the sweep's proxy" if self.sweep else "the trainer's proxy"
+
+    @property
     def urls(self) -> list[str]:
-        """The replicas' base URLs (what the trainer's proxy sends to)."""
-        return [j.url for j in self.replicas if j.url]
+        """The base URLs of the replicas serving (not replaced)."""
+        return [j.url for j in self.replicas if j.url and j.replaced_by is None]
 
     @property
     def job_ids(self) -> list[str]:
@@ -206,6 +238,8 @@ class LaunchHandle:
                     "id": j.id,
                     "url": j.url,
                     "log": str(j.log_path),
+                    **({"replaces": j.replaces} if j.replaces else {}),
+                    **({"replaced_by": j.replaced_by} if j.replaced_by else {}),
                 }
                 for j in self.jobs
             ],
@@ -214,8 +248,8 @@ class LaunchHandle:
 
     async def _start(self) -> None:
         await self.backend.prepare()
-        for spec in self.backend.replica_specs():
-            await self._start_job(spec)
+        for index in range(self.cfg.launch.replicas):
+            await self._start_job(self.backend.replica_spec(index))
         failures: list[BaseException] = []
         async with anyio.create_task_group() as tg:
 
@@ -236,9 +270,11 @@ class LaunchHandle:
             proxy = await self._start_job(self.backend.proxy_spec(urls))
             await self._wait_healthy(proxy)
             self._write_manifest()
+            self._front_url.set()
             urls = [str(proxy.url)]
-        for point in self.points:
-            await self._start_job(self.backend.trainer_spec(urls, point.cfg))
+        for point in self.points:  # the one run's trainer gets the launch's config
+            cfg = point.cfg if self.sweep else None
+            await self._start_job(self.backend.trainer_spec(urls, cfg))
 
     async def _failure(self, job: Job, what: str) -> LaunchError:
         """The job's failure: on the first line, its own last error line when it printed one
@@ -343,9 +379,11 @@ class LaunchHandle:
     async def wait(self) -> list[dict[str, Any]]:
         """Follow the jobs until every trainer job completes; their progress records.
 
-        Raises :class:`~asyncgrpo.errors.LaunchError` with the log tail if any job fails or
-        stops early (a sweep's failed point: once the other points are done). On every way out,
-        the jobs still running are cancelled.
+        Replaces replica jobs that end, within ``launch.replica_restarts``. Raises
+        :class:`~asyncgrpo.errors.LaunchError` with the log tail if a trainer job (a sweep's
+        point: once the other points are done), a sweep's proxy job, or a replica job beyond
+        that budget, fails or stops early. On every way out, the jobs still running are
+        cancelled.
         """
         trainers = self.trainers
         if not trainers:
@@ -355,7 +393,7 @@ class LaunchHandle:
                 drained = {job.id: anyio.Event() for job in self.jobs}
                 for job in self.jobs:
                     tg.start_soon(self._follow, job, drained[job.id])
-                failure, failed = await self._watch(trainers)
+                failure, failed = await self._watch(trainers, tg)
                 if failure is None:
                     with anyio.move_on_after(DRAIN_S):
                         for trainer in trainers:
@@ -373,32 +411,121 @@ class LaunchHandle:
                 await self.cancel()
         return self.progress
 
-    async def _watch(self, trainers: list[Job]) -> tuple[LaunchError | None, list[LaunchError]]:
+    async def _watch(
+        self, trainers: list[Job], tg: TaskGroup
+    ) -> tuple[LaunchError | None, list[LaunchError]]:
         """Poll every job until each trainer has ended: (None, the failures of a sweep's
-        points), or (the failure, ...) as soon as a job ends that the launch cannot go on
-        without (a replica, the proxy, the one trainer)."""
+        points), or (the failure, ...) as soon as a job ends that is not to be replaced and
+        the launch cannot go on without (a replica, a sweep's proxy, the one trainer)."""
+        lcfg = self.cfg.launch
+        front = self.front
         failed: dict[str, LaunchError] = {}
         done: set[str] = set()
         while True:
-            for job in self.jobs:
-                if job.id in done:
+            for job in list(self.jobs):
+                if job.replaced_by is not None or job.id in done:
                     continue
                 status = await self.backend.status(job)
                 job.stage = status.stage
+                job.url = job.url or status.url
+                if job is front and job.url is not None:
+                    self._front_url.set()
+                if status.stage not in TERMINAL:
+                    continue
                 if job.spec.role == "trainer" and status.stage == "completed":
                     logger.info("trainer job %s completed", job.name)
                     done.add(job.id)
-                elif status.stage in TERMINAL:
-                    why = f" ({status.message})" if status.message else ""
-                    error = await self._failure(job, f"{status.stage} during the run{why}")
-                    if job.spec.role != "trainer" or not self.sweep:
-                        return error, list(failed.values())
-                    logger.error("%s; the other points go on", str(error).splitlines()[0])
-                    failed[job.id] = error
-                    done.add(job.id)
-            if all(t.id in done for t in trainers):
-                return None, list(failed.values())
-            await anyio.sleep(self.cfg.launch.poll_s)
+                    if all(t.id in done for t in trainers):
+                        return None, list(failed.values())
+                    continue
+                why = job.failure or f"{status.stage} during the run" + (
+                    f" ({status.message})" if status.message else ""
+                )
+                if job.spec.role == "replica" and self.restarts < lcfg.replica_restarts:
+                    await self._replace(job, why, tg)
+                    continue
+                if job.spec.role == "replica" and lcfg.replica_restarts:
+                    why += f"; launch.replica_restarts={lcfg.replica_restarts} replacements used"
+                error = await self._failure(job, why)
+                if job.spec.role != "trainer" or not self.sweep:
+                    return error, list(failed.values())
+                logger.error("%s; the other points go on", str(error).splitlines()[0])
+                failed[job.id] = error
+                done.add(job.id)
+                if all(t.id in done for t in trainers):
+                    return None, list(failed.values())
+            await anyio.sleep(lcfg.poll_s)
+
+    # -- replacing replicas ------------------------------------------------------------------
+
+    async def _replace(self, dead: Job, why: str, tg: TaskGroup) -> None:
+        """Start bringing up a replacement for ``dead`` (after its backoff); the watch goes on."""
+        lcfg = self.cfg.launch
+        self.restarts += 1
+        delay = restart_delay(self.restarts, lcfg.replica_restart_backoff_s)
+        spec = self.backend.replica_spec(lcfg.replicas + self.restarts - 1)
+        dead.replaced_by = spec.name
+        await self._save_tail(dead)
+        logger.warning(
+            "replica job %s (%s) %s; training continues on the other replicas; replacement "
+            "%d of launch.replica_restarts=%d (%s) starts in %.0f s; its log: %s",
+            dead.name, dead.id, why, self.restarts, lcfg.replica_restarts, spec.name, delay,
+            dead.log_path,
+        )  # fmt: skip
+        self._write_manifest()
+        if dead.url is not None:
+            tg.start_soon(self._admin, "remove", dead.url)
+        tg.start_soon(self._bring_up, spec, dead, delay, tg)
+
+    async def _bring_up(self, spec: JobSpec, dead: Job, delay: float, tg: TaskGroup) -> None:
+        """Start the replacement, wait for its health, add it to the proxy in front of the
+        replicas. If it ends or misses ``launch.health_timeout_s`` first, the watch treats it
+        like any replica job that ended (another replacement, or the launch fails)."""
+        await anyio.sleep(delay)
+        job = await self._start_job(spec)
+        job.replaces = dead.name
+        self._write_manifest()
+        tg.start_soon(self._follow, job, anyio.Event())
+        try:
+            await self._wait_healthy(job)
+        except LaunchError:
+            if job.stage not in TERMINAL:  # not healthy in time: give up on it
+                job.failure = f"not healthy after {self.cfg.launch.health_timeout_s:.0f} s"
+                job.cancel_requested = True
+                await self.backend.cancel(job)
+            return
+        assert job.url is not None
+        self._write_manifest()  # with its URL
+        await self._admin("add", job.url)
+        logger.info(
+            "replica job %s (replacing %s) is in %s at %s",
+            job.name, dead.name, self.front_name, job.url,
+        )  # fmt: skip
+
+    async def _admin(self, action: Literal["add", "remove"], url: str) -> None:
+        """Add ``url`` to, or remove it from, the proxy in front of the replicas (:attr:`front`);
+        retried until it answers (a trainer job may still be installing or loading its model).
+        A refusal is logged: the run goes on with the replicas it has."""
+        front = self.front
+        assert front is not None
+        await self._front_url.wait()
+        assert front.url is not None
+        warned = -ADMIN_WARN_S
+        where = "to" if action == "add" else "from"
+
+        def on_retry(error: str) -> None:
+            nonlocal warned
+            if anyio.current_time() - warned >= ADMIN_WARN_S:
+                warned = anyio.current_time()
+                logger.warning("could not %s replica %s %s %s yet (retrying): %s", action, url,
+                               where, self.front_name, error)  # fmt: skip
+
+        try:
+            await update_proxy(front.url, self.backend.admin_key, url, remove=action == "remove",
+                               interval_s=self.cfg.launch.poll_s, on_retry=on_retry)  # fmt: skip
+        except (ConfigError, ReplicaError) as exc:
+            logger.error("could not %s replica %s %s %s: %s", action, url, where,
+                         self.front_name, exc)  # fmt: skip
 
     async def cancel(self) -> None:
         """Cancel every job of the launch that is not known to have ended. Idempotent."""

@@ -5,13 +5,17 @@ account: replica ``i`` runs ``python -m asyncgrpo.serve`` in ``launch/replica-i/
 ``python -m asyncgrpo.launch.trainer`` in ``launch/trainer/``; they share nothing but the
 transport, which is ``transport_url`` if set, else (``launch.local_transport``) a directory
 ``launch/store`` no role works in, or an S3 protocol server (moto) on loopback that lives as
-long as the launch. Replicas listen on loopback only.
+long as the launch. Replicas listen on loopback only; so does the trainer's proxy (a sweep's
+proxy, ``launch/proxy/``, with one trainer per point in ``launch/trainer/<i>/``), on a port
+chosen here, with an admin key made for the launch (the launcher adds replacement replicas to
+it).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shlex
 import sys
 import time
@@ -26,6 +30,8 @@ from asyncgrpo.config import TrainingConfig
 from asyncgrpo.errors import LaunchError
 from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus
 from asyncgrpo.launch.plan import (
+    ADMIN_KEY_ENV,
+    PROXY_ADMIN_KEY_ENV,
     job_config,
     job_secrets,
     labels,
@@ -75,6 +81,9 @@ class LocalBackend:
         self.launch_dir = launch_dir.resolve()
         self.environ = dict(os.environ if environ is None else environ)
         self.ports = [free_port(HOST) for _ in range(cfg.launch.replicas)]
+        elastic = cfg.launch.replica_restarts > 0
+        self.proxy_port = free_port(HOST) if elastic else None
+        self._admin_key = secrets.token_urlsafe(32) if elastic else None
         self.transport_env: dict[str, str] = {}
         self._moto: Process | None = None
         self._moto_port: int | None = None
@@ -95,23 +104,31 @@ class LocalBackend:
     def health_headers(self) -> dict[str, str]:
         return {}
 
-    def replica_specs(self) -> list[JobSpec]:
-        return [
-            JobSpec(
-                role="replica",
-                name=f"{self.cfg.run_name}-replica-{i}",
-                command=self._hidden(
-                    sys.executable,
-                    *replica_args(self.cfg, host=HOST, port=port, transport_url=self.transport_url),
-                    *("--log-dir", ".", "--adapter-cache-dir", "adapters"),
-                ),
-                env=dict(self.transport_env),
-                secrets=transport_secret("replica", self.transport_url),
-                port=port,
-                labels=labels(self.cfg, "replica"),
-            )
-            for i, port in enumerate(self.ports)
-        ]
+    @property
+    def admin_key(self) -> str | None:
+        return self._admin_key
+
+    def port_of(self, index: int) -> int:
+        """Replica ``index``'s port (a replacement gets a fresh one)."""
+        while len(self.ports) <= index:
+            self.ports.append(free_port(HOST))
+        return self.ports[index]
+
+    def replica_spec(self, index: int) -> JobSpec:
+        port = self.port_of(index)
+        return JobSpec(
+            role="replica",
+            name=f"{self.cfg.run_name}-replica-{index}",
+            command=self._hidden(
+                sys.executable,
+                *replica_args(self.cfg, host=HOST, port=port, transport_url=self.transport_url),
+                *("--log-dir", ".", "--adapter-cache-dir", "adapters"),
+            ),
+            env=dict(self.transport_env),
+            secrets=transport_secret("replica", self.transport_url),
+            port=port,
+            labels=labels(self.cfg, "replica"),
+        )
 
     def _hidden(self, *argv: str) -> tuple[str, ...]:
         """``argv``, in a private mount namespace hiding the trainer's directory if asked."""
@@ -125,11 +142,17 @@ class LocalBackend:
         return ("unshare", "--mount", "--propagation", "private", "sh", "-c", script)
 
     def proxy_spec(self, urls: list[str]) -> JobSpec:
+        """A sweep's proxy, on loopback; the launcher adds replacement replicas to it with the
+        launch's admin key."""
         port = free_port(HOST)
+        admin = {PROXY_ADMIN_KEY_ENV: self._admin_key} if self._admin_key is not None else {}
+        args = proxy_args(urls, host=HOST, port=port,
+                          admin_key_env=PROXY_ADMIN_KEY_ENV if admin else None)  # fmt: skip
         return JobSpec(
             role="proxy",
             name=f"{self.cfg.run_name}-proxy",
-            command=(sys.executable, *proxy_args(urls, host=HOST, port=port)),
+            command=(sys.executable, *args),
+            secrets=admin,
             port=port,
             labels=labels(self.cfg, "proxy"),
         )
@@ -137,15 +160,21 @@ class LocalBackend:
     def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
         import dataclasses
 
+        point = cfg is not None  # a sweep's: it sends to the sweep's proxy, which grows
         cfg = cfg or self.cfg
         transport = cfg.transport_url or self.transport_url  # a sweep's point has its own
         shipped = dataclasses.replace(cfg, transport_url=transport, output_dir="runs")
+        secrets = job_secrets(shipped)
+        port = None if point else self.proxy_port
+        if self._admin_key is not None and not point:
+            secrets[ADMIN_KEY_ENV] = self._admin_key
         return JobSpec(
             role="trainer",
             name=f"{cfg.run_name}-trainer",
-            command=(sys.executable, *trainer_args(urls)),
+            command=(sys.executable, *trainer_args(urls, proxy_port=port)),
             env={**self.transport_env, CONFIG_ENV: job_config(shipped)},
-            secrets=job_secrets(shipped),
+            secrets=secrets,
+            port=port,
             labels=labels(cfg, "trainer"),
         )
 
@@ -154,7 +183,11 @@ class LocalBackend:
         check_model(self.cfg.model)
 
     def _workdir(self, spec: JobSpec) -> Path:
-        return self._workdir_of(spec.name.removeprefix(f"{self.cfg.run_name}-"))
+        role_name = spec.name.removeprefix(f"{self.cfg.run_name}-")
+        if spec.role == "trainer" and role_name != "trainer":  # a sweep's point <i>-trainer:
+            # under trainer/, so that what hides it from the replicas hides every point's
+            return self._workdir_of("trainer") / role_name.removesuffix("-trainer")
+        return self._workdir_of(role_name)
 
     def _workdir_of(self, role_name: str) -> Path:
         return self.launch_dir / role_name

@@ -11,8 +11,10 @@ environment like every other command: the variables :func:`job_secrets` names ar
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -114,22 +116,77 @@ def replica_args(
     return args
 
 
-def trainer_args(urls: list[str]) -> list[str]:
-    """``python -m asyncgrpo.launch.trainer`` arguments: the replicas' URLs, no local replica."""
+def trainer_args(
+    urls: list[str],
+    *,
+    proxy_host: str | None = None,
+    proxy_port: int | None = None,
+    key_urls: list[str] | None = None,
+) -> list[str]:
+    """``python -m asyncgrpo.launch.trainer`` arguments: the replicas' URLs, no local replica;
+    where its proxy listens when the launcher must reach it (to add replacement replicas), and
+    which replicas added later get its upstream token."""
     if not urls:
         raise ConfigError("the trainer needs at least one replica URL")
-    return [
+    args = [
         "-m",
         "asyncgrpo.launch.trainer",
         "serve.replicas=0",
         "proxy.upstreams=" + ",".join(urls),
     ]
+    if proxy_host is not None:
+        args.append(f"proxy.host={proxy_host}")
+    if proxy_port is not None:
+        args.append(f"proxy.port={proxy_port}")
+    if key_urls:
+        args.append("proxy.upstream_key_urls=" + ",".join(key_urls))
+    return args
 
 
-def proxy_args(urls: list[str], *, host: str, port: int, key_env: str | None = None) -> list[str]:
+def key_origins(urls: list[str]) -> list[str]:
+    """``proxy.upstream_key_urls`` entries under which replacement replicas of the same kind as
+    ``urls`` get the proxy's upstream token: each URL's origin, its first host label a wildcard
+    when the host is a name of three labels or more (a Jobs URL ``https://<job id>--8000.hf.jobs``
+    gives ``https://*.hf.jobs``; an address stays as it is)."""
+    out: list[str] = []
+    for url in urls:
+        u = urlsplit(url)
+        host = u.hostname or ""
+        if u.scheme not in ("http", "https") or not host:
+            continue  # a placeholder (a dry run's)
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            labels = host.split(".")
+            if len(labels) >= 3:
+                host = "*." + ".".join(labels[1:])
+        host = f"[{host}]" if ":" in host else host
+        origin = f"{u.scheme}://{host}" + (f":{u.port}" if u.port else "")
+        if origin not in out:
+            out.append(origin)
+    return out
+
+
+#: The variable the trainer job's config loader reads the proxy's admin key from.
+ADMIN_KEY_ENV = env_name(ENV_PREFIX, "proxy.admin_api_key")
+#: The variable a sweep's proxy job (``python -m asyncgrpo.proxy``) reads its admin key from.
+PROXY_ADMIN_KEY_ENV = "ASYNCGRPO_PROXY_ADMIN_API_KEY"
+
+
+def proxy_args(
+    urls: list[str],
+    *,
+    host: str,
+    port: int,
+    key_env: str | None = None,
+    admin_key_env: str | None = None,
+    key_urls: list[str] | None = None,
+) -> list[str]:
     """``python -m asyncgrpo.proxy`` arguments of a sweep's proxy in front of the replicas
     ``urls``; ``key_env``: the variable holding both its clients' key and the replicas' (a
-    Hugging Face token through the Jobs gateway)."""
+    Hugging Face token through the Jobs gateway); ``admin_key_env``: the variable holding the
+    key of its admin routes, through which the launcher adds replacement replicas; ``key_urls``:
+    the origins of replicas added later that get the replicas' key."""
     if not urls:
         raise ConfigError("the proxy needs at least one replica URL")
     args = ["-m", "asyncgrpo.proxy", "--host", host, "--port", str(port)]
@@ -137,6 +194,10 @@ def proxy_args(urls: list[str], *, host: str, port: int, key_env: str | None = N
         args += ["--upstream", url]
     if key_env is not None:
         args += ["--api-key-env", key_env, "--upstream-api-key-env", key_env]
+    if admin_key_env is not None:
+        args += ["--admin-api-key-env", admin_key_env]
+    for url in key_urls or ():
+        args += ["--upstream-key-url", url]
     return args
 
 

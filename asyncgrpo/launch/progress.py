@@ -19,6 +19,7 @@ _FIELDS = (
     ("sync_s", "perf/weight_sync_s"),
     ("step_s", "perf/step_s"),
     ("staleness", "sample/staleness_mean"),
+    ("replicas", "fleet/in_rotation"),
 )
 
 
@@ -47,8 +48,8 @@ def parse_progress(line: str) -> dict[str, Any] | None:
 
 
 def describe_progress(record: dict[str, Any]) -> str:
-    """``step 3/40  reward 0.125  ratio 1.0000  sync 0.41 s`` (fields the step lacks omitted),
-    after the run's name for a sweep's (``lr-1: step 3/40 ...``)."""
+    """``step 3/40  reward 0.125  ratio 1.0000  sync 0.41 s  replicas 2`` (fields the step
+    lacks omitted), after the run's name for a sweep's (``lr-1: step 3/40 ...``)."""
     parts = [f"step {record['step']}/{record.get('max_steps', '?')}"]
     if "run" in record:
         parts[0] = f"{record['run']}: {parts[0]}"
@@ -60,4 +61,6 @@ def describe_progress(record: dict[str, Any]) -> str:
         parts.append(f"sync {record['sync_s']:.2f} s")
     if "step_s" in record:
         parts.append(f"step {record['step_s']:.2f} s")
+    if "replicas" in record:
+        parts.append(f"replicas {record['replicas']:.0f}")
     return "  ".join(parts)

@@ -94,6 +94,11 @@ class ProxyConfig:
     """Period of the background GET /health on every replica."""
     health_timeout_s: float = 5.0
     """A health check slower than this counts as a failure."""
+    min_healthy_replicas: int = 1
+    """The proxy's own /health answers 200 while at least this many replicas serve (in rotation
+    and answering their /health), 503 below; the body lists the replicas that do not. What a
+    caller in front of the proxy (a load balancer, another proxy) needs: the fleet can take
+    requests, even with a member lost."""
     health_timeouts_to_open: int = 3
     """Consecutive health checks that time out before a replica leaves rotation (a refused
     connection or a 5xx takes it out at once): a busy replica answers late."""
@@ -139,6 +144,7 @@ class ProxyConfig:
             self, "proxy", gt=dict.fromkeys(seconds, 0), le={"port": 65535},
             ge={"port": 0, "block_size": 1, "imbalance": 0, "imbalance_ratio": 1,
                 "max_tracked_blocks": 1, "max_body_bytes": 1024, "health_timeouts_to_open": 1,
+                "min_healthy_replicas": 0,
                 "max_attempts": 1, "max_connections": 1, "max_inflight_per_replica": 0},
         )  # fmt: skip
 

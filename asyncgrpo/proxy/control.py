@@ -1,10 +1,14 @@
 """The proxy's control routes, each a plain coroutine: broadcasts, health, stats, metrics, admin.
 
-A broadcast goes to every replica taking requests (:meth:`UpstreamPool.targets`). A load is all
-or nothing: retried on one replica only while it answers that the adapter is not there yet, up to
-``load_deadline_s`` (then 504, never 404: TRL reads 404 as "runtime LoRA updating is disabled");
-any other rejection ("already loaded" included: names are never reused) is rolled back on the
-replicas that accepted it. Rules and reasons: ``docs/proxy.md``, "Adapter broadcast".
+A broadcast goes to the fleet, the replicas in rotation (:meth:`UpstreamPool.targets`), holding
+the fleet lock so that no replica enters the fleet halfway through it. A replica that cannot be
+reached, or answers 5xx (but 501, a refusal), leaves the fleet instead of failing the broadcast
+(it catches up before it returns); a broadcast fails only when no replica is left or a live one
+refuses. A load is all or nothing over the fleet: retried on one replica only while it answers
+that the adapter is not there yet, up to ``load_deadline_s`` (then 504, never 404: TRL reads 404
+as "runtime LoRA updating is disabled"); any other refusal ("already loaded" included: names are
+never reused) is rolled back on the replicas that accepted it. Rules and reasons:
+``docs/proxy.md``, "Failures" and "Adapter broadcast".
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from asyncgrpo.proxy.jsonbody import BodyError, decode_object
 from asyncgrpo.proxy.metrics import render, stats_json
 from asyncgrpo.proxy.run_routes import runs_route
 from asyncgrpo.proxy.state import Proxy, error_answer, json_answer
-from asyncgrpo.proxy.upstream import Circuit, Upstream
+from asyncgrpo.proxy.upstream import Circuit, Upstream, unload_path
 from asyncgrpo.vllm_client import (
     PLUGIN_INFO_PATH,
     PLUGIN_LOAD_PATH,
@@ -87,12 +91,17 @@ def _load_refusal(path: str, parsed: dict[str, Any], roots: tuple[str, ...]) -> 
 async def _call(
     proxy: Proxy, up: Upstream, path_qs: str, body: bytes | None, timeout_s: float = 0
 ) -> tuple[int, bytes]:
-    """POST to one replica; an unreachable one leaves rotation (status 0)."""
+    """POST to one replica of the fleet. One that cannot be reached or answers 5xx (but 501, a
+    refusal) leaves the fleet: status 0."""
     try:
-        return await proxy.pool.call(up, "POST", path_qs, body, timeout_s)
+        status, data = await proxy.pool.call(up, "POST", path_qs, body, timeout_s)
     except OSError as exc:  # TimeoutError included
         proxy.pool.on_failure(up, "broadcast", f"{type(exc).__name__}: {exc}")
         return 0, str(exc).encode()
+    if status >= 500 and status != 501:
+        proxy.pool.on_failure(up, f"http_{status}", f"{path_qs}: {data[:200]!r}")
+        return 0, data
+    return status, data
 
 
 async def _load_one(
@@ -123,7 +132,13 @@ async def load(proxy: Proxy, method: str, target: str, body: bytes) -> Response:
     if why := _load_refusal(path, parsed, cfg.lora_roots):
         stats.broadcast("load", "forbidden")
         return error_answer(400, why)
-    name, targets = parsed["lora_name"], pool.targets()
+    async with pool.fleet_lock:
+        return await _load_fleet(proxy, path, body, parsed["lora_name"])
+
+
+async def _load_fleet(proxy: Proxy, path: str, body: bytes, name: str) -> Response:
+    cfg, pool, stats = proxy.config, proxy.pool, proxy.stats
+    targets = pool.targets()
     if not targets:
         return error_answer(503, _NONE, kind="ServiceUnavailableError")
     deadline = proxy.loop.time() + cfg.load_deadline_s
@@ -134,13 +149,14 @@ async def load(proxy: Proxy, method: str, target: str, body: bytes) -> Response:
     ok, rejected, lagging = (out.get(k, []) for k in ("ok", "rejected", "lagging"))
     if ok and not rejected and not lagging:
         pool.adapters[name] = (path, body)
+        for up, _, _ in ok:
+            up.adapters[name] = path
         stats.broadcast("load", "ok")
         log.info("adapter %s loaded on %d replicas", name, len(ok))
         return 200, [(b"Content-Type", b"text/plain")], ok[0][2]
     if ok:  # all or nothing: take it back from those that accepted
         unload = json.dumps({"lora_name": name}).encode()
-        undo = PLUGIN_UNLOAD_PATH if path == PLUGIN_LOAD_PATH else "/v1/unload_lora_adapter"
-        await asyncio.gather(*(_call(proxy, up, undo, unload) for up, _, _ in ok))
+        await asyncio.gather(*(_call(proxy, up, unload_path(path), unload) for up, _, _ in ok))
     if rejected:
         up, status, data = rejected[0]
         stats.broadcast("load", "rejected")
@@ -173,8 +189,12 @@ async def unload(proxy: Proxy, method: str, target: str, body: bytes) -> Respons
         name = None
     if not isinstance(name, str):
         return error_answer(400, 'body must be {"lora_name": NAME}')
-    proxy.pool.adapters.pop(name, None)
-    results = await _post_all(proxy, path, body)
+    async with proxy.pool.fleet_lock:
+        proxy.pool.retire(name)
+        results = await _post_all(proxy, path, body)
+    for up, status, _ in results:
+        if status in (200, 404):
+            up.adapters.pop(name, None)
     if not results:
         return error_answer(503, _NONE, kind="ServiceUnavailableError")
     if failed := [r for r in results if r[1] not in (0, 200, 404)]:
@@ -192,23 +212,30 @@ async def unload(proxy: Proxy, method: str, target: str, body: bytes) -> Respons
 
 
 async def broadcast(proxy: Proxy, method: str, path_qs: str, body: bytes) -> Response:
-    """/pause, /resume, /reset_prefix_cache: every replica in rotation, 200 only if all agree."""
-    results = await _post_all(proxy, path_qs, body)
+    """/pause, /resume, /reset_prefix_cache: the fleet; 200 unless no replica is left or a live
+    one refused (a replica leaving meanwhile catches up before it returns)."""
     path, _, query = path_qs.partition("?")
+    pool = proxy.pool
+    async with pool.fleet_lock:
+        results = await _post_all(proxy, path_qs, body)
+        agreed = [(up, data) for up, status, data in results if status == 200]
+        failed = [{"url": up.url, "status": status, "body": data[:300].decode(errors="replace")}
+                  for up, status, data in results if status not in (0, 200)]  # fmt: skip
+        if agreed and not failed and path in ("/pause", "/resume"):
+            pool.paused_query = ("?" + query if query else "") if path == "/pause" else None
+        for up, _ in agreed:
+            up.paused = path == "/pause" or (up.paused and path != "/resume")
     if not results:
         return error_answer(503, _NONE, kind="ServiceUnavailableError")
-    failed = [{"url": up.url, "status": status, "body": data[:300].decode(errors="replace")}
-              for up, status, data in results if status != 200]  # fmt: skip
     if failed:
         proxy.stats.broadcast(path.strip("/"), "failed")
-        error = {"message": "not every replica agreed", "failed": failed, "code": 502}
+        error = {"message": "a replica refused", "failed": failed, "code": 502}
         return json_answer(502, {"error": error})
-    if path == "/pause":
-        proxy.pool.paused_query = "?" + query if query else ""
-    elif path == "/resume":
-        proxy.pool.paused_query = None
+    if not agreed:
+        proxy.stats.broadcast(path.strip("/"), "unreachable")
+        return error_answer(503, "no replica could be reached", kind="ServiceUnavailableError")
     proxy.stats.broadcast(path.strip("/"), "ok")
-    return 200, [(b"Content-Type", b"application/json")], results[0][2]
+    return 200, [(b"Content-Type", b"application/json")], agreed[0][1]
 
 
 async def fetch_info(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
@@ -237,15 +264,17 @@ async def fetch_info(proxy: Proxy, method: str, path: str, body: bytes) -> Respo
 
 
 async def health(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
-    """200 only when every registered replica answers /health; otherwise 503 naming the others."""
-    pool = proxy.pool
+    """200 while at least ``min_healthy_replicas`` replicas serve (in the fleet and answering
+    their own /health), else 503; the body names the others either way."""
+    pool, need = proxy.pool, proxy.config.min_healthy_replicas
     ups = pool.in_rotation()
     results = await asyncio.gather(*(pool.probe(u) for u in ups))
+    serving = sum(ok is True and u.serving for u, ok in zip(ups, results, strict=True))
     bad = [{"url": u.url, "circuit": u.circuit.value, "error": u.last_error}
-           for u, ok in zip(ups, results, strict=True) if ok is not True or u.circuit is Circuit.OPEN]  # fmt: skip
-    if not ups or bad:
-        return json_answer(503, {"status": "unhealthy", "replicas": len(ups), "unhealthy": bad})
-    return json_answer(200, {"status": "ok", "replicas": len(ups)})
+           for u, ok in zip(ups, results, strict=True) if ok is not True or not u.serving]  # fmt: skip
+    doc = {"status": "ok" if serving >= need else "unhealthy", "replicas": len(ups),
+           "serving": serving, "min_healthy_replicas": need, "unhealthy": bad}  # fmt: skip
+    return json_answer(200 if serving >= need else 503, doc)
 
 
 async def stats(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
@@ -259,7 +288,8 @@ async def prometheus(proxy: Proxy, method: str, path: str, body: bytes) -> Respo
 
 async def upstreams(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
     """List (GET), add (POST ``{"url"}``) or remove (DELETE ``{"url"}``) a replica. A joining
-    replica first gets every adapter loaded through the proxy replayed (and /pause if paused)."""
+    replica catches up first (:meth:`UpstreamPool.catch_up`): it enters the fleet holding every
+    adapter loaded through the proxy, paused if the fleet is."""
     pool = proxy.pool
     if method == "GET":
         return json_answer(200, {"upstreams": [u.as_dict() for u in pool.upstreams.values()]})
@@ -276,11 +306,12 @@ async def upstreams(proxy: Proxy, method: str, path: str, body: bytes) -> Respon
     if url in pool.upstreams:
         return error_answer(400, f"{url} is already an upstream")
     up = pool.add(url, circuit=Circuit.JOINING)
-    if error := await pool.replay(up):
-        pool.remove(url)
+    if error := await pool.catch_up(up, Circuit.CLOSED):
+        if pool.upstreams.get(url) is up:
+            pool.remove(url)
         return error_answer(502, f"{url} could not join: {error}", kind="BadGatewayError")
-    pool.set_closed(up)
-    log.info("replica %s joined rotation", url)
+    pool.fleet["joins"] += 1
+    log.info("replica %s caught up and joined the fleet", url)
     return json_answer(200, {"added": url, "adapters": sorted(pool.adapters)})
 
 

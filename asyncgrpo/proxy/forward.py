@@ -71,8 +71,8 @@ class Forward(Exchange):
     sequences of its share from :meth:`submit` (or its turn) to its answer."""
 
     __slots__ = ("began", "body", "chains", "client", "cost", "decision", "due", "head", "held",
-                 "last_error", "lines", "method", "path", "proxy", "run", "started", "streams",
-                 "timeout", "tried", "up")  # fmt: skip
+                 "last_error", "lines", "method", "path", "proxy", "run", "sent", "started",
+                 "streams", "timeout", "tried", "up")  # fmt: skip
 
     def __init__(
         self,
@@ -99,6 +99,7 @@ class Forward(Exchange):
         self.up: Upstream | None = None  # of the try in progress
         self.decision: Decision | None = None
         self.due = 0.0
+        self.sent = 0.0  # when the try in progress went out (the tick's coarse clock)
         self.run, self.cost = run, cost
         self.held, self.began = False, 0.0  # holds its sequences of the run's share; since
 
@@ -151,6 +152,7 @@ class Forward(Exchange):
         self.tried.append(up.url)
         up.h1.send(self, up.h1.request(self.method, self.path, self.lines, self.body),
                    head_request=self.method == b"HEAD")  # fmt: skip
+        self.sent = proxy.now
         self.due = proxy.loop.time() + self.timeout
         proxy.inflight.add(self)
         up.inflight.add(self)
@@ -181,6 +183,7 @@ class Forward(Exchange):
             ok = not failed and isinstance(outcome, int) and outcome < 300
             proxy.router.finish(decision, ok=ok)
         if failed:
+            proxy.stats.lost(proxy.now - self.sent)
             reason = outcome if isinstance(outcome, int) else type(outcome).__name__
             self.last_error = f"{up.url}: {reason}" + (f" ({detail[:200]})" if detail else "")
             if len(self.tried) < proxy.config.max_attempts:

@@ -10,7 +10,7 @@ from typing import Any
 from asyncgrpo.proxy.state import Proxy
 from asyncgrpo.proxy.upstream import Circuit
 
-__all__ = ["render", "runs_stats", "stats_json"]
+__all__ = ["fleet_json", "render", "runs_stats", "stats_json"]
 
 _P = "asyncgrpo_proxy_"
 
@@ -20,7 +20,7 @@ def _esc(value: str) -> str:
 
 
 def render(proxy: Proxy) -> str:
-    router, stats = proxy.router, proxy.stats
+    router, stats, fleet = proxy.router, proxy.stats, proxy.pool.fleet
     ups = list(proxy.pool.upstreams.values())
     lab = {u.url: f'{{replica="{_esc(u.url)}"}}' for u in ups}
     families: list[tuple[str, str, str, list[tuple[str, float]]]] = [
@@ -34,6 +34,20 @@ def render(proxy: Proxy) -> str:
           for u in ups for k, n in sorted(u.failures.items())]),
         ("replica_healthy", "gauge", "1 while the replica is in rotation (circuit closed).",
          [(lab[u.url], int(u.circuit is Circuit.CLOSED)) for u in ups]),
+        ("replicas_in_rotation", "gauge", "Replicas in the fleet (taking requests, broadcasts).",
+         [("", sum(u.serving for u in ups))]),
+        ("fleet_changes_total", "counter",
+         "Replicas that joined (added at run time), rejoined (back after leaving) or left.",
+         [(f'{{change="{k}"}}', fleet[k]) for k in ("joins", "rejoins", "left")]),
+        ("catch_ups_total", "counter",
+         "Adapter replays that brought a joining or returning replica up to date, by outcome.",
+         [('{outcome="ok"}', fleet["replays"]), ('{outcome="failed"}', fleet["replay_failures"])]),
+        ("lost_requests_total", "counter",
+         "Generation tries that failed on a replica (redone on another while attempts last).",
+         [("", stats.lost_requests)]),
+        ("lost_generation_seconds_total", "counter",
+         "Time those tries had run before they failed: generation lost to failures.",
+         [("", round(stats.lost_seconds, 3))]),
         ("route_decisions_total", "counter", "Routing decisions by kind.",
          [(f'{{kind="{k}"}}', n) for k, n in router.decisions.items()]),
         ("tracked_blocks", "gauge", "Prefix blocks the router tracks.",
@@ -111,7 +125,22 @@ def stats_json(proxy: Proxy) -> dict[str, Any]:
         "adapters": sorted(pool.adapters),
         "paused": pool.paused_query is not None,
         "retries": stats.retries,
+        "fleet": fleet_json(proxy),
         "rejected": {str(k): v for k, v in stats.rejected.items()},
         "route_seconds_mean": stats.route_seconds / max(stats.route_count, 1),
         **runs_stats(proxy),
+    }
+
+
+def fleet_json(proxy: Proxy) -> dict[str, float]:
+    """The fleet in numbers (also what a trainer logs as ``fleet/*``)."""
+    pool, stats = proxy.pool, proxy.stats
+    return {
+        "replicas": len(pool.upstreams),
+        "in_rotation": sum(u.serving for u in pool.upstreams.values()),
+        **{f"{k}_total": pool.fleet[k] for k in ("joins", "rejoins", "left")},
+        "catch_ups_total": pool.fleet["replays"],
+        "catch_up_failures_total": pool.fleet["replay_failures"],
+        "lost_requests_total": stats.lost_requests,
+        "lost_generation_s_total": round(stats.lost_seconds, 3),
     }

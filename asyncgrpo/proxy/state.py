@@ -27,6 +27,12 @@ class ProxyStats:
         self.retries = 0
         self.rejected: dict[int, int] = {}
         self.broadcasts: dict[tuple[str, str], int] = {}
+        self.lost_requests = 0  # tries that failed on a replica (each redone elsewhere or lost)
+        self.lost_seconds = 0.0  # how long those tries had run: generation thrown away
+
+    def lost(self, seconds: float) -> None:
+        self.lost_requests += 1
+        self.lost_seconds += max(seconds, 0.0)
 
     def reject(self, status: int) -> None:
         self.rejected[status] = self.rejected.get(status, 0) + 1
@@ -61,7 +67,7 @@ class Proxy:
             max_blocks=config.max_tracked_blocks,
             policy=config.routing,
         )
-        self.pool = UpstreamPool(config, self.router)
+        self.pool = UpstreamPool(config, self.router, self.spawn)
         self.runs = Runs(lease_s=config.run_lease_s)
         self.runs.per_replica = config.max_inflight_per_replica or None
         self.stats = ProxyStats()

@@ -1,12 +1,16 @@
 """The replicas: membership, circuit breaker, health checks, the deadlines of requests in flight.
 
-A replica is in rotation while its circuit is CLOSED (or HALF_OPEN for a single probe request).
-A refused connection, a deadline or a 5xx opens it at once, and (but for a deadline) moves the
-deadline of every request in flight on it to *now*: none hangs on a replica whose engine stopped
-while its HTTP server lingers (vLLM draining after SIGTERM). After ``circuit_open_s`` (doubling
-per consecutive failure) a successful ``GET /health`` replays the loaded adapters and makes it
-HALF_OPEN; the success of its one request closes the circuit. Membership and the broadcast
-targets change here only (:meth:`UpstreamPool.add`, ``remove``, ``targets``).
+The fleet is the replicas in rotation: circuit CLOSED (or HALF_OPEN for a single probe request).
+A refused connection, a deadline or a 5xx opens the circuit at once: the replica leaves the fleet,
+and (but for a deadline) the deadline of every request in flight on it moves to *now*: none hangs
+on a replica whose engine stopped while its HTTP server lingers (vLLM draining after SIGTERM).
+After ``circuit_open_s`` (doubling per consecutive failure) a successful ``GET /health`` starts
+its catch-up (:meth:`UpstreamPool.catch_up`, also what a replica added at run time goes through):
+the adapters loaded through the proxy are replayed to it, then, holding the fleet lock that every
+broadcast holds, what changed meanwhile and the pause state; only then does it return, HALF_OPEN,
+whose one request's success closes the circuit. So a replica never takes a request for a version
+it lacks. Membership and the broadcast targets change here only (:meth:`UpstreamPool.add`,
+``remove``, ``targets``, ``catch_up``).
 """
 
 from __future__ import annotations
@@ -17,22 +21,35 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from asyncgrpo.proxy.config import ProxyConfig, token_allowed
 from asyncgrpo.proxy.h1 import ConnectFailed, H1Pool
 from asyncgrpo.proxy.router import Router
-from asyncgrpo.vllm_client import SERVER_INFO_PATH, already_loaded, block_size_of
+from asyncgrpo.vllm_client import (
+    PLUGIN_LOAD_PATH,
+    PLUGIN_UNLOAD_PATH,
+    SERVER_INFO_PATH,
+    already_loaded,
+    block_size_of,
+)
 
-__all__ = ["Circuit", "Inflight", "Upstream", "UpstreamPool", "failure_kind"]
+__all__ = ["Circuit", "Inflight", "Upstream", "UpstreamPool", "failure_kind", "unload_path"]
 
 log = logging.getLogger(__name__)
 
 _MAX_OPEN_S = 30.0
+RETIRED_KEPT = 4096
+
+
+def unload_path(load_path: str) -> str:
+    """The route that unloads an adapter loaded through ``load_path``."""
+    return PLUGIN_UNLOAD_PATH if load_path == PLUGIN_LOAD_PATH else "/v1/unload_lora_adapter"
 
 
 class Circuit(enum.Enum):
-    JOINING = "joining"  # added at run time, adapters being replayed; not in rotation yet
+    JOINING = "joining"  # added at run time, catching up; not in rotation yet
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
@@ -77,6 +94,16 @@ class Upstream:
         self.inflight: set[Inflight] = set()
         self.probe_inflight = False
         self.slow_health = 0  # consecutive health checks that timed out
+        #: adapters it holds as far as the proxy knows (loaded through it, not unloaded since):
+        #: name -> the path it was loaded through
+        self.adapters: dict[str, str] = {}
+        self.paused: bool | None = False  # by the last pause/resume it got; None: unknown
+        self.catching_up = False
+
+    @property
+    def serving(self) -> bool:
+        """In the fleet: takes requests and broadcasts."""
+        return self.circuit in (Circuit.CLOSED, Circuit.HALF_OPEN)
 
     def expire_inflight(self) -> int:
         """Make every in-flight request on this replica hit its deadline now."""
@@ -90,13 +117,16 @@ class Upstream:
             "last_error": self.last_error,
             "routed": self.routed,
             "failures": dict(self.failures),
+            "adapters": sorted(self.adapters),
         }
 
 
 class UpstreamPool:
     """The replicas, the router's view of them, and the background health checker."""
 
-    def __init__(self, config: ProxyConfig, router: Router) -> None:
+    def __init__(
+        self, config: ProxyConfig, router: Router, spawn: Callable[[Any, str], object]
+    ) -> None:
         self.config = config
         self.router = router
         self.upstreams: dict[str, Upstream] = {}
@@ -104,6 +134,14 @@ class UpstreamPool:
         # Loaded through the proxy: name -> (load endpoint, request body), replayed to joiners.
         self.adapters: dict[str, tuple[str, bytes]] = {}
         self.paused_query: str | None = None  # query of the last /pause, until /resume
+        #: held by every broadcast and by the last step of a catch-up: a replica enters the
+        #: fleet between broadcasts, never during one
+        self.fleet_lock = asyncio.Lock()
+        self.fleet: Counter[str] = Counter()  # joins, rejoins, left, replays, replay_failures
+        #: unloaded through the proxy: name -> load path, so a replica that was away while they
+        #: were retired unloads them when it catches up (the newest RETIRED_KEPT)
+        self.retired: dict[str, str] = {}
+        self.spawn = spawn  # a task the proxy cancels and awaits when it stops
         for url in config.upstreams:
             self.add(url, circuit=Circuit.CLOSED, configured=True)
 
@@ -132,15 +170,22 @@ class UpstreamPool:
         return [u for u in self.upstreams.values() if u.circuit is not Circuit.JOINING]
 
     def targets(self) -> list[Upstream]:
-        """The replicas a broadcast goes to: those taking requests now."""
-        ok = (Circuit.CLOSED, Circuit.HALF_OPEN)
-        return [u for u in self.upstreams.values() if u.circuit in ok]
+        """The fleet, which a broadcast goes to: the replicas taking requests now."""
+        return [u for u in self.upstreams.values() if u.serving]
 
     def set_closed(self, up: Upstream) -> None:
         up.circuit = Circuit.CLOSED
         up.consecutive_failures = 0
         up.probe_inflight = False
         self.router.set_available(up.url, True)
+
+    def retire(self, name: str) -> None:
+        """``name`` is being unloaded from the fleet: no longer replayed, unloaded from a
+        replica that catches up holding it."""
+        if (loaded := self.adapters.pop(name, None)) is not None:
+            self.retired[name] = loaded[0]
+            if len(self.retired) > RETIRED_KEPT:
+                del self.retired[next(iter(self.retired))]
 
     def close(self) -> None:
         for up in self.upstreams.values():
@@ -185,6 +230,10 @@ class UpstreamPool:
             self._open(up, expire=kind != "deadline")
 
     def _open(self, up: Upstream, *, expire: bool = True) -> None:
+        if up.serving:
+            self.fleet["left"] += 1
+        up.adapters.clear()  # unknown now (it may have restarted): its catch-up asks it
+        up.paused = None
         up.consecutive_failures += 1
         wait = min(self.config.circuit_open_s * 2 ** (up.consecutive_failures - 1), _MAX_OPEN_S)
         up.open_until = time.monotonic() + wait
@@ -229,7 +278,7 @@ class UpstreamPool:
 
     async def check(self, up: Upstream) -> None:
         """One health-check round for one replica, driving its circuit."""
-        if up.circuit is Circuit.JOINING:
+        if up.circuit is Circuit.JOINING or up.catching_up:
             return
         if up.circuit is Circuit.OPEN and time.monotonic() < up.open_until:
             return
@@ -241,35 +290,89 @@ class UpstreamPool:
         # A busy replica may answer /health late; only several slow answers in a row count.
         ok = result or (result is None and up.slow_health < self.config.health_timeouts_to_open)
         if up.circuit is Circuit.OPEN and ok:
-            error = await self.replay(up)
-            if error:
-                up.last_error = f"replay: {error}"[:300]
-                self._open(up)
-                return
-            log.info("replica %s healthy again: half-open", up.url)
-            up.circuit = Circuit.HALF_OPEN
-            self.router.set_available(up.url, True)
+            # Its own task: the last step waits for the fleet lock, which a slow load holds,
+            # and the health checks of the others must not wait with it.
+            up.catching_up = True
+            self.spawn(self._return(up), f"asyncgrpo-proxy-catch-up {up.url}")
         elif up.circuit is Circuit.HALF_OPEN and not ok:
             self._open(up)
         elif up.circuit is Circuit.CLOSED and not ok:
             up.failures["health"] += 1
             self._open(up)
 
-    async def replay(self, up: Upstream) -> str | None:
-        """Bring a (re)joining replica up to date (loaded adapters, pause state); an error
-        message, or None when it may enter rotation."""
+    async def _return(self, up: Upstream) -> None:
+        """A replica that left answers its health check again: back, HALF_OPEN, once caught
+        up; else out again for longer."""
         try:
+            error = await self.catch_up(up, Circuit.HALF_OPEN)
+        finally:
+            up.catching_up = False
+        if self.upstreams.get(up.url) is not up:
+            return
+        if error:
+            up.last_error = f"catch-up: {error}"[:300]
+            self._open(up)
+        else:
+            self.fleet["rejoins"] += 1
+            log.info("replica %s caught up and back: half-open", up.url)
+
+    async def catch_up(self, up: Upstream, admit: Circuit) -> str | None:
+        """Bring a joining or returning replica up to date, then put it in the fleet as
+        ``admit``: the adapters loaded through the proxy are replayed (slow: each is fetched),
+        then, holding the fleet lock, what changed meanwhile and the pause state, and it is
+        admitted before the lock is released. An error message, or None once admitted."""
+        error = await self._replay(up, ask=True)
+        if error is None:
+            async with self.fleet_lock:
+                if self.upstreams.get(up.url) is not up:
+                    return "removed while catching up"
+                error = await self._replay(up)
+                if error is None and admit is Circuit.CLOSED:
+                    self.set_closed(up)
+                elif error is None:
+                    up.circuit = admit
+                    self.router.set_available(up.url, True)
+        self.fleet["replays" if error is None else "replay_failures"] += 1
+        return error
+
+    async def _replay(self, up: Upstream, *, ask: bool = False) -> str | None:
+        """Load on ``up`` the adapters it lacks, unload those retired since, match the pause
+        state; an error message, or None. ``ask``: first learn what it holds (``/v1/models``):
+        a replica that restarted holds nothing, one that was only unreachable what it had."""
+        try:
+            if ask:
+                status, data = await self.call(up, "GET", "/v1/models")
+                if status != 200:
+                    return f"/v1/models: HTTP {status} {data[:200].decode(errors='replace')}"
+                known = {**self.retired, **{n: path for n, (path, _) in self.adapters.items()}}
+                served = [m.get("id") for m in json.loads(data).get("data", [])]
+                up.adapters = {name: known[name] for name in served if name in known}
             # A replica that fetches adapters itself fetches them again here: nothing of this
             # host's disk is needed to bring it up to date.
             for name, (endpoint, body) in list(self.adapters.items()):
+                if name in up.adapters:
+                    continue
                 status, data = await self.call(up, "POST", endpoint, body)
                 if status != 200 and not already_loaded(status, data):
                     return f"load {name}: HTTP {status} {data[:200].decode(errors='replace')}"
-            if self.paused_query is not None:
+                up.adapters[name] = endpoint
+            for name in up.adapters.keys() - self.adapters.keys():
+                body = json.dumps({"lora_name": name}).encode()
+                status, data = await self.call(up, "POST", unload_path(up.adapters[name]), body)
+                if status not in (200, 404):
+                    return f"unload {name}: HTTP {status} {data[:200].decode(errors='replace')}"
+                del up.adapters[name]
+            if self.paused_query is not None and up.paused is not True:
                 status, _ = await self.call(up, "POST", "/pause" + self.paused_query)
                 if status != 200:
                     return f"pause: HTTP {status}"
-        except OSError as exc:
+                up.paused = True
+            elif self.paused_query is None and up.paused is not False:
+                status, _ = await self.call(up, "POST", "/resume")
+                if status != 200:
+                    return f"resume: HTTP {status}"
+                up.paused = False
+        except (OSError, ValueError, AttributeError) as exc:  # unreachable, or not vLLM's JSON
             return f"{type(exc).__name__}: {exc}"
         return None
 

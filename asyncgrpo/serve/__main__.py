@@ -4,23 +4,64 @@ Every ``ServeConfig`` field is a flag (``--help``) and an ``ASYNCGRPO_SERVE_<FIE
 environment variable; the API key only comes from the environment. Prints one line per replica
 with its URL once every replica is healthy; SIGINT or SIGTERM stops all of them (whole process
 trees).
+
+``--register http://PROXY`` adds each replica, once healthy, to a running asyncgrpo proxy
+(``POST /proxy/upstreams`` with the proxy's admin key, read from the environment variable
+``--register-key-env`` names): a replacement for a lost replica, or more capacity. The proxy
+loads the adapter versions it serves onto the replica before the replica takes requests. On
+SIGINT or SIGTERM the replicas leave the proxy before they stop.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import anyio
 
 from asyncgrpo.console import run_async, run_command
-from asyncgrpo.errors import ConfigError
+from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.serve.config import ServeConfig
-from asyncgrpo.serve.replicas import launch_replicas
+from asyncgrpo.serve.replicas import Replica, launch_replicas
 from asyncgrpo.settings import exit_on_config_error, parse_args
+from asyncgrpo.vllm_client import update_proxy
 
 PROG = "python -m asyncgrpo.serve"
 ENV_PREFIX = "ASYNCGRPO_SERVE_"
+#: Where ``--register`` reads the proxy's admin key unless ``--register-key-env`` says.
+REGISTER_KEY_ENV = "ASYNCGRPO_PROXY_ADMIN_API_KEY"
+#: Seconds a replica that is stopping may take to leave the proxy.
+LEAVE_TIMEOUT_S = 10.0
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """The proxy the replicas join, and its admin key (from the environment)."""
+
+    proxy: str
+    key: str | None = None
+
+    def __repr__(self) -> str:
+        return f"Registration(proxy={self.proxy!r})"
+
+
+def _register_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--register", metavar="URL",
+        help="Base URL of a running asyncgrpo proxy to add each replica to once it is healthy "
+             "(and remove it from on exit). The replicas must be reachable from the proxy at "
+             "their URL: set --host to an address it can reach.",
+    )  # fmt: skip
+    parser.add_argument(
+        "--register-key-env", metavar="VAR", default=None,
+        help="Environment variable holding the proxy's admin key (default "
+             f"{REGISTER_KEY_ENV}); never given on the command line.",
+    )  # fmt: skip
 
 
 def parse(argv: Sequence[str] | None = None) -> ServeConfig:
@@ -28,35 +69,94 @@ def parse(argv: Sequence[str] | None = None) -> ServeConfig:
     return _parse(argv)[0]
 
 
-def _parse(argv: Sequence[str] | None) -> tuple[ServeConfig, bool]:
-    """The config and ``--debug``."""
+def _parse(argv: Sequence[str] | None) -> tuple[ServeConfig, Registration | None, bool]:
+    """The config, the proxy to register with, and ``--debug``."""
     config, args = parse_args(
-        ServeConfig, argv, prog=PROG, description=__doc__, env_prefix=ENV_PREFIX
-    )
+        ServeConfig, argv, prog=PROG, description=__doc__, env_prefix=ENV_PREFIX,
+        extra=_register_flags,
+    )  # fmt: skip
     if config.replicas < 1:
         exit_on_config_error(PROG, ConfigError(f"--replicas={config.replicas}: start 1 or more"))
-    return config, args.debug
+    try:
+        registration = _registration(config, args.register, args.register_key_env)
+    except ConfigError as exc:
+        exit_on_config_error(PROG, exc)
+    return config, registration, args.debug
 
 
-async def _serve(config: ServeConfig) -> None:
+def _registration(
+    config: ServeConfig, proxy: str | None, key_env: str | None
+) -> Registration | None:
+    if proxy is None:
+        if key_env is not None:
+            raise ConfigError("--register-key-env without --register: give the proxy's URL")
+        return None
+    if not proxy.startswith(("http://", "https://")):
+        raise ConfigError(f"--register {proxy!r}: write the proxy's URL, http://HOST:PORT")
+    if config.host in ("0.0.0.0", "::", ""):
+        raise ConfigError(
+            f"--register with --host {config.host!r}: the proxy would be told an address that is "
+            "not one; bind the address the proxy reaches this host at"
+        )
+    key = os.environ.get(key_env or REGISTER_KEY_ENV) or None
+    if key_env is not None and key is None:
+        raise ConfigError(f"--register-key-env {key_env}: that variable is not set")
+    return Registration(proxy.rstrip("/"), key)
+
+
+async def _serve(config: ServeConfig, registration: Registration | None) -> None:
     async with launch_replicas(config) as replicas:
         for r in replicas:
             print(f"replica {r.index} ready: {r.url} (pid {r.pid}, log {r.log_path}, "
                   f"{r.started_s:.1f} s)", flush=True)  # fmt: skip
-        await anyio.sleep_forever()
+        if registration is None:
+            await anyio.sleep_forever()
+        try:
+            await _join(registration, replicas, config.startup_timeout_s)
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(LEAVE_TIMEOUT_S):
+                await _leave(registration, replicas)
+
+
+async def _join(registration: Registration, replicas: list[Replica], timeout_s: float) -> None:
+    """Add every replica to the proxy; the proxy answers once each is up to date."""
+
+    def on_retry(error: str) -> None:
+        logger.warning("the proxy at %s cannot take a replica yet (retrying): %s",
+                       registration.proxy, error)  # fmt: skip
+
+    for r in replicas:
+        if not await update_proxy(registration.proxy, registration.key, r.url,
+                                  timeout_s=timeout_s, on_retry=on_retry):  # fmt: skip
+            raise ReplicaError(
+                f"the proxy at {registration.proxy} did not take replica {r.index} ({r.url}) "
+                f"within {timeout_s:.0f} s (serve.startup_timeout_s)"
+            )
+        print(f"replica {r.index} joined the proxy at {registration.proxy}", flush=True)
+
+
+async def _leave(registration: Registration, replicas: list[Replica]) -> None:
+    for r in replicas:
+        try:
+            await update_proxy(
+                registration.proxy, registration.key, r.url, remove=True, timeout_s=0
+            )
+        except (ConfigError, ReplicaError) as exc:
+            logger.warning("replica %d could not leave the proxy: %s", r.index, exc)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config, debug = _parse(argv)
+    config, registration, debug = _parse(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    run_command(lambda: _until_stopped(config), PROG, debug=debug)
+    run_command(lambda: _until_stopped(config, registration), PROG, debug=debug)
 
 
-def _until_stopped(config: ServeConfig) -> None:
+def _until_stopped(config: ServeConfig, registration: Registration | None) -> None:
     try:
-        run_async(_serve, config)
+        run_async(_serve, config, registration)
     except KeyboardInterrupt:
         pass  # SIGINT or SIGTERM is how a server is stopped: status 0
 

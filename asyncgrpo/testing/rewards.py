@@ -9,7 +9,12 @@ steps on 2 CPU cores.
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
+
+#: A file whose absence holds :func:`gated_digit_fraction` (tests pause a run's scoring).
+GATE_ENV = "ASYNCGRPO_TEST_REWARD_GATE"
 
 
 def _text(completion: Any) -> str:
@@ -30,3 +35,14 @@ def digit_fraction(prompts: list[Any], completions: list[Any], **kwargs: Any) ->
 def always_fails(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
     """A reward function that raises: the run must count it and go on."""
     raise RuntimeError("this reward function always fails")
+
+
+def gated_digit_fraction(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+    """:func:`digit_fraction`, once the file ``$ASYNCGRPO_TEST_REWARD_GATE`` names exists (at
+    once if the variable is unset): a test holds a run between two steps by removing the file,
+    e.g. until a replica it started has joined, without touching the run's processes. Runs in a
+    worker thread, as plain reward functions do."""
+    gate = os.environ.get(GATE_ENV)
+    while gate and not os.path.exists(gate):
+        time.sleep(0.2)
+    return digit_fraction(prompts, completions)

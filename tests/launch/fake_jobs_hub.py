@@ -4,7 +4,8 @@
 /api/jobs/<ns>`` (``run_job``), ``GET /api/jobs/<ns>/<id>`` (``inspect_job``), ``GET
 .../logs`` (``fetch_job_logs``: server-sent events, honouring ``tail``), ``POST .../cancel``;
 and, standing in for the Jobs gateway, each job's exposed port at ``/exposed/<id>/...``, which
-demands the bearer token like the real gateway. Every request is recorded. Jobs follow a script
+demands the bearer token like the real gateway (``/health`` answers as the job's script says;
+``/proxy/upstreams``, the trainer's proxy's admin route, answers 200). Every request is recorded. Jobs follow a script
 the test sets: ``hub.script(role) -> dict`` returns what a new job of that role does.
 """
 
@@ -40,6 +41,7 @@ class FakeJob:
     healthy_after_s: float | None = 0.0  #: None: never healthy
     fail_after_s: float | None = None  #: reported as ERROR after this
     complete_after_s: float | None = None  #: reported as COMPLETED after this
+    complete_when: Callable[[], bool] | None = None  #: reported as COMPLETED once this holds
     health_checks: int = 0
 
     @property
@@ -53,6 +55,8 @@ class FakeJob:
         if self.fail_after_s is not None and age >= self.fail_after_s:
             self.stage = "ERROR"
         elif self.complete_after_s is not None and age >= self.complete_after_s:
+            self.stage = "COMPLETED"
+        elif self.complete_when is not None and self.complete_when():
             self.stage = "COMPLETED"
 
 
@@ -79,6 +83,12 @@ class FakeHub(ThreadedApp):
 
     def api_requests(self) -> list[dict[str, Any]]:
         return [r for r in self.requests if r["path"].startswith("/api/")]
+
+    def admin_calls(self, job: FakeJob) -> list[tuple[str, str, bool]]:
+        """(method, url, authorized) of each call to ``job``'s ``/proxy/upstreams``."""
+        path = f"/exposed/{job.id}/proxy/upstreams"
+        return [(r["method"], r["body"]["url"], r["authorized"])
+                for r in self.requests if r["path"] == path]  # fmt: skip
 
     # -- server ------------------------------------------------------------------------------
 
@@ -184,6 +194,10 @@ class FakeHub(ThreadedApp):
                 return web.Response(status=503, text="starting")
             return web.Response(text="")
 
+        async def upstreams(request: web.Request) -> web.Response:
+            find(request)
+            return web.json_response({})
+
         app = web.Application(middlewares=[record])
         app.router.add_get("/api/whoami-v2", whoami)
         app.router.add_post("/api/buckets/{ns}/{name}", create_bucket)
@@ -192,4 +206,6 @@ class FakeHub(ThreadedApp):
         app.router.add_post("/api/jobs/{ns}/{id}/cancel", cancel)
         app.router.add_get("/api/jobs/{ns}/{id}/logs", logs)
         app.router.add_get("/exposed/{id}/health", exposed)
+        for method in ("POST", "DELETE"):
+            app.router.add_route(method, "/exposed/{id}/proxy/upstreams", upstreams)
         return app

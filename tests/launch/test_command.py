@@ -55,7 +55,9 @@ def test_dry_run_prints_every_spec_and_sends_no_request(tmp_path: Path, hub: Fak
     assert [line.split()[0] for line in text.splitlines() if line.endswith(("-0", "-1", "-2",
             "trainer")) and " job " in line] == ["replica", "replica", "replica", "trainer"]  # fmt: skip
     assert text.count("flavor:  l4x1") == 3 and text.count("flavor:  a100-large") == 1
-    assert text.count("timeout: 7200 s") == 4 and text.count("ports:   8000") == 3
+    # the trainer's proxy listens behind the gateway too: the launcher adds replacements to it
+    assert text.count("timeout: 7200 s") == 4 and text.count("ports:   8000") == 4
+    assert "proxy.host=0.0.0.0 proxy.port=8000" in text
     assert "secrets: HF_S3_ACCESS_KEY_ID, HF_S3_SECRET_ACCESS_KEY, HF_TOKEN" in text
     for value in (TOKEN, S3_KEY, S3_SECRET):
         assert value not in text + out.stderr

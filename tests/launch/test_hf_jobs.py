@@ -14,6 +14,8 @@ from asyncgrpo.config import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch import launch
 from asyncgrpo.launch.progress import progress_line
+from asyncgrpo.launch.trainer import load_config
+from asyncgrpo.proxy.config import token_allowed
 
 S3_KEY, S3_SECRET = "HFAKfakeaccesskey", "fakeS3secretvalue987"
 ENVIRON = {
@@ -96,12 +98,21 @@ def test_launch_creates_replicas_then_trainer_and_follows_it_to_completion(
         assert spec["secrets"] == ENVIRON  # every secret as a secret
         assert job.health_checks >= 1
     spec = trainer[0].spec
-    assert spec["flavor"] == "a100-large" and "expose" not in spec
+    assert spec["flavor"] == "a100-large"
     urls = [f"{hub.url}/exposed/{j.id}" for j in replicas]
     assert "proxy.upstreams=" + ",".join(urls) in spec["command"]
     assert "serve.replicas=0" in spec["command"]
-    # the proxy's outbound token through the Jobs gateway, read like every command's secrets
-    token = {"ASYNCGRPO_PROXY__UPSTREAM_API_KEY": ENVIRON["HF_TOKEN"]}
+    # its proxy behind the gateway (where the launcher adds replacement replicas), on all
+    # interfaces of the job, so with a key: the token the gateway demands anyway
+    assert spec["expose"]["ports"] == [8000]
+    assert {"proxy.host=0.0.0.0", "proxy.port=8000"} <= set(spec["command"])
+    # a replacement replica (added at run time) gets the token the gateway demands
+    assert f"proxy.upstream_key_urls={hub.url}" in spec["command"]
+    # the proxy's tokens, read like every command's secrets
+    token = {
+        f"ASYNCGRPO_PROXY__{name}": ENVIRON["HF_TOKEN"]
+        for name in ("UPSTREAM_API_KEY", "API_KEY", "ADMIN_API_KEY")
+    }
     assert spec["secrets"] == {**ENVIRON, **token}
     shipped = spec["environment"]["ASYNCGRPO_CONFIG"]
     assert "Qwen/Qwen2.5-0.5B-Instruct" in shipped
@@ -121,6 +132,62 @@ def test_launch_creates_replicas_then_trainer_and_follows_it_to_completion(
     assert {j["id"] for j in manifest["jobs"]} == set(hub.jobs)
     # the run is over: the replicas were cancelled, the completed trainer was not
     assert hub.cancelled() == {j.id for j in replicas}
+
+
+def test_a_replica_job_reported_failed_is_replaced_and_added_to_the_trainers_proxy(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    """One replica job fails mid-run: a new job is started; once healthy, the dead URL leaves
+    the trainer's proxy and the new one joins it (the admin route, through the gateway with the
+    token); the trainer, which completes only once a replica was added, completes."""
+    count = iter(range(10))
+    hub.scripts["replica"] = lambda: {"fail_after_s": 0.5} if next(count) == 1 else {}
+
+    def added() -> bool:
+        (trainer,) = hub.created("trainer")
+        return any(m == "POST" for m, _, _ in hub.admin_calls(trainer))
+
+    hub.scripts["trainer"] = lambda: {"complete_when": added}
+    cfg = make_config(tmp_path, "launch.replica_restart_backoff_s=0")
+
+    async def body(handle):
+        await handle.wait()
+        return handle.urls
+
+    urls = run_launch(cfg, hub, body)
+    replicas, (trainer,) = hub.created("replica"), hub.created("trainer")
+    assert len(replicas) == 3 and replicas[1].stage == "ERROR"
+    url = [f"{hub.url}/exposed/{j.id}" for j in replicas]
+    assert hub.admin_calls(trainer) == [("DELETE", url[1], True), ("POST", url[2], True)]
+    assert urls == [url[0], url[2]]
+    # the spec of the replacement is a replica's, under the next name
+    assert replicas[2].spec["command"] == replicas[0].spec["command"]
+    # the trainer job's proxy, as the job loads its config: reachable by the launcher with the
+    # token, and sending the token on to the replacement (the gateway demands it)
+    command = trainer.spec["command"]
+    args = command[command.index("asyncgrpo.launch.trainer") + 1 :]
+    loaded = load_config(args, {**trainer.spec["environment"], **trainer.spec["secrets"]})
+    assert loaded.proxy.admin_api_key == loaded.proxy.api_key == TOKEN
+    assert (loaded.proxy.host, loaded.proxy.port) == ("0.0.0.0", 8000)
+    assert token_allowed(url[2], loaded.proxy) and loaded.proxy.upstream_api_key == TOKEN
+    manifest = json.loads((cfg.run_dir / "launch" / "jobs.json").read_text())
+    names = {j["id"]: j["name"] for j in manifest["jobs"]}
+    assert names[replicas[2].id] == "fake-run-replica-2"
+    assert hub.cancelled() == {replicas[0].id, replicas[2].id}  # the failed one had ended
+
+
+def test_a_spent_restart_budget_fails_the_launch_naming_the_job(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    count = iter(range(10))
+    hub.scripts["replica"] = lambda: {"fail_after_s": 0.5} if next(count) >= 1 else {}
+    hub.scripts["trainer"] = lambda: {"logs": ["training"]}  # never completes by itself
+    cfg = make_config(tmp_path, "launch.replica_restarts=1", "launch.replica_restart_backoff_s=0")
+    with pytest.raises(LaunchError, match=r"replica job fake-run-replica-2 \(\w+\) failed during "
+                       r"the run \(exit code 1\); launch.replica_restarts=1 replacements used"):  # fmt: skip
+        run_launch(cfg, hub, lambda handle: handle.wait())
+    assert len(hub.created("replica")) == 3  # two at start, one replacement
+    assert hub.cancelled() == {hub.created("replica")[0].id, hub.created("trainer")[0].id}
 
 
 def test_job_url_from_the_template_when_the_api_reports_none(tmp_path: Path, hub: FakeHub) -> None:

@@ -47,13 +47,13 @@ http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
 class SmokeBackend(HfJobsBackend):
     """Hugging Face Jobs with a stand-in server for vLLM and an idle trainer; no transport."""
 
-    def replica_specs(self) -> list[JobSpec]:
-        return [JobSpec(role="replica", name="asyncgrpo-smoke-replica-0",
-                        command=("python", "-c", SERVER), image="python:3.12-slim",
-                        flavor="cpu-basic", timeout_s=900, port=8000,
-                        labels={"asyncgrpo-role": "replica"})]  # fmt: skip
+    def replica_spec(self, index: int) -> JobSpec:
+        return JobSpec(role="replica", name=f"asyncgrpo-smoke-replica-{index}",
+                       command=("python", "-c", SERVER), image="python:3.12-slim",
+                       flavor="cpu-basic", timeout_s=900, port=8000,
+                       labels={"asyncgrpo-role": "replica"})  # fmt: skip
 
-    def trainer_spec(self, urls: list[str]) -> JobSpec:
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
         return JobSpec(role="trainer", name="asyncgrpo-smoke-trainer",
                        command=("python", "-c", "import time; time.sleep(900)"),
                        image="python:3.12-slim", flavor="cpu-basic", timeout_s=900,

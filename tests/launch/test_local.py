@@ -8,12 +8,16 @@ failures and cancellation of whole process groups. The end-to-end run with real 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -67,17 +71,15 @@ TRAINER = textwrap.dedent("""
 class ScriptedRoles(LocalBackend):
     """The local backend with stand-in programs for vLLM and the trainer."""
 
-    def replica_specs(self) -> list[JobSpec]:
-        return [
-            JobSpec(
-                role="replica",
-                name=f"{self.cfg.run_name}-replica-{i}",
-                command=(sys.executable, "-c", REPLICA, str(port)),
-                env=self.transport_env,
-                port=port,
-            )
-            for i, port in enumerate(self.ports)
-        ]
+    def replica_spec(self, index: int) -> JobSpec:
+        port = self.port_of(index)
+        return JobSpec(
+            role="replica",
+            name=f"{self.cfg.run_name}-replica-{index}",
+            command=(sys.executable, "-c", REPLICA, str(port)),
+            env=self.transport_env,
+            port=port,
+        )
 
     def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
         return JobSpec(role="trainer", name=f"{self.cfg.run_name}-trainer",
@@ -153,6 +155,102 @@ def test_a_replica_that_dies_fails_the_launch_with_its_log(tmp_path: Path) -> No
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
 
+#: The trainer's proxy as far as the launcher sees it: answers the admin route on argv[1]'s
+#: port, printing each call; completes its three steps once a replica was added with the key.
+TRAINER_PROXY = textwrap.dedent("""
+    import http.server, json, os, sys, threading
+    from asyncgrpo.launch.progress import progress_line
+    key = os.environ["ASYNCGRPO_PROXY__ADMIN_API_KEY"]
+    added = threading.Event()
+    class H(http.server.BaseHTTPRequestHandler):
+        def admin(self):
+            url = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["url"]
+            ok = self.headers.get("Authorization") == f"Bearer {key}"
+            print("admin", self.command, url, "authorized" if ok else "refused", flush=True)
+            self.send_response(200 if ok else 401); self.end_headers(); self.wfile.write(b"{}")
+            if ok and self.command == "POST":
+                added.set()
+        do_POST = do_DELETE = admin
+        def log_message(self, *a): pass
+    server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    if not added.wait(60):
+        sys.exit("no replica was added")
+    for step in (1, 2, 3):
+        print(progress_line(step, 3, {"reward": step / 10, "ratio": 1.0}), flush=True)
+""")
+
+
+class ElasticRoles(ScriptedRoles):
+    """Stand-in replicas, and a trainer that stands in for its proxy's admin route."""
+
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
+        real = super(ScriptedRoles, self).trainer_spec(urls, cfg)  # the port and key it'd get
+        script = (TRAINER_PROXY, str(real.port)) if real.port else ("import time; time.sleep(60)",)
+        return JobSpec(role="trainer", name=real.name, port=real.port,
+                       command=(sys.executable, "-c", *script), secrets=real.secrets)  # fmt: skip
+
+
+def kill_replica(handle, index: int) -> str:
+    """SIGKILL replica ``index``'s process group (a lost machine); its URL."""
+    job = handle.replicas[index]
+    os.killpg(int(job.id.removeprefix("pid-")), signal.SIGKILL)
+    return job.url
+
+
+def test_a_replica_killed_mid_run_is_replaced_and_added_to_the_trainers_proxy(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = config(tmp_path, "launch.replica_restart_backoff_s=0")
+    launch_dir = cfg.run_dir / "launch"
+    environ = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    backend = ElasticRoles(cfg, launch_dir, environ=environ)
+
+    async def main() -> tuple[list[dict], str, list[str]]:
+        async with await launch(cfg, backend) as handle:
+            dead = kill_replica(handle, 1)
+            progress = await handle.wait()
+            return progress, dead, handle.urls
+
+    caplog.set_level("INFO", logger="asyncgrpo.launch")
+    progress, dead, urls = anyio.run(main)
+    assert [r["step"] for r in progress] == [1, 2, 3]
+    new = f"http://127.0.0.1:{backend.ports[2]}"
+    assert urls[1:] == [new] and dead not in urls
+    trainer_log = (launch_dir / "local-run-trainer.log").read_text()
+    assert f"admin DELETE {dead} authorized" in trainer_log
+    assert f"admin POST {new} authorized" in trainer_log
+    assert "refused" not in trainer_log
+    assert log_field(launch_dir / "local-run-replica-2.log", "cwd") == str(launch_dir / "replica-2")
+    jobs = {j["name"]: j for j in json.loads((launch_dir / "jobs.json").read_text())["jobs"]}
+    assert jobs["local-run-replica-1"]["replaced_by"] == "local-run-replica-2"
+    assert jobs["local-run-replica-2"]["replaces"] == "local-run-replica-1"
+    assert jobs["local-run-replica-2"]["url"] == new
+    said = caplog.text
+    assert "replica job local-run-replica-1" in said and "failed during the run" in said
+    assert "replacement 1 of launch.replica_restarts=3 (local-run-replica-2)" in said
+    assert "local-run-replica-2 (replacing local-run-replica-1) is in the trainer's proxy" in said
+
+
+def test_with_no_restarts_a_replica_killed_mid_run_stops_the_launch_naming_it(
+    tmp_path: Path,
+) -> None:
+    cfg = config(tmp_path, "launch.replica_restarts=0")
+    environ = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    backend = ElasticRoles(cfg, cfg.run_dir / "launch", environ=environ)
+    assert backend.admin_key is None and backend.proxy_port is None  # nothing to reach
+
+    async def main() -> None:
+        async with await launch(cfg, backend) as handle:
+            kill_replica(handle, 1)
+            await handle.wait()
+
+    with pytest.raises(LaunchError, match=r"replica job local-run-replica-1 \(pid-\d+\) failed "
+                       r"during the run \(exit code -9\)"):  # fmt: skip
+        anyio.run(main)
+    assert not (cfg.run_dir / "launch" / "local-run-replica-2.log").exists()
+
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 
 
@@ -160,24 +258,76 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 HIDE = os.geteuid() == 0 and shutil.which("unshare") is not None
 
 
-def launch_tiny(tiny_model: Path, tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+def launch_tiny(
+    tiny_model: Path, tmp_path: Path, *overrides: str, kill_replica_at: int | None = None
+) -> subprocess.CompletedProcess:
+    """``asyncgrpo launch examples/tiny_cpu.yaml --backend local``. With ``kill_replica_at``,
+    replica 1's process group is SIGKILLed once the trainer reports that step, and the run's
+    scoring is held (a reward gate) until the launcher says the replacement is in the trainer's
+    proxy: the replacement then serves the rest of the run, however slow its start."""
+    from asyncgrpo.testing.rewards import GATE_ENV
+
     cmd = [sys.executable, "-m", "asyncgrpo.cli", "launch", str(EXAMPLE), "--backend", "local",
            f"model={tiny_model}", f"output_dir={tmp_path}", f"launch.local_hide_trainer={HIDE}",
            *overrides]  # fmt: skip
     environ = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=1500)
+    gate = tmp_path / "reward-gate"
+    if kill_replica_at is not None:
+        cmd.append("rollout.reward_funcs=[asyncgrpo.testing.rewards:gated_digit_fraction]")
+        environ[GATE_ENV] = str(gate)
+        gate.touch()
+    out, err = tmp_path / "launch.out", tmp_path / "launch.err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.Popen(cmd, env=environ, stdout=stdout, stderr=stderr, text=True)
+    try:
+        if kill_replica_at is not None:
+            launch_dir = tmp_path / "tiny-cpu" / "launch"
+            trainer_log = launch_dir / "tiny-cpu-trainer.log"
+
+            def until(what: str, done: Callable[[], bool]) -> None:
+                deadline = time.monotonic() + 900
+                while not done():
+                    assert proc.poll() is None, f"the launch ended before {what}: {err.read_text()}"
+                    assert time.monotonic() < deadline, f"no {what}: {err.read_text()[-3000:]}"
+                    time.sleep(0.2)
+
+            until(f"step {kill_replica_at}", lambda: any(
+                r is not None and r["step"] >= kill_replica_at for r in map(parse_progress, (
+                    trainer_log.read_text().splitlines() if trainer_log.exists() else [])))
+            )  # fmt: skip
+            gate.unlink()
+            jobs = json.loads((launch_dir / "jobs.json").read_text())["jobs"]
+            job = next(j for j in jobs if j["name"] == "tiny-cpu-replica-1")
+            os.killpg(int(job["id"].removeprefix("pid-")), signal.SIGKILL)
+            until("the replacement in the trainer's proxy",
+                  lambda: "is in the trainer's proxy" in err.read_text())  # fmt: skip
+            gate.touch()
+        proc.wait(timeout=1500)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(), err.read_text())
+
+
+def loaded_adapters(replica_dir: Path) -> list[tuple[str, str]]:
+    """(name, path) of every adapter a replica's vLLM loaded."""
+    log = (replica_dir / "replica-0.log").read_text()
+    return re.findall(r"Loaded new LoRA adapter: name '(\S+)', path '(\S+)'", log)
 
 
 @pytest.mark.vllm
-def test_tiny_run_end_to_end_as_separate_processes_then_resumed(
+def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     """`asyncgrpo launch examples/tiny_cpu.yaml --backend local`: two replica processes and a
     trainer process in their own directories, meeting only in the transport directory (as root,
     the trainer's directory is an empty tmpfs to the replicas, so every adapter version must
-    reach them through the transport); ratio 1, reward rising; a second launch of the same run
-    continues from its last checkpoint."""
-    out = launch_tiny(tiny_model, tmp_path)  # the example's 40 steps
+    reach them through the transport). Replica 1's process group is SIGKILLed at step 2: the
+    launcher starts a replacement, which joins the trainer's proxy and is brought up to date;
+    every step trains, ratio 1 where reported, reward rising. A second launch of the same run continues
+    from its last checkpoint."""
+    out = launch_tiny(tiny_model, tmp_path, "launch.replica_restart_backoff_s=0",
+                      kill_replica_at=2)  # the example's 40 steps  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     launch_dir = tmp_path / "tiny-cpu" / "launch"
     trainer_log = (launch_dir / "tiny-cpu-trainer.log").read_text()
@@ -189,15 +339,27 @@ def test_tiny_run_end_to_end_as_separate_processes_then_resumed(
     rewards = [r["reward"] for r in records]  # the demo measured 0.02 -> 0.99 over these steps
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
     assert "step 40/40" in out.stdout and "every job stopped" in out.stdout
+    # the trainer's proxy: two replicas, and two again once the replacement is in
+    replicas = [r["replicas"] for r in records]
+    assert replicas[:2] == [2, 2] and replicas[-1] == 2, replicas
+    # the log says what happened
+    assert re.search(r"replica job tiny-cpu-replica-1 \(pid-\d+\) failed during the run "
+                     r"\(exit code -9\); training continues", out.stderr), out.stderr[-3000:]  # fmt: skip
+    assert "tiny-cpu-replica-2 (replacing tiny-cpu-replica-1) is in the trainer's proxy" in (
+        out.stderr
+    ), out.stderr[-3000:]
     # the replicas worked in their own directories and never named a trainer's file
     trainer_dir = str(launch_dir / "trainer")
-    for i in (0, 1):
-        replica_log = (launch_dir / f"replica-{i}" / "replica-0.log").read_text()
-        loaded = re.findall(r"Loaded new LoRA adapter: name '(\S+)', path '(\S+)'", replica_log)
-        assert len(loaded) >= 40, loaded  # a version per step (and v0)
+    loaded = {i: loaded_adapters(launch_dir / f"replica-{i}") for i in (0, 1, 2)}
+    assert len(loaded[0]) >= 40, loaded[0]  # a version per step (and v0)
+    # the replacement got the current version replayed, then every later one, and generated
+    assert len(loaded[2]) >= 2 and loaded[2][-1][0] == loaded[0][-1][0], loaded[2]
+    stats = (launch_dir / "replica-2" / "replica-0.log").read_text()
+    assert any(float(x) > 0 for x in re.findall(r"Avg generation throughput: ([\d.]+)", stats))
+    for i in (0, 1, 2):
         own_cache = str(launch_dir / f"replica-{i}" / "adapters") + "/"
-        assert all(path.startswith(own_cache) for _, path in loaded), loaded  # its own cache
-        assert trainer_dir not in replica_log
+        assert all(path.startswith(own_cache) for _, path in loaded[i]), loaded[i]
+        assert trainer_dir not in (launch_dir / f"replica-{i}" / "replica-0.log").read_text()
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
 

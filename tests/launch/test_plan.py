@@ -95,3 +95,22 @@ def test_launch_section_validates() -> None:
                        ({"jobs_url_template": "https://x"}, "jobs_url_template")]:  # fmt: skip
         with pytest.raises(ConfigError, match=field):
             config(launch=bad)
+
+
+def test_replacements_back_off_doubling_up_to_ten_minutes() -> None:
+    from asyncgrpo.launch.launcher import restart_delay
+
+    assert [restart_delay(n, 30) for n in (1, 2, 3, 5, 6, 9)] == [30, 60, 120, 480, 600, 600]
+    assert restart_delay(4, 0) == 0
+
+
+def test_replacements_get_the_token_where_the_first_replicas_live() -> None:
+    from asyncgrpo.launch.plan import key_origins
+
+    jobs = ["https://6a1f--8000.hf.jobs", "https://77b2--8000.hf.jobs/"]
+    assert key_origins(jobs) == ["https://*.hf.jobs"]
+    assert key_origins(["http://127.0.0.1:9000/exposed/ab", "http://[::1]:80"]) == [
+        "http://127.0.0.1:9000",
+        "http://[::1]:80",
+    ]
+    assert key_origins(["http://hf.jobs:8000", "<replica-0 URL>"]) == ["http://hf.jobs:8000"]

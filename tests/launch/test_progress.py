@@ -14,6 +14,9 @@ def test_round_trip_through_a_log_line() -> None:
     record = parse_progress(line)
     assert record == {"step": 7, "max_steps": 40, "reward": 0.25, "ratio": 1.0001, "sync_s": 0.4}
     assert describe_progress(record) == "step 7/40  reward 0.250  ratio 1.0001  sync 0.40 s"
+    # with a fleet that lost a member: the replicas in rotation
+    record = parse_progress(progress_line(8, 40, {**metrics, "fleet/in_rotation": 1.0}))
+    assert describe_progress(record).endswith("sync 0.40 s  replicas 1")  # type: ignore[arg-type]
 
 
 def test_other_lines_are_not_progress() -> None:

@@ -43,7 +43,9 @@ def test_the_fleet_takes_the_largest_rank_and_a_storage_query_stays_at_the_end()
     assert fleet.serve.lora_rank == 16 and fleet.serve.lora_slots == 2 * (4 + 2)
     assert under("az://c/runs?sv=1&sig=x", "lr-0") == "az://c/runs/lr-0?sv=1&sig=x"
     one = config()
-    assert sweep_points(one, None)[0].cfg is one and fleet_config(one, sweep_points(one, None)) is one
+    assert (
+        sweep_points(one, None)[0].cfg is one and fleet_config(one, sweep_points(one, None)) is one
+    )
 
 
 @pytest.mark.parametrize(

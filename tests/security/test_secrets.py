@@ -75,7 +75,7 @@ def test_a_launch_passes_credentials_as_secrets_only(tmp_path: Path) -> None:
     """Replica argv and the trainer job's plain environment (its shipped config) carry no
     secret; the jobs get them as secrets and still end up with the same settings."""
     backend = LocalBackend(_cfg(output_dir=str(tmp_path)), tmp_path / "launch")
-    (replica,) = backend.replica_specs()[:1]
+    replica = backend.replica_spec(0)
     trainer = backend.trainer_spec(["http://127.0.0.1:9"])
     for spec in (replica, trainer):
         assert _leaks(" ".join(spec.command)) == [], spec.command
