@@ -471,3 +471,35 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
     trainer_log = (launch_dir / "tiny-cpu-trainer.log").read_text()
     assert "resumed from checkpoint step 40" in trainer_log
     assert "step 42/42" in again.stdout and "step 1/42" not in again.stdout
+
+
+@pytest.mark.vllm
+def test_a_two_point_sweep_end_to_end_shares_one_replica(tiny_model: Path, tmp_path: Path) -> None:
+    """`asyncgrpo launch examples/tiny_cpu.yaml --backend local --sweep trainer.learning_rate=..`:
+    one replica process sized for both points' adapter windows, the sweep's proxy process in front
+    of it, and a trainer process per point; each point books its LoRA slots on the proxy, trains
+    its steps with its own adapter names and storage, and the command prints a progress line per
+    run and step."""
+    out = launch_tiny(tiny_model, tmp_path, "--sweep", "trainer.learning_rate=1e-3,3e-3",
+                      "launch.replicas=1", "trainer.max_steps=3", "trainer.max_staleness=1")  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for i in (0, 1):
+        assert [f"tiny-cpu-{i}: step {s}/3" in out.stdout for s in (1, 2, 3)] == [True] * 3
+    assert "every trainer completed" in out.stdout and "every job stopped" in out.stdout
+    launch_dir = tmp_path / "tiny-cpu" / "launch"
+    # the replica holds both windows: 2 x (max_staleness 1 + 2) LoRA slots
+    assert "'max_loras': 6," in (launch_dir / "replica-0" / "replica-0.log").read_text()
+    proxy_log = (launch_dir / "tiny-cpu-proxy.log").read_text()
+    loaded = loaded_adapters(launch_dir / "replica-0")
+    for i in (0, 1):
+        assert re.search(rf"run tiny-cpu-{i}-\w+ holds 3 LoRA slots", proxy_log), proxy_log[-3000:]
+        assert re.search(rf"run tiny-cpu-{i}-\w+ released its LoRA slots", proxy_log)
+        records = [r for r in map(parse_progress, (
+            launch_dir / f"tiny-cpu-{i}-trainer.log").read_text().splitlines()) if r is not None]  # fmt: skip
+        assert [r["step"] for r in records] == [1, 2, 3]
+        # its versions, from its own storage, and none of the other point's
+        mine = [(n, p) for n, p in loaded if n.startswith(f"tiny-cpu-{i}-")]
+        assert len(mine) >= 4, loaded  # v0 and a version per step
+        assert all(f"tiny-cpu-{1 - i}" not in p for _, p in mine), mine
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
