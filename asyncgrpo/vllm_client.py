@@ -11,7 +11,7 @@ import json
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 import anyio
@@ -154,11 +154,14 @@ class VLLMClient:
     async def _ok(self, method: str, path: str, **kw: Any) -> str:
         status, body = await self._request(method, path, **kw)
         if status >= 400:
-            raise ReplicaHTTPError(
-                f"{method} {self.base_url}{path} -> {status}: {body[:500]}",
-                url=self.base_url + path, status=status, body=body,
-            )  # fmt: skip
+            self._refused(method, path, status, body)
         return body
+
+    def _refused(self, method: str, path: str, status: int, body: str) -> NoReturn:
+        raise ReplicaHTTPError(
+            f"{method} {self.base_url}{path} -> {status}: {body[:500]}",
+            url=self.base_url + path, status=status, body=body,
+        )  # fmt: skip
 
     async def health(self) -> bool:
         try:
@@ -196,20 +199,14 @@ class VLLMClient:
         if status == 409:
             raise ConfigError(_error_message(text))
         if status >= 400:
-            raise ReplicaHTTPError(
-                f"POST {self.base_url}{PROXY_RUNS_PATH} -> {status}: {text[:500]}",
-                url=self.base_url + PROXY_RUNS_PATH, status=status, body=text,
-            )  # fmt: skip
+            self._refused("POST", PROXY_RUNS_PATH, status, text)
         return True
 
     async def release_run(self, run: str) -> None:
         """Give back the LoRA slots :meth:`register_run` booked (a run that ends)."""
         status, text = await self._request("DELETE", PROXY_RUNS_PATH, json_body={"run": run})
         if status >= 400 and status != 404:
-            raise ReplicaHTTPError(
-                f"DELETE {self.base_url}{PROXY_RUNS_PATH} -> {status}: {text[:500]}",
-                url=self.base_url + PROXY_RUNS_PATH, status=status, body=text,
-            )  # fmt: skip
+            self._refused("DELETE", PROXY_RUNS_PATH, status, text)
 
     async def proxy_stats(self) -> dict[str, Any] | None:
         """An asyncgrpo proxy's ``GET /proxy/stats`` document; None if this URL does not answer

@@ -90,12 +90,16 @@ def test_weights_set_the_shares_and_a_run_asking_less_gets_all_it_asks() -> None
     assert order.count("c") == 1
 
 
-def test_a_request_that_ends_at_once_frees_its_place_without_recursion() -> None:
+def _one_place() -> tuple[Runs, Run, list[str]]:
+    """Room for one sequence; run ``a``; the order turns come in."""
     runs = Runs(lease_s=60)
     runs.per_replica = 1
     runs.resize(1, 0.0)
-    order: list[str] = []
-    run = runs.run("a-v0", 0.0)
+    return runs, runs.run("a-v0", 0.0), []
+
+
+def test_a_request_that_ends_at_once_frees_its_place_without_recursion() -> None:
+    runs, run, order = _one_place()
 
     def fail_at_once(req: Req) -> None:  # no replica: answered 503 inside its own start
         runs.done(run, 1, 0.0)
@@ -111,11 +115,7 @@ def test_a_request_that_ends_at_once_frees_its_place_without_recursion() -> None
 
 
 def test_a_waiting_request_withdrawn_and_no_replica_means_no_waiting() -> None:
-    runs = Runs(lease_s=60)
-    runs.per_replica = 1
-    runs.resize(1, 0.0)
-    order: list[str] = []
-    run = runs.run("a-v0", 0.0)
+    runs, run, order = _one_place()
     first, second, third = Req("1", order), Req("2", order), Req("3", order)
     assert runs.admit(run, first, 1, 0.0)
     assert not runs.admit(run, second, 1, 0.0) and not runs.admit(run, third, 1, 0.0)
