@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 import time
 from pathlib import Path
 
 import anyio
 
+from asyncgrpo.errors import ConfigError
 from asyncgrpo.serve import launch_replicas
 from asyncgrpo.testing import (
     make_lora_adapter,
@@ -26,13 +28,36 @@ from asyncgrpo.testing.verify import served_logprob_errors
 from asyncgrpo.vllm_client import VLLMClient
 
 TOLERANCE = 1e-4
+#: In every directory a demo writes: the next demo may empty it (and nothing else).
+MARKER = ".asyncgrpo-demo"
+
+
+def prepare_output_dir(output_dir: Path, *, fresh: bool) -> Path:
+    """``output_dir``, created, marked as a demo's, and emptied first when ``fresh``. A
+    directory holding files no demo wrote is refused, not deleted: ``--output-dir ~`` must not
+    cost the user their home directory."""
+    output_dir = output_dir.resolve()
+    try:
+        if output_dir.exists() and (output_dir / MARKER).exists():
+            if fresh:
+                shutil.rmtree(output_dir)
+        elif output_dir.exists() and any(output_dir.iterdir()):
+            raise ConfigError(
+                f"--output-dir {output_dir} holds files no demo wrote (or a demo's from before "
+                "demos marked their directory): give a new or empty directory"
+            )
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / MARKER).write_text("written by asyncgrpo's demos; the next one empties it\n")
+    except OSError as exc:
+        raise ConfigError(f"--output-dir {output_dir}: {exc.strerror or exc}") from None
+    return output_dir
 
 
 async def run_serving_check(output_dir: Path, replicas: int = 2) -> None:
     from transformers import AutoTokenizer
 
     started = time.monotonic()
-    await anyio.Path(output_dir).mkdir(parents=True, exist_ok=True)
+    output_dir = await anyio.to_thread.run_sync(lambda: prepare_output_dir(output_dir, fresh=False))
     print(f"[1/4] building a tiny model and a LoRA adapter in {output_dir}")
     model = await anyio.to_thread.run_sync(make_tiny_model, output_dir / "model")
     adapter = await anyio.to_thread.run_sync(make_lora_adapter, model, output_dir / "adapter")
@@ -87,8 +112,6 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
     Asynchronous: the replicas generate up to ``trainer.max_staleness`` versions ahead of the
     trainer, and the loss corrects for it (``trainer.off_policy``).
     """
-    import shutil
-
     from tqdm import tqdm
 
     from asyncgrpo.config import TrainingConfig
@@ -99,9 +122,7 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
     if not EXAMPLE_CONFIG.exists():
         raise SystemExit(f"the demo config {EXAMPLE_CONFIG} is missing: run it from a checkout")
     started = time.monotonic()
-    output_dir = output_dir.resolve()
-    if await anyio.Path(output_dir).exists():  # the demo always starts fresh
-        await anyio.to_thread.run_sync(shutil.rmtree, output_dir)
+    output_dir = await anyio.to_thread.run_sync(lambda: prepare_output_dir(output_dir, fresh=True))
     print(f"building a tiny Qwen2 model in {output_dir / 'model'}")
     model = await anyio.to_thread.run_sync(make_tiny_model, output_dir / "model")
     overrides = [f"model={model}", f"output_dir={output_dir.parent}", f"run_name={output_dir.name}"]

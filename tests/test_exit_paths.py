@@ -127,6 +127,20 @@ def test_demo_and_check_serving_argument_errors(
     check(run([*ASYNCGRPO, *command], tmp_path), 2, cause)
 
 
+@pytest.mark.parametrize("command", ["demo", "check-serving"])
+def test_an_output_dir_the_demo_cannot_use_is_refused_and_kept(
+    tmp_path: Path, command: str
+) -> None:
+    """A directory of the user's (the demo used to empty any --output-dir), or a path under a
+    file: status 2 before anything is built, and the user's file is still there."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "thesis.tex").write_text("years of work")
+    check(run([*ASYNCGRPO, command, "--output-dir", "mine"], tmp_path), 2, "holds files no demo")
+    assert (tmp_path / "mine" / "thesis.tex").read_text() == "years of work"
+    (tmp_path / "a-file").write_text("")
+    check(run([*ASYNCGRPO, command, "--output-dir", "a-file/sub"], tmp_path), 2, "Not a directory")
+
+
 @pytest.mark.parametrize("debug", [False, True])
 def test_plot_of_a_directory_without_metrics(tmp_path: Path, debug: bool) -> None:
     flag = ["--debug"] if debug else []

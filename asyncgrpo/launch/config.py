@@ -11,7 +11,7 @@ from typing import Literal
 
 from asyncgrpo.errors import ConfigError
 
-_TIMEOUT = re.compile(r"^\d+(\.\d+)?[smhd]?$")
+_TIMEOUT = re.compile(r"[0-9]+(\.[0-9]+)?[smhd]?")
 #: Hugging Face Jobs' exposed-port URL, used when a job does not report its own.
 JOBS_URL_TEMPLATE = "https://{job_id}--{port}.hf.jobs"
 
@@ -80,7 +80,7 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ConfigError(f"launch.replicas={self.replicas}: set it to 1 or more")
-        if not _TIMEOUT.match(self.timeout):
+        if not _TIMEOUT.fullmatch(self.timeout):
             raise ConfigError(
                 f"launch.timeout={self.timeout!r}: write seconds or a number with s, m, h or d, "
                 "e.g. 8h"

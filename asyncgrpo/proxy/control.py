@@ -2,9 +2,9 @@
 
 A broadcast goes to the fleet, the replicas in rotation (:meth:`UpstreamPool.targets`), holding
 the fleet lock so that no replica enters the fleet halfway through it. A replica that cannot be
-reached, or answers 5xx (but 501, a refusal), leaves the fleet instead of failing the broadcast
-(it catches up before it returns); a broadcast fails only when no replica is left or a live one
-refuses. A load is all or nothing over the fleet: retried on one replica only while it answers
+reached, or answers 5xx (but 501, a refusal) and then fails its health check, leaves the fleet
+instead of failing the broadcast (it catches up before it returns); a broadcast fails only when
+no replica is left or a live one refuses. A load is all or nothing over the fleet: retried on one replica only while it answers
 that the adapter is not there yet, up to ``load_deadline_s`` (then 504, never 404: TRL reads 404
 as "runtime LoRA updating is disabled"); any other refusal ("already loaded" included: names are
 never reused) is rolled back on the replicas that accepted it. Rules and reasons:
@@ -91,14 +91,16 @@ def _load_refusal(path: str, parsed: dict[str, Any], roots: tuple[str, ...]) -> 
 async def _call(
     proxy: Proxy, up: Upstream, path_qs: str, body: bytes | None, timeout_s: float = 0
 ) -> tuple[int, bytes]:
-    """POST to one replica of the fleet. One that cannot be reached or answers 5xx (but 501, a
-    refusal) leaves the fleet: status 0."""
+    """POST to one replica of the fleet. One that cannot be reached, or answers 5xx (but 501, a
+    refusal) and then fails its health check, leaves the fleet: status 0. vLLM answers 500 both
+    from a dead engine and to an adapter it cannot apply (a LoRA on ``lm_head``): a replica
+    that still answers ``/health`` refused, and stays."""
     try:
         status, data = await proxy.pool.call(up, "POST", path_qs, body, timeout_s)
     except OSError as exc:  # TimeoutError included
         proxy.pool.on_failure(up, "broadcast", f"{type(exc).__name__}: {exc}")
         return 0, str(exc).encode()
-    if status >= 500 and status != 501:
+    if status >= 500 and status != 501 and not await proxy.pool.probe(up):
         proxy.pool.on_failure(up, f"http_{status}", f"{path_qs}: {data[:200]!r}")
         return 0, data
     return status, data

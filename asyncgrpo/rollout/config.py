@@ -17,7 +17,7 @@ from asyncgrpo.settings import check_fields
 
 RequestMode = Literal["n", "per_sample"]
 
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
 @dataclass(kw_only=True)
@@ -164,7 +164,7 @@ class RolloutConfig:
         if isinstance(self.reward_funcs, str):
             self.reward_funcs = [self.reward_funcs]
         for path in self.reward_funcs:
-            if not isinstance(path, str) or not _IMPORT_PATH.match(path):
+            if not isinstance(path, str) or not _IMPORT_PATH.fullmatch(path):
                 raise ConfigError(
                     f"rollout.reward_funcs entry {path!r}: write it as an import path "
                     "'package.module:function'"

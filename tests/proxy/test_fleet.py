@@ -45,6 +45,7 @@ class StandIn:
     #: its engine dies at the load of this adapter: "before" or "after" answering it
     die_on_load: dict[str, str] = field(default_factory=dict)
     dead: bool = False  #: drops every connection
+    sick: bool = False  #: its /health answers 503 (vLLM's with a dead engine)
     hold: asyncio.Event = field(default_factory=asyncio.Event)  #: completions marked "hold"
     runner: web.AppRunner | None = None
 
@@ -89,7 +90,7 @@ class StandIn:
         return await handler(request)
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(text="")
+        return web.Response(status=503 if self.sick else 200, text="")
 
     async def models(self, request: web.Request) -> web.Response:
         names = ["base", *sorted(self.adapters)]
@@ -249,6 +250,26 @@ async def test_a_returner_catching_up_while_a_sync_runs_enters_with_the_new_vers
         b.refuse["v3"] = 422
         status, _ = await c.load("v3")
         assert status == 422 and "v3" not in a.adapters | b.adapters
+
+
+async def test_a_live_replica_answering_500_to_a_load_refused_it_and_stays(
+    fleet: list[StandIn],
+) -> None:
+    """vLLM answers 500 to an adapter it cannot apply (a LoRA on lm_head): the load fails with
+    that answer, rolled back, and both replicas stay in the fleet (before, a 500 made each
+    leave, the load answered "no replica could be reached", and generation stopped)."""
+    a, b = fleet
+    cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, **{**FAST, "health_interval_s": 3600})
+    async with serve_proxy(cfg) as base, aiohttp.ClientSession() as session:
+        c = Client(session, base)
+        a.refuse["bad"] = b.refuse["bad"] = 500
+        status, text = await c.load("bad")
+        assert (status, text) == (500, '{"error": "integrity"}')
+        assert [(await c.upstream(r.url))["circuit"] for r in fleet] == ["closed", "closed"]
+        assert (await c.load("v1"))[0] == 200 and a.adapters == b.adapters == {"v1"}
+        b.refuse["v2"], b.sick = 500, True  # a 500 from a dead engine: it leaves
+        assert (await c.load("v2"))[0] == 200 and a.adapters == {"v1", "v2"}
+        assert (await c.upstream(b.url))["circuit"] == "open"
 
 
 async def test_a_replica_that_was_only_unreachable_unloads_what_was_retired_meanwhile(
