@@ -295,16 +295,6 @@ class TrainingConfig:
             lora_rank=self.lora.r,
             max_staleness=self.trainer.max_staleness,
         )
-        if self.serve.replicas and self.serve.api_key:
-            # The run's own proxy sends one key to the replicas it is started with.
-            if self.proxy.upstream_api_key is None:
-                self.proxy = dataclasses.replace(self.proxy, upstream_api_key=self.serve.api_key)
-            elif self.proxy.upstream_api_key != self.serve.api_key:
-                raise ConfigError(
-                    "serve.api_key and proxy.upstream_api_key differ: the run's proxy sends one "
-                    "key to every replica it starts with; give both the same value or unset "
-                    "proxy.upstream_api_key"
-                )
         if self.serve.replicas == 0 and not self.proxy.upstreams:
             raise ConfigError(
                 "serve.replicas=0 and proxy.upstreams is empty: start local replicas "

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncgrpo.errors import ReplicaError
+from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.proxy.server import serve_proxy
 from asyncgrpo.run_store import run_transport_url
 from asyncgrpo.serve import ServeConfig, launch_replicas
@@ -53,6 +53,20 @@ def replica_config(cfg: TrainingConfig, transport_url: str | None = None) -> Ser
         log_dir=cfg.serve.log_dir or str(cfg.run_dir / "replica-logs"),
         transports=(transport_url or run_transport_url(cfg),),
         adapter_cache_dir=cfg.serve.adapter_cache_dir or str(cfg.run_dir / "replica-adapters"),
+    )
+
+
+def upstream_key(cfg: TrainingConfig) -> str | None:
+    """The key the run's own proxy sends upstream. It sends one key to every replica it starts
+    with, so replicas the run starts with ``serve.api_key`` get that key (``proxy.upstream_api_key``
+    unset); a different ``proxy.upstream_api_key`` could never reach both and is refused."""
+    key, own = cfg.proxy.upstream_api_key, cfg.serve.api_key if cfg.serve.replicas else None
+    if own is None or key in (None, own):
+        return own or key
+    raise ConfigError(
+        "serve.api_key and proxy.upstream_api_key differ while the run starts replicas "
+        "(serve.replicas >= 1): its proxy sends one key to every replica; give both the same "
+        "value, or unset proxy.upstream_api_key"
     )
 
 
@@ -88,6 +102,7 @@ async def open_endpoint(
     if given is not None:
         yield given
         return
+    key = upstream_key(cfg)
     async with AsyncExitStack() as stack:
         urls = list(cfg.proxy.upstreams)
         if cfg.serve.replicas:
@@ -97,6 +112,7 @@ async def open_endpoint(
         proxy = dataclasses.replace(
             cfg.proxy,
             upstreams=tuple(urls),
+            upstream_api_key=key,
             lora_roots=(*cfg.proxy.lora_roots, str(cache_dir)),
         )
         url = await stack.enter_async_context(serve_proxy(proxy))

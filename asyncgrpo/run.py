@@ -179,8 +179,9 @@ async def _open_run(cfg: TrainingConfig, dp: Any) -> AsyncIterator[_Run]:
 async def _adapter_sync(
     run: _Run, endpoint: Endpoint, loader_factory: LoaderFactory | None
 ) -> AsyncIterator[AdapterSync]:
-    """The preflight checks, then the sync that publishes each version and loads it on every
-    replica through the proxy; on exit it unloads what it loaded (the store keeps them all)."""
+    """The preflight checks and the run's LoRA slots booked on the proxy, then the sync that
+    publishes each version and loads it on every replica through the proxy; on exit it unloads
+    what it loaded (the store keeps them all) and gives the slots back."""
     cfg = run.cfg
     async with VLLMClient(endpoint.url, api_key=endpoint.api_key) as client:
         fetching = await _preflight(cfg, client, run.transport.url)
@@ -202,10 +203,29 @@ async def _adapter_sync(
             max_staleness=cfg.trainer.max_staleness,
             base_model=cfg.model,
         )
-        try:
-            yield sync
-        finally:
-            await sync.unload_all()
+        async with _lora_slots(cfg, client, run.prefix):
+            try:
+                yield sync
+            finally:
+                await sync.unload_all()
+
+
+@asynccontextmanager
+async def _lora_slots(cfg: TrainingConfig, client: VLLMClient, prefix: str) -> AsyncIterator[None]:
+    """Book the LoRA slots this run keeps loaded at most (``max_staleness + 2``) on the proxy,
+    which refuses, naming ``--max-loras``, a run the replicas cannot hold besides the other runs
+    sharing them (and sets the run's share weight); give them back at the end."""
+    slots = cfg.trainer.max_staleness + 2
+    booked = await client.register_run(prefix, lora_slots=slots, weight=cfg.rollout.share_weight)
+    try:
+        yield
+    finally:
+        if booked:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                try:
+                    await client.release_run(prefix)
+                except ReplicaError as exc:  # the proxy lets the booking lapse by itself
+                    logger.warning("could not give back the run's LoRA slots: %s", exc)
 
 
 async def _preflight(cfg: TrainingConfig, client: VLLMClient, transport_url: str) -> bool:

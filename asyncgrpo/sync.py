@@ -8,8 +8,9 @@ The sequence (the trainer's clock, ``perf/weight_sync_s``):
    a reference into the transport that each replica fetches and verifies itself
    (:class:`TransportSource`: replicas on other machines), or a directory on this host that the
    trainer fetched (:class:`LocalCacheSource`: replicas that share this filesystem);
-3. ``POST /pause?mode=keep`` (KV cache and in-flight requests survive), the load on every
-   replica, all or nothing (the proxy rolls back a partial load), ``POST /resume``;
+3. the load on every replica, all or nothing (the proxy rolls back a partial load), while the
+   replicas keep serving: no ``/pause``, which would stop every run's generation on a shared
+   fleet, and none is needed since a new version is a new name no request uses yet;
 4. switch the rollouts to the new name (``on_loaded``), then unload the version that fell out of
    the staleness window.
 
@@ -82,10 +83,8 @@ class LocalCacheSource:
 
 
 class AdapterLoader(Protocol):
-    """Pause, load and resume on every replica; the proxy by default."""
+    """Load and unload on every replica; the proxy by default."""
 
-    async def pause(self) -> None: ...
-    async def resume(self) -> None: ...
     async def load(self, name: str, location: str) -> None: ...
     async def unload(self, name: str) -> None: ...
     async def loaded(self) -> list[str]: ...
@@ -101,12 +100,6 @@ class ProxyLoader:
     def __init__(self, client: VLLMClient, *, fetching: bool = False) -> None:
         self.client = client
         self.fetching = fetching
-
-    async def pause(self) -> None:
-        await self.client.pause("keep")
-
-    async def resume(self) -> None:
-        await self.client.resume()
 
     async def load(self, name: str, location: str) -> None:
         if self.fetching:
@@ -216,12 +209,7 @@ class AdapterSync:
         last: Exception | None = None
         for attempt in range(1, self.attempts + 1):
             try:
-                await self.loader.pause()
-                try:
-                    await self.loader.load(name, location)
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await self.loader.resume()
+                await self.loader.load(name, location)
                 return
             except ReplicaError as exc:
                 last = exc

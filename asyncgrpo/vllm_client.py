@@ -11,7 +11,7 @@ import json
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 import anyio
@@ -21,6 +21,8 @@ from asyncgrpo.errors import ConfigError, ReplicaError, ReplicaHTTPError
 ADAPTER_NOT_FOUND = "No adapter found"
 #: The asyncgrpo proxy's list of replicas; a vLLM server has no such route.
 PROXY_UPSTREAMS_PATH = "/proxy/upstreams"
+#: The asyncgrpo proxy's book of the runs sharing its replicas (their LoRA slots and weights).
+PROXY_RUNS_PATH = "/proxy/runs"
 #: The asyncgrpo proxy's counters, the fleet's among them.
 PROXY_STATS_PATH = "/proxy/stats"
 #: Where a replica describes its configuration as JSON (needs ``VLLM_SERVER_DEV_MODE=1``).
@@ -32,15 +34,29 @@ def already_loaded(status: int, body: bytes) -> bool:
     return status == 400 and b"already" in body
 
 
-def block_size_of(info: Any) -> int | None:
-    """``vllm_config.cache_config.block_size`` from a ``/server_info`` document, if it says."""
+def _server_setting(info: Any, section: str, name: str) -> int | None:
+    """``vllm_config.<section>.<name>`` from a ``/server_info`` document, if it says (an int)."""
     if not isinstance(info, dict):
         return None
     cfg = info.get("vllm_config", info)
-    cache = cfg.get("cache_config") if isinstance(cfg, dict) else None  # a string in some versions
-    if isinstance(cache, dict) and isinstance(cache.get("block_size"), int):
-        return cache["block_size"]
-    return None
+    part = cfg.get(section) if isinstance(cfg, dict) else None  # a string in some versions
+    value = part.get(name) if isinstance(part, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def block_size_of(info: Any) -> int | None:
+    """``vllm_config.cache_config.block_size`` from a ``/server_info`` document, if it says."""
+    return _server_setting(info, "cache_config", "block_size")
+
+
+def lora_slots_of(info: Any) -> int | None:
+    """The replica's ``--max-loras`` (None: LoRA off, or the document does not say)."""
+    return _server_setting(info, "lora_config", "max_loras")
+
+
+def max_num_seqs_of(info: Any) -> int | None:
+    """The replica's ``--max-num-seqs``: sequences it runs at once; beyond, it queues them."""
+    return _server_setting(info, "scheduler_config", "max_num_seqs")
 
 
 # Routes of asyncgrpo's vLLM endpoint plugin (asyncgrpo.serve.vllm_plugin): the replica fetches a
@@ -138,11 +154,14 @@ class VLLMClient:
     async def _ok(self, method: str, path: str, **kw: Any) -> str:
         status, body = await self._request(method, path, **kw)
         if status >= 400:
-            raise ReplicaHTTPError(
-                f"{method} {self.base_url}{path} -> {status}: {body[:500]}",
-                url=self.base_url + path, status=status, body=body,
-            )  # fmt: skip
+            self._refused(method, path, status, body)
         return body
+
+    def _refused(self, method: str, path: str, status: int, body: str) -> NoReturn:
+        raise ReplicaHTTPError(
+            f"{method} {self.base_url}{path} -> {status}: {body[:500]}",
+            url=self.base_url + path, status=status, body=body,
+        )  # fmt: skip
 
     async def health(self) -> bool:
         try:
@@ -167,6 +186,27 @@ class VLLMClient:
         if not isinstance(doc, dict) or not isinstance(doc.get("upstreams"), list):
             return None
         return [str(u.get("url")) for u in doc["upstreams"] if isinstance(u, dict)]
+
+    async def register_run(self, run: str, *, lora_slots: int, weight: float = 1.0) -> bool:
+        """Book ``lora_slots`` of the replicas' LoRA slots for adapter prefix ``run``, with its
+        share weight, on the asyncgrpo proxy behind this URL. False when it keeps no such book
+        (a vLLM server, an older proxy); ``ConfigError`` naming ``--max-loras`` and the numbers
+        when the runs sharing the replicas would need more slots than they have."""
+        body = {"run": run, "lora_slots": lora_slots, "weight": weight}
+        status, text = await self._request("POST", PROXY_RUNS_PATH, json_body=body)
+        if status == 404:
+            return False
+        if status == 409:
+            raise ConfigError(_error_message(text))
+        if status >= 400:
+            self._refused("POST", PROXY_RUNS_PATH, status, text)
+        return True
+
+    async def release_run(self, run: str) -> None:
+        """Give back the LoRA slots :meth:`register_run` booked (a run that ends)."""
+        status, text = await self._request("DELETE", PROXY_RUNS_PATH, json_body={"run": run})
+        if status >= 400 and status != 404:
+            self._refused("DELETE", PROXY_RUNS_PATH, status, text)
 
     async def proxy_stats(self) -> dict[str, Any] | None:
         """An asyncgrpo proxy's ``GET /proxy/stats`` document; None if this URL does not answer
@@ -290,6 +330,16 @@ class VLLMClient:
 
     async def completions(self, payload: Mapping[str, Any]) -> dict[str, Any]:
         return json.loads(await self._ok("POST", "/v1/completions", json_body=payload))
+
+
+def _error_message(text: str) -> str:
+    """The message of an OpenAI-style error body (the proxy's), else the body itself."""
+    try:
+        error = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return text[:500]
+    message = error.get("message") if isinstance(error, dict) else None
+    return message if isinstance(message, str) else text[:500]
 
 
 def check_lora_capacity(info: Mapping[str, Any], *, lora_rank: int, max_staleness: int) -> int:

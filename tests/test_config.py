@@ -190,24 +190,6 @@ def test_the_dual_clip_of_off_policy_none_must_exceed_the_clip_range():
     assert _cfg("trainer.off_policy=decoupled", "trainer.importance_cap=1.1")
 
 
-def test_the_runs_proxy_sends_the_key_of_the_replicas_it_starts():
-    """Replicas a run starts with serve.api_key answer 401 to a proxy that does not send it."""
-    base = {"model": "m", "dataset": {"prompts": ["p"]}}
-    cfg = TrainingConfig.from_dict({**base, "serve": {"replicas": 1, "api_key": "k"}})
-    assert cfg.proxy.upstream_api_key == "k"
-    keep = {"serve": {"replicas": 1, "api_key": "k"}, "proxy": {"upstream_api_key": "k"}}
-    assert TrainingConfig.from_dict({**base, **keep}).proxy.upstream_api_key == "k"
-    remote = {"serve": {"replicas": 0, "api_key": "k"}, "proxy": {"upstreams": ["http://h:1"]}}
-    assert TrainingConfig.from_dict({**base, **remote}).proxy.upstream_api_key is None
-    with pytest.raises(
-        ConfigError, match=r"serve\.api_key and proxy\.upstream_api_key differ"
-    ) as e:
-        TrainingConfig.from_dict(
-            {**base, "serve": {"replicas": 1, "api_key": "k"}, "proxy": {"upstream_api_key": "j"}}
-        )
-    assert "'k'" not in str(e.value) and "'j'" not in str(e.value)
-
-
 def test_a_trailing_newline_is_no_valid_value():
     """Checked with fullmatch: a ``$`` pattern accepts a value ending in a newline."""
     base = {"model": "m", "dataset": {"prompts": ["p"]}}

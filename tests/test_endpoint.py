@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from asyncgrpo.config import TrainingConfig
-from asyncgrpo.endpoint import open_endpoint
+from asyncgrpo.endpoint import open_endpoint, upstream_key
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.server import serve_proxy
@@ -64,3 +64,24 @@ async def test_a_replica_url_gets_a_proxy_of_the_runs_own(tmp_path: Path) -> Non
         async with open_endpoint(run_config(server), tmp_path, str(tmp_path)) as endpoint:
             assert endpoint.url != server and not endpoint.standalone
             assert await upstreams_of(endpoint.url) == [server]
+
+
+async def test_the_runs_proxy_sends_the_key_of_the_replicas_it_starts(tmp_path: Path) -> None:
+    """Replicas a run starts with serve.api_key answer 401 to a proxy without it (it sent none);
+    a different proxy.upstream_api_key is refused before any replica starts."""
+
+    def cfg(replicas: int, **keys: str) -> TrainingConfig:
+        serve = {"replicas": replicas, **({"api_key": keys["serve"]} if "serve" in keys else {})}
+        proxy = {"upstreams": [DEAD], **({"upstream_api_key": keys["up"]} if "up" in keys else {})}
+        return TrainingConfig.from_dict(
+            {"model": "m", "dataset": {"prompts": ["p"]}, "serve": serve, "proxy": proxy}
+        )
+
+    assert upstream_key(cfg(1, serve="k")) == "k"
+    assert upstream_key(cfg(1, serve="k", up="k")) == "k"
+    assert upstream_key(cfg(1, up="u")) == "u"
+    assert upstream_key(cfg(0, serve="k")) is None  # no replica of its own: the key is theirs
+    assert upstream_key(cfg(0, serve="k", up="u")) == "u"
+    with pytest.raises(ConfigError, match=r"serve\.api_key and proxy\.upstream_api_key differ"):
+        async with open_endpoint(cfg(1, serve="k", up="u"), tmp_path, str(tmp_path)):
+            pass

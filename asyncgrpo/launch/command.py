@@ -12,6 +12,8 @@ import dataclasses
 import sys
 from typing import Any
 
+import yaml
+
 from asyncgrpo.config import ENV_PREFIX
 from asyncgrpo.launch.config import LaunchConfig
 from asyncgrpo.settings import add_fields
@@ -40,6 +42,8 @@ def overrides(args: argparse.Namespace) -> list[str]:
     out = list(args.overrides)
     for f in dataclasses.fields(LaunchConfig):
         value = getattr(args, f.name, None)
+        if isinstance(value, list):  # --sweep, repeated: a YAML list keeps each entry whole
+            value = yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()
         if value is not None:
             out.append(f"launch.{f.name}={value}")
     return out
@@ -65,11 +69,17 @@ def run(args: argparse.Namespace) -> None:
     async def main() -> None:
         handle = await launch(cfg, args.backend, on_progress=progress)
         async with handle:
-            print(f"replicas healthy at {', '.join(handle.urls)}; trainer started; logs in "
+            started = "trainer started" if len(handle.trainers) == 1 else (
+                f"{len(handle.trainers)} trainers started, one per point: "
+                + "; ".join(f"{p.cfg.run_name} {p.label}" for p in handle.points)
+            )  # fmt: skip
+            print(f"replicas healthy at {', '.join(handle.urls)}; {started}; logs in "
                   f"{handle.launch_dir}", flush=True)  # fmt: skip
             records = await handle.wait()
-        last = describe_progress(records[-1]) if records else "no progress lines"
-        print(f"trainer completed ({last}); every job stopped", flush=True)
+        last = {r.get("run"): describe_progress(r) for r in records}  # each run's last line
+        done = "; ".join(last.values()) or "no progress lines"
+        what = "trainer" if len(handle.trainers) == 1 else "every trainer"
+        print(f"{what} completed ({done}); every job stopped", flush=True)
 
     try:
         run_async(main)

@@ -6,7 +6,7 @@ Only the launcher reads it; the jobs it starts get everything else of the config
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from asyncgrpo.errors import ConfigError
@@ -66,6 +66,12 @@ class LaunchConfig:
     """--backend local without transport_url: 'dir', a directory no role works in (survives a
     relaunch, so a run resumes), or 's3', an S3 protocol server (moto) on loopback, started for
     the launch."""
+    sweep: list[str] = field(default_factory=list)
+    """A sweep: KEY=V1,V2,... (repeat for every combination of several keys), e.g.
+    trainer.learning_rate=1e-5,3e-5,1e-4. One trainer per point, run <run_name>-<i>, all on
+    one fleet (the replicas behind one proxy, sized for every point)."""
+    proxy_flavor: str = "cpu-upgrade"
+    """Hugging Face Jobs hardware of a sweep's proxy job."""
     local_hide_trainer: bool = False
     """--backend local: run each replica in a private mount namespace where the trainer's
     directory is an empty tmpfs, so a replica provably uses nothing of the trainer's disk

@@ -12,8 +12,10 @@ Secrets per role, passed as job *secrets* (encrypted by the Hub, never in a comm
   ``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``, the proxy's outbound bearer token through the Jobs
   gateway (the same token); every secret set in the config (``job_secrets``); the transport's
   credentials.
+* a sweep's proxy (``launch.sweep``: the points' trainers send to it): ``HF_TOKEN``, its clients'
+  key, its upstream key, and with ``launch.replica_restarts`` its admin key (the reason below).
 
-With ``launch.replica_restarts`` the trainer's proxy listens on ``launch.port`` behind the Jobs
+With ``launch.replica_restarts`` the trainer's proxy (a sweep's proxy job) listens on ``launch.port`` behind the Jobs
 gateway too, so that the launcher can add replacement replicas to it (``/proxy/upstreams``). The
 gateway lets through only requests that carry the token, and passes the ``Authorization``
 header on, so the token is also the proxy's client key and admin key: one header has to satisfy
@@ -44,6 +46,7 @@ from asyncgrpo.launch.plan import (
     job_secrets,
     key_origins,
     labels,
+    proxy_args,
     replica_args,
     trainer_args,
     transport_credentials,
@@ -151,9 +154,37 @@ class HfJobsBackend:
             labels=labels(self.cfg, "replica"),
         )
 
-    def trainer_spec(self, urls: list[str]) -> JobSpec:
+    def proxy_spec(self, urls: list[str]) -> JobSpec:
+        """A sweep's proxy: behind the Jobs gateway too, so its clients' key is the token."""
         lcfg = self.cfg.launch
         elastic = lcfg.replica_restarts > 0
+        args = proxy_args(
+            urls,
+            host="0.0.0.0",
+            port=lcfg.port,
+            key_env=TOKEN_ENV,
+            admin_key_env=TOKEN_ENV if elastic else None,
+            key_urls=key_origins(urls) if elastic and self.token else None,
+        )
+        command, env = in_image(args, lcfg.replica_install)
+        return JobSpec(
+            role="proxy",
+            name=f"{self.cfg.run_name}-proxy",
+            command=tuple(command),
+            env=env,
+            secrets={TOKEN_ENV: self.token} if self.token else {},
+            image=lcfg.image,
+            flavor=lcfg.proxy_flavor,
+            timeout_s=lcfg.timeout_s,
+            port=lcfg.port,
+            labels=labels(self.cfg, "proxy"),
+        )
+
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
+        lcfg = self.cfg.launch
+        # a sweep's point sends to the sweep's proxy, which the launcher adds replacements to
+        elastic = lcfg.replica_restarts > 0 and cfg is None
+        cfg = cfg or self.cfg
         args = trainer_args(
             urls,
             proxy_host="0.0.0.0" if elastic else None,
@@ -162,7 +193,7 @@ class HfJobsBackend:
             key_urls=key_origins(urls) if elastic and self.token else None,
         )
         command, env = in_image(args, lcfg.trainer_install)
-        secrets = {**job_secrets(self.cfg), **self.secrets}
+        secrets = {**job_secrets(cfg), **self.secrets}
         if self.token:  # the Jobs gateway in front of every replica demands the token
             secrets[env_name(ENV_PREFIX, "proxy.upstream_api_key")] = self.token
             if elastic:  # behind the gateway too: see the module docstring
@@ -170,15 +201,15 @@ class HfJobsBackend:
                 secrets[ADMIN_KEY_ENV] = self.token
         return JobSpec(
             role="trainer",
-            name=f"{self.cfg.run_name}-trainer",
+            name=f"{cfg.run_name}-trainer",
             command=tuple(command),
-            env={**env, **self.env, CONFIG_ENV: job_config(self.cfg)},
+            env={**env, **self.env, CONFIG_ENV: job_config(cfg)},
             secrets=secrets,
             image=lcfg.trainer_image or lcfg.image,
             flavor=lcfg.trainer_flavor,
             timeout_s=lcfg.timeout_s,
             port=lcfg.port if elastic else None,
-            labels=labels(self.cfg, "trainer"),
+            labels=labels(cfg, "trainer"),
         )
 
     def check(self) -> None:

@@ -11,11 +11,14 @@ import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from asyncgrpo.redaction import redact_text
 
-Role = Literal["replica", "trainer"]
+if TYPE_CHECKING:
+    from asyncgrpo.config import TrainingConfig
+
+Role = Literal["replica", "proxy", "trainer"]
 Stage = Literal["starting", "running", "completed", "failed", "canceled"]
 TERMINAL: frozenset[str] = frozenset({"completed", "failed", "canceled"})
 #: The trainer job's config (YAML, secrets emptied) travels in this environment variable.
@@ -90,6 +93,7 @@ class Backend(Protocol):
 
     name: str
     missing: list[str]  #: environment variables the launch needs and does not have
+    transport_url: str | None  #: where the runs keep their state (a sweep: one root per point)
     #: True when each job writes ``job.log_path`` itself (local processes); else the launcher
     #: writes there what ``follow_logs`` reports
     writes_own_logs: bool
@@ -98,17 +102,26 @@ class Backend(Protocol):
     def health_headers(self) -> dict[str, str]: ...
     @property
     def admin_key(self) -> str | None:
-        """The key of the trainer job's proxy admin routes (``/proxy/upstreams``), which the
-        launcher calls to add a replacement replica; None when no replica is ever replaced."""
+        """The key of the admin routes (``/proxy/upstreams``) of the proxy in front of the
+        replicas (the trainer job's; a sweep's proxy job), which the launcher calls to add a
+        replacement replica; None when no replica is ever replaced."""
         ...
 
     def replica_spec(self, index: int) -> JobSpec:
         """Replica ``index``: 0 .. ``launch.replicas`` - 1 at start, then each replacement."""
         ...
 
-    def trainer_spec(self, urls: list[str]) -> JobSpec:
-        """The trainer job, its proxy in front of ``urls``; with ``launch.replica_restarts``,
-        that proxy is reachable by the launcher at the job's URL (``port``)."""
+    def proxy_spec(self, urls: list[str]) -> JobSpec:
+        """A sweep's standalone proxy in front of the replicas ``urls``; its runs use it, and
+        with ``launch.replica_restarts`` the launcher adds replacements to it (``admin_key``)."""
+        ...
+
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
+        """The trainer job of ``cfg`` (default: the launch's config; a sweep: each point's)
+        sending to ``urls``. The launch's one trainer puts its proxy in front of the replicas
+        ``urls``; with ``launch.replica_restarts`` that proxy is reachable by the launcher at
+        the job's URL (``port``). A sweep's point sends to the sweep's proxy (``urls``: its
+        URL)."""
         ...
 
     def check(self) -> None: ...

@@ -6,18 +6,22 @@ The order is the same on every backend:
 2. start the N replica jobs, then wait until each answers ``/health`` through its URL (with the
    backend's token). A job that ends first, or misses ``launch.health_timeout_s``, fails the
    launch with its last log lines;
-3. start the trainer job with the replicas' URLs filled in.
+3. start the trainer job with the replicas' URLs filled in. A sweep (``launch.sweep``,
+   :mod:`asyncgrpo.launch.sweep`) starts one proxy job in front of the replicas first, then
+   one trainer job per point, each sending to that proxy: the runs share the fleet.
 
 :meth:`LaunchHandle.wait` then follows every job's log into ``<run_dir>/launch/<job>.log``,
-reports the trainer's progress lines, and returns when the trainer job completes. A replica job
+reports the trainers' progress lines, and returns when every trainer job completes. A replica job
 that ends during the run is replaced, up to ``launch.replica_restarts`` times with a doubling
-delay, while training continues on the others: the launcher takes its URL out of the trainer's
-proxy, starts a new job, waits for its health and adds its URL (the proxy's admin route
-``/proxy/upstreams``, with the backend's admin key); the proxy replays the current adapter
-versions to it before it takes requests. The launcher does this, not the trainer job: it is what
-holds the means to start and cancel jobs and knows every job to cancel at the end. The trainer
-job ending otherwise, or a replica job once the budget is spent, fails the launch (a launch of
-the same run again resumes from its last checkpoint). Whatever ends the launch (success, a
+delay, while training continues on the others: the launcher takes its URL out of the proxy in
+front of the replicas (the trainer job's, or a sweep's proxy job), starts a new job, waits for
+its health and adds its URL (the proxy's admin route ``/proxy/upstreams``, with the backend's
+admin key); the proxy replays the current adapter versions to it before it takes requests. The
+launcher does this, not the trainer job: it is what holds the means to start and cancel jobs and
+knows every job to cancel at the end. A sweep's trainer job that fails is reported and the other
+points go on (the launch fails at the end, naming it). The trainer job ending otherwise, a
+sweep's proxy job ending, or a replica job once the budget is spent, fails the launch (a launch
+of the same run again resumes from its last checkpoint). Whatever ends the launch (success, a
 failed job, an error, cancellation, Ctrl-C) cancels every job it started that is still running:
 nothing is left billing.
 """
@@ -38,6 +42,7 @@ from asyncgrpo.config import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError, ReplicaError
 from asyncgrpo.launch.jobs import TERMINAL, Backend, Job, JobSpec
 from asyncgrpo.launch.progress import describe_progress, parse_progress
+from asyncgrpo.launch.sweep import Point, fleet_config, sweep_points
 from asyncgrpo.vllm_client import update_proxy, wait_healthy
 
 logger = logging.getLogger(__name__)
@@ -50,7 +55,7 @@ ProgressHook = Callable[[dict[str, Any]], None]
 DRAIN_S = 15.0
 #: Longest delay before a replacement replica job starts.
 MAX_RESTART_DELAY_S = 600.0
-#: Seconds between two warnings that the trainer's proxy cannot be reached yet.
+#: Seconds between two warnings that the proxy in front of the replicas cannot be reached yet.
 ADMIN_WARN_S = 60.0
 
 
@@ -74,12 +79,30 @@ def make_backend(
     raise ConfigError(f"unknown launch backend {name!r}: use 'hf-jobs' or 'local'")
 
 
+def plan(
+    cfg: TrainingConfig, backend: BackendName | str, **options: Any
+) -> tuple[Backend, list[Point]]:
+    """The backend, with replicas sized for every point of a sweep, and the points (one
+    without a sweep)."""
+    points = sweep_points(cfg, None)
+    be = make_backend(backend, fleet_config(cfg, points), cfg.run_dir / "launch", **options)
+    if cfg.launch.sweep:  # each point's storage under the backend's
+        points = sweep_points(cfg, be.transport_url)
+    return be, points
+
+
 def dry_run(cfg: TrainingConfig, backend: BackendName | str, **options: Any) -> str:
     """Every job spec the launch would start, as text; starts nothing and sends no request."""
-    be = make_backend(backend, cfg, cfg.run_dir / "launch", **options)
+    be, points = plan(cfg, backend, **options)
     urls = [f"<replica-{i} URL>" for i in range(cfg.launch.replicas)]
-    specs = [*map(be.replica_spec, range(cfg.launch.replicas)), be.trainer_spec(urls)]
+    specs = [be.replica_spec(i) for i in range(cfg.launch.replicas)]
+    if cfg.launch.sweep:
+        specs.append(be.proxy_spec(urls))
+        urls = ["<proxy URL>"]
+    specs += [be.trainer_spec(urls, p.cfg if cfg.launch.sweep else None) for p in points]
     text = "\n\n".join(spec.describe() for spec in specs)
+    if cfg.launch.sweep:
+        text = "\n".join(f"point {p.cfg.run_name}: {p.label}" for p in points) + "\n\n" + text
     if be.missing:
         text += f"\n\nnot set here, so a real launch would refuse: {', '.join(be.missing)}"
     return text
@@ -100,10 +123,13 @@ async def launch(
     (:class:`~asyncgrpo.errors.LaunchError` with the job's log tail) propagates.
     """
     launch_dir = cfg.run_dir / "launch"
-    be = make_backend(backend, cfg, launch_dir, **options) if isinstance(backend, str) else backend
+    if isinstance(backend, str):
+        be, points = plan(cfg, backend, **options)
+    else:
+        be, points = backend, sweep_points(cfg, backend.transport_url)
     await anyio.to_thread.run_sync(be.check)
     await anyio.Path(launch_dir).mkdir(parents=True, exist_ok=True)
-    handle = LaunchHandle(be, cfg, launch_dir, on_progress=on_progress)
+    handle = LaunchHandle(be, cfg, launch_dir, on_progress=on_progress, points=points)
     try:
         await handle._start()
     except BaseException:
@@ -129,14 +155,17 @@ class LaunchHandle:
         launch_dir: Path,
         *,
         on_progress: ProgressHook | None = None,
+        points: list[Point] | None = None,
     ) -> None:
         self.backend = backend
         self.cfg = cfg
+        #: the runs: one, or a sweep's points (each a trainer job on the shared fleet)
+        self.points = points or [Point(cfg, "")]
         self.launch_dir = launch_dir
         self.jobs: list[Job] = []
         self.progress: list[dict[str, Any]] = []
         self.restarts = 0  #: replacement replica jobs started so far
-        self._trainer_url = anyio.Event()  #: set once the trainer job's URL is known
+        self._front_url = anyio.Event()  #: set once the URL of :attr:`front` is known
         self._on_progress = on_progress
         self._closed = False
 
@@ -148,7 +177,26 @@ class LaunchHandle:
 
     @property
     def trainer(self) -> Job | None:
-        return next((j for j in self.jobs if j.spec.role == "trainer"), None)
+        return next(iter(self.trainers), None)
+
+    @property
+    def trainers(self) -> list[Job]:
+        return [j for j in self.jobs if j.spec.role == "trainer"]
+
+    @property
+    def sweep(self) -> bool:
+        return bool(self.cfg.launch.sweep)
+
+    @property
+    def front(self) -> Job | None:
+        """The job whose proxy is in front of the replicas, the one replacements join: a
+        sweep's proxy job, else the trainer job."""
+        role = "proxy" if self.sweep else "trainer"
+        return next((j for j in self.jobs if j.spec.role == role), None)
+
+    @property
+    def front_name(self) -> str:
+        return "the sweep's proxy" if self.sweep else "the trainer's proxy"
 
     @property
     def urls(self) -> list[str]:
@@ -217,7 +265,16 @@ class LaunchHandle:
         if failures:
             raise failures[0]
         self._write_manifest()
-        await self._start_job(self.backend.trainer_spec(self.urls))
+        urls = self.urls
+        if self.sweep:  # one proxy for every point: their LoRA slots and shares in one place
+            proxy = await self._start_job(self.backend.proxy_spec(urls))
+            await self._wait_healthy(proxy)
+            self._write_manifest()
+            self._front_url.set()
+            urls = [str(proxy.url)]
+        for point in self.points:  # the one run's trainer gets the launch's config
+            cfg = point.cfg if self.sweep else None
+            await self._start_job(self.backend.trainer_spec(urls, cfg))
 
     async def _failure(self, job: Job, what: str) -> LaunchError:
         """The job's failure: on the first line, its own last error line when it printed one
@@ -267,10 +324,12 @@ class LaunchHandle:
 
     # -- watching ----------------------------------------------------------------------------
 
-    def _on_trainer_line(self, line: str) -> None:
+    def _on_trainer_line(self, job: Job, line: str) -> None:
         record = parse_progress(line)
         if record is None:
             return
+        if self.sweep:
+            record["run"] = job.name.removesuffix("-trainer")
         self.progress.append(record)
         logger.debug("%s", describe_progress(record))
         if self._on_progress is not None:
@@ -278,7 +337,7 @@ class LaunchHandle:
 
     def _line_handler(self, job: Job) -> Callable[[str], None]:
         if job.spec.role == "trainer":
-            return self._on_trainer_line
+            return lambda line: self._on_trainer_line(job, line)
         return lambda line: None
 
     async def _follow(self, job: Job, done: anyio.Event) -> None:
@@ -318,27 +377,33 @@ class LaunchHandle:
                     tg.cancel_scope.cancel()
 
     async def wait(self) -> list[dict[str, Any]]:
-        """Follow the jobs until the trainer job completes; its progress records.
+        """Follow the jobs until every trainer job completes; their progress records.
 
         Replaces replica jobs that end, within ``launch.replica_restarts``. Raises
-        :class:`~asyncgrpo.errors.LaunchError` with the log tail if the trainer job, or a replica
-        job beyond that budget, fails or stops early. On every way out, the jobs still running
-        are cancelled.
+        :class:`~asyncgrpo.errors.LaunchError` with the log tail if a trainer job (a sweep's
+        point: once the other points are done), a sweep's proxy job, or a replica job beyond
+        that budget, fails or stops early. On every way out, the jobs still running are
+        cancelled.
         """
-        trainer = self.trainer
-        if trainer is None:
+        trainers = self.trainers
+        if not trainers:
             raise LaunchError("the launch has no trainer job (it did not start)")
         try:
             async with anyio.create_task_group() as tg:
                 drained = {job.id: anyio.Event() for job in self.jobs}
                 for job in self.jobs:
                     tg.start_soon(self._follow, job, drained[job.id])
-                failure = await self._watch(trainer, tg)
+                failure, failed = await self._watch(trainers, tg)
                 if failure is None:
-                    logger.info("trainer job %s completed", trainer.name)
                     with anyio.move_on_after(DRAIN_S):
-                        await drained[trainer.id].wait()
+                        for trainer in trainers:
+                            await drained[trainer.id].wait()
                 tg.cancel_scope.cancel()
+            if failure is None and failed:
+                failure = failed[0] if len(failed) == 1 else LaunchError(
+                    f"{len(failed)} of {len(trainers)} sweep points failed:\n"
+                    + "\n".join(str(f).splitlines()[0] for f in failed)
+                )  # fmt: skip
             if failure is not None:
                 raise failure
         finally:
@@ -346,22 +411,32 @@ class LaunchHandle:
                 await self.cancel()
         return self.progress
 
-    async def _watch(self, trainer: Job, tg: TaskGroup) -> LaunchError | None:
-        """Poll every job until the trainer completes (None) or a job ends that is not to be
-        replaced (its failure)."""
+    async def _watch(
+        self, trainers: list[Job], tg: TaskGroup
+    ) -> tuple[LaunchError | None, list[LaunchError]]:
+        """Poll every job until each trainer has ended: (None, the failures of a sweep's
+        points), or (the failure, ...) as soon as a job ends that is not to be replaced and
+        the launch cannot go on without (a replica, a sweep's proxy, the one trainer)."""
         lcfg = self.cfg.launch
+        front = self.front
+        failed: dict[str, LaunchError] = {}
+        done: set[str] = set()
         while True:
             for job in list(self.jobs):
-                if job.replaced_by is not None:
+                if job.replaced_by is not None or job.id in done:
                     continue
                 status = await self.backend.status(job)
                 job.stage = status.stage
                 job.url = job.url or status.url
-                if job is trainer and job.url is not None:
-                    self._trainer_url.set()
-                if job is trainer and status.stage == "completed":
-                    return None
+                if job is front and job.url is not None:
+                    self._front_url.set()
                 if status.stage not in TERMINAL:
+                    continue
+                if job.spec.role == "trainer" and status.stage == "completed":
+                    logger.info("trainer job %s completed", job.name)
+                    done.add(job.id)
+                    if all(t.id in done for t in trainers):
+                        return None, list(failed.values())
                     continue
                 why = job.failure or f"{status.stage} during the run" + (
                     f" ({status.message})" if status.message else ""
@@ -371,7 +446,14 @@ class LaunchHandle:
                     continue
                 if job.spec.role == "replica" and lcfg.replica_restarts:
                     why += f"; launch.replica_restarts={lcfg.replica_restarts} replacements used"
-                return await self._failure(job, why)
+                error = await self._failure(job, why)
+                if job.spec.role != "trainer" or not self.sweep:
+                    return error, list(failed.values())
+                logger.error("%s; the other points go on", str(error).splitlines()[0])
+                failed[job.id] = error
+                done.add(job.id)
+                if all(t.id in done for t in trainers):
+                    return None, list(failed.values())
             await anyio.sleep(lcfg.poll_s)
 
     # -- replacing replicas ------------------------------------------------------------------
@@ -396,9 +478,9 @@ class LaunchHandle:
         tg.start_soon(self._bring_up, spec, dead, delay, tg)
 
     async def _bring_up(self, spec: JobSpec, dead: Job, delay: float, tg: TaskGroup) -> None:
-        """Start the replacement, wait for its health, add it to the trainer's proxy. If it
-        ends or misses ``launch.health_timeout_s`` first, the watch treats it like any replica
-        job that ended (another replacement, or the launch fails)."""
+        """Start the replacement, wait for its health, add it to the proxy in front of the
+        replicas. If it ends or misses ``launch.health_timeout_s`` first, the watch treats it
+        like any replica job that ended (another replacement, or the launch fails)."""
         await anyio.sleep(delay)
         job = await self._start_job(spec)
         job.replaces = dead.name
@@ -416,18 +498,18 @@ class LaunchHandle:
         self._write_manifest()  # with its URL
         await self._admin("add", job.url)
         logger.info(
-            "replica job %s (replacing %s) is in the trainer's proxy at %s",
-            job.name, dead.name, job.url,
+            "replica job %s (replacing %s) is in %s at %s",
+            job.name, dead.name, self.front_name, job.url,
         )  # fmt: skip
 
     async def _admin(self, action: Literal["add", "remove"], url: str) -> None:
-        """Add ``url`` to, or remove it from, the trainer job's proxy; retried until it answers
-        (the trainer job may still be installing or loading its model). A refusal is logged:
-        the run goes on with the replicas it has."""
-        trainer = self.trainer
-        assert trainer is not None
-        await self._trainer_url.wait()
-        assert trainer.url is not None
+        """Add ``url`` to, or remove it from, the proxy in front of the replicas (:attr:`front`);
+        retried until it answers (a trainer job may still be installing or loading its model).
+        A refusal is logged: the run goes on with the replicas it has."""
+        front = self.front
+        assert front is not None
+        await self._front_url.wait()
+        assert front.url is not None
         warned = -ADMIN_WARN_S
         where = "to" if action == "add" else "from"
 
@@ -435,15 +517,15 @@ class LaunchHandle:
             nonlocal warned
             if anyio.current_time() - warned >= ADMIN_WARN_S:
                 warned = anyio.current_time()
-                logger.warning("could not %s replica %s %s the trainer's proxy yet (retrying): "
-                               "%s", action, url, where, error)  # fmt: skip
+                logger.warning("could not %s replica %s %s %s yet (retrying): %s", action, url,
+                               where, self.front_name, error)  # fmt: skip
 
         try:
-            await update_proxy(trainer.url, self.backend.admin_key, url, remove=action == "remove",
+            await update_proxy(front.url, self.backend.admin_key, url, remove=action == "remove",
                                interval_s=self.cfg.launch.poll_s, on_retry=on_retry)  # fmt: skip
         except (ConfigError, ReplicaError) as exc:
-            logger.error("could not %s replica %s %s the trainer's proxy: %s", action, url, where,
-                         exc)  # fmt: skip
+            logger.error("could not %s replica %s %s %s: %s", action, url, where,
+                         self.front_name, exc)  # fmt: skip
 
     async def cancel(self) -> None:
         """Cancel every job of the launch that is not known to have ended. Idempotent."""

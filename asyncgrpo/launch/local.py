@@ -5,7 +5,8 @@ account: replica ``i`` runs ``python -m asyncgrpo.serve`` in ``launch/replica-i/
 ``python -m asyncgrpo.launch.trainer`` in ``launch/trainer/``; they share nothing but the
 transport, which is ``transport_url`` if set, else (``launch.local_transport``) a directory
 ``launch/store`` no role works in, or an S3 protocol server (moto) on loopback that lives as
-long as the launch. Replicas listen on loopback only; so does the trainer's proxy, on a port
+long as the launch. Replicas listen on loopback only; so does the trainer's proxy (a sweep's
+proxy, ``launch/proxy/``, with one trainer per point in ``launch/trainer/<i>/``), on a port
 chosen here, with an admin key made for the launch (the launcher adds replacement replicas to
 it).
 """
@@ -30,9 +31,11 @@ from asyncgrpo.errors import LaunchError
 from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus
 from asyncgrpo.launch.plan import (
     ADMIN_KEY_ENV,
+    PROXY_ADMIN_KEY_ENV,
     job_config,
     job_secrets,
     labels,
+    proxy_args,
     replica_args,
     trainer_args,
     transport_secret,
@@ -138,21 +141,41 @@ class LocalBackend:
         )
         return ("unshare", "--mount", "--propagation", "private", "sh", "-c", script)
 
-    def trainer_spec(self, urls: list[str]) -> JobSpec:
+    def proxy_spec(self, urls: list[str]) -> JobSpec:
+        """A sweep's proxy, on loopback; the launcher adds replacement replicas to it with the
+        launch's admin key."""
+        port = free_port(HOST)
+        admin = {PROXY_ADMIN_KEY_ENV: self._admin_key} if self._admin_key is not None else {}
+        args = proxy_args(urls, host=HOST, port=port,
+                          admin_key_env=PROXY_ADMIN_KEY_ENV if admin else None)  # fmt: skip
+        return JobSpec(
+            role="proxy",
+            name=f"{self.cfg.run_name}-proxy",
+            command=(sys.executable, *args),
+            secrets=admin,
+            port=port,
+            labels=labels(self.cfg, "proxy"),
+        )
+
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
         import dataclasses
 
-        cfg = dataclasses.replace(self.cfg, transport_url=self.transport_url, output_dir="runs")
-        secrets = job_secrets(cfg)
-        if self._admin_key is not None:
+        point = cfg is not None  # a sweep's: it sends to the sweep's proxy, which grows
+        cfg = cfg or self.cfg
+        transport = cfg.transport_url or self.transport_url  # a sweep's point has its own
+        shipped = dataclasses.replace(cfg, transport_url=transport, output_dir="runs")
+        secrets = job_secrets(shipped)
+        port = None if point else self.proxy_port
+        if self._admin_key is not None and not point:
             secrets[ADMIN_KEY_ENV] = self._admin_key
         return JobSpec(
             role="trainer",
-            name=f"{self.cfg.run_name}-trainer",
-            command=(sys.executable, *trainer_args(urls, proxy_port=self.proxy_port)),
-            env={**self.transport_env, CONFIG_ENV: job_config(cfg)},
+            name=f"{cfg.run_name}-trainer",
+            command=(sys.executable, *trainer_args(urls, proxy_port=port)),
+            env={**self.transport_env, CONFIG_ENV: job_config(shipped)},
             secrets=secrets,
-            port=self.proxy_port,
-            labels=labels(self.cfg, "trainer"),
+            port=port,
+            labels=labels(cfg, "trainer"),
         )
 
     def check(self) -> None:
@@ -160,7 +183,11 @@ class LocalBackend:
         check_model(self.cfg.model)
 
     def _workdir(self, spec: JobSpec) -> Path:
-        return self._workdir_of(spec.name.removeprefix(f"{self.cfg.run_name}-"))
+        role_name = spec.name.removeprefix(f"{self.cfg.run_name}-")
+        if spec.role == "trainer" and role_name != "trainer":  # a sweep's point <i>-trainer:
+            # under trainer/, so that what hides it from the replicas hides every point's
+            return self._workdir_of("trainer") / role_name.removesuffix("-trainer")
+        return self._workdir_of(role_name)
 
     def _workdir_of(self, role_name: str) -> Path:
         return self.launch_dir / role_name

@@ -29,6 +29,7 @@ __all__ = [
     "job_config",
     "job_secrets",
     "labels",
+    "proxy_args",
     "replica_args",
     "trainer_args",
     "transport_secret",
@@ -104,6 +105,8 @@ def replica_args(
     ]  # fmt: skip
     if cfg.serve.max_model_len is not None:
         args += ["--max-model-len", str(cfg.serve.max_model_len)]
+    if cfg.serve.max_loras is not None:  # a sweep's fleet: every run's window at once
+        args += ["--max-loras", str(cfg.serve.max_loras)]
     if cfg.serve.kv_cache_gib is not None:
         args += ["--kv-cache-gib", str(int(cfg.serve.kv_cache_gib))]
     if cfg.serve.nice:
@@ -166,6 +169,36 @@ def key_origins(urls: list[str]) -> list[str]:
 
 #: The variable the trainer job's config loader reads the proxy's admin key from.
 ADMIN_KEY_ENV = env_name(ENV_PREFIX, "proxy.admin_api_key")
+#: The variable a sweep's proxy job (``python -m asyncgrpo.proxy``) reads its admin key from.
+PROXY_ADMIN_KEY_ENV = "ASYNCGRPO_PROXY_ADMIN_API_KEY"
+
+
+def proxy_args(
+    urls: list[str],
+    *,
+    host: str,
+    port: int,
+    key_env: str | None = None,
+    admin_key_env: str | None = None,
+    key_urls: list[str] | None = None,
+) -> list[str]:
+    """``python -m asyncgrpo.proxy`` arguments of a sweep's proxy in front of the replicas
+    ``urls``; ``key_env``: the variable holding both its clients' key and the replicas' (a
+    Hugging Face token through the Jobs gateway); ``admin_key_env``: the variable holding the
+    key of its admin routes, through which the launcher adds replacement replicas; ``key_urls``:
+    the origins of replicas added later that get the replicas' key."""
+    if not urls:
+        raise ConfigError("the proxy needs at least one replica URL")
+    args = ["-m", "asyncgrpo.proxy", "--host", host, "--port", str(port)]
+    for url in urls:
+        args += ["--upstream", url]
+    if key_env is not None:
+        args += ["--api-key-env", key_env, "--upstream-api-key-env", key_env]
+    if admin_key_env is not None:
+        args += ["--admin-api-key-env", admin_key_env]
+    for url in key_urls or ():
+        args += ["--upstream-key-url", url]
+    return args
 
 
 def labels(cfg: TrainingConfig, role: Role) -> dict[str, str]:

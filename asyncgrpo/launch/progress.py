@@ -49,8 +49,10 @@ def parse_progress(line: str) -> dict[str, Any] | None:
 
 def describe_progress(record: dict[str, Any]) -> str:
     """``step 3/40  reward 0.125  ratio 1.0000  sync 0.41 s  replicas 2`` (fields the step
-    lacks omitted)."""
+    lacks omitted), after the run's name for a sweep's (``lr-1: step 3/40 ...``)."""
     parts = [f"step {record['step']}/{record.get('max_steps', '?')}"]
+    if "run" in record:
+        parts[0] = f"{record['run']}: {parts[0]}"
     if "reward" in record:
         parts.append(f"reward {record['reward']:.3f}")
     if "ratio" in record:

@@ -79,6 +79,15 @@ class ProxyConfig:
     """Client connections open at once, at most (lowered to fit the open-file limit). At the
     cap, a new connection closes the ones that waited longest without a request in progress
     (those that never sent one first)."""
+    max_inflight_per_replica: int | None = None
+    """Sequences in flight per replica (a request counts n per prompt) beyond which generation
+    requests wait in the proxy, and each freed place goes to the run furthest below its weighted
+    share (runs: a request's model less its -v<N>). None: the replicas' --max-num-seqs (from
+    /server_info), beyond which vLLM would queue them itself, first come first served; 0:
+    requests never wait here."""
+    run_lease_s: float = 3600.0
+    """A run registered through POST /proxy/runs (its LoRA slots, its weight) that sends no
+    request for this long loses its registration: a run that died without releasing it."""
     max_attempts: int = 3
     """Tries per request across replicas (connect errors and deadlines)."""
     health_interval_s: float = 2.0
@@ -136,7 +145,7 @@ class ProxyConfig:
             ge={"port": 0, "block_size": 1, "imbalance": 0, "imbalance_ratio": 1,
                 "max_tracked_blocks": 1, "max_body_bytes": 1024, "health_timeouts_to_open": 1,
                 "min_healthy_replicas": 0,
-                "max_attempts": 1, "max_connections": 1},
+                "max_attempts": 1, "max_connections": 1, "max_inflight_per_replica": 0},
         )  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from asyncgrpo.proxy.h1 import Response, split_url
 from asyncgrpo.proxy.headers import REPLICA_HEADER_B
 from asyncgrpo.proxy.jsonbody import BodyError, decode_object
 from asyncgrpo.proxy.metrics import render, stats_json
+from asyncgrpo.proxy.run_routes import runs_route
 from asyncgrpo.proxy.state import Proxy, error_answer, json_answer
 from asyncgrpo.proxy.upstream import Circuit, Upstream, unload_path
 from asyncgrpo.vllm_client import (
@@ -322,6 +323,7 @@ ROUTES: dict[tuple[bytes, bytes], Handler] = {
     **{(b"POST", p): unload for p in (b"/v1/unload_lora_adapter", PLUGIN_UNLOAD_PATH.encode())},
     **{(b"POST", p): broadcast for p in (b"/pause", b"/resume", b"/reset_prefix_cache")},
     **{(m, b"/proxy/upstreams"): upstreams for m in (b"GET", b"POST", b"DELETE")},
+    **{(m, b"/proxy/runs"): runs_route for m in (b"GET", b"POST", b"DELETE")},
     (b"GET", PLUGIN_INFO_PATH.encode()): fetch_info,
     (b"GET", b"/health"): health,
     (b"GET", b"/metrics"): prometheus,

@@ -19,6 +19,7 @@ from asyncgrpo.errors import NoHealthyReplica
 from asyncgrpo.proxy.h1 import Exchange, Response
 from asyncgrpo.proxy.headers import REPLICA_HEADER_B
 from asyncgrpo.proxy.router import Decision, request_hashes
+from asyncgrpo.proxy.runs import Run
 from asyncgrpo.proxy.state import Proxy, error_answer
 from asyncgrpo.proxy.upstream import Upstream
 
@@ -63,14 +64,16 @@ def request_chains(proxy: Proxy, parsed: dict[str, Any]) -> list[tuple[int, ...]
 class Forward(Exchange):
     """Relay one request; the client gets exactly one answer (or a stream) unless
     :meth:`cancel` comes first. ``chains`` None: not a generation request (round-robin, not
-    counted in flight, the replica's answer is the answer whatever its status); ``session``: the
-    hash of its ``X-Session-ID``, if it has one. While a try runs
+    counted in flight, the replica's answer is the answer whatever its status). While a try runs
     the request is in ``proxy.inflight`` (its deadline ``due`` checked every tick) and in its
-    replica's ``inflight``, so a replica leaving rotation can end it at the next tick."""
+    replica's ``inflight``, so a replica leaving rotation can end it at the next tick. A
+    generation request belongs to a ``run`` (:mod:`~asyncgrpo.proxy.runs`) and holds ``cost``
+    sequences of its share from :meth:`submit` (or its turn) to its answer; ``session`` is the
+    hash of its ``X-Session-ID``, if it has one."""
 
-    __slots__ = ("body", "chains", "client", "decision", "due", "head", "last_error", "lines",
-                 "method", "path", "proxy", "sent", "session", "started", "streams", "timeout",
-                 "tried", "up")  # fmt: skip
+    __slots__ = ("began", "body", "chains", "client", "cost", "decision", "due", "head", "held",
+                 "last_error", "lines", "method", "path", "proxy", "run", "sent", "session",
+                 "started", "streams", "timeout", "tried", "up")  # fmt: skip
 
     def __init__(
         self,
@@ -80,6 +83,8 @@ class Forward(Exchange):
         chains: list[tuple[int, ...]] | None,
         *,
         stream: bool = False,
+        run: Run | None = None,
+        cost: int = 0,
         session: int | None = None,
     ) -> None:
         super().__init__()
@@ -97,6 +102,30 @@ class Forward(Exchange):
         self.decision: Decision | None = None
         self.due = 0.0
         self.sent = 0.0  # when the try in progress went out (the tick's coarse clock)
+        self.run, self.cost = run, cost
+        self.held, self.began = False, 0.0  # holds its sequences of the run's share; since
+
+    def submit(self) -> None:
+        """Send it now, or (replicas saturated) when its run's turn comes."""
+        proxy, run = self.proxy, self.run
+        if run is None or proxy.runs.admit(run, self, self.cost, proxy.now):
+            self.admitted()
+
+    def admitted(self) -> None:
+        """Its turn: it holds its sequences until it is answered."""
+        self.held, self.began = self.run is not None, self.proxy.now
+        self.start()
+
+    def _release(self) -> None:
+        """Answered, or its client is gone: its sequences go to the next request waiting."""
+        run, self.run = self.run, None
+        if run is None:
+            return
+        runs, now = self.proxy.runs, self.proxy.now
+        if not self.held:
+            return runs.withdraw(run, self)
+        runs.done(run, self.cost, now - self.began)
+        runs.pump(now)
 
     def start(self) -> None:
         """Send the next try to a replica not tried yet, or answer 503 naming the last error."""
@@ -121,7 +150,8 @@ class Forward(Exchange):
             proxy.stats.reject(503)
             message = (f"no replica could serve the request (tried {len(self.tried)}): "
                        f"{self.last_error or 'none in rotation'}")  # fmt: skip
-            return self._answer(error_answer(503, message, kind="ServiceUnavailableError"))
+            self._answer(error_answer(503, message, kind="ServiceUnavailableError"))
+            return self._release()
         self.up = up
         self.tried.append(up.url)
         up.h1.send(self, up.h1.request(self.method, self.path, self.lines, self.body),
@@ -135,6 +165,7 @@ class Forward(Exchange):
         """The client went away or the proxy stops: drop the try, answer nothing."""
         self.client = None
         self._end(None)
+        self._release()
 
     def _end(self, outcome: int | BaseException | None, detail: str = "") -> bool:
         """End the try in progress with ``outcome`` (a status, what it raised, or None: the
@@ -176,6 +207,7 @@ class Forward(Exchange):
         client, self.client = self.client, None
         if client is not None:
             client.close()  # the client has part of the answer: it sees it cut short
+        self._release()
 
     # -- outcomes (h1.Exchange) -----------------------------------------------------------------
 
@@ -205,7 +237,7 @@ class Forward(Exchange):
             client, self.client = self.client, None
             if client is not None:
                 client.stream_end()
-            return
+            return self._release()
         up = self.up
         assert up is not None
         if status >= 500 and self.chains is not None:
@@ -216,6 +248,7 @@ class Forward(Exchange):
         headers.append((REPLICA_HEADER_B, up.url_b))
         self._answer(response)  # the client first; the bookkeeping can wait
         self._end(status)
+        self._release()
 
     def on_error(self, exc: OSError) -> None:
         self._fail(exc)

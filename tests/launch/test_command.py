@@ -9,10 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from fake_jobs_hub import TOKEN, FakeHub
 
 S3_KEY, S3_SECRET = "HFAKfakeaccesskey", "fakeS3secretvalue987"
+LR = "trainer.learning_rate=1e-5,3e-5"
 
 
 def write_config(tmp_path: Path) -> Path:
@@ -64,15 +66,44 @@ def test_dry_run_prints_every_spec_and_sends_no_request(tmp_path: Path, hub: Fak
     assert hub.requests == []
 
 
-def test_sigterm_cancels_every_started_job(tmp_path: Path, hub: FakeHub) -> None:
+def test_a_sweep_dry_run_shows_one_fleet_and_one_trainer_per_point(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    cmd = launch_cmd(write_config(tmp_path), "--dry-run", "--replicas", "2", "--sweep", LR,
+                     "--sweep", "lora.r=4,8")  # fmt: skip
+    out = subprocess.run(cmd, env=env(hub, tmp_path), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    heads = [line.split()[:3] for line in text.splitlines() if " job " in line]
+    assert heads == [
+        ["replica", "job", "cli-run-replica-0"],
+        ["replica", "job", "cli-run-replica-1"],
+        ["proxy", "job", "cli-run-proxy"],
+        *(["trainer", "job", f"cli-run-{i}-trainer"] for i in range(4)),
+    ]
+    assert "point cli-run-3: trainer.learning_rate=3e-5 lora.r=8" in text
+    # the fleet holds every point's window (4 x (max_staleness 1 + 2)) at the largest rank
+    assert text.count("--lora-rank 8 --max-staleness 1") == 2 and text.count("--max-loras 12") == 2
+    assert "-m asyncgrpo.proxy --host 0.0.0.0 --port 8000 --upstream '<replica-0 URL>'" in text
+    assert text.count("'proxy.upstreams=<proxy URL>'") == 4
+    for value in (TOKEN, S3_KEY, S3_SECRET):
+        assert value not in text + out.stderr
+    assert hub.requests == []
+
+
+@pytest.mark.parametrize(("sweep", "trainers", "jobs"), [((), 1, 3), (("--sweep", LR), 2, 5)])
+def test_sigterm_cancels_every_started_job(
+    tmp_path: Path, hub: FakeHub, sweep: tuple[str, ...], trainers: int, jobs: int
+) -> None:
+    """Two replicas and a trainer; a sweep's: two replicas, its proxy and a trainer per point."""
     hub.scripts["trainer"] = lambda: {"logs": ["training"]}  # never completes
-    cmd = launch_cmd(write_config(tmp_path), "--replicas", "2", "launch.poll_s=0.1")
+    cmd = launch_cmd(write_config(tmp_path), "--replicas", "2", "launch.poll_s=0.1", *sweep)
     proc = subprocess.Popen(
         cmd, env=env(hub, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         deadline = time.monotonic() + 60
-        while len(hub.created("trainer")) < 1:
+        while len(hub.created("trainer")) < trainers:
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the trainer job was never created"
             time.sleep(0.1)
@@ -83,7 +114,7 @@ def test_sigterm_cancels_every_started_job(tmp_path: Path, hub: FakeHub) -> None
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, stderr
-    assert len(hub.jobs) == 3
+    assert len(hub.jobs) == jobs
     assert hub.cancelled() == set(hub.jobs)
     assert "cancelled" in stderr
     logs = "".join(p.read_text() for p in (tmp_path / "runs" / "cli-run" / "launch").iterdir())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import anyio
@@ -270,3 +271,65 @@ def test_missing_credentials_or_local_files_are_refused_before_any_request(
         with pytest.raises(ConfigError, match=message):
             anyio.run(lambda c=cfg, e=environ: launch(c, "hf-jobs", api=api, environ=e, token=None))
     assert hub.requests == []
+
+
+def test_a_sweep_shares_one_proxy_job_and_a_failed_point_lets_the_others_finish(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    """Two points: one proxy job in front of the replicas, one trainer job per point sending to
+    it. Replica 1 fails: its replacement joins the sweep's proxy (not a trainer's). Point 0's
+    trainer fails: point 1 still runs to its end, then the launch fails naming point 0."""
+    count = iter(range(10))
+    hub.scripts["replica"] = lambda: {"fail_after_s": 0.3} if next(count) == 1 else {}
+
+    def added() -> bool:
+        (proxy,) = hub.created("proxy")
+        return any(m == "POST" for m, _, _ in hub.admin_calls(proxy))
+
+    points = iter(range(10))
+    hub.scripts["trainer"] = lambda: (
+        {"logs": ["Traceback", "RuntimeError: out of memory"], "fail_after_s": 0.2}
+        if next(points) == 0
+        else {"logs": [progress_line(s, 3, {"reward": s / 10}) for s in (1, 2, 3)],
+              "complete_when": added}
+    )  # fmt: skip
+    cfg = make_config(tmp_path, "launch.sweep=['trainer.learning_rate=1e-5,1e-4']",
+                      "launch.replica_restart_backoff_s=0")  # fmt: skip
+
+    async def body(handle):
+        with pytest.raises(LaunchError) as info:
+            await handle.wait()
+        return str(info.value), handle.progress
+
+    error, progress = run_launch(cfg, hub, body)
+    assert re.match(r"trainer job fake-run-0-trainer \(\w+\) failed during the run", error)
+    assert "fake-run-1" not in error
+    replicas, (proxy,), trainers = (hub.created(r) for r in ("replica", "proxy", "trainer"))
+    assert len(replicas) == 3 and len(trainers) == 2
+    url = [f"{hub.url}/exposed/{j.id}" for j in replicas]
+    proxy_url = f"{hub.url}/exposed/{proxy.id}"
+    # the proxy: in front of the first replicas, behind the gateway with the token as every key,
+    # and giving the token on to replacements where the first replicas live
+    command = proxy.spec["command"]
+    assert command[command.index("-m") + 1] == "asyncgrpo.proxy"
+    assert [command[i + 1] for i, a in enumerate(command) if a == "--upstream"] == url[:2]
+    for flag in ("--api-key-env", "--upstream-api-key-env", "--admin-api-key-env"):
+        assert command[command.index(flag) + 1] == "HF_TOKEN"
+    assert command[command.index("--upstream-key-url") + 1] == hub.url
+    assert proxy.spec["secrets"] == {"HF_TOKEN": TOKEN}
+    assert hub.admin_calls(proxy) == [("DELETE", url[1], True), ("POST", url[2], True)]
+    # the replicas hold both points' windows: 2 x (max_staleness 1 + 2) LoRA slots
+    command = replicas[0].spec["command"]
+    assert command[command.index("--max-loras") + 1] == "6"
+    for i, trainer in enumerate(trainers):
+        command = trainer.spec["command"]
+        assert f"proxy.upstreams={proxy_url}" in command and "proxy.port=8000" not in command
+        args = command[command.index("asyncgrpo.launch.trainer") + 1 :]
+        loaded = load_config(args, {**trainer.spec["environment"], **trainer.spec["secrets"]})
+        assert loaded.run_name == f"fake-run-{i}"
+        assert loaded.trainer.learning_rate == (1e-5, 1e-4)[i]
+        assert loaded.transport_url == f"{cfg.transport_url}/fake-run-{i}"
+        assert loaded.proxy.upstream_api_key == TOKEN and loaded.proxy.admin_api_key is None
+    # point 1's progress lines, named; the jobs still running cancelled at the end
+    assert [(r["run"], r["step"]) for r in progress] == [("fake-run-1", s) for s in (1, 2, 3)]
+    assert hub.cancelled() == {replicas[0].id, replicas[2].id, proxy.id}

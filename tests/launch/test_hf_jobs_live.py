@@ -53,7 +53,7 @@ class SmokeBackend(HfJobsBackend):
                        flavor="cpu-basic", timeout_s=900, port=8000,
                        labels={"asyncgrpo-role": "replica"})  # fmt: skip
 
-    def trainer_spec(self, urls: list[str]) -> JobSpec:
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
         return JobSpec(role="trainer", name="asyncgrpo-smoke-trainer",
                        command=("python", "-c", "import time; time.sleep(900)"),
                        image="python:3.12-slim", flavor="cpu-basic", timeout_s=900,

@@ -81,7 +81,7 @@ class ScriptedRoles(LocalBackend):
             port=port,
         )
 
-    def trainer_spec(self, urls: list[str]) -> JobSpec:
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
         return JobSpec(role="trainer", name=f"{self.cfg.run_name}-trainer",
                        command=(sys.executable, "-c", TRAINER, ",".join(urls)),
                        env={**self.transport_env, "TRANSPORT": self.transport_url})  # fmt: skip
@@ -184,8 +184,8 @@ TRAINER_PROXY = textwrap.dedent("""
 class ElasticRoles(ScriptedRoles):
     """Stand-in replicas, and a trainer that stands in for its proxy's admin route."""
 
-    def trainer_spec(self, urls: list[str]) -> JobSpec:
-        real = super(ScriptedRoles, self).trainer_spec(urls)  # the port and key it would get
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
+        real = super(ScriptedRoles, self).trainer_spec(urls, cfg)  # the port and key it'd get
         script = (TRAINER_PROXY, str(real.port)) if real.port else ("import time; time.sleep(60)",)
         return JobSpec(role="trainer", name=real.name, port=real.port,
                        command=(sys.executable, "-c", *script), secrets=real.secrets)  # fmt: skip
@@ -249,6 +249,109 @@ def test_with_no_restarts_a_replica_killed_mid_run_stops_the_launch_naming_it(
                        r"during the run \(exit code -9\)"):  # fmt: skip
         anyio.run(main)
     assert not (cfg.run_dir / "launch" / "local-run-replica-2.log").exists()
+
+
+#: A sweep's trainer: asks the proxy it was given which replicas it fronts, writes through its
+#: own storage, prints progress lines; with HANG set, stays after step 1 until it is stopped.
+SWEEP_TRAINER = textwrap.dedent("""
+    import json, os, sys, time, urllib.request, anyio
+    from asyncgrpo.launch.progress import progress_line
+    from asyncgrpo.transport import open_transport
+    url = sys.argv[1]
+    with urllib.request.urlopen(url + "/proxy/upstreams", timeout=10) as resp:
+        fronted = sorted(u["url"] for u in json.load(resp)["upstreams"])
+    print("cwd", os.getcwd(), "urls", url, "fronts", ",".join(fronted), flush=True)
+    async def main():
+        t = open_transport(os.environ["TRANSPORT"])
+        await t.put("hello", os.environ["TRANSPORT"].encode())
+        await t.aclose()
+    anyio.run(main)
+    for step in (1, 2, 3):
+        print(progress_line(step, 3, {"reward": step / 10}), flush=True)
+        while os.environ.get("HANG"):
+            time.sleep(1)
+    os._exit(0)
+""")
+
+
+class SweepRoles(ScriptedRoles):
+    """Stand-in replicas and trainers; the sweep's proxy is the real one."""
+
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
+        real = LocalBackend.trainer_spec(self, urls, cfg)  # its name, port, storage
+        assert cfg is not None and cfg.transport_url and real.port is None
+        return JobSpec(role="trainer", name=real.name,
+                       command=(sys.executable, "-c", SWEEP_TRAINER, *urls),
+                       env={**self.transport_env, "TRANSPORT": cfg.transport_url})  # fmt: skip
+
+
+SWEEP = "launch.sweep=['trainer.learning_rate=1e-5,1e-4']"
+
+
+def test_a_sweep_runs_one_trainer_per_point_through_one_proxy_each_with_its_progress(
+    tmp_path: Path,
+) -> None:
+    cfg = config(tmp_path, SWEEP, "launch.local_transport=s3")
+    launch_dir = cfg.run_dir / "launch"
+    environ = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    backend = SweepRoles(cfg, launch_dir, environ=environ)
+    seen: list[dict] = []
+
+    async def main() -> tuple[list[dict], list[str], str]:
+        async with await launch(cfg, backend, on_progress=seen.append) as handle:
+            roles = [j.spec.role for j in handle.jobs]
+            assert handle.front is not None and handle.front.spec.role == "proxy"
+            return await handle.wait(), roles, str(handle.front.url)
+
+    progress, roles, proxy_url = anyio.run(main)
+    assert roles == ["replica", "replica", "proxy", "trainer", "trainer"]
+    # one progress line per run and step, each naming its run
+    assert sorted((r["run"], r["step"]) for r in progress) == [
+        (f"local-run-{i}", s) for i in (0, 1) for s in (1, 2, 3)
+    ]
+    assert seen == progress
+    replicas = ",".join(sorted(f"http://127.0.0.1:{p}" for p in backend.ports))
+    for i in (0, 1):
+        log = launch_dir / f"local-run-{i}-trainer.log"
+        # each point in its own directory under trainer/ (hidden from replicas as a whole),
+        # sending to the sweep's proxy, which fronts both replicas
+        assert log_field(log, "cwd") == str(launch_dir / "trainer" / str(i))
+        assert log_field(log, "urls") == proxy_url
+        assert log_field(log, "fronts") == replicas
+    jobs = json.loads((launch_dir / "jobs.json").read_text())["jobs"]
+    pids = [int(j["id"].removeprefix("pid-")) for j in jobs]
+    for pid in pids:  # every process group stopped
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_cancelling_a_sweep_stops_every_process_it_started(tmp_path: Path) -> None:
+    """What Ctrl-C or SIGTERM does to ``asyncgrpo launch`` (the command turns them into this
+    cancellation): the replicas and their children, the proxy and every point's trainer stop."""
+    cfg = config(tmp_path, SWEEP)
+    launch_dir = cfg.run_dir / "launch"
+    environ = {**os.environ, "HANG": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    backend = SweepRoles(cfg, launch_dir, environ=environ)
+    seen: list[dict] = []
+
+    async def main() -> list[int]:
+        with anyio.CancelScope() as scope:
+            async with await launch(cfg, backend, on_progress=seen.append) as handle:
+                pids = [int(j.id.removeprefix("pid-")) for j in handle.jobs]
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(handle.wait)
+                    with anyio.fail_after(60):
+                        while len({r["run"] for r in seen}) < 2:  # noqa: ASYNC110
+                            await anyio.sleep(0.1)
+                    scope.cancel()
+        return pids
+
+    pids = anyio.run(main)
+    assert len(pids) == 5
+    children = [int(log_field(launch_dir / f"local-run-replica-{i}.log", "child")) for i in (0, 1)]
+    for pid in pids + children:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
 
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
@@ -368,3 +471,35 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
     trainer_log = (launch_dir / "tiny-cpu-trainer.log").read_text()
     assert "resumed from checkpoint step 40" in trainer_log
     assert "step 42/42" in again.stdout and "step 1/42" not in again.stdout
+
+
+@pytest.mark.vllm
+def test_a_two_point_sweep_end_to_end_shares_one_replica(tiny_model: Path, tmp_path: Path) -> None:
+    """`asyncgrpo launch examples/tiny_cpu.yaml --backend local --sweep trainer.learning_rate=..`:
+    one replica process sized for both points' adapter windows, the sweep's proxy process in front
+    of it, and a trainer process per point; each point books its LoRA slots on the proxy, trains
+    its steps with its own adapter names and storage, and the command prints a progress line per
+    run and step."""
+    out = launch_tiny(tiny_model, tmp_path, "--sweep", "trainer.learning_rate=1e-3,3e-3",
+                      "launch.replicas=1", "trainer.max_steps=3", "trainer.max_staleness=1")  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for i in (0, 1):
+        assert [f"tiny-cpu-{i}: step {s}/3" in out.stdout for s in (1, 2, 3)] == [True] * 3
+    assert "every trainer completed" in out.stdout and "every job stopped" in out.stdout
+    launch_dir = tmp_path / "tiny-cpu" / "launch"
+    # the replica holds both windows: 2 x (max_staleness 1 + 2) LoRA slots
+    assert "'max_loras': 6," in (launch_dir / "replica-0" / "replica-0.log").read_text()
+    proxy_log = (launch_dir / "tiny-cpu-proxy.log").read_text()
+    loaded = loaded_adapters(launch_dir / "replica-0")
+    for i in (0, 1):
+        assert re.search(rf"run tiny-cpu-{i}-\w+ holds 3 LoRA slots", proxy_log), proxy_log[-3000:]
+        assert re.search(rf"run tiny-cpu-{i}-\w+ released its LoRA slots", proxy_log)
+        records = [r for r in map(parse_progress, (
+            launch_dir / f"tiny-cpu-{i}-trainer.log").read_text().splitlines()) if r is not None]  # fmt: skip
+        assert [r["step"] for r in records] == [1, 2, 3]
+        # its versions, from its own storage, and none of the other point's
+        mine = [(n, p) for n, p in loaded if n.startswith(f"tiny-cpu-{i}-")]
+        assert len(mine) >= 4, loaded  # v0 and a version per step
+        assert all(f"tiny-cpu-{1 - i}" not in p for _, p in mine), mine
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # fmt: skip

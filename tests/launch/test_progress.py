@@ -17,6 +17,8 @@ def test_round_trip_through_a_log_line() -> None:
     # with a fleet that lost a member: the replicas in rotation
     record = parse_progress(progress_line(8, 40, {**metrics, "fleet/in_rotation": 1.0}))
     assert describe_progress(record).endswith("sync 0.40 s  replicas 1")  # type: ignore[arg-type]
+    # a sweep's: the launcher adds the run's name
+    assert describe_progress({"step": 3, "max_steps": 40, "run": "lr-1"}) == "lr-1: step 3/40"
 
 
 def test_other_lines_are_not_progress() -> None:

@@ -42,7 +42,8 @@ class StandIn:
     gates: dict[str, asyncio.Event] = field(default_factory=dict)  #: a load waits for it
     loading: dict[str, asyncio.Event] = field(default_factory=dict)  #: set once it waits
     refuse: dict[str, int] = field(default_factory=dict)  #: a load answers this status
-    die_on_pause: str = ""  #: its engine dies at a pause: "before" or "after" answering it
+    #: its engine dies at the load of this adapter: "before" or "after" answering it
+    die_on_load: dict[str, str] = field(default_factory=dict)
     dead: bool = False  #: drops every connection
     sick: bool = False  #: its /health answers 503 (vLLM's with a dead engine)
     hold: asyncio.Event = field(default_factory=asyncio.Event)  #: completions marked "hold"
@@ -79,8 +80,9 @@ class StandIn:
 
     @web.middleware
     async def alive(self, request: web.Request, handler):
-        if request.path == "/pause" and self.die_on_pause == "before":
-            self.dead = True
+        if request.path == "/v1/load_lora_adapter":
+            name = json.loads(await request.read())["lora_name"]
+            self.dead = self.dead or self.die_on_load.get(name) == "before"
         if self.dead:  # what a crashed engine's host does: reset, no answer
             if request.transport is not None:
                 request.transport.abort()
@@ -106,6 +108,7 @@ class StandIn:
         if name in self.refuse:
             return web.Response(status=self.refuse[name], text='{"error": "integrity"}')
         self.adapters.add(name)
+        self.dead = name in self.die_on_load
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(self, request: web.Request) -> web.Response:
@@ -117,7 +120,6 @@ class StandIn:
 
     async def pause(self, request: web.Request) -> web.Response:
         self.paused = True
-        self.dead = bool(self.die_on_pause)
         return web.json_response({})
 
     async def resume(self, request: web.Request) -> web.Response:
@@ -351,11 +353,11 @@ async def test_a_proxy_in_front_keeps_a_proxy_whose_fleet_lost_a_member(
 async def test_the_trainers_sync_goes_through_when_a_replica_dies_in_the_middle_of_it(
     fleet: list[StandIn], tmp_path: Path, when: str
 ) -> None:
-    """The trainer's sequence (publish, pause, load, resume, switch, retire) with one attempt
-    only: a replica whose engine dies at the pause, before or after answering it, does not fail
+    """The trainer's sequence (publish, load while serving, switch, retire) with one attempt
+    only: a replica whose engine dies at the load, before or after answering it, does not fail
     it."""
     a, b = fleet
-    b.die_on_pause = when
+    b.die_on_load = {"run-x-v1": when}
     cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, lora_roots=(str(tmp_path),),
                       **{**FAST, "health_interval_s": 3600})  # fmt: skip
     store = AdapterStore(str(tmp_path / "store"))
@@ -375,4 +377,5 @@ async def test_the_trainers_sync_goes_through_when_a_replica_dies_in_the_middle_
         await sync.sync(0, adapter, step=0, on_loaded=on_loaded)
         await sync.sync(1, adapter, step=1, on_loaded=on_loaded)
     assert switched == ["run-x-v0", "run-x-v1"]
-    assert a.adapters == {"run-x-v1"} and not a.paused and b.adapters == set()
+    assert a.adapters == {"run-x-v1"} and not a.paused and b.dead
+    assert b.adapters == ({"run-x-v0"} if when == "before" else {"run-x-v0", "run-x-v1"})

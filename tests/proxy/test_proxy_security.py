@@ -22,11 +22,13 @@ import httptools
 import pytest
 
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
+from asyncgrpo.vllm_client import SERVER_INFO_PATH
 
 pytestmark = pytest.mark.anyio
 
 TOKEN = "upstream-token-123"
 ADMIN = {"Authorization": "Bearer admin-key-456"}
+SERVER_INFO = SERVER_INFO_PATH.encode()
 COMPLETION = b'{"model": "m", "prompt": [1, 2, 3]}'
 
 
@@ -41,8 +43,9 @@ class Recorder:
         return {auth for _, _, auth in self.seen}
 
     def paths(self) -> list[bytes]:
-        """What it was asked, health checks left out."""
-        return [path for _, path, _ in self.seen if path != b"/health"]
+        """What it was asked, health checks and the proxy's start-up read of its limits left
+        out."""
+        return [path for _, path, _ in self.seen if path not in (b"/health", SERVER_INFO)]
 
 
 class _ReplicaConn(asyncio.Protocol):

@@ -1,0 +1,231 @@
+"""Training runs sharing the replicas: which run a request is for, each run's LoRA slots, and
+each run's share of generation while the replicas are saturated.
+
+Pure, like the router beside it: no I/O, no clock reads (callers pass ``now``).
+
+- **Which run.** A request's run is its ``model`` less a trailing ``-v<N>`` (adapter versions
+  are named ``<run_name>-<run id>-v<N>``); any other model name is a run of its own.
+- **LoRA slots.** A run registers how many versions it keeps loaded at most
+  (``max_staleness + 2``: load before unload) and its weight. A registration that would take the
+  runs past the replicas' ``--max-loras`` is refused, with the numbers; an adapter loaded
+  through the proxy by a client that never registered holds one slot. A registration lapses
+  after ``lease_s`` without a request of its run (a run that died without saying so).
+- **Fair share.** While fewer than ``capacity`` sequences (a request's ``n`` times its prompts)
+  are in flight, a request goes at once. Beyond, it waits in its run's queue, and each slot that
+  frees goes to the waiting run with the fewest sequences in flight per unit of weight (max-min
+  fair: a run that asks less than its share gets all it asks, the others split the rest by
+  weight). Routing is untouched: a request whose turn comes is routed by prefix affinity then.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections import deque
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+__all__ = ["OVERFLOW", "Run", "Runs", "Waiting", "run_of", "sequences"]
+
+_VERSIONED = re.compile(r"(.+)-v[0-9]+")
+#: The run of requests beyond ``max_runs`` distinct runs (all busy): bounded memory.
+OVERFLOW = "(other)"
+
+
+@functools.lru_cache(maxsize=4096)
+def run_of(model: str) -> str:
+    """``tiny-1a2b3c4d-v12`` -> ``tiny-1a2b3c4d``; a name without a version is its own run."""
+    match = _VERSIONED.fullmatch(model)
+    return match[1] if match else model
+
+
+def sequences(body: dict[str, Any]) -> int:
+    """Sequences a generation request puts in flight: ``n`` per prompt."""
+    n = body.get("n", 1)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return n * len(prompt)  # a batch of prompts
+    return n
+
+
+class Waiting(Protocol):
+    """A request waiting for its turn; ``admitted`` sends it."""
+
+    def admitted(self) -> None: ...
+
+
+class Run:
+    """One run's registration, its requests now and its totals."""
+
+    __slots__ = ("inflight", "name", "queue", "requests", "seen", "sequence_s", "sequences",
+                 "slots", "waited_s", "weight")  # fmt: skip
+
+    def __init__(self, name: str, now: float) -> None:
+        self.name = name
+        self.weight = 1.0
+        self.slots: int | None = None  #: registered LoRA slots; None: not registered
+        self.seen = now  #: last request or registration
+        self.inflight = 0  #: sequences
+        self.queue: deque[tuple[Waiting, int, float]] = deque()  # (request, cost, since)
+        self.requests = 0
+        self.sequences = 0
+        self.waited_s = 0.0  #: time requests spent waiting for their turn
+        self.sequence_s = 0.0  #: sequence-seconds in flight: its share of generation
+
+    def idle(self) -> bool:
+        return not self.inflight and not self.queue
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        return {
+            "weight": self.weight,
+            "lora_slots": self.slots,
+            "inflight": self.inflight,
+            "queued": len(self.queue),
+            "requests": self.requests,
+            "sequences": self.sequences,
+            "waited_s": round(self.waited_s, 3),
+            "sequence_s": round(self.sequence_s, 3),
+            "idle_s": round(now - self.seen, 1),
+        }
+
+
+class Runs:
+    """Every run the proxy has seen (at most ``max_runs`` at once), their slots and turns."""
+
+    def __init__(self, *, lease_s: float, max_runs: int = 1024) -> None:
+        self.lease_s = lease_s
+        self.max_runs = max_runs
+        self.runs: dict[str, Run] = {}
+        #: sequences one replica runs at once (its --max-num-seqs); None: requests never wait
+        self.per_replica: int | None = None
+        #: sequences in flight before requests wait their turn; None: they never wait
+        self.capacity: int | None = None
+        self.inflight = 0
+        self.waiting = 0
+        self._pumping = False
+
+    # -- requests -------------------------------------------------------------------------
+
+    def run(self, model: str, now: float) -> Run:
+        """The run of a request for ``model`` (created if new)."""
+        name = run_of(model)
+        run = self.runs.get(name)
+        if run is None:
+            run = self._new(name, now)
+        run.seen = now
+        return run
+
+    def _new(self, name: str, now: float) -> Run:
+        if len(self.runs) >= self.max_runs:
+            idle = [r for r in self.runs.values() if r.slots is None and r.idle()]
+            if not idle:
+                return self.runs.get(OVERFLOW) or self.runs.setdefault(OVERFLOW, Run(OVERFLOW, now))
+            del self.runs[min(idle, key=lambda r: r.seen).name]
+        run = self.runs[name] = Run(name, now)
+        return run
+
+    def resize(self, replicas: int, now: float) -> None:
+        """The capacity of ``replicas`` in rotation; room it adds goes to waiting requests.
+        With none in rotation nothing waits: requests fail at once, as they would alone."""
+        self.capacity = self.per_replica * replicas if self.per_replica and replicas else None
+        if self.waiting:
+            self.pump(now)
+
+    def admit(self, run: Run, request: Waiting, cost: int, now: float) -> bool:
+        """True: send ``request`` now (it holds ``cost`` sequences until :meth:`done`). False:
+        it waits its turn; :meth:`pump` sends it."""
+        run.requests += 1
+        run.sequences += cost
+        if self.capacity is None or self.inflight < self.capacity:
+            run.inflight += cost
+            self.inflight += cost
+            return True
+        run.queue.append((request, cost, now))
+        self.waiting += 1
+        return False
+
+    def done(self, run: Run, cost: int, seconds: float) -> None:
+        """A request that was sent ended after ``seconds``; its sequences are free."""
+        run.inflight -= cost
+        self.inflight -= cost
+        run.sequence_s += cost * seconds
+
+    def withdraw(self, run: Run, request: Waiting) -> None:
+        """A waiting request's client went away."""
+        for i, (waiting, _, _) in enumerate(run.queue):
+            if waiting is request:
+                del run.queue[i]
+                self.waiting -= 1
+                return
+
+    def pump(self, now: float) -> None:
+        """Send waiting requests while there is room, each time the run furthest below its
+        share first (ties: the longest waiting). A request sent may end at once (no replica)
+        and free its room again: that is sent from this loop, not from a nested call."""
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            while self.waiting and (self.capacity is None or self.inflight < self.capacity):
+                run = min((r for r in self.runs.values() if r.queue),
+                          key=lambda r: (r.inflight / r.weight, r.queue[0][2]))  # fmt: skip
+                request, cost, since = run.queue.popleft()
+                self.waiting -= 1
+                run.waited_s += now - since
+                run.inflight += cost
+                self.inflight += cost
+                request.admitted()
+        finally:
+            self._pumping = False
+
+    # -- registrations --------------------------------------------------------------------
+
+    def expire(self, now: float) -> list[str]:
+        """Drop the registrations of runs silent for ``lease_s``; their names."""
+        lapsed = [r for r in self.runs.values()
+                  if r.slots is not None and r.idle() and now - r.seen > self.lease_s]  # fmt: skip
+        for run in lapsed:
+            run.slots = None
+        return [r.name for r in lapsed]
+
+    def holders(self, loaded: Iterable[str], *, besides: str = "") -> dict[str, int]:
+        """LoRA slots held per run: registered ones, and one per adapter loaded for a run that
+        is not registered (``loaded``: the adapters loaded through the proxy)."""
+        registered = {r.name: r.slots for r in self.runs.values() if r.slots is not None}
+        held = dict(registered)
+        for adapter in loaded:
+            name = run_of(adapter)
+            if name not in registered:
+                held[name] = held.get(name, 0) + 1
+        held.pop(besides, None)
+        return held
+
+    def register(
+        self, name: str, *, slots: int, weight: float, max_loras: int, loaded: Iterable[str],
+        now: float,
+    ) -> str | None:  # fmt: skip
+        """Register run ``name`` (again: a restarted run replaces its old registration); the
+        reason it does not fit, or None."""
+        held = self.holders(loaded, besides=name)
+        used = sum(held.values())
+        if used + slots > max_loras:
+            others = ", ".join(f"{n} {k}" for n, k in sorted(held.items())) or "none"
+            return (
+                f"run {name} needs {slots} LoRA slots (max_staleness + 2) but the replicas hold "
+                f"--max-loras {max_loras}, {used} of them taken by the {len(held)} other run(s) "
+                f"sharing them ({others}): restart the replicas with --max-loras {used + slots} "
+                "or more (python -m asyncgrpo.serve --runs N sizes it), or lower max_staleness"
+            )
+        # Its own entry even past max_runs: each registration holds a slot, so they are few.
+        run = self.runs.get(name) or self.runs.setdefault(name, Run(name, now))
+        run.slots, run.weight, run.seen = slots, weight, now
+        return None
+
+    def release(self, name: str) -> bool:
+        """The run ended: its slots are free. False if it was not registered."""
+        run = self.runs.get(name)
+        if run is None or run.slots is None:
+            return False
+        run.slots = None
+        return True
