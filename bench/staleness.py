@@ -2,8 +2,10 @@
 off-policy corrections, several seeds each, reward against optimizer step and wall clock.
 
 Every run is ``examples/tiny_cpu.yaml`` (the ``asyncgrpo demo`` recipe: the tiny model, two
-float32 vLLM replicas behind the proxy, lr 3e-2, 32 samples per step, a sync every step,
-40 steps) with only ``seed``, ``trainer.max_staleness`` and ``trainer.off_policy`` changed.
+float32 vLLM replicas behind the proxy, 32 samples per step, a sync every step, 40 steps) with
+only ``seed``, ``trainer.max_staleness`` and ``trainer.off_policy`` changed, plus the config
+overrides of a ``--recipe NAME:KEY=VALUE,...`` (e.g. ``lr25:trainer.learning_rate=2.5e-2``) when
+recipes are compared: each recipe runs the same grid, gets its own table, verdict and plot.
 One fleet of replicas is started once and every run trains against it in turn (``serve.replicas
 =0``, ``proxy.upstreams``), each run under its own name and store.
 
@@ -24,6 +26,8 @@ cap masked or truncated, over the run).
 Run: ``python bench/staleness.py`` (the whole grid, about 30 min on 2 quiet cores),
 ``python bench/staleness.py --max-minutes 10`` (as much as fits; run again to continue),
 ``python bench/staleness.py --staleness 4 --corrections decoupled --seeds 0`` (one run),
+``python bench/staleness.py --staleness 0,4 --corrections decoupled --recipe demo --recipe
+lr25:trainer.learning_rate=2.5e-2`` (the demo's recipe against another learning rate),
 ``python bench/staleness.py --report`` (table and plot of what is measured).
 """
 
