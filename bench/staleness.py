@@ -2,8 +2,10 @@
 off-policy corrections, several seeds each, reward against optimizer step and wall clock.
 
 Every run is ``examples/tiny_cpu.yaml`` (the ``asyncgrpo demo`` recipe: the tiny model, two
-float32 vLLM replicas behind the proxy, lr 3e-2, 32 samples per step, a sync every step,
-40 steps) with only ``seed``, ``trainer.max_staleness`` and ``trainer.off_policy`` changed.
+float32 vLLM replicas behind the proxy, 32 samples per step, a sync every step, 40 steps) with
+only ``seed``, ``trainer.max_staleness`` and ``trainer.off_policy`` changed, plus the config
+overrides of a ``--recipe NAME:KEY=VALUE,...`` (e.g. ``lr25:trainer.learning_rate=2.5e-2``) when
+recipes are compared: each recipe runs the same grid, gets its own table, verdict and plot.
 One fleet of replicas is started once and every run trains against it in turn (``serve.replicas
 =0``, ``proxy.upstreams``), each run under its own name and store.
 
@@ -24,6 +26,8 @@ cap masked or truncated, over the run).
 Run: ``python bench/staleness.py`` (the whole grid, about 30 min on 2 quiet cores),
 ``python bench/staleness.py --max-minutes 10`` (as much as fits; run again to continue),
 ``python bench/staleness.py --staleness 4 --corrections decoupled --seeds 0`` (one run),
+``python bench/staleness.py --staleness 0,4 --corrections decoupled --recipe demo --recipe
+lr25:trainer.learning_rate=2.5e-2`` (the demo's recipe against another learning rate),
 ``python bench/staleness.py --report`` (table and plot of what is measured).
 """
 
@@ -54,15 +58,31 @@ THRESHOLD, WINDOW, LAST = 0.5, 3, 5
 SYNC = "any"  # the correction label of max_staleness 0 (all coincide there)
 
 
-def key(k: int, correction: str, seed: int) -> str:
-    return f"k{k}-{correction.replace('@', '-cap')}-s{seed}"
+DEMO = "demo"  # the recipe of examples/tiny_cpu.yaml as it is
 
 
-def grid(args: argparse.Namespace) -> list[tuple[int, str, int]]:
+def key(recipe: str, k: int, correction: str, seed: int) -> str:
+    prefix = "" if recipe == DEMO else f"{recipe}-"
+    return f"{prefix}k{k}-{correction.replace('@', '-cap')}-s{seed}"
+
+
+def parse_recipe(text: str) -> tuple[str, tuple[str, ...]]:
+    """``NAME:KEY=VALUE,KEY=VALUE`` (config overrides on top of the demo's) or ``demo``."""
+    name, _, overrides = text.partition(":")
+    pairs = tuple(o for o in overrides.split(",") if o)
+    if not name.replace("_", "").isalnum() or (name == DEMO) == bool(pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: give 'demo' or NAME:KEY=VALUE[,KEY=VALUE]")
+    if any("=" not in o for o in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: every override is KEY=VALUE")
+    return name, pairs
+
+
+def grid(args: argparse.Namespace) -> list[tuple[str, int, str, int]]:
     out = []
-    for k in args.staleness:
-        for correction in [SYNC] if k == 0 else args.corrections:
-            out += [(k, correction, seed) for seed in args.seeds]
+    for recipe in args.recipes:
+        for k in args.staleness:
+            for correction in [SYNC] if k == 0 else args.corrections:
+                out += [(recipe, k, correction, seed) for seed in args.seeds]
     return out
 
 
@@ -77,7 +97,7 @@ def load(path: Path) -> dict[str, dict[str, Any]]:
 
 
 # ---- measuring ---------------------------------------------------------------------------------
-async def measure(args: argparse.Namespace, todo: list[tuple[int, str, int]]) -> None:
+async def measure(args: argparse.Namespace, todo: list[tuple[str, int, str, int]]) -> None:
     import dataclasses
 
     from asyncgrpo.config import TrainingConfig
@@ -89,7 +109,7 @@ async def measure(args: argparse.Namespace, todo: list[tuple[int, str, int]]) ->
     out: Path = args.out
     model = make_tiny_model(out / "model", seed=0)  # the demo's model
     base = TrainingConfig.from_yaml(
-        EXAMPLE, [f"model={model}", f"trainer.max_staleness={max(k for k, _, _ in todo)}"]
+        EXAMPLE, [f"model={model}", f"trainer.max_staleness={max(k for _, k, _, _ in todo)}"]
     )
     fleet = dataclasses.replace(
         base.serve,
@@ -102,12 +122,12 @@ async def measure(args: argparse.Namespace, todo: list[tuple[int, str, int]]) ->
     async with launch_replicas(fleet) as replicas:
         urls = [r.url for r in replicas]
         print(f"fleet up after {time.monotonic() - started:.0f} s: {', '.join(urls)}", flush=True)
-        for k, correction, seed in todo:
+        for recipe, k, correction, seed in todo:
             spent = (time.monotonic() - started) / 60
             if args.max_minutes is not None and spent > args.max_minutes:
                 print(f"--max-minutes {args.max_minutes:g} reached; run again to continue")
                 return
-            name = key(k, correction, seed)
+            name = key(recipe, k, correction, seed)
             run_dir = out / "runs" / name
             if run_dir.exists():  # an interrupted attempt: start fresh, never resume it
                 shutil.rmtree(run_dir)
@@ -119,13 +139,15 @@ async def measure(args: argparse.Namespace, todo: list[tuple[int, str, int]]) ->
                 *([f"trainer.importance_cap={cap}"] if cap else []),
                 "serve.replicas=0", f"proxy.upstreams=[{','.join(urls)}]",
                 *([f"trainer.max_steps={args.steps}"] if args.steps else []),
+                *args.overrides[recipe],
             ])  # fmt: skip
             load_start = os.getloadavg()[0]
             t0 = time.monotonic()
             result = await run_training(cfg)
             wall = time.monotonic() - t0
             row = summarize(read_metrics(result.run_dir / "metrics.jsonl"))
-            row.update(key=name, staleness=k, correction=correction, seed=seed, wall_s=wall,
+            row.update(key=name, recipe=recipe, overrides=list(args.overrides[recipe]),
+                       staleness=k, correction=correction, seed=seed, wall_s=wall,
                        load=[load_start, os.getloadavg()[0]], time=time.time(),
                        commit=args.commit)  # fmt: skip
             with (out / "results.jsonl").open("a") as f:
@@ -199,6 +221,17 @@ def line(row: dict[str, Any]) -> str:
 
 # ---- report ------------------------------------------------------------------------------------
 def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    """One table, summary, verdict and plot per recipe (``--plot`` for the demo's own, with the
+    recipe's name appended for the others)."""
+    for recipe in args.recipes:
+        mine = {k: r for k, r in rows.items() if r.get("recipe", DEMO) == recipe}
+        overrides = " ".join(args.overrides[recipe]) or str(EXAMPLE.relative_to(ROOT))
+        print(f"\nrecipe {recipe}: {overrides}")
+        path = args.plot if recipe == DEMO else args.plot.with_stem(f"{args.plot.stem}-{recipe}")
+        report_recipe(mine, path)
+
+
+def report_recipe(rows: dict[str, dict[str, Any]], path: Path) -> None:
     order = {c: i for i, c in enumerate([SYNC, *CORRECTIONS])}
     groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for row in sorted(rows.values(), key=lambda r: (r["staleness"], order.get(r["correction"], 9),
@@ -224,8 +257,8 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
         )
     verdict(groups)
     if rows:
-        plot(groups, args.plot)
-        print(f"\nplot: {args.plot}")
+        plot(groups, path)
+        print(f"\nplot: {path}")
 
 
 def verdict(groups: dict[tuple[int, str], list[dict[str, Any]]]) -> None:
@@ -305,6 +338,11 @@ def main() -> None:
                    help="trainer.off_policy values, NAME@CAP for another importance_cap "
                         "(max_staleness 0 runs once for all)")  # fmt: skip
     p.add_argument("--seeds", type=ints, default=SEEDS, help="training seeds")
+    p.add_argument("--recipe", type=parse_recipe, action="append", dest="recipes",
+                   help="'demo' (examples/tiny_cpu.yaml as it is; the default) or "
+                        "NAME:KEY=VALUE[,KEY=VALUE]: the demo's recipe with these config "
+                        "overrides, for every max_staleness and seed alike; repeat to compare "
+                        "recipes in one run")  # fmt: skip
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo's)")
     p.add_argument("--out", type=Path, default=OUT, help="results.jsonl, run directories")
     p.add_argument("--plot", type=Path, default=PLOT, help="where the PNG goes")
@@ -313,6 +351,11 @@ def main() -> None:
     p.add_argument("--rerun", action="store_true", help="measure runs already in results.jsonl")
     p.add_argument("--report", action="store_true", help="only print the table and draw the plot")
     args = p.parse_args()
+    recipes = args.recipes or [(DEMO, ())]
+    args.overrides = dict(recipes)
+    if len(args.overrides) < len(recipes):
+        p.error("--recipe: each NAME once")
+    args.recipes = list(args.overrides)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -265,13 +265,18 @@ async def test_training_continues_when_one_of_its_own_replicas_dies(
     killed: list[int] = []
     batches: list[list[Sample]] = []
 
+    def servers() -> list[psutil.Process]:
+        return [p for p in psutil.Process().children()
+                if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]  # fmt: skip
+
+    others = {p.pid for p in servers()}  # the session's replicas, when other tests started them
+
     def kill_at_step_3(step: int, samples: Sequence[Sample], version: int) -> None:
         batches.append(list(samples))
         if step == 3:
-            servers = [p for p in psutil.Process().children()
-                       if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]  # fmt: skip
-            assert len(servers) == 2, servers
-            os.killpg(servers[1].pid, signal.SIGKILL)  # its own session: the whole replica
+            own = [p for p in servers() if p.pid not in others]
+            assert len(own) == 2, own
+            os.killpg(own[1].pid, signal.SIGKILL)  # its own session: the whole replica
             killed.append(step)
 
     result = await run_training(cfg, on_step=kill_at_step_3)

@@ -13,7 +13,10 @@ trainer has read ``base`` samples; a sample started now will be read at position
 ``consumed + outstanding``, so it is fresh enough iff that position is below
 ``base + (max_staleness + 1) * per_version``. A consumer blocked on samples that nobody is
 generating overrides the window, so the trainer can never wait forever (it may need more
-samples than planned after dropping some).
+samples than planned after dropping some). Groups finish out of order, so a group admitted at
+the window's edge and overtaken by later ones is read later than planned and can still arrive one
+version too old: the trainer drops it (``sample/dropped_stale_total``). Only a window that left
+``max_inflight`` samples of slack would rule that out, at the cost of that much run-ahead.
 """
 
 from __future__ import annotations
