@@ -22,9 +22,13 @@ lagging producer's create on that number still fails and nothing is lost).
 A batch that does not decode (a buggy or hostile writer) is **quarantined**: copied to
 ``rollouts/quarantine/<seq>.agrb`` for inspection, replaced by a tombstone, counted
 (:attr:`RolloutChannel.quarantined`) and logged, and the consumer moves on. Leaving it in place
-would stop the trainer at the same batch on every resume.
+would stop the trainer at the same batch on every resume. A batch of another **format version**
+is not malformed but written by another asyncgrpo release: the consumer stops there with a
+``ConfigError`` naming both versions (quarantining would skip every batch of a fleet that runs
+mixed releases), and the batch stays for a reader of its version.
 
-**Encoding**, measured with ``bench/rollout_encoding.py`` (64 samples x 256 prompt + 1024
+**Encoding** (format version 2: per-token versions and policy masks of multi-turn episodes),
+measured with ``bench/rollout_encoding.py`` (64 samples x 256 prompt + 1024
 completion tokens, 2 shared CPU cores): the binary ``AGRB`` layout (a JSON header for the scalar
 fields, then int32 token ids and float32 logprobs) is 0.60 MB (7.3 B/token), encodes in 9-31 ms
 and decodes in 5-18 ms; JSONL is 1.83 MB (22.3 B/token), 220-510 ms and 97-125 ms. zlib saves
@@ -65,7 +69,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAGIC = b"AGRB"
-FORMAT_VERSION = 1
+#: 2: per-token versions and policy masks (multi-turn episodes). A reader refuses any other.
+FORMAT_VERSION = 2
 _HEAD = struct.Struct("<4sBI")  # magic, format version, header JSON length
 _SCALARS = ("reward", "advantage", "version", "group_id", "temperature", "rewards", "finish_reason")
 _LITTLE = sys.byteorder == "little"
@@ -80,58 +85,102 @@ def _le(arr: array.array) -> bytes:
 
 
 def encode_batch(samples: Sequence[Sample]) -> bytes:
-    """Samples -> ``AGRB`` bytes: header JSON (scalars, lengths), int32 tokens, float32 logprobs."""
+    """Samples -> ``AGRB`` bytes: header JSON (scalars, lengths), int32 tokens, float32
+    logprobs, then int32 per-token versions and uint8 policy masks of the samples that have
+    them (multi-turn episodes)."""
     header: list[dict[str, Any]] = []
     tokens = array.array("i")
     logprobs = array.array("f")
+    versions = array.array("i")
+    masks = bytearray()
     for s in samples:
         row = {k: getattr(s, k) for k in _SCALARS}
         row["np"], row["nc"] = len(s.prompt_ids), len(s.completion_ids)
+        if s.versions is not None:
+            row["v"] = 1
+            versions.extend(s.versions)
+        if s.completion_mask is not None:
+            row["m"] = 1
+            masks.extend(map(bool, s.completion_mask))
         header.append(row)
         tokens.extend(s.prompt_ids)
         tokens.extend(s.completion_ids)
         logprobs.extend(s.logprobs)
     head = json.dumps(header, separators=(",", ":")).encode()
     return b"".join(
-        [_HEAD.pack(MAGIC, FORMAT_VERSION, len(head)), head, _le(tokens), _le(logprobs)]
+        [
+            _HEAD.pack(MAGIC, FORMAT_VERSION, len(head)),
+            head,
+            _le(tokens),
+            _le(logprobs),
+            _le(versions),
+            bytes(masks),
+        ]
     )
+
+
+def _check_format(fmt: Any, where: str) -> None:
+    """Refuse a batch written by another release: its samples would be misread. A
+    :class:`ConfigError`, not an :class:`IntegrityError`: the batch is sound, the fleet is not."""
+    if fmt != FORMAT_VERSION:
+        raise ConfigError(
+            f"{where} is rollout format v{fmt}, this asyncgrpo reads v{FORMAT_VERSION}: the "
+            "rollout processes and the trainer run different asyncgrpo releases; install the "
+            "same release on both"
+        )
 
 
 def decode_batch(data: bytes) -> list[Sample]:
     """Inverse of :func:`encode_batch`; :class:`IntegrityError` on anything malformed."""
     try:
         magic, fmt, head_len = _HEAD.unpack_from(data)
-        if magic != MAGIC or fmt != FORMAT_VERSION:
-            raise ValueError(f"not an AGRB v{FORMAT_VERSION} batch (magic {magic!r}, v{fmt})")
+        if magic != MAGIC:
+            raise ValueError(f"not an AGRB batch (magic {magic!r})")
+        _check_format(fmt, "the batch")
         offset = _HEAD.size
         header = json.loads(data[offset : offset + head_len])
         offset += head_len
         _check_header(header)
         n_tok = sum(r["np"] + r["nc"] for r in header)
         n_lp = sum(r["nc"] for r in header)
-        if len(data) != offset + 4 * n_tok + 4 * n_lp:
+        n_ver = sum(r["nc"] for r in header if r.get("v"))
+        n_mask = sum(r["nc"] for r in header if r.get("m"))
+        if len(data) != offset + 4 * (n_tok + n_lp + n_ver) + n_mask:
             raise ValueError(f"size {len(data)} does not match header ({n_tok} tokens, {n_lp} lp)")
-        tokens = array.array("i")
-        tokens.frombytes(data[offset : offset + 4 * n_tok])
-        logprobs = array.array("f")
-        logprobs.frombytes(data[offset + 4 * n_tok :])
-        if not _LITTLE:
-            tokens.byteswap()
-            logprobs.byteswap()
-        samples, t, lp = [], 0, 0
+        arrays = []
+        for code, count in (("i", n_tok), ("f", n_lp), ("i", n_ver)):
+            arr = array.array(code)
+            arr.frombytes(data[offset : offset + 4 * count])
+            if not _LITTLE:
+                arr.byteswap()
+            arrays.append(arr)
+            offset += 4 * count
+        tokens, logprobs, versions = arrays
+        masks = data[offset:]
+        samples, t, lp, v, m = [], 0, 0, 0, 0
         for row in header:
             n_p, n_c = row.pop("np"), row.pop("nc")
+            extra: dict[str, Any] = {}
+            if row.pop("v", 0):
+                extra["versions"] = versions[v : v + n_c].tolist()
+                v += n_c
+            if row.pop("m", 0):
+                extra["completion_mask"] = [bool(b) for b in masks[m : m + n_c]]
+                m += n_c
             samples.append(
                 Sample(
                     prompt_ids=tokens[t : t + n_p].tolist(),
                     completion_ids=tokens[t + n_p : t + n_p + n_c].tolist(),
                     logprobs=logprobs[lp : lp + n_c].tolist(),
                     **row,
+                    **extra,
                 )
             )
             t += n_p + n_c
             lp += n_c
         return samples
+    except ConfigError:
+        raise
     except (ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
         raise IntegrityError(f"cannot decode rollout batch: {exc}") from exc
 
@@ -156,30 +205,52 @@ _ROW_CHECKS: dict[str, tuple[str, Any]] = {
 }
 
 
+#: Present (= 1) when the sample carries per-token versions ("v") / a policy mask ("m").
+_ROW_FLAGS = frozenset({"v", "m"})
+_ROW_KEYS = _ROW_FLAGS | set(_ROW_CHECKS)
+
+
 def _check_header(header: Any) -> None:
     """Each row holds exactly the fields a :class:`Sample` needs, each of the right type, so a
     batch that decodes cannot crash the trainer later (a string version, a NaN advantage)."""
     if not isinstance(header, list):
         raise ValueError("the header is not a list of samples")
     for i, row in enumerate(header):
-        if not isinstance(row, dict) or set(row) != set(_ROW_CHECKS):
+        if not isinstance(row, dict) or not set(_ROW_CHECKS) <= set(row) <= _ROW_KEYS:
             raise ValueError(f"sample {i}: expected the fields {sorted(_ROW_CHECKS)}")
         for key, (what, ok) in _ROW_CHECKS.items():
             if not ok(row[key]):
                 raise ValueError(f"sample {i}: {key} is not {what}")
+        for key in _ROW_FLAGS.intersection(row):
+            if row[key] != 1:
+                raise ValueError(f"sample {i}: {key} is not 1")
 
 
 def encode_jsonl(samples: Sequence[Sample]) -> bytes:
-    """One JSON object per sample; the measured alternative (kept for the bench and debugging)."""
+    """One JSON object per sample, each tagged with the format version (``"format"``); the
+    measured alternative (kept for the bench and debugging)."""
     from dataclasses import fields
 
     names = [f.name for f in fields(Sample)]
-    rows = ({n: getattr(s, n) for n in names} for s in samples)
+    rows = ({"format": FORMAT_VERSION, **{n: getattr(s, n) for n in names}} for s in samples)
     return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows)
 
 
 def decode_jsonl(data: bytes) -> list[Sample]:
-    return [Sample(**json.loads(line)) for line in data.splitlines() if line]
+    """Inverse of :func:`encode_jsonl`; :class:`IntegrityError` on a row of another format."""
+    out = []
+    for i, line in enumerate(data.splitlines()):
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+            _check_format(row.pop("format", 1), f"JSONL row {i}")
+            out.append(Sample(**row))
+        except ConfigError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise IntegrityError(f"cannot decode rollout batch: {exc}") from exc
+    return out
 
 
 # ---- channel ---------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ def _where(name: str) -> str:
 def dry_run(cfg: TrainingConfig) -> list[str]:
     """Report lines for a valid recipe; raises ``ConfigError`` naming the field to fix."""
     from asyncgrpo.endpoint import replica_config
+    from asyncgrpo.rollout.environment import environment_class
     from asyncgrpo.rollout.rewards import load_reward_func
     from asyncgrpo.vllm_client import check_lora_capacity
 
@@ -41,6 +42,14 @@ def dry_run(cfg: TrainingConfig) -> list[str]:
     for path in cfg.rollout.reward_funcs:
         load_reward_func(path)  # raises ConfigError naming the path
         lines.append(f"reward function {path}: imports")
+    if cfg.rollout.environment is not None:
+        env = environment_class(cfg.rollout.environment)  # raises ConfigError naming the path
+        if not cfg.rollout.reward_funcs and not env.provides_reward:
+            raise ConfigError(
+                f"rollout.environment={cfg.rollout.environment} does not score its episodes and "
+                "rollout.reward_funcs is empty: set at least one reward function"
+            )
+        lines.append(f"environment {cfg.rollout.environment}: imports")
 
     max_len = cfg.serve.max_model_len
     if max_len is not None:

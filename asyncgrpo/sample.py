@@ -13,11 +13,21 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True, kw_only=True)
 class Sample:
-    """One scored completion, tagged with the adapter version that generated it.
+    """One scored episode, tagged with the adapter version(s) that generated it.
+
+    ``completion_ids`` is everything after the prompt. In a single-turn episode every one of
+    them is the policy's; in a multi-turn episode the environment's text (a tool result, a
+    user's reply) sits between the model's turns: ``completion_mask[i]`` says whether token
+    ``i`` is the policy's (only those carry loss) and ``versions[i]`` which adapter version
+    produced it (a turn sent after a weight sync runs under the newer one). ``None`` means
+    "all policy tokens" and "all at ``version``": the single-turn case costs nothing extra.
+    ``version`` is the oldest version in the episode (its first model turn), so a staleness
+    bound on ``version`` bounds every token.
 
     ``logprobs`` are the behaviour policy's per-token logprobs as vLLM returned them with
     ``--logprobs-mode processed_logprobs``: after temperature, so the trainer must divide its
-    logits by the same ``temperature`` before comparing.
+    logits by the same ``temperature`` before comparing. Aligned with ``completion_ids``;
+    environment tokens hold 0.0, which nothing reads.
     """
 
     prompt_ids: list[int]
@@ -30,17 +40,42 @@ class Sample:
     temperature: float = 1.0
     rewards: dict[str, float] = field(default_factory=dict)
     finish_reason: str | None = None
+    completion_mask: list[bool] | None = None
+    versions: list[int] | None = None
 
     def __post_init__(self) -> None:
-        if len(self.logprobs) != len(self.completion_ids):
+        n = len(self.completion_ids)
+        for name in ("logprobs", "completion_mask", "versions"):
+            values = getattr(self, name)
+            if values is not None and len(values) != n:
+                raise ValueError(
+                    f"sample {self.group_id}: {len(values)} {name} for {n} completion tokens"
+                )
+        if self.versions is not None and self.versions and min(self.versions) != self.version:
             raise ValueError(
-                f"sample {self.group_id}: {len(self.logprobs)} logprobs for "
-                f"{len(self.completion_ids)} completion tokens"
+                f"sample {self.group_id}: version={self.version} but its oldest token is at "
+                f"version {min(self.versions)}; version must be the episode's oldest"
             )
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def num_policy_tokens(self) -> int:
+        """Tokens the policy generated (the ones that carry loss)."""
+        mask = self.completion_mask
+        return len(self.completion_ids) if mask is None else sum(mask)
+
+    def policy_mask(self) -> list[bool]:
+        """``completion_mask``, spelled out when it is implicit (all policy tokens)."""
+        mask = self.completion_mask
+        return [True] * len(self.completion_ids) if mask is None else list(mask)
+
+    def token_versions(self) -> list[int]:
+        """The adapter version of each completion token, spelled out when implicit."""
+        v = self.versions
+        return [self.version] * len(self.completion_ids) if v is None else list(v)
 
     @property
     def reward_ok(self) -> bool:

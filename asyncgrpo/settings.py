@@ -288,6 +288,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         item = args[0] if args else Any
         items = [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{where}={value!r}: expected a mapping with string keys")
+        item = args[1] if len(args) == 2 else Any
+        return {k: _coerce(v, item, f"{where}.{k}") for k, v in value.items()}
     expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     if tp in expected:
         ok = isinstance(value, tp) and (tp is bool or not isinstance(value, bool))

@@ -6,13 +6,22 @@ proxy (as ``run_training`` does), warms them up, then runs the same prompts thro
 tokens/s.
 
 Run: ``python bench/rollout.py [--prompts 64] [--g 8] [--tokens 64] [--inflight 64]
-[--rounds 2] [--urls URL ...]``.
+[--rounds 2] [--urls URL ...] [--baseline DIR ...]``.
+
+``--baseline DIR`` (repeatable; e.g. an archive of main: ``git archive main | tar -x -C DIR``)
+measures that checkout's rollout client too, side by side on the same replicas: every variant,
+this tree included, then runs in its own subprocess with ``PYTHONPATH`` set to its checkout,
+rounds interleaved over variants and modes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -80,6 +89,25 @@ async def bench(args: argparse.Namespace) -> None:
             await run_all([r.url for r in replicas], args, model=str(model))
 
 
+def run_variant(
+    root: str, url: str, model: str, mode: str, args: argparse.Namespace
+) -> dict[str, float]:
+    """One measured run of ``mode`` by the rollout client of checkout ``root`` (a subprocess)."""
+    argv = [sys.executable, __file__, "--worker", url, model, mode, "--prompts", str(args.prompts),
+            "--g", str(args.g), "--tokens", str(args.tokens), "--inflight", str(args.inflight)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(root)}
+    out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def worker(args: argparse.Namespace) -> None:
+    """``--worker URL MODEL MODE``: one run, its figures as a JSON line (the asyncgrpo it
+    imports is whichever ``PYTHONPATH`` names)."""
+    url, model, mode = args.worker
+    result = anyio.run(run_mode, url, model, load_tokenizer(model), mode, args)
+    print(json.dumps({k: result[k] for k in ("wall_s", "completions", "tokens")}))
+
+
 async def run_all(urls: list[str], args: argparse.Namespace, model: str | None = None) -> None:
     import aiohttp
 
@@ -95,24 +123,39 @@ async def run_all(urls: list[str], args: argparse.Namespace, model: str | None =
         warm_up = argparse.Namespace(**{**vars(args), "prompts": 8})
         await run_mode(url, model, tok, "n", warm_up)
 
-        results: dict[str, list[dict[str, float]]] = {"n": [], "per_sample": []}
+        variants = ["this tree", *args.baseline] if args.baseline else [None]
+        results: dict[tuple[str | None, str], list[dict[str, float]]] = {
+            (v, m): [] for v in variants for m in ("n", "per_sample")
+        }
+        root = str(Path(__file__).resolve().parents[1])
         for _ in range(args.rounds):
-            for mode in results:  # interleaved, so drift hits both modes alike
-                results[mode].append(await run_mode(url, model, tok, mode, args))
+            for variant, mode in results:  # interleaved, so drift hits every variant alike
+                if variant is None:
+                    run = await run_mode(url, model, tok, mode, args)
+                else:
+                    checkout = root if variant == "this tree" else variant
+                    run = await anyio.to_thread.run_sync(
+                        run_variant, checkout, url, model, mode, args
+                    )
+                results[(variant, mode)].append(run)
 
     print(
         f"\n{len(urls)} replicas behind the proxy, {args.prompts} prompts x G={args.g}, <= {args.tokens} new "
         f"tokens, max_inflight {args.inflight}, median of {args.rounds} rounds\n"
     )
-    print("| request mode | wall s | completions/s | generated tok/s | score_block s |")
-    print("|---|---|---|---|---|")
-    for mode, runs in results.items():
+    print(
+        "| client | request mode | wall s | wall s, each round | completions/s | generated tok/s |"
+    )
+    print("|---|---|---|---|---|---|")
+    for (variant, mode), runs in results.items():
         wall = statistics.median(x["wall_s"] for x in runs)
         comp = statistics.median(x["completions"] / x["wall_s"] for x in runs)
         tps = statistics.median(x["tokens"] / x["wall_s"] for x in runs)
-        sb = statistics.median(x["rollout/score_block_total_s"] for x in runs)
         label = "n=G, 1 request" if mode == "n" else "n=1, G requests"
-        print(f"| {label} | {wall:.2f} | {comp:.0f} | {tps:.0f} | {sb:.2f} |")
+        each = " ".join(f"{x['wall_s']:.1f}" for x in runs)
+        print(
+            f"| {variant or 'this tree'} | {label} | {wall:.2f} | {each} | {comp:.0f} | {tps:.0f} |"
+        )
 
 
 def main() -> None:
@@ -123,7 +166,15 @@ def main() -> None:
     parser.add_argument("--inflight", type=int, default=INFLIGHT)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--urls", nargs="*", help="existing replicas (default: start two)")
-    anyio.run(bench, parser.parse_args())
+    parser.add_argument(
+        "--baseline", action="append", help="another checkout's rollout client, side by side"
+    )
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+    else:
+        anyio.run(bench, args)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from asyncgrpo.channel import (
     encode_batch,
     encode_jsonl,
 )
-from asyncgrpo.errors import IntegrityError
+from asyncgrpo.errors import ConfigError, IntegrityError
 from asyncgrpo.sample import Sample
 from asyncgrpo.transport.local import LocalTransport
 
@@ -162,3 +162,46 @@ async def test_compaction_keeps_lagging_producer_safe(transport: LocalTransport)
     assert await fresh.append([sample("n")]) == 5
     got = [(await consumer.receive(timeout_s=5)).samples[0].group_id for _ in range(2)]
     assert got == ["s1", "n"]
+
+
+def test_multi_turn_fields_roundtrip_and_old_formats_are_refused() -> None:
+    import json
+    import struct
+
+    multi = sample("m", n=4, version=2, completion_mask=[True, False, False, True],
+                   versions=[2, 2, 2, 3])  # fmt: skip
+    batch = [sample("a"), multi, sample("b", n=2, completion_mask=[True, True])]
+    assert decode_batch(encode_batch(batch)) == batch
+    assert decode_jsonl(encode_jsonl(batch)) == batch
+    # A batch from a release before masks (format 1): refused with what to do, not misread.
+    head = json.dumps([{"reward": 1.0, "advantage": 0.0, "version": 0, "group_id": "x",
+                        "temperature": 1.0, "rewards": {}, "finish_reason": None,
+                        "np": 1, "nc": 1}]).encode()  # fmt: skip
+    old = struct.pack("<4sBI", b"AGRB", 1, len(head)) + head + b"\0" * 12
+    with pytest.raises(ConfigError, match=r"format v1, this asyncgrpo reads v2.*same release"):
+        decode_batch(old)
+    newer = bytearray(encode_batch(batch))
+    newer[4] = 3
+    with pytest.raises(ConfigError, match="format v3"):
+        decode_batch(bytes(newer))
+    row = json.loads(encode_jsonl([multi]))
+    del row["format"]  # JSONL of format 1 had no tag
+    with pytest.raises(ConfigError, match="format v1"):
+        decode_jsonl(json.dumps(row).encode())
+
+
+async def test_a_batch_of_another_format_stops_the_consumer_and_stays(
+    transport: LocalTransport,
+) -> None:
+    """Not quarantined like a malformed batch: every batch of a mixed-release fleet would be
+    skipped. The consumer stops with the versions named; the batch waits for a matching reader."""
+    ch = RolloutChannel(transport, poll_interval_s=0.01)
+    await ch.append([sample("a")])
+    key = "rollouts/batches/000000000000.agrb"
+    data = bytearray(await transport.get(key))
+    data[4] = 1
+    await transport.put(key, bytes(data))
+    with pytest.raises(ConfigError, match="format v1, this asyncgrpo reads v2"):
+        await ch.receive(timeout_s=5)
+    assert ch.quarantined == 0
+    assert await transport.get(key) == bytes(data)

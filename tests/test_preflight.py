@@ -74,3 +74,20 @@ def test_small_token_budget_is_reported():
     pytest.importorskip("math_verify")
     lines = dry_run(TrainingConfig.from_yaml(RECIPE, overrides=["trainer.token_budget=2048"]))
     assert any(line.startswith("warning: trainer.token_budget=2048") for line in lines)
+
+
+def test_environment_is_imported_and_checked_by_the_dry_run():
+    tool = TrainingConfig.from_yaml(RECIPE.parent / "tool_calculator.yaml")
+    assert "environment asyncgrpo.testing.envs:CalculatorEnv: imports" in dry_run(tool)
+    missing = TrainingConfig.from_yaml(
+        RECIPE.parent / "tool_calculator.yaml",
+        overrides=["rollout.environment=asyncgrpo.testing.envs:Nope"],
+    )
+    with pytest.raises(ConfigError, match="no attribute 'Nope'"):
+        dry_run(missing)
+    unscored = TrainingConfig.from_yaml(
+        RECIPE.parent / "tool_calculator.yaml",
+        overrides=["rollout.environment=asyncgrpo.rollout.environment:MultiTurnEnv"],
+    )
+    with pytest.raises(ConfigError, match="does not score its episodes"):
+        dry_run(unscored)

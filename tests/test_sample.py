@@ -52,3 +52,20 @@ def test_group_stats():
     assert std == pytest.approx(statistics.stdev([1.0, 3.0]))
     assert math.isnan(group_stats([math.nan])[0])
     assert math.isnan(group_stats([2.0])[1])
+
+
+def test_sample_checks_mask_and_versions() -> None:
+    from asyncgrpo.sample import Sample
+
+    base = dict(prompt_ids=[1], completion_ids=[2, 3, 4], logprobs=[-1.0, 0.0, -1.0],
+                reward=1.0, advantage=0.0, group_id="g")  # fmt: skip
+    s = Sample(**base, version=2, completion_mask=[True, False, True], versions=[2, 2, 3])
+    assert s.num_policy_tokens == 2 and s.token_versions() == [2, 2, 3]
+    plain = Sample(**base, version=5)
+    assert plain.policy_mask() == [True] * 3 and plain.token_versions() == [5] * 3
+    with pytest.raises(ValueError, match="2 completion_mask for 3"):
+        Sample(**base, version=2, completion_mask=[True, False])
+    with pytest.raises(ValueError, match="1 versions for 3"):
+        Sample(**base, version=2, versions=[2])
+    with pytest.raises(ValueError, match="oldest token is at version 2"):
+        Sample(**base, version=3, versions=[2, 3, 3])

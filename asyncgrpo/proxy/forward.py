@@ -68,11 +68,12 @@ class Forward(Exchange):
     the request is in ``proxy.inflight`` (its deadline ``due`` checked every tick) and in its
     replica's ``inflight``, so a replica leaving rotation can end it at the next tick. A
     generation request belongs to a ``run`` (:mod:`~asyncgrpo.proxy.runs`) and holds ``cost``
-    sequences of its share from :meth:`submit` (or its turn) to its answer."""
+    sequences of its share from :meth:`submit` (or its turn) to its answer; ``session`` is the
+    hash of its ``X-Session-ID``, if it has one."""
 
     __slots__ = ("began", "body", "chains", "client", "cost", "decision", "due", "head", "held",
-                 "last_error", "lines", "method", "path", "proxy", "run", "sent", "started",
-                 "streams", "timeout", "tried", "up")  # fmt: skip
+                 "last_error", "lines", "method", "path", "proxy", "run", "sent", "session",
+                 "started", "streams", "timeout", "tried", "up")  # fmt: skip
 
     def __init__(
         self,
@@ -84,9 +85,10 @@ class Forward(Exchange):
         stream: bool = False,
         run: Run | None = None,
         cost: int = 0,
+        session: int | None = None,
     ) -> None:
         super().__init__()
-        self.proxy, self.chains = proxy, chains
+        self.proxy, self.chains, self.session = proxy, chains, session
         self.client: Client | None = client
         # The client's header lines are forwarded as they are; the pool adds Host, auth, length.
         self.method, self.path, self.lines, self.body = req
@@ -135,7 +137,9 @@ class Forward(Exchange):
                 if self.chains is None:
                     up = proxy.pool.upstreams[proxy.router.pick(exclude=self.tried)]
                 else:
-                    self.decision = proxy.router.route(self.chains, exclude=self.tried)
+                    self.decision = proxy.router.route(
+                        self.chains, exclude=self.tried, session=self.session
+                    )
                     up = proxy.pool.upstreams[self.decision.replica]
                     proxy.stats.route_seconds += time.perf_counter() - t0
                     proxy.stats.route_count += 1

@@ -270,7 +270,7 @@ class Connection(asyncio.Protocol):
             chains = request_chains(proxy, parsed)
             run = proxy.runs.run(str(parsed.get("model") or ""), proxy.now)
             self.work = Forward(proxy, self, forward, chains, stream=parsed.get("stream") is True,
-                                run=run, cost=sequences(parsed))  # fmt: skip
+                                run=run, cost=sequences(parsed), session=req.session)  # fmt: skip
             return self.work.submit()  # now, or its run's turn while the replicas are saturated
         elif (handler := ROUTES.get((b"GET" if method == b"HEAD" else method, path))) is not None:
             self.work = proxy.spawn(self._control(handler, req, body), f"asyncgrpo-proxy {path!r}")

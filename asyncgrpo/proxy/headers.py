@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from http import HTTPStatus
 
-__all__ = ["DROP_REQUEST_B", "DROP_RESPONSE_B", "REPLICA_HEADER", "REPLICA_HEADER_B", "head_lines"]
+__all__ = ["DROP_REQUEST_B", "DROP_RESPONSE_B", "REPLICA_HEADER", "REPLICA_HEADER_B",
+           "SESSION_HEADER", "head_lines"]  # fmt: skip
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the framing the next hop recomputes.
 _HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
@@ -19,6 +20,10 @@ DROP_RESPONSE_B = frozenset(_HOP_BY_HOP | {b"date", b"server"})
 #: Response header naming the replica that served a generation request (debugging, tests).
 REPLICA_HEADER = "X-Asyncgrpo-Replica"
 REPLICA_HEADER_B = REPLICA_HEADER.encode()
+#: Request header naming the session (a multi-turn episode or group) a generation request belongs
+#: to, the same value on all its turns: the proxy sends them where the session went before. The
+#: name session-affinity routers and verifiers' clients use.
+SESSION_HEADER = "X-Session-ID"
 
 _STATUS_LINES: dict[int, bytes] = {}
 

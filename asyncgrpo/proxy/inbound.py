@@ -13,7 +13,7 @@ import hmac
 import httptools
 
 from asyncgrpo.proxy.config import ProxyConfig, is_loopback
-from asyncgrpo.proxy.headers import DROP_REQUEST_B
+from asyncgrpo.proxy.headers import DROP_REQUEST_B, SESSION_HEADER
 
 __all__ = ["ADMIN_PATHS", "HEAD_LIMIT", "TOO_LARGE", "Refused", "Request", "Rules", "check_head",
            "refusal"]  # fmt: skip
@@ -25,7 +25,8 @@ TOO_LARGE = f"request head over {HEAD_LIMIT} bytes"
 #: client key. Reading the list stays with the client key, as ``/proxy/stats`` shows it too.
 ADMIN_PATHS = frozenset({b"/proxy/upstreams"})
 _READ = frozenset({b"GET", b"HEAD"})
-_WATCH = frozenset({b"origin", b"content-type"})
+_SESSION = SESSION_HEADER.lower().encode()
+_WATCH = frozenset({b"origin", b"content-type", _SESSION})
 _ADMIN_OFF = (
     "admin routes are off: give the proxy an admin key (export ASYNCGRPO_PROXY_ADMIN_API_KEY, or "
     "--admin-api-key-env VAR; in a run's config proxy.admin_api_key) and send it as "
@@ -73,7 +74,8 @@ class Request:
     """One request as llhttp hands it over: head, then body piece by piece."""
 
     __slots__ = ("auth", "body", "content_type", "expect", "headers", "host", "hosts", "http11",
-                 "keep_alive", "length", "lines", "method", "origin", "size", "target", "te")  # fmt: skip
+                 "keep_alive", "length", "lines", "method", "origin", "session", "size", "target",
+                 "te")  # fmt: skip
 
     def __init__(self) -> None:
         self.method = self.target = b""
@@ -82,6 +84,7 @@ class Request:
         self.hosts = self.size = 0
         self.te: list[bytes] = []
         self.auth = self.expect = self.host = self.origin = self.content_type = None
+        self.session: int | None = None  # hash of X-Session-ID: a fixed size whatever its length
         self.length: int | None = None
         self.http11 = self.keep_alive = True
         self.body: list[bytes] = []
@@ -99,6 +102,8 @@ class Request:
                 if lower in _WATCH:
                     if lower == b"origin":
                         self.origin = value
+                    elif lower == _SESSION:
+                        self.session = hash(value)
                     else:
                         self.content_type = value
             elif lower == b"host":

@@ -3,7 +3,7 @@
 The HTTP layer asks :func:`request_hashes` for a request's block-hash chains, :meth:`Router.route`
 for a replica, and reports the outcome with :meth:`Router.finish`. Why this design (block hashes
 seeded by adapter name, "common" blocks, the decision, claims at route time withdrawn on failure,
-scores reused for the G rollouts of a prompt): ``docs/proxy.md``, section "Routing".
+scores reused for the G rollouts of a prompt, sessions): ``docs/proxy.md``, section "Routing".
 """
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ __all__ = [
 #: Bytes of rendered text that approximate one token when chunking strings and chat messages.
 BYTES_PER_TOKEN = 4
 
-DecisionKind = Literal["affinity", "spill", "unmatched"]
+DecisionKind = Literal["session", "affinity", "spill", "unmatched"]
+
+#: Sessions remembered (least recently routed forgotten first).
+MAX_SESSIONS = 65_536
 
 
 @functools.lru_cache(maxsize=4096)
@@ -159,6 +162,15 @@ class Router:
     available replica's, or at most ``imbalance_ratio`` times it (under heavy load a fixed gap of
     a few requests would spill whole GRPO groups). ``max_blocks``: LRU cap on tracked blocks.
     ``policy="round_robin"`` ignores prefixes (the baseline the benchmark compares against).
+
+    Sessions: a request that names its session (a multi-turn episode or group; the proxy passes
+    a hash of the client's ``X-Session-ID``) goes to the session's home, the replica its first
+    request went to, under the same load bound, before prefixes are looked at. A turn's prompt
+    is the previous turn's whole sequence, whose last block the previous prompt held only
+    partially, so prefix scoring alone takes the earlier blocks for a shared template. A request
+    over the bound (or retried elsewhere) is routed as if it had no session, and the home stays:
+    moving it would take the group's other episodes along. The home moves only when its replica
+    leaves rotation. ``max_sessions``: LRU cap.
     """
 
     def __init__(
@@ -167,13 +179,17 @@ class Router:
         imbalance: int = 8,
         imbalance_ratio: float = 1.5,
         max_blocks: int = 1_000_000,
+        max_sessions: int = MAX_SESSIONS,
         policy: Literal["affinity", "round_robin"] = "affinity",
     ) -> None:
-        if imbalance < 0 or imbalance_ratio < 1 or max_blocks < 1:
-            raise ValueError("need imbalance >= 0, imbalance_ratio >= 1 and max_blocks >= 1")
+        if imbalance < 0 or imbalance_ratio < 1 or max_blocks < 1 or max_sessions < 0:
+            raise ValueError(
+                "need imbalance >= 0, imbalance_ratio >= 1, max_blocks >= 1 and max_sessions >= 0"
+            )
         self.imbalance = imbalance
         self.imbalance_ratio = imbalance_ratio
         self.max_blocks = max_blocks
+        self.max_sessions = max_sessions
         self.policy = policy
         self._blocks: OrderedDict[int, _Block] = OrderedDict()
         self._slot: dict[str, int] = {}  # replica -> bit index; a re-added replica gets a new one
@@ -190,7 +206,11 @@ class Router:
         # changed: ``_epoch`` counts such changes; last hash of a chain -> (epoch, its scores).
         self._epoch = 0
         self._memo: dict[int, tuple[int, dict[str, int]]] = {}
-        self.decisions: dict[DecisionKind, int] = {"affinity": 0, "spill": 0, "unmatched": 0}
+        self.decisions: dict[DecisionKind, int] = {
+            "session": 0, "affinity": 0, "spill": 0, "unmatched": 0
+        }  # fmt: skip
+        self._sessions: OrderedDict[int, str] = OrderedDict()  # session -> its home replica
+        self.session_moves = 0  # requests of known sessions sent away from home (gone, busy, retry)
 
     # -- replicas ---------------------------------------------------------------------------
 
@@ -253,9 +273,20 @@ class Router:
         self._rr += 1
         return candidates[self._rr % len(candidates)]
 
-    def route(self, chains: Sequence[Sequence[int]], *, exclude: Iterable[str] = ()) -> Decision:
+    @property
+    def tracked_sessions(self) -> int:
+        return len(self._sessions)
+
+    def route(
+        self,
+        chains: Sequence[Sequence[int]],
+        *,
+        exclude: Iterable[str] = (),
+        session: int | None = None,
+    ) -> Decision:
         """Choose a replica for a request whose prompts hash to ``chains``; counts it in flight.
 
+        ``session``: the request's session key (see the class docstring), or None.
         Raises :class:`NoHealthyReplica` when no replica outside ``exclude`` is available.
         """
         available = self._available
@@ -274,11 +305,17 @@ class Router:
         if self.policy == "round_robin":
             choice = candidates[self._rr % len(candidates)]
             self._rr += 1
-        elif frozen:
+            session = None
+        elif session is not None and (home := self._sessions.get(session)) is not None:
+            low = min([inflight[r] for r in candidates])
+            if home in candidates and inflight[home] <= self._bound(low):
+                choice, kind = home, "session"
+            else:
+                self.session_moves += 1
+        if choice is None and self.policy == "affinity" and frozen:
             scores = self._memo_scores(frozen[0], candidates, memo=not exclude)
             if scores:
-                low = min([inflight[r] for r in candidates])
-                bound = max(low + self.imbalance, low * self.imbalance_ratio)
+                bound = self._bound(min([inflight[r] for r in candidates]))
                 ranked = (
                     sorted(scores, key=lambda r: (-scores[r], inflight[r]))
                     if len(scores) > 1
@@ -294,6 +331,13 @@ class Router:
             choice = self._least_loaded(candidates)
         self.decisions[kind] += 1
         inflight[choice] += 1
+        if session is not None and self.max_sessions:
+            sessions = self._sessions
+            if not self._available.get(sessions.get(session, ""), False):
+                sessions[session] = choice  # a new session, or its home left rotation
+            sessions.move_to_end(session)
+            if len(sessions) > self.max_sessions:
+                sessions.popitem(last=False)
         claimed: tuple[int, ...] = ()
         if self.policy == "affinity" and frozen:
             key = tuple([c[-1] for c in frozen if c])
@@ -303,6 +347,10 @@ class Router:
                     self._recent.clear()
                 self._recent[key] = choice
         return Decision(choice, kind, matched, frozen, claimed, self._withdrawals)
+
+    def _bound(self, low: int) -> float:
+        """The most requests in flight a preferred replica may have: ``low`` is the least."""
+        return max(low + self.imbalance, low * self.imbalance_ratio)
 
     def _memo_scores(
         self, chain: Sequence[int], candidates: list[str], *, memo: bool
@@ -410,6 +458,8 @@ class Router:
             "policy": self.policy,
             "decisions": dict(self.decisions),
             "tracked_blocks": len(self._blocks),
+            "tracked_sessions": len(self._sessions),
+            "session_moves": self.session_moves,
             "evictions": self.evictions,
             "inflight": dict(self._inflight),
             "available": dict(self._available),

@@ -2,8 +2,14 @@
 
 Pipeline (one task group, owned by ``async with RolloutClient(...)``)::
 
-    dataset -> admit G slots -> /v1/completions -> scoring workers -> bounded sample queue
-               (max_inflight)   (retries, policy)   (rewards, advantages)  (queue_maxsize)
+    dataset -> admit G slots -> environment -> scoring workers -> bounded sample queue
+               (max_inflight)   (G episodes:      (rewards,         (queue_maxsize)
+                                 /v1/completions,  advantages)
+                                 retries, policy)
+
+The environment (:mod:`asyncgrpo.rollout.environment`) plays the G episodes of a prompt: by
+default one single-turn ``n=G`` request; a multi-turn environment alternates model turns and
+its own messages, token-exact.
 
 A group keeps its G in-flight slots until a scoring worker takes it, so a full queue blocks
 scoring (``rollout/backpressure_s``), busy scorers block generation
@@ -30,13 +36,13 @@ import anyio.abc
 from asyncgrpo.errors import ConfigError, ReplicaError, leaves
 from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import Prompt, PromptDataset
-from asyncgrpo.rollout.rewards import RewardScorer
+from asyncgrpo.rollout.environment import Environment, Episode, combine_reward, load_environment
+from asyncgrpo.rollout.policy import PolicyClient
+from asyncgrpo.rollout.rewards import GroupScores, RewardScorer
 from asyncgrpo.rollout.window import AdmissionWindow
 from asyncgrpo.sample import Sample, group_advantages
 
 logger = logging.getLogger(__name__)
-
-MAX_BACKOFF_S = 30.0
 
 
 class _Slots:
@@ -62,24 +68,10 @@ class _Slots:
 
 
 @dataclass(slots=True)
-class _Completion:
-    version: int
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str | None
-
-
-@dataclass(slots=True)
 class _Generated:
     prompt: Prompt
-    completions: list[_Completion]
+    episodes: list[Episode]
     slots: int
-
-
-class _Retryable(Exception):
-    """A transport failure worth another attempt (connection, 5xx, 429, timeout)."""
 
 
 class _BlockClock:
@@ -108,8 +100,9 @@ class RolloutClient:
 
     Use as ``async with RolloutClient(...) as client:``; take samples with ``await
     client.get(n)`` or ``async for sample in client``. The trainer calls
-    ``set_policy(name, version)`` after each weight sync; every sample carries the version that
-    was current when its request was sent. ``position`` is the dataset position to checkpoint:
+    ``set_policy(name, version)`` after each weight sync; every token of a sample carries the
+    version that was current when its turn's request was sent. ``environment`` defaults to the
+    one ``rollout.environment`` names (single-turn when unset). ``position`` is the dataset position to checkpoint:
     every prompt below it has been pushed to the queue. Failures: transport errors are retried
     with backoff, then raise ``ReplicaError``; a 4xx answer raises ``ReplicaError`` at once
     (unless the adapter name changed meanwhile: then it is resent under the new name).
@@ -128,6 +121,7 @@ class RolloutClient:
         advantage_eps: float = 1e-4,
         api_key: str | None = None,
         window: AdmissionWindow | None = None,
+        environment: Environment | None = None,
     ) -> None:
         rollout.check_against(generation)
         if not isinstance(base_url, str) or not base_url:
@@ -138,16 +132,27 @@ class RolloutClient:
             )
         self.generation = generation
         self.config = rollout
-        self.scorer = scorer or RewardScorer(
-            rollout.reward_funcs,
-            weights=rollout.reward_weights,
-            max_threads=rollout.reward_max_threads,
-        )
+        if environment is None:
+            tokenizer = getattr(dataset, "tokenizer", None)
+            environment = load_environment(
+                rollout.environment,
+                rollout.environment_args,
+                tokenizer=tokenizer,
+                generation=generation,
+            )
+        self.environment = environment
+        if scorer is None and (rollout.reward_funcs or not environment.provides_reward):
+            scorer = RewardScorer(
+                rollout.reward_funcs,
+                weights=rollout.reward_weights,
+                max_threads=rollout.reward_max_threads,
+            )
+        self.scorer = scorer
+        self._base_url = base_url
         self._dataset = dataset
         self._start_position = start_position
         self._advantage_eps = advantage_eps
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._url = f"{base_url.rstrip('/')}/v1/completions"
         self._policy = policy
         self._slots = _Slots(rollout.max_inflight)
         self._window = window
@@ -157,16 +162,14 @@ class RolloutClient:
         self._pending: set[int] = set()
         self._next_position = start_position
         self._session: aiohttp.ClientSession | None = None
+        self._client: PolicyClient | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         # metrics
-        self._inflight = 0
         self._backpressure = _BlockClock()
         self._score_block = _BlockClock()
-        self._tokens_total = 0
         self._groups_total = 0
         self._samples_total = 0
-        self._retries_total = 0
-        self._bad_logprobs_total = 0
+        self._model_turns_total = 0
         self._reward_sums: dict[str, list[float]] = {}
         self._last: dict[str, float] = {}
 
@@ -177,6 +180,13 @@ class RolloutClient:
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
             headers=self._headers,
+        )
+        self._client = PolicyClient(
+            session=self._session,
+            base_url=self._base_url,
+            generation=self.generation,
+            rollout=self.config,
+            policy=lambda: self._policy,
         )
         self._last = {"t": anyio.current_time(), "tokens": 0.0, "bp": 0.0, "sb": 0.0}
         self._tg = anyio.create_task_group()
@@ -267,21 +277,24 @@ class RolloutClient:
         now = anyio.current_time()
         bp, sb = self._backpressure.total(), self._score_block.total()
         dt = max(now - self._last.get("t", now), 1e-9)
+        client = self._client
+        tokens = client.tokens_total if client else 0
         out: dict[str, float] = {
-            "rollout/inflight": float(self._inflight),
+            "rollout/inflight": float(client.inflight if client else 0),
             "rollout/admitted": float(self._slots.used),
             "rollout/backpressure_s": bp - self._last.get("bp", 0.0),
             "rollout/score_block_s": sb - self._last.get("sb", 0.0),
-            "rollout/generated_tok_s": (self._tokens_total - self._last.get("tokens", 0.0)) / dt,
+            "rollout/generated_tok_s": (tokens - self._last.get("tokens", 0.0)) / dt,
             "rollout/backpressure_total_s": bp,
             "rollout/score_block_total_s": sb,
-            "rollout/generated_tokens_total": float(self._tokens_total),
+            "rollout/generated_tokens_total": float(tokens),
             "rollout/groups_total": float(self._groups_total),
             "rollout/samples_total": float(self._samples_total),
-            "rollout/retries_total": float(self._retries_total),
-            "rollout/bad_logprobs_total": float(self._bad_logprobs_total),
-            "rollout/reward_nan_total": float(self.scorer.nan_total),
-            "rollout/reward_errors_total": float(self.scorer.error_total),
+            "rollout/model_turns_total": float(self._model_turns_total),
+            "rollout/retries_total": float(client.retries_total if client else 0),
+            "rollout/bad_logprobs_total": float(client.bad_logprobs_total if client else 0),
+            "rollout/reward_nan_total": float(self.scorer.nan_total if self.scorer else 0),
+            "rollout/reward_errors_total": float(self.scorer.error_total if self.scorer else 0),
             "rollout/queue_size": float(self.queue_size),
             "rollout/position": float(self.position),
         }
@@ -289,7 +302,7 @@ class RolloutClient:
             if count:
                 out[f"rewards/{name}"] = total / count
         self._reward_sums = {}
-        self._last = {"t": now, "tokens": float(self._tokens_total), "bp": bp, "sb": sb}
+        self._last = {"t": now, "tokens": float(tokens), "bp": bp, "sb": sb}
         return out
 
     # ----------------------------------------------------------------- pipeline
@@ -321,23 +334,13 @@ class RolloutClient:
     async def _run_group(self, prompt: Prompt) -> None:
         g = self.generation.num_generations
         handed_over = False
+        assert self._client is not None
         try:
-            if self.generation.request_mode == "n":
-                completions = await self._request(prompt, n=g, seed_offset=0)
-            else:
-                results: list[list[_Completion]] = [[] for _ in range(g)]
-
-                async def one(i: int) -> None:
-                    results[i] = await self._request(prompt, n=1, seed_offset=i)
-
-                async with anyio.create_task_group() as tg:
-                    for i in range(g):
-                        tg.start_soon(one, i)
-                completions = [c for r in results for c in r]
-            if not completions:
-                logger.warning("prompt %d: no usable completion; group dropped", prompt.index)
+            episodes = await self.environment.group(prompt, self._client, g)
+            if not episodes:
+                logger.warning("prompt %d: no usable episode; group dropped", prompt.index)
                 return
-            item = _Generated(prompt, completions, g)
+            item = _Generated(prompt, episodes, g)
             try:
                 self._score_send.send_nowait(item)
             except anyio.WouldBlock:
@@ -367,21 +370,45 @@ class RolloutClient:
             finally:
                 self._pending.discard(item.prompt.index)
 
+    async def _rewards(self, prompt: Prompt, episodes: list[Episode]) -> GroupScores:
+        """Rewards of a group: the environment's (its named parts, or ``environment``) plus the
+        reward functions' weighted sum when any are configured (NaN parts skipped)."""
+        k = len(episodes)
+        per_func: dict[str, list[float]] = {}
+        totals: list[list[float]] = [[] for _ in range(k)]
+        for j, e in enumerate(episodes):
+            if e.reward is None:
+                continue
+            total, parts = combine_reward(e.reward)
+            totals[j].append(total)
+            for name, value in (parts or {"environment": total}).items():
+                per_func.setdefault(name, [math.nan] * k)[j] = value
+        if self.scorer is not None:
+            kwargs: dict[str, Any] = {
+                key: [value] * k
+                for key, value in prompt.extra.items()
+                if key not in ("prompts", "completions")
+            }
+            kwargs["prompt_ids"] = [e.prompt_ids for e in episodes]
+            kwargs["completion_ids"] = [e.completion_ids for e in episodes]
+            if any(e.completion_mask is not None for e in episodes):
+                kwargs["completion_mask"] = [e.completion_mask for e in episodes]
+            scores = await self.scorer.score(
+                [prompt.prompt] * k, [e.completion for e in episodes], **kwargs
+            )
+            per_func.update(scores.per_func)
+            for j, r in enumerate(scores.rewards):
+                totals[j].append(r)
+        rewards = []
+        for parts in totals:
+            finite = [r for r in parts if not math.isnan(r)]
+            rewards.append(math.fsum(finite) if finite else math.nan)
+        return GroupScores(rewards=rewards, per_func=per_func)
+
     async def _score_group(self, item: _Generated) -> None:
-        prompt, comps = item.prompt, item.completions
-        k = len(comps)
-        texts = [c.text for c in comps]
-        completions: list[Any] = (
-            [[{"role": "assistant", "content": t}] for t in texts] if prompt.is_chat else texts
-        )
-        kwargs: dict[str, Any] = {
-            key: [value] * k
-            for key, value in prompt.extra.items()
-            if key not in ("prompts", "completions")
-        }
-        kwargs["prompt_ids"] = [c.prompt_ids for c in comps]
-        kwargs["completion_ids"] = [c.token_ids for c in comps]
-        scores = await self.scorer.score([prompt.prompt] * k, completions, **kwargs)
+        prompt, episodes = item.prompt, item.episodes
+        k = len(episodes)
+        scores = await self._rewards(prompt, episodes)
         advantages = group_advantages(scores.rewards, eps=self._advantage_eps)
         for name, values in scores.per_func.items():
             finite = [v for v in values if not math.isnan(v)]
@@ -389,18 +416,20 @@ class RolloutClient:
             acc[0] += sum(finite)
             acc[1] += len(finite)
         self._groups_total += 1
-        for j, c in enumerate(comps):
+        for j, e in enumerate(episodes):
             sample = Sample(
-                prompt_ids=c.prompt_ids,
-                completion_ids=c.token_ids,
-                logprobs=c.logprobs,
+                prompt_ids=e.prompt_ids,
+                completion_ids=e.completion_ids,
+                logprobs=e.logprobs,
                 reward=scores.rewards[j],
                 advantage=advantages[j],
-                version=c.version,
+                version=e.version,
                 group_id=str(prompt.index),
                 temperature=self.generation.temperature,
                 rewards={name: values[j] for name, values in scores.per_func.items()},
-                finish_reason=c.finish_reason,
+                finish_reason=e.finish_reason,
+                completion_mask=e.completion_mask,
+                versions=e.versions,
             )
             try:
                 self._send.send_nowait(sample)
@@ -411,6 +440,7 @@ class RolloutClient:
                 finally:
                     self._backpressure.stop(token)
             self._samples_total += 1
+            self._model_turns_total += e.model_turns
         self._lost(item.slots - k)
 
     def _lost(self, k: int) -> None:
@@ -421,118 +451,3 @@ class RolloutClient:
     def _wake_producer(self) -> None:
         self._window_moved.set()
         self._window_moved = anyio.Event()
-
-    # ----------------------------------------------------------------- HTTP
-
-    def _body(self, prompt: Prompt, model: str, n: int, seed_offset: int) -> dict[str, Any]:
-        gen = self.generation
-        body: dict[str, Any] = {
-            "model": model,
-            "prompt": prompt.prompt_ids,
-            "n": n,
-            "max_tokens": gen.max_completion_length,
-            "temperature": gen.temperature,
-            "top_p": gen.top_p,
-            "top_k": gen.top_k,
-            "min_p": gen.min_p,
-            "repetition_penalty": gen.repetition_penalty,
-            "logprobs": 0,
-            "return_token_ids": True,
-        }
-        if gen.stop:
-            body["stop"] = list(gen.stop)
-        if gen.seed is not None:
-            # vLLM gives child i of an n>1 request seed + i, so both modes draw the same seeds.
-            body["seed"] = gen.seed + prompt.index * gen.num_generations + seed_offset
-        return body
-
-    async def _request(self, prompt: Prompt, *, n: int, seed_offset: int) -> list[_Completion]:
-        """One completions request, retried on transport errors; returns its usable choices."""
-        assert self._session is not None
-        attempt = 0
-        while True:
-            model, version = self._policy
-            url = self._url
-            self._inflight += n
-            try:
-                async with self._session.post(
-                    url, json=self._body(prompt, model, n, seed_offset)
-                ) as resp:
-                    if resp.status >= 500 or resp.status == 429:
-                        text = await resp.text()
-                        raise _Retryable(f"HTTP {resp.status}: {text[:300]}")
-                    if resp.status >= 400:
-                        text = await resp.text()
-                        if self._policy[0] != model and attempt < self.config.retries:
-                            # The adapter was swapped (and maybe unloaded) under this request.
-                            attempt += 1
-                            self._retries_total += 1
-                            continue
-                        raise ReplicaError(
-                            f"{url} answered HTTP {resp.status} for model {model!r}: {text[:500]}"
-                        )
-                    data = await resp.json()
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
-                err: Exception = exc
-            except _Retryable as exc:
-                err = exc
-            else:
-                return self._parse(prompt, data, version, url)
-            finally:
-                self._inflight -= n
-            attempt += 1
-            if attempt > self.config.retries:
-                raise ReplicaError(
-                    f"{url}: giving up after {attempt} attempts (rollout.retries="
-                    f"{self.config.retries}): {type(err).__name__}: {err}"
-                ) from err
-            delay = min(self.config.retry_backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
-            self._retries_total += 1
-            logger.warning(
-                "rollout request to %s failed (%s: %s); retry %d/%d in %.2f s",
-                url,
-                type(err).__name__,
-                err,
-                attempt,
-                self.config.retries,
-                delay,
-            )
-            await anyio.sleep(delay)
-
-    def _parse(
-        self, prompt: Prompt, data: dict[str, Any], version: int, url: str
-    ) -> list[_Completion]:
-        out: list[_Completion] = []
-        choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
-        for choice in choices:
-            token_ids = choice.get("token_ids")
-            if token_ids is None:
-                raise ReplicaError(
-                    f"{url} returned no token_ids: the server ignores `return_token_ids` "
-                    "(needs vLLM >= 0.10.2 serving /v1/completions)"
-                )
-            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-            if (
-                logprobs is None
-                or len(logprobs) != len(token_ids)
-                or any(lp is None or not math.isfinite(lp) for lp in logprobs)
-            ):
-                self._bad_logprobs_total += 1
-                logger.warning(
-                    "prompt %d: a completion from %s has missing logprobs; dropped",
-                    prompt.index,
-                    url,
-                )
-                continue
-            self._tokens_total += len(token_ids)
-            out.append(
-                _Completion(
-                    version=version,
-                    prompt_ids=list(choice.get("prompt_token_ids") or prompt.prompt_ids),
-                    token_ids=list(token_ids),
-                    logprobs=[float(lp) for lp in logprobs],
-                    text=choice.get("text") or "",
-                    finish_reason=choice.get("finish_reason"),
-                )
-            )
-        return out

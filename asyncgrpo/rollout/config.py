@@ -135,9 +135,17 @@ class RolloutConfig:
     queue_maxsize: int = 256
     """Capacity of the scored-sample queue, in samples. A full queue blocks scoring
     (rollout/backpressure_s), which then blocks generation."""
+    environment: str | dict[str, Any] | None = None
+    """The environment that turns a prompt into episodes: an import path 'pkg.module:Class' (a
+    subclass of asyncgrpo.rollout.environment.Environment, e.g. a MultiTurnEnv with tools), or
+    {verifiers: NAME, args: {...}} for an installed verifiers environment (asyncgrpo[envs]).
+    None: single-turn completions."""
+    environment_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor, e.g. {max_turns: 3}."""
     reward_funcs: list[str] = field(default_factory=list)
     """Reward functions as import paths 'pkg.module:fn', called as fn(prompts, completions,
-    **kwargs) -> list[float | None] once per group."""
+    **kwargs) -> list[float | None] once per group. Optional when the environment scores its
+    own episodes."""
     reward_weights: list[float] | None = None
     """Weights of reward_funcs in the combined reward; None: all 1.0."""
     reward_max_threads: int = 4
@@ -163,6 +171,22 @@ class RolloutConfig:
         )  # fmt: skip
         if isinstance(self.reward_funcs, str):
             self.reward_funcs = [self.reward_funcs]
+        if isinstance(self.environment, dict):
+            env = self.environment
+            if (
+                not isinstance(env.get("verifiers"), str)
+                or not isinstance(env.get("args", {}), dict)
+                or set(env) - {"verifiers", "args"}
+            ):
+                raise ConfigError(
+                    f"rollout.environment={env!r}: a verifiers environment is written "
+                    "{verifiers: NAME, args: {...}} (args optional)"
+                )
+        elif self.environment is not None and not _IMPORT_PATH.fullmatch(self.environment):
+            raise ConfigError(
+                f"rollout.environment={self.environment!r}: write it as an import path "
+                "'package.module:Class'"
+            )
         for path in self.reward_funcs:
             if not isinstance(path, str) or not _IMPORT_PATH.fullmatch(path):
                 raise ConfigError(

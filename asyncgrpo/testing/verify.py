@@ -1,9 +1,11 @@
 """The end-to-end proof that vLLM served the policy the trainer thinks it did.
 
 For each sample, recompute its completion's logprobs with transformers + peft under the adapter
-version the sample is tagged with (fetched from the store), and compare with the logprobs vLLM
-returned. Float32 on both sides agrees to ~1e-6; a replica serving a stale or wrong version
-differs by orders of magnitude more.
+version each policy token is tagged with (fetched from the store), and compare with the logprobs
+vLLM returned. A multi-turn episode whose turns ran under several versions is recomputed once per
+version, each time over the whole sequence, and only that version's tokens are compared;
+environment tokens are not the policy's and are skipped. Float32 on both sides agrees to ~1e-6; a
+replica serving a stale or wrong version differs by orders of magnitude more.
 """
 
 from __future__ import annotations
@@ -25,21 +27,28 @@ def served_logprob_errors(
     samples: Iterable[Sample],
     cache_dir: str | Path,
 ) -> list[float]:
-    """Per sample, max |vLLM logprob - recomputed logprob at the sample's version|.
+    """Per (sample, version) pair, max |vLLM logprob - recomputed logprob| over the sample's
+    policy tokens generated at that version.
 
     Synchronous (loads models): call it from a worker thread in async code.
     """
     store = AdapterStore(store_url)
-    by_version: dict[int, list[Sample]] = {}
+    by_version: dict[int, list[tuple[Sample, list[int]]]] = {}
     for sample in samples:
-        by_version.setdefault(sample.version, []).append(sample)
+        positions: dict[int, list[int]] = {}
+        mask = sample.policy_mask()
+        for i, v in enumerate(sample.token_versions()):
+            if mask[i]:
+                positions.setdefault(v, []).append(i)
+        for v, idx in positions.items():
+            by_version.setdefault(v, []).append((sample, idx))
     errors = []
     for version, group in sorted(by_version.items()):
         path = anyio.run(store.fetch, adapter_prefix, version, cache_dir)
         policy = ReferencePolicy(model, path)
-        for s in group:
+        for s, idx in group:
             ours = policy.logprobs(s.prompt_ids, s.completion_ids, temperature=s.temperature)
-            errors.append(max(abs(a - b) for a, b in zip(ours, s.logprobs, strict=True)))
+            errors.append(max(abs(ours[i] - s.logprobs[i]) for i in idx))
     return errors
 
 

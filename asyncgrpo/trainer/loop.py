@@ -86,7 +86,8 @@ def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     out = {
         "reward": mean,
         "reward_std": sum(stds) / len(stds) if stds else math.nan,
-        "completions/mean_length": sum(len(s.completion_ids) for s in samples) / len(samples),
+        # the policy's tokens: an episode's environment text is not the model's length
+        "completions/mean_length": sum(s.num_policy_tokens for s in samples) / len(samples),
     }
     for name, values in sorted(per_fn.items()):
         out[f"rewards/{name}"] = group_stats([float(v) for v in values])[0]
@@ -199,10 +200,10 @@ class Trainer:
 
         That is the newest version published through ``save_adapter(..., version=N)`` and
         whether no step was taken since; a trainer that never published counts from the
-        newest version among ``samples`` and takes its weights to be that version's.
+        newest version among ``samples``' tokens and takes its weights to be that version's.
         """
         if self._published is None:
-            return max(s.version for s in samples), True
+            return max(max(s.versions or [s.version]) for s in samples), True
         version, at_step = self._published
         return version, at_step == self.step_count
 
@@ -362,6 +363,8 @@ class Trainer:
         """The current policy's per-token logprobs of each sample's completion (eval mode).
 
         For checks, e.g. that vLLM served exactly this policy: compare with ``Sample.logprobs``.
+        Aligned with ``completion_ids``; environment tokens are not scored and hold 0.0, as in
+        ``Sample.logprobs``.
         With ``trainer.fsdp`` over several ranks every rank must call it (a forward gathers the
         sharded weights from all of them).
         """
@@ -372,11 +375,9 @@ class Trainer:
             for row in pack_samples(samples, token_budget=self.config.token_budget):
                 logp, _ = row_logprobs(self.model, row, with_entropy=False)
                 logp = logp.cpu().tolist()
-                start = 0
+                scored = iter(logp)  # the row's policy tokens, sample after sample
                 for i in row.sample_indices:
-                    n = len(samples[i].completion_ids)
-                    out[i] = logp[start : start + n]
-                    start += n
+                    out[i] = [next(scored) if m else 0.0 for m in samples[i].policy_mask()]
             return out
         finally:
             self.model.train(was_training)

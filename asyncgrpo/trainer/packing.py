@@ -6,14 +6,20 @@ completion_2 ...`` with ``position_ids`` restarting at 0 for every sample; ``tra
 turns those restarts into a block-diagonal causal mask so samples never attend to each other.
 
 Every per-token tensor of a row is aligned with ``input_ids``: entry ``t`` describes token ``t``
-(its behaviour logprob, its advantage, whether it is a completion token, the sampling
+(its behaviour logprob, its advantage, whether it is a policy token, the sampling
 temperature its logprob was taken at, the adapter version that sampled it). The model's logprob
 of token ``t`` comes from the logits at ``t - 1``; the first token of each sample is a prompt
 token, so it is never scored.
 
-Versions are per token, not per sample, so that the loss (staleness, importance weights) never
-assumes one version per sample: today every token of a sample carries ``Sample.version``; an
-episode whose turns came from different versions only has to fill this tensor differently.
+``completion_mask`` marks the tokens that carry loss: the policy's. In a multi-turn episode the
+environment's tokens (a tool result, a user's reply between model turns) stay in the row, as
+context the later turns attend to, but are ``False`` there like prompt tokens: the LM head never
+scores them, they add nothing to the loss, to its normaliser (``num_completion_tokens``) or to
+any metric, and their advantage is 0.
+
+Versions are per token, not per sample (``Sample.token_versions``): an episode whose turns ran
+under different adapter versions has each token's staleness counted from the version that
+sampled it. Prompt tokens carry the episode's oldest version; nothing reads it.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class PackedRow:
 
     @property
     def num_completion_tokens(self) -> int:
+        """Tokens that carry loss (the policy's; not the environment's)."""
         return int(self.completion_mask.sum())
 
     @property
@@ -140,12 +147,17 @@ def build_row(samples: Sequence[Sample], indices: Sequence[int]) -> PackedRow:
         ids += s.prompt_ids
         ids += s.completion_ids
         pos += range(p + c)
-        mask += [False] * p + [True] * c
+        policy = s.policy_mask()
+        mask += [False] * p
+        mask += policy
         logps += [0.0] * p
         logps += s.logprobs
-        advs += [0.0] * p + [float(s.advantage)] * c
+        adv = float(s.advantage)
+        advs += [0.0] * p
+        advs += [adv if m else 0.0 for m in policy]
         temps += [float(s.temperature)] * (p + c)
-        versions += [int(s.version)] * (p + c)
+        versions += [int(s.version)] * p
+        versions += s.token_versions()
         seq_lens.append(p + c)
     return PackedRow(
         input_ids=torch.tensor(ids, dtype=torch.long),

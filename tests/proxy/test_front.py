@@ -549,3 +549,37 @@ async def test_a_client_pipelining_without_reading_holds_at_most_two_bodies(upst
         state["release"].set()
         clients.close()
         proxy.pool.close()
+
+
+async def test_x_session_id_keeps_an_episodes_turns_on_one_replica() -> None:
+    """Each turn's prompt is the previous turn's whole sequence plus more; with the same
+    ``X-Session-ID`` every later turn goes where the first went, counted in /proxy/stats and
+    /metrics."""
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    runners, urls = zip(*[await _replica(ok) for _ in range(3)], strict=True)
+    cfg = ProxyConfig(upstreams=tuple(urls), port=0, block_size=4)
+    try:
+        async with serve_proxy(cfg) as base, aiohttp.ClientSession() as s:
+            where: dict[int, set[str]] = {}
+            for turn in range(3):
+                for e in range(6):
+                    ids = [7] * 8 + [e * 100 + k for k in range(6 + 5 * turn)]
+                    async with s.post(base + "/v1/completions", headers={"X-Session-ID": f"g{e}"},
+                                      json={"model": "m", "prompt": ids}) as r:  # fmt: skip
+                        assert r.status == 200
+                        where.setdefault(e, set()).add(r.headers[REPLICA_HEADER])
+            async with s.get(base + "/proxy/stats") as r:
+                routing = (await r.json())["routing"]
+            async with s.get(base + "/metrics") as r:
+                metrics = await r.text()
+        assert all(len(replicas) == 1 for replicas in where.values()), where
+        assert len(set.union(*where.values())) == 3  # the episodes are spread all the same
+        assert routing["decisions"]["session"] == 12 and routing["tracked_sessions"] == 6
+        assert 'asyncgrpo_proxy_route_decisions_total{kind="session"} 12' in metrics
+        assert "asyncgrpo_proxy_tracked_sessions 6" in metrics
+    finally:
+        for runner in runners:
+            await runner.cleanup()

@@ -61,7 +61,7 @@ def test_four_request_walkthrough() -> None:
     assert a2.matched_blocks == 2  # A's two own blocks; the template is ignored
     c1 = r.route(chains(prompt(3)))
     assert c1.kind == "unmatched"
-    assert r.decisions == {"affinity": 1, "spill": 0, "unmatched": 3}
+    assert r.decisions == {"session": 0, "affinity": 1, "spill": 0, "unmatched": 3}
     for d in (a1, b1, a2, c1):
         r.finish(d, ok=True)
     assert r.inflight("r0") == r.inflight("r1") == 0
@@ -324,3 +324,91 @@ def test_memoized_scores_always_match_a_fresh_computation() -> None:
             r.remove_replica(name)
             r.add_replica(name)
     assert reused > 100  # the memo is actually used
+
+
+# -- sessions -----------------------------------------------------------------------------------
+
+
+def episode_turns(i: int, turns: int = 3) -> list[list[int]]:
+    """The prompts of a multi-turn episode: each turn's prompt is the previous one plus the
+    model's tokens and the environment's (so its last, partial block becomes a full one)."""
+    ids = TEMPLATE + [i * 1000 + k for k in range(BS + 2)]  # ends in a partial block
+    out = [list(ids)]
+    for t in range(1, turns):
+        ids += [i * 1000 + 100 * t + k for k in range(5)]
+        out.append(list(ids))
+    return out
+
+
+def play(r: Router, episodes: int, *, sessions: bool) -> tuple[float, dict[str, int]]:
+    """Episodes in flight together, turn after turn, their turns arriving in any order; the
+    share of later turns routed to the replica of the episode's previous turn."""
+    plays = [episode_turns(i) for i in range(episodes)]
+    rng = random.Random(3)
+    last: dict[int, str] = {}
+    follow = []
+    for t in range(3):
+        ds = []
+        for i in rng.sample(range(episodes), episodes):
+            d = r.route(chains(plays[i][t]), session=i if sessions else None)
+            if t:
+                follow.append(d.replica == last[i])
+            last[i] = d.replica
+            ds.append(d)
+        for d in ds:
+            r.finish(d, ok=True)
+    return sum(follow) / len(follow), dict(r.decisions)
+
+
+def test_prefixes_alone_lose_a_multi_turn_episode() -> None:
+    """Why sessions: the next turn's prompt turns the previous one's partial last block into a
+    full block with another hash, a second successor, so the earlier blocks look common."""
+    share, decisions = play(router("r0", "r1", "r2"), 12, sessions=False)
+    assert decisions["unmatched"] == 36 and share < 0.7
+
+
+def test_a_session_keeps_its_turns_on_one_replica() -> None:
+    r = router("r0", "r1", "r2")
+    share, decisions = play(r, 12, sessions=True)
+    assert share == 1.0
+    assert decisions == {"session": 24, "affinity": 0, "spill": 0, "unmatched": 12}
+    assert r.tracked_sessions == 12 and r.session_moves == 0
+    spread = {r.route(chains(episode_turns(i)[2]), session=i).replica for i in range(12)}
+    assert spread == {"r0", "r1", "r2"}  # the sessions are spread over the replicas
+
+
+def test_a_session_yields_to_the_load_bound_rotation_and_retries() -> None:
+    r = router("r0", "r1", imbalance=2, imbalance_ratio=1.0)
+    first = r.route(chains(prompt(1)), session=7)
+    assert first.replica == "r0"
+    busy = [r.route(chains(prompt(2)), session=8) for _ in range(2)]
+    assert [d.replica for d in busy] == ["r1", "r1"]  # session 8's home: r1
+    # r0 at 1 in flight, r1 at 2: within the bound, the session wins over r1's load...
+    assert r.route(chains(prompt(9)), session=8).kind == "session"
+    # ...but not past it: r1 at 3, r0 at 1 -> 3 <= 1 + 2 still; at 4 it goes elsewhere
+    assert r.route(chains(prompt(9)), session=8).replica == "r1"
+    moved = r.route(chains(prompt(9)), session=8)
+    assert (moved.replica, moved.kind, r.session_moves) == ("r0", "spill", 1)
+    # the home stays: r0 at 2, r1 at 4 is within the bound again, so the next one goes home
+    back = r.route(chains(prompt(9)), session=8)
+    assert (back.replica, back.kind) == ("r1", "session")
+    retry = r.route(chains(prompt(1)), session=7, exclude=["r0"])  # a retry elsewhere
+    assert retry.replica == "r1" and r.session_moves == 2
+    assert r.route(chains(prompt(1)), session=7).replica == "r0"  # still session 7's home
+    r.set_available("r1", False)  # session 8's home leaves rotation: the home moves for good
+    assert r.route(chains(prompt(2)), session=8).replica == "r0" and r.session_moves == 3
+    r.set_available("r1", True)
+    again = r.route(chains(prompt(2)), session=8)
+    assert (again.replica, again.kind, r.session_moves) == ("r0", "session", 3)
+
+
+def test_sessions_are_bounded_and_round_robin_ignores_them() -> None:
+    r = router("r0", "r1", max_sessions=2)
+    for s in (1, 2, 3):
+        r.finish(r.route(chains(prompt(s)), session=s), ok=True)
+    assert r.tracked_sessions == 2  # session 1, the least recently routed, is forgotten
+    assert r.route(chains(prompt(100)), session=1).kind != "session"
+    assert r.route(chains(prompt(100)), session=3).kind == "session"
+    rr = router("r0", "r1", policy="round_robin")
+    picks = [rr.route(chains(prompt(1)), session=5).replica for _ in range(4)]
+    assert picks == ["r0", "r1", "r0", "r1"] and rr.tracked_sessions == 0

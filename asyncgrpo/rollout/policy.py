@@ -1,0 +1,216 @@
+"""The policy as an environment sees it: token ids in, sampled turns out, under the current
+adapter version.
+
+:class:`PolicyClient` speaks vLLM's OpenAI-compatible ``/v1/completions`` (through the proxy, or
+one replica) with token-id prompts and ``return_token_ids``, so what a turn returns is exactly
+what vLLM sampled: its token ids, their behaviour logprobs, the ids of the prompt vLLM saw, and
+the adapter version that was current when the request went out. A multi-turn environment sends
+the previous turn's ids (plus its own text, tokenized once) back as the next prompt, so nothing
+the policy produced is ever re-tokenised.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import anyio
+
+from asyncgrpo.errors import ReplicaError
+from asyncgrpo.proxy.headers import REPLICA_HEADER, SESSION_HEADER
+from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
+
+logger = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass(slots=True)
+class Turn:
+    """One model turn exactly as vLLM returned it."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    version: int
+    text: str
+    finish_reason: str | None
+    #: The replica that served it, as the proxy names it (None: no proxy in front).
+    replica: str | None = None
+
+
+class _Retryable(Exception):
+    """A transport failure worth another attempt (connection, 5xx, 429, timeout)."""
+
+
+class PolicyClient:
+    """Completions under the current adapter version, with retries; shared by all episodes.
+
+    ``policy`` returns the (adapter name, version) to request now; a request refused with a 4xx
+    after the adapter changed under it is resent under the new name (its turn then carries the
+    new version). Counters (``tokens_total``, ``retries_total``, ``bad_logprobs_total``) are read
+    by the rollout client's metrics.
+    """
+
+    def __init__(
+        self,
+        *,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        generation: GenerationConfig,
+        rollout: RolloutConfig,
+        policy: Callable[[], tuple[str, int]],
+    ) -> None:
+        self.generation = generation
+        self.config = rollout
+        self.base_url = base_url.rstrip("/")
+        self._url = f"{self.base_url}/v1/completions"
+        self._session = session
+        self._policy = policy
+        self.inflight = 0
+        self.tokens_total = 0
+        self.retries_total = 0
+        self.bad_logprobs_total = 0
+
+    @property
+    def model(self) -> str:
+        """The adapter name new requests use (OpenAI's ``model`` field)."""
+        return self._policy()[0]
+
+    def body(
+        self,
+        prompt_ids: Sequence[int],
+        model: str,
+        *,
+        n: int,
+        seed: int | None,
+        max_tokens: int | None,
+        stop: Sequence[str] | None,
+    ) -> dict[str, Any]:
+        gen = self.generation
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": list(prompt_ids),
+            "n": n,
+            "max_tokens": max_tokens or gen.max_completion_length,
+            "temperature": gen.temperature,
+            "top_p": gen.top_p,
+            "top_k": gen.top_k,
+            "min_p": gen.min_p,
+            "repetition_penalty": gen.repetition_penalty,
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+        stops = list(gen.stop) if stop is None else list(stop)
+        if stops:
+            body["stop"] = stops
+        if seed is not None:
+            body["seed"] = seed
+        return body
+
+    async def complete(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        n: int = 1,
+        seed: int | None = None,
+        max_tokens: int | None = None,
+        stop: Sequence[str] | None = None,
+        session: str | None = None,
+    ) -> list[Turn]:
+        """``n`` sampled continuations of ``prompt_ids`` (fewer if some came back without
+        usable logprobs: those are dropped and counted). ``max_tokens`` and ``stop`` default to
+        the generation settings; ``session`` names the episode or group (sent as ``X-Session-ID``).
+        Transport errors are retried with backoff, then raise :class:`ReplicaError`; a 4xx
+        raises at once."""
+        headers = {SESSION_HEADER: session} if session else None
+        attempt = 0
+        while True:
+            model, version = self._policy()
+            self.inflight += n
+            try:
+                body = self.body(
+                    prompt_ids, model, n=n, seed=seed, max_tokens=max_tokens, stop=stop
+                )
+                async with self._session.post(self._url, json=body, headers=headers) as resp:
+                    if resp.status >= 500 or resp.status == 429:
+                        text = await resp.text()
+                        raise _Retryable(f"HTTP {resp.status}: {text[:300]}")
+                    if resp.status >= 400:
+                        text = await resp.text()
+                        if self._policy()[0] != model and attempt < self.config.retries:
+                            # The adapter was swapped (and maybe unloaded) under this request.
+                            attempt += 1
+                            self.retries_total += 1
+                            continue
+                        raise ReplicaError(
+                            f"{self._url} answered HTTP {resp.status} for model {model!r}: "
+                            f"{text[:500]}"
+                        )
+                    data = await resp.json()
+                    replica = resp.headers.get(REPLICA_HEADER)
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+                err: Exception = exc
+            except _Retryable as exc:
+                err = exc
+            else:
+                return self._parse(prompt_ids, data, version, replica)
+            finally:
+                self.inflight -= n
+            attempt += 1
+            if attempt > self.config.retries:
+                raise ReplicaError(
+                    f"{self._url}: giving up after {attempt} attempts (rollout.retries="
+                    f"{self.config.retries}): {type(err).__name__}: {err}"
+                ) from err
+            delay = min(self.config.retry_backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+            self.retries_total += 1
+            logger.warning(
+                "rollout request to %s failed (%s: %s); retry %d/%d in %.2f s",
+                self._url,
+                type(err).__name__,
+                err,
+                attempt,
+                self.config.retries,
+                delay,
+            )
+            await anyio.sleep(delay)
+
+    def _parse(
+        self, prompt_ids: Sequence[int], data: dict[str, Any], version: int, replica: str | None
+    ) -> list[Turn]:
+        out: list[Turn] = []
+        choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
+        for choice in choices:
+            token_ids = choice.get("token_ids")
+            if token_ids is None:
+                raise ReplicaError(
+                    f"{self._url} returned no token_ids: the server ignores `return_token_ids` "
+                    "(needs vLLM >= 0.10.2 serving /v1/completions)"
+                )
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+            if (
+                logprobs is None
+                or len(logprobs) != len(token_ids)
+                or any(lp is None or not math.isfinite(lp) for lp in logprobs)
+            ):
+                self.bad_logprobs_total += 1
+                logger.warning("a completion from %s has missing logprobs; dropped", self._url)
+                continue
+            self.tokens_total += len(token_ids)
+            out.append(
+                Turn(
+                    prompt_ids=list(choice.get("prompt_token_ids") or prompt_ids),
+                    token_ids=list(token_ids),
+                    logprobs=[float(lp) for lp in logprobs],
+                    version=version,
+                    text=choice.get("text") or "",
+                    finish_reason=choice.get("finish_reason"),
+                    replica=replica,
+                )
+            )
+        return out

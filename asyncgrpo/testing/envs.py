@@ -1,0 +1,91 @@
+"""Multi-turn environments for the tiny CPU model: a calculator tool task it can learn, and a
+fixed-length conversation for exactness tests.
+
+The tiny model is random, so the tool protocol is one it can stumble into: a model turn that
+contains the word ``add`` calls the calculator, and the environment answers with the sum as a
+``tool`` message; without a call it answers as the user, asking for one. The reward (from the
+environment, no reward function needed) has two parts a rank-1 LoRA can push up within tens of
+steps: ``tool_call`` (0.5 once the calculator was called) and ``answer`` (after the call, 0.5 x
+the share of digits in the model's last turn, or 1.0 when it contains the right sum).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any
+
+from asyncgrpo.rollout.dataset import Prompt
+from asyncgrpo.rollout.environment import Message, MultiTurnEnv
+
+_CALL = re.compile(r"\badd\b")
+
+
+def calculator_tasks(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Dataset rows for :class:`CalculatorEnv`: a chat prompt asking for ``a + b``, a, b, and
+    the sum as ``answer`` (the column verifiers' rubrics read)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 49), rng.randint(0, 49)
+        rows.append(
+            {
+                "prompt": [
+                    {"role": "system", "content": "you can add with the calculator: say add"},
+                    {"role": "user", "content": f"what is {a} plus {b}"},
+                ],
+                "a": a,
+                "b": b,
+                "answer": str(a + b),
+            }
+        )
+    return rows
+
+
+def _digit_share(text: str) -> float:
+    chars = [c for c in text if not c.isspace()]
+    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+
+
+class CalculatorEnv(MultiTurnEnv):
+    """Ask for a sum; the model may call the calculator (say ``add``); then it answers."""
+
+    provides_reward = True
+
+    async def setup(self, task: Prompt) -> dict[str, Any]:
+        return {"sum": int(task.extra["a"]) + int(task.extra["b"]), "called": False}
+
+    async def env_response(
+        self, task: Prompt, messages: list[Message], state: dict[str, Any]
+    ) -> list[Message] | None:
+        if state["called"]:
+            return None  # the turn after the tool result is the answer
+        if _CALL.search(messages[-1]["content"]):
+            state["called"] = True
+            return [{"role": "tool", "content": str(state["sum"])}]
+        return [{"role": "user", "content": "use the calculator: say add"}]
+
+    async def reward(
+        self, task: Prompt, messages: list[Message], state: dict[str, Any]
+    ) -> dict[str, float]:
+        if not state["called"] or messages[-1]["role"] != "assistant":
+            return {"tool_call": 0.0, "answer": 0.0}
+        answer = messages[-1]["content"]
+        correct = re.search(rf"(?<!\d){state['sum']}(?!\d)", answer) is not None
+        return {"tool_call": 0.5, "answer": 1.0 if correct else 0.5 * _digit_share(answer)}
+
+
+class ChatterEnv(MultiTurnEnv):
+    """``max_turns`` model turns, each answered by the same user message: a fixed shape for
+    tests of token masks, versions and logprobs over whole episodes. Rewards the share of digit
+    characters over the model's turns (so groups have variance to learn from)."""
+
+    provides_reward = True
+
+    async def env_response(
+        self, task: Prompt, messages: list[Message], state: dict[str, Any]
+    ) -> list[Message] | None:
+        return [{"role": "user", "content": "go on"}]
+
+    async def reward(self, task: Prompt, messages: list[Message], state: dict[str, Any]) -> float:
+        return _digit_share("".join(m["content"] for m in messages if m["role"] == "assistant"))
