@@ -15,6 +15,8 @@ import random
 import re
 from typing import Any
 
+import anyio
+
 from asyncgrpo.rollout.dataset import Prompt
 from asyncgrpo.rollout.environment import Message, MultiTurnEnv
 
@@ -82,9 +84,17 @@ class ChatterEnv(MultiTurnEnv):
 
     provides_reward = True
 
+    def __init__(self, *, reply_delay_s: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        #: how long the environment takes to answer (a slow tool): long enough, and an
+        #: episode's turns straddle a weight sync
+        self.reply_delay_s = reply_delay_s
+
     async def env_response(
         self, task: Prompt, messages: list[Message], state: dict[str, Any]
     ) -> list[Message] | None:
+        if self.reply_delay_s:
+            await anyio.sleep(self.reply_delay_s)
         return [{"role": "user", "content": "go on"}]
 
     async def reward(self, task: Prompt, messages: list[Message], state: dict[str, Any]) -> float:
