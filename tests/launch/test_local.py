@@ -191,10 +191,26 @@ class ElasticRoles(ScriptedRoles):
                        command=(sys.executable, "-c", *script), secrets=real.secrets)  # fmt: skip
 
 
+def kill_machine(job_id: str) -> None:
+    """SIGKILL a job's process group and every process under it: a lost machine takes its vLLM
+    servers too, which run in sessions of their own and would outlive the group alone."""
+    pid = int(job_id.removeprefix("pid-"))
+    try:
+        below = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        below = []
+    os.killpg(pid, signal.SIGKILL)
+    for proc in below:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def kill_replica(handle, index: int) -> str:
-    """SIGKILL replica ``index``'s process group (a lost machine); its URL."""
+    """Lose replica ``index``'s machine (:func:`kill_machine`); its URL."""
     job = handle.replicas[index]
-    os.killpg(int(job.id.removeprefix("pid-")), signal.SIGKILL)
+    kill_machine(job.id)
     return job.url
 
 
@@ -365,7 +381,7 @@ def launch_tiny(
     tiny_model: Path, tmp_path: Path, *overrides: str, kill_replica_at: int | None = None
 ) -> subprocess.CompletedProcess:
     """``asyncgrpo launch examples/tiny_cpu.yaml --backend local``. With ``kill_replica_at``,
-    replica 1's process group is SIGKILLed once the trainer reports that step, and the run's
+    replica 1's machine is lost (:func:`kill_machine`) once the trainer reports that step, and the run's
     scoring is held (a reward gate) until the launcher says the replacement is in the trainer's
     proxy: the replacement then serves the rest of the run, however slow its start."""
     from asyncgrpo.testing.rewards import GATE_ENV
@@ -401,7 +417,7 @@ def launch_tiny(
             gate.unlink()
             jobs = json.loads((launch_dir / "jobs.json").read_text())["jobs"]
             job = next(j for j in jobs if j["name"] == "tiny-cpu-replica-1")
-            os.killpg(int(job["id"].removeprefix("pid-")), signal.SIGKILL)
+            kill_machine(job["id"])
             until("the replacement in the trainer's proxy",
                   lambda: "is in the trainer's proxy" in err.read_text())  # fmt: skip
             gate.touch()
@@ -425,7 +441,7 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
     """`asyncgrpo launch examples/tiny_cpu.yaml --backend local`: two replica processes and a
     trainer process in their own directories, meeting only in the transport directory (as root,
     the trainer's directory is an empty tmpfs to the replicas, so every adapter version must
-    reach them through the transport). Replica 1's process group is SIGKILLed at step 2: the
+    reach them through the transport). Replica 1's machine is lost at step 2: the
     launcher starts a replacement, which joins the trainer's proxy and is brought up to date;
     every step trains, ratio 1 where reported, reward rising. A second launch of the same run continues
     from its last checkpoint."""
