@@ -4,11 +4,11 @@ A broadcast goes to the fleet, the replicas in rotation (:meth:`UpstreamPool.tar
 the fleet lock so that no replica enters the fleet halfway through it. A replica that cannot be
 reached, or answers 5xx (but 501, a refusal) and then fails its health check, leaves the fleet
 instead of failing the broadcast (it catches up before it returns); a broadcast fails only when
-no replica is left or a live one refuses. A load is all or nothing over the fleet: retried on one replica only while it answers
-that the adapter is not there yet, up to ``load_deadline_s`` (then 504, never 404: TRL reads 404
-as "runtime LoRA updating is disabled"); any other refusal ("already loaded" included: names are
-never reused) is rolled back on the replicas that accepted it. Rules and reasons:
-``docs/proxy.md``, "Failures" and "Adapter broadcast".
+no replica is left or a live one refuses. A load is all or nothing over the fleet: retried on one
+replica only while it answers that the adapter is not there yet, up to ``load_deadline_s`` (then
+504, never 404: TRL reads 404 as "runtime LoRA updating is disabled"); any other refusal
+("already loaded" included: names are never reused) is rolled back on the replicas that accepted
+it. Rules and reasons: ``docs/proxy.md``, "Failures" and "Adapter broadcast".
 """
 
 from __future__ import annotations
