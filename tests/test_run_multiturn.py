@@ -118,7 +118,10 @@ async def test_a_verifiers_multi_turn_env_trains_token_exactly(
     )
     samples = [s for b in batches for s in b]
     assert result.steps == 3 and len(samples) == 24
-    assert all(model_turns(s) == 3 for s in samples)
+    # verifiers ends an episode whose model turn is empty (EmptyModelResponseError): the random
+    # tiny model does that now and then, so a few episodes have fewer turns
+    turns = [model_turns(s) for s in samples]
+    assert all(1 <= t <= 3 for t in turns) and turns.count(3) >= len(turns) * 3 // 4, turns
     errors = await anyio.to_thread.run_sync(
         served_logprob_errors, tiny_model, result.transport_url, result.adapter_prefix, samples,
         tmp_path / "check-cache",
