@@ -147,10 +147,10 @@ class Forward(Exchange):
             except NoHealthyReplica:
                 pass
         if up is None:
-            proxy.stats.reject(503)
+            proxy.stats.rejected[503] += 1
             message = (f"no replica could serve the request (tried {len(self.tried)}): "
                        f"{self.last_error or 'none in rotation'}")  # fmt: skip
-            self._answer(error_answer(503, message, kind="ServiceUnavailableError"))
+            self._answer(error_answer(503, message))
             return self._release()
         self.up = up
         self.tried.append(up.url)
@@ -187,7 +187,8 @@ class Forward(Exchange):
             ok = not failed and isinstance(outcome, int) and outcome < 300
             proxy.router.finish(decision, ok=ok)
         if failed:
-            proxy.stats.lost(proxy.now - self.sent)
+            proxy.stats.lost_requests += 1
+            proxy.stats.lost_seconds += max(proxy.now - self.sent, 0.0)
             reason = outcome if isinstance(outcome, int) else type(outcome).__name__
             self.last_error = f"{up.url}: {reason}" + (f" ({detail[:200]})" if detail else "")
             if len(self.tried) < proxy.config.max_attempts:
