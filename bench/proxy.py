@@ -49,8 +49,8 @@ TEMPLATE_TOKENS = 151
 MAX_TOKENS = 16
 OVERHEAD_REQUESTS_1 = 4000  # per path, sent in blocks that rotate over the paths
 OVERHEAD_BLOCK_1 = 50
-OVERHEAD_REQUESTS_256 = 8000  # per round
-OVERHEAD_ROUNDS = 5
+OVERHEAD_REQUESTS_256 = 2000  # per round: short rounds interleave the paths finely
+OVERHEAD_ROUNDS = 16
 PY = sys.executable
 
 CANNED = json.dumps(

@@ -109,11 +109,12 @@ class Forward(Exchange):
         """Send it now, or (replicas saturated) when its run's turn comes."""
         proxy, run = self.proxy, self.run
         if run is None or proxy.runs.admit(run, self, self.cost, proxy.now):
-            self.admitted()
+            self.held, self.began = run is not None, proxy.now
+            self.start()
 
     def admitted(self) -> None:
         """Its turn: it holds its sequences until it is answered."""
-        self.held, self.began = self.run is not None, self.proxy.now
+        self.held, self.began = True, self.proxy.now
         self.start()
 
     def _release(self) -> None:
@@ -125,7 +126,8 @@ class Forward(Exchange):
         if not self.held:
             return runs.withdraw(run, self)
         runs.done(run, self.cost, now - self.began)
-        runs.pump(now)
+        if runs.waiting:
+            runs.pump(now)
 
     def start(self) -> None:
         """Send the next try to a replica not tried yet, or answer 503 naming the last error."""
