@@ -261,7 +261,8 @@ class ElasticRoles(ScriptedRoles):
 
 def kill_machine(job_id: str) -> None:
     """SIGKILL a job's process group and every process under it: a lost machine takes its vLLM
-    servers too, which run in sessions of their own and would outlive the group alone."""
+    servers at once too. They run in sessions of their own: with the group alone they would get
+    SIGTERM as their parent dies and drain, not vanish."""
     pid = int(job_id.removeprefix("pid-"))
     try:
         below = psutil.Process(pid).children(recursive=True)
