@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -204,7 +203,9 @@ def test_cli_starts_two_replicas_without_memory_flags_and_sigint_stops_every_pro
             proc.kill()
 
 
-def test_cli_killed_outright_leaves_no_vllm_process(tiny_model: Path, tmp_path: Path) -> None:
+def test_cli_killed_outright_leaves_no_vllm_process(
+    tiny_model: Path, tmp_path: Path, leftovers: list[psutil.Process]
+) -> None:
     """SIGKILL (the OOM killer, ``kill -9``, a CI runner cancelling) gives the CLI no chance to
     stop its replicas, which run in sessions of their own: each replica's API server gets
     SIGTERM as the CLI dies, and stops its engine core."""
@@ -214,22 +215,15 @@ def test_cli_killed_outright_leaves_no_vllm_process(tiny_model: Path, tmp_path: 
          str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
     )  # fmt: skip
-    tree: list[psutil.Process] = []
-    try:
-        line = proc.stdout.readline()  # once the replica is healthy (or the CLI died)
-        assert "ready: http://127.0.0.1:" in line, line
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        assert len(tree) >= 2  # an API server and its engine core
-        proc.kill()
-        proc.wait()
-        start = time.monotonic()
-        _, alive = psutil.wait_procs(tree, timeout=30)
-        assert alive == [], f"outlived the CLI: {alive}"
-        print(f"the replica's processes exited {time.monotonic() - start:.1f} s after SIGKILL")
-    finally:
-        if proc.poll() is None:
-            tree += psutil.Process(proc.pid).children(recursive=True)
-            proc.kill()
-        for child in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
+    leftovers.append(psutil.Process(proc.pid))
+    line = proc.stdout.readline()  # once the replica is healthy (or the CLI died)
+    assert "ready: http://127.0.0.1:" in line, line
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    leftovers += tree
+    assert len(tree) >= 2  # an API server and its engine core
+    proc.kill()
+    proc.wait()
+    start = time.monotonic()
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    assert alive == [], f"outlived the CLI: {alive}"
+    print(f"the replica's processes exited {time.monotonic() - start:.1f} s after SIGKILL")

@@ -8,7 +8,6 @@ failures and cancellation of whole process groups. The end-to-end run with real 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -190,7 +189,7 @@ LAUNCHER = textwrap.dedent("""
 
 
 def test_a_launcher_killed_with_sigkill_takes_its_roles_and_s3_server_with_it(
-    tmp_path: Path,
+    tmp_path: Path, leftovers: list[psutil.Process]
 ) -> None:
     """The roles run in sessions of their own (a process group each, to stop whole), so nothing
     signals them when the launcher is killed outright (OOM killer, ``kill -9``, a CI runner
@@ -204,23 +203,16 @@ def test_a_launcher_killed_with_sigkill_takes_its_roles_and_s3_server_with_it(
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
         text=True,
     )
-    roles: list[psutil.Process] = []
-    try:
-        assert launcher.stdout.readline() == "started\n"
-        roles = psutil.Process(launcher.pid).children(recursive=True)
-        assert len(roles) == 2, roles  # the S3 protocol server and the role
-        launcher.kill()
-        launcher.wait()
-        _, alive = psutil.wait_procs(roles, timeout=10)
-        assert alive == [], f"outlived their launcher: {alive}"
-        assert (launch_dir / "trainer" / "stopped-by").read_text() == "SIGTERM"
-    finally:
-        if launcher.poll() is None:
-            roles += psutil.Process(launcher.pid).children(recursive=True)
-            launcher.kill()
-        for proc in roles:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
+    leftovers.append(psutil.Process(launcher.pid))
+    assert launcher.stdout.readline() == "started\n"
+    roles = psutil.Process(launcher.pid).children(recursive=True)
+    leftovers += roles
+    assert len(roles) == 2, roles  # the S3 protocol server and the role
+    launcher.kill()
+    launcher.wait()
+    _, alive = psutil.wait_procs(roles, timeout=10)
+    assert alive == [], f"outlived their launcher: {alive}"
+    assert (launch_dir / "trainer" / "stopped-by").read_text() == "SIGTERM"
 
 
 #: The trainer's proxy as far as the launcher sees it: answers the admin route on argv[1]'s
