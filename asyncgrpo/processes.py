@@ -38,11 +38,11 @@ _PARENT_DEATH = str(Path(__file__).with_name("parent_death.py"))
 def parent_death_argv(argv: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
     """``argv`` run so that the program gets SIGTERM when the thread that starts it ends, however.
 
-    The kernel ties the signal to that thread, not to its process: start
-    children from a thread that lives as long as they should (the event loop's, as
-    :func:`start_group` does), never from a worker thread (``to_thread``, ``run_in_executor``).
-    On Linux only; elsewhere ``argv`` unchanged. The program is looked up on ``env``'s PATH now,
-    so a missing one raises :class:`FileNotFoundError` here as with ``subprocess``.
+    The kernel ties the signal to that thread, not to its process: start children from a thread
+    that lives as long as they should (the event loop's, as :func:`start_group` does), never from
+    a worker thread (``to_thread``, ``run_in_executor``). On Linux only; elsewhere ``argv``
+    unchanged. The program is looked up on ``env``'s PATH now, so a missing one raises
+    :class:`FileNotFoundError` here as with ``subprocess``.
     """
     if not sys.platform.startswith("linux"):
         return list(argv)
