@@ -1,24 +1,80 @@
 """Child process trees this process starts (vLLM replicas, a launch's roles): stop them whole.
 
-Each child is started in its own session (``start_new_session=True``), so it and everything it
-forks share one process group that can be signalled at once. :func:`stop_group` is the one way
-they are stopped: SIGTERM to the group, a grace period for the process and every descendant to
-exit, then SIGKILL to the group and to the descendants that left it. Callers run it in a
-shielded scope, so cancellation and Ctrl-C still clean up.
+:func:`start_group` is the one way they are started: in a session of its own, so the child and
+everything it forks share one process group that can be signalled at once, and (on Linux) with
+SIGTERM as its parent-death signal, so a child still gets its clean shutdown when this process
+dies without stopping it (SIGKILL, the OOM killer); that shutdown stops its own descendants (vLLM's
+API server stops its engine core). :func:`stop_group` is the one way they are stopped: SIGTERM to
+the group, a grace period for the process and every descendant to exit, then SIGKILL to the group
+and to the descendants that left it. Callers run it in a shielded scope, so cancellation and
+Ctrl-C still clean up.
+
+Elsewhere than Linux there is no parent-death signal: a child outlives a parent killed outright.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import shutil
 import signal
 import socket
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
 
 import anyio
 from anyio.abc import Process
 
 logger = logging.getLogger(__name__)
+
+#: The program put in front of a child's command to set its parent-death signal.
+_PARENT_DEATH = str(Path(__file__).with_name("parent_death.py"))
+
+
+def parent_death_argv(argv: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """``argv`` run so that the program gets SIGTERM when the thread that starts it ends, however.
+
+    The kernel ties the signal to that thread, not to its process: start children from a thread
+    that lives as long as they should (the event loop's, as :func:`start_group` does), never from
+    a worker thread (``to_thread``, ``run_in_executor``). On Linux only; elsewhere ``argv``
+    unchanged. The program is looked up on ``env``'s PATH now, so a missing one raises
+    :class:`FileNotFoundError` here as with ``subprocess``.
+    """
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    program = argv[0]
+    path = (
+        program
+        if os.sep in program
+        else shutil.which(program, path=os.pathsep.join(os.get_exec_path(env)))
+    )
+    if path is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+    return [sys.executable, "-I", "-S", _PARENT_DEATH, str(os.getpid()), path, *argv]
+
+
+async def start_group(
+    argv: Sequence[str],
+    *,
+    stdout: int | IO[Any] | None,
+    stderr: int | IO[Any] | None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> Process:
+    """Start ``argv`` in a session of its own that gets SIGTERM if this process dies first."""
+    return await anyio.open_process(
+        parent_death_argv(argv, env),
+        stdin=None,
+        stdout=stdout,
+        stderr=stderr,
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def process_tree(pid: int) -> list[int]:

@@ -58,8 +58,12 @@ def proxy_process(upstreams: list[str], log: Path, *extra: str) -> Iterator[str]
     argv = [PY, "-m", "asyncgrpo.proxy", "--port", str(port), *extra]
     for url in upstreams:
         argv += ["--upstream", url]
+    from asyncgrpo.processes import parent_death_argv
+
     with log.open("ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=out, start_new_session=True)
+        proc = subprocess.Popen(
+            parent_death_argv(argv), stdout=out, stderr=out, start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -276,17 +280,20 @@ def run_config(work: Path, model: Path, proxy_url: str, name: str, seed: int, st
     return path
 
 
-def train_together(configs: list[Path], work: Path) -> list[list[dict]]:
+async def train_together(configs: list[Path], work: Path) -> list[list[dict]]:
     """``asyncgrpo train`` per config, all at once, each its own process; their metrics."""
     from asyncgrpo.metrics import read_metrics
+    from asyncgrpo.processes import start_group
 
     procs = []
     for cfg in configs:
         with (work / f"{cfg.stem}.log").open("wb") as log:
             argv = [PY, "-m", "asyncgrpo.cli", "train", str(cfg)]
-            procs.append(subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True))
+            procs.append(await start_group(argv, stdout=log, stderr=log))
     for proc, cfg in zip(procs, configs, strict=True):
-        if proc.wait(900) != 0:
+        code = await asyncio.wait_for(proc.wait(), 900)
+        await proc.aclose()
+        if code != 0:
             raise RuntimeError(f"{cfg.stem} failed: see {work / (cfg.stem + '.log')}")
     return [read_metrics(work / "runs" / cfg.stem / "metrics.jsonl") for cfg in configs]
 
@@ -333,7 +340,7 @@ async def part_sweep(args: argparse.Namespace, work: Path) -> None:
             alone: list[dict[str, float]] = []
             for seed in range(max(counts)):  # each point alone on the two replicas
                 cfg = run_config(work, model, url, f"alone-{seed}", seed, args.steps)
-                alone.append(measure(await asyncio.to_thread(train_together, [cfg], work),
+                alone.append(measure(await train_together([cfg], work),
                                      args.warmup_steps))  # fmt: skip
                 print(f"alone seed {seed}: {alone[-1]}", flush=True)
             for n in counts:
@@ -342,7 +349,7 @@ async def part_sweep(args: argparse.Namespace, work: Path) -> None:
                 else:
                     cfgs = [run_config(work, model, url, f"shared{n}-{seed}", seed, args.steps)
                             for seed in range(n)]  # fmt: skip
-                    runs = await asyncio.to_thread(train_together, cfgs, work)
+                    runs = await train_together(cfgs, work)
                     shared = measure(runs, args.warmup_steps)
                     print(f"{n} shared: {shared}", flush=True)
                 own = alone[:n]

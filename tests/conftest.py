@@ -75,6 +75,24 @@ def vllm_replicas(
         yield replicas
 
 
+@pytest.fixture
+def leftovers() -> Iterator[list]:
+    """Processes (``psutil.Process``) a test starts: any still running at its end is killed with
+    its descendants, so a failing test leaves nothing behind."""
+    import contextlib
+
+    import psutil
+
+    procs: list[psutil.Process] = []
+    yield procs
+    for proc in list(procs):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs += proc.children(recursive=True)
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+
+
 def _vllm_processes_under(root: str) -> list[int]:
     import psutil
 

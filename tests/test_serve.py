@@ -201,3 +201,29 @@ def test_cli_starts_two_replicas_without_memory_flags_and_sigint_stops_every_pro
             for child in psutil.Process(proc.pid).children(recursive=True):
                 child.kill()
             proc.kill()
+
+
+def test_cli_killed_outright_leaves_no_vllm_process(
+    tiny_model: Path, tmp_path: Path, leftovers: list[psutil.Process]
+) -> None:
+    """SIGKILL (the OOM killer, ``kill -9``, a CI runner cancelling) gives the CLI no chance to
+    stop its replicas, which run in sessions of their own: each replica's API server gets
+    SIGTERM as the CLI dies, and stops its engine core."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncgrpo.serve", "--model", str(tiny_model), "--log-dir",
+         str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )  # fmt: skip
+    leftovers.append(psutil.Process(proc.pid))
+    line = proc.stdout.readline()  # once the replica is healthy (or the CLI died)
+    assert "ready: http://127.0.0.1:" in line, line
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    leftovers += tree
+    assert len(tree) >= 2  # an API server and its engine core
+    proc.kill()
+    proc.wait()
+    start = time.monotonic()
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    assert alive == [], f"outlived the CLI: {alive}"
+    print(f"the replica's processes exited {time.monotonic() - start:.1f} s after SIGKILL")

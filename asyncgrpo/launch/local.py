@@ -41,7 +41,7 @@ from asyncgrpo.launch.plan import (
     transport_secret,
 )
 from asyncgrpo.model_source import check_model
-from asyncgrpo.processes import free_port, stop_group
+from asyncgrpo.processes import free_port, start_group, stop_group
 
 logger = logging.getLogger(__name__)
 
@@ -203,13 +203,11 @@ class LocalBackend:
         workdir = self.launch_dir / "transport"
         workdir.mkdir(parents=True, exist_ok=True)
         with log.open("ab") as out:
-            self._moto = await anyio.open_process(
+            self._moto = await start_group(
                 [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self._moto_port)],
-                stdin=None,
                 stdout=out,
                 stderr=out,
                 cwd=workdir,
-                start_new_session=True,
             )
         endpoint = self.transport_env["AWS_ENDPOINT_URL"]
         deadline = time.monotonic() + 60
@@ -232,15 +230,7 @@ class LocalBackend:
         log_path = self.launch_dir / f"{spec.name}.log"
         env = {**self.environ, **spec.env, **spec.secrets}
         with log_path.open("ab") as log:
-            process = await anyio.open_process(
-                list(spec.command),
-                stdin=None,
-                stdout=log,
-                stderr=log,
-                cwd=workdir,
-                env=env,
-                start_new_session=True,
-            )
+            process = await start_group(spec.command, stdout=log, stderr=log, cwd=workdir, env=env)
         job_id = f"pid-{process.pid}"
         self._processes[job_id] = process
         return job_id

@@ -2,7 +2,8 @@
 
 Each replica runs in its own session (process group), so the API server, its engine-core
 process and any workers are stopped together (:func:`asyncgrpo.processes.stop_group`, in a
-shielded scope so cancellation and Ctrl-C still clean up).
+shielded scope so cancellation and Ctrl-C still clean up); if this process is killed outright,
+the API server gets SIGTERM and stops its engine core (:func:`~asyncgrpo.processes.start_group`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from anyio.abc import Process
 
 from asyncgrpo.errors import ReplicaStartError
 from asyncgrpo.model_source import check_model
-from asyncgrpo.processes import free_port, kill_tree, process_tree, stop_group
+from asyncgrpo.processes import free_port, kill_tree, process_tree, start_group, stop_group
 from asyncgrpo.serve.config import ServeConfig, is_loopback
 from asyncgrpo.serve.memory import with_kv_cache_size
 from asyncgrpo.serve.vllm_support import check_plugin_support
@@ -192,7 +193,7 @@ def _log_paths(config: ServeConfig) -> list[Path]:
 
 
 def _lower_session_priority(pid: int, nice: int) -> None:
-    """Give the replica's session (its own, ``start_new_session``) the nice value too.
+    """Give the replica's session (its own, :func:`start_group`) the nice value too.
 
     With Linux's scheduler autogroups (on by default on desktops and many VMs) CPU is shared
     between sessions first, so a process's own nice value only ranks it inside its session:
@@ -224,14 +225,7 @@ async def launch_replicas(config: ServeConfig) -> AsyncIterator[list[Replica]]:
                 argv = config.command(port)
                 if config.nice:  # inherited by the engine and worker processes vLLM forks
                     argv = ["nice", "-n", str(config.nice), *argv]
-                process = await anyio.open_process(
-                    argv,
-                    stdin=None,
-                    stdout=log,
-                    stderr=log,
-                    env=config.env(i),
-                    start_new_session=True,
-                )
+                process = await start_group(argv, stdout=log, stderr=log, env=config.env(i))
             if config.nice:
                 _lower_session_priority(process.pid, config.nice)
             replicas.append(Replica(i, config.host, port, log_path, process, time.monotonic()))

@@ -155,6 +155,66 @@ def test_a_replica_that_dies_fails_the_launch_with_its_log(tmp_path: Path) -> No
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
 
+#: A launcher (the local backend in a process of its own): starts the S3 protocol server and a
+#: role that notes the signal that stops it, prints "started" once the role is ready, then waits
+#: to be killed.
+LAUNCHER = textwrap.dedent("""
+    import json, sys, anyio
+    from pathlib import Path
+    from asyncgrpo.config import TrainingConfig
+    from asyncgrpo.launch.jobs import JobSpec
+    from asyncgrpo.launch.local import LocalBackend
+    ROLE = (
+        "import signal, sys, time\\n"
+        "def stop(sig, frame):\\n"
+        "    open('stopped-by', 'w').write(signal.Signals(sig).name)\\n"
+        "    sys.exit(0)\\n"
+        "signal.signal(signal.SIGTERM, stop)\\n"
+        "open('ready', 'w').close()\\n"
+        "time.sleep(600)\\n"
+    )
+    async def main():
+        cfg = TrainingConfig.from_dict(json.loads(sys.argv[1]), ["launch.local_transport=s3"])
+        backend = LocalBackend(cfg, Path(sys.argv[2]))
+        await backend.prepare()
+        spec = JobSpec(role="trainer", name="local-run-trainer",
+                       command=(sys.executable, "-c", ROLE))
+        await backend.start(spec)
+        while not (backend.launch_dir / "trainer" / "ready").exists():
+            await anyio.sleep(0.05)
+        print("started", flush=True)
+        await anyio.sleep_forever()
+    anyio.run(main)
+""")
+
+
+def test_a_launcher_killed_with_sigkill_takes_its_roles_and_s3_server_with_it(
+    tmp_path: Path, leftovers: list[psutil.Process]
+) -> None:
+    """The roles run in sessions of their own (a process group each, to stop whole), so nothing
+    signals them when the launcher is killed outright (OOM killer, ``kill -9``, a CI runner
+    cancelling): each gets SIGTERM, its clean way out, as its parent dies."""
+    launch_dir = tmp_path / "launch"
+    data = {"model": str(tmp_path), "run_name": "local-run", "output_dir": str(tmp_path / "runs"),
+            "dataset": {"prompts": ["p"]}}  # fmt: skip
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, json.dumps(data), str(launch_dir)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        text=True,
+    )
+    leftovers.append(psutil.Process(launcher.pid))
+    assert launcher.stdout.readline() == "started\n"
+    roles = psutil.Process(launcher.pid).children(recursive=True)
+    leftovers += roles
+    assert len(roles) == 2, roles  # the S3 protocol server and the role
+    launcher.kill()
+    launcher.wait()
+    _, alive = psutil.wait_procs(roles, timeout=10)
+    assert alive == [], f"outlived their launcher: {alive}"
+    assert (launch_dir / "trainer" / "stopped-by").read_text() == "SIGTERM"
+
+
 #: The trainer's proxy as far as the launcher sees it: answers the admin route on argv[1]'s
 #: port, printing each call; completes its three steps once a replica was added with the key.
 TRAINER_PROXY = textwrap.dedent("""
@@ -193,7 +253,8 @@ class ElasticRoles(ScriptedRoles):
 
 def kill_machine(job_id: str) -> None:
     """SIGKILL a job's process group and every process under it: a lost machine takes its vLLM
-    servers too, which run in sessions of their own and would outlive the group alone."""
+    servers at once too. They run in sessions of their own: with the group alone they would get
+    SIGTERM as their parent dies and drain, not vanish."""
     pid = int(job_id.removeprefix("pid-"))
     try:
         below = psutil.Process(pid).children(recursive=True)

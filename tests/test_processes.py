@@ -1,0 +1,132 @@
+"""Children started through :mod:`asyncgrpo.processes` never outlive the process that started
+them: real processes, killed or exiting at the worst moments."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncgrpo.processes import alive, parent_death_argv, start_group, stop_group
+
+#: For a child interpreter that imports this copy of asyncgrpo.
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
+#: Prints its pid once it runs, then sleeps.
+READY_SLEEP = [
+    sys.executable,
+    "-c",
+    "import os, time; print(os.getpid(), flush=True); time.sleep(60)",
+]
+
+
+def _gone_within(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while alive([pid]):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_parent_that_exits_right_after_starting_a_child_leaves_nothing_running() -> None:
+    """The parent exits while the child is still starting (before the child can set its
+    parent-death signal, most runs): the child notices it has a new parent and does not run."""
+    parent = subprocess.run(
+        [sys.executable, "-c",
+         "import os, subprocess, sys\n"
+         "from asyncgrpo.processes import parent_death_argv\n"
+         f"child = subprocess.Popen(parent_death_argv({SLEEP!r}), start_new_session=True,\n"
+         "                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+         "print(child.pid, flush=True)\n"
+         "os._exit(0)\n"],
+        capture_output=True, text=True, check=True, timeout=60, env=ENV,
+    )  # fmt: skip
+    child = int(parent.stdout)
+    try:
+        assert _gone_within(child, 5), "the child outlived its parent"
+    finally:
+        if alive([child]):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_the_signal_comes_when_the_thread_that_started_the_child_ends() -> None:
+    """Why children must be started from a thread that lives as long as they should (the event
+    loop's): here a worker thread starts one and ends, and the child gets SIGTERM while this
+    process lives on."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start() -> None:
+        proc = subprocess.Popen(parent_death_argv(READY_SLEEP), stdout=subprocess.PIPE, text=True)
+        started.append(proc)
+        proc.stdout.readline()  # the program runs: the signal is set
+
+    worker = threading.Thread(target=start)
+    worker.start()
+    worker.join()
+    try:
+        assert started[0].wait(timeout=10) == -signal.SIGTERM
+    finally:
+        started[0].kill()
+
+
+@pytest.mark.anyio
+async def test_start_group_starts_children_from_the_event_loops_thread() -> None:
+    """The thread whose end would signal the child is the one running the event loop (not a
+    worker thread of ``to_thread``, which ends after 10 s idle)."""
+    process = await start_group(SLEEP, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        loop_thread = Path(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/children")
+        assert str(process.pid) in loop_thread.read_text().split()
+        assert os.getpgid(process.pid) == process.pid  # a session, so a group, of its own
+    finally:
+        await stop_group(process, 5, "the sleeper")
+    assert process.returncode == -signal.SIGTERM
+
+
+#: Its pid, directory, arguments, environment and signal masks, with shell builtins only (a
+#: shell waiting for a command has its signals blocked).
+SHOW = (
+    'echo $$; pwd; echo "$X" "$@"; '
+    "while read -r k v; do case $k in SigIgn:|SigBlk:) echo $k $v;; esac; done </proc/$$/status"
+)
+
+
+def test_the_program_runs_as_if_started_directly(tmp_path: Path) -> None:
+    """Same pid (the program replaces the shim), arguments, directory, environment, and the
+    signals ``subprocess`` gives a program (the interpreter's ignored SIGPIPE is not passed on)."""
+    argv = ["sh", "-c", SHOW, "sh", "a", "b c"]
+    env = {"PATH": os.environ["PATH"], "X": "x"}
+    direct = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True)
+    shimmed = subprocess.Popen(parent_death_argv(argv, env), cwd=tmp_path, env=env,
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    out, _ = shimmed.communicate(timeout=30)
+    assert shimmed.returncode == 0
+    pid, *rest = out.splitlines()
+    assert int(pid) == shimmed.pid
+    assert rest == direct.stdout.splitlines()[1:] and rest[:2] == [str(tmp_path), "x a b c"]
+
+
+def test_the_program_is_looked_up_on_the_childs_path_and_a_missing_one_is_refused(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "asyncgrpo-test-hello").write_text("#!/bin/sh\necho hello\n")
+    (tmp_path / "asyncgrpo-test-hello").chmod(0o755)
+    env = {"PATH": str(tmp_path)}
+    out = subprocess.run(
+        parent_death_argv(["asyncgrpo-test-hello"], env), env=env, capture_output=True
+    )
+    assert out.stdout == b"hello\n"
+    with pytest.raises(FileNotFoundError, match="asyncgrpo-test-hello"):
+        parent_death_argv(["asyncgrpo-test-hello"])  # not on this process's PATH
+
+
+def test_elsewhere_than_linux_the_command_is_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert parent_death_argv(["true", "x"]) == ["true", "x"]
