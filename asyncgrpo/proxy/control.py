@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import posixpath
 from collections.abc import Awaitable, Callable
@@ -24,8 +25,7 @@ from typing import Any
 from asyncgrpo.proxy.h1 import Response, split_url
 from asyncgrpo.proxy.headers import REPLICA_HEADER_B
 from asyncgrpo.proxy.jsonbody import BodyError, decode_object
-from asyncgrpo.proxy.metrics import render, stats_json
-from asyncgrpo.proxy.run_routes import runs_route
+from asyncgrpo.proxy.metrics import CONTENT_TYPE_LATEST, render, runs_stats, stats_json
 from asyncgrpo.proxy.state import Proxy, error_answer, json_answer
 from asyncgrpo.proxy.upstream import Circuit, Upstream, unload_path
 from asyncgrpo.vllm_client import (
@@ -132,7 +132,7 @@ async def load(proxy: Proxy, method: str, target: str, body: bytes) -> Response:
     except BodyError as exc:
         return error_answer(exc.status, str(exc))
     if why := _load_refusal(path, parsed, cfg.lora_roots):
-        stats.broadcast("load", "forbidden")
+        stats.broadcasts["load", "forbidden"] += 1
         return error_answer(400, why)
     async with pool.fleet_lock:
         return await _load_fleet(proxy, path, body, parsed["lora_name"])
@@ -142,7 +142,7 @@ async def _load_fleet(proxy: Proxy, path: str, body: bytes, name: str) -> Respon
     cfg, pool, stats = proxy.config, proxy.pool, proxy.stats
     targets = pool.targets()
     if not targets:
-        return error_answer(503, _NONE, kind="ServiceUnavailableError")
+        return error_answer(503, _NONE)
     deadline = proxy.loop.time() + cfg.load_deadline_s
     results = await asyncio.gather(*(_load_one(proxy, u, path, body, deadline) for u in targets))
     out: dict[str, list[tuple[Upstream, int, bytes]]] = {}
@@ -153,7 +153,7 @@ async def _load_fleet(proxy: Proxy, path: str, body: bytes, name: str) -> Respon
         pool.adapters[name] = (path, body)
         for up, _, _ in ok:
             up.adapters[name] = path
-        stats.broadcast("load", "ok")
+        stats.broadcasts["load", "ok"] += 1
         log.info("adapter %s loaded on %d replicas", name, len(ok))
         return 200, [(b"Content-Type", b"text/plain")], ok[0][2]
     if ok:  # all or nothing: take it back from those that accepted
@@ -161,19 +161,18 @@ async def _load_fleet(proxy: Proxy, path: str, body: bytes, name: str) -> Respon
         await asyncio.gather(*(_call(proxy, up, unload_path(path), unload) for up, _, _ in ok))
     if rejected:
         up, status, data = rejected[0]
-        stats.broadcast("load", "rejected")
+        stats.broadcasts["load", "rejected"] += 1
         log.warning("adapter %s rejected by %s (HTTP %d); rolled back on %d replicas",
                     name, up.url, status, len(ok))  # fmt: skip
         return status, [(b"Content-Type", b"application/json"), (REPLICA_HEADER_B, up.url_b)], data
     if lagging:
-        stats.broadcast("load", "deadline")
+        stats.broadcasts["load", "deadline"] += 1
         return error_answer(
             504, f"adapter {name} not found on {[r[0].url for r in lagging]} within "
-            f"load_deadline_s={cfg.load_deadline_s}: storage has not caught up; rolled back",
-            kind="GatewayTimeoutError",
+            f"load_deadline_s={cfg.load_deadline_s}: storage has not caught up; rolled back"
         )  # fmt: skip
-    stats.broadcast("load", "unreachable")
-    return error_answer(503, "no replica could be reached", kind="ServiceUnavailableError")
+    stats.broadcasts["load", "unreachable"] += 1
+    return error_answer(503, "no replica could be reached")
 
 
 async def _post_all(proxy: Proxy, path_qs: str, body: bytes) -> list[tuple[Upstream, int, bytes]]:
@@ -198,19 +197,19 @@ async def unload(proxy: Proxy, method: str, target: str, body: bytes) -> Respons
         if status in (200, 404):
             up.adapters.pop(name, None)
     if not results:
-        return error_answer(503, _NONE, kind="ServiceUnavailableError")
+        return error_answer(503, _NONE)
     if failed := [r for r in results if r[1] not in (0, 200, 404)]:
         up, status, data = failed[0]
-        proxy.stats.broadcast("unload", "failed")
+        proxy.stats.broadcasts["unload", "failed"] += 1
         return status, [(REPLICA_HEADER_B, up.url_b)], data
     for status, outcome, kind in (
         (200, "ok", b"text/plain"),
         (404, "not_found", b"application/json"),
     ):
         if hit := [data for _, got, data in results if got == status]:
-            proxy.stats.broadcast("unload", outcome)
+            proxy.stats.broadcasts["unload", outcome] += 1
             return status, [(b"Content-Type", kind)], hit[0]
-    return error_answer(503, "no replica could be reached", kind="ServiceUnavailableError")
+    return error_answer(503, "no replica could be reached")
 
 
 async def broadcast(proxy: Proxy, method: str, path_qs: str, body: bytes) -> Response:
@@ -228,15 +227,15 @@ async def broadcast(proxy: Proxy, method: str, path_qs: str, body: bytes) -> Res
         for up, _ in agreed:
             up.paused = path == "/pause" or (up.paused and path != "/resume")
     if not results:
-        return error_answer(503, _NONE, kind="ServiceUnavailableError")
+        return error_answer(503, _NONE)
     if failed:
-        proxy.stats.broadcast(path.strip("/"), "failed")
+        proxy.stats.broadcasts[path.strip("/"), "failed"] += 1
         error = {"message": "a replica refused", "failed": failed, "code": 502}
         return json_answer(502, {"error": error})
     if not agreed:
-        proxy.stats.broadcast(path.strip("/"), "unreachable")
-        return error_answer(503, "no replica could be reached", kind="ServiceUnavailableError")
-    proxy.stats.broadcast(path.strip("/"), "ok")
+        proxy.stats.broadcasts[path.strip("/"), "unreachable"] += 1
+        return error_answer(503, "no replica could be reached")
+    proxy.stats.broadcasts[path.strip("/"), "ok"] += 1
     return 200, [(b"Content-Type", b"application/json")], agreed[0][1]
 
 
@@ -260,7 +259,7 @@ async def fetch_info(proxy: Proxy, method: str, path: str, body: bytes) -> Respo
 
     targets = proxy.pool.targets()
     if not targets:
-        return error_answer(503, _NONE, kind="ServiceUnavailableError")
+        return error_answer(503, _NONE)
     answers = await asyncio.gather(*(one(u) for u in targets))
     return json_answer(200, {"replicas": [entry for answer in answers for entry in answer]})
 
@@ -284,8 +283,7 @@ async def stats(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
 
 
 async def prometheus(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
-    text = render(proxy).encode()
-    return 200, [(b"Content-Type", b"text/plain; charset=utf-8")], text
+    return 200, [(b"Content-Type", CONTENT_TYPE_LATEST.encode())], render(proxy)
 
 
 async def upstreams(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
@@ -302,7 +300,7 @@ async def upstreams(proxy: Proxy, method: str, path: str, body: bytes) -> Respon
         return error_answer(400, f'body must be {{"url": "http://HOST:PORT"}}: {exc}')
     if method == "DELETE":
         if pool.remove(url) is None:
-            return error_answer(404, f"{url} is not an upstream", kind="NotFoundError")
+            return error_answer(404, f"{url} is not an upstream")
         log.info("replica %s removed", url)
         return json_answer(200, {"removed": url})
     if url in pool.upstreams:
@@ -311,10 +309,61 @@ async def upstreams(proxy: Proxy, method: str, path: str, body: bytes) -> Respon
     if error := await pool.catch_up(up, Circuit.CLOSED):
         if pool.upstreams.get(url) is up:
             pool.remove(url)
-        return error_answer(502, f"{url} could not join: {error}", kind="BadGatewayError")
+        return error_answer(502, f"{url} could not join: {error}")
     pool.fleet["joins"] += 1
     log.info("replica %s caught up and joined the fleet", url)
     return json_answer(200, {"added": url, "adapters": sorted(pool.adapters)})
+
+
+def _weight(value: object) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if ok and math.isfinite(value) and value > 0 else None  # type: ignore[arg-type]
+
+
+async def runs_route(proxy: Proxy, method: str, target: str, body: bytes) -> Response:
+    """List (GET), register (POST ``{"run", "lora_slots", "weight"}``: 409 naming ``--max-loras``
+    and the numbers when the runs would need more LoRA slots than the replicas hold) or release
+    (DELETE ``{"run"}``) the training runs sharing the replicas (:mod:`~asyncgrpo.proxy.runs`)."""
+    runs = proxy.runs
+    if method == "GET":
+        return json_answer(200, runs_stats(proxy))
+    try:
+        doc = decode_object(body, proxy.config.max_body_bytes)
+    except BodyError as exc:
+        return error_answer(exc.status, str(exc))
+    name = doc.get("run")
+    if not isinstance(name, str) or not name or len(name) > 256:
+        return error_answer(400, 'body must name the run: {"run": "<adapter prefix>", ...}')
+    if method == "DELETE":
+        if not runs.release(name):
+            return error_answer(404, f"run {name} is not registered")
+        log.info("run %s released its LoRA slots", name)
+        return json_answer(200, {"released": name})
+    slots, weight = doc.get("lora_slots"), _weight(doc.get("weight", 1.0))
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1 or weight is None:
+        return error_answer(400, "lora_slots must be an integer >= 1 and weight a number > 0")
+    said = await proxy.pool.settings()
+    max_loras, max_seqs = said["max_loras"], said["max_num_seqs"]
+    if max_loras is None:
+        return error_answer(
+            503, "no replica in rotation said its --max-loras (GET /server_info): is LoRA on?"
+        )  # fmt: skip
+    now = proxy.loop.time()
+    if proxy.config.max_inflight_per_replica is None and max_seqs is not None:
+        runs.per_replica = max_seqs
+        runs.resize(len(proxy.pool.targets()), now)
+    for lapsed in runs.expire(now):
+        log.warning("run %s sent nothing for run_lease_s: its LoRA slots are free", lapsed)
+    why = runs.register(name, slots=slots, weight=weight, max_loras=max_loras,
+                        loaded=list(proxy.pool.adapters), now=now)  # fmt: skip
+    if why is not None:
+        log.warning("refused: %s", why)
+        return error_answer(409, why)
+    held = runs.holders(proxy.pool.adapters)
+    log.info("run %s holds %d LoRA slots (weight %g); %d of --max-loras %d held", name, slots,
+             weight, sum(held.values()), max_loras)  # fmt: skip
+    return json_answer(200, {"run": name, "lora_slots": slots, "weight": weight,
+                             "max_loras": max_loras, "lora_slots_held": held})  # fmt: skip
 
 
 #: (method, path) -> handler; HEAD is answered as GET without the body.

@@ -109,11 +109,12 @@ class Forward(Exchange):
         """Send it now, or (replicas saturated) when its run's turn comes."""
         proxy, run = self.proxy, self.run
         if run is None or proxy.runs.admit(run, self, self.cost, proxy.now):
-            self.admitted()
+            self.held, self.began = run is not None, proxy.now
+            self.start()
 
     def admitted(self) -> None:
         """Its turn: it holds its sequences until it is answered."""
-        self.held, self.began = self.run is not None, self.proxy.now
+        self.held, self.began = True, self.proxy.now
         self.start()
 
     def _release(self) -> None:
@@ -125,7 +126,8 @@ class Forward(Exchange):
         if not self.held:
             return runs.withdraw(run, self)
         runs.done(run, self.cost, now - self.began)
-        runs.pump(now)
+        if runs.waiting:
+            runs.pump(now)
 
     def start(self) -> None:
         """Send the next try to a replica not tried yet, or answer 503 naming the last error."""
@@ -147,10 +149,10 @@ class Forward(Exchange):
             except NoHealthyReplica:
                 pass
         if up is None:
-            proxy.stats.reject(503)
+            proxy.stats.rejected[503] += 1
             message = (f"no replica could serve the request (tried {len(self.tried)}): "
                        f"{self.last_error or 'none in rotation'}")  # fmt: skip
-            self._answer(error_answer(503, message, kind="ServiceUnavailableError"))
+            self._answer(error_answer(503, message))
             return self._release()
         self.up = up
         self.tried.append(up.url)
@@ -187,7 +189,8 @@ class Forward(Exchange):
             ok = not failed and isinstance(outcome, int) and outcome < 300
             proxy.router.finish(decision, ok=ok)
         if failed:
-            proxy.stats.lost(proxy.now - self.sent)
+            proxy.stats.lost_requests += 1
+            proxy.stats.lost_seconds += max(proxy.now - self.sent, 0.0)
             reason = outcome if isinstance(outcome, int) else type(outcome).__name__
             self.last_error = f"{up.url}: {reason}" + (f" ({detail[:200]})" if detail else "")
             if len(self.tried) < proxy.config.max_attempts:

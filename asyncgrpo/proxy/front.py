@@ -265,7 +265,7 @@ class Connection(asyncio.Protocol):
             try:
                 parsed = decode_object(body, self.rules.max_body)
             except BodyError as exc:
-                proxy.stats.reject(exc.status)
+                proxy.stats.rejected[exc.status] += 1
                 return self.answer(error_answer(exc.status, str(exc)))
             chains = request_chains(proxy, parsed)
             run = proxy.runs.run(str(parsed.get("model") or ""), proxy.now)
@@ -281,7 +281,7 @@ class Connection(asyncio.Protocol):
             what = f"{method.decode()} {path.decode('latin-1')}"
             return self.answer(error_answer(
                 404, f"{what} is not proxied: only GET, generation, tokenize and the broadcast "
-                "control calls are", kind="NotFoundError",
+                "control calls are"
             ))  # fmt: skip
         self.work.start()
 
@@ -355,7 +355,7 @@ class Connection(asyncio.Protocol):
     def _refuse(self, exc: Refused) -> None:
         """Answer a refused request and close after reading (and dropping) input for a moment:
         closing with unread input sends a reset, which can destroy the answer unread."""
-        self.proxy.stats.reject(exc.status)
+        self.proxy.stats.rejected[exc.status] += 1
         self.parser = None
         self.queue.clear()
         self._write_answer(error_answer(exc.status, str(exc)), False, False)

@@ -1,110 +1,123 @@
-"""``/metrics`` in Prometheus text format and ``/proxy/stats`` as JSON, from the live state.
-
-Rendered by hand (a few dozen lines) so the proxy needs no Prometheus client library.
-"""
+"""``/metrics`` in Prometheus text format (``prometheus_client``'s exposition, from a collector
+over the live state: nothing is counted twice) and ``/proxy/stats`` as JSON."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from asyncgrpo.proxy.state import Proxy
 from asyncgrpo.proxy.upstream import Circuit
 
-__all__ = ["fleet_json", "render", "runs_stats", "stats_json"]
+__all__ = ["CONTENT_TYPE_LATEST", "fleet_json", "render", "runs_stats", "stats_json"]
 
 _P = "asyncgrpo_proxy_"
+_KIND = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+#: (name, kind, help, label names, [(label values, value)])
+_Family = tuple[str, str, str, tuple[str, ...], list[tuple[tuple[str, ...], float]]]
 
 
-def _esc(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def render(proxy: Proxy) -> bytes:
+    return generate_latest(_Collector(proxy))  # type: ignore[arg-type]
 
 
-def render(proxy: Proxy) -> str:
+class _Collector:
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+
+    def collect(self) -> Iterator[Metric]:
+        proxy = self.proxy
+        for name, kind, help_, labels, samples in [*_families(proxy), *_run_families(proxy)]:
+            family = _KIND[kind](_P + name, help_, labels=labels)
+            for values, value in samples:
+                family.add_metric(values, value)
+            yield family
+        stats = proxy.stats
+        yield SummaryMetricFamily(
+            _P + "route_seconds", "Time spent hashing prompts and choosing a replica.",
+            count_value=stats.route_count, sum_value=stats.route_seconds,
+        )  # fmt: skip
+
+
+def _families(proxy: Proxy) -> list[_Family]:
     router, stats, fleet = proxy.router, proxy.stats, proxy.pool.fleet
     ups = list(proxy.pool.upstreams.values())
-    lab = {u.url: f'{{replica="{_esc(u.url)}"}}' for u in ups}
-    families: list[tuple[str, str, str, list[tuple[str, float]]]] = [
+    r = ("replica",)
+    return [
         ("routed_total", "counter", "Generation requests routed to a replica.",
-         [(lab[u.url], u.routed) for u in ups]),
+         r, [((u.url,), u.routed) for u in ups]),
         ("inflight", "gauge", "Routed generation requests in flight on a replica.",
-         [(lab[u.url], router.inflight(u.url)) for u in ups]),
+         r, [((u.url,), router.inflight(u.url)) for u in ups]),
         ("failures_total", "counter",
          "Upstream failures by kind (connect, deadline, disconnect, http_5xx, health, broadcast).",
-         [(f'{{replica="{_esc(u.url)}",kind="{k}"}}', n)
-          for u in ups for k, n in sorted(u.failures.items())]),
+         ("replica", "kind"), [((u.url, k), n) for u in ups for k, n in sorted(u.failures.items())]),
         ("replica_healthy", "gauge", "1 while the replica is in rotation (circuit closed).",
-         [(lab[u.url], int(u.circuit is Circuit.CLOSED)) for u in ups]),
+         r, [((u.url,), int(u.circuit is Circuit.CLOSED)) for u in ups]),
         ("replicas_in_rotation", "gauge", "Replicas in the fleet (taking requests, broadcasts).",
-         [("", sum(u.serving for u in ups))]),
+         (), [((), sum(u.serving for u in ups))]),
         ("fleet_changes_total", "counter",
          "Replicas that joined (added at run time), rejoined (back after leaving) or left.",
-         [(f'{{change="{k}"}}', fleet[k]) for k in ("joins", "rejoins", "left")]),
+         ("change",), [((k,), fleet[k]) for k in ("joins", "rejoins", "left")]),
         ("catch_ups_total", "counter",
          "Adapter replays that brought a joining or returning replica up to date, by outcome.",
-         [('{outcome="ok"}', fleet["replays"]), ('{outcome="failed"}', fleet["replay_failures"])]),
+         ("outcome",), [(("ok",), fleet["replays"]), (("failed",), fleet["replay_failures"])]),
         ("lost_requests_total", "counter",
          "Generation tries that failed on a replica (redone on another while attempts last).",
-         [("", stats.lost_requests)]),
+         (), [((), stats.lost_requests)]),
         ("lost_generation_seconds_total", "counter",
          "Time those tries had run before they failed: generation lost to failures.",
-         [("", round(stats.lost_seconds, 3))]),
+         (), [((), round(stats.lost_seconds, 3))]),
         ("route_decisions_total", "counter", "Routing decisions by kind.",
-         [(f'{{kind="{k}"}}', n) for k, n in router.decisions.items()]),
+         ("kind",), [((k,), n) for k, n in router.decisions.items()]),
         ("tracked_blocks", "gauge", "Prefix blocks the router tracks.",
-         [("", router.tracked_blocks)]),
+         (), [((), router.tracked_blocks)]),
         ("tracked_sessions", "gauge", "Sessions (X-Session-ID) the router remembers.",
-         [("", router.tracked_sessions)]),
+         (), [((), router.tracked_sessions)]),
         ("session_moves_total", "counter",
          "Requests of a known session sent to another replica (its own gone, busy or failed).",
-         [("", router.session_moves)]),
+         (), [((), router.session_moves)]),
         ("block_evictions_total", "counter", "Prefix blocks dropped by the LRU cap.",
-         [("", router.evictions)]),
-        ("route_seconds", "summary", "Time spent hashing prompts and choosing a replica.",
-         [("_sum", stats.route_seconds), ("_count", stats.route_count)]),
+         (), [((), router.evictions)]),
         ("retries_total", "counter", "Requests retried on another replica.",
-         [("", stats.retries)]),
+         (), [((), stats.retries)]),
         ("rejected_total", "counter", "Requests answered by the proxy itself with an error.",
-         [(f'{{status="{s}"}}', n) for s, n in sorted(stats.rejected.items())]),
+         ("status",), [((str(s),), n) for s, n in sorted(stats.rejected.items())]),
         ("broadcasts_total", "counter", "Broadcast control calls by endpoint and outcome.",
-         [(f'{{endpoint="{e}",outcome="{o}"}}', n)
-          for (e, o), n in sorted(stats.broadcasts.items())]),
+         ("endpoint", "outcome"), [((e, o), n) for (e, o), n in sorted(stats.broadcasts.items())]),
         ("adapters_loaded", "gauge", "Adapters loaded through the proxy.",
-         [("", len(proxy.pool.adapters))]),
-        *_run_families(proxy),
+         (), [((), len(proxy.pool.adapters))]),
     ]  # fmt: skip
-    lines: list[str] = []
-    for name, kind, help_, samples in families:
-        lines += (f"# HELP {_P}{name} {help_}", f"# TYPE {_P}{name} {kind}")
-        lines += (f"{_P}{name}{labels} {value}" for labels, value in samples)
-    return "\n".join(lines) + "\n"
 
 
-def _run_families(proxy: Proxy) -> list[tuple[str, str, str, list[tuple[str, float]]]]:
+def _run_families(proxy: Proxy) -> list[_Family]:
     """Per training run (label ``run``: a request's model less its ``-v<N>``)."""
     runs = list(proxy.runs.runs.values())
-    lab = {r.name: f'{{run="{_esc(r.name)}"}}' for r in runs}
-    share = proxy.runs
+    r = ("run",)
     return [
         ("run_requests_total", "counter", "Generation requests of a run.",
-         [(lab[r.name], r.requests) for r in runs]),
+         r, [((x.name,), x.requests) for x in runs]),
         ("run_sequences_total", "counter", "Sequences a run asked for (n per prompt).",
-         [(lab[r.name], r.sequences) for r in runs]),
+         r, [((x.name,), x.sequences) for x in runs]),
         ("run_inflight", "gauge", "A run's sequences in flight on the replicas.",
-         [(lab[r.name], r.inflight) for r in runs]),
+         r, [((x.name,), x.inflight) for x in runs]),
         ("run_waiting", "gauge", "A run's requests waiting for its turn (replicas saturated).",
-         [(lab[r.name], len(r.queue)) for r in runs]),
+         r, [((x.name,), len(x.queue)) for x in runs]),
         ("run_wait_seconds_total", "counter", "Time a run's requests waited for their turn.",
-         [(lab[r.name], r.waited_s) for r in runs]),
+         r, [((x.name,), x.waited_s) for x in runs]),
         ("run_sequence_seconds_total", "counter",
          "Sequence-seconds a run had in flight: its share of generation.",
-         [(lab[r.name], r.sequence_s) for r in runs]),
+         r, [((x.name,), x.sequence_s) for x in runs]),
         ("run_weight", "gauge", "A run's weight in the fair share.",
-         [(lab[r.name], r.weight) for r in runs]),
+         r, [((x.name,), x.weight) for x in runs]),
         ("run_lora_slots", "gauge", "LoRA slots a registered run holds (max_staleness + 2).",
-         [(lab[r.name], r.slots) for r in runs if r.slots is not None]),
+         r, [((x.name,), x.slots) for x in runs if x.slots is not None]),
         ("share_capacity", "gauge",
          "Sequences in flight before requests wait for their run's turn (0: they never wait).",
-         [("", share.capacity or 0)]),
+         (), [((), proxy.runs.capacity or 0)]),
     ]  # fmt: skip
 
 

@@ -42,9 +42,10 @@ def run_of(model: str) -> str:
 def sequences(body: dict[str, Any]) -> int:
     """Sequences a generation request puts in flight: ``n`` per prompt."""
     n = body.get("n", 1)
-    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    if type(n) is not int or n < 1:  # not a bool either
+        n = 1
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+    if type(prompt) is list and prompt and not isinstance(prompt[0], int):
         return n * len(prompt)  # a batch of prompts
     return n
 

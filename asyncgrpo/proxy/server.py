@@ -14,7 +14,6 @@ from contextlib import asynccontextmanager
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.front import Clients, Connection
-from asyncgrpo.proxy.run_routes import replica_limits
 from asyncgrpo.proxy.state import TICK_S, Proxy
 
 __all__ = ["raise_open_files", "serve_proxy"]
@@ -68,10 +67,11 @@ async def serve_proxy(config: ProxyConfig) -> AsyncIterator[str]:
     server: asyncio.Server | None = None
     try:
         pool = proxy.pool
-        if pool.block_size is None:
-            pool.block_size = await pool.discover_block_size()
-        if config.max_inflight_per_replica is None:  # the replicas' own batch size
-            proxy.runs.per_replica = (await replica_limits(proxy))[1]
+        if pool.block_size is None or config.max_inflight_per_replica is None:
+            said = await pool.settings()
+            pool.block_size = pool.block_size or said["block_size"]
+            if config.max_inflight_per_replica is None:  # the replicas' own batch size
+                proxy.runs.per_replica = said["max_num_seqs"]
         proxy.runs.resize(len(pool.targets()), loop.time())
         proxy.spawn(pool.run_health_checks(), "asyncgrpo-proxy-health")
         clients = Clients(proxy, cap)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Protocol
+from collections import Counter
 
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.h1 import Response
 from asyncgrpo.proxy.router import Router
 from asyncgrpo.proxy.runs import Runs
-from asyncgrpo.proxy.upstream import UpstreamPool
+from asyncgrpo.proxy.upstream import Inflight, UpstreamPool
 
-__all__ = ["TICK_S", "Proxy", "ProxyStats", "Timed", "error_answer", "json_answer"]
+__all__ = ["TICK_S", "Proxy", "ProxyStats", "error_answer", "json_answer"]
 
 #: How often deadlines are checked: one fires up to this late.
 TICK_S = 0.1
@@ -25,29 +25,10 @@ class ProxyStats:
         self.route_seconds = 0.0
         self.route_count = 0
         self.retries = 0
-        self.rejected: dict[int, int] = {}
-        self.broadcasts: dict[tuple[str, str], int] = {}
+        self.rejected: Counter[int] = Counter()  # answered by the proxy itself, by status
+        self.broadcasts: Counter[tuple[str, str]] = Counter()  # (endpoint, outcome)
         self.lost_requests = 0  # tries that failed on a replica (each redone elsewhere or lost)
         self.lost_seconds = 0.0  # how long those tries had run: generation thrown away
-
-    def lost(self, seconds: float) -> None:
-        self.lost_requests += 1
-        self.lost_seconds += max(seconds, 0.0)
-
-    def reject(self, status: int) -> None:
-        self.rejected[status] = self.rejected.get(status, 0) + 1
-
-    def broadcast(self, endpoint: str, outcome: str) -> None:
-        key = (endpoint, outcome)
-        self.broadcasts[key] = self.broadcasts.get(key, 0) + 1
-
-
-class Timed(Protocol):
-    """A request in flight with a deadline (loop time); ``on_deadline`` ends it."""
-
-    due: float
-
-    def on_deadline(self) -> None: ...
 
 
 class Proxy:
@@ -71,7 +52,7 @@ class Proxy:
         self.runs = Runs(lease_s=config.run_lease_s)
         self.runs.per_replica = config.max_inflight_per_replica or None
         self.stats = ProxyStats()
-        self.inflight: set[Timed] = set()  # relayed requests, each with its deadline
+        self.inflight: set[Inflight] = set()  # relayed requests, each with its deadline
         self.now = loop.time()
         self.tasks: set[asyncio.Task[None]] = set()  # control calls and the health checker
 
@@ -100,7 +81,13 @@ def json_answer(
     return status, [(b"Content-Type", b"application/json"), *headers], json.dumps(obj).encode()
 
 
-def error_answer(status: int, message: str, *, kind: str = "BadRequestError") -> Response:
+#: OpenAI's error types by status (others: BadRequestError), so SDK clients show the kind.
+_KINDS = {404: "NotFoundError", 409: "ConflictError", 500: "InternalServerError",
+          502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}  # fmt: skip
+
+
+def error_answer(status: int, message: str) -> Response:
     """An OpenAI-style error, so SDK clients show the message."""
-    error = {"message": message, "type": kind, "param": None, "code": status}
-    return json_answer(status, {"error": error})
+    kind = _KINDS.get(status, "BadRequestError")
+    return json_answer(status, {"error": {"message": message, "type": kind, "param": None,
+                                          "code": status}})  # fmt: skip

@@ -33,6 +33,8 @@ from asyncgrpo.vllm_client import (
     SERVER_INFO_PATH,
     already_loaded,
     block_size_of,
+    lora_slots_of,
+    max_num_seqs_of,
 )
 
 __all__ = ["Circuit", "Inflight", "Upstream", "UpstreamPool", "failure_kind", "unload_path"]
@@ -70,10 +72,15 @@ def failure_kind(outcome: int | BaseException) -> tuple[str, bool] | None:
 
 
 class Inflight(Protocol):
-    """A request in flight on a replica."""
+    """A request in flight on a replica: its deadline ``due`` (loop time), checked every tick."""
+
+    due: float
+
+    def on_deadline(self) -> None:
+        """The deadline passed: end the request."""
 
     def expire(self) -> bool:
-        """Reach the request's deadline now; False if it was not waiting on one."""
+        """Reach the deadline at the next tick; False if it was not waiting on one."""
         ...
 
 
@@ -376,25 +383,29 @@ class UpstreamPool:
             return f"{type(exc).__name__}: {exc}"
         return None
 
-    async def discover_block_size(self) -> int | None:
-        """Read ``cache_config.block_size`` from the first replica that answers."""
-        for up in list(self.upstreams.values()):
+    async def settings(self) -> dict[str, int | None]:
+        """What the proxy sizes itself by, from the fleet's ``/server_info``: ``block_size``,
+        ``max_loras``, ``max_num_seqs``, each the smallest any replica says (None: none says)."""
+        readers = {"block_size": block_size_of, "max_loras": lora_slots_of,
+                   "max_num_seqs": max_num_seqs_of}  # fmt: skip
+
+        async def one(up: Upstream) -> Any:
+            timeout_s = self.config.health_timeout_s
             try:
-                status, _, data = await up.h1.fetch(
-                    "GET", SERVER_INFO_PATH, timeout_s=self.config.health_timeout_s
-                )
-                size = block_size_of(json.loads(data)) if status == 200 else None
+                status, data = await self.call(up, "GET", SERVER_INFO_PATH, timeout_s=timeout_s)
+                return json.loads(data) if status == 200 else None
             except (OSError, ValueError):
-                continue
-            if size:
-                log.info("KV block size %d (from %s/server_info)", size, up.url)
-                return size
-        return None
+                return None
+
+        infos = await asyncio.gather(*(one(u) for u in self.targets()))
+        said = {k: [n for n in map(read, infos) if n] for k, read in readers.items()}
+        return {k: min(v, default=None) for k, v in said.items()}
 
     async def run_health_checks(self) -> None:
         """Forever: discover the block size until known, probe every replica each interval."""
         while True:
-            if self.block_size is None:
-                self.block_size = await self.discover_block_size()
+            if self.block_size is None and (size := (await self.settings())["block_size"]):
+                log.info("KV block size %d (from the replicas' /server_info)", size)
+                self.block_size = size
             await asyncio.gather(*(self.check(u) for u in list(self.upstreams.values())))
             await asyncio.sleep(self.config.health_interval_s)

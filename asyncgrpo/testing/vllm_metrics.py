@@ -1,12 +1,23 @@
-"""vLLM's own prefix-cache counters: the independent measure of how well routing reuses KV."""
+"""Prometheus ``/metrics`` read with ``prometheus_client``'s parser: the proxy's own counters, and
+vLLM's prefix-cache counters (the independent measure of how well routing reuses KV)."""
 
 from __future__ import annotations
 
-import re
-
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
-_COUNTER = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} ([0-9.e+]+)$", re.M)
+__all__ = ["prefix_cache", "samples"]
+
+
+def samples(text: str) -> dict[str, float]:
+    """Every sample of a Prometheus text exposition, keyed ``name{label="value",...}`` (labels
+    sorted; no braces without labels). Raises ValueError on text that is not the format."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
 
 
 async def prefix_cache(urls: list[str]) -> tuple[float, float]:
@@ -16,9 +27,10 @@ async def prefix_cache(urls: list[str]) -> tuple[float, float]:
         for url in urls:
             async with s.get(url + "/metrics") as r:
                 text = await r.text()
-            for name, value in _COUNTER.findall(text):
-                if name == "hits":
-                    hits += float(value)
-                else:
-                    queries += float(value)
+            for key, value in samples(text).items():
+                name = key.partition("{")[0]
+                if name == "vllm:prefix_cache_hits_total":
+                    hits += value
+                elif name == "vllm:prefix_cache_queries_total":
+                    queries += value
     return hits, queries

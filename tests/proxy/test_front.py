@@ -23,6 +23,7 @@ from aiohttp import web
 
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
 from asyncgrpo.proxy.headers import REPLICA_HEADER
+from asyncgrpo.testing.vllm_metrics import samples
 
 pytestmark = pytest.mark.anyio
 JSON = {"Content-Type": "application/json"}
@@ -578,8 +579,9 @@ async def test_x_session_id_keeps_an_episodes_turns_on_one_replica() -> None:
         assert all(len(replicas) == 1 for replicas in where.values()), where
         assert len(set.union(*where.values())) == 3  # the episodes are spread all the same
         assert routing["decisions"]["session"] == 12 and routing["tracked_sessions"] == 6
-        assert 'asyncgrpo_proxy_route_decisions_total{kind="session"} 12' in metrics
-        assert "asyncgrpo_proxy_tracked_sessions 6" in metrics
+        m = samples(metrics)
+        assert m['asyncgrpo_proxy_route_decisions_total{kind="session"}'] == 12
+        assert m["asyncgrpo_proxy_tracked_sessions"] == 6
     finally:
         for runner in runners:
             await runner.cleanup()

@@ -13,6 +13,7 @@ from aiohttp import web
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
 from asyncgrpo.proxy.runs import OVERFLOW, Run, Runs, run_of, sequences
+from asyncgrpo.testing.vllm_metrics import samples
 from asyncgrpo.vllm_client import VLLMClient
 
 
@@ -248,9 +249,10 @@ async def test_saturated_replicas_serve_the_runs_in_turns_and_count_them(replica
     assert (a["requests"], b["requests"], a["inflight"], b["queued"]) == (4, 2, 0, 0)
     assert stats["runs"]["c-3"]["requests"] == 1 and stats["share"]["waiting"] == 0
     assert b["waited_s"] > 0 and a["sequence_s"] > 0
-    assert 'asyncgrpo_proxy_run_requests_total{run="a-1"} 4' in metrics
-    assert 'asyncgrpo_proxy_run_waiting{run="c-3"} 0' in metrics
-    assert "asyncgrpo_proxy_share_capacity 2" in metrics
+    m = samples(metrics)
+    assert m['asyncgrpo_proxy_run_requests_total{run="a-1"}'] == 4
+    assert m['asyncgrpo_proxy_run_waiting{run="c-3"}'] == 0
+    assert m["asyncgrpo_proxy_share_capacity"] == 2
 
 
 async def test_runs_register_their_lora_slots_and_one_that_does_not_fit_is_refused(
