@@ -1,8 +1,8 @@
 """Adapter sync time, side by side in one run: who fetches, and from which storage.
 
 (a) End to end on two real float32 vLLM replicas of the tiny model behind the proxy: one
-    ``AdapterSync.sync`` = publish, (trainer-side fetch), pause, all-or-nothing load, resume,
-    unload of the version that left the window. Variants take turns every round:
+    ``AdapterSync.sync`` = publish, (trainer-side fetch), all-or-nothing load while the replicas
+    keep serving, unload of the version that left the window. Variants take turns every round:
 
     * ``path, shared dir``: the trainer fetches the version into its cache and hands the replicas
       that path (only works when they share its disk: the old way);
