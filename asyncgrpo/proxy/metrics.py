@@ -9,6 +9,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from asyncgrpo.proxy.state import Proxy
 from asyncgrpo.proxy.upstream import Circuit
@@ -22,10 +23,12 @@ _Family = tuple[str, str, str, tuple[str, ...], list[tuple[tuple[str, ...], floa
 
 
 def render(proxy: Proxy) -> bytes:
-    return generate_latest(_Collector(proxy))  # type: ignore[arg-type]
+    registry = CollectorRegistry()
+    registry.register(_Collector(proxy))
+    return generate_latest(registry)
 
 
-class _Collector:
+class _Collector(Collector):
     def __init__(self, proxy: Proxy) -> None:
         self.proxy = proxy
 

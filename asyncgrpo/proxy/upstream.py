@@ -398,7 +398,7 @@ class UpstreamPool:
                 return None
 
         infos = await asyncio.gather(*(one(u) for u in self.targets()))
-        said = {k: [n for n in map(read, infos) if n] for k, read in readers.items()}
+        said = {k: [n for n in map(read, infos) if n is not None] for k, read in readers.items()}
         return {k: min(v, default=None) for k, v in said.items()}
 
     async def run_health_checks(self) -> None:
