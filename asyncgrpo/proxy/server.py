@@ -48,10 +48,13 @@ async def _tick(proxy: Proxy, clients: Clients) -> None:
     n = 0
     while True:
         await asyncio.sleep(TICK_S)
-        now = proxy.tick()
         n += 1
-        if n % clients.every == 0:
-            clients.sweep(now)
+        try:
+            now = proxy.tick()
+            if n % clients.every == 0:
+                clients.sweep(now)
+        except Exception:  # this task must outlive a bug: every later deadline depends on it
+            log.exception("the proxy's periodic deadline check failed; it goes on")
 
 
 @asynccontextmanager

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections import Counter
 
 from asyncgrpo.proxy.config import ProxyConfig
@@ -13,6 +14,8 @@ from asyncgrpo.proxy.runs import Runs
 from asyncgrpo.proxy.upstream import Inflight, UpstreamPool
 
 __all__ = ["TICK_S", "Proxy", "ProxyStats", "error_answer", "json_answer"]
+
+log = logging.getLogger(__name__)
 
 #: How often deadlines are checked: one fires up to this late.
 TICK_S = 0.1
@@ -69,7 +72,11 @@ class Proxy:
         rotation; returns the time now."""
         self.now = now = self.loop.time()
         for request in [r for r in self.inflight if r.due <= now]:
-            request.on_deadline()
+            try:
+                request.on_deadline()
+            except Exception:  # a bug in one request must not stop every later deadline
+                log.exception("ending a request at its deadline failed; it is dropped")
+                self.inflight.discard(request)
         if self.runs.per_replica:
             self.runs.resize(len(self.pool.targets()), now)
         return now

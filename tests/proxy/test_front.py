@@ -470,8 +470,9 @@ async def test_a_failing_replica_hands_its_requests_in_flight_to_another() -> No
 
     runners, urls = zip(*[await _replica(handler) for handler in (dying, fine)], strict=True)
     cfg = ProxyConfig(upstreams=tuple(urls), port=0, block_size=16, routing="round_robin")
+    timeout = aiohttp.ClientTimeout(total=60)  # a request left hanging fails in a minute
     try:
-        async with serve_proxy(cfg) as base, aiohttp.ClientSession() as s:
+        async with serve_proxy(cfg) as base, aiohttp.ClientSession(timeout=timeout) as s:
 
             async def post(body: dict) -> tuple[int, str]:
                 async with s.post(base + "/v1/completions", json=body) as r:

@@ -23,3 +23,40 @@ from asyncgrpo.proxy.upstream import failure_kind
 )
 def test_failure_kind(outcome: object, want: tuple[str, bool] | None) -> None:
     assert failure_kind(outcome) == want  # type: ignore[arg-type]
+
+
+class _Due:
+    """A request in flight whose deadline has passed; ``fail`` makes ending it raise."""
+
+    def __init__(self, fail: bool) -> None:
+        self.due, self.fail, self.ended = 0.0, fail, False
+
+    def on_deadline(self) -> None:
+        self.ended = True
+        if self.fail:
+            raise RuntimeError("a bug while ending a request")
+
+    def expire(self) -> bool:
+        return False
+
+
+@pytest.mark.anyio
+async def test_a_request_failing_at_its_deadline_stops_no_other_deadline(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The deadline check runs every tick for every request: one that raises is logged and
+    dropped, the others still end (an escaping error would end the periodic task, and with it
+    every later deadline: requests would hang until their clients gave up)."""
+    import asyncio
+
+    from asyncgrpo.proxy.config import ProxyConfig
+    from asyncgrpo.proxy.state import Proxy
+
+    proxy = Proxy(ProxyConfig(upstreams=("http://127.0.0.1:9",)), asyncio.get_running_loop())
+    bad, good = _Due(fail=True), _Due(fail=False)
+    proxy.inflight.update((bad, good))
+    proxy.tick()
+    assert bad.ended and good.ended
+    assert bad not in proxy.inflight
+    assert "a bug while ending a request" in caplog.text
+    proxy.pool.close()
