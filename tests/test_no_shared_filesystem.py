@@ -199,7 +199,11 @@ def test_replicas_on_other_hosts_fetch_every_version_from_s3(
         run_doc, samples = anyio.run(shipped)
         run = yaml.safe_load(run_doc)
         prefix = f"{run['run_name']}-{run['run_id']}"
-        assert len({s.version for s in samples}) >= 3
+        # Which versions the shipped samples carry depends on how far ahead the rollout process
+        # ran (1 of 3 fresh-clone CI runs shipped only v0 and v1); that v2 and v3 reached both
+        # replicas from S3 is the final adapter_version above: a sync loads on every replica or
+        # fails, and a path on the trainer's disk reaches none.
+        assert len({s.version for s in samples}) >= 2
         errors = served_logprob_errors(
             tiny_model, f"s3://{BUCKET}/run", prefix, samples, tmp_path / "check-cache"
         )
