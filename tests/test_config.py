@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.config import LoggingConfig, LoraConfig, TrainerConfig, TrainingConfig
+from asyncgrpo.config import LoggingConfig, TrainingConfig
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.rollout.config import RolloutConfig
 from asyncgrpo.settings import config_from_dict, field_docs
+from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 
 BASE = {"model": "some/model", "dataset": {"prompts": ["hi", "there"]}}
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"

@@ -198,8 +198,8 @@ def _help_of(cls: type, flag: str) -> str:
 
 
 def test_check_fields_names_the_rule_and_allows_none() -> None:
-    from asyncgrpo.config import TrainerConfig
     from asyncgrpo.serve import ServeConfig
+    from asyncgrpo.trainer.config import TrainerConfig
 
     with pytest.raises(ConfigError, match=r"^trainer\.max_steps=0: must be >= 1$"):
         TrainerConfig(max_steps=0)

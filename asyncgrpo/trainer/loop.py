@@ -43,7 +43,8 @@ from asyncgrpo.trainer.model import save_adapter as _save_adapter
 from asyncgrpo.trainer.packing import PackedRow, build_row, pack_samples
 
 if TYPE_CHECKING:
-    from asyncgrpo.config import LoraConfig, TrainerConfig, TrainingConfig
+    from asyncgrpo.config import TrainingConfig
+    from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
     from asyncgrpo.trainer.distributed import DataParallel
 
 logger = logging.getLogger(__name__)

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 if TYPE_CHECKING:
-    from asyncgrpo.config import TrainerConfig
+    from asyncgrpo.trainer.config import TrainerConfig
 
 #: The default ``importance_cap`` of each correction (None: no cap).
 DEFAULT_CAPS: dict[str, float | None] = {

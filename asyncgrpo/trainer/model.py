@@ -28,7 +28,7 @@ from asyncgrpo.trainer.attention import register as register_varlen_sdpa
 from asyncgrpo.trainer.packing import PackedRow
 
 if TYPE_CHECKING:
-    from asyncgrpo.config import LoraConfig
+    from asyncgrpo.trainer.config import LoraConfig
 
 logger = logging.getLogger(__name__)
 

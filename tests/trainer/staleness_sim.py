@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from asyncgrpo.config import LoraConfig, TrainerConfig
 from asyncgrpo.sample import Sample, group_advantages
+from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 from asyncgrpo.trainer.loop import Trainer
 
 DIGITS = 12  # token ids 0..11 earn reward

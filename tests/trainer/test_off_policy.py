@@ -13,7 +13,7 @@ import torch
 from staleness_sim import simulate
 from trainer_helpers import make_samples, reference_loss
 
-from asyncgrpo.config import LoraConfig, TrainerConfig
+from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 from asyncgrpo.trainer.loop import Trainer
 from asyncgrpo.trainer.loss import DEFAULT_CAPS
 

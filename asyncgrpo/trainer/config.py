@@ -1,0 +1,139 @@
+"""The ``lora`` and ``trainer`` sections of a run's config: the adapter trained and how it is
+optimised (loss, batching, schedule, and the cadence of syncs and checkpoints)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.settings import check_fields
+
+LrSchedule = Literal["constant", "linear", "cosine"]
+OffPolicy = Literal["none", "decoupled", "tis", "mis_token", "mis_sequence"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """The LoRA adapter that is trained and shipped to the replicas (peft ``LoraConfig``)."""
+
+    r: int = 1
+    """Rank. Rank 1 matches full fine-tuning for policy-gradient RL."""
+    alpha: float = 2.0
+    """lora_alpha; the update is scaled by alpha/r."""
+    target_modules: str | list[str] = "all-linear"
+    """'all-linear' or a list of module names, e.g. [q_proj, v_proj]."""
+    dropout: float = 0.0
+    """LoRA dropout in [0, 1). Keep 0: with dropout the trainer's logprobs differ from vLLM's
+    and `ratio` drifts from 1."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "lora", ge={"r": 1, "dropout": 0}, le={"r": 512}, gt={"alpha": 0},
+                     lt={"dropout": 1})  # fmt: skip
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ConfigError("lora.target_modules is empty: use 'all-linear' or list module names")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """Optimisation: loss, batching, schedule, and the cadence of syncs and checkpoints."""
+
+    retired_keys: ClassVar[dict[str, str]] = {
+        "tis_cap": "write trainer.off_policy=none trainer.importance_cap=C for the same dual "
+        "clip, or keep the default off_policy=decoupled, which bounds stale samples itself",
+    }
+    """Keys earlier releases accepted, with what replaces them (named in the error)."""
+
+    learning_rate: float = 4e-5
+    """AdamW peak learning rate."""
+    lr_schedule: LrSchedule = "constant"
+    """'constant', 'linear' or 'cosine' decay to 0 at max_steps, after warmup."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to learning_rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float | None = 1.0
+    """Clip the gradient norm to this; None disables clipping."""
+    epsilon: float = 0.2
+    """Lower clip range: the ratio is clipped at 1 - epsilon."""
+    epsilon_high: float | None = None
+    """Upper clip range (1 + epsilon_high); None: same as epsilon. DAPO: 0.28."""
+    off_policy: OffPolicy = "decoupled"
+    """How the loss corrects for samples drawn by an older policy (stale versions) and for
+    vLLM's numerics, with w = pi_trainer / pi_vllm per token. 'decoupled' (decoupled PPO): clip
+    around the trainer's own policy, weight min(w, importance_cap). 'tis': the same with a cap
+    of 2. 'mis_token': weight w, tokens outside [1/cap, cap] dropped. 'mis_sequence': the same
+    on the product of w over each completion. 'none': PPO ratio against vLLM's logprobs (TRL's
+    GRPOTrainer), no correction. On fresh samples they coincide; formulas, default caps and
+    learning curves: docs/trainer.md."""
+    importance_cap: float | None = None
+    """Cap of the off_policy weight (> 1). None: the correction's default (decoupled 5, tis 2,
+    mis_token 2, mis_sequence 2; none: off). With off_policy=none it is the dual clip: where
+    the advantage is negative the ratio is truncated at the cap (TRL's delta); it must then
+    exceed 1 + epsilon_high."""
+    samples_per_step: int = 64
+    """Completions consumed by one optimizer step."""
+    token_budget: int | None = 4096
+    """Tokens per packed row (one row per micro-batch). None: no budget; the step's samples are
+    split into gradient_accumulation_steps rows instead. Without flash-attention (CPU) a row's
+    attention costs its length squared: keep it ~1024."""
+    gradient_accumulation_steps: int = 1
+    """Only when token_budget is None: number of micro-batches (packed rows) per optimizer step.
+    samples_per_step of them gives one sequence per micro-batch."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory, one more forward."""
+    dtype: Dtype = "auto"
+    """Base model dtype. 'auto': bfloat16 on CUDA with bf16, else float32."""
+    attn_implementation: str | None = None
+    """transformers attn_implementation ('sdpa', 'eager', ...); None: flash_attention_2 on CUDA
+    when flash-attn is installed, else asyncgrpo_varlen_sdpa (a packed row costs the sum of its
+    samples' squares)."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one accelerator at the training dtype (e.g. 9.89e14: H100/H200 bf16
+    dense), for perf/mfu; None: no MFU metric."""
+    fsdp: bool = False
+    """With several ranks (torchrun --nproc-per-node N): shard the frozen base model's weights
+    over them with FSDP2, so each rank holds 1/N of them. For a base model too large for one
+    device; the adapter stays whole on every rank."""
+    dp_timeout_s: float = 1800.0
+    """With several ranks: how long a rank waits for the others (e.g. while rank 0 gathers
+    rollouts, syncs or checkpoints) before the job fails naming it."""
+    max_steps: int = 100
+    """Optimizer steps to train."""
+    max_staleness: int = 4
+    """Drop samples generated more than this many adapter versions ago."""
+    weight_sync_steps: int = 4
+    """Publish a new adapter version every this many steps."""
+    save_steps: int = 50
+    """Checkpoint every this many steps; 0 disables."""
+
+    def __post_init__(self) -> None:
+        check_fields(
+            self, "trainer",
+            gt=dict.fromkeys(
+                ("learning_rate", "max_grad_norm", "epsilon", "epsilon_high", "dp_timeout_s",
+                 "peak_flops"), 0
+            ),
+            ge={"warmup_steps": 0, "weight_decay": 0, "samples_per_step": 1, "token_budget": 1,
+                "gradient_accumulation_steps": 1, "max_steps": 1, "max_staleness": 0,
+                "weight_sync_steps": 1, "save_steps": 0},
+        )  # fmt: skip
+        cap = self.importance_cap
+        if cap is not None and not (math.isfinite(cap) and cap > 1):
+            raise ConfigError(
+                f"trainer.importance_cap={cap}: must be a number > 1 (the largest importance "
+                "weight kept), or None for the correction's default"
+            )
+        if self.off_policy == "none" and cap is not None and not cap > 1 + self.clip_high:
+            raise ConfigError(
+                f"trainer.importance_cap={cap}: with off_policy=none it must exceed "
+                f"1 + epsilon_high = {1 + self.clip_high:g} (below it the cap would cut the "
+                "clipped region); e.g. 3.0, or None to disable"
+            )
+
+    @property
+    def clip_high(self) -> float:
+        """The upper clip range actually used: ``epsilon_high``, or ``epsilon`` when unset."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
