@@ -144,7 +144,7 @@ def train(model_dir: Path, args: argparse.Namespace, dtype: str) -> tuple[Traine
 async def served_ratio(model_dir: Path, trainer: Trainer, work: Path, n: int) -> list[float]:
     """Sync the adapter to one bf16 replica, sample, and return exp(logp_trainer - logp_vllm)."""
     from asyncgrpo.serve import ServeConfig, launch_replicas
-    from asyncgrpo.vllm_client import VLLMClient
+    from asyncgrpo.vllm.client import VLLMClient
 
     adapter = trainer.save_adapter(work / "adapter-v1")
     if torch.cuda.is_available():

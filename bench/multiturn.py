@@ -149,9 +149,9 @@ async def part_cache(args: argparse.Namespace) -> None:
 async def part_learn(args: argparse.Namespace) -> None:
     """One pair of replicas for every seed (each run reaches them as ``proxy.upstreams`` and
     has them fetch its adapter versions from its own transport)."""
-    from asyncgrpo.config import TrainingConfig
-    from asyncgrpo.metrics import read_metrics, summarize
-    from asyncgrpo.run import run_training
+    from asyncgrpo.config.training import TrainingConfig
+    from asyncgrpo.run.metrics import read_metrics, summarize
+    from asyncgrpo.run.training import run_training
     from asyncgrpo.serve import launch_replicas
     from asyncgrpo.testing import make_tiny_model, tiny_serve_config
 

@@ -13,8 +13,8 @@ import statistics
 import time
 import zlib
 
-from asyncgrpo.channel import decode_batch, decode_jsonl, encode_batch, encode_jsonl
 from asyncgrpo.sample import Sample
+from asyncgrpo.store.channel import decode_batch, decode_jsonl, encode_batch, encode_jsonl
 
 # ---- defaults -------------------------------------------------------------------------------
 SAMPLES, PROMPT, COMPLETION, ROUNDS = 64, 256, 1024, 20

@@ -100,9 +100,9 @@ def load(path: Path) -> dict[str, dict[str, Any]]:
 async def measure(args: argparse.Namespace, todo: list[tuple[str, int, str, int]]) -> None:
     import dataclasses
 
-    from asyncgrpo.config import TrainingConfig
-    from asyncgrpo.metrics import read_metrics
-    from asyncgrpo.run import run_training
+    from asyncgrpo.config.training import TrainingConfig
+    from asyncgrpo.run.metrics import read_metrics
+    from asyncgrpo.run.training import run_training
     from asyncgrpo.serve import launch_replicas
     from asyncgrpo.testing import make_tiny_model
 

@@ -142,7 +142,7 @@ def tokens(chunks: list[tuple[float, int]], start: float, end: float) -> int:
 
 
 def pausing_loader(client: object):  # the old sync: /pause?mode=keep, load, /resume
-    from asyncgrpo.sync import ProxyLoader
+    from asyncgrpo.run.sync import ProxyLoader
 
     class Pausing(ProxyLoader):
         async def load(self, name: str, location: str) -> None:
@@ -158,12 +158,12 @@ def pausing_loader(client: object):  # the old sync: /pause?mode=keep, load, /re
 async def part_sync(args: argparse.Namespace, work: Path) -> None:
     import multiprocessing
 
-    from asyncgrpo.adapters import AdapterStore
+    from asyncgrpo.run.sync import AdapterSync, ProxyLoader, TransportSource
     from asyncgrpo.serve import launch_replicas
-    from asyncgrpo.sync import AdapterSync, ProxyLoader, TransportSource
+    from asyncgrpo.store.adapters import AdapterStore
     from asyncgrpo.testing import make_lora_adapter, make_tiny_model, tiny_serve_config
     from asyncgrpo.transport import open_transport
-    from asyncgrpo.vllm_client import VLLMClient
+    from asyncgrpo.vllm.client import VLLMClient
 
     model = make_tiny_model(work / "model")
     adapters = [
@@ -282,13 +282,13 @@ def run_config(work: Path, model: Path, proxy_url: str, name: str, seed: int, st
 
 async def train_together(configs: list[Path], work: Path) -> list[list[dict]]:
     """``asyncgrpo train`` per config, all at once, each its own process; their metrics."""
-    from asyncgrpo.metrics import read_metrics
     from asyncgrpo.processes import start_group
+    from asyncgrpo.run.metrics import read_metrics
 
     procs = []
     for cfg in configs:
         with (work / f"{cfg.stem}.log").open("wb") as log:
-            argv = [PY, "-m", "asyncgrpo.cli", "train", str(cfg)]
+            argv = [PY, "-m", "asyncgrpo.cli.main", "train", str(cfg)]
             procs.append(await start_group(argv, stdout=log, stderr=log))
     for proc, cfg in zip(procs, configs, strict=True):
         code = await asyncio.wait_for(proc.wait(), 900)

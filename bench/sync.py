@@ -46,13 +46,13 @@ def row(label: str, seconds: list[float]) -> str:
 
 
 async def part_a(args: argparse.Namespace, work: Path, s3_url: str) -> None:
-    from asyncgrpo.adapters import AdapterStore
     from asyncgrpo.proxy import ProxyConfig, serve_proxy
+    from asyncgrpo.run.sync import AdapterSync, LocalCacheSource, ProxyLoader, TransportSource
     from asyncgrpo.serve import launch_replicas
-    from asyncgrpo.sync import AdapterSync, LocalCacheSource, ProxyLoader, TransportSource
+    from asyncgrpo.store.adapters import AdapterStore
     from asyncgrpo.testing import make_lora_adapter, make_tiny_model, tiny_serve_config
     from asyncgrpo.transport import open_transport
-    from asyncgrpo.vllm_client import VLLMClient
+    from asyncgrpo.vllm.client import VLLMClient
 
     model = make_tiny_model(work / "model")
     adapter = make_lora_adapter(model, work / "adapter", r=1, alpha=2)
@@ -100,8 +100,8 @@ async def part_a(args: argparse.Namespace, work: Path, s3_url: str) -> None:
 
 
 async def part_b(args: argparse.Namespace, work: Path, s3_url: str) -> None:
-    from asyncgrpo.adapters import AdapterStore
     from asyncgrpo.serve.adapter_fetch import AdapterFetcher, adapter_uri
+    from asyncgrpo.store.adapters import AdapterStore
     from asyncgrpo.transport import open_transport
 
     src = work / "qwen-adapter"

@@ -154,9 +154,9 @@ def run_asyncgrpo(
 ) -> dict[str, Any]:
     import anyio
 
-    from asyncgrpo.config import TrainingConfig
-    from asyncgrpo.metrics import read_metrics
-    from asyncgrpo.run import run_training
+    from asyncgrpo.config.training import TrainingConfig
+    from asyncgrpo.run.metrics import read_metrics
+    from asyncgrpo.run.training import run_training
 
     steps = args.steps
     cfg = TrainingConfig.from_yaml(
@@ -435,7 +435,7 @@ def bench_runs(args: argparse.Namespace, tmp: Path) -> None:
                 cfg = rows[-1]["config"]
             if "trl" in variants:
                 if cfg is None:
-                    from asyncgrpo.config import TrainingConfig
+                    from asyncgrpo.config.training import TrainingConfig
 
                     cfg = TrainingConfig.from_yaml(
                         EXAMPLE,

@@ -101,7 +101,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def run(args: argparse.Namespace) -> None:
-    from asyncgrpo.adapters import AdapterStore
+    from asyncgrpo.store.adapters import AdapterStore
     from asyncgrpo.testing.emulators import azurite, fake_gcs_server, seed_fake_gcs
     from asyncgrpo.transport.azure import AzureBlobTransport
     from asyncgrpo.transport.gcs import GCSTransport

@@ -25,9 +25,9 @@ import anyio
 import pytest
 import yaml
 
-from asyncgrpo.config import TrainingConfig
-from asyncgrpo.metrics import read_metrics
-from asyncgrpo.run import run_training
+from asyncgrpo.config.training import TrainingConfig
+from asyncgrpo.run.metrics import read_metrics
+from asyncgrpo.run.training import run_training
 from asyncgrpo.sample import Sample
 from asyncgrpo.testing.verify import served_logprob_errors
 

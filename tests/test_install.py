@@ -14,7 +14,7 @@ def test_transformers_model_classes_import() -> None:
 
 def test_core_import_does_not_load_torch() -> None:
     code = (
-        "import sys, asyncgrpo, asyncgrpo.serve, asyncgrpo.vllm_client, asyncgrpo.errors;"
+        "import sys, asyncgrpo, asyncgrpo.serve, asyncgrpo.vllm.client, asyncgrpo.errors;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -27,9 +27,9 @@ import anyio
 import pytest
 import yaml
 
-from asyncgrpo.channel import decode_batch
-from asyncgrpo.metrics import read_metrics
 from asyncgrpo.processes import free_port
+from asyncgrpo.run.metrics import read_metrics
+from asyncgrpo.store.channel import decode_batch
 from asyncgrpo.testing.verify import served_logprob_errors
 from asyncgrpo.transport import open_transport
 
@@ -162,7 +162,7 @@ def test_replicas_on_other_hosts_fetch_every_version_from_s3(
         path_cfg = _config(trainer_dir / "path.yaml", tiny_model, trainer_dir / "path-run",
                            proxy_url, max_steps=2, max_staleness=1)  # fmt: skip
         failed = subprocess.run(
-            [py, "-m", "asyncgrpo.cli", "train", str(path_cfg), "serve.adapter_delivery=path",
+            [py, "-m", "asyncgrpo.cli.main", "train", str(path_cfg), "serve.adapter_delivery=path",
              "proxy.load_deadline_s=3", f"transport_url=s3://{BUCKET}/path-run"],
             capture_output=True, text=True, timeout=600, env=env, cwd=trainer_dir,
         )  # fmt: skip
@@ -173,10 +173,10 @@ def test_replicas_on_other_hosts_fetch_every_version_from_s3(
         steps = {"max_steps": 6, "weight_sync_steps": 2, "max_staleness": 1, "save_steps": 0}
         t_cfg = _config(trainer_dir / "run.yaml", tiny_model, trainer_dir, proxy_url, **steps)
         r_cfg = _config(rollout_dir / "run.yaml", tiny_model, rollout_dir, proxy_url, **steps)
-        rollout = _start(procs, [py, "-m", "asyncgrpo.cli", "rollout", str(r_cfg)],
+        rollout = _start(procs, [py, "-m", "asyncgrpo.cli.main", "rollout", str(r_cfg)],
                          rollout_dir / "log.txt", env)  # fmt: skip
         trainer = subprocess.run(
-            [py, "-m", "asyncgrpo.cli", "train", str(t_cfg), "--remote-rollouts"],
+            [py, "-m", "asyncgrpo.cli.main", "train", str(t_cfg), "--remote-rollouts"],
             capture_output=True, text=True, timeout=900, env=env, cwd=trainer_dir,
         )  # fmt: skip
         assert trainer.returncode == 0, trainer.stderr[-4000:]

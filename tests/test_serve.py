@@ -18,7 +18,7 @@ import pytest
 from asyncgrpo.errors import ConfigError, ReplicaHTTPError, ReplicaStartError
 from asyncgrpo.serve import Replica, ServeConfig, launch_replicas, round_lora_rank
 from asyncgrpo.testing import reference_logprobs, tiny_serve_config
-from asyncgrpo.vllm_client import VLLMClient, check_lora_capacity
+from asyncgrpo.vllm.client import VLLMClient, check_lora_capacity
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 

@@ -19,10 +19,10 @@ import anyio
 import pytest
 import yaml
 
-from asyncgrpo.config import TrainingConfig
+from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
-from asyncgrpo.run import run_training
+from asyncgrpo.run.training import run_training
 from asyncgrpo.sample import Sample
 from asyncgrpo.serve import Replica
 from asyncgrpo.testing.verify import served_logprob_errors

@@ -37,7 +37,8 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
-from asyncgrpo.config import ENV_PREFIX, TrainingConfig
+from asyncgrpo.config.settings import env_name
+from asyncgrpo.config.training import ENV_PREFIX, TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus, Stage
 from asyncgrpo.launch.plan import (
@@ -52,7 +53,6 @@ from asyncgrpo.launch.plan import (
     transport_credentials,
     transport_secret,
 )
-from asyncgrpo.settings import env_name
 
 logger = logging.getLogger(__name__)
 

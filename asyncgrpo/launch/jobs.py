@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from asyncgrpo.redaction import redact_text
+from asyncgrpo.config.redaction import redact_text
 
 if TYPE_CHECKING:
-    from asyncgrpo.config import TrainingConfig
+    from asyncgrpo.config.training import TrainingConfig
 
 Role = Literal["replica", "proxy", "trainer"]
 Stage = Literal["starting", "running", "completed", "failed", "canceled"]

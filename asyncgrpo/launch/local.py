@@ -2,7 +2,7 @@
 
 The same roles as on Hugging Face Jobs, so the distributed layout can be tried without a cloud
 account: replica ``i`` runs ``python -m asyncgrpo.serve`` in ``launch/replica-i/``, the trainer
-``python -m asyncgrpo.launch.trainer`` in ``launch/trainer/``; they share nothing but the
+``python -m asyncgrpo.run.job`` in ``launch/trainer/``; they share nothing but the
 transport, which is ``transport_url`` if set, else (``launch.local_transport``) a directory
 ``launch/store`` no role works in, or an S3 protocol server (moto) on loopback that lives as
 long as the launch. Replicas listen on loopback only; so does the trainer's proxy (a sweep's
@@ -26,7 +26,8 @@ from pathlib import Path
 import anyio
 from anyio.abc import Process
 
-from asyncgrpo.config import TrainingConfig
+from asyncgrpo.config.model_source import check_model
+from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import LaunchError
 from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus
 from asyncgrpo.launch.plan import (
@@ -40,7 +41,6 @@ from asyncgrpo.launch.plan import (
     trainer_args,
     transport_secret,
 )
-from asyncgrpo.model_source import check_model
 from asyncgrpo.processes import free_port, start_group, stop_group
 
 logger = logging.getLogger(__name__)

@@ -1,12 +1,12 @@
 """What each role of a launched run runs: pure functions from the config to job specs.
 
 Roles: N replicas (``python -m asyncgrpo.serve``, one vLLM server each, fetching adapter
-versions from the transport themselves) and one trainer (``python -m asyncgrpo.launch.trainer``:
+versions from the transport themselves) and one trainer (``python -m asyncgrpo.run.job``:
 the proxy in front of the replicas' URLs, the rollout client and the trainer). The transport is
 the only state they share. Secret values travel in :attr:`JobSpec.secrets` only, which nothing
 prints; commands and plain environment variables hold none. A job reads its secrets from the
 environment like every other command: the variables :func:`job_secrets` names are the ones
-:mod:`asyncgrpo.settings` reads (``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``).
+:mod:`asyncgrpo.config.settings` reads (``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from asyncgrpo.config import ENV_PREFIX, TrainingConfig, to_dict
+from asyncgrpo.config.redaction import has_credentials
+from asyncgrpo.config.settings import env_name, secret_keys
+from asyncgrpo.config.training import ENV_PREFIX, TrainingConfig, to_dict
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.launch.jobs import JobSpec, Role
-from asyncgrpo.redaction import has_credentials
-from asyncgrpo.settings import env_name, secret_keys
 
 __all__ = [
     "JobSpec",
@@ -123,14 +123,14 @@ def trainer_args(
     proxy_port: int | None = None,
     key_urls: list[str] | None = None,
 ) -> list[str]:
-    """``python -m asyncgrpo.launch.trainer`` arguments: the replicas' URLs, no local replica;
+    """``python -m asyncgrpo.run.job`` arguments: the replicas' URLs, no local replica;
     where its proxy listens when the launcher must reach it (to add replacement replicas), and
     which replicas added later get its upstream token."""
     if not urls:
         raise ConfigError("the trainer needs at least one replica URL")
     args = [
         "-m",
-        "asyncgrpo.launch.trainer",
+        "asyncgrpo.run.job",
         "serve.replicas=0",
         "proxy.upstreams=" + ",".join(urls),
     ]

@@ -16,7 +16,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from asyncgrpo.config import TrainingConfig
+from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError
 
 __all__ = ["Point", "fleet_config", "parse_sweep", "sweep_points", "under"]

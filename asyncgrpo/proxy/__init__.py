@@ -5,8 +5,18 @@
 Runs on the light core (its HTTP on httptools; uvloop and orjson if installed), never torch.
 """
 
-from asyncgrpo.proxy.config import ProxyConfig
-from asyncgrpo.proxy.router import Decision, Router, request_hashes
-from asyncgrpo.proxy.server import serve_proxy
+from __future__ import annotations
 
-__all__ = ["Decision", "ProxyConfig", "Router", "request_hashes", "serve_proxy"]
+from asyncgrpo.lazy import lazy_exports
+
+_EXPORTS = {
+    "Decision": "asyncgrpo.proxy.router",
+    "ProxyConfig": "asyncgrpo.proxy.config",
+    "Router": "asyncgrpo.proxy.router",
+    "request_hashes": "asyncgrpo.proxy.router",
+    "serve_proxy": "asyncgrpo.proxy.server",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -14,11 +14,11 @@ import logging
 import signal
 from collections.abc import Sequence
 
+from asyncgrpo.config.settings import exit_on_config_error, parse_args
 from asyncgrpo.console import run_command
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.server import serve_proxy
-from asyncgrpo.settings import exit_on_config_error, parse_args
 
 PROG = "python -m asyncgrpo.proxy"
 ENV_PREFIX = "ASYNCGRPO_PROXY_"

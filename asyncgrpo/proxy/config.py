@@ -6,10 +6,10 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Literal
 
+from asyncgrpo.config.settings import check_fields
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.proxy.h1 import split_url
+from asyncgrpo.proxy.http.h1 import split_url
 from asyncgrpo.serve.config import is_loopback
-from asyncgrpo.settings import check_fields
 
 __all__ = ["ProxyConfig", "is_loopback", "token_allowed"]
 

@@ -22,13 +22,13 @@ import posixpath
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from asyncgrpo.proxy.h1 import Response, split_url
-from asyncgrpo.proxy.headers import REPLICA_HEADER_B
-from asyncgrpo.proxy.jsonbody import BodyError, decode_object
+from asyncgrpo.proxy.http.h1 import Response, split_url
+from asyncgrpo.proxy.http.headers import REPLICA_HEADER_B
+from asyncgrpo.proxy.http.jsonbody import BodyError, decode_object
 from asyncgrpo.proxy.metrics import CONTENT_TYPE_LATEST, render, runs_stats, stats_json
 from asyncgrpo.proxy.state import Proxy, error_answer, json_answer
 from asyncgrpo.proxy.upstream import Circuit, Upstream, unload_path
-from asyncgrpo.vllm_client import (
+from asyncgrpo.vllm.client import (
     PLUGIN_INFO_PATH,
     PLUGIN_LOAD_PATH,
     PLUGIN_UNLOAD_PATH,

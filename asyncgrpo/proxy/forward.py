@@ -16,8 +16,8 @@ import time
 from typing import Any, Protocol
 
 from asyncgrpo.errors import NoHealthyReplica
-from asyncgrpo.proxy.h1 import Exchange, Response
-from asyncgrpo.proxy.headers import REPLICA_HEADER_B
+from asyncgrpo.proxy.http.h1 import Exchange, Response
+from asyncgrpo.proxy.http.headers import REPLICA_HEADER_B
 from asyncgrpo.proxy.router import Decision, request_hashes
 from asyncgrpo.proxy.runs import Run
 from asyncgrpo.proxy.state import Proxy, error_answer

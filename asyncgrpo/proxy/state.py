@@ -8,7 +8,7 @@ import logging
 from collections import Counter
 
 from asyncgrpo.proxy.config import ProxyConfig
-from asyncgrpo.proxy.h1 import Response
+from asyncgrpo.proxy.http.h1 import Response
 from asyncgrpo.proxy.router import Router
 from asyncgrpo.proxy.runs import Runs
 from asyncgrpo.proxy.upstream import Inflight, UpstreamPool

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from asyncgrpo.proxy.config import ProxyConfig, token_allowed
-from asyncgrpo.proxy.h1 import ConnectFailed, H1Pool
+from asyncgrpo.proxy.http.h1 import ConnectFailed, H1Pool
 from asyncgrpo.proxy.router import Router
-from asyncgrpo.vllm_client import (
+from asyncgrpo.vllm.client import (
     PLUGIN_LOAD_PATH,
     PLUGIN_UNLOAD_PATH,
     SERVER_INFO_PATH,

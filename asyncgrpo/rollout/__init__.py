@@ -4,36 +4,31 @@ Torch-free: the rollout client runs on a machine without the trainer's dependenc
 (``transformers`` is imported only to load a tokenizer).
 """
 
-from asyncgrpo.rollout.client import RolloutClient
-from asyncgrpo.rollout.config import DatasetConfig, GenerationConfig, RolloutConfig
-from asyncgrpo.rollout.dataset import Prompt, PromptDataset, encode_prompt, load_tokenizer
-from asyncgrpo.rollout.environment import (
-    Environment,
-    Episode,
-    MultiTurnEnv,
-    SingleTurnEnv,
-    Trajectory,
-)
-from asyncgrpo.rollout.policy import PolicyClient, Turn
-from asyncgrpo.rollout.rewards import GroupScores, RewardScorer, load_reward_func
+from __future__ import annotations
 
-__all__ = [
-    "DatasetConfig",
-    "Environment",
-    "Episode",
-    "GenerationConfig",
-    "GroupScores",
-    "MultiTurnEnv",
-    "PolicyClient",
-    "Prompt",
-    "PromptDataset",
-    "RewardScorer",
-    "RolloutClient",
-    "RolloutConfig",
-    "SingleTurnEnv",
-    "Trajectory",
-    "Turn",
-    "encode_prompt",
-    "load_reward_func",
-    "load_tokenizer",
-]
+from asyncgrpo.lazy import lazy_exports
+
+_EXPORTS = {
+    "DatasetConfig": "asyncgrpo.rollout.config",
+    "Environment": "asyncgrpo.rollout.environment",
+    "Episode": "asyncgrpo.rollout.environment",
+    "GenerationConfig": "asyncgrpo.rollout.config",
+    "GroupScores": "asyncgrpo.rollout.rewards",
+    "MultiTurnEnv": "asyncgrpo.rollout.environment",
+    "PolicyClient": "asyncgrpo.rollout.policy",
+    "Prompt": "asyncgrpo.rollout.dataset",
+    "PromptDataset": "asyncgrpo.rollout.dataset",
+    "RewardScorer": "asyncgrpo.rollout.rewards",
+    "RolloutClient": "asyncgrpo.rollout.client",
+    "RolloutConfig": "asyncgrpo.rollout.config",
+    "SingleTurnEnv": "asyncgrpo.rollout.environment",
+    "Trajectory": "asyncgrpo.rollout.environment",
+    "Turn": "asyncgrpo.rollout.policy",
+    "encode_prompt": "asyncgrpo.rollout.dataset",
+    "load_reward_func": "asyncgrpo.rollout.rewards",
+    "load_tokenizer": "asyncgrpo.rollout.dataset",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -2,7 +2,7 @@
 
 Three keyword-only dataclasses: ``DatasetConfig`` (where prompts come from, epochs, shuffling),
 ``GenerationConfig`` (what vLLM is asked for) and ``RolloutConfig`` (concurrency, queueing,
-scoring, retries). ``asyncgrpo.config`` nests them
+scoring, retries). ``asyncgrpo.config.training`` nests them
 in the run's ``TrainingConfig``; every field's ``help`` doubles as CLI help.
 """
 
@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from asyncgrpo.config.settings import check_fields
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.settings import check_fields
 
 RequestMode = Literal["n", "per_sample"]
 

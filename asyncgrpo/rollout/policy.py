@@ -21,7 +21,7 @@ import aiohttp
 import anyio
 
 from asyncgrpo.errors import ReplicaError
-from asyncgrpo.proxy.headers import REPLICA_HEADER, SESSION_HEADER
+from asyncgrpo.proxy.http.headers import REPLICA_HEADER, SESSION_HEADER
 from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 
 logger = logging.getLogger(__name__)

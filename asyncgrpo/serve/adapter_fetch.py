@@ -4,7 +4,7 @@ A vLLM replica on another machine cannot read the trainer's disk, and vLLM's own
 ``/v1/load_lora_adapter`` takes only a local directory (or a Hub model repo). So the trainer sends
 a *reference* to a published version, ``<transport url>/<store prefix>/<name>/v<N>`` (for example
 ``s3://bucket/run1/adapters/run-1a2b/v3`` for the version vLLM serves as ``run-1a2b-v3``), and the
-replica fetches it itself through :class:`~asyncgrpo.adapters.AdapterStore`: manifest last, every
+replica fetches it itself through :class:`~asyncgrpo.store.adapters.AdapterStore`: manifest last, every
 size and sha256 checked, the directory appearing atomically.
 
 Security: a caller of the proxy chooses the URI, so the replica fetches only from under the
@@ -18,7 +18,7 @@ Each replica process makes a new private cache directory (``mkdtemp``: mode 0700
 name, owner checked), so nobody else can plant files in it, and even there it trusts only the
 versions this process fetched and verified itself (an in-memory record): a directory it finds
 but did not verify is deleted and fetched again. A manifest, a file count or a total size beyond
-the replica's :class:`~asyncgrpo.transport.bundle.FetchLimits` is refused before any file is
+the replica's :class:`~asyncgrpo.store.bundle.FetchLimits` is refused before any file is
 fetched (``ASYNCGRPO_ADAPTER_MAX_*``).
 
 This module knows nothing of vLLM; :mod:`asyncgrpo.serve.vllm_plugin` exposes it over HTTP.
@@ -40,13 +40,13 @@ from pathlib import Path
 
 import anyio
 
-from asyncgrpo.adapters import AdapterStore, check_adapter_name, parse_version
+from asyncgrpo.config.redaction import redact_text
+from asyncgrpo.config.settings import config_from_dict, env_overrides
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.redaction import redact_text
-from asyncgrpo.settings import config_from_dict, env_overrides
+from asyncgrpo.store.adapters import AdapterStore, check_adapter_name, parse_version
+from asyncgrpo.store.bundle import FetchLimits
 from asyncgrpo.transport import Transport, open_transport
 from asyncgrpo.transport.base import check_key
-from asyncgrpo.transport.bundle import FetchLimits
 
 __all__ = [
     "CACHE_DIR_ENV",

@@ -9,10 +9,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
+from asyncgrpo.config.settings import check_fields, env_name, redacted_repr
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.serve.adapter_fetch import CACHE_DIR_ENV, LIMITS_ENV_PREFIX, TRANSPORTS_ENV
-from asyncgrpo.settings import check_fields, env_name, redacted_repr
-from asyncgrpo.transport.bundle import FetchLimits
+from asyncgrpo.store.bundle import FetchLimits
 
 _LIMITS = FetchLimits()
 

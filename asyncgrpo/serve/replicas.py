@@ -22,13 +22,13 @@ import anyio
 import anyio.abc
 from anyio.abc import Process
 
+from asyncgrpo.config.model_source import check_model
 from asyncgrpo.errors import ReplicaStartError
-from asyncgrpo.model_source import check_model
 from asyncgrpo.processes import free_port, kill_tree, process_tree, start_group, stop_group
 from asyncgrpo.serve.config import ServeConfig, is_loopback
 from asyncgrpo.serve.memory import with_kv_cache_size
 from asyncgrpo.serve.vllm_support import check_plugin_support
-from asyncgrpo.vllm_client import wait_healthy
+from asyncgrpo.vllm.client import wait_healthy
 
 logger = logging.getLogger(__name__)
 

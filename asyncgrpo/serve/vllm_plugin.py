@@ -46,10 +46,10 @@ from typing import Any
 from asyncgrpo.errors import IntegrityError, NotFound, TransportError
 from asyncgrpo.serve.adapter_fetch import AdapterFetcher, SourceForbidden
 from asyncgrpo.serve.config import PLUGIN_NAME
-from asyncgrpo.vllm_client import ADAPTER_NOT_PUBLISHED as NOT_PUBLISHED
-from asyncgrpo.vllm_client import PLUGIN_INFO_PATH as INFO_PATH
-from asyncgrpo.vllm_client import PLUGIN_LOAD_PATH as LOAD_PATH
-from asyncgrpo.vllm_client import PLUGIN_UNLOAD_PATH as UNLOAD_PATH
+from asyncgrpo.vllm.client import ADAPTER_NOT_PUBLISHED as NOT_PUBLISHED
+from asyncgrpo.vllm.client import PLUGIN_INFO_PATH as INFO_PATH
+from asyncgrpo.vllm.client import PLUGIN_LOAD_PATH as LOAD_PATH
+from asyncgrpo.vllm.client import PLUGIN_UNLOAD_PATH as UNLOAD_PATH
 
 log = logging.getLogger(__name__)
 

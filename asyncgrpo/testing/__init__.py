@@ -4,18 +4,18 @@ Everything here is built locally (no Hugging Face Hub) and is deterministic for 
 the ``train`` extra (torch, transformers, peft, tokenizers).
 """
 
-from asyncgrpo.testing.tiny import (
-    ReferencePolicy,
-    make_lora_adapter,
-    make_tiny_model,
-    reference_logprobs,
-    tiny_serve_config,
-)
+from __future__ import annotations
 
-__all__ = [
-    "ReferencePolicy",
-    "make_lora_adapter",
-    "make_tiny_model",
-    "reference_logprobs",
-    "tiny_serve_config",
-]
+from asyncgrpo.lazy import lazy_exports
+
+_EXPORTS = {
+    "ReferencePolicy": "asyncgrpo.testing.tiny",
+    "make_lora_adapter": "asyncgrpo.testing.tiny",
+    "make_tiny_model": "asyncgrpo.testing.tiny",
+    "reference_logprobs": "asyncgrpo.testing.tiny",
+    "tiny_serve_config": "asyncgrpo.testing.tiny",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import anyio
 
-from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.sample import Sample
+from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.testing.tiny import ReferencePolicy
 
 

@@ -6,14 +6,12 @@ rollout side (:mod:`asyncgrpo.sample`). ``Trainer`` is re-exported lazily.
 
 from __future__ import annotations
 
-from typing import Any
+from asyncgrpo.lazy import lazy_exports
 
-__all__ = ["Trainer"]
+_EXPORTS = {
+    "Trainer": "asyncgrpo.trainer.loop",
+}
 
+__all__ = sorted(_EXPORTS)
 
-def __getattr__(name: str) -> Any:
-    if name == "Trainer":
-        from asyncgrpo.trainer.loop import Trainer
-
-        return Trainer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from asyncgrpo.config.settings import check_fields
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.settings import check_fields
 
 LrSchedule = Literal["constant", "linear", "cosine"]
 OffPolicy = Literal["none", "decoupled", "tis", "mis_token", "mis_sequence"]

@@ -43,7 +43,7 @@ from asyncgrpo.trainer.model import save_adapter as _save_adapter
 from asyncgrpo.trainer.packing import PackedRow, build_row, pack_samples
 
 if TYPE_CHECKING:
-    from asyncgrpo.config import TrainingConfig
+    from asyncgrpo.config.training import TrainingConfig
     from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
     from asyncgrpo.trainer.distributed import DataParallel
 

@@ -4,7 +4,18 @@
 (obstore, huggingface_hub) only when opened.
 """
 
-from asyncgrpo.transport.base import ObjectInfo, PutMode, Transport
-from asyncgrpo.transport.registry import open_transport, register_scheme
+from __future__ import annotations
 
-__all__ = ["ObjectInfo", "PutMode", "Transport", "open_transport", "register_scheme"]
+from asyncgrpo.lazy import lazy_exports
+
+_EXPORTS = {
+    "ObjectInfo": "asyncgrpo.transport.base",
+    "PutMode": "asyncgrpo.transport.base",
+    "Transport": "asyncgrpo.transport.base",
+    "open_transport": "asyncgrpo.transport.registry",
+    "register_scheme": "asyncgrpo.transport.registry",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -22,8 +22,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.config.redaction import redact_text
 from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound, TransportError
-from asyncgrpo.redaction import redact_text
 from asyncgrpo.transport.base import (
     ObjectInfo,
     PutMode,

@@ -16,8 +16,8 @@ from importlib.metadata import entry_points
 from typing import Any
 from urllib.parse import urlsplit
 
+from asyncgrpo.config.redaction import redact_text
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.redaction import redact_text
 from asyncgrpo.transport.base import Transport
 
 __all__ = ["ACCEPTED_FORMS", "TransportFactory", "open_transport", "register_scheme"]

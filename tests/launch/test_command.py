@@ -44,7 +44,7 @@ def env(hub: FakeHub, tmp_path: Path) -> dict[str, str]:
 
 
 def launch_cmd(config: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "asyncgrpo.cli", "launch", str(config), "--backend", "hf-jobs",
+    return [sys.executable, "-m", "asyncgrpo.cli.main", "launch", str(config), "--backend", "hf-jobs",
             *args]  # fmt: skip
 
 

@@ -11,12 +11,12 @@ import pytest
 from fake_jobs_hub import NAMESPACE, TOKEN, FakeHub
 from huggingface_hub import HfApi
 
-from asyncgrpo.config import TrainingConfig
+from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch import launch
 from asyncgrpo.launch.progress import progress_line
-from asyncgrpo.launch.trainer import load_config
 from asyncgrpo.proxy.config import token_allowed
+from asyncgrpo.run.job import load_config
 
 S3_KEY, S3_SECRET = "HFAKfakeaccesskey", "fakeS3secretvalue987"
 ENVIRON = {
@@ -166,7 +166,7 @@ def test_a_replica_job_reported_failed_is_replaced_and_added_to_the_trainers_pro
     # the trainer job's proxy, as the job loads its config: reachable by the launcher with the
     # token, and sending the token on to the replacement (the gateway demands it)
     command = trainer.spec["command"]
-    args = command[command.index("asyncgrpo.launch.trainer") + 1 :]
+    args = command[command.index("asyncgrpo.run.job") + 1 :]
     loaded = load_config(args, {**trainer.spec["environment"], **trainer.spec["secrets"]})
     assert loaded.proxy.admin_api_key == loaded.proxy.api_key == TOKEN
     assert (loaded.proxy.host, loaded.proxy.port) == ("0.0.0.0", 8000)
@@ -324,7 +324,7 @@ def test_a_sweep_shares_one_proxy_job_and_a_failed_point_lets_the_others_finish(
     for i, trainer in enumerate(trainers):
         command = trainer.spec["command"]
         assert f"proxy.upstreams={proxy_url}" in command and "proxy.port=8000" not in command
-        args = command[command.index("asyncgrpo.launch.trainer") + 1 :]
+        args = command[command.index("asyncgrpo.run.job") + 1 :]
         loaded = load_config(args, {**trainer.spec["environment"], **trainer.spec["secrets"]})
         assert loaded.run_name == f"fake-run-{i}"
         assert loaded.trainer.learning_rate == (1e-5, 1e-4)[i]

@@ -19,7 +19,7 @@ import anyio
 import pytest
 import yaml
 
-from asyncgrpo.config import TrainingConfig
+from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.launch import launch
 from asyncgrpo.launch.hf_jobs import HfJobsBackend
 from asyncgrpo.launch.jobs import JobSpec
@@ -85,7 +85,7 @@ def test_dry_run_then_a_cpu_basic_smoke_job_is_started_checked_and_cancelled(
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config(tmp_path).to_dict()))
     out = subprocess.run(
-        [sys.executable, "-m", "asyncgrpo.cli", "launch", str(path), "--backend", "hf-jobs",
+        [sys.executable, "-m", "asyncgrpo.cli.main", "launch", str(path), "--backend", "hf-jobs",
          "--dry-run"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert os.environ["HF_TOKEN"] not in out.stdout + out.stderr

@@ -24,7 +24,7 @@ import anyio
 import psutil
 import pytest
 
-from asyncgrpo.config import TrainingConfig
+from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import LaunchError
 from asyncgrpo.launch import launch
 from asyncgrpo.launch.jobs import JobSpec
@@ -161,7 +161,7 @@ def test_a_replica_that_dies_fails_the_launch_with_its_log(tmp_path: Path) -> No
 LAUNCHER = textwrap.dedent("""
     import json, sys, anyio
     from pathlib import Path
-    from asyncgrpo.config import TrainingConfig
+    from asyncgrpo.config.training import TrainingConfig
     from asyncgrpo.launch.jobs import JobSpec
     from asyncgrpo.launch.local import LocalBackend
     ROLE = (
@@ -447,7 +447,7 @@ def launch_tiny(
     proxy: the replacement then serves the rest of the run, however slow its start."""
     from asyncgrpo.testing.rewards import GATE_ENV
 
-    cmd = [sys.executable, "-m", "asyncgrpo.cli", "launch", str(EXAMPLE), "--backend", "local",
+    cmd = [sys.executable, "-m", "asyncgrpo.cli.main", "launch", str(EXAMPLE), "--backend", "local",
            f"model={tiny_model}", f"output_dir={tmp_path}", f"launch.local_hide_trainer={HIDE}",
            *overrides]  # fmt: skip
     environ = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}

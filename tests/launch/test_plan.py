@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from asyncgrpo.config import TrainingConfig
+from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.launch.jobs import JobSpec
 from asyncgrpo.launch.plan import (
@@ -15,7 +15,7 @@ from asyncgrpo.launch.plan import (
     trainer_args,
     transport_credentials,
 )
-from asyncgrpo.launch.trainer import load_config
+from asyncgrpo.run.job import load_config
 
 
 def config(**extra) -> TrainingConfig:

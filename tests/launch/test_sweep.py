@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncgrpo.config import TrainingConfig
+from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.launch.sweep import fleet_config, parse_sweep, sweep_points, under
 

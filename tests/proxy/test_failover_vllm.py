@@ -18,7 +18,7 @@ import pytest
 from test_proxy_vllm import grpo_prompts, model_name
 
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
-from asyncgrpo.proxy.headers import REPLICA_HEADER
+from asyncgrpo.proxy.http.headers import REPLICA_HEADER
 from asyncgrpo.serve import Replica, ServeConfig, launch_replicas
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]

@@ -19,12 +19,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
-from asyncgrpo.proxy.headers import REPLICA_HEADER
-from asyncgrpo.sync import AdapterSync, LocalCacheSource, ProxyLoader
+from asyncgrpo.proxy.http.headers import REPLICA_HEADER
+from asyncgrpo.run.sync import AdapterSync, LocalCacheSource, ProxyLoader
+from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.testing.vllm_metrics import samples
-from asyncgrpo.vllm_client import VLLMClient
+from asyncgrpo.vllm.client import VLLMClient
 
 pytestmark = pytest.mark.anyio
 ADMIN = "fleet-admin-key-0123456789"

@@ -22,7 +22,7 @@ import httptools
 import pytest
 
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
-from asyncgrpo.vllm_client import SERVER_INFO_PATH
+from asyncgrpo.vllm.client import SERVER_INFO_PATH
 
 pytestmark = pytest.mark.anyio
 

@@ -13,10 +13,10 @@ import aiohttp
 import pytest
 
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
-from asyncgrpo.proxy.headers import REPLICA_HEADER
+from asyncgrpo.proxy.http.headers import REPLICA_HEADER
 from asyncgrpo.serve import Replica
 from asyncgrpo.testing.vllm_metrics import prefix_cache, samples
-from asyncgrpo.vllm_client import VLLMClient
+from asyncgrpo.vllm.client import VLLMClient
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 

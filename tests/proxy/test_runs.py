@@ -14,7 +14,7 @@ from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
 from asyncgrpo.proxy.runs import OVERFLOW, Run, Runs, run_of, sequences
 from asyncgrpo.testing.vllm_metrics import samples
-from asyncgrpo.vllm_client import VLLMClient
+from asyncgrpo.vllm.client import VLLMClient
 
 
 class Req:
@@ -292,7 +292,7 @@ async def test_runs_register_their_lora_slots_and_one_that_does_not_fit_is_refus
 async def test_a_run_books_its_slots_through_the_client_and_a_plain_server_keeps_no_book(
     replica,
 ) -> None:
-    """What a run does at start (asyncgrpo.run): the refusal is a ConfigError carrying the
+    """What a run does at start (asyncgrpo.run.training): the refusal is a ConfigError carrying the
     proxy's message; a vLLM server (no /proxy/runs) is no error, there is just no booking."""
     url, _ = replica
     async with serve_proxy(ProxyConfig(upstreams=(url,), port=0)) as base:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncgrpo.proxy.h1 import ConnectFailed, Disconnected
+from asyncgrpo.proxy.http.h1 import ConnectFailed, Disconnected
 from asyncgrpo.proxy.upstream import failure_kind
 
 

@@ -17,7 +17,7 @@ from asyncgrpo.rollout.environment import Episode
 from asyncgrpo.rollout.policy import PolicyClient, Turn
 from asyncgrpo.testing.envs import ChatterEnv
 from asyncgrpo.testing.tiny import ReferencePolicy
-from asyncgrpo.vllm_client import VLLMClient
+from asyncgrpo.vllm.client import VLLMClient
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 

@@ -1,5 +1,5 @@
 """verifiers environments through asyncgrpo's environment interface, with a scripted policy
-(the real-vLLM run is in tests/test_run_multiturn.py): every turn's prompt is the previous
+(the real-vLLM run is in tests/run/test_training_multiturn.py): every turn's prompt is the previous
 turn's ids plus the environment's new messages, never the conversation re-rendered; the rubric
 scores the group; configuration mistakes are one-line errors."""
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.serve.adapter_fetch import (
     CACHE_DIR_ENV,
@@ -18,7 +17,8 @@ from asyncgrpo.serve.adapter_fetch import (
     AdapterFetcher,
     adapter_uri,
 )
-from asyncgrpo.transport.bundle import LOCAL_MANIFEST
+from asyncgrpo.store.adapters import AdapterStore
+from asyncgrpo.store.bundle import LOCAL_MANIFEST
 from asyncgrpo.transport.local import LocalTransport
 
 pytestmark = pytest.mark.anyio

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.errors import IntegrityError
 from asyncgrpo.serve import ServeConfig
 from asyncgrpo.serve.adapter_fetch import AdapterFetcher, adapter_uri
+from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.transport.local import LocalTransport
 
 pytestmark = pytest.mark.anyio
@@ -63,7 +63,7 @@ async def test_a_file_larger_than_its_manifest_says_is_not_downloaded(tmp_path: 
 async def test_caps_refuse_a_version_before_any_file_is_fetched(
     tmp_path: Path, limits: dict[str, int], why: str
 ) -> None:
-    from asyncgrpo.transport.bundle import FetchLimits
+    from asyncgrpo.store.bundle import FetchLimits
 
     store, _ = await _published(tmp_path, n_files=3)
     root = LocalTransport(tmp_path).url
@@ -93,7 +93,7 @@ async def test_a_manifest_listing_a_huge_file_is_refused_before_downloading(
 
 def test_a_replicas_limits_are_settings_and_reach_its_fetcher() -> None:
     from asyncgrpo.serve.adapter_fetch import limits_from_env
-    from asyncgrpo.transport.bundle import FetchLimits
+    from asyncgrpo.store.bundle import FetchLimits
 
     config = ServeConfig(model="m", adapter_max_total_bytes=5 << 20, adapter_max_files=7,
                          adapter_max_manifest_bytes=4096)  # fmt: skip

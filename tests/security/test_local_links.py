@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.errors import IntegrityError, NotFound, TransportError
+from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.transport.local import LocalTransport
 
 pytestmark = pytest.mark.anyio

@@ -10,12 +10,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-from asyncgrpo.adapters import AdapterStore
-from asyncgrpo.channel import RolloutChannel, encode_batch
-from asyncgrpo.config import TrainingConfig
+from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.sample import Sample
 from asyncgrpo.serve.adapter_fetch import AdapterFetcher, SourceForbidden
+from asyncgrpo.store.adapters import AdapterStore
+from asyncgrpo.store.channel import RolloutChannel, encode_batch
 from asyncgrpo.transport.local import LocalTransport
 
 pytestmark = pytest.mark.anyio
@@ -69,7 +69,7 @@ async def test_a_malformed_batch_is_quarantined_and_the_consumer_moves_on(
 
 @pytest.mark.parametrize("bad", ["run\n", "run1\u0661", "\u0661run", "-run", "r" * 129, ""])
 def test_names_are_matched_whole_and_in_ascii(bad: str) -> None:
-    from asyncgrpo.adapters import check_adapter_name
+    from asyncgrpo.store.adapters import check_adapter_name
 
     with pytest.raises(ConfigError):
         check_adapter_name(bad)
@@ -78,7 +78,7 @@ def test_names_are_matched_whole_and_in_ascii(bad: str) -> None:
 
 
 def test_versions_and_steps_are_ascii_digits_only() -> None:
-    from asyncgrpo.adapters import parse_version
+    from asyncgrpo.store.adapters import parse_version
 
     assert parse_version("v12") == 12
     for bad in ("v\u0661", "v1\n", "v", "v-1", "V1", "v" + "9" * 5000):
@@ -97,7 +97,7 @@ async def test_storage_names_in_other_scripts_are_not_versions(tmp_path: Path) -
     await transport.put("checkpoints/step-\u0661/manifest.json", b"{}")
     await transport.put("rollouts/batches/\u0661.agrb", b"")
     assert await store.versions("run") == [1]
-    from asyncgrpo.checkpoints import CheckpointStore
+    from asyncgrpo.store.checkpoints import CheckpointStore
 
     assert await CheckpointStore(transport).steps() == []
     assert await RolloutChannel(transport).append([_sample("x")]) == 0

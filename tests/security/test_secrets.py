@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from asyncgrpo.config import TrainingConfig
+from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.launch.local import LocalBackend
 from asyncgrpo.launch.plan import replica_args
-from asyncgrpo.launch.trainer import CONFIG_ENV, load_config
+from asyncgrpo.run.job import CONFIG_ENV, load_config
 from asyncgrpo.serve.__main__ import parse as parse_serve
 from asyncgrpo.serve.adapter_fetch import AdapterFetcher
 
@@ -45,7 +45,7 @@ def _leaks(text: str) -> list[str]:
 
 def test_trackio_gets_a_redacted_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """run.py hands trackio the run's config; before, it was cfg.to_dict() as is."""
-    from asyncgrpo import run
+    from asyncgrpo.run import training as run
 
     seen: dict[str, object] = {}
     stand_in = types.SimpleNamespace(
@@ -100,7 +100,7 @@ def test_a_launch_passes_credentials_as_secrets_only(tmp_path: Path) -> None:
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "asyncgrpo.cli", *args], capture_output=True, text=True,
+        [sys.executable, "-m", "asyncgrpo.cli.main", *args], capture_output=True, text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=120,
     )  # fmt: skip
 

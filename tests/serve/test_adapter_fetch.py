@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.errors import IntegrityError, NotFound
 from asyncgrpo.serve.adapter_fetch import (
     CACHE_DIR_ENV,
@@ -16,6 +15,7 @@ from asyncgrpo.serve.adapter_fetch import (
     adapter_uri,
     parse_transports,
 )
+from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.transport import open_transport
 
 pytestmark = pytest.mark.anyio

@@ -15,15 +15,15 @@ import aiohttp
 import anyio
 import pytest
 
-from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.errors import ReplicaHTTPError, SyncError
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
+from asyncgrpo.run.sync import AdapterSync, ProxyLoader, TransportSource
 from asyncgrpo.serve import Replica
 from asyncgrpo.serve.adapter_fetch import adapter_uri
-from asyncgrpo.sync import AdapterSync, ProxyLoader, TransportSource
+from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.testing import make_lora_adapter, reference_logprobs
 from asyncgrpo.transport import open_transport
-from asyncgrpo.vllm_client import VLLMClient, check_adapter_fetching
+from asyncgrpo.vllm.client import VLLMClient, check_adapter_fetching
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.errors import AlreadyExists
+from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.transport import open_transport
 
 CLOUDS = {

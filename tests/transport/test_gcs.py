@@ -14,8 +14,8 @@ from urllib.parse import unquote
 
 import pytest
 
-from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.errors import ConfigError, IntegrityError, NotFound, TransportError
+from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.transport import open_transport
 from asyncgrpo.transport.gcs import GCSTransport, gcs_store_config, parse_gcs_url
 from asyncgrpo.transport.local import LocalTransport

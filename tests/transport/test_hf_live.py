@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.errors import AlreadyExists, NotFound
+from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.transport import open_transport
 
 _NEEDED = ("ASYNCGRPO_TEST_HF_BUCKET", "HF_S3_ACCESS_KEY_ID", "HF_S3_SECRET_ACCESS_KEY")

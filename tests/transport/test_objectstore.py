@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncgrpo.redaction import redact_text as redact
+from asyncgrpo.config.redaction import redact_text as redact
 
 
 def test_redact_blanks_signatures_and_keys() -> None:

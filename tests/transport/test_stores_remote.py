@@ -8,10 +8,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from asyncgrpo.adapters import AdapterStore
-from asyncgrpo.channel import RolloutChannel
-from asyncgrpo.checkpoints import CheckpointStore
 from asyncgrpo.sample import Sample
+from asyncgrpo.store.adapters import AdapterStore
+from asyncgrpo.store.channel import RolloutChannel
+from asyncgrpo.store.checkpoints import CheckpointStore
 
 pytestmark = pytest.mark.anyio
 

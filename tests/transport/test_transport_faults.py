@@ -16,8 +16,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from asyncgrpo.adapters import AdapterStore
 from asyncgrpo.errors import AlreadyExists, IntegrityError, NotFound, TransportError
+from asyncgrpo.store.adapters import AdapterStore
 
 pytestmark = pytest.mark.anyio
 
@@ -105,7 +105,7 @@ async def test_adapter_publish_survives_transient_errors(
 PUBLISHER = r"""
 import asyncio, json, sys
 import anyio
-from asyncgrpo.adapters import AdapterStore
+from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.transport.azure import AzureBlobTransport
 from asyncgrpo.transport.local import LocalTransport
 from asyncgrpo.transport.s3 import S3Transport

@@ -1,0 +1,174 @@
+"""The tiny CPU demos: async GRPO training end to end, and the served-logprob check.
+
+Steps: build a tiny Qwen2 model and a LoRA adapter locally, start vLLM replicas, load the adapter
+on every replica, generate, and compare each served token logprob with transformers + peft.
+Equality (float32, ~1e-7) is what lets async GRPO trust the behaviour logprobs vLLM returns.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import anyio
+
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.serve import launch_replicas
+from asyncgrpo.testing import (
+    make_lora_adapter,
+    make_tiny_model,
+    reference_logprobs,
+    tiny_serve_config,
+)
+from asyncgrpo.testing.verify import served_logprob_errors
+from asyncgrpo.vllm.client import VLLMClient
+
+TOLERANCE = 1e-4
+#: In every directory a demo writes: the next demo may empty it (and nothing else).
+MARKER = ".asyncgrpo-demo"
+
+
+def prepare_output_dir(output_dir: Path, *, fresh: bool) -> Path:
+    """``output_dir``, created, marked as a demo's, and emptied first when ``fresh``. A
+    directory holding files no demo wrote is refused, not deleted: ``--output-dir ~`` must not
+    cost the user their home directory."""
+    output_dir = output_dir.resolve()
+    try:
+        if output_dir.exists() and (output_dir / MARKER).exists():
+            if fresh:
+                shutil.rmtree(output_dir)
+        elif output_dir.exists() and any(output_dir.iterdir()):
+            raise ConfigError(
+                f"--output-dir {output_dir} holds files no demo wrote (or a demo's from before "
+                "demos marked their directory): give a new or empty directory"
+            )
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / MARKER).write_text("written by asyncgrpo's demos; the next one empties it\n")
+    except OSError as exc:
+        raise ConfigError(f"--output-dir {output_dir}: {exc.strerror or exc}") from None
+    return output_dir
+
+
+async def run_serving_check(output_dir: Path, replicas: int = 2) -> None:
+    from transformers import AutoTokenizer
+
+    started = time.monotonic()
+    output_dir = await anyio.to_thread.run_sync(lambda: prepare_output_dir(output_dir, fresh=False))
+    print(f"[1/4] building a tiny model and a LoRA adapter in {output_dir}")
+    model = await anyio.to_thread.run_sync(make_tiny_model, output_dir / "model")
+    adapter = await anyio.to_thread.run_sync(make_lora_adapter, model, output_dir / "adapter")
+    tok = AutoTokenizer.from_pretrained(model)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "what is two plus three?"}], add_generation_prompt=True
+    )
+    prompt = list(prompt if isinstance(prompt, list) else prompt["input_ids"])
+
+    print(f"[2/4] starting {replicas} vLLM replicas (about 30-120 s on 2 CPU cores)")
+    config = tiny_serve_config(model, replicas=replicas, log_dir=str(output_dir / "logs"))
+    rows = []
+    async with launch_replicas(config) as running:
+        for r in running:
+            print(f"      replica {r.index}: {r.url} healthy after {r.started_s:.1f} s")
+        print("[3/4] loading the adapter on every replica and generating")
+        for r in running:
+            async with VLLMClient(r.url) as client:
+                await client.load_lora_adapter("demo-v1", str(adapter))
+                body = await client.completions(
+                    {"model": "demo-v1", "prompt": prompt, "max_tokens": 32, "temperature": 1.0,
+                     "logprobs": 0, "return_token_ids": True}
+                )  # fmt: skip
+            choice = body["choices"][0]
+            rows.append((r.index, choice["token_ids"], choice["logprobs"]["token_logprobs"]))
+
+    print("[4/4] recomputing the same tokens with transformers + peft (float32)")
+    results = []
+    for index, tokens, served in rows:
+        ours = await anyio.to_thread.run_sync(
+            lambda t=tokens: reference_logprobs(model, adapter, prompt, t)
+        )
+        diff = max(abs(a - b) for a, b in zip(ours, served, strict=True))
+        results.append({"replica": index, "tokens": len(tokens), "max_abs_diff": diff})
+    print(f"\n{'replica':>7} {'tokens':>6} {'max |logp_vllm - logp_trainer|':>32}")
+    for row in results:
+        print(f"{row['replica']:>7} {row['tokens']:>6} {row['max_abs_diff']:>32.2e}")
+    ok = all(row["max_abs_diff"] < TOLERANCE for row in results)
+    await anyio.Path(output_dir / "logprob_check.json").write_text(json.dumps(results, indent=2))
+    print(f"\n{'OK' if ok else 'MISMATCH'}: served logprobs {'equal' if ok else 'differ from'} "
+          f"the trainer's within {TOLERANCE:g} ({time.monotonic() - started:.0f} s)")  # fmt: skip
+    if not ok:
+        raise SystemExit(1)
+
+
+EXAMPLE_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
+
+
+async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
+    """Train the tiny model with async GRPO on 2 CPU replicas; leave metrics and a plot.
+
+    Asynchronous: the replicas generate up to ``trainer.max_staleness`` versions ahead of the
+    trainer, and the loss corrects for it (``trainer.off_policy``).
+    """
+    from tqdm import tqdm
+
+    from asyncgrpo.cli.plot import plot_run
+    from asyncgrpo.config.training import TrainingConfig
+    from asyncgrpo.run.metrics import read_metrics, summarize
+    from asyncgrpo.run.training import run_training
+
+    if not EXAMPLE_CONFIG.exists():
+        raise SystemExit(f"the demo config {EXAMPLE_CONFIG} is missing: run it from a checkout")
+    started = time.monotonic()
+    output_dir = await anyio.to_thread.run_sync(lambda: prepare_output_dir(output_dir, fresh=True))
+    print(f"building a tiny Qwen2 model in {output_dir / 'model'}")
+    model = await anyio.to_thread.run_sync(make_tiny_model, output_dir / "model")
+    overrides = [f"model={model}", f"output_dir={output_dir.parent}", f"run_name={output_dir.name}"]
+    if max_steps is not None:
+        overrides.append(f"trainer.max_steps={max_steps}")
+    cfg = TrainingConfig.from_yaml(EXAMPLE_CONFIG, overrides=overrides)
+    print(f"starting {cfg.serve.replicas} vLLM replicas and the proxy (about 1-2 min on 2 cores)")
+    bar = tqdm(total=cfg.trainer.max_steps, desc="training", unit="step")
+
+    def progress(step: int, m: dict[str, float]) -> None:
+        bar.set_postfix(reward=f"{m.get('reward', float('nan')):.3f}",
+                        stale=f"{m.get('sample/staleness_mean', float('nan')):.1f}",
+                        v=int(m.get("adapter_version", 0)))  # fmt: skip
+        bar.update(step - bar.n)
+
+    recent: list = []  # the samples of the last few steps, for the exactness check
+
+    def keep_recent(step: int, samples: list, version: int) -> None:
+        recent.append(list(samples))
+        del recent[:-4]
+
+    result = await run_training(cfg, progress=progress, on_step=keep_recent)
+    bar.close()
+    samples = [s for batch in recent for s in batch]
+    errors = await anyio.to_thread.run_sync(
+        served_logprob_errors, model, result.transport_url, result.adapter_prefix, samples,
+        output_dir / "verify-cache",
+    )  # fmt: skip
+    records = read_metrics(result.run_dir / "metrics.jsonl")
+    plot = await anyio.to_thread.run_sync(plot_run, result.run_dir)
+    first, last = summarize(records, "reward")
+    # the ratio exists on steps that trained on tokens of the trainer's current weights
+    ratios = [r["ratio"] for r in records if not math.isnan(r.get("ratio", math.nan))]
+    stale = statistics.fmean(r.get("sample/staleness_mean", 0.0) for r in records)
+    print(f"\n{'steps':>5} {'versions':>8} {'reward first 5':>14} {'reward last 5':>13} "
+          f"{'staleness':>9} {'ratio min':>9} {'ratio max':>9} {'wall s':>7}")  # fmt: skip
+    print(f"{result.steps:>5} {result.final_version + 1:>8} {first:>14.3f} {last:>13.3f} "
+          f"{stale:>9.2f} {min(ratios, default=math.nan):>9.5f} "
+          f"{max(ratios, default=math.nan):>9.5f} {time.monotonic() - started:>7.0f}")  # fmt: skip
+    print(
+        f"(staleness: mean versions behind the trainer of the samples it trained on; ratio: "
+        f"trainer over vLLM on tokens of its current weights, {len(ratios)} of "
+        f"{len(records)} steps had some)"
+    )
+    print(f"\nserved vs trainer logprobs (last 4 steps, {len(samples)} samples, each at its "
+          f"adapter version): max |diff| = {max(errors):.1e}")  # fmt: skip
+    print(f"metrics: {result.run_dir / 'metrics.jsonl'}\nplot:    {plot}")
+    if max(errors) > 1e-3:
+        raise SystemExit("MISMATCH: a replica served something other than the trained policy")

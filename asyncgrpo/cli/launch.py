@@ -1,0 +1,88 @@
+"""``asyncgrpo launch CONFIG --backend hf-jobs|local [--dry-run] [flags] [overrides...]``.
+
+Every field of the ``launch`` section is also a flag (``--replicas 3`` is ``launch.replicas=3``;
+flags win over overrides); progress lines and failures go to the terminal, each job's log to
+``<run_dir>/launch/``. Ctrl-C or SIGTERM cancels every job started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+import yaml
+
+from asyncgrpo.config.settings import add_fields
+from asyncgrpo.config.training import ENV_PREFIX
+from asyncgrpo.launch.config import LaunchConfig
+
+
+def add_parser(sub: Any) -> None:
+    """The ``launch`` subcommand, on ``sub`` (the ``asyncgrpo`` command's subparsers)."""
+    p = sub.add_parser(
+        "launch",
+        help="start a run across machines (Hugging Face Jobs) or local processes",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    p.add_argument("--backend", choices=("hf-jobs", "local"), required=True,
+                   help="hf-jobs: Hugging Face Jobs; local: separate process groups here")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true",
+                   help="print every job spec (secret names only) and start nothing")  # fmt: skip
+    add_fields(p.add_argument_group("the launch section"), LaunchConfig, env_prefix=ENV_PREFIX)
+    p.set_defaults(func=run)
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    """The config overrides of the command line, the ``launch`` flags' last (they win)."""
+    out = list(args.overrides)
+    for f in dataclasses.fields(LaunchConfig):
+        value = getattr(args, f.name, None)
+        if isinstance(value, list):  # --sweep, repeated: a YAML list keeps each entry whole
+            value = yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()
+        if value is not None:
+            out.append(f"launch.{f.name}={value}")
+    return out
+
+
+def run(args: argparse.Namespace) -> None:
+    import logging
+
+    from asyncgrpo.config.training import TrainingConfig
+    from asyncgrpo.console import run_async
+    from asyncgrpo.launch.launcher import dry_run, launch
+    from asyncgrpo.launch.progress import describe_progress
+
+    cfg = TrainingConfig.from_yaml(args.config, overrides=overrides(args))
+    if args.dry_run:
+        print(dry_run(cfg, args.backend))
+        return
+    logging.getLogger("asyncgrpo.launch").setLevel(logging.INFO)
+
+    def progress(record: dict[str, Any]) -> None:
+        print(describe_progress(record), flush=True)
+
+    async def main() -> None:
+        handle = await launch(cfg, args.backend, on_progress=progress)
+        async with handle:
+            started = "trainer started" if len(handle.trainers) == 1 else (
+                f"{len(handle.trainers)} trainers started, one per point: "
+                + "; ".join(f"{p.cfg.run_name} {p.label}" for p in handle.points)
+            )  # fmt: skip
+            print(f"replicas healthy at {', '.join(handle.urls)}; {started}; logs in "
+                  f"{handle.launch_dir}", flush=True)  # fmt: skip
+            records = await handle.wait()
+        last = {r.get("run"): describe_progress(r) for r in records}  # each run's last line
+        done = "; ".join(last.values()) or "no progress lines"
+        what = "trainer" if len(handle.trainers) == 1 else "every trainer"
+        print(f"{what} completed ({done}); every job stopped", flush=True)
+
+    try:
+        run_async(main)
+    except KeyboardInterrupt:
+        print("interrupted: every job of the launch was cancelled", file=sys.stderr)
+        raise

@@ -1,0 +1,169 @@
+"""The ``asyncgrpo`` command.
+
+- ``asyncgrpo demo [--output-dir DIR]``: the tiny CPU example end to end (the README's main job)
+- ``asyncgrpo train CONFIG [key=value ...] [--remote-rollouts] [--dry-run]``: train (in one
+  process, or fed by rollout processes through the transport); ``--dry-run`` checks the recipe;
+  ``torchrun --nproc-per-node N -m asyncgrpo train CONFIG`` trains data-parallel over N ranks
+- ``asyncgrpo rollout CONFIG [key=value ...]``: a rollout process for a split run
+- ``asyncgrpo launch CONFIG --backend hf-jobs|local [--dry-run]``: the run across machines
+  (Hugging Face Jobs) or as separate local processes; Ctrl-C cancels every job
+- ``asyncgrpo plot RUN_DIR``: reward, ratio, step time and staleness to ``RUN_DIR/plot.png``
+- ``asyncgrpo check-serving [--output-dir DIR]``: served logprobs equal transformers + peft's
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo.config.settings import ConfigParser
+from asyncgrpo.console import DEBUG_HELP, run_async, run_command
+from asyncgrpo.errors import ConfigError
+
+
+class CommandParser(ConfigParser):
+    """A subcommand's parser: overrides may follow its flags (``launch CONFIG --backend local
+    --replicas 3 x=1``), which plain argparse refuses once an option came after a positional."""
+
+    _intermixing = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # also after the subcommand (`asyncgrpo train CONFIG --debug`); unset here leaves the
+        # top-level parser's value
+        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help=DEBUG_HELP)  # fmt: skip
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if self._intermixing:  # parse_known_intermixed_args calls back in here
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
+def _load(args: argparse.Namespace):
+    from asyncgrpo.config.training import TrainingConfig
+
+    return TrainingConfig.from_yaml(args.config, overrides=args.overrides)
+
+
+def _train(args: argparse.Namespace) -> None:
+    cfg = _load(args)  # first: a bad setting fails before the heavy imports
+    from asyncgrpo.run.training import run_training
+
+    if args.dry_run:
+        from asyncgrpo.run.preflight import dry_run
+
+        print("\n".join(dry_run(cfg)))
+        print("recipe OK (dry run: nothing started or downloaded)")
+        return
+    source = "channel" if args.remote_rollouts else "local"
+    result = run_async(lambda: run_training(cfg, rollout_source=source))
+    if result.rank == 0:  # under torchrun, rank 0 speaks for the job
+        print(f"trained {result.steps} steps; final adapter {result.adapter_prefix}-v"
+              f"{result.final_version} in {result.transport_url}; metrics in {result.run_dir}")  # fmt: skip
+
+
+def _rollout(args: argparse.Namespace) -> None:
+    cfg = _load(args)
+    from asyncgrpo.run.rollouts import run_rollouts
+
+    shipped = run_async(run_rollouts, cfg)
+    print(f"shipped {shipped} samples")
+
+
+def _plot(args: argparse.Namespace) -> None:
+    from asyncgrpo.cli.plot import plot_run
+    from asyncgrpo.run.metrics import METRICS_FILE
+
+    if not (Path(args.run_dir) / METRICS_FILE).is_file():
+        raise ConfigError(
+            f"{args.run_dir} has no {METRICS_FILE}: give a run directory, <output_dir>/<run_name>"
+            " of a config (e.g. runs/demo)"
+        )
+    print(plot_run(args.run_dir))
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from asyncgrpo.cli.demo import run_demo
+
+    run_async(run_demo, Path(args.output_dir), args.max_steps)
+
+
+def _check_serving(args: argparse.Namespace) -> None:
+    from asyncgrpo.cli.demo import run_serving_check
+
+    run_async(run_serving_check, Path(args.output_dir), args.replicas)
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be 1 or more")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = ConfigParser(
+        prog="asyncgrpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
+
+    demo = sub.add_parser("demo", help="run the tiny CPU demo end to end")
+    demo.add_argument("--output-dir", default="runs/demo", help="model, run directory, plot")
+    demo.add_argument("--max-steps", type=_at_least_one, default=None,
+                      help="override the demo's steps")  # fmt: skip
+    demo.set_defaults(func=_demo)
+
+    for name, func, text in (
+        ("train", _train, "train from a YAML config"),
+        ("rollout", _rollout, "run a rollout process for a split run"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("config", help="YAML config file")
+        p.add_argument(
+            "overrides",
+            nargs="*",
+            help="section.field=value overrides; ASYNCGRPO_SECTION__FIELD variables also override",
+        )
+        p.set_defaults(func=func)
+        if name == "train":
+            p.add_argument("--remote-rollouts", action="store_true",
+                           help="take samples from `asyncgrpo rollout` processes via the transport")  # fmt: skip
+            p.add_argument("--dry-run", action="store_true",
+                           help="check the recipe (rewards import, replica flags, context) and exit")  # fmt: skip
+
+    from asyncgrpo.cli.launch import add_parser as add_launch_parser
+
+    add_launch_parser(sub)
+
+    plot = sub.add_parser("plot", help="plot a run's metrics.jsonl to plot.png")
+    plot.add_argument("run_dir")
+    plot.set_defaults(func=_plot)
+
+    check = sub.add_parser("check-serving", help="served logprobs vs transformers + peft")
+    check.add_argument("--output-dir", default="runs/check-serving")
+    check.add_argument("--replicas", type=_at_least_one, default=2, help="vLLM replicas to check")
+    check.set_defaults(func=_check_serving)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    run_command(lambda: args.func(args), parser.prog, debug=args.debug)
+
+
+if __name__ == "__main__":
+    main()

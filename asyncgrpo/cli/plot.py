@@ -1,0 +1,126 @@
+"""``plot_run(run_dir)``: a run's metrics as one PNG.
+
+Panels: reward; ``ratio`` (trainer over vLLM on on-policy tokens: must stay ~1); step time;
+staleness of the trained samples; the share of tokens at each staleness (stacked); the
+importance weight pi_trainer / pi_vllm per staleness (mean, and the step's maximum); the share
+of tokens the off-policy correction truncated or masked.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from asyncgrpo.run.metrics import read_metrics
+
+PLOT_FILE = "plot.png"
+_PER_STALENESS = re.compile(r"^off_policy/staleness_(\d+)/tokens$")
+
+# (title, [(metric key, label)], y reference line or None)
+Panel = tuple[str, list[tuple[str, str]], float | None]
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, int | float) and not math.isnan(v):
+            xs.append(float(r["step"]))
+            ys.append(float(v))
+    return xs, ys
+
+
+def _panels(staleness: list[int]) -> list[Panel]:
+    per = lambda what: [(f"off_policy/staleness_{s}/{what}", f"staleness {s}") for s in staleness]  # noqa: E731
+    return [
+        ("reward", [("reward", "mean")], None),
+        ("ratio on on-policy tokens (must stay ~1)", [("ratio", "mean r")], 1.0),
+        ("step time [s]", [("perf/step_s", "step"), ("perf/fwd_bwd_s", "fwd+bwd")], None),
+        ("staleness [versions]",
+         [("sample/staleness_mean", "mean"), ("sample/staleness_max", "max")], None),
+        ("tokens by staleness (share)", per("tokens"), None),
+        ("importance weight pi_trainer / pi_vllm: mean", per("weight_mean"), 1.0),
+        ("importance weight: step maximum", per("weight_max"), 1.0),
+        ("tokens cut by the correction (share)",
+         [("off_policy/truncated", "truncated"), ("off_policy/masked", "masked")], None),
+    ]  # fmt: skip
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw ``run_dir/metrics.jsonl`` into ``out`` (default ``run_dir/plot.png``); return it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    out = Path(out) if out is not None else run_dir / PLOT_FILE
+    staleness = sorted(
+        {int(m.group(1)) for r in records for k in r if (m := _PER_STALENESS.match(k))}
+    )
+    panels = _panels(staleness)
+    fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(11, 2.6 * len(panels) // 2),
+                             sharex=True)  # fmt: skip
+    for ax, (title, keys, ref) in zip(axes.flat, panels, strict=True):
+        if title.startswith("tokens by staleness"):
+            drawn = _stacked(ax, records, keys)
+        else:
+            drawn = _lines(ax, records, keys, log="maximum" in title)
+        if ref is not None and drawn:
+            ax.axhline(ref, color="grey", linestyle="--", linewidth=0.8)
+        if not drawn:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        else:
+            ax.legend(fontsize=7)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("optimizer step")
+    fig.suptitle(run_dir.name)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def _lines(ax: Any, records: list[dict[str, Any]], keys: list[tuple[str, str]], log: bool) -> bool:
+    drawn = False
+    steps = [float(r["step"]) for r in records]
+    for key, label in keys:
+        xs, ys = _series(records, key)
+        if not xs:
+            continue
+        if len(xs) < len(records):  # sparse: NaN gaps break the line, points show lone values
+            got = dict(zip(xs, ys, strict=True))
+            ax.plot(steps, [got.get(x, math.nan) for x in steps], label=label, linewidth=1.2,
+                    marker=".")  # fmt: skip
+        else:
+            ax.plot(xs, ys, label=label, linewidth=1.2)
+        drawn = True
+        if key == "reward":
+            sx, sd = _series(records, "reward_std")
+            std = dict(zip(sx, sd, strict=True))
+            lo = [y - std.get(x, 0.0) for x, y in zip(xs, ys, strict=True)]
+            hi = [y + std.get(x, 0.0) for x, y in zip(xs, ys, strict=True)]
+            ax.fill_between(xs, lo, hi, alpha=0.2, label="± group std")
+    if drawn and log:
+        ax.set_yscale("log")
+    return drawn
+
+
+def _stacked(ax: Any, records: list[dict[str, Any]], keys: list[tuple[str, str]]) -> bool:
+    """One stacked bar per step: the step's tokens by staleness."""
+    if not keys or not records:
+        return False
+    xs = [float(r["step"]) for r in records]
+    bottom = [0.0] * len(records)
+    for key, label in keys:
+        values = [r.get(key) for r in records]
+        ys = [v if isinstance(v, int | float) and not math.isnan(v) else 0.0 for v in values]
+        ax.bar(xs, ys, width=1.0, bottom=bottom, label=label, alpha=0.85)
+        bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
+    ax.set_ylim(0, 1)
+    return True

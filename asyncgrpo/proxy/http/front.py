@@ -1,0 +1,376 @@
+"""The proxy's one HTTP/1.1 server: client connections parsed by llhttp (``httptools``), answered
+in order.
+
+Why not aiohttp's server: its quarter millisecond of CPU per request is more than routing and
+forwarding take. As in uvicorn's ``httptools_impl``, a connection is an asyncio protocol feeding
+llhttp. A request that llhttp and :mod:`~asyncgrpo.proxy.http.inbound` accept goes to a
+:class:`~asyncgrpo.proxy.forward.Forward` (generation, pass-through) or to a control coroutine
+(:data:`~asyncgrpo.proxy.control.ROUTES`); a refused one gets an answer saying why, nothing is
+forwarded, and the connection closes.
+
+Limits: connections (:class:`Clients`), time to send a head or a body, bytes held per connection
+(reading pauses): ``docs/proxy.md``, "Security".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from email.utils import formatdate
+from typing import cast
+
+import httptools
+
+from asyncgrpo.proxy.control import ROUTES
+from asyncgrpo.proxy.forward import Forward, request_chains
+from asyncgrpo.proxy.http.h1 import Response
+from asyncgrpo.proxy.http.headers import DROP_RESPONSE_B, head_lines
+from asyncgrpo.proxy.http.inbound import (
+    HEAD_LIMIT,
+    TOO_LARGE,
+    Refused,
+    Request,
+    Rules,
+    check_head,
+    refusal,
+)
+from asyncgrpo.proxy.http.jsonbody import BodyError, decode_object
+from asyncgrpo.proxy.runs import sequences
+from asyncgrpo.proxy.state import TICK_S, Proxy, error_answer
+
+__all__ = ["Clients", "Connection"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds a connection closed after a refusal keeps reading (and dropping) what the client sends.
+LINGER_S = 2.0
+#: Complete requests queued behind the one being answered before reading pauses.
+MAX_QUEUED = 16
+
+_GENERATE = frozenset({b"/v1/completions", b"/v1/chat/completions"})
+_PASS_POST = frozenset({b"/tokenize", b"/detokenize"})
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class Clients:
+    """The open client connections: their cap, their timeouts (:meth:`sweep`), and the ``Date``
+    header of this second."""
+
+    def __init__(self, proxy: Proxy, cap: int) -> None:
+        cfg = proxy.config
+        self.proxy, self.cap, self.rules = proxy, cap, Rules(cfg)
+        self.head_s, self.idle_s = cfg.head_timeout_s, cfg.client_idle_timeout_s
+        #: Ticks between two sweeps: a quarter of the shortest timeout, at most a second.
+        self.every = max(1, round(min(self.head_s / 4, self.idle_s / 4, 1.0) / TICK_S))
+        self.conns: set[Connection] = set()
+        self._date = (0, b"")
+
+    def admit(self) -> bool:
+        """Make room for one more connection; False if every open one is busy."""
+        if len(self.conns) < self.cap:
+            return True
+        waiting = [c for c in self.conns if c.deadline is not None]
+        for c in heapq.nsmallest(max(1, self.cap // 16), waiting, key=_eviction_order):
+            c.close()
+        return len(self.conns) < self.cap
+
+    def sweep(self, now: float) -> None:
+        """Close connections past their deadline (see :class:`Connection`)."""
+        for c in [c for c in self.conns if c.deadline is not None and c.deadline < now]:
+            c.close()
+
+    def http_date(self) -> bytes:
+        now = int(time.time())
+        if self._date[0] != now:
+            self._date = (now, formatdate(now, usegmt=True).encode())
+        return self._date[1]
+
+    def close(self) -> None:
+        """Close every client connection (in-flight requests are dropped)."""
+        for c in list(self.conns):
+            c.close()
+
+
+def _eviction_order(c: Connection) -> tuple[bool, float]:
+    return c.served, cast(float, c.deadline)
+
+
+class Connection(asyncio.Protocol):
+    """One client connection. ``deadline`` (loop time) is when it closes unless something
+    happens: set while it waits for a request (head, body, or the next one), None while one of
+    its requests is answered."""
+
+    def __init__(self, clients: Clients) -> None:
+        self.clients, self.proxy = clients, clients.proxy
+        self.loop, self.rules = self.proxy.loop, clients.rules
+        self.transport: asyncio.Transport | None = None
+        self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
+        self.req = Request()  # being parsed
+        self.in_head = self.begun = self.in_message = False
+        self.head_size = self.queued_bytes = 0
+        self.queue: deque[Request | Refused] = deque()  # parsed, waiting their turn
+        self.current: Request | None = None  # being answered
+        self.started = self.chunked = False  # the current answer's head was written; its framing
+        self.work: Forward | asyncio.Task[None] | None = None  # what answers ``current``
+        self.eof = self.closed = self.reading_paused = self.writing_paused = False
+        self.processing = self.served = False
+        self.deadline: float | None = self.loop.time() + clients.head_s
+
+    # -- llhttp callbacks (raising Refused refuses the request) --------------------------------
+
+    def on_message_begin(self) -> None:
+        self.req = Request()
+        self.in_head = self.begun = self.in_message = True
+        self.head_size = 0
+        if self.current is None:
+            self.deadline = self.proxy.now + self.clients.head_s
+
+    def on_url(self, url: bytes) -> None:
+        self.req.target += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.req.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        req, parser = self.req, cast(httptools.HttpRequestParser, self.parser)
+        req.method = parser.get_method()
+        check_head(req, parser.get_http_version(), self.rules)
+        if self.current is None:
+            self.deadline = self.proxy.now + self.clients.idle_s  # for the body
+            if req.expect and (req.te or req.length) and not self.queue:
+                self.write(_CONTINUE)
+
+    def on_body(self, data: bytes) -> None:
+        req = self.req
+        req.body.append(data)
+        req.size += len(data)
+        if req.size > self.rules.max_body:  # chunked: no length said in advance
+            raise Refused(413, f"request body too large: over {self.rules.max_body} bytes")
+
+    def on_message_complete(self) -> None:
+        self.req.keep_alive = cast(httptools.HttpRequestParser, self.parser).should_keep_alive()
+        self.in_message = False
+        self.queued_bytes += self.req.size
+        self.queue.append(self.req)
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's: not a subclass
+        if not self.clients.admit():
+            self.parser = None
+            self._write_answer(error_answer(503, "too many connections"), False, False)
+            self.closed = True
+            self.transport.close()
+            return
+        self.clients.conns.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        parser = self.parser
+        if parser is None:
+            return  # refused: lingering until the client closes
+        self.begun = False
+        try:
+            while True:
+                try:
+                    parser.feed_data(data)
+                    break
+                except httptools.HttpParserUpgrade as exc:  # no protocol switch: read on
+                    data = data[exc.args[0] :]
+            # A head still unfinished (trickling) is bounded by what came since it began (one
+            # begun in this piece counts from the next); a finished one by check_head.
+            if self.in_head and not self.begun:
+                self.head_size += len(data)
+                if self.head_size > HEAD_LIMIT:
+                    raise Refused(431, TOO_LARGE)
+        except httptools.HttpParserError as exc:
+            self.queue.append(refusal(exc, self.in_head))
+            self.parser = None  # what follows a refused request cannot be framed
+        except Refused as exc:
+            self.queue.append(exc)
+            self.parser = None
+        self._process()
+
+    def eof_received(self) -> bool:
+        """The client shut down its sending side: answer what it sent, then close. A client
+        gone altogether looks the same until written to: two interim ``100 Continue`` a moment
+        apart make a gone client's connection fail, which drops its request."""
+        self.eof = True
+        if self.current is None and not self.queue:
+            self.close()
+        elif self.current is not None and self.current.http11 and not self.started:
+            self.write(_CONTINUE)
+            self.loop.call_later(0.2, self._probe, self.current)
+        return True
+
+    def _probe(self, req: Request) -> None:
+        if self.current is req and not self.started:
+            self.write(_CONTINUE)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed, self.deadline = True, None
+        self.clients.conns.discard(self)
+        work, self.work = self.work, None
+        if isinstance(work, Forward):
+            work.cancel()  # a control call runs to its end: a broadcast is all or nothing
+
+    def pause_writing(self) -> None:
+        self.writing_paused = True
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        if isinstance(self.work, Forward):
+            self.work.pause_reading(False)
+        self._process()
+
+    # -- answering, in order ------------------------------------------------------------------
+
+    def _process(self) -> None:
+        if self.processing:  # an answer given synchronously comes back here: no recursion
+            return
+        self.processing = True
+        try:
+            while self.current is None and self.queue and not self.closed:
+                if self.writing_paused:
+                    return
+                item = self.queue.popleft()
+                if isinstance(item, Refused):
+                    return self._refuse(item)
+                self.queued_bytes -= item.size
+                self.current, self.started, self.deadline = item, False, None
+                self._dispatch(item)
+            # A client pipelining without reading: bounded in number and in bytes.
+            partial = self.req.size if self.in_message else 0
+            pause = (self.current is not None or bool(self.queue)) and (
+                len(self.queue) > MAX_QUEUED or self.queued_bytes + partial >= self.rules.max_body
+            )
+            if self.current is None and self.eof:
+                self.close()
+            elif self.transport is not None and pause != self.reading_paused:
+                self.reading_paused = pause
+                (self.transport.pause_reading if pause else self.transport.resume_reading)()
+        finally:
+            self.processing = False
+
+    def _dispatch(self, req: Request) -> None:
+        proxy, body = self.proxy, b"".join(req.body)
+        method, path = req.method, req.target.partition(b"?")[0]
+        forward = (method, req.target, b"".join(req.lines), body)
+        if method == b"POST" and path in _GENERATE:
+            try:
+                parsed = decode_object(body, self.rules.max_body)
+            except BodyError as exc:
+                proxy.stats.rejected[exc.status] += 1
+                return self.answer(error_answer(exc.status, str(exc)))
+            chains = request_chains(proxy, parsed)
+            run = proxy.runs.run(str(parsed.get("model") or ""), proxy.now)
+            self.work = Forward(proxy, self, forward, chains, stream=parsed.get("stream") is True,
+                                run=run, cost=sequences(parsed), session=req.session)  # fmt: skip
+            return self.work.submit()  # now, or its run's turn while the replicas are saturated
+        elif (handler := ROUTES.get((b"GET" if method == b"HEAD" else method, path))) is not None:
+            self.work = proxy.spawn(self._control(handler, req, body), f"asyncgrpo-proxy {path!r}")
+            return
+        elif method in (b"GET", b"HEAD") or (method == b"POST" and path in _PASS_POST):
+            self.work = Forward(proxy, self, forward, None)
+        else:
+            what = f"{method.decode()} {path.decode('latin-1')}"
+            return self.answer(error_answer(
+                404, f"{what} is not proxied: only GET, generation, tokenize and the broadcast "
+                "control calls are"
+            ))  # fmt: skip
+        self.work.start()
+
+    async def _control(
+        self, handler: Callable[[Proxy, str, str, bytes], Awaitable[Response]], req: Request,
+        body: bytes,
+    ) -> None:  # fmt: skip
+        method = "GET" if req.method == b"HEAD" else req.method.decode()
+        try:
+            answer = await handler(self.proxy, method, req.target.decode("latin-1"), body)
+        except Exception:
+            log.exception("%s %r failed", method, req.target)
+            answer = error_answer(500, "the proxy failed on this request: see its log")
+        if self.current is req:
+            self.answer(answer)
+
+    def _write_answer(self, answer: Response, keep_alive: bool, head: bool) -> None:
+        """Write a buffered answer (its per-hop headers dropped, framing added)."""
+        status, headers, body = answer
+        out, typed = head_lines(status, headers, DROP_RESPONSE_B, b"content-type")
+        if not typed:
+            out.append(b"Content-Type: application/json\r\n")
+        out.append(b"Date: %s\r\nContent-Length: %d\r\n" % (self.clients.http_date(), len(body)))
+        if not keep_alive:
+            out.append(b"Connection: close\r\n")
+        out += (b"\r\n", b"" if head else body)
+        self.write(b"".join(out))
+
+    def answer(self, answer: Response) -> None:
+        """The whole answer to the current request, then the next one."""
+        self.work = None
+        req = self.current
+        if req is not None and not self.closed:
+            self._write_answer(answer, req.keep_alive, req.method == b"HEAD")
+            self.answered()
+
+    def stream_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Start a streamed answer: chunked, or delimited by the close for HTTP/1.0."""
+        req = cast(Request, self.current)
+        out, _ = head_lines(status, headers, DROP_RESPONSE_B, b"")
+        out.append(b"Date: %s\r\n" % self.clients.http_date())
+        self.chunked = req.http11
+        if self.chunked:
+            out.append(b"Transfer-Encoding: chunked\r\n")
+        req.keep_alive = req.keep_alive and req.http11
+        if not req.keep_alive:
+            out.append(b"Connection: close\r\n")
+        out.append(b"\r\n")
+        self.started = True
+        self.write(b"".join(out))
+
+    def stream_body(self, data: bytes) -> None:
+        self.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
+
+    def stream_end(self) -> None:
+        self.work = None
+        if self.chunked:
+            self.write(b"0\r\n\r\n")
+        self.answered()
+
+    def answered(self) -> None:
+        req, self.current = self.current, None
+        if req is not None and not req.keep_alive:
+            self.close()
+        elif req is not None:
+            self.served = True
+            wait = self.clients.head_s if self.in_head else self.clients.idle_s
+            self.deadline = self.proxy.now + wait
+            self._process()
+
+    def _refuse(self, exc: Refused) -> None:
+        """Answer a refused request and close after reading (and dropping) input for a moment:
+        closing with unread input sends a reset, which can destroy the answer unread."""
+        self.proxy.stats.rejected[exc.status] += 1
+        self.parser = None
+        self.queue.clear()
+        self._write_answer(error_answer(exc.status, str(exc)), False, False)
+        if self.eof or self.transport is None:
+            self.close()
+        elif not self.transport.is_closing():
+            self.transport.write_eof()
+            self.deadline = self.loop.time() + LINGER_S
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def close(self) -> None:
+        """Close gracefully (what was written is still sent); in-flight work is dropped."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+        self.connection_lost(None)

@@ -1,0 +1,119 @@
+"""The one URL a run sends completions and adapter broadcasts to, and what stands behind it.
+
+A run (the trainer, or a rollout process) starts ``serve.replicas`` local vLLM replicas and/or
+uses ``proxy.upstreams``. :func:`open_endpoint` decides what to put in front of them:
+
+- ``serve.replicas: 0`` and ``proxy.upstreams`` one URL that is itself an asyncgrpo proxy (it
+  answers ``GET /proxy/upstreams``): that proxy is the endpoint, used directly with
+  ``proxy.upstream_api_key``. No proxy of the run's own sits in front of it, so a broadcast
+  crosses one proxy on its way to the replicas.
+- otherwise an in-process proxy (the ``proxy`` section) in front of the local replicas and the
+  upstreams. It cannot be avoided there: local replicas listen on this host's loopback, which a
+  standalone proxy elsewhere cannot reach, and a list of several URLs needs a proxy to route
+  among them (a standalone proxy among them is then one more upstream, and is nested).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from asyncgrpo.errors import ConfigError, ReplicaError
+from asyncgrpo.proxy.server import serve_proxy
+from asyncgrpo.serve import ServeConfig, launch_replicas
+from asyncgrpo.store.run_documents import run_transport_url
+from asyncgrpo.vllm.client import VLLMClient
+
+if TYPE_CHECKING:
+    from asyncgrpo.config.training import TrainingConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where the run's clients send requests, and the key they send."""
+
+    url: str
+    api_key: str | None
+    #: a standalone asyncgrpo proxy given in ``proxy.upstreams``, not one of the run's own
+    standalone: bool = False
+
+
+def replica_config(cfg: TrainingConfig, transport_url: str | None = None) -> ServeConfig:
+    """The settings of the replicas a run starts itself: ``serve``, with the run's log and cache
+    directories, allowed to fetch adapters from the run's transport."""
+    return dataclasses.replace(
+        cfg.serve,
+        log_dir=cfg.serve.log_dir or str(cfg.run_dir / "replica-logs"),
+        transports=(transport_url or run_transport_url(cfg),),
+        adapter_cache_dir=cfg.serve.adapter_cache_dir or str(cfg.run_dir / "replica-adapters"),
+    )
+
+
+def upstream_key(cfg: TrainingConfig) -> str | None:
+    """The key the run's own proxy sends upstream. It sends one key to every replica it starts
+    with, so replicas the run starts with ``serve.api_key`` get that key (``proxy.upstream_api_key``
+    unset); a different ``proxy.upstream_api_key`` could never reach both and is refused."""
+    key, own = cfg.proxy.upstream_api_key, cfg.serve.api_key if cfg.serve.replicas else None
+    if own is None or key in (None, own):
+        return own or key
+    raise ConfigError(
+        "serve.api_key and proxy.upstream_api_key differ while the run starts replicas "
+        "(serve.replicas >= 1): its proxy sends one key to every replica; give both the same "
+        "value, or unset proxy.upstream_api_key"
+    )
+
+
+async def standalone_proxy(cfg: TrainingConfig) -> Endpoint | None:
+    """The endpoint when ``proxy.upstreams`` names one standalone asyncgrpo proxy and the run
+    starts no replica of its own; else None."""
+    if cfg.serve.replicas or len(cfg.proxy.upstreams) != 1:
+        return None
+    url = cfg.proxy.upstreams[0].rstrip("/")
+    key = cfg.proxy.upstream_api_key
+    async with VLLMClient(url, api_key=key, timeout_s=30) as client:
+        try:
+            replicas = await client.proxy_upstreams()
+        except ReplicaError as exc:
+            raise ReplicaError(f"proxy.upstreams: {url} cannot be reached ({exc})") from exc
+    if replicas is None:
+        return None
+    logger.info("%s is an asyncgrpo proxy (replicas %s): using it directly", url, replicas)
+    return Endpoint(url=url, api_key=key, standalone=True)
+
+
+@asynccontextmanager
+async def open_endpoint(
+    cfg: TrainingConfig, cache_dir: Path, transport_url: str
+) -> AsyncIterator[Endpoint]:
+    """The run's endpoint (see the module docstring); stops what it started on exit.
+
+    Local replicas may fetch adapters from the run's transport themselves, like remote ones; an
+    in-process proxy accepts load paths only under ``cache_dir``, where the trainer fetches
+    versions for replicas that share its disk.
+    """
+    given = await standalone_proxy(cfg)
+    if given is not None:
+        yield given
+        return
+    key = upstream_key(cfg)
+    async with AsyncExitStack() as stack:
+        urls = list(cfg.proxy.upstreams)
+        if cfg.serve.replicas:
+            serve = replica_config(cfg, transport_url)
+            replicas = await stack.enter_async_context(launch_replicas(serve))
+            urls = [r.url for r in replicas] + urls
+        proxy = dataclasses.replace(
+            cfg.proxy,
+            upstreams=tuple(urls),
+            upstream_api_key=key,
+            lora_roots=(*cfg.proxy.lora_roots, str(cache_dir)),
+        )
+        url = await stack.enter_async_context(serve_proxy(proxy))
+        yield Endpoint(url=url, api_key=cfg.proxy.api_key)

@@ -1,0 +1,66 @@
+"""``python -m asyncgrpo.run.job [section.field=value ...]``: the trainer job of a launch.
+
+``asyncgrpo train`` for a machine that has no copy of the config file: the config arrives as
+YAML in ``$ASYNCGRPO_CONFIG`` (secrets emptied), the replicas' URLs as overrides on the command
+line, and secrets as the job's secret environment variables (``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``,
+...), read by the same loader as every command (:mod:`asyncgrpo.config.settings`), so no secret is ever
+in argv or in the config text. Each optimizer step prints one progress line
+(:mod:`asyncgrpo.launch.progress`) for the launcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.launch.jobs import CONFIG_ENV
+
+PROG = "python -m asyncgrpo.run.job"
+
+
+def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None):
+    """The run's config: ``$ASYNCGRPO_CONFIG``, then ``ASYNCGRPO_*`` variables, then ``argv``'s
+    overrides (:meth:`~asyncgrpo.config.training.TrainingConfig.from_yaml_text`)."""
+    from asyncgrpo.config.training import TrainingConfig
+
+    environ = os.environ if environ is None else environ
+    text = environ.get(CONFIG_ENV)
+    if not text:
+        raise ConfigError(f"${CONFIG_ENV} is empty: the launcher passes the run's config there")
+    return TrainingConfig.from_yaml_text(text, f"${CONFIG_ENV}", argv, environ)
+
+
+async def train(cfg) -> None:
+    from asyncgrpo.launch.progress import progress_line
+    from asyncgrpo.run.training import run_training
+
+    def progress(step: int, metrics: dict[str, float]) -> None:
+        print(progress_line(step, cfg.trainer.max_steps, metrics), flush=True)
+
+    result = await run_training(cfg, progress=progress)
+    print(f"trained {result.steps} steps; final adapter {result.adapter_prefix}-v"
+          f"{result.final_version} in {result.transport_url}", flush=True)  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import argparse
+
+    from asyncgrpo.config.settings import ConfigParser
+    from asyncgrpo.console import DEBUG_HELP, run_async, run_command
+
+    parser = ConfigParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    run_command(lambda: run_async(train, load_config(args.overrides)), PROG, debug=args.debug)
+
+
+if __name__ == "__main__":
+    main()

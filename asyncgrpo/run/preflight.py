@@ -1,0 +1,104 @@
+"""``asyncgrpo train CONFIG --dry-run``: check a recipe without starting, loading or downloading.
+
+What a real start would find out minutes (and a model download) later is checked here in
+milliseconds: the config validates; every reward function imports; the replicas' vLLM flags,
+derived exactly as a run derives them, pass the same LoRA capacity check a run applies to a live
+replica's ``/server_info``; prompt plus completion fit the replicas' context; a token budget
+below the longest sample is reported. Nothing is downloaded: model and dataset are only named.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from asyncgrpo.errors import ConfigError
+
+if TYPE_CHECKING:
+    from asyncgrpo.config.training import TrainingConfig
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def _where(name: str) -> str:
+    path = Path(name).expanduser()
+    return f"local {path}" if path.exists() else "Hugging Face id, not fetched by --dry-run"
+
+
+def dry_run(cfg: TrainingConfig) -> list[str]:
+    """Report lines for a valid recipe; raises ``ConfigError`` naming the field to fix."""
+    from asyncgrpo.rollout.environment import environment_class
+    from asyncgrpo.rollout.rewards import load_reward_func
+    from asyncgrpo.run.endpoint import replica_config
+    from asyncgrpo.vllm.client import check_lora_capacity
+
+    gen, tr = cfg.generation, cfg.trainer
+    lines = [f"model: {cfg.model} ({_where(cfg.model)})"]
+    if cfg.dataset.path is not None:
+        lines.append(f"dataset: {cfg.dataset.path} ({_where(cfg.dataset.path)})")
+    for path in cfg.rollout.reward_funcs:
+        load_reward_func(path)  # raises ConfigError naming the path
+        lines.append(f"reward function {path}: imports")
+    if cfg.rollout.environment is not None:
+        env = environment_class(cfg.rollout.environment)  # raises ConfigError naming the path
+        if not cfg.rollout.reward_funcs and not env.provides_reward:
+            raise ConfigError(
+                f"rollout.environment={cfg.rollout.environment} does not score its episodes and "
+                "rollout.reward_funcs is empty: set at least one reward function"
+            )
+        lines.append(f"environment {cfg.rollout.environment}: imports")
+
+    max_len = cfg.serve.max_model_len
+    if max_len is not None:
+        if gen.max_completion_length >= max_len:
+            raise ConfigError(
+                f"generation.max_completion_length={gen.max_completion_length} leaves no room for "
+                f"the prompt in serve.max_model_len={max_len}; raise max_model_len"
+            )
+        prompt_room = max_len - gen.max_completion_length
+        max_prompt = cfg.dataset.max_prompt_tokens
+        if max_prompt is not None and max_prompt > prompt_room:
+            raise ConfigError(
+                f"dataset.max_prompt_tokens={max_prompt} + generation.max_completion_length="
+                f"{gen.max_completion_length} > serve.max_model_len={max_len}: set "
+                f"dataset.max_prompt_tokens to at most {prompt_room}"
+            )
+        lines.append(
+            f"context: prompts up to {max_prompt or prompt_room} + completions up to "
+            f"{gen.max_completion_length} tokens <= max_model_len {max_len}"
+        )
+        if tr.token_budget is not None and tr.token_budget < max_len:
+            lines.append(
+                f"warning: trainer.token_budget={tr.token_budget} < max_model_len {max_len}: "
+                "a longer sample gets a row of its own (more memory than the budget)"
+            )
+
+    if cfg.serve.replicas:
+        serve = replica_config(cfg)
+        argv = serve.command(port=8000)
+        flags = {"max_lora_rank": int(_flag(argv, "--max-lora-rank") or 0),
+                 "max_loras": int(_flag(argv, "--max-loras") or 0)}  # fmt: skip
+        check_lora_capacity(
+            {"lora_config": flags}, lora_rank=cfg.lora.r, max_staleness=tr.max_staleness
+        )
+        lines.append(
+            f"replicas: {cfg.serve.replicas} local, LoRA rank {cfg.lora.r} <= --max-lora-rank "
+            f"{flags['max_lora_rank']}, {flags['max_loras']} LoRA slots >= max_staleness "
+            f"{tr.max_staleness} + 2"
+        )
+        lines.append("replica command: " + shlex.join(argv[1:]))
+    if cfg.proxy.upstreams:
+        lines.append(
+            f"{len(cfg.proxy.upstreams)} remote replica(s): their /server_info and adapter "
+            "plugin are checked at start"
+        )
+    groups, rest = divmod(tr.samples_per_step, gen.num_generations)
+    lines.append(
+        f"step: {tr.samples_per_step} samples ({groups} prompts x G={gen.num_generations}"
+        f"{f' + {rest}' if rest else ''}), lr {tr.learning_rate:g}, max_staleness "
+        f"{tr.max_staleness}, weight_sync_steps {tr.weight_sync_steps}, {tr.max_steps} steps"
+    )
+    return lines

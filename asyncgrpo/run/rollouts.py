@@ -1,0 +1,77 @@
+"""``asyncgrpo rollout CONFIG``: a rollout process of a split run.
+
+It generates under the trainer's current policy (``policy.json``, polled) and ships scored
+samples through the transport's :class:`~asyncgrpo.store.channel.RolloutChannel` until the trainer
+writes ``done.json`` (:class:`~asyncgrpo.store.run_documents.RunStore`). Requests go to the run's endpoint
+(:func:`~asyncgrpo.run.endpoint.open_endpoint`): a standalone proxy directly, or local replicas and
+``proxy.upstreams`` behind an in-process proxy.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING
+
+import anyio
+
+from asyncgrpo.config.model_source import check_model
+from asyncgrpo.errors import ReplicaError
+from asyncgrpo.rollout.client import RolloutClient
+from asyncgrpo.run.endpoint import open_endpoint
+from asyncgrpo.run.sources import rollout_client
+from asyncgrpo.store.channel import RolloutChannel
+from asyncgrpo.store.run_documents import RunStore, run_transport_url
+from asyncgrpo.transport import open_transport
+
+if TYPE_CHECKING:
+    from asyncgrpo.config.training import TrainingConfig
+
+logger = logging.getLogger(__name__)
+
+
+async def run_rollouts(cfg: TrainingConfig, *, poll_interval_s: float = 0.5) -> int:
+    """Ship rollouts until the trainer finishes; returns the number of samples shipped."""
+    await anyio.to_thread.run_sync(check_model, cfg.model)
+    transport = open_transport(run_transport_url(cfg))
+    store = RunStore(transport)
+    shipped = 0
+    try:
+        async with AsyncExitStack() as stack:
+            endpoint = await stack.enter_async_context(  # first: a bad setup fails at once
+                open_endpoint(cfg, cfg.run_dir / "adapter-cache", transport.url)
+            )
+            policy = await store.wait_for_policy(poll_interval_s)
+            client = await stack.enter_async_context(
+                await rollout_client(cfg, endpoint.url, policy, 0, api_key=endpoint.api_key)
+            )
+            channel = RolloutChannel(transport)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_follow_policy, store, client, poll_interval_s, tg.cancel_scope)
+                while samples := await client.get(cfg.generation.num_generations):
+                    await channel.append(samples)
+                    shipped += len(samples)
+                tg.cancel_scope.cancel()
+    except* ReplicaError:
+        # The trainer unloads its adapters right after writing done.json; requests still in
+        # flight under them answer 404 before the next poll sees the end. That is the end too.
+        if not await store.finished():
+            raise
+        logger.info("the trainer finished while rollouts were in flight; stopping")
+    finally:
+        await transport.aclose()
+    return shipped
+
+
+async def _follow_policy(
+    store: RunStore, client: RolloutClient, poll_interval_s: float, scope: anyio.CancelScope
+) -> None:
+    """Switch the client to each new policy the trainer writes; end the shipping at done."""
+    while True:
+        await anyio.sleep(poll_interval_s)
+        if await store.finished():
+            scope.cancel()
+            return
+        name, version = await store.read_policy()
+        if version > client.policy[1]:
+            client.set_policy(name, version)

@@ -1,0 +1,132 @@
+"""Where a run's samples come from: a rollout client in the trainer's process, or rollout
+processes on other machines through the transport's channel.
+
+The training loop sees only :class:`SampleSource`; :func:`rollout_client` builds the client both
+the trainer's own source and a remote rollout process (:mod:`asyncgrpo.run.rollouts`) use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import anyio
+
+from asyncgrpo.rollout.client import RolloutClient
+from asyncgrpo.rollout.dataset import PromptDataset, load_tokenizer
+from asyncgrpo.rollout.window import AdmissionWindow
+from asyncgrpo.sample import Sample
+from asyncgrpo.store.channel import RolloutChannel
+
+if TYPE_CHECKING:
+    from asyncgrpo.config.training import TrainingConfig
+
+
+class SampleSource(Protocol):
+    """Scored samples for the training loop, and what a checkpoint needs to resume them."""
+
+    async def take(self, n: int) -> list[Sample]:
+        """Up to ``n`` samples; fewer only when the source has ended (empty: ended)."""
+        ...
+
+    def set_policy(self, name: str, version: int) -> None:
+        """Generate new samples under adapter ``name`` (loaded on every replica)."""
+        ...
+
+    def position(self) -> int:
+        """Where a resumed run continues (dataset position, or channel sequence)."""
+        ...
+
+    async def committed(self) -> None:
+        """A checkpoint now covers everything taken so far."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Metrics of the source since the last call."""
+        ...
+
+    def queue_size(self) -> int:
+        """Samples ready to be taken."""
+        ...
+
+
+async def rollout_client(
+    cfg: TrainingConfig,
+    base_url: str,
+    policy: tuple[str, int],
+    position: int,
+    *,
+    api_key: str | None,
+    window: AdmissionWindow | None = None,
+) -> RolloutClient:
+    """The rollout client of a run: the dataset with the model's chat template, via ``base_url``.
+
+    ``window``: in the trainer's process, start no rollout the trainer would drop as stale (a
+    remote client cannot see what the trainer has read, and relies on the queue bound).
+    """
+    tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
+    return RolloutClient(
+        base_url=base_url,
+        dataset=PromptDataset.from_config(cfg.dataset, tokenizer=tokenizer),
+        generation=cfg.generation,
+        rollout=cfg.rollout,
+        policy=policy,
+        start_position=position,
+        api_key=api_key,
+        window=window,
+    )
+
+
+class LocalSource:
+    """Samples from a rollout client in this process; its position is the dataset's."""
+
+    def __init__(self, client: RolloutClient) -> None:
+        self.client = client
+
+    async def take(self, n: int) -> list[Sample]:
+        return await self.client.get(n)
+
+    def set_policy(self, name: str, version: int) -> None:
+        self.client.set_policy(name, version)
+
+    def position(self) -> int:
+        return self.client.position
+
+    async def committed(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        return self.client.stats()
+
+    def queue_size(self) -> int:
+        return self.client.queue_size
+
+
+class ChannelSource:
+    """Samples shipped by remote rollout processes; the policy travels as ``policy.json``
+    (:class:`~asyncgrpo.store.run_documents.RunStore`), which the trainer writes and they poll."""
+
+    def __init__(self, channel: RolloutChannel) -> None:
+        self.channel = channel
+        self.buffer: list[Sample] = []
+
+    async def take(self, n: int) -> list[Sample]:
+        while not self.buffer:
+            batch = await self.channel.receive()
+            self.buffer = list(batch.samples)
+        out, self.buffer = self.buffer[:n], self.buffer[n:]
+        return out
+
+    def set_policy(self, name: str, version: int) -> None:
+        pass  # the trainer writes policy.json; rollout processes poll it
+
+    def position(self) -> int:
+        return self.channel.position or 0
+
+    async def committed(self) -> None:
+        await self.channel.commit()
+
+    def stats(self) -> dict[str, float]:
+        return {"rollout/quarantined_batches": float(self.channel.quarantined)}
+
+    def queue_size(self) -> int:
+        return len(self.buffer)

@@ -1,0 +1,242 @@
+"""Adapter sync: publish version N, get it onto every replica, retire N - (max_staleness + 1).
+
+The sequence (the trainer's clock, ``perf/weight_sync_s``):
+
+1. publish the saved adapter to the :class:`~asyncgrpo.store.adapters.AdapterStore` (files, then the
+   manifest: readers never see half a version);
+2. decide where replicas load it from (:class:`AdapterSource`, the one place that decides it):
+   a reference into the transport that each replica fetches and verifies itself
+   (:class:`TransportSource`: replicas on other machines), or a directory on this host that the
+   trainer fetched (:class:`LocalCacheSource`: replicas that share this filesystem);
+3. the load on every replica, all or nothing (the proxy rolls back a partial load), while the
+   replicas keep serving: no ``/pause``, which would stop every run's generation on a shared
+   fleet, and none is needed since a new version is a new name no request uses yet;
+4. switch the rollouts to the new name (``on_loaded``), then unload the version that fell out of
+   the staleness window.
+
+So no request ever names an adapter that some replica lacks: the new name is used only once it
+is loaded everywhere, and the old one is retired only after the switch (unloading first races
+when ``max_staleness=0``: it retires the version rollouts are still requesting, and they get 404). A load that
+keeps failing raises :class:`SyncError`; the trainer never trains on as if the replicas had the
+new version. A refusal that a retry cannot change (a tampered file, a source the replicas do
+not allow) fails at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Protocol
+
+import anyio
+
+from asyncgrpo.errors import ReplicaError, ReplicaHTTPError, SyncError
+from asyncgrpo.serve.adapter_fetch import adapter_uri
+from asyncgrpo.store.adapters import AdapterStore
+from asyncgrpo.vllm.client import VLLMClient
+
+logger = logging.getLogger(__name__)
+
+
+def adapter_name(prefix: str, version: int) -> str:
+    """vLLM model name of a version: a new name per version, since vLLM keys its prefix cache
+    by adapter name and a reused name would mix KV from old weights with new ones."""
+    return f"{prefix}-v{version}"
+
+
+class AdapterSource(Protocol):
+    """Where replicas find version N: a local path, or a transport URI they fetch themselves."""
+
+    async def locate(self, prefix: str, version: int) -> str: ...
+
+
+class TransportSource:
+    """Send the replicas a reference into the transport; each fetches the version itself.
+
+    Nothing of the trainer's disk is involved, so replicas can run anywhere that reaches the
+    transport (asyncgrpo's vLLM plugin does the fetch, verifying every sha256).
+    """
+
+    def __init__(self, store: AdapterStore) -> None:
+        self.store = store
+
+    async def locate(self, prefix: str, version: int) -> str:
+        return adapter_uri(self.store.transport.url, self.store.prefix, prefix, version)
+
+
+class LocalCacheSource:
+    """Fetch each version from the store into a directory the replicas can read.
+
+    Right only when the replicas share this host's filesystem (local replicas, or one mounted
+    identically everywhere). The fetch verifies every checksum and appears atomically, so a
+    replica never loads half a version.
+    """
+
+    def __init__(self, store: AdapterStore, cache_dir: str | Path) -> None:
+        self.store = store
+        self.cache_dir = Path(cache_dir)
+
+    async def locate(self, prefix: str, version: int) -> str:
+        return str(await self.store.fetch(prefix, version, self.cache_dir))
+
+
+class AdapterLoader(Protocol):
+    """Load and unload on every replica; the proxy by default."""
+
+    async def load(self, name: str, location: str) -> None: ...
+    async def unload(self, name: str) -> None: ...
+    async def loaded(self) -> list[str]: ...
+
+
+class ProxyLoader:
+    """Broadcast through the asyncgrpo proxy (or a single vLLM server: same API).
+
+    ``fetching``: locations are transport URIs for the replicas' adapter plugin
+    (:class:`TransportSource`), not local paths.
+    """
+
+    def __init__(self, client: VLLMClient, *, fetching: bool = False) -> None:
+        self.client = client
+        self.fetching = fetching
+
+    async def load(self, name: str, location: str) -> None:
+        if self.fetching:
+            await self.client.load_lora_adapter_from(name, location)
+        else:
+            await self.client.load_lora_adapter(name, location)
+
+    async def unload(self, name: str) -> None:
+        if self.fetching:  # the plugin also drops the replica's cached copy
+            await self.client.unload_fetched_adapter(name)
+        else:
+            await self.client.unload_lora_adapter(name)
+
+    async def loaded(self) -> list[str]:
+        return await self.client.models()
+
+
+class AdapterSync:
+    """Runs the sync sequence for one run's adapter versions."""
+
+    def __init__(
+        self,
+        *,
+        store: AdapterStore,
+        source: AdapterSource,
+        loader: AdapterLoader,
+        prefix: str,
+        max_staleness: int,
+        base_model: str | None = None,
+        attempts: int = 3,
+        retry_backoff_s: float = 2.0,
+    ) -> None:
+        self.store = store
+        self.source = source
+        self.loader = loader
+        self.prefix = prefix
+        self.max_staleness = max_staleness
+        self.base_model = base_model
+        self.attempts = attempts
+        self.retry_backoff_s = retry_backoff_s
+        self.loaded: list[int] = []  #: versions this process loaded and has not unloaded
+
+    def name(self, version: int) -> str:
+        return adapter_name(self.prefix, version)
+
+    async def retire_leftovers(self, keep: Iterable[int] = ()) -> list[str]:
+        """Unload this run's versions left on the replicas by an earlier (killed) process."""
+        keep_names = {self.name(v) for v in keep}
+        stale = [
+            m for m in await self.loader.loaded()
+            if m.startswith(f"{self.prefix}-v") and m not in keep_names
+        ]  # fmt: skip
+        for name in stale:
+            try:
+                await self.loader.unload(name)
+            except ReplicaError as exc:
+                logger.warning("could not unload leftover adapter %s: %s", name, exc)
+        return stale
+
+    async def unload_all(self, timeout_s: float = 30.0) -> None:
+        """Unload every version this process loaded (on exit: the store keeps them all)."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
+            for version in list(self.loaded):
+                try:
+                    await self.loader.unload(self.name(version))
+                except ReplicaError as exc:
+                    logger.warning("unloading %s failed: %s", self.name(version), exc)
+                self.loaded.remove(version)
+
+    async def sync(
+        self,
+        version: int,
+        local_dir: str | Path,
+        *,
+        step: int,
+        on_loaded: Callable[[str, int], Awaitable[None]] | None = None,
+    ) -> dict[str, float]:
+        """Publish ``local_dir`` as ``version`` and load it everywhere; returns timing metrics.
+
+        ``on_loaded(name, version)`` runs once every replica has the new version and before the
+        oldest is unloaded: switch the rollouts there. With ``max_staleness=0`` the version
+        retired is the one rollouts were still requesting, so the switch must come first.
+        """
+        t0 = time.perf_counter()
+        await self.store.publish(
+            self.prefix, version, Path(local_dir), step=step, base_model=self.base_model
+        )
+        t1 = time.perf_counter()
+        location = await self.source.locate(self.prefix, version)
+        t2 = time.perf_counter()
+        await self._load_everywhere(self.name(version), location)
+        self.loaded.append(version)
+        if on_loaded is not None:
+            await on_loaded(self.name(version), version)
+        t3 = time.perf_counter()
+        await self._retire(version)
+        t4 = time.perf_counter()
+        return {
+            "perf/weight_sync_s": t4 - t0,
+            "perf/weight_sync/publish_s": t1 - t0,
+            "perf/weight_sync/fetch_s": t2 - t1,
+            "perf/weight_sync/load_s": t3 - t2,
+            "perf/weight_sync/unload_s": t4 - t3,
+        }
+
+    async def _load_everywhere(self, name: str, location: str) -> None:
+        last: Exception | None = None
+        for attempt in range(1, self.attempts + 1):
+            try:
+                await self.loader.load(name, location)
+                return
+            except ReplicaError as exc:
+                last = exc
+                logger.warning("loading %s failed (attempt %d/%d): %s", name, attempt,
+                               self.attempts, exc)  # fmt: skip
+                if _permanent(exc):
+                    raise SyncError(
+                        f"adapter {name} was refused and a retry cannot change that; training "
+                        f"stops rather than train on a version the replicas lack: {exc}"
+                    ) from exc
+                if attempt < self.attempts:
+                    await anyio.sleep(self.retry_backoff_s * attempt)
+        raise SyncError(
+            f"adapter {name} could not be loaded on every replica after {self.attempts} "
+            f"attempts; training stops rather than train on a version the replicas lack: {last}"
+        ) from last
+
+    async def _retire(self, newest: int) -> None:
+        oldest_kept = newest - self.max_staleness
+        for version in [v for v in self.loaded if v < oldest_kept]:
+            try:
+                await self.loader.unload(self.name(version))
+            except ReplicaError as exc:  # vLLM may have evicted it already; never fatal
+                logger.warning("unloading %s failed: %s", self.name(version), exc)
+            self.loaded.remove(version)
+
+
+def _permanent(exc: ReplicaError) -> bool:
+    """A refusal a retry cannot change: bad request, forbidden source, tampered files."""
+    return isinstance(exc, ReplicaHTTPError) and exc.status in (400, 401, 403, 422)

@@ -1,0 +1,437 @@
+"""``await run_training(cfg)``: the run's phases, in order, on rank 0.
+
+:func:`run_training` reads as the run's phases in order, each a function or async context
+manager saying why it is there: open the run (transport, run id), the endpoint (local replicas
+behind a proxy, or a standalone proxy it is given: :mod:`asyncgrpo.run.endpoint`), preflight checks
+and adapter sync, the trainer (resumed), the first version, the sample source
+(:mod:`asyncgrpo.run.sources`), the training loop, the finish. What a phase holds (transport,
+replicas and proxy, loaded adapters, rollouts) sits on one exit stack, so success, an error and
+cancellation all undo it in reverse order.
+
+Elsewhere: the other data-parallel ranks (:mod:`asyncgrpo.run.follower`), the rollout processes of a
+split run (:mod:`asyncgrpo.run.rollouts`), the run's documents in its transport
+(:mod:`asyncgrpo.store.run_documents`).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+
+from asyncgrpo.config.model_source import check_model
+from asyncgrpo.config.settings import redacted
+from asyncgrpo.config.training import TrainingConfig
+from asyncgrpo.errors import ConfigError, ReplicaError
+from asyncgrpo.rollout.window import AdmissionWindow
+from asyncgrpo.run.endpoint import Endpoint, open_endpoint
+from asyncgrpo.run.follower import follow
+from asyncgrpo.run.metrics import MetricsWriter
+from asyncgrpo.run.sources import ChannelSource, LocalSource, SampleSource, rollout_client
+from asyncgrpo.run.sync import (
+    AdapterLoader,
+    AdapterSource,
+    AdapterSync,
+    LocalCacheSource,
+    ProxyLoader,
+    TransportSource,
+)
+from asyncgrpo.sample import Sample
+from asyncgrpo.store.adapters import AdapterStore
+from asyncgrpo.store.channel import RolloutChannel
+from asyncgrpo.store.checkpoints import CheckpointStore
+from asyncgrpo.store.run_documents import RunResult, RunStore, run_transport_url
+from asyncgrpo.trainer.staleness import filter_stale, staleness_stats
+from asyncgrpo.transport import Transport, open_transport
+from asyncgrpo.vllm.client import VLLMClient, check_adapter_fetching, check_lora_capacity
+
+__all__ = ["LoaderFactory", "RunResult", "StepHook", "run_training"]
+
+logger = logging.getLogger(__name__)
+
+KEEP_CHECKPOINTS = 2
+#: Seconds the proxy may take to say how its fleet is; a step does not wait longer.
+FLEET_TIMEOUT_S = 2.0
+
+#: Called before each optimizer step with (step, samples, adapter version), and awaited if it
+#: returns an awaitable: tests use it to check served logprobs against the trainer's, and to
+#: change the fleet at a given step.
+StepHook = Callable[[int, Sequence[Sample], int], Awaitable[None] | None]
+#: Builds the adapter loader from the proxy URL (tests inject faults here).
+LoaderFactory = Callable[[str], AdapterLoader]
+
+
+async def _save_adapter(trainer: Any, directory: Path, version: int) -> Path:
+    """Save the weights published as ``version`` (the trainer counts staleness from it)."""
+    return await anyio.to_thread.run_sync(lambda: trainer.save_adapter(directory, version=version))
+
+
+@dataclass
+class _Run:
+    """What the phases of one run share: its settings, its storage and its adapter names."""
+
+    cfg: TrainingConfig
+    transport: Transport
+    documents: RunStore  #: run.json, policy.json, done.json
+    run_id: str
+    prefix: str  #: vLLM names are ``<prefix>-v<N>``
+    store: AdapterStore
+    checkpoints: CheckpointStore
+    cache_dir: Path  #: versions fetched here for replicas that share this disk
+
+
+@dataclass
+class _Start:
+    """The trainer and where it starts: the latest checkpoint's step and dataset position."""
+
+    trainer: Any
+    resumed_from: int | None
+    position: int
+
+
+async def run_training(
+    cfg: TrainingConfig,
+    *,
+    rollout_source: Literal["local", "channel"] = "local",
+    on_step: StepHook | None = None,
+    loader_factory: LoaderFactory | None = None,
+    progress: Callable[[int, dict[str, float]], None] | None = None,
+) -> RunResult:
+    """Train ``cfg`` to ``trainer.max_steps``; resumes from the latest checkpoint if any.
+
+    One line per phase; the exit stack undoes them in reverse (rollouts stop, adapters unload,
+    proxy and replicas stop, the transport closes) on success, an error and cancellation alike.
+    """
+    from asyncgrpo.trainer.distributed import DataParallel
+
+    _check_rollout_source(cfg, rollout_source)
+    await anyio.to_thread.run_sync(check_model, cfg.model)
+    dp = DataParallel.from_env(timeout_s=cfg.trainer.dp_timeout_s)  # None in one process
+    if dp is not None and not dp.is_main:
+        return await follow(cfg, dp)
+    async with AsyncExitStack() as stack:
+        run = await stack.enter_async_context(_open_run(cfg, dp))
+        endpoint = await stack.enter_async_context(
+            open_endpoint(cfg, run.cache_dir, run.transport.url)
+        )
+        sync = await stack.enter_async_context(_adapter_sync(run, endpoint, loader_factory))
+        start = await _start_trainer(run, dp)
+        work = Path(await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(dir=cfg.run_dir)))
+        version = await _publish_first_version(run, sync, start.trainer, work)
+        writer = stack.enter_context(_metrics_writer(cfg, run.prefix))
+        source = await stack.enter_async_context(
+            _sample_source(run, endpoint, rollout_source, (sync.name(version), version), start)
+        )
+        proxy = await stack.enter_async_context(
+            VLLMClient(endpoint.url, api_key=endpoint.api_key, timeout_s=FLEET_TIMEOUT_S)
+        )
+        step, version = await _train(
+            run, start.trainer, sync, source, writer, work, version,
+            on_step=on_step, progress=progress, fleet=lambda: _fleet_metrics(proxy),
+        )  # fmt: skip
+        return await _finish(run, start, step, version)
+
+
+def _check_rollout_source(cfg: TrainingConfig, rollout_source: str) -> None:
+    """Refuse a split run that would unload versions remote rollouts still use."""
+    if rollout_source == "channel" and cfg.trainer.max_staleness < 1:
+        raise ConfigError(
+            "split runs need trainer.max_staleness >= 1: remote rollout processes learn of a new "
+            "version by polling, so the previous one must stay loaded a little longer"
+        )
+
+
+@asynccontextmanager
+async def _open_run(cfg: TrainingConfig, dp: Any) -> AsyncIterator[_Run]:
+    """The run directory, the transport, and the run's identity in it.
+
+    The run id lives in the transport (``run.json``), so a restarted run keeps its adapter names
+    and continues their numbering instead of colliding with an old ``-v1``.
+    """
+    await anyio.Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    transport = open_transport(run_transport_url(cfg))
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(transport.aclose)
+        if dp is not None:
+            stack.callback(dp.close)
+        documents = RunStore(transport)
+        run_id = await documents.run_id(cfg.run_name)
+        yield _Run(
+            cfg=cfg,
+            transport=transport,
+            documents=documents,
+            run_id=run_id,
+            prefix=f"{cfg.run_name}-{run_id}",
+            store=AdapterStore(transport),
+            checkpoints=CheckpointStore(transport, keep_last=KEEP_CHECKPOINTS),
+            cache_dir=(cfg.run_dir / "adapter-cache").resolve(),
+        )
+
+
+@asynccontextmanager
+async def _adapter_sync(
+    run: _Run, endpoint: Endpoint, loader_factory: LoaderFactory | None
+) -> AsyncIterator[AdapterSync]:
+    """The preflight checks and the run's LoRA slots booked on the proxy, then the sync that
+    publishes each version and loads it on every replica through the proxy; on exit it unloads
+    what it loaded (the store keeps them all) and gives the slots back."""
+    cfg = run.cfg
+    async with VLLMClient(endpoint.url, api_key=endpoint.api_key) as client:
+        fetching = await _preflight(cfg, client, run.transport.url)
+        source: AdapterSource
+        if fetching:  # replicas fetch each version themselves: nothing of this disk is needed
+            source = TransportSource(run.store)
+        else:
+            source = LocalCacheSource(run.store, run.cache_dir)
+        loader = (
+            loader_factory(endpoint.url)
+            if loader_factory
+            else ProxyLoader(client, fetching=fetching)
+        )
+        sync = AdapterSync(
+            store=run.store,
+            source=source,
+            loader=loader,
+            prefix=run.prefix,
+            max_staleness=cfg.trainer.max_staleness,
+            base_model=cfg.model,
+        )
+        async with _lora_slots(cfg, client, run.prefix):
+            try:
+                yield sync
+            finally:
+                await sync.unload_all()
+
+
+@asynccontextmanager
+async def _lora_slots(cfg: TrainingConfig, client: VLLMClient, prefix: str) -> AsyncIterator[None]:
+    """Book the LoRA slots this run keeps loaded at most (``max_staleness + 2``) on the proxy,
+    which refuses, naming ``--max-loras``, a run the replicas cannot hold besides the other runs
+    sharing them (and sets the run's share weight); give them back at the end."""
+    slots = cfg.trainer.max_staleness + 2
+    booked = await client.register_run(prefix, lora_slots=slots, weight=cfg.rollout.share_weight)
+    try:
+        yield
+    finally:
+        if booked:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                try:
+                    await client.release_run(prefix)
+                except ReplicaError as exc:  # the proxy lets the booking lapse by itself
+                    logger.warning("could not give back the run's LoRA slots: %s", exc)
+
+
+async def _preflight(cfg: TrainingConfig, client: VLLMClient, transport_url: str) -> bool:
+    """Refuse to start, before the trainer loads its model, when the served replicas cannot
+    hold the run: LoRA off, a rank or slot count too small, or (when replicas fetch adapters
+    themselves: ``serve.adapter_delivery``) no asyncgrpo vLLM plugin or no access to this
+    run's transport. Returns whether the replicas fetch."""
+    check_lora_capacity(
+        await client.server_info(), lora_rank=cfg.lora.r, max_staleness=cfg.trainer.max_staleness
+    )
+    fetching = cfg.serve.delivery(remote_replicas=bool(cfg.proxy.upstreams)) == "fetch"
+    if fetching:
+        check_adapter_fetching(await client.adapter_plugin_info(), transport_url)
+    return fetching
+
+
+async def _start_trainer(run: _Run, dp: Any) -> _Start:
+    """The trainer, resumed from the latest checkpoint if there is one; under torchrun every
+    rank resumes from the checkpoint rank 0 names here."""
+    from asyncgrpo.trainer.loop import Trainer
+
+    cfg = run.cfg
+    trainer = await anyio.to_thread.run_sync(lambda: Trainer.from_config(cfg, dp=dp))
+    latest = await run.checkpoints.latest_checkpoint()
+    if dp is not None:
+        await anyio.to_thread.run_sync(dp.broadcast, {"step": latest, "prefix": run.prefix})
+    if latest is None:
+        return _Start(trainer=trainer, resumed_from=None, position=0)
+    dest = cfg.run_dir / "resume" / f"step-{latest}"
+    ckpt_dir, meta = await run.checkpoints.load(latest, dest)
+    await anyio.to_thread.run_sync(trainer.load_checkpoint, ckpt_dir)
+    position = int(meta.get("position", 0))
+    logger.info("resumed from checkpoint step %d (data position %d)", latest, position)
+    return _Start(trainer=trainer, resumed_from=latest, position=position)
+
+
+async def _publish_first_version(run: _Run, sync: AdapterSync, trainer: Any, work: Path) -> int:
+    """Publish the starting policy as a fresh version, load it everywhere and name it in
+    ``policy.json``. Fresh even on resume: a name is never reused, even after a crash, so no
+    replica can serve other weights under it. Returns the version."""
+    last = await run.store.latest(run.prefix)
+    version = 0 if last is None else last + 1
+    await sync.retire_leftovers()
+    step = trainer.step_count
+    await sync.sync(version, await _save_adapter(trainer, work / f"v{version}", version), step=step)
+    await run.documents.write_policy(sync.name(version), version)
+    return version
+
+
+def _metrics_writer(cfg: TrainingConfig, prefix: str) -> MetricsWriter:
+    """One metrics line per logged step, to ``metrics.jsonl`` and (optionally) trackio."""
+    return MetricsWriter(
+        cfg.run_dir,
+        jsonl=cfg.logging.jsonl,
+        trackio=cfg.logging.trackio,
+        project=cfg.logging.trackio_project,
+        run_name=prefix,
+        config=redacted(cfg),
+    )
+
+
+@asynccontextmanager
+async def _sample_source(
+    run: _Run, endpoint: Endpoint, rollout_source: str, policy: tuple[str, int], start: _Start
+) -> AsyncIterator[SampleSource]:
+    """Where samples come from: this process's rollout client, or remote rollout processes
+    through the transport's channel (continued from the checkpoint's position on resume)."""
+    cfg = run.cfg
+    tcfg = cfg.trainer
+    if rollout_source != "local":
+        channel = RolloutChannel(run.transport)
+        if start.resumed_from is not None:
+            await channel.seek(start.position)
+        yield ChannelSource(channel)
+        return
+    # Start no rollout the trainer would drop as stale.
+    window = AdmissionWindow(
+        per_version=tcfg.samples_per_step * tcfg.weight_sync_steps,
+        max_staleness=tcfg.max_staleness,
+    )
+    client = await rollout_client(
+        cfg, endpoint.url, policy, start.position, api_key=endpoint.api_key, window=window
+    )
+    async with client:
+        yield LocalSource(client)
+
+
+async def _train(
+    run: _Run,
+    trainer: Any,
+    sync: AdapterSync,
+    source: SampleSource,
+    writer: MetricsWriter,
+    work: Path,
+    version: int,
+    *,
+    on_step: StepHook | None,
+    progress: Callable[[int, dict[str, float]], None] | None,
+    fleet: Callable[[], Awaitable[dict[str, float]]],
+) -> tuple[int, int]:
+    """The loop, until ``trainer.max_steps`` or the end of the dataset: fresh samples, one
+    optimizer step; every ``weight_sync_steps`` publish and load a new version and switch the
+    rollouts to it; every ``save_steps`` a checkpoint; one metrics line. Returns (step, version).
+    """
+    tcfg = run.cfg.trainer
+
+    async def switch_policy(name: str, new_version: int) -> None:
+        source.set_policy(name, new_version)
+        await run.documents.write_policy(name, new_version)
+
+    step = trainer.step_count
+    dropped_total = 0
+    while step < tcfg.max_steps:
+        t_step = time.perf_counter()
+        samples, dropped = await _take_fresh(
+            source, tcfg.samples_per_step, version, tcfg.max_staleness
+        )
+        dropped_total += dropped
+        wait_s = time.perf_counter() - t_step
+        if not samples:
+            logger.info("the dataset is exhausted after %d steps", step)
+            break
+        if on_step is not None and (hooked := on_step(step + 1, samples, version)) is not None:
+            await hooked
+        metrics = await anyio.to_thread.run_sync(trainer.step, samples)
+        step = trainer.step_count
+        metrics.update(staleness_stats(samples, current_version=version))
+        metrics.update(source.stats())
+        metrics["perf/rollout_wait_s"] = wait_s
+        metrics["sample/dropped_stale_total"] = float(dropped_total)
+        metrics["sample/rollout_queue_size"] = float(source.queue_size())
+        metrics["adapter_version"] = float(version)
+
+        if step % tcfg.weight_sync_steps == 0:
+            version += 1
+            adapter_dir = await _save_adapter(trainer, work / f"v{version}", version)
+            metrics.update(
+                await sync.sync(version, adapter_dir, step=step, on_loaded=switch_policy)
+            )
+            metrics["adapter_version"] = float(version)
+
+        if tcfg.save_steps and (step % tcfg.save_steps == 0 or step == tcfg.max_steps):
+            t_ckpt = time.perf_counter()
+            await _checkpoint(run, trainer, source, work / f"ckpt-{step}", step, version)
+            metrics["perf/checkpoint_s"] = time.perf_counter() - t_ckpt
+
+        metrics["perf/step_s"] = time.perf_counter() - t_step
+        metrics.update(await fleet())
+        if step % run.cfg.logging.log_every == 0:
+            writer.log(metrics, step=step)
+        if progress is not None:
+            progress(step, metrics)
+    return step, version
+
+
+async def _fleet_metrics(proxy: VLLMClient) -> dict[str, float]:
+    """The proxy's fleet as ``fleet/*`` metrics (replicas in rotation, joins, rejoins, left,
+    catch-ups, requests and generation seconds lost to failures); none when it does not say."""
+    try:
+        doc = await proxy.proxy_stats()
+    except ReplicaError:
+        return {}
+    fleet = doc.get("fleet") if doc is not None else None
+    if not isinstance(fleet, dict):
+        return {}
+    return {f"fleet/{k}": float(v) for k, v in fleet.items() if isinstance(v, int | float)}
+
+
+async def _take_fresh(
+    source: SampleSource, n: int, version: int, max_staleness: int
+) -> tuple[list[Sample], int]:
+    """``n`` samples within ``max_staleness`` of ``version`` (fewer only when the source ends),
+    and how many staler ones were dropped on the way."""
+    samples: list[Sample] = []
+    dropped_total = 0
+    while len(samples) < n:
+        got = await source.take(n - len(samples))
+        if not got:
+            break
+        fresh, dropped = filter_stale(got, current_version=version, max_staleness=max_staleness)
+        samples += fresh
+        dropped_total += dropped
+    return samples, dropped_total
+
+
+async def _checkpoint(
+    run: _Run, trainer: Any, source: SampleSource, directory: Path, step: int, version: int
+) -> None:
+    """Trainer state plus the data position through the transport; then the channel may drop
+    what the checkpoint covers (a resumed run continues from that position)."""
+    meta = {"version": version, "position": source.position(), "run_id": run.run_id}
+    ckpt = await anyio.to_thread.run_sync(lambda: trainer.save_checkpoint(directory, extra=meta))
+    await run.checkpoints.save(step, ckpt, meta)
+    await source.committed()
+
+
+async def _finish(run: _Run, start: _Start, step: int, version: int) -> RunResult:
+    """Release the other ranks (their :func:`~asyncgrpo.run.follower.follow` returns) and write
+    ``done.json``, which ends the split run's rollout processes."""
+    await anyio.to_thread.run_sync(start.trainer.release)
+    await run.documents.finish(step, version)
+    return RunResult(
+        run_dir=run.cfg.run_dir,
+        adapter_prefix=run.prefix,
+        steps=step,
+        final_version=version,
+        resumed_from_step=start.resumed_from,
+        transport_url=run.transport.url,
+    )

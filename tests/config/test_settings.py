@@ -1,0 +1,226 @@
+"""One configuration model for every entry point: flags, environment and YAML from the fields."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncgrpo.config.settings import add_fields, env_overrides, field_docs, parse_args
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.proxy.__main__ import parse as parse_proxy
+from asyncgrpo.proxy.config import ProxyConfig
+from asyncgrpo.serve.__main__ import parse as parse_serve
+
+ROOT = Path(__file__).resolve().parents[2]
+PROXY = [sys.executable, "-m", "asyncgrpo.proxy", "--upstream", "http://127.0.0.1:9"]
+SERVE = [sys.executable, "-m", "asyncgrpo.serve", "--model", "m"]
+TRAIN = [
+    sys.executable,
+    "-m",
+    "asyncgrpo.cli.main",
+    "train",
+    str(ROOT / "examples" / "tiny_cpu.yaml"),
+]
+ROLLOUT = [
+    sys.executable,
+    "-m",
+    "asyncgrpo.cli.main",
+    "rollout",
+    str(ROOT / "examples/tiny_cpu.yaml"),
+]
+
+# (command, bad arguments, what the one-line error must name): every CLI, every kind of field.
+BAD_VALUES = [
+    (PROXY, ["--port", "eighty"], "--port"),  # int
+    (PROXY, ["--imbalance-ratio", "fast"], "--imbalance-ratio"),  # float
+    (PROXY, ["--routing", "random"], "routing"),  # choice
+    (PROXY, ["--lora-root", "relative/dir"], "lora_roots"),  # path
+    (PROXY, ["--upstream", "localhost:8000"], "upstreams"),  # URL
+    (PROXY, ["--upstream", "http://127.0.0.1:9/"], "upstreams"),  # tuple: listed twice
+    (PROXY, ["--config", "/nonexistent/proxy.yaml"], "/nonexistent/proxy.yaml"),  # path
+    (PROXY, ["--upstream-api-key-env", "ASYNCGRPO_TEST_UNSET"], "--upstream-api-key-env"),
+    (SERVE, ["--replicas", "two"], "--replicas"),  # int
+    (SERVE, ["--kv-cache-gib", "1.5"], "--kv-cache-gib"),  # int, not a fraction
+    (SERVE, ["--startup-timeout-s", "soon"], "--startup-timeout-s"),  # float
+    (SERVE, ["--spread-cpu-cores=maybe"], "--spread-cpu-cores"),  # bool
+    (SERVE, ["--dtype", "half"], "--dtype"),  # choice
+    (SERVE, ["--config", "/nonexistent/serve.yaml"], "/nonexistent/serve.yaml"),  # path
+    (SERVE, ["--nice", "20"], "serve.nice"),  # range
+    (SERVE, ["--host", "0.0.0.0"], "serve.api_key"),  # no key off loopback
+    (SERVE[:3], [], "--model"),  # required
+    (TRAIN, ["trainer.max_steps=1.5"], "trainer.max_steps"),  # int
+    (TRAIN, ["trainer.learning_rate=fast"], "trainer.learning_rate"),  # float
+    (TRAIN, ["logging.jsonl=maybe"], "logging.jsonl"),  # bool
+    (TRAIN, ["trainer.lr_schedule=step"], "trainer.lr_schedule"),  # choice
+    (TRAIN, ["proxy.lora_roots=[relative]"], "lora_roots"),  # path
+    (TRAIN, ["proxy.upstreams=[localhost:8000]"], "upstreams"),  # URL
+    (TRAIN, ["rollout.reward_weights=[a]"], "rollout.reward_weights"),  # list
+    (TRAIN, ["serve.kv_cache_gib=1.5"], "serve.kv_cache_gib"),
+    (TRAIN, ["serve.lora_rank=8"], "serve.lora_rank"),  # set from lora.r
+    ([*TRAIN[:4], "/nonexistent/run.yaml"], [], "/nonexistent/run.yaml"),  # path
+    (ROLLOUT, ["generation.num_generations=many"], "generation.num_generations"),
+]
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "names"), BAD_VALUES, ids=[" ".join(a) or n for _, a, n in BAD_VALUES]
+)
+def test_every_cli_refuses_a_bad_value_in_one_line(
+    command: list[str], args: list[str], names: str
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ASYNCGRPO_PROXY_API_KEY": ""}
+    env.pop("ASYNCGRPO_TEST_UNSET", None)
+    p = subprocess.run([*command, *args], capture_output=True, text=True, env=env, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2, p.stderr
+    assert len(lines) == 1, p.stderr
+    assert names in lines[0] and "error:" in lines[0], lines[0]
+
+
+def test_a_config_file_with_a_removed_key_says_what_replaced_it(tmp_path) -> None:
+    """The client-side balancer is gone; a file still capping it per replica is told why."""
+    config = tmp_path / "run.yaml"
+    data = yaml.safe_load((ROOT / "examples" / "tiny_cpu.yaml").read_text())
+    data["rollout"]["max_inflight_per_replica"] = 3
+    config.write_text(yaml.safe_dump(data))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([*TRAIN[:4], str(config), "--dry-run"], capture_output=True, text=True,
+                       env=env, timeout=120)  # fmt: skip
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert "rollout.max_inflight_per_replica was removed" in lines[0], lines[0]
+    assert "the proxy balances load" in lines[0], lines[0]
+
+
+def test_flags_are_typed_from_the_fields() -> None:
+    config, level = parse_proxy(
+        ["--upstream", "http://a:1", "--upstream", "http://b:2", "--imbalance-ratio", "2",
+         "--block-size", "none", "--port", "0", "--log-level", "debug"]
+    )  # fmt: skip
+    assert config.upstreams == ("http://a:1", "http://b:2")
+    assert config.imbalance_ratio == 2.0 and isinstance(config.imbalance_ratio, float)
+    assert (config.block_size, config.port, level) == (None, 0, "DEBUG")
+    serve = parse_serve(
+        ["--model", "m", "--no-spread-cpu-cores", "--kv-cache-gib", "2", "--", "--seed", "1"]
+    )
+    assert (serve.spread_cpu_cores, serve.kv_cache_gib) == (False, 2)
+    assert serve.extra_args == ["--seed", "1"]
+    assert parse_serve(["--model", "m", "--spread-cpu-cores"]).spread_cpu_cores is True
+
+
+def test_serve_register_reads_the_admin_key_from_the_environment(monkeypatch, capsys) -> None:
+    from asyncgrpo.serve.__main__ import _parse
+
+    monkeypatch.setenv("ASYNCGRPO_PROXY_ADMIN_API_KEY", "adm-default")
+    monkeypatch.setenv("MY_ADMIN", "adm-mine")
+    _, reg, _ = _parse(["--model", "m", "--register", "http://p:1/"])
+    assert (reg.proxy, reg.key) == ("http://p:1", "adm-default") and "adm" not in repr(reg)
+    _, reg, _ = _parse(
+        ["--model", "m", "--register", "http://p:1", "--register-key-env", "MY_ADMIN"]
+    )
+    assert reg.key == "adm-mine"
+    assert _parse(["--model", "m"])[1] is None
+    for argv, message in [
+        (["--register", "p:1"], "write the proxy's URL"),
+        (["--register", "http://p:1", "--register-key-env", "UNSET_X"], "UNSET_X: that variable"),
+        (["--register-key-env", "MY_ADMIN"], "without --register"),
+        (["--register", "http://p:1", "--host", "0.0.0.0", "--api-key-env", "MY_ADMIN"],
+         "bind the address the proxy reaches"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as info:
+            _parse(["--model", "m", *argv])
+        assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_precedence_file_then_environment_then_flags(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "proxy.yaml"
+    path.write_text("upstreams: [http://a:1]\nport: 1\nimbalance: 3\nrouting: round_robin\n")
+    monkeypatch.setenv("ASYNCGRPO_PROXY_PORT", "2")
+    monkeypatch.setenv("ASYNCGRPO_PROXY_IMBALANCE", "4")
+    monkeypatch.setenv("ASYNCGRPO_PROXY_API_KEY", "from-env")
+    config, _ = parse_args(
+        ProxyConfig, ["--config", str(path), "--port", "5"], prog="p", description=None,
+        env_prefix="ASYNCGRPO_PROXY_",
+    )  # fmt: skip
+    assert (config.port, config.imbalance, config.routing) == (5, 4, "round_robin")
+    assert config.upstreams == ("http://a:1",) and config.api_key == "from-env"
+    monkeypatch.setenv("MY_TOKEN", "tok")
+    config, _ = parse_args(
+        ProxyConfig, ["--upstream-api-key-env", "MY_TOKEN"], prog="p", description=None,
+        env_prefix="ASYNCGRPO_PROXY_",
+    )  # fmt: skip
+    assert config.upstream_api_key == "tok"
+
+
+def test_environment_list_and_errors() -> None:
+    env = {"P_UPSTREAMS": "http://a:1,http://b:2", "P_PORT": "x"}
+    with pytest.raises(ConfigError, match="P_PORT='x': expected an integer"):
+        env_overrides(ProxyConfig, {}, "P_", env)
+    data = env_overrides(ProxyConfig, {}, "P_", {"P_UPSTREAMS": env["P_UPSTREAMS"]})
+    assert data == {"upstreams": ["http://a:1", "http://b:2"]}
+
+
+def test_secrets_have_no_flag_and_help_works() -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_proxy(["--upstream", "http://a:1", "--api-key", "s3cret"])
+    assert exc.value.code == 2
+    docs = {
+        "asyncgrpo.proxy": "Largest gap between two chunks",
+        "asyncgrpo.serve": "Seconds to wait",
+    }
+    for module, doc in docs.items():
+        out = subprocess.run(
+            [sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60, check=True,
+        ).stdout  # fmt: skip
+        assert "--api-key-env VAR" in out and "--api-key " not in out
+        # each flag's help is its field's docstring, whitespace folded
+        assert doc in " ".join(out.split())
+
+
+@dataclass(kw_only=True)
+class _Documented:
+    plain: int = 1
+    """One line."""
+    wrapped: str = "x"
+    """Two
+    lines."""
+    bare: float = 0.5
+
+
+def test_field_docs_reads_the_string_below_each_field() -> None:
+    docs = field_docs(_Documented)
+    assert docs["plain"] == "One line."
+    assert docs["wrapped"] == "Two lines."
+    assert "bare" not in docs
+    assert "One line." in _help_of(_Documented, "--plain")
+
+
+def _help_of(cls: type, flag: str) -> str:
+    parser = argparse.ArgumentParser()
+    add_fields(parser, cls, env_prefix="X_")
+    return next(a.help for a in parser._actions if flag in a.option_strings)
+
+
+def test_check_fields_names_the_rule_and_allows_none() -> None:
+    from asyncgrpo.serve import ServeConfig
+    from asyncgrpo.trainer.config import TrainerConfig
+
+    with pytest.raises(ConfigError, match=r"^trainer\.max_steps=0: must be >= 1$"):
+        TrainerConfig(max_steps=0)
+    with pytest.raises(ConfigError, match=r"^trainer\.token_budget=0: must be >= 1, or None$"):
+        TrainerConfig(token_budget=0)
+    assert TrainerConfig(token_budget=None).token_budget is None
+    with pytest.raises(ConfigError, match=r"^trainer\.dtype='fp8': use one of 'auto'"):
+        TrainerConfig(dtype="fp8")  # a Literal is checked on direct construction too
+    with pytest.raises(ConfigError, match=r"^serve\.nice=20: must be <= 19$"):
+        ServeConfig(model="m", nice=20)
+    with pytest.raises(ConfigError, match=r"^proxy\.connect_timeout_s=0: must be > 0$"):
+        ProxyConfig(connect_timeout_s=0)

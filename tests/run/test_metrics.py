@@ -1,0 +1,92 @@
+"""Metrics: JSONL writer and reader, NaN-skipping means, and the run plot."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from asyncgrpo.cli.plot import plot_run
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.run.metrics import METRICS_FILE, MetricsBuffer, MetricsWriter, nanmean, read_metrics
+
+
+def test_nanmean_skips_nan_and_none():
+    assert nanmean([1.0, math.nan, 3.0, None]) == 2.0
+    assert math.isnan(nanmean([math.nan]))
+    assert math.isnan(nanmean([]))
+
+
+def test_buffer_means():
+    buf = MetricsBuffer()
+    buf.update({"reward": 1.0, "ratio": 1.0})
+    buf.update({"reward": math.nan, "ratio": 0.5})
+    buf.add("reward", 0.0)
+    assert buf.means() == {"reward": 0.5, "ratio": 0.75}
+    buf.clear()
+    assert buf.means() == {}
+
+
+def test_writer_appends_one_valid_json_object_per_step(tmp_path):
+    with MetricsWriter(tmp_path) as w:
+        w.log({"reward": 0.5, "kl": math.nan, "perf/step_s": 1.25}, step=1)
+        w.log({"reward": 0.7, "kl": 0.01}, step=2)
+    lines = (tmp_path / METRICS_FILE).read_text().splitlines()
+    assert len(lines) == 2
+    first = json.loads(lines[0])  # strict JSON: NaN was written as null
+    assert first["step"] == 1 and first["kl"] is None and first["perf/step_s"] == 1.25
+    assert "NaN" not in lines[0]
+    # A resumed run appends; a replayed step replaces the earlier record when read.
+    with MetricsWriter(tmp_path) as w:
+        w.log({"reward": 0.9}, step=2)
+        w.log({"reward": 1.0}, step=3)
+    with (tmp_path / METRICS_FILE).open("a") as f:
+        f.write('{"step": 4, "rew')  # torn by a crash
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert math.isnan(records[0]["kl"])
+    assert records[1]["reward"] == 0.9
+
+
+def test_writer_without_jsonl_writes_nothing(tmp_path):
+    with MetricsWriter(tmp_path / "run", jsonl=False) as w:
+        w.log({"reward": 1.0}, step=1)
+    assert not (tmp_path / "run").exists()
+
+
+def test_trackio_missing_is_a_config_error(tmp_path):
+    try:
+        import trackio  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="pip install trackio"):
+            MetricsWriter(tmp_path, trackio=True)
+    else:  # installed: it must accept our records
+        with MetricsWriter(tmp_path, trackio=True, project="asyncgrpo-test") as w:
+            w.log({"reward": 1.0}, step=1)
+
+
+def test_plot_run_writes_png(tmp_path):
+    with MetricsWriter(tmp_path) as w:
+        for step in range(1, 11):
+            w.log(
+                {
+                    "reward": step / 10,
+                    "reward_std": 0.1,
+                    "ratio": 1.0,
+                    "perf/step_s": 2.0,
+                    "sample/staleness_mean": 1.0 if step > 1 else math.nan,
+                    "sample/staleness_max": 2.0,
+                    "off_policy/staleness_0/tokens": 0.5,
+                    "off_policy/staleness_1/tokens": 0.5,
+                    "off_policy/staleness_1/weight_mean": 1.1,
+                    "off_policy/staleness_1/weight_max": 3.0,
+                    "off_policy/masked": 0.01,
+                    **({"off_policy/staleness_0/weight_max": 1.0} if step % 3 else {}),
+                },
+                step=step,
+            )
+    out = plot_run(tmp_path)
+    assert out == tmp_path / "plot.png"
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
