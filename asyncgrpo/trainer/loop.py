@@ -84,9 +84,12 @@ def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         for name, value in s.rewards.items():
             per_fn[name].append(value)
     stds = [std for _, std in map(group_stats, groups.values()) if not math.isnan(std)]
+    advs = [abs(s.advantage) for s in samples]
     out = {
         "reward": mean,
         "reward_std": sum(stds) / len(stds) if stds else math.nan,
+        "advantages/abs_mean": sum(advs) / len(advs),
+        "advantages/abs_max": max(advs),
         # the policy's tokens: an episode's environment text is not the model's length
         "completions/mean_length": sum(s.num_policy_tokens for s in samples) / len(samples),
     }
@@ -314,6 +317,7 @@ class Trainer:
             grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
         # -- optimizer step and schedule (a non-finite gradient skips the update)
+        before = [p.detach().clone() for p in self.params]
         if math.isfinite(grad_norm):
             self.optimizer.step()
             self.scheduler.step()
@@ -325,6 +329,7 @@ class Trainer:
                 warnings.simplefilter("ignore", UserWarning)
                 self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        update_norm, param_norm = _norms(self.params, before)
         self.step_count += 1
         self._sync()
         step_s = time.perf_counter() - t_step
@@ -335,6 +340,8 @@ class Trainer:
             "grad_norm": grad_norm,
             "learning_rate": lr,
             **finalize_stats(sums, self.buckets),
+            "collapse/update_norm": update_norm,
+            "collapse/adapter_norm": param_norm,
             "batch/tokens": float(total_tokens),
             "batch/completion_tokens": float(num_tokens),
             "batch/microbatches_per_step": float(num_rows),
@@ -459,6 +466,18 @@ class Trainer:
         state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
         self.load_state_dict(state)  # AdamW moves its state to the parameters' device
         return state.get("extra", {})
+
+
+def _norms(params: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> tuple[float, float]:
+    """The L2 norm of the step's change to the adapter, and of the adapter after it."""
+    with torch.no_grad():
+        delta = [torch.linalg.vector_norm(p.detach() - b) for p, b in zip(params, before, strict=True)]
+        norm = [torch.linalg.vector_norm(p.detach()) for p in params]
+    if not delta:
+        return 0.0, 0.0
+    return float(torch.linalg.vector_norm(torch.stack(delta))), float(
+        torch.linalg.vector_norm(torch.stack(norm))
+    )
 
 
 def _padding_row(rows: Sequence[PackedRow]) -> PackedRow:
