@@ -14,6 +14,7 @@ from __future__ import annotations
 import tempfile
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,8 +54,11 @@ def simulate(
     prompts: int = 4,
     group: int = 8,
     length: int = 8,
+    records: list[dict[str, float]] | None = None,
+    **overrides: Any,
 ) -> list[float]:
-    """The mean reward of each step's samples."""
+    """The mean reward of each step's samples; each step's metrics go to ``records`` if given.
+    ``overrides`` are further ``TrainerConfig`` fields."""
     trainer = Trainer(
         model_dir,
         lora=LoraConfig(r=1, alpha=2.0),
@@ -66,6 +70,7 @@ def simulate(
             token_budget=4096,
             max_steps=steps,
             dtype="float32",
+            **overrides,
         ),
         seed=seed,
         device="cpu",
@@ -101,5 +106,8 @@ def simulate(
             with torch.no_grad():
                 for p, cur in zip(params, now, strict=True):
                     p.copy_(cur)
-            rewards.append(trainer.step(samples)["reward"])
+            metrics = trainer.step(samples)
+            rewards.append(metrics["reward"])
+            if records is not None:
+                records.append(metrics)
     return rewards
