@@ -604,7 +604,9 @@ def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
 def _norms(params: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> tuple[float, float]:
     """The L2 norm of the step's change to the adapter, and of the adapter after it."""
     with torch.no_grad():
-        delta = [torch.linalg.vector_norm(p.detach() - b) for p, b in zip(params, before, strict=True)]
+        delta = [
+            torch.linalg.vector_norm(p.detach() - b) for p, b in zip(params, before, strict=True)
+        ]
         norm = [torch.linalg.vector_norm(p.detach()) for p in params]
     if not delta:
         return 0.0, 0.0
