@@ -57,6 +57,10 @@ class TrainerConfig:
     """Optimizer steps of linear warm-up from 0 to learning_rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW's first-moment decay (momentum), as HF TrainingArguments' adam_beta1."""
+    adam_beta2: float = 0.999
+    """AdamW's second-moment decay, as HF TrainingArguments' adam_beta2."""
     max_grad_norm: float | None = 1.0
     """Clip the gradient norm to this; None disables clipping."""
     epsilon: float = 0.2
@@ -152,8 +156,8 @@ class TrainerConfig:
                 ("learning_rate", "max_grad_norm", "epsilon", "epsilon_high", "dp_timeout_s",
                  "peak_flops", "collapse_drop", "collapse_lr_factor"), 0
             ),
-            lt={"collapse_lr_factor": 1},
-            ge={"warmup_steps": 0, "weight_decay": 0, "samples_per_step": 1, "token_budget": 1,
+            lt={"collapse_lr_factor": 1, "adam_beta1": 1, "adam_beta2": 1},
+            ge={"warmup_steps": 0, "weight_decay": 0, "adam_beta1": 0, "adam_beta2": 0, "samples_per_step": 1, "token_budget": 1,
                 "gradient_accumulation_steps": 1, "max_steps": 1, "max_staleness": 0,
                 "weight_sync_steps": 1, "save_steps": 0, "beta": 0, "collapse_window": 1,
                 "collapse_min_gain": 0},

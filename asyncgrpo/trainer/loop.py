@@ -170,7 +170,10 @@ class Trainer:
                 p.data = p.data.to(self.device)
         self.shape = ModelShape.from_config(self.model.config)
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay
+            self.params,
+            lr=trainer.learning_rate,
+            weight_decay=trainer.weight_decay,
+            betas=(trainer.adam_beta1, trainer.adam_beta2),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
