@@ -37,6 +37,14 @@ in ``N`` but add nothing to the sum. With data parallelism, ``N`` is the complet
 all ranks (exchanged before the first micro-batch) and the ranks' gradients are summed, which
 gives exactly the single-process gradient (``trainer.distributed``).
 
+**Other normalisations** (``trainer.loss_type``, TRL's names): ``grpo`` averages each
+completion's tokens, then the completions; ``dr_grpo`` divides the sum by completions x the
+completion-length bound. Both are per-token factors (``token_normaliser``) computed from the
+step's counts, so micro-batches and ranks still add up to the step's loss.
+
+**KL penalty** (``trainer.beta``): ``beta * kl_t`` per token with TRL's k3 estimate against the
+reference policy, the base model (the adapter disabled), added after the correction's weight.
+
 **Metrics** come back as sums (and maxima) so micro-batches and ranks combine them
 (``add_stats``) before one division (``finalize_stats``). ``ratio`` is the mean ``w`` over the
 *on-policy* tokens only (sampled from exactly the trainer's current weights): there it is the

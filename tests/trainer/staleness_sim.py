@@ -23,6 +23,18 @@ from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 from asyncgrpo.trainer.loop import Trainer
 
 DIGITS = 12  # token ids 0..11 earn reward
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
+#: the optimisation settings of the demo recipe the simulation takes over (the rest is its own)
+RECIPE_FIELDS = ("learning_rate", "scale_rewards", "loss_type", "beta", "adam_beta1",
+                 "adam_beta2", "max_grad_norm", "off_policy", "importance_cap")  # fmt: skip
+
+
+def demo_recipe() -> dict[str, Any]:
+    """The demo's (``examples/tiny_cpu.yaml``) optimisation settings, as ``simulate`` keywords."""
+    import yaml
+
+    section = yaml.safe_load(DEMO.read_text())["trainer"]
+    return {k: section[k] for k in RECIPE_FIELDS if k in section}
 
 
 @torch.no_grad()
