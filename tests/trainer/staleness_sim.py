@@ -58,7 +58,7 @@ def _sample(
 def simulate(
     model_dir: str | Path,
     *,
-    off_policy: str,
+    off_policy: str = "decoupled",
     staleness: int,
     steps: int = 30,
     seed: int = 0,
@@ -70,7 +70,32 @@ def simulate(
     **overrides: Any,
 ) -> list[float]:
     """The mean reward of each step's samples; each step's metrics go to ``records`` if given.
-    ``overrides`` are further ``TrainerConfig`` fields."""
+    ``overrides`` are further ``TrainerConfig`` fields. Runs on one thread: the same sums, so
+    the same trajectory for a seed, however many cores the machine has."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _simulate(model_dir, off_policy=off_policy, staleness=staleness, steps=steps,
+                         seed=seed, learning_rate=learning_rate, prompts=prompts, group=group,
+                         length=length, records=records, **overrides)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _simulate(
+    model_dir: str | Path,
+    *,
+    off_policy: str,
+    staleness: int,
+    steps: int,
+    seed: int,
+    learning_rate: float,
+    prompts: int,
+    group: int,
+    length: int,
+    records: list[dict[str, float]] | None,
+    **overrides: Any,
+) -> list[float]:
     trainer = Trainer(
         model_dir,
         lora=LoraConfig(r=1, alpha=2.0),
