@@ -83,7 +83,7 @@ class TrainerConfig:
     scale_rewards: ScaleRewards = "group"
     """How advantages are scaled after subtracting the group's mean reward (TRL's
     scale_rewards). 'group': divide by the group's reward std (GRPO); 'batch': by the std of the
-    step's rewards (Liu et al.'s recommendation in TRL); 'none': no division (Dr. GRPO), so a
+    step's rewards (TRL's 'batch'); 'none': no division (Dr. GRPO), so a
     group whose rewards differ by 0.01 teaches 0.01's worth. Use 'none' or 'batch' with a
     continuous reward that saturates: with 'group' a converged group's tiny differences become
     full-size advantages (docs/trainer.md)."""

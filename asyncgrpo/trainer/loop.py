@@ -18,6 +18,11 @@ decoupled objective is the current forward pass, detached. A token's staleness i
 newest published version minus the version that sampled it; the trainer learns its versions
 from ``save_adapter(path, version=N)`` (the run publishes through it), and the tokens of that
 version count as on-policy (``ratio``) while the weights have not moved since.
+
+Collapse guard (``trainer.collapse_action``, :mod:`asyncgrpo.trainer.collapse`): rank 0 feeds
+each step's mean reward to the alarm; on a collapse it logs one line and, as configured, asks
+the caller to stop (``stop_requested``) or restores the best step's adapter and optimizer state
+from memory at a lower learning rate (``rollback``).
 """
 
 from __future__ import annotations
