@@ -61,6 +61,9 @@ class TrainerConfig:
     """AdamW's first-moment decay (momentum), as HF TrainingArguments' adam_beta1."""
     adam_beta2: float = 0.999
     """AdamW's second-moment decay, as HF TrainingArguments' adam_beta2."""
+    adam_epsilon: float = 1e-8
+    """AdamW's epsilon, as HF TrainingArguments' adam_epsilon. Larger values stop a gradient in a
+    direction with little history from being amplified up to 1/sqrt(1 - adam_beta2) times."""
     max_grad_norm: float | None = 1.0
     """Clip the gradient norm to this; None disables clipping."""
     epsilon: float = 0.2
@@ -154,7 +157,7 @@ class TrainerConfig:
             self, "trainer",
             gt=dict.fromkeys(
                 ("learning_rate", "max_grad_norm", "epsilon", "epsilon_high", "dp_timeout_s",
-                 "peak_flops", "collapse_drop", "collapse_lr_factor"), 0
+                 "peak_flops", "collapse_drop", "collapse_lr_factor", "adam_epsilon"), 0
             ),
             lt={"collapse_lr_factor": 1, "adam_beta1": 1, "adam_beta2": 1},
             ge={"warmup_steps": 0, "weight_decay": 0, "adam_beta1": 0, "adam_beta2": 0, "samples_per_step": 1, "token_budget": 1,

@@ -179,6 +179,7 @@ class Trainer:
             lr=trainer.learning_rate,
             weight_decay=trainer.weight_decay,
             betas=(trainer.adam_beta1, trainer.adam_beta2),
+            eps=trainer.adam_epsilon,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
