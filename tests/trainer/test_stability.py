@@ -205,7 +205,8 @@ def test_forget_recent_needs_a_full_window_again():
     ("field", "value"),
     [("collapse_window", 0), ("collapse_drop", 0.0), ("collapse_drop", 1.5),
      ("collapse_lr_factor", 1.0), ("collapse_min_gain", -0.1), ("beta", -0.01),
-     ("scale_rewards", "std"), ("loss_type", "token"), ("collapse_action", "rollback_now")],
+     ("scale_rewards", "std"), ("loss_type", "token"), ("collapse_action", "rollback_now"),
+     ("adam_beta1", 1.0), ("adam_beta2", -0.1), ("adam_epsilon", 0.0)],
 )  # fmt: skip
 def test_bad_stability_config_names_the_field(field, value):
     with pytest.raises(ConfigError, match=f"trainer.{field}="):
