@@ -115,3 +115,61 @@ def group_stats(rewards: Sequence[float]) -> tuple[float, float]:
     if len(valid) < 2:
         return mean, math.nan
     return mean, math.sqrt(sum((r - mean) ** 2 for r in valid) / (len(valid) - 1))
+
+
+def centred_advantages(
+    rewards: Sequence[float], advantages: Sequence[float], group_ids: Sequence[str]
+) -> list[float]:
+    """``r - mean(group)`` per sample, recovered from ``group_advantages``' output.
+
+    The rollout client normalises each group by its ``std + eps`` before the trainer sees it;
+    within a group every advantage is that same scale times ``r - mean``, so any two samples
+    of different rewards give the scale back: ``(r_i - r_j) / (A_i - A_j)``. That holds for a
+    group split over two optimizer steps too (only the samples present are needed). A group
+    with all-zero advantages (equal rewards) stays 0, as does a NaN reward's sample and a lone
+    sample whose siblings are in another step (its scale cannot be known; with
+    ``samples_per_step`` a multiple of ``num_generations`` that does not happen).
+    """
+    if not len(rewards) == len(advantages) == len(group_ids):
+        raise ValueError("rewards, advantages and group_ids must have one entry per sample")
+    members: dict[str, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        if not math.isnan(rewards[i]) and advantages[i] != 0.0:
+            members.setdefault(g, []).append(i)
+    out = [0.0] * len(rewards)
+    for idx in members.values():
+        hi = max(idx, key=lambda i: advantages[i])
+        lo = min(idx, key=lambda i: advantages[i])
+        if advantages[hi] == advantages[lo]:
+            continue  # one sample (or one value) only: the scale is unknown
+        scale = (rewards[hi] - rewards[lo]) / (advantages[hi] - advantages[lo])
+        for i in idx:
+            out[i] = advantages[i] * scale
+    return out
+
+
+def scale_advantages(
+    rewards: Sequence[float],
+    advantages: Sequence[float],
+    group_ids: Sequence[str],
+    scale: str,
+    *,
+    eps: float = 1e-4,
+) -> list[float]:
+    """The step's advantages under ``trainer.scale_rewards`` (TRL's ``scale_rewards``).
+
+    ``advantages`` are the rollout's, ``(r - mean) / (std_group + eps)``. 'group' keeps them;
+    'none' is ``r - mean`` (Dr. GRPO); 'batch' is ``(r - mean) / (std_batch + eps)`` with the
+    sample std of all the step's valid rewards. A step whose rewards are all equal gives 0.
+    """
+    if scale == "group":
+        return list(advantages)
+    if scale not in ("batch", "none"):
+        raise ValueError(f"unknown scale_rewards {scale!r}: use 'group', 'batch' or 'none'")
+    centred = centred_advantages(rewards, advantages, group_ids)
+    if scale == "none":
+        return centred
+    _, std = group_stats(rewards)
+    if math.isnan(std) or std <= ZERO_STD_TOL:
+        return [0.0] * len(rewards)
+    return [a / (std + eps) for a in centred]

@@ -55,6 +55,17 @@ STALENESS = [0, 1, 2, 4]
 CORRECTIONS = ["none", "decoupled", "tis"]
 SEEDS = [0, 1, 2]
 THRESHOLD, WINDOW, LAST = 0.5, 3, 5
+CURVES = {  # per-step figures kept in results.jsonl: the collapse figures of docs/trainer.md
+    "entropy": "entropy",
+    "kl": "kl",
+    "w_max": "off_policy/weight_max",
+    "grad_norm": "grad_norm",
+    "update_norm": "collapse/update_norm",
+    "adv_abs_max": "advantages/abs_max",
+    "adv_abs_mean": "advantages/abs_mean",
+    "alarm": "collapse/alarm",
+}
+KEEP, KEPT_BAR = 0.9, 0.8  # issue 35: reach a 3-step mean of 0.9, never fall below 0.8 after
 SYNC = "any"  # the correction label of max_staleness 0 (all coincide there)
 
 
@@ -173,6 +184,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "reward": series("reward"),
         "step_s": series("perf/step_s"),
+        # per step, for the collapse figures of docs/trainer.md (issue 35)
+        "curves": {name: series(metric) for name, metric in CURVES.items()},
         "stale_mean": series("sample/staleness_mean"),
         "weight_max": max(
             (v for v in series("off_policy/weight_max") if not math.isnan(v)), default=math.nan
@@ -185,12 +198,21 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def reached(rewards: list[float]) -> int | None:
-    """1-based step at which the WINDOW-step mean reward first reaches THRESHOLD."""
+def reached(rewards: list[float], threshold: float = THRESHOLD) -> int | None:
+    """1-based step at which the WINDOW-step mean reward first reaches ``threshold``."""
     for k in range(WINDOW, len(rewards) + 1):
-        if statistics.fmean(rewards[k - WINDOW : k]) >= THRESHOLD:
+        if statistics.fmean(rewards[k - WINDOW : k]) >= threshold:
             return k
     return None
+
+
+def kept(rewards: list[float]) -> float | None:
+    """After the WINDOW-step mean first reaches KEEP, the lowest WINDOW-step mean from there
+    on (None: it never reached KEEP). A run that keeps what it learned stays near KEEP."""
+    at = reached(rewards, KEEP)
+    if at is None:
+        return None
+    return min(statistics.fmean(rewards[k - WINDOW : k]) for k in range(at, len(rewards) + 1))
 
 
 def figures(row: dict[str, Any]) -> dict[str, Any]:
@@ -201,6 +223,8 @@ def figures(row: dict[str, Any]) -> dict[str, Any]:
         "first": statistics.fmean(r[:LAST]),
         "step": step,
         "secs": sum(row["step_s"][:step]) if step else None,
+        "step90": reached(r, KEEP),
+        "kept": kept(r),
         "s_step": statistics.median(row["step_s"]),
         "stale": statistics.fmean(v for v in row["stale_mean"] if not math.isnan(v)),
     }
@@ -229,6 +253,7 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
         print(f"\nrecipe {recipe}: {overrides}")
         path = args.plot if recipe == DEMO else args.plot.with_stem(f"{args.plot.stem}-{recipe}")
         report_recipe(mine, path)
+    compare(rows, args)
 
 
 def report_recipe(rows: dict[str, dict[str, Any]], path: Path) -> None:
@@ -238,27 +263,60 @@ def report_recipe(rows: dict[str, dict[str, Any]], path: Path) -> None:
                                                     r["seed"])):  # fmt: skip
         groups.setdefault((row["staleness"], row["correction"]), []).append(row)
     print("\n| max_staleness | correction | seed | reward first 5 -> last 5 | step>=0.5 | "
-          "s to 0.5 | s/step | stale | w max | cut |")  # fmt: skip
-    print("|---" * 10 + "|")
+          "s to 0.5 | step>=0.9 | kept | s/step | stale | w max | cut |")  # fmt: skip
+    print("|---" * 12 + "|")
     for (k, correction), members in groups.items():
         for row in members:
             f = figures(row)
             secs = f"{f['secs']:.0f}" if f["secs"] else "-"
+            kept_ = f"{f['kept']:.3f}" if f["kept"] is not None else "-"
             print(f"| {k} | {correction} | {row['seed']} | {f['first']:.3f} -> {f['last']:.3f} | "
-                  f"{f['step'] or 'never'} | {secs} | {f['s_step']:.2f} | {f['stale']:.2f} | "
-                  f"{wfmt(row['weight_max'])} | {row['cut']:.4f} |")  # fmt: skip
+                  f"{f['step'] or 'never'} | {secs} | {f['step90'] or 'never'} | {kept_} | "
+                  f"{f['s_step']:.2f} | {f['stale']:.2f} | {wfmt(row['weight_max'])} | "
+                  f"{row['cut']:.4f} |")  # fmt: skip
     print()
     for (k, correction), members in groups.items():
         fs = [figures(r) for r in members]
-        steps = [f["step"] or math.inf for f in fs]
-        print(
-            f"max_staleness {k} {correction:<9} {len(fs)} seeds: last-5 reward min "
-            f"{min(f['last'] for f in fs):.3f}, median step>=0.5 {statistics.median(steps):g}"
-        )
+        print(f"max_staleness {k} {correction:<9} {stability(fs)}")
     verdict(groups)
     if rows:
         plot(groups, path)
         print(f"\nplot: {path}")
+
+
+def stability(fs: list[dict[str, Any]]) -> str:
+    """Issue 35's bar over a group of runs: every run reaches a 3-step mean of KEEP and none
+    falls below KEPT_BAR after it; with the median time to THRESHOLD beside it."""
+    steps = [f["step"] or math.inf for f in fs]
+    secs = [f["secs"] if f["secs"] is not None else math.inf for f in fs]
+    reach = sum(f["step90"] is not None for f in fs)
+    keep = sum(f["kept"] is not None and f["kept"] >= KEPT_BAR for f in fs)
+    ok = "yes" if keep == len(fs) else "no"
+    return (f"{len(fs)} seeds: reached {KEEP:g} {reach} of {len(fs)}, kept >= {KEPT_BAR:g} "
+            f"{keep} of {len(fs)} ({ok}); lowest kept "
+            f"{min((f['kept'] for f in fs if f['kept'] is not None), default=math.nan):.3f}; "
+            f"last-5 min {min(f['last'] for f in fs):.3f}; median step>=0.5 "
+            f"{statistics.median(steps):g}, median s to 0.5 {statistics.median(secs):.1f}")  # fmt: skip
+
+
+def compare(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    """Each recipe's median time to THRESHOLD against ``--baseline``'s, per max_staleness."""
+    base = args.baseline
+    if base is None or base not in args.recipes:
+        return
+    print(f"\ntime to {THRESHOLD:g} against recipe {base} (median over seeds; the bar: 1.25x)")
+    per: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in rows.values():
+        per.setdefault((row.get("recipe", DEMO), row["staleness"]), []).append(figures(row))
+    for (recipe, k), fs in sorted(per.items()):
+        ref = per.get((base, k))
+        if recipe == base or not ref:
+            continue
+        for what, unit in (("step", "steps"), ("secs", "s")):
+            mine = statistics.median(f[what] or math.inf for f in fs)
+            theirs = statistics.median(f[what] or math.inf for f in ref)
+            print(f"  {recipe} max_staleness {k}: median {mine:.1f} {unit} vs {theirs:.1f} = "
+                  f"{mine / theirs:.2f}x ({len(fs)} vs {len(ref)} seeds)")  # fmt: skip
 
 
 def verdict(groups: dict[tuple[int, str], list[dict[str, Any]]]) -> None:
@@ -343,6 +401,8 @@ def main() -> None:
                         "NAME:KEY=VALUE[,KEY=VALUE]: the demo's recipe with these config "
                         "overrides, for every max_staleness and seed alike; repeat to compare "
                         "recipes in one run")  # fmt: skip
+    p.add_argument("--baseline", default=None,
+                   help="a recipe name: compare every other recipe's time to 0.5 with it")  # fmt: skip
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo's)")
     p.add_argument("--out", type=Path, default=OUT, help="results.jsonl, run directories")
     p.add_argument("--plot", type=Path, default=PLOT, help="where the PNG goes")

@@ -378,6 +378,8 @@ async def _train(
             writer.log(metrics, step=step)
         if progress is not None:
             progress(step, metrics)
+        if getattr(trainer, "stop_requested", False):  # trainer.collapse_action=stop fired
+            break
     return step, version
 
 

@@ -13,6 +13,9 @@ from asyncgrpo.errors import ConfigError
 LrSchedule = Literal["constant", "linear", "cosine"]
 OffPolicy = Literal["none", "decoupled", "tis", "mis_token", "mis_sequence"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+ScaleRewards = Literal["group", "batch", "none"]
+LossType = Literal["dapo", "grpo", "dr_grpo"]
+CollapseAction = Literal["off", "warn", "stop", "rollback"]
 
 
 @dataclass(kw_only=True)
@@ -54,6 +57,13 @@ class TrainerConfig:
     """Optimizer steps of linear warm-up from 0 to learning_rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW's first-moment decay (momentum), as HF TrainingArguments' adam_beta1."""
+    adam_beta2: float = 0.999
+    """AdamW's second-moment decay, as HF TrainingArguments' adam_beta2."""
+    adam_epsilon: float = 1e-8
+    """AdamW's epsilon, as HF TrainingArguments' adam_epsilon. Larger values stop a gradient in a
+    direction with little history from being amplified up to 1/sqrt(1 - adam_beta2) times."""
     max_grad_norm: float | None = 1.0
     """Clip the gradient norm to this; None disables clipping."""
     epsilon: float = 0.2
@@ -73,6 +83,39 @@ class TrainerConfig:
     mis_token 2, mis_sequence 2; none: off). With off_policy=none it is the dual clip: where
     the advantage is negative the ratio is truncated at the cap (TRL's delta); it must then
     exceed 1 + epsilon_high."""
+    scale_rewards: ScaleRewards = "group"
+    """How advantages are scaled after subtracting the group's mean reward (TRL's
+    scale_rewards). 'group': divide by the group's reward std (GRPO); 'batch': by the std of the
+    step's rewards (TRL's 'batch'); 'none': no division (Dr. GRPO), so a
+    group whose rewards differ by 0.01 teaches 0.01's worth. Use 'none' or 'batch' with a
+    continuous reward that saturates: with 'group' a converged group's tiny differences become
+    full-size advantages (docs/trainer.md)."""
+    loss_type: LossType = "dapo"
+    """Loss normalisation (TRL's loss_type). 'dapo': mean over the step's completion tokens
+    (token-level: a token weighs the same in a long completion as in a short one); 'grpo': mean
+    over each completion's tokens, then over completions (sequence-level: short completions'
+    tokens weigh more); 'dr_grpo': sum over tokens / (completions x
+    generation.max_completion_length), a constant, no length bias."""
+    beta: float = 0.0
+    """Coefficient of the KL penalty to the reference policy, the base model (the adapter
+    disabled: one more forward per row, no backward), k3 estimate per token as TRL's beta. 0:
+    off. A leash against drifting far from the base model; it also slows learning."""
+    collapse_action: CollapseAction = "warn"
+    """What to do when a run that had reached its reward loses most of the gain
+    (collapse/alarm): 'warn' logs one line; 'stop' ends the run after that step; 'rollback'
+    restores the adapter and optimizer of the best step so far (kept in memory) and multiplies
+    the learning rate by collapse_lr_factor; 'off': no detection. Metrics collapse/* are
+    logged in every case."""
+    collapse_window: int = 5
+    """Steps in the moving mean of the reward the collapse alarm watches."""
+    collapse_drop: float = 0.5
+    """The alarm fires when the moving mean falls this share of the way from its best back to
+    where the run started (0.5: half the gain lost)."""
+    collapse_min_gain: float = 0.1
+    """The alarm arms only once the moving mean has risen this much above its start (in reward
+    units): below it a dip is noise, not a lost result."""
+    collapse_lr_factor: float = 0.5
+    """With collapse_action=rollback, the learning rate is multiplied by this at each rollback."""
     samples_per_step: int = 64
     """Completions consumed by one optimizer step."""
     token_budget: int | None = 4096
@@ -114,11 +157,14 @@ class TrainerConfig:
             self, "trainer",
             gt=dict.fromkeys(
                 ("learning_rate", "max_grad_norm", "epsilon", "epsilon_high", "dp_timeout_s",
-                 "peak_flops"), 0
+                 "peak_flops", "collapse_drop", "collapse_lr_factor", "adam_epsilon"), 0
             ),
-            ge={"warmup_steps": 0, "weight_decay": 0, "samples_per_step": 1, "token_budget": 1,
+            lt={"collapse_lr_factor": 1, "adam_beta1": 1, "adam_beta2": 1},
+            ge={"warmup_steps": 0, "weight_decay": 0, "adam_beta1": 0, "adam_beta2": 0, "samples_per_step": 1, "token_budget": 1,
                 "gradient_accumulation_steps": 1, "max_steps": 1, "max_staleness": 0,
-                "weight_sync_steps": 1, "save_steps": 0},
+                "weight_sync_steps": 1, "save_steps": 0, "beta": 0, "collapse_window": 1,
+                "collapse_min_gain": 0},
+            le={"collapse_drop": 1},
         )  # fmt: skip
         cap = self.importance_cap
         if cap is not None and not (math.isfinite(cap) and cap > 1):

@@ -18,10 +18,17 @@ decoupled objective is the current forward pass, detached. A token's staleness i
 newest published version minus the version that sampled it; the trainer learns its versions
 from ``save_adapter(path, version=N)`` (the run publishes through it), and the tokens of that
 version count as on-policy (``ratio``) while the weights have not moved since.
+
+Collapse guard (``trainer.collapse_action``, :mod:`asyncgrpo.trainer.collapse`): rank 0 feeds
+each step's mean reward to the alarm; on a collapse it logs one line and, as configured, asks
+the caller to stop (``stop_requested``) or restores the best step's adapter and optimizer state
+from memory at a lower learning rate (``rollback``).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import math
 import os
@@ -35,9 +42,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncgrpo.sample import Sample, group_stats
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.sample import Sample, group_stats, scale_advantages
+from asyncgrpo.trainer.collapse import CollapseDetector
 from asyncgrpo.trainer.flops import ModelShape, step_flops
-from asyncgrpo.trainer.loss import Objective, add_stats, finalize_stats, grpo_loss, stat_keys
+from asyncgrpo.trainer.loss import (
+    Objective,
+    add_stats,
+    finalize_stats,
+    grpo_loss,
+    stat_keys,
+    token_normaliser,
+)
 from asyncgrpo.trainer.model import default_device, load_policy, row_logprobs
 from asyncgrpo.trainer.model import save_adapter as _save_adapter
 from asyncgrpo.trainer.packing import PackedRow, build_row, pack_samples
@@ -84,9 +100,12 @@ def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         for name, value in s.rewards.items():
             per_fn[name].append(value)
     stds = [std for _, std in map(group_stats, groups.values()) if not math.isnan(std)]
+    advs = [abs(s.advantage) for s in samples]
     out = {
         "reward": mean,
         "reward_std": sum(stds) / len(stds) if stds else math.nan,
+        "advantages/abs_mean": sum(advs) / len(advs),
+        "advantages/abs_max": max(advs),
         # the policy's tokens: an episode's environment text is not the model's length
         "completions/mean_length": sum(s.num_policy_tokens for s in samples) / len(samples),
     }
@@ -117,9 +136,17 @@ class Trainer:
         seed: int = 0,
         device: torch.device | str | None = None,
         dp: DataParallel | None = None,
+        max_completion_length: int | None = None,
     ) -> None:
         self.config = trainer
         self.dp = dp
+        if trainer.collapse_action == "rollback" and dp is not None:
+            raise ConfigError(
+                "trainer.collapse_action=rollback restores the adapter in one process only; "
+                "with several ranks use 'warn' or 'stop'"
+            )
+        #: the completion-length bound of loss_type=dr_grpo (None: each step's longest)
+        self.max_completion_length = max_completion_length
         if device is None:
             device = dp.device() if dp is not None else default_device()
         self.device = torch.device(device)
@@ -148,7 +175,11 @@ class Trainer:
                 p.data = p.data.to(self.device)
         self.shape = ModelShape.from_config(self.model.config)
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay
+            self.params,
+            lr=trainer.learning_rate,
+            weight_decay=trainer.weight_decay,
+            betas=(trainer.adam_beta1, trainer.adam_beta2),
+            eps=trainer.adam_epsilon,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -159,10 +190,20 @@ class Trainer:
                 max_steps=trainer.max_steps,
             ),
         )
+        self._base_lrs = list(self.scheduler.base_lrs)
         self.step_count = 0  # optimizer steps taken
         self.objective = Objective.from_config(trainer)
         self.buckets = trainer.max_staleness + 1  # staleness metrics: 0 .. max_staleness
         self._published: tuple[int, int] | None = None  # (newest version, step it was saved at)
+        self.collapse = CollapseDetector(
+            window=trainer.collapse_window,
+            drop=trainer.collapse_drop,
+            min_gain=trainer.collapse_min_gain,
+        )
+        #: set when collapse_action=stop fired: the caller ends the run after this step
+        self.stop_requested = False
+        self.rollbacks = 0
+        self._best_state: dict[str, Any] | None = None  # collapse_action=rollback's target
 
     @classmethod
     def from_config(
@@ -173,7 +214,13 @@ class Trainer:
         dp: DataParallel | None = None,
     ) -> Trainer:
         return cls(
-            cfg.model, lora=cfg.lora, trainer=cfg.trainer, seed=cfg.seed, device=device, dp=dp
+            cfg.model,
+            lora=cfg.lora,
+            trainer=cfg.trainer,
+            seed=cfg.seed,
+            device=device,
+            dp=dp,
+            max_completion_length=cfg.generation.max_completion_length,
         )
 
     def _sync(self) -> None:
@@ -189,12 +236,82 @@ class Trainer:
         """
         if not samples:
             raise ValueError("Trainer.step needs at least one sample")
+        samples = self.scaled(samples)
         clock = self.policy_clock(samples)
         if self.dp is None:
-            return self._step(samples, samples, clock)
-        shard = self.dp.scatter(samples, clock)
-        assert shard is not None
-        return self._step(shard[0], samples, shard[1])
+            metrics = self._step(samples, samples, clock)
+        else:
+            shard = self.dp.scatter(samples, clock)
+            assert shard is not None
+            metrics = self._step(shard[0], samples, shard[1])
+        metrics.update(self._watch(metrics))
+        return metrics
+
+    def scaled(self, samples: Sequence[Sample]) -> list[Sample]:
+        """``samples`` with advantages under ``trainer.scale_rewards`` (the rollout scaled them
+        per group; 'batch' and 'none' rescale them here, from their rewards)."""
+        scale = self.config.scale_rewards
+        if scale == "group":
+            return list(samples)
+        advs = scale_advantages([s.reward for s in samples], [s.advantage for s in samples],
+                                [s.group_id for s in samples], scale)  # fmt: skip
+        return [dataclasses.replace(s, advantage=a) for s, a in zip(samples, advs, strict=True)]
+
+    def _watch(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The collapse alarm on this step's reward, and its action (rank 0)."""
+        cfg = self.config
+        out = {
+            "collapse/entropy": metrics.get("entropy", math.nan),
+            "collapse/kl_sampler": metrics.get("kl", math.nan),
+            "collapse/weight_max": metrics.get("off_policy/weight_max", math.nan),
+        }
+        if cfg.collapse_action == "off" or "reward" not in metrics:
+            return out
+        verdict = self.collapse.update(metrics["reward"])
+        out["collapse/reward_mean"] = verdict.mean
+        out["collapse/reward_best"] = verdict.best
+        out["collapse/alarm"] = float(verdict.alarm)
+        if cfg.collapse_action == "rollback":
+            if verdict.new_best:
+                self._best_state = _copy_state(self.state_dict())
+                self._best_step = self.step_count
+            out["collapse/rollbacks"] = float(self.rollbacks + verdict.alarm)
+        if not verdict.alarm:
+            return out
+        what = {"warn": "no action (trainer.collapse_action=warn)",
+                "stop": "stopping the run (trainer.collapse_action=stop)",
+                "rollback": "rolling back"}[cfg.collapse_action]  # fmt: skip
+        if cfg.collapse_action == "rollback" and self._best_state is not None:
+            what = self._rollback()
+        elif cfg.collapse_action == "stop":
+            self.stop_requested = True
+        logger.warning(
+            "collapse alarm at step %d: reward mean %.3g over %d steps, best %.3g, start %.3g; "
+            "entropy %.3g, kl to sampler %.3g, max importance weight %.3g, update norm %.3g; %s",
+            self.step_count, verdict.mean, cfg.collapse_window, verdict.best, verdict.start,
+            out["collapse/entropy"], out["collapse/kl_sampler"], out["collapse/weight_max"],
+            metrics.get("collapse/update_norm", math.nan), what,
+        )  # fmt: skip
+        return out
+
+    def _rollback(self) -> str:
+        """Restore the best step's adapter and optimizer, keep the step count, lower the lr."""
+        assert self._best_state is not None
+        step = self.step_count
+        state = _copy_state(self._best_state)
+        factor = self.config.collapse_lr_factor ** (self.rollbacks + 1)
+        params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(state["adapter"][name].to(p.device, p.dtype))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.base_lrs = [lr * factor for lr in self._base_lrs]
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = lr * self.scheduler.lr_lambdas[0](step)
+        self.rollbacks += 1
+        self.collapse.forget_recent()
+        return (f"rolled back to the adapter of step {self._best_step}, learning rate x{factor:g} "
+                "(trainer.collapse_action=rollback)")  # fmt: skip
 
     def policy_clock(self, samples: Sequence[Sample]) -> tuple[int, bool]:
         """The version staleness is counted from, and whether the weights still equal it.
@@ -251,11 +368,17 @@ class Trainer:
         total_tokens = sum(row.num_tokens for row in rows)
         num_rows = len(rows)
         row_tokens_max = max((row.num_tokens for row in rows), default=0)
+        num_sequences = len(samples)
+        longest = max((s.num_policy_tokens for s in samples), default=0)
         micro_steps = num_rows
         if dp is not None:  # the step's counts are all ranks' counts
-            counts = dp.gather_counts([num_tokens, total_tokens, num_rows, row_tokens_max])
-            num_tokens, total_tokens, num_rows = (int(v) for v in counts[:, :3].sum(0))
-            row_tokens_max = int(counts[:, 3].max())
+            counts = dp.gather_counts(
+                [num_tokens, total_tokens, num_rows, num_sequences, row_tokens_max, longest]
+            )
+            num_tokens, total_tokens, num_rows, num_sequences = (
+                int(v) for v in counts[:, :4].sum(0)
+            )
+            row_tokens_max, longest = (int(v) for v in counts[:, 4:].max(0).values)
             if cfg.fsdp:  # FSDP gathers weights in every forward: equal pass counts everywhere
                 micro_steps = int(counts[:, 2].max())
         if num_tokens == 0:
@@ -277,6 +400,21 @@ class Trainer:
             mask = row.completion_mask
             device = logp.device
             staleness = clock[0] - row.versions[mask]
+            sequence_ids = row.sequence_ids[mask].to(device)
+            normaliser = None
+            if cfg.loss_type != "dapo":
+                per_sequence = torch.bincount(sequence_ids, minlength=len(row.seq_lens))
+                normaliser = token_normaliser(
+                    cfg.loss_type,
+                    per_sequence[sequence_ids],
+                    num_tokens=num_tokens,
+                    num_sequences=num_sequences,
+                    max_length=max(self.max_completion_length or 0, longest),
+                )
+            reference = None
+            if cfg.beta > 0:  # the base model: the same forward with the adapter disabled
+                with torch.no_grad(), self.model.disable_adapter():
+                    reference, _ = row_logprobs(self.model, row, with_entropy=False)
             loss, part = grpo_loss(
                 logp,
                 row.behaviour_logprobs[mask].to(device),
@@ -286,8 +424,10 @@ class Trainer:
                 staleness=staleness,
                 on_policy=(staleness == 0) & clock[1],
                 buckets=self.buckets,
-                sequence_ids=row.sequence_ids[mask].to(device),
+                sequence_ids=sequence_ids,
                 entropy=entropy,
+                reference_logp=reference,
+                normaliser=normaliser,
             )
             (loss * weight).backward()
             self._sync()
@@ -314,6 +454,7 @@ class Trainer:
             grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
         # -- optimizer step and schedule (a non-finite gradient skips the update)
+        before = [p.detach().clone() for p in self.params]
         if math.isfinite(grad_norm):
             self.optimizer.step()
             self.scheduler.step()
@@ -325,6 +466,7 @@ class Trainer:
                 warnings.simplefilter("ignore", UserWarning)
                 self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        update_norm, param_norm = _norms(self.params, before)
         self.step_count += 1
         self._sync()
         step_s = time.perf_counter() - t_step
@@ -335,6 +477,8 @@ class Trainer:
             "grad_norm": grad_norm,
             "learning_rate": lr,
             **finalize_stats(sums, self.buckets),
+            "collapse/update_norm": update_norm,
+            "collapse/adapter_norm": param_norm,
             "batch/tokens": float(total_tokens),
             "batch/completion_tokens": float(num_tokens),
             "batch/microbatches_per_step": float(num_rows),
@@ -459,6 +603,25 @@ class Trainer:
         state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
         self.load_state_dict(state)  # AdamW moves its state to the parameters' device
         return state.get("extra", {})
+
+
+def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of a ``state_dict`` without its RNG (a snapshot training cannot mutate)."""
+    return copy.deepcopy({k: v for k, v in state.items() if k != "rng"})
+
+
+def _norms(params: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> tuple[float, float]:
+    """The L2 norm of the step's change to the adapter, and of the adapter after it."""
+    with torch.no_grad():
+        delta = [
+            torch.linalg.vector_norm(p.detach() - b) for p, b in zip(params, before, strict=True)
+        ]
+        norm = [torch.linalg.vector_norm(p.detach()) for p in params]
+    if not delta:
+        return 0.0, 0.0
+    return float(torch.linalg.vector_norm(torch.stack(delta))), float(
+        torch.linalg.vector_norm(torch.stack(norm))
+    )
 
 
 def _padding_row(rows: Sequence[PackedRow]) -> PackedRow:

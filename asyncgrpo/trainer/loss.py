@@ -37,6 +37,14 @@ in ``N`` but add nothing to the sum. With data parallelism, ``N`` is the complet
 all ranks (exchanged before the first micro-batch) and the ranks' gradients are summed, which
 gives exactly the single-process gradient (``trainer.distributed``).
 
+**Other normalisations** (``trainer.loss_type``, TRL's names): ``grpo`` averages each
+completion's tokens, then the completions; ``dr_grpo`` divides the sum by completions x the
+completion-length bound. Both are per-token factors (``token_normaliser``) computed from the
+step's counts, so micro-batches and ranks still add up to the step's loss.
+
+**KL penalty** (``trainer.beta``): ``beta * kl_t`` per token with TRL's k3 estimate against the
+reference policy, the base model (the adapter disabled), added after the correction's weight.
+
 **Metrics** come back as sums (and maxima) so micro-batches and ranks combine them
 (``add_stats``) before one division (``finalize_stats``). ``ratio`` is the mean ``w`` over the
 *on-policy* tokens only (sampled from exactly the trainer's current weights): there it is the
@@ -79,10 +87,13 @@ class Objective:
     cap: float | None = None  # None: DEFAULT_CAPS[correction]
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
+    beta: float = 0.0  # KL penalty to the reference policy (0: none)
 
     def __post_init__(self) -> None:
         if self.correction not in DEFAULT_CAPS:
             raise ValueError(f"unknown off-policy correction {self.correction!r}")
+        if not self.beta >= 0:
+            raise ValueError(f"beta={self.beta}: the KL coefficient must be >= 0")
 
     @classmethod
     def from_config(cls, cfg: TrainerConfig) -> Objective:
@@ -91,6 +102,7 @@ class Objective:
             cap=cfg.importance_cap,
             epsilon_low=cfg.epsilon,
             epsilon_high=cfg.clip_high,
+            beta=cfg.beta,
         )
 
     @property
@@ -105,6 +117,7 @@ class Terms(NamedTuple):
     weight: torch.Tensor  #: w = exp(logp_prox - logp_b), uncapped
     truncated: torch.Tensor  #: bool: the cap lowered this token's weight
     masked: torch.Tensor  #: bool: the cap dropped this token
+    kl_ref: torch.Tensor | None = None  #: k3 KL(current || reference) per token, if scored
 
 
 def _sequence_log_weights(log_w: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Tensor:
@@ -122,11 +135,15 @@ def per_token_loss(
     *,
     proximal_logp: torch.Tensor | None = None,
     sequence_ids: torch.Tensor | None = None,
+    reference_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Terms]:
     """Per-token loss and its terms; all tensors 1-D and aligned.
 
     ``proximal_logp`` defaults to ``logp.detach()`` (one optimizer step per batch);
-    ``sequence_ids`` numbers each token's completion (needed by ``mis_sequence``).
+    ``sequence_ids`` numbers each token's completion (needed by ``mis_sequence``);
+    ``reference_logp`` (the base model's, needed when ``objective.beta > 0``) adds
+    ``beta * kl_t``, ``kl_t = exp(ref - logp) - (ref - logp) - 1`` (k3, as TRL), unweighted by
+    the off-policy correction, as TRL adds it after its importance weight.
     """
     cap = objective.effective_cap
     prox = logp.detach() if proximal_logp is None else proximal_logp.to(logp.dtype)
@@ -147,7 +164,44 @@ def per_token_loss(
     elif cap is not None:
         truncated = (advantages < 0) & (ratio.detach() > cap)
         loss = torch.where(advantages < 0, torch.minimum(loss, -cap * advantages), loss)
-    return loss, Terms(ratio.detach(), weight, truncated, masked)
+    kl_ref = None
+    if objective.beta > 0:
+        if reference_logp is None:
+            raise ValueError("beta > 0 needs reference_logp (the base model's logprobs)")
+        delta = reference_logp.to(logp.dtype) - logp
+        kl_t = torch.exp(delta) - delta - 1.0
+        loss = loss + objective.beta * kl_t
+        kl_ref = kl_t.detach()
+    return loss, Terms(ratio.detach(), weight, truncated, masked, kl_ref)
+
+
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
+
+
+def token_normaliser(
+    loss_type: str,
+    sequence_tokens: torch.Tensor,
+    *,
+    num_tokens: int | float,
+    num_sequences: int | float,
+    max_length: int | float,
+) -> torch.Tensor:
+    """Per token, the factor its loss enters the step's loss with (TRL's ``loss_type``).
+
+    ``sequence_tokens``: per token, the loss tokens of its completion; ``num_tokens`` and
+    ``num_sequences``: the step's (all micro-batches and ranks); ``max_length``: the
+    completion-length bound. 'dapo' ``1 / num_tokens`` (token-level mean); 'grpo'
+    ``1 / (sequence_tokens * num_sequences)`` (mean per completion, then over completions);
+    'dr_grpo' ``1 / (num_sequences * max_length)`` (a constant: no length bias).
+    """
+    ones = torch.ones_like(sequence_tokens, dtype=torch.float32)
+    if loss_type == "dapo":
+        return ones / num_tokens
+    if loss_type == "grpo":
+        return ones / (sequence_tokens.to(torch.float32).clamp(min=1) * num_sequences)
+    if loss_type == "dr_grpo":
+        return ones / (num_sequences * max_length)
+    raise ValueError(f"unknown loss_type {loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
 
 
 def _token_weights(
@@ -180,7 +234,7 @@ def stat_keys(buckets: int) -> list[str]:
     Keys ending in ``_max`` combine by maximum, the others by sum.
     """
     keys = ["count", "kl", "entropy", "clip/low", "clip/high", "clip/region", "on_policy",
-            "on_policy/weight"]  # fmt: skip
+            "on_policy/weight", "kl_ref", "kl_ref/count"]  # fmt: skip
     for s in range(buckets):
         keys += [f"s{s}/tokens", f"s{s}/weight", f"s{s}/truncated", f"s{s}/masked",
                  f"s{s}/weight_max"]  # fmt: skip
@@ -200,8 +254,13 @@ def grpo_loss(
     proximal_logp: torch.Tensor | None = None,
     sequence_ids: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    reference_logp: torch.Tensor | None = None,
+    normaliser: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one micro-batch, ``sum(loss_t) / num_tokens``, and its metric sums.
+
+    ``normaliser`` (per token, from ``token_normaliser``) replaces ``1 / num_tokens`` for the
+    other loss types; ``reference_logp`` is the base model's (``objective.beta > 0``).
 
     ``logp`` (with grad) and the other per-token tensors hold the micro-batch's completion
     tokens only; ``num_tokens`` is the completion-token count of the whole optimizer step (see
@@ -220,8 +279,12 @@ def grpo_loss(
         objective,
         proximal_logp=proximal_logp,
         sequence_ids=sequence_ids,
+        reference_logp=reference_logp,
     )
-    loss = loss_t.sum() / num_tokens
+    if normaliser is None:
+        loss = loss_t.sum() / num_tokens
+    else:
+        loss = (loss_t * normaliser.to(loss_t.dtype)).sum()
     with torch.no_grad():
         sums = _sums(logp.detach(), behaviour_logp, advantages, objective, terms, entropy,
                      staleness, on_policy, buckets)  # fmt: skip
@@ -256,6 +319,8 @@ def _sums(
         "clip/region": float((low | high).sum()),
         "on_policy": float(on.sum()),
         "on_policy/weight": float(weight[on].sum()),
+        "kl_ref": float(terms.kl_ref.to(dt).sum()) if terms.kl_ref is not None else 0.0,
+        "kl_ref/count": float(n) if terms.kl_ref is not None else 0.0,
     }
     lag = torch.zeros(n, dtype=torch.long) if staleness is None else staleness.to(torch.long)
     bucket = lag.to(logp.device).clamp(0, buckets - 1)
@@ -302,6 +367,8 @@ def finalize_stats(sums: dict[str, float], buckets: int = 1) -> dict[str, float]
         "clip_ratio/high_mean": div(sums.get("clip/high", 0.0), count),
         "clip_ratio/region_mean": div(sums.get("clip/region", 0.0), count),
     }
+    if sums.get("kl_ref/count", 0.0) > 0:  # only with a KL penalty (beta > 0)
+        out["kl_ref"] = sums["kl_ref"] / sums["kl_ref/count"]
     total = {"weight": 0.0, "truncated": 0.0, "masked": 0.0}
     weight_max = -math.inf
     for s in range(buckets):

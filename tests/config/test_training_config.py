@@ -67,7 +67,7 @@ def test_round_trip_to_dict():
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("trainer.lr=1", "unknown key 'trainer.lr'; valid keys are: attn_implementation"),
+        ("trainer.lr=1", "unknown key 'trainer.lr'; valid keys are: adam_beta1, adam_beta2"),
         ("nope=1", "unknown key 'nope'"),
         ("trainer.learning_rate=fast", "trainer.learning_rate='fast': expected a number"),
         ("trainer.max_steps=1.5", "trainer.max_steps='1.5': expected an integer"),

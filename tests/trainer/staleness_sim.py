@@ -14,6 +14,7 @@ from __future__ import annotations
 import tempfile
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,6 +23,18 @@ from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 from asyncgrpo.trainer.loop import Trainer
 
 DIGITS = 12  # token ids 0..11 earn reward
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
+#: the optimisation settings of the demo recipe the simulation takes over (the rest is its own)
+RECIPE_FIELDS = ("learning_rate", "scale_rewards", "loss_type", "beta", "adam_beta1",
+                 "adam_beta2", "max_grad_norm", "off_policy", "importance_cap")  # fmt: skip
+
+
+def demo_recipe() -> dict[str, Any]:
+    """The demo's (``examples/tiny_cpu.yaml``) optimisation settings, as ``simulate`` keywords."""
+    import yaml
+
+    section = yaml.safe_load(DEMO.read_text())["trainer"]
+    return {k: section[k] for k in RECIPE_FIELDS if k in section}
 
 
 @torch.no_grad()
@@ -45,7 +58,7 @@ def _sample(
 def simulate(
     model_dir: str | Path,
     *,
-    off_policy: str,
+    off_policy: str = "decoupled",
     staleness: int,
     steps: int = 30,
     seed: int = 0,
@@ -53,8 +66,36 @@ def simulate(
     prompts: int = 4,
     group: int = 8,
     length: int = 8,
+    records: list[dict[str, float]] | None = None,
+    **overrides: Any,
 ) -> list[float]:
-    """The mean reward of each step's samples."""
+    """The mean reward of each step's samples; each step's metrics go to ``records`` if given.
+    ``overrides`` are further ``TrainerConfig`` fields. Runs on one thread: the same sums, so
+    the same trajectory for a seed, however many cores the machine has."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _simulate(model_dir, off_policy=off_policy, staleness=staleness, steps=steps,
+                         seed=seed, learning_rate=learning_rate, prompts=prompts, group=group,
+                         length=length, records=records, **overrides)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _simulate(
+    model_dir: str | Path,
+    *,
+    off_policy: str,
+    staleness: int,
+    steps: int,
+    seed: int,
+    learning_rate: float,
+    prompts: int,
+    group: int,
+    length: int,
+    records: list[dict[str, float]] | None,
+    **overrides: Any,
+) -> list[float]:
     trainer = Trainer(
         model_dir,
         lora=LoraConfig(r=1, alpha=2.0),
@@ -66,6 +107,7 @@ def simulate(
             token_budget=4096,
             max_steps=steps,
             dtype="float32",
+            **overrides,
         ),
         seed=seed,
         device="cpu",
@@ -101,5 +143,8 @@ def simulate(
             with torch.no_grad():
                 for p, cur in zip(params, now, strict=True):
                     p.copy_(cur)
-            rewards.append(trainer.step(samples)["reward"])
+            metrics = trainer.step(samples)
+            rewards.append(metrics["reward"])
+            if records is not None:
+                records.append(metrics)
     return rewards
