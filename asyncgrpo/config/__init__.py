@@ -16,7 +16,7 @@ _EXPORTS = {
     "TrainerConfig": "asyncgrpo.trainer.config",
     "TrainingConfig": "asyncgrpo.config.training",
     "example_path": "asyncgrpo.config.training",
-    "run_transport_url": "asyncgrpo.store.run_documents",
+    "run_transport_url": "asyncgrpo.config.training",
 }
 
 __all__ = sorted(_EXPORTS)

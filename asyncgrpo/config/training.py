@@ -227,6 +227,11 @@ class TrainingConfig:
         return to_dict(self)
 
 
+def run_transport_url(cfg: TrainingConfig) -> str:
+    """``transport_url``, or the directory ``store`` inside the run directory."""
+    return cfg.transport_url or str((cfg.run_dir / "store").resolve())
+
+
 def example_path(path: str | Path) -> Path:
     """``path``; or, for an ``examples/NAME.yaml`` that does not exist here, the checkout's own
     example of that name (so the README's commands run from any directory)."""

@@ -12,6 +12,8 @@ from typing import Literal
 from asyncgrpo.errors import ConfigError
 
 _TIMEOUT = re.compile(r"[0-9]+(\.[0-9]+)?[smhd]?")
+#: The trainer job's config (YAML, secrets emptied) travels in this environment variable.
+CONFIG_ENV = "ASYNCGRPO_CONFIG"
 #: Hugging Face Jobs' exposed-port URL, used when a job does not report its own.
 JOBS_URL_TEMPLATE = "https://{job_id}--{port}.hf.jobs"
 

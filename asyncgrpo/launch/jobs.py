@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from asyncgrpo.config.redaction import redact_text
+from asyncgrpo.launch.config import CONFIG_ENV
 
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
@@ -21,8 +22,6 @@ if TYPE_CHECKING:
 Role = Literal["replica", "proxy", "trainer"]
 Stage = Literal["starting", "running", "completed", "failed", "canceled"]
 TERMINAL: frozenset[str] = frozenset({"completed", "failed", "canceled"})
-#: The trainer job's config (YAML, secrets emptied) travels in this environment variable.
-CONFIG_ENV = "ASYNCGRPO_CONFIG"
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,27 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass, field
 from typing import Literal
+from urllib.parse import urlsplit
 
 from asyncgrpo.config.settings import check_fields
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.proxy.http.h1 import split_url
 from asyncgrpo.serve.config import is_loopback
 
 __all__ = ["ProxyConfig", "is_loopback", "token_allowed"]
+
+
+def split_url(url: str) -> tuple[str, str, int, str]:
+    """``(scheme, host, port, path prefix)`` of a replica's base URL; ValueError says why not."""
+    u = urlsplit(url)
+    try:
+        port = u.port
+    except ValueError:
+        port = -1
+    if not url.isascii() or u.scheme not in ("http", "https") or not u.hostname or port == -1:
+        raise ValueError(f"{url!r} is not an http(s)://HOST[:PORT] URL")
+    if u.username is not None or u.query or u.fragment:
+        raise ValueError(f"{url!r}: no credentials, query or fragment in a replica's URL")
+    return u.scheme, u.hostname, port or (443 if u.scheme == "https" else 80), u.path.rstrip("/")
 
 
 @dataclass(kw_only=True)

@@ -22,7 +22,8 @@ import posixpath
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from asyncgrpo.proxy.http.h1 import Response, split_url
+from asyncgrpo.proxy.config import split_url
+from asyncgrpo.proxy.http.h1 import Response
 from asyncgrpo.proxy.http.headers import REPLICA_HEADER_B
 from asyncgrpo.proxy.http.jsonbody import BodyError, decode_object
 from asyncgrpo.proxy.metrics import CONTENT_TYPE_LATEST, render, runs_stats, stats_json

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from asyncgrpo.config.training import run_transport_url
 from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.proxy.server import serve_proxy
 from asyncgrpo.serve import ServeConfig, launch_replicas
-from asyncgrpo.store.run_documents import run_transport_url
 from asyncgrpo.vllm.client import VLLMClient
 
 if TYPE_CHECKING:

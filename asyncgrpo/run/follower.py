@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from asyncgrpo.config.training import run_transport_url
 from asyncgrpo.store.checkpoints import CheckpointStore
-from asyncgrpo.store.run_documents import RunResult, run_transport_url
+from asyncgrpo.store.run_documents import RunResult
 from asyncgrpo.transport import open_transport
 
 if TYPE_CHECKING:

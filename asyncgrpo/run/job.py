@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.launch.jobs import CONFIG_ENV
+from asyncgrpo.launch.config import CONFIG_ENV
 
 PROG = "python -m asyncgrpo.run.job"
 

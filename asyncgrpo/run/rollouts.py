@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 import anyio
 
 from asyncgrpo.config.model_source import check_model
+from asyncgrpo.config.training import run_transport_url
 from asyncgrpo.errors import ReplicaError
 from asyncgrpo.rollout.client import RolloutClient
 from asyncgrpo.run.endpoint import open_endpoint
 from asyncgrpo.run.sources import rollout_client
 from asyncgrpo.store.channel import RolloutChannel
-from asyncgrpo.store.run_documents import RunStore, run_transport_url
+from asyncgrpo.store.run_documents import RunStore
 from asyncgrpo.transport import open_transport
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ import anyio
 
 from asyncgrpo.config.model_source import check_model
 from asyncgrpo.config.settings import redacted
-from asyncgrpo.config.training import TrainingConfig
+from asyncgrpo.config.training import TrainingConfig, run_transport_url
 from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.rollout.window import AdmissionWindow
 from asyncgrpo.run.endpoint import Endpoint, open_endpoint
@@ -47,7 +47,7 @@ from asyncgrpo.sample import Sample
 from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.store.channel import RolloutChannel
 from asyncgrpo.store.checkpoints import CheckpointStore
-from asyncgrpo.store.run_documents import RunResult, RunStore, run_transport_url
+from asyncgrpo.store.run_documents import RunResult, RunStore
 from asyncgrpo.trainer.staleness import filter_stale, staleness_stats
 from asyncgrpo.transport import Transport, open_transport
 from asyncgrpo.vllm.client import VLLMClient, check_adapter_fetching, check_lora_capacity

@@ -43,8 +43,9 @@ import anyio
 from asyncgrpo.config.redaction import redact_text
 from asyncgrpo.config.settings import config_from_dict, env_overrides
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.serve.config import CACHE_DIR_ENV, LIMITS_ENV_PREFIX, TRANSPORTS_ENV
 from asyncgrpo.store.adapters import AdapterStore, check_adapter_name, parse_version
-from asyncgrpo.store.bundle import FetchLimits
+from asyncgrpo.store.config import FetchLimits
 from asyncgrpo.transport import Transport, open_transport
 from asyncgrpo.transport.base import check_key
 
@@ -62,14 +63,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: Transport roots a replica may fetch adapters from (comma-separated URLs or paths).
-TRANSPORTS_ENV = "ASYNCGRPO_ADAPTER_TRANSPORTS"
-#: Directory under which the replica makes its adapter cache (default: the system temp dir).
-CACHE_DIR_ENV = "ASYNCGRPO_ADAPTER_CACHE_DIR"
-#: ``ASYNCGRPO_ADAPTER_MAX_MANIFEST_BYTES``, ``..._MAX_FILES``, ``..._MAX_TOTAL_BYTES``:
-#: the replica's :class:`FetchLimits`.
-LIMITS_ENV_PREFIX = "ASYNCGRPO_ADAPTER_"
 
 
 class SourceForbidden(ConfigError):

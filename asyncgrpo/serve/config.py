@@ -11,10 +11,17 @@ from typing import Literal
 
 from asyncgrpo.config.settings import check_fields, env_name, redacted_repr
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.serve.adapter_fetch import CACHE_DIR_ENV, LIMITS_ENV_PREFIX, TRANSPORTS_ENV
-from asyncgrpo.store.bundle import FetchLimits
+from asyncgrpo.store.config import FetchLimits
 
 _LIMITS = FetchLimits()
+
+#: Transport roots a replica may fetch adapters from (comma-separated URLs or paths).
+TRANSPORTS_ENV = "ASYNCGRPO_ADAPTER_TRANSPORTS"
+#: Directory under which the replica makes its adapter cache (default: the system temp dir).
+CACHE_DIR_ENV = "ASYNCGRPO_ADAPTER_CACHE_DIR"
+#: ``ASYNCGRPO_ADAPTER_MAX_MANIFEST_BYTES``, ``..._MAX_FILES``, ``..._MAX_TOTAL_BYTES``:
+#: the replica's :class:`FetchLimits`.
+LIMITS_ENV_PREFIX = "ASYNCGRPO_ADAPTER_"
 
 #: The ``vllm.endpoint_plugins`` entry point name of :mod:`asyncgrpo.serve.vllm_plugin`.
 PLUGIN_NAME = "asyncgrpo"

@@ -46,6 +46,7 @@ from asyncgrpo.errors import (
     TransportError,
     leaves,
 )
+from asyncgrpo.store.config import FetchLimits
 from asyncgrpo.transport.base import Transport, check_key, join_key
 from asyncgrpo.transport.registry import open_transport
 
@@ -69,27 +70,6 @@ LOCAL_MANIFEST = ".asyncgrpo-manifest.json"
 """Copy of the manifest inside a downloaded directory (hidden: vLLM and peft ignore it)."""
 FORMAT = "asyncgrpo.bundle/1"
 _SHA256_HEX = frozenset("0123456789abcdef")
-
-
-@dataclass(frozen=True, slots=True)
-class FetchLimits:
-    """How much one bundle download may take; checked before any file is fetched."""
-
-    max_manifest_bytes: int = 1 << 20
-    """Largest manifest read (a manifest of 1,000 files is ~150 KB)."""
-    max_files: int = 1024
-    """Most files one bundle may list."""
-    max_total_bytes: int | None = 16 << 30
-    """Largest sum of the listed file sizes; None: no cap (each file is still read no further
-    than its declared size)."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_manifest_bytes", "max_files", "max_total_bytes"):
-            value = getattr(self, name)
-            if value is None and name == "max_total_bytes":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"FetchLimits.{name}={value!r}: must be an integer >= 1")
 
 
 _DEFAULT_LIMITS = FetchLimits()

@@ -18,15 +18,12 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
 from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound
 from asyncgrpo.transport import Transport
-
-if TYPE_CHECKING:
-    from asyncgrpo.config.training import TrainingConfig
 
 RUN_KEY = "run.json"
 POLICY_KEY = "policy.json"
@@ -44,11 +41,6 @@ class RunResult:
     resumed_from_step: int | None
     transport_url: str
     rank: int = 0  #: data-parallel rank; on ranks > 0 ``final_version`` is -1 (not tracked)
-
-
-def run_transport_url(cfg: TrainingConfig) -> str:
-    """``transport_url``, or the directory ``store`` inside the run directory."""
-    return cfg.transport_url or str((cfg.run_dir / "store").resolve())
 
 
 def parse_policy(data: bytes) -> tuple[str, int]:

@@ -13,11 +13,12 @@ import asyncio
 import ssl
 import time
 from typing import cast
-from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["ConnectFailed", "Disconnected", "Exchange", "H1Pool", "Response", "split_url"]
+from asyncgrpo.proxy.config import split_url
+
+__all__ = ["ConnectFailed", "Disconnected", "Exchange", "H1Pool", "Response"]
 
 #: Idle connections kept per pool; more are closed when returned.
 _MAX_IDLE = 1024
@@ -26,20 +27,6 @@ _JSON = b"Content-Type: application/json\r\n"
 
 #: (status, headers as (name, value) bytes pairs, body)
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
-
-
-def split_url(url: str) -> tuple[str, str, int, str]:
-    """``(scheme, host, port, path prefix)`` of a replica's base URL; ValueError says why not."""
-    u = urlsplit(url)
-    try:
-        port = u.port
-    except ValueError:
-        port = -1
-    if not url.isascii() or u.scheme not in ("http", "https") or not u.hostname or port == -1:
-        raise ValueError(f"{url!r} is not an http(s)://HOST[:PORT] URL")
-    if u.username is not None or u.query or u.fragment:
-        raise ValueError(f"{url!r}: no credentials, query or fragment in a replica's URL")
-    return u.scheme, u.hostname, port or (443 if u.scheme == "https" else 80), u.path.rstrip("/")
 
 
 class ConnectFailed(OSError):
