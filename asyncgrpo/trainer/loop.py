@@ -124,6 +124,20 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+@dataclasses.dataclass
+class _Batch:
+    """One step's packed rows and counts (all ranks' counts when data-parallel)."""
+
+    rows: list[PackedRow]
+    num_tokens: int  #: completion tokens: the loss's normaliser
+    total_tokens: int
+    num_rows: int
+    row_tokens_max: int
+    num_sequences: int
+    longest: int  #: the longest sample's policy tokens
+    micro_steps: int  #: forward/backward passes (FSDP: equal on every rank)
+
+
 class Trainer:
     """A LoRA policy, its AdamW optimizer and schedule, and the GRPO step."""
 
@@ -351,84 +365,103 @@ class Trainer:
     ) -> dict[str, float]:
         """Train on this rank's ``samples``; ``step_samples`` are all ranks' (rank 0 only);
         ``clock`` is rank 0's ``policy_clock``."""
-        cfg = self.config
-        dp = self.dp
         self._sync()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         t_step = time.perf_counter()
+        batch = self._pack(samples)
+        lr = self.scheduler.get_last_lr()[0]
+        loss_total, sums, fwd_s, fwd_bwd_s = self._backward(batch, clock)
+        grad_norm, update_norm, param_norm = self._update()
+        self._sync()
+        step_s = time.perf_counter() - t_step
 
-        # -- pack: token-budget rows, or gradient_accumulation_steps rows without a budget
+        metrics = {
+            "loss": loss_total,
+            "grad_norm": grad_norm,
+            "learning_rate": lr,
+            **finalize_stats(sums, self.buckets),
+            "collapse/update_norm": update_norm,
+            "collapse/adapter_norm": param_norm,
+            "batch/tokens": float(batch.total_tokens),
+            "batch/completion_tokens": float(batch.num_tokens),
+            "batch/microbatches_per_step": float(batch.num_rows),
+            "batch/row_tokens_max": float(batch.row_tokens_max),
+            "perf/fwd_s": fwd_s,
+            "perf/fwd_bwd_s": fwd_bwd_s,
+            "perf/train_step_s": step_s,
+            "perf/tokens_per_s": batch.total_tokens / fwd_bwd_s if fwd_bwd_s > 0 else math.nan,
+            "perf/peak_mem_gib": peak_memory_gib(self.device),
+        }
+        if step_samples is not None:
+            metrics.update(sample_metrics(step_samples))
+            metrics["batch/samples"] = float(len(step_samples))
+            metrics["batch/samples_per_row"] = len(step_samples) / batch.num_rows
+        if self.dp is not None:
+            metrics["batch/ranks"] = float(self.dp.world_size)
+        if self.config.peak_flops is not None and fwd_bwd_s > 0:
+            # This rank's rows over this rank's time: MFU per device, also with several ranks.
+            rows = batch.rows
+            local = sum(row.num_completion_tokens for row in rows)
+            flops = step_flops(self.shape, (n for row in rows for n in row.seq_lens), local)
+            metrics["perf/mfu"] = flops / fwd_bwd_s / self.config.peak_flops
+        return metrics
+
+    def _pack(self, samples: Sequence[Sample]) -> _Batch:
+        """Token-budget rows (or ``gradient_accumulation_steps`` rows without a budget), with
+        the step's counts: all ranks' counts when data-parallel."""
+        cfg = self.config
         rows = pack_samples(
             samples,
             token_budget=cfg.token_budget,
             num_rows=None if cfg.token_budget is not None else cfg.gradient_accumulation_steps,
         )
-        num_tokens = sum(row.num_completion_tokens for row in rows)
-        total_tokens = sum(row.num_tokens for row in rows)
-        num_rows = len(rows)
-        row_tokens_max = max((row.num_tokens for row in rows), default=0)
-        num_sequences = len(samples)
-        longest = max((s.num_policy_tokens for s in samples), default=0)
-        micro_steps = num_rows
-        if dp is not None:  # the step's counts are all ranks' counts
-            counts = dp.gather_counts(
-                [num_tokens, total_tokens, num_rows, num_sequences, row_tokens_max, longest]
+        batch = _Batch(
+            rows=rows,
+            num_tokens=sum(row.num_completion_tokens for row in rows),
+            total_tokens=sum(row.num_tokens for row in rows),
+            num_rows=len(rows),
+            row_tokens_max=max((row.num_tokens for row in rows), default=0),
+            num_sequences=len(samples),
+            longest=max((s.num_policy_tokens for s in samples), default=0),
+            micro_steps=len(rows),
+        )
+        if self.dp is not None:  # the step's counts are all ranks' counts
+            counts = self.dp.gather_counts(
+                [
+                    batch.num_tokens,
+                    batch.total_tokens,
+                    batch.num_rows,
+                    batch.num_sequences,
+                    batch.row_tokens_max,
+                    batch.longest,
+                ]
             )
-            num_tokens, total_tokens, num_rows, num_sequences = (
+            batch.num_tokens, batch.total_tokens, batch.num_rows, batch.num_sequences = (
                 int(v) for v in counts[:, :4].sum(0)
             )
-            row_tokens_max, longest = (int(v) for v in counts[:, 4:].max(0).values)
+            batch.row_tokens_max, batch.longest = (int(v) for v in counts[:, 4:].max(0).values)
             if cfg.fsdp:  # FSDP gathers weights in every forward: equal pass counts everywhere
-                micro_steps = int(counts[:, 2].max())
-        if num_tokens == 0:
+                batch.micro_steps = int(counts[:, 2].max())
+        if batch.num_tokens == 0:
             raise ValueError("Trainer.step: the samples hold no completion tokens")
-        lr = self.scheduler.get_last_lr()[0]
+        return batch
 
-        # -- micro-steps: forward, loss normalised by the step's completion tokens, backward
+    def _backward(
+        self, batch: _Batch, clock: tuple[int, bool]
+    ) -> tuple[float, dict[str, float], float, float]:
+        """Forward and backward of every micro-step, the loss normalised by the step's
+        completion tokens: (loss, metric sums, forward seconds, forward+backward seconds), all
+        ranks' sums when data-parallel."""
         self.model.train()
         sums: dict[str, float] = {}
-        loss_total = 0.0
-        fwd_s = fwd_bwd_s = 0.0
-        for i in range(micro_steps):
+        loss_total = fwd_s = fwd_bwd_s = 0.0
+        rows = batch.rows
+        for i in range(batch.micro_steps):
             row, weight = (rows[i], 1.0) if i < len(rows) else (_padding_row(rows), 0.0)
             self._sync()
             t0 = time.perf_counter()
-            logp, entropy = row_logprobs(self.model, row)
-            self._sync()
-            t1 = time.perf_counter()
-            mask = row.completion_mask
-            device = logp.device
-            staleness = clock[0] - row.versions[mask]
-            sequence_ids = row.sequence_ids[mask].to(device)
-            normaliser = None
-            if cfg.loss_type != "dapo":
-                per_sequence = torch.bincount(sequence_ids, minlength=len(row.seq_lens))
-                normaliser = token_normaliser(
-                    cfg.loss_type,
-                    per_sequence[sequence_ids],
-                    num_tokens=num_tokens,
-                    num_sequences=num_sequences,
-                    max_length=max(self.max_completion_length or 0, longest),
-                )
-            reference = None
-            if cfg.beta > 0:  # the base model: the same forward with the adapter disabled
-                with torch.no_grad(), self.model.disable_adapter():
-                    reference, _ = row_logprobs(self.model, row, with_entropy=False)
-            loss, part = grpo_loss(
-                logp,
-                row.behaviour_logprobs[mask].to(device),
-                row.advantages[mask].to(device),
-                self.objective,
-                num_tokens=num_tokens,
-                staleness=staleness,
-                on_policy=(staleness == 0) & clock[1],
-                buckets=self.buckets,
-                sequence_ids=sequence_ids,
-                entropy=entropy,
-                reference_logp=reference,
-                normaliser=normaliser,
-            )
+            loss, part, t1 = self._row_loss(row, batch, clock)
             (loss * weight).backward()
             self._sync()
             t2 = time.perf_counter()
@@ -437,23 +470,69 @@ class Trainer:
             if weight:
                 loss_total += float(loss.detach())
                 add_stats(sums, part)
-        if dp is not None:  # gradient of the whole step; metric sums of all ranks
-            dp.sum_gradients(self.params)
+        if self.dp is not None:  # gradient of the whole step; metric sums of all ranks
+            self.dp.sum_gradients(self.params)
             keys = stat_keys(self.buckets)
             summed = [k for k in keys if not k.endswith("_max")]
             maxed = [k for k in keys if k.endswith("_max")]
-            loss_total, *values = dp.sum([loss_total, *(sums.get(k, 0.0) for k in summed)])
-            highest = dp.max([sums.get(k, -math.inf) for k in maxed])
+            loss_total, *values = self.dp.sum([loss_total, *(sums.get(k, 0.0) for k in summed)])
+            highest = self.dp.max([sums.get(k, -math.inf) for k in maxed])
             sums = dict(zip(summed + maxed, values + highest, strict=True))
+        return loss_total, sums, fwd_s, fwd_bwd_s
 
-        # -- clip
-        if cfg.max_grad_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
+    def _row_loss(
+        self, row: PackedRow, batch: _Batch, clock: tuple[int, bool]
+    ) -> tuple[torch.Tensor, dict[str, Any], float]:
+        """One row's GRPO loss and its metric parts; the third value is the time the policy's
+        forward ended (``perf_counter``)."""
+        cfg = self.config
+        logp, entropy = row_logprobs(self.model, row)
+        self._sync()
+        forward_end = time.perf_counter()
+        mask = row.completion_mask
+        device = logp.device
+        staleness = clock[0] - row.versions[mask]
+        sequence_ids = row.sequence_ids[mask].to(device)
+        normaliser = None
+        if cfg.loss_type != "dapo":
+            per_sequence = torch.bincount(sequence_ids, minlength=len(row.seq_lens))
+            normaliser = token_normaliser(
+                cfg.loss_type,
+                per_sequence[sequence_ids],
+                num_tokens=batch.num_tokens,
+                num_sequences=batch.num_sequences,
+                max_length=max(self.max_completion_length or 0, batch.longest),
+            )
+        reference = None
+        if cfg.beta > 0:  # the base model: the same forward with the adapter disabled
+            with torch.no_grad(), self.model.disable_adapter():
+                reference, _ = row_logprobs(self.model, row, with_entropy=False)
+        loss, part = grpo_loss(
+            logp,
+            row.behaviour_logprobs[mask].to(device),
+            row.advantages[mask].to(device),
+            self.objective,
+            num_tokens=batch.num_tokens,
+            staleness=staleness,
+            on_policy=(staleness == 0) & clock[1],
+            buckets=self.buckets,
+            sequence_ids=sequence_ids,
+            entropy=entropy,
+            reference_logp=reference,
+            normaliser=normaliser,
+        )
+        return loss, part, forward_end
+
+    def _update(self) -> tuple[float, float, float]:
+        """Clip, then the optimizer step and schedule (a non-finite gradient skips the update):
+        (gradient norm, update norm, adapter norm)."""
+        if self.config.max_grad_norm is not None:
+            grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+            )
         else:
             norms = [torch.linalg.vector_norm(p.grad) for p in self.params if p.grad is not None]
             grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
-
-        # -- optimizer step and schedule (a non-finite gradient skips the update)
         before = [p.detach().clone() for p in self.params]
         if math.isfinite(grad_norm):
             self.optimizer.step()
@@ -468,39 +547,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         update_norm, param_norm = _norms(self.params, before)
         self.step_count += 1
-        self._sync()
-        step_s = time.perf_counter() - t_step
-
-        # -- metrics
-        metrics = {
-            "loss": loss_total,
-            "grad_norm": grad_norm,
-            "learning_rate": lr,
-            **finalize_stats(sums, self.buckets),
-            "collapse/update_norm": update_norm,
-            "collapse/adapter_norm": param_norm,
-            "batch/tokens": float(total_tokens),
-            "batch/completion_tokens": float(num_tokens),
-            "batch/microbatches_per_step": float(num_rows),
-            "batch/row_tokens_max": float(row_tokens_max),
-            "perf/fwd_s": fwd_s,
-            "perf/fwd_bwd_s": fwd_bwd_s,
-            "perf/train_step_s": step_s,
-            "perf/tokens_per_s": total_tokens / fwd_bwd_s if fwd_bwd_s > 0 else math.nan,
-            "perf/peak_mem_gib": peak_memory_gib(self.device),
-        }
-        if step_samples is not None:
-            metrics.update(sample_metrics(step_samples))
-            metrics["batch/samples"] = float(len(step_samples))
-            metrics["batch/samples_per_row"] = len(step_samples) / num_rows
-        if dp is not None:
-            metrics["batch/ranks"] = float(dp.world_size)
-        if cfg.peak_flops is not None and fwd_bwd_s > 0:
-            # This rank's rows over this rank's time: MFU per device, also with several ranks.
-            local = sum(row.num_completion_tokens for row in rows)
-            flops = step_flops(self.shape, (n for row in rows for n in row.seq_lens), local)
-            metrics["perf/mfu"] = flops / fwd_bwd_s / cfg.peak_flops
-        return metrics
+        return grad_norm, update_norm, param_norm
 
     # -----------------------------------------------------------------------------------------
     @torch.no_grad()
