@@ -1,4 +1,4 @@
-"""No import cycle among asyncgrpo's modules, counting imports inside functions too.
+"""asyncgrpo's import graph: no cycle, and imports only go down the layers.
 
 A cycle means two modules each need the other: a concept split in the wrong place. The graph is
 read from the source (``ast``), so a deferred import inside a function cannot hide one.
@@ -7,7 +7,11 @@ read from the source (``ast``), so a deferred import inside a function cannot hi
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import asyncgrpo
 
@@ -81,3 +85,123 @@ def test_no_import_cycle() -> None:
 
 def test_a_cycle_is_found() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# -- layers ---------------------------------------------------------------------------------
+#: The package's layers, lowest first: a module may import only from its own layer or below
+#: (docs/architecture.md). Every ``asyncgrpo.<package>.config`` belongs to the config layer.
+LAYERS: list[tuple[str, ...]] = [
+    ("errors", "lazy", "console", "processes", "parent_death", "sample"),
+    ("config",),
+    ("vllm",),
+    ("transport",),
+    ("store",),
+    ("trainer", "rollout", "proxy", "serve", "rewards"),
+    ("run",),
+    ("launch",),
+    ("testing",),
+    ("cli", "__main__"),
+]
+#: Modules directly under ``asyncgrpo/`` (the package's ``__init__`` counts as ``asyncgrpo``).
+MAX_LOOSE = 8
+
+
+def layer_of(module: str) -> int:
+    """The index in :data:`LAYERS` of an ``asyncgrpo`` module (``asyncgrpo`` itself: 0)."""
+    parts = module.split(".")
+    if module == "asyncgrpo":
+        return 0
+    if len(parts) >= 3 and parts[2] == "config":
+        return 1
+    for index, names in enumerate(LAYERS):
+        if parts[1] in names:
+            return index
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS")
+
+
+def upward_edges(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a lower layer to a higher one, and from a config section into its own
+    component (the component is a layer above its section)."""
+    return sorted(
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if a != "asyncgrpo" and layer_of(b) > layer_of(a)
+    )
+
+
+def test_every_module_has_a_layer() -> None:
+    for module in import_graph():
+        layer_of(module)
+
+
+def test_imports_only_go_down() -> None:
+    assert upward_edges(import_graph()) == []
+
+
+def test_an_upward_import_is_found() -> None:
+    graph = {
+        "asyncgrpo.config.training": {"asyncgrpo.run.training"},
+        "asyncgrpo.proxy.config": {"asyncgrpo.proxy.http.h1"},
+        "asyncgrpo.run.training": {"asyncgrpo.config.training", "asyncgrpo.trainer.loop"},
+    }
+    assert upward_edges(graph) == [
+        "asyncgrpo.config.training -> asyncgrpo.run.training",
+        "asyncgrpo.proxy.config -> asyncgrpo.proxy.http.h1",
+    ]
+
+
+def test_few_loose_modules() -> None:
+    loose = sorted(p.stem for p in ROOT.glob("*.py"))
+    assert len(loose) <= MAX_LOOSE, loose
+
+
+def _loaded_by(statement: str) -> set[str]:
+    """The modules in ``sys.modules`` after ``statement`` runs in a fresh interpreter."""
+    code = f"{statement}\nimport sys\nprint('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    return set(out.stdout.split())
+
+
+COMPONENTS = ("proxy", "serve", "rollout", "trainer", "launch", "run", "cli", "store")
+HEAVY = ("aiohttp", "torch", "transformers")
+
+
+def _beyond_config(loaded: set[str]) -> list[str]:
+    """Loaded modules of the components other than their config sections and lazy packages."""
+    return sorted(
+        m
+        for m in loaded
+        if m.split(".")[:2][-1] in COMPONENTS
+        and m.startswith("asyncgrpo.")
+        and m.count(".") >= 2
+        and m.split(".")[2] != "config"
+    )
+
+
+@pytest.mark.parametrize(
+    "statement", ["import asyncgrpo.config", "from asyncgrpo.config import TrainingConfig"]
+)
+def test_loading_a_config_loads_no_component(statement: str) -> None:
+    loaded = _loaded_by(statement)
+    assert _beyond_config(loaded) == []
+    assert [m for m in HEAVY if m in loaded] == []
+
+
+def test_config_is_built_without_a_component() -> None:
+    statement = (
+        "from asyncgrpo.config import TrainingConfig\n"
+        "from asyncgrpo.config.training import example_path\n"
+        "TrainingConfig.from_yaml(example_path('examples/tiny_cpu.yaml'))"
+    )
+    loaded = _loaded_by(statement)
+    assert [m for m in HEAVY if m in loaded] == []
+
+
+@pytest.mark.parametrize("statement", ["import asyncgrpo.proxy", "import asyncgrpo.proxy.server"])
+def test_the_proxy_loads_no_aiohttp(statement: str) -> None:
+    loaded = _loaded_by(statement)
+    assert "aiohttp" not in loaded
+    assert "torch" not in loaded
