@@ -101,6 +101,15 @@ class LoggingConfig:
     """Also log to trackio (must be installed)."""
     trackio_project: str | None = None
     """trackio project; None: 'asyncgrpo'."""
+    wandb: bool = False
+    """Also log to Weights & Biases (``pip install wandb``); the key only from WANDB_API_KEY in
+    the environment, or WANDB_MODE=offline to write the run locally."""
+    wandb_project: str | None = None
+    """W&B project; None: 'asyncgrpo'."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team); None: the key's default entity."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """Tags of the W&B run."""
     log_every: int = 1
     """Log metrics every this many steps."""
     level: str = "INFO"

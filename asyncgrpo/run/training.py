@@ -43,6 +43,7 @@ from asyncgrpo.run.sync import (
     ProxyLoader,
     TransportSource,
 )
+from asyncgrpo.run.trackers import Tracker, TrackioTracker, WandbTracker
 from asyncgrpo.sample import Sample
 from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.store.channel import RolloutChannel
@@ -276,15 +277,25 @@ async def _publish_first_version(run: _Run, sync: AdapterSync, trainer: Any, wor
 
 
 def _metrics_writer(cfg: TrainingConfig, prefix: str) -> MetricsWriter:
-    """One metrics line per logged step, to ``metrics.jsonl`` and (optionally) trackio."""
-    return MetricsWriter(
-        cfg.run_dir,
-        jsonl=cfg.logging.jsonl,
-        trackio=cfg.logging.trackio,
-        project=cfg.logging.trackio_project,
-        run_name=prefix,
-        config=redacted(cfg),
-    )
+    """One metrics line per logged step, to ``metrics.jsonl`` and the trackers switched on."""
+    log = cfg.logging
+    trackers: list[Tracker] = []
+    if log.trackio:
+        trackers.append(
+            TrackioTracker(project=log.trackio_project, run_name=prefix, config=redacted(cfg))
+        )
+    if log.wandb:
+        trackers.append(
+            WandbTracker(
+                run_dir=cfg.run_dir,
+                project=log.wandb_project,
+                entity=log.wandb_entity,
+                run_name=prefix,
+                tags=log.wandb_tags,
+                config=redacted(cfg),
+            )
+        )
+    return MetricsWriter(cfg.run_dir, jsonl=log.jsonl, trackers=trackers)
 
 
 @asynccontextmanager
