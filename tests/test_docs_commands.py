@@ -209,3 +209,45 @@ def test_every_documented_file_and_make_target_exists() -> None:
             if target and target[0] not in targets:
                 missing.append(f"{page}: `{command}`: no make target {target[0]}")
     assert not missing, "\n".join(missing)
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a markdown heading: lower case, punctuation but ``-`` dropped,
+    spaces as ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return {anchor(h) for h in re.findall(r"^#+ (.+)$", prose, re.M)}
+
+
+def test_anchor_follows_github() -> None:
+    assert (
+        anchor("The guard: collapse metrics and the alarm")
+        == "the-guard-collapse-metrics-and-the-alarm"
+    )
+    assert anchor("`asyncgrpo train`") == "asyncgrpo-train"
+    assert anchors("# A\n```\n# not a heading\n```\n## Exit statuses\n") == {"a", "exit-statuses"}
+
+
+def test_every_relative_link_resolves() -> None:
+    """The README and docs link each other by file and heading; a page moved or a heading
+    renamed breaks a link here first."""
+    broken = []
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # https://, mailto:
+            path, _, fragment = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.relative_to(ROOT)}: ({target}): no {path}")
+            elif (
+                fragment and linked.suffix == ".md" and fragment not in anchors(linked.read_text())
+            ):
+                broken.append(f"{page.relative_to(ROOT)}: ({target}): no heading #{fragment}")
+    assert not broken, "\n".join(broken)
