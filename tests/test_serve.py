@@ -172,7 +172,7 @@ async def test_cancelled_launch_leaves_no_process_behind(tiny_model: Path, tmp_p
 def test_cli_starts_two_replicas_without_memory_flags_and_sigint_stops_every_process(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    """The README's command as typed: no KV size, so it is chosen from the memory available
+    """docs/serving.md's command as typed: no KV size, so it is chosen from the memory available
     (vLLM's own default, 92 % of the NUMA node per replica, cannot start two)."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     proc = subprocess.Popen(
