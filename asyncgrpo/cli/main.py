@@ -7,6 +7,8 @@
 - ``asyncgrpo rollout CONFIG [key=value ...]``: a rollout process for a split run
 - ``asyncgrpo launch CONFIG --backend hf-jobs|local [--dry-run]``: the run across machines
   (Hugging Face Jobs) or as separate local processes; Ctrl-C cancels every job
+- ``asyncgrpo export RUN_DIR DIR [--version N]``: a published adapter version as a plain PEFT
+  directory
 - ``asyncgrpo plot RUN_DIR``: reward, ratio, step time and staleness to ``RUN_DIR/plot.png``
 - ``asyncgrpo check-serving [--output-dir DIR]``: served logprobs equal transformers + peft's
 """
@@ -67,7 +69,8 @@ def _train(args: argparse.Namespace) -> None:
     result = run_async(lambda: run_training(cfg, rollout_source=source))
     if result.rank == 0:  # under torchrun, rank 0 speaks for the job
         print(f"trained {result.steps} steps; final adapter {result.adapter_prefix}-v"
-              f"{result.final_version} in {result.transport_url}; metrics in {result.run_dir}")  # fmt: skip
+              f"{result.final_version} in {result.transport_url} and, as a PEFT directory, in "
+              f"{result.adapter_dir}; metrics in {result.run_dir}")  # fmt: skip
 
 
 def _rollout(args: argparse.Namespace) -> None:
@@ -147,6 +150,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     from asyncgrpo.cli.launch import add_parser as add_launch_parser
 
     add_launch_parser(sub)
+
+    from asyncgrpo.cli.export import add_parser as add_export_parser
+
+    add_export_parser(sub)
 
     plot = sub.add_parser("plot", help="plot a run's metrics.jsonl to plot.png")
     plot.add_argument("run_dir")

@@ -16,6 +16,7 @@ split run (:mod:`asyncgrpo.run.rollouts`), the run's documents in its transport
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -48,7 +49,7 @@ from asyncgrpo.sample import Sample
 from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.store.channel import RolloutChannel
 from asyncgrpo.store.checkpoints import CheckpointStore
-from asyncgrpo.store.run_documents import RunResult, RunStore
+from asyncgrpo.store.run_documents import FINAL_ADAPTER_DIR, RunResult, RunStore
 from asyncgrpo.trainer.staleness import filter_stale, staleness_stats
 from asyncgrpo.transport import Transport, open_transport
 from asyncgrpo.vllm.client import VLLMClient, check_adapter_fetching, check_lora_capacity
@@ -440,6 +441,9 @@ async def _finish(run: _Run, start: _Start, step: int, version: int) -> RunResul
     ``done.json``, which ends the split run's rollout processes."""
     await anyio.to_thread.run_sync(start.trainer.release)
     await run.documents.finish(step, version)
+    final = run.cfg.run_dir / FINAL_ADAPTER_DIR  # a resumed run replaces the earlier one
+    await anyio.to_thread.run_sync(lambda: shutil.rmtree(final, ignore_errors=True))
+    await run.store.export(run.prefix, version, final)
     return RunResult(
         run_dir=run.cfg.run_dir,
         adapter_prefix=run.prefix,
@@ -447,4 +451,5 @@ async def _finish(run: _Run, start: _Start, step: int, version: int) -> RunResul
         final_version=version,
         resumed_from_step=start.resumed_from,
         transport_url=run.transport.url,
+        adapter_dir=final,
     )

@@ -28,6 +28,8 @@ from asyncgrpo.transport import Transport
 RUN_KEY = "run.json"
 POLICY_KEY = "policy.json"
 DONE_KEY = "done.json"
+#: Where a finished run leaves its final version as a plain PEFT directory, in its run directory.
+FINAL_ADAPTER_DIR = "adapter"
 
 
 @dataclass
@@ -41,6 +43,8 @@ class RunResult:
     resumed_from_step: int | None
     transport_url: str
     rank: int = 0  #: data-parallel rank; on ranks > 0 ``final_version`` is -1 (not tracked)
+    #: the final version as a plain PEFT directory, ``<run_dir>/adapter`` (rank 0 only)
+    adapter_dir: Path | None = None
 
 
 def parse_policy(data: bytes) -> tuple[str, int]:
