@@ -42,6 +42,7 @@ from asyncgrpo.config.settings import (
     to_dict,
 )
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.evaluation.config import EvalConfig
 from asyncgrpo.launch.config import LaunchConfig
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.rollout.config import DatasetConfig, GenerationConfig, RolloutConfig
@@ -157,6 +158,9 @@ class TrainingConfig:
     """Metrics."""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """`asyncgrpo launch`: jobs, images, hardware (asyncgrpo.launch.config)."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation of the base model and the final adapter (asyncgrpo.evaluation.config);
+    None: none."""
 
     __repr__ = redacted_repr  # the generated repr would print credentials in transport_url
 

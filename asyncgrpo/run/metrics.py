@@ -89,6 +89,12 @@ class MetricsWriter:
             for tracker in self._trackers:
                 tracker.log(values, step=step)
 
+    def mirror(self, metrics: dict[str, Any], *, step: int) -> None:
+        """Send ``metrics`` to the trackers only (an evaluation keeps its own file)."""
+        values = numeric(metrics)
+        for tracker in self._trackers:
+            tracker.log(values, step=step)
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

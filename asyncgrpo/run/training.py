@@ -33,6 +33,7 @@ from asyncgrpo.config.training import TrainingConfig, run_transport_url
 from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.rollout.window import AdmissionWindow
 from asyncgrpo.run.endpoint import Endpoint, open_endpoint
+from asyncgrpo.run.evaluation import RunEvaluator
 from asyncgrpo.run.follower import follow
 from asyncgrpo.run.metrics import MetricsWriter
 from asyncgrpo.run.sources import ChannelSource, LocalSource, SampleSource, rollout_client
@@ -134,11 +135,28 @@ async def run_training(
         proxy = await stack.enter_async_context(
             VLLMClient(endpoint.url, api_key=endpoint.api_key, timeout_s=FLEET_TIMEOUT_S)
         )
+        evaluator = await _evaluator(cfg, endpoint, writer, sync, start)
         step, version = await _train(
             run, start.trainer, sync, source, writer, work, version,
             on_step=on_step, progress=progress, fleet=lambda: _fleet_metrics(proxy),
         )  # fmt: skip
+        if evaluator is not None:  # the final version, after the last step
+            await evaluator(sync.name(version), version, step=step)
         return await _finish(run, start, step, version)
+
+
+async def _evaluator(
+    cfg: TrainingConfig, endpoint: Endpoint, writer: MetricsWriter, sync: AdapterSync, start: _Start
+) -> RunEvaluator | None:
+    """With an ``eval`` section: the held-out prompts read (a bad set fails before the first
+    step), and the base model (version 0) evaluated unless the run resumed."""
+    if cfg.eval is None:
+        return None
+    evaluator = RunEvaluator(cfg, base_url=endpoint.url, api_key=endpoint.api_key, writer=writer)
+    await evaluator.prepare()
+    if start.resumed_from is None:
+        await evaluator(sync.name(0), 0, step=0)
+    return evaluator
 
 
 def _check_rollout_source(cfg: TrainingConfig, rollout_source: str) -> None:
