@@ -46,9 +46,9 @@ def test_summary_counts_a_nan_reward_as_a_failure_and_keys_the_parts():
 
 
 def test_eval_section_needs_exactly_one_source_and_sane_sampling():
-    with pytest.raises(ConfigError, match="exactly one of eval.path"):
+    with pytest.raises(ConfigError, match=r"exactly one of eval\.path"):
         EvalConfig()
-    with pytest.raises(ConfigError, match="exactly one of eval.path"):
+    with pytest.raises(ConfigError, match=r"exactly one of eval\.path"):
         EvalConfig(prompts=["a"], holdout=0.2)
     with pytest.raises(ConfigError, match=r"eval\.num_generations"):
         EvalConfig(prompts=["a"], num_generations=0)
@@ -62,7 +62,7 @@ def test_a_config_names_the_eval_field_to_fix(tmp_path):
     path = example_path("examples/tiny_cpu.yaml")
     with pytest.raises(ConfigError, match=r"eval\.num_generations"):
         TrainingConfig.from_yaml(path, ['eval.prompts=["q"]', "eval.num_generations=0"])
-    with pytest.raises(ConfigError, match="eval.tempreature"):
+    with pytest.raises(ConfigError, match=r"eval\.tempreature"):
         TrainingConfig.from_yaml(path, ['eval.prompts=["q"]', "eval.tempreature=0"])
 
 
