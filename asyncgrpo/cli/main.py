@@ -7,6 +7,8 @@
 - ``asyncgrpo rollout CONFIG [key=value ...]``: a rollout process for a split run
 - ``asyncgrpo launch CONFIG --backend hf-jobs|local [--dry-run]``: the run across machines
   (Hugging Face Jobs) or as separate local processes; Ctrl-C cancels every job
+- ``asyncgrpo eval CONFIG [--version N | --base | --all]``: held-out evaluation of published
+  versions of a run (its ``eval`` section), on its fleet or on replicas it starts
 - ``asyncgrpo export RUN_DIR DIR [--version N]``: a published adapter version as a plain PEFT
   directory
 - ``asyncgrpo plot RUN_DIR``: reward, ratio, step time and staleness to ``RUN_DIR/plot.png``
@@ -81,6 +83,25 @@ def _rollout(args: argparse.Namespace) -> None:
     print(f"shipped {shipped} samples")
 
 
+def _eval(args: argparse.Namespace) -> None:
+    cfg = _load(args)
+    if cfg.eval is None:
+        raise ConfigError(f"{args.config} has no eval section: add one (docs/eval.md)")
+    from asyncgrpo.evaluation.records import EVAL_METRICS_FILE
+    from asyncgrpo.run.evaluation import evaluate_published
+
+    results = run_async(
+        lambda: evaluate_published(cfg, version=args.version, base=args.base, every=args.all)
+    )
+    k = cfg.eval.num_generations
+    for m in results:
+        print(f"version {int(m['eval/version'])}: reward {m['eval/reward']:.3f}, pass@1 "
+              f"{m.get('eval/pass@1', float('nan')):.3f}, pass@{k} "
+              f"{m.get(f'eval/pass@{k}', float('nan')):.3f} over {int(m['eval/prompts'])} "
+              "prompts")  # fmt: skip
+    print(f"in {cfg.run_dir / EVAL_METRICS_FILE} (completions in {cfg.run_dir / 'eval.jsonl'})")
+
+
 def _plot(args: argparse.Namespace) -> None:
     from asyncgrpo.cli.plot import plot_run
     from asyncgrpo.run.metrics import METRICS_FILE
@@ -150,6 +171,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     from asyncgrpo.cli.launch import add_parser as add_launch_parser
 
     add_launch_parser(sub)
+
+    ev = sub.add_parser("eval", help="evaluate published versions of a run on held-out prompts")
+    ev.add_argument("config", help="the run's YAML config (with an eval section)")
+    ev.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    which = ev.add_mutually_exclusive_group()
+    which.add_argument("--version", type=int, default=None, help="this version (default: newest)")
+    which.add_argument("--base", action="store_true", help="version 0: the base model")
+    which.add_argument("--all", action="store_true", help="every published version")
+    ev.set_defaults(func=_eval)
 
     from asyncgrpo.cli.export import add_parser as add_export_parser
 

@@ -204,7 +204,7 @@ async def _adapter_sync(
     what it loaded (the store keeps them all) and gives the slots back."""
     cfg = run.cfg
     async with VLLMClient(endpoint.url, api_key=endpoint.api_key) as client:
-        fetching = await _preflight(cfg, client, run.transport.url)
+        fetching = await preflight_fleet(cfg, client, run.transport.url)
         source: AdapterSource
         if fetching:  # replicas fetch each version themselves: nothing of this disk is needed
             source = TransportSource(run.store)
@@ -248,7 +248,7 @@ async def _lora_slots(cfg: TrainingConfig, client: VLLMClient, prefix: str) -> A
                     logger.warning("could not give back the run's LoRA slots: %s", exc)
 
 
-async def _preflight(cfg: TrainingConfig, client: VLLMClient, transport_url: str) -> bool:
+async def preflight_fleet(cfg: TrainingConfig, client: VLLMClient, transport_url: str) -> bool:
     """Refuse to start, before the trainer loads its model, when the served replicas cannot
     hold the run: LoRA off, a rank or slot count too small, or (when replicas fetch adapters
     themselves: ``serve.adapter_delivery``) no asyncgrpo vLLM plugin or no access to this

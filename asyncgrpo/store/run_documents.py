@@ -59,6 +59,23 @@ class RunStore:
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
 
+    async def existing_run_id(self, run_name: str) -> str:
+        """The id of a run that has started here; :class:`ConfigError` when none has (or
+        another run owns this transport)."""
+        try:
+            stored = json.loads(await self.transport.get(RUN_KEY))
+        except NotFound:
+            raise ConfigError(
+                f"no run has started in {self.transport.url} ({RUN_KEY} is missing): train "
+                "first, or give the config of the run to evaluate"
+            ) from None
+        if stored.get("run_name") != run_name:
+            raise ConfigError(
+                f"transport {self.transport.url} holds run {stored.get('run_name')!r}, not "
+                f"{run_name!r}: give that run's config"
+            )
+        return str(stored["run_id"])
+
     async def run_id(self, run_name: str) -> str:
         """The run's id, created once (create-only write: two racing starts agree on one id)."""
         doc = {"run_name": run_name, "run_id": secrets.token_hex(4), "created": time.time()}
