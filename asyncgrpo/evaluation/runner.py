@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
     from asyncgrpo.evaluation.config import EvalConfig
 
-__all__ = ["EvalReport", "eval_prompts", "evaluate"]
+__all__ = ["EvalReport", "eval_prompts", "eval_rows", "evaluate"]
 
 
 @dataclass
@@ -52,36 +52,40 @@ def _prompt_of(row: Any, column: str) -> Any:
     return row.get(column) if isinstance(row, dict) else row
 
 
-def eval_prompts(cfg: TrainingConfig, tokenizer: Any) -> list[Prompt]:
-    """The held-out prompts, tokenized, in their file's order; ``ConfigError`` when told to be
-    disjoint from the training set and they are not."""
+def eval_rows(cfg: TrainingConfig) -> tuple[list[Any], str]:
+    """The held-out rows and their prompt column (nothing tokenized: a dry run reads them);
+    ``ConfigError`` when told to be disjoint from the training set and they are not."""
     e = _section(cfg)
     if e.holdout is not None:
         _, rows = split_rows(read_rows(cfg.dataset), e.holdout, seed=cfg.dataset.seed)
-    else:
-        source = DatasetConfig(
-            path=e.path, prompts=e.prompts, subset=e.subset, split=e.split,
-            prompt_column=e.prompt_column, epochs=1, shuffle=False,
-        )  # fmt: skip
-        rows = read_rows(source)
-        if e.check_disjoint:
-            trained = {
-                _key(_prompt_of(r, cfg.dataset.prompt_column)) for r in read_rows(cfg.dataset)
-            }
-            both = [p for r in rows if _key(p := _prompt_of(r, e.prompt_column)) in trained]
-            if both:
-                raise ConfigError(
-                    f"eval: {len(both)} of {len(rows)} held-out prompts are also in the training "
-                    f"set (first: {str(both[0])[:80]!r}); remove them, or set "
-                    "eval.check_disjoint=false"
-                )
-    column = cfg.dataset.prompt_column if e.holdout is not None else e.prompt_column
+        return rows, cfg.dataset.prompt_column
+    source = DatasetConfig(
+        path=e.path, prompts=e.prompts, subset=e.subset, split=e.split,
+        prompt_column=e.prompt_column, epochs=1, shuffle=False,
+    )  # fmt: skip
+    rows = read_rows(source)
+    if e.check_disjoint:
+        trained = {_key(_prompt_of(r, cfg.dataset.prompt_column)) for r in read_rows(cfg.dataset)}
+        both = [p for r in rows if _key(p := _prompt_of(r, e.prompt_column)) in trained]
+        if both:
+            raise ConfigError(
+                f"eval: {len(both)} of {len(rows)} held-out prompts are also in the training "
+                f"set (first: {str(both[0])[:80]!r}); remove them, or set "
+                "eval.check_disjoint=false"
+            )
+    return rows, e.prompt_column
+
+
+def eval_prompts(cfg: TrainingConfig, tokenizer: Any) -> list[Prompt]:
+    """The held-out prompts, tokenized, in their file's order (at most ``eval.max_prompts``)."""
+    rows, column = eval_rows(cfg)
     dataset = PromptDataset(
         rows, tokenizer=tokenizer, prompt_column=column, epochs=1, shuffle=False,
         max_prompt_tokens=cfg.dataset.max_prompt_tokens,
     )  # fmt: skip
     prompts = list(dataset.iter_from(0))
-    return prompts[: e.max_prompts] if e.max_prompts is not None else prompts
+    limit = _section(cfg).max_prompts
+    return prompts[:limit] if limit is not None else prompts
 
 
 def _section(cfg: TrainingConfig) -> EvalConfig:

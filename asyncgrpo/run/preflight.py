@@ -101,7 +101,24 @@ def dry_run(cfg: TrainingConfig) -> list[str]:
         f"{f' + {rest}' if rest else ''}), lr {tr.learning_rate:g}, max_staleness "
         f"{tr.max_staleness}, weight_sync_steps {tr.weight_sync_steps}, {tr.max_steps} steps"
     )
-    return lines + _trackers(cfg)
+    return lines + _evaluation(cfg) + _trackers(cfg)
+
+
+def _evaluation(cfg: TrainingConfig) -> list[str]:
+    """The held-out set: readable, and disjoint from the training set when it must be."""
+    if cfg.eval is None:
+        return []
+    from asyncgrpo.evaluation.runner import eval_rows
+
+    e = cfg.eval
+    rows, _ = eval_rows(cfg)  # raises ConfigError naming the overlap
+    shown = min(len(rows), e.max_prompts or len(rows))
+    source = "held out of the training set" if e.holdout else "disjoint from the training set"
+    return [
+        f"eval: {shown} prompts ({source}), k={e.num_generations}, temperature "
+        f"{e.temperature:g}: base model before step 1, final version after step "
+        f"{cfg.trainer.max_steps}"
+    ]
 
 
 def _trackers(cfg: TrainingConfig) -> list[str]:
