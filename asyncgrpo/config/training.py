@@ -16,8 +16,9 @@ fatal and the error lists the valid ones::
 
 Between the two, ``ASYNCGRPO_SECTION__FIELD`` environment variables (``ASYNCGRPO_PROXY__API_KEY``)
 override the file. Secret fields come only from there: set in the file or as an override they
-are refused. The loader is :mod:`asyncgrpo.config.settings`, shared with the proxy's and the replicas'
-own command lines; ``redacted(cfg)`` is what may be shown of a config (``repr`` shows the same).
+are refused. The loader (:mod:`asyncgrpo.config.sources`, :mod:`~asyncgrpo.config.coerce`) is
+shared with the proxy's and the replicas' own command lines (:mod:`asyncgrpo.config.flags`);
+``redacted(cfg)`` is what may be shown of a config (``repr`` shows the same).
 """
 
 from __future__ import annotations
@@ -30,16 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.config.settings import (
+from asyncgrpo.config.coerce import check_fields, config_from_dict, to_dict
+from asyncgrpo.config.redaction import redacted_repr
+from asyncgrpo.config.sources import (
     apply_overrides,
-    check_fields,
-    config_from_dict,
     env_overrides,
     parse_yaml,
     read_yaml,
-    redacted_repr,
     refuse_file_secrets,
-    to_dict,
 )
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.launch.config import LaunchConfig

@@ -18,8 +18,9 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from asyncgrpo.config.fields import secret_keys
 from asyncgrpo.config.redaction import has_credentials
-from asyncgrpo.config.settings import env_name, secret_keys
+from asyncgrpo.config.sources import env_name
 from asyncgrpo.config.training import ENV_PREFIX, TrainingConfig, to_dict
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.launch.jobs import JobSpec, Role

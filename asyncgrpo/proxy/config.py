@@ -6,7 +6,7 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Literal
 
-from asyncgrpo.config.settings import check_fields
+from asyncgrpo.config.coerce import check_fields
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy.http.h1 import split_url
 from asyncgrpo.serve.config import is_loopback

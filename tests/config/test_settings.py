@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from asyncgrpo.config.settings import add_fields, env_overrides, field_docs, parse_args
+from asyncgrpo.config.fields import field_docs
+from asyncgrpo.config.flags import add_fields, parse_args
+from asyncgrpo.config.sources import env_overrides
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy.__main__ import parse as parse_proxy
 from asyncgrpo.proxy.config import ProxyConfig

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.config.settings import config_from_dict, field_docs
+from asyncgrpo.config.coerce import config_from_dict
+from asyncgrpo.config.fields import field_docs
 from asyncgrpo.config.training import LoggingConfig, TrainingConfig
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.rollout.config import RolloutConfig
