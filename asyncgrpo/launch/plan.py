@@ -60,10 +60,17 @@ def _secret_values(cfg: TrainingConfig) -> dict[str, Any]:
     return values
 
 
+#: Where a launched trainer job keeps its run directory, from its own working directory.
+JOB_OUTPUT_DIR = "runs"
+
+
 def job_config(cfg: TrainingConfig) -> str:
     """The config as YAML for ``$ASYNCGRPO_CONFIG``, with every secret field emptied and a
-    transport URL with credentials left out (both travel as :func:`job_secrets`)."""
+    transport URL with credentials left out (both travel as :func:`job_secrets`). The job's
+    run directory is ``runs/`` in its own working directory: ``output_dir``, absolute on the
+    launching host since loading, names nothing on the job's."""
     data: dict[str, Any] = to_dict(cfg)
+    data["output_dir"] = JOB_OUTPUT_DIR
     for key in secret_keys(TrainingConfig):
         *sections, name = key.split(".")
         node = data
