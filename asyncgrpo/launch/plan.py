@@ -6,7 +6,7 @@ the proxy in front of the replicas' URLs, the rollout client and the trainer). T
 the only state they share. Secret values travel in :attr:`JobSpec.secrets` only, which nothing
 prints; commands and plain environment variables hold none. A job reads its secrets from the
 environment like every other command: the variables :func:`job_secrets` names are the ones
-:mod:`asyncgrpo.config.settings` reads (``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``).
+:mod:`asyncgrpo.config.sources` reads (``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``).
 """
 
 from __future__ import annotations
