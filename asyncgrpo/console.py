@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
 from asyncgrpo.errors import DEBUG_ENV, AsyncGRPOError, ConfigError, UsageError, leaves
+from asyncgrpo.errors import DEBUG_HELP as DEBUG_HELP  # where the commands imported it from
 
 T = TypeVar("T")
 
