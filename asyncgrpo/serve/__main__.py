@@ -75,9 +75,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[ServeConfig, Registration | None
         ServeConfig, argv, prog=PROG, description=__doc__, env_prefix=ENV_PREFIX,
         extra=_register_flags,
     )  # fmt: skip
+    if config.replicas < 1:
+        raise UsageError(f"--replicas={config.replicas}: start 1 or more", prog=PROG,
+                         debug=args.debug)  # fmt: skip
     try:
-        if config.replicas < 1:
-            raise ConfigError(f"--replicas={config.replicas}: start 1 or more")
         registration = _registration(config, args.register, args.register_key_env)
     except ConfigError as exc:
         raise UsageError(str(exc), prog=PROG, debug=args.debug) from exc
