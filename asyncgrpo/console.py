@@ -27,7 +27,8 @@ import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
-from asyncgrpo.errors import AsyncGRPOError, ConfigError, leaves
+from asyncgrpo.errors import DEBUG_ENV, AsyncGRPOError, ConfigError, UsageError, leaves
+from asyncgrpo.errors import DEBUG_HELP as DEBUG_HELP  # where the commands imported it from
 
 T = TypeVar("T")
 
@@ -35,9 +36,6 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-#: Set to 1 to print the full traceback of any command's error (same as ``--debug``).
-DEBUG_ENV = "ASYNCGRPO_DEBUG"
-DEBUG_HELP = f"on an error, print the full traceback too (or set {DEBUG_ENV}=1)"
 
 
 def debug_requested(flag: bool = False) -> bool:
@@ -96,6 +94,21 @@ def fail(prog: str, exc: BaseException, *, debug: bool = False) -> NoReturn:
     """Report an error found before anything started (parsing, settings) and exit with its
     status (``SystemExit``: callers and tests may catch it)."""
     sys.exit(report(prog, exc, debug=debug))
+
+
+def parse_command_line(parse: Callable[[], T], prog: str) -> T:
+    """``parse()``: a command's parsing and settings; a :class:`ConfigError` it raises (a bad
+    argument, flag, variable or file) is reported as one line and the process exits with status
+    2 (:func:`fail`), named by the (sub)command whose parser found it (a :class:`UsageError`'s
+    ``prog``). The config layer only raises: deciding to exit is the command's."""
+    try:
+        return parse()
+    except UsageError as exc:
+        if exc.debug is None:  # argparse's own refusal: its message is all there is
+            fail(exc.prog, exc.with_traceback(None))
+        fail(exc.prog, exc, debug=exc.debug)
+    except ConfigError as exc:
+        fail(prog, exc)
 
 
 def run_command(body: Callable[[], object], prog: str, *, debug: bool = False) -> NoReturn:

@@ -5,6 +5,7 @@ ours, or the builtin each one also is::
 
     AsyncGRPOError
     ├── ConfigError              (also ValueError)   a setting is wrong; the message names the fix
+    │   └── UsageError                               a command line is wrong (prog: which command)
     ├── TransportError                               storage failed
     │   ├── NotFound             (also FileNotFoundError)
     │   ├── AlreadyExists        (also FileExistsError)
@@ -24,6 +25,11 @@ that unwraps them (the command line reports each leaf, the rollout client re-rai
 
 from __future__ import annotations
 
+#: Set to 1 to print the full traceback of any command's error (same as ``--debug``).
+DEBUG_ENV = "ASYNCGRPO_DEBUG"
+#: ``--debug``'s help, on every command.
+DEBUG_HELP = f"on an error, print the full traceback too (or set {DEBUG_ENV}=1)"
+
 
 class AsyncGRPOError(Exception):
     """Root of every error asyncgrpo raises on purpose."""
@@ -31,6 +37,21 @@ class AsyncGRPOError(Exception):
 
 class ConfigError(AsyncGRPOError, ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
+
+
+class UsageError(ConfigError):
+    """A command line is wrong: argparse refused it, or a flag's value is invalid.
+
+    Carries what the command's error line needs, since the parser that found it is not the
+    code that reports it: ``prog``, the (sub)command whose parser found it (``asyncgrpo train``),
+    and ``debug``, the line's ``--debug`` flag; None when argparse refused the line before reading
+    it (argparse's own message is then all there is: no traceback is worth showing).
+    """
+
+    def __init__(self, message: str, *, prog: str, debug: bool | None = None) -> None:
+        super().__init__(message)
+        self.prog = prog
+        self.debug = debug
 
 
 class TransportError(AsyncGRPOError):

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from asyncgrpo.config.settings import add_fields
+from asyncgrpo.config.flags import add_fields
 from asyncgrpo.config.training import ENV_PREFIX
 from asyncgrpo.launch.config import LaunchConfig
 
@@ -28,7 +28,7 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", help="YAML config file")
-    p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    p.add_argument("overrides", nargs="*", default=[], help="section.field=value overrides")
     p.add_argument("--backend", choices=("hf-jobs", "local"), required=True,
                    help="hf-jobs: Hugging Face Jobs; local: separate process groups here")  # fmt: skip
     p.add_argument("--dry-run", action="store_true",

@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.config.settings import ConfigParser
-from asyncgrpo.console import DEBUG_HELP, run_async, run_command
-from asyncgrpo.errors import ConfigError
+from asyncgrpo.config.flags import ConfigParser
+from asyncgrpo.console import parse_command_line, run_async, run_command
+from asyncgrpo.errors import DEBUG_HELP, ConfigError
 
 
 class CommandParser(ConfigParser):
@@ -159,6 +159,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.add_argument(
             "overrides",
             nargs="*",
+            default=[],  # optional: without a default argparse calls it required
             help="section.field=value overrides; ASYNCGRPO_SECTION__FIELD variables also override",
         )
         p.set_defaults(func=func)
@@ -194,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     check.add_argument("--replicas", type=_at_least_one, default=2, help="vLLM replicas to check")
     check.set_defaults(func=_check_serving)
 
-    args = parser.parse_args(argv)
+    args = parse_command_line(lambda: parser.parse_args(argv), parser.prog)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

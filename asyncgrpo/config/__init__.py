@@ -4,6 +4,12 @@ Every component's section is a keyword-only dataclass beside its component
 (``asyncgrpo.<component>.config``) that imports nothing above this layer; the loader raises
 :class:`~asyncgrpo.errors.ConfigError` and never exits the process (the CLI turns errors into
 exit statuses). Names are imported lazily, so loading a config loads no component.
+
+The loader, one job per module: :mod:`.fields` (what a field's type, docstring and metadata
+say), :mod:`.text` (typed text to a value), :mod:`.coerce` (a mapping to a checked dataclass),
+:mod:`.sources` (YAML, ``key=value`` overrides, environment variables), :mod:`.flags` (the
+command line), :mod:`.paths` (a run's paths, absolute once), :mod:`.redaction` (what may be
+shown), :mod:`.model_source` (a model: a path here or a Hugging Face id).
 """
 
 from __future__ import annotations

@@ -8,10 +8,20 @@ minute later with a DNS error that does not mention the directory.
 from __future__ import annotations
 
 import functools
+import os
 import shlex
 from pathlib import Path
 
 from asyncgrpo.errors import ConfigError
+
+
+def local_path(name: str, cwd: Path | None = None) -> Path | None:
+    """What ``name`` (a ``model`` or ``dataset.path``) names on this host, absolute from
+    ``cwd`` (default: the current directory); None when nothing there has that name, so it is
+    a Hugging Face id (or a ``datasets`` name), or a mistake :func:`check_model` explains."""
+    path = Path(name).expanduser()
+    path = path if cwd is None else cwd / path
+    return Path(os.path.abspath(path)) if path.exists() else None
 
 
 def check_model(model: str) -> None:
@@ -20,7 +30,7 @@ def check_model(model: str) -> None:
 
     Blocks for up to 10 s on the Hub lookup: call it from a worker thread in async code.
     """
-    if Path(model).expanduser().exists():
+    if local_path(model) is not None:
         return
     why = _hub_problem(model)
     if why is not None:

@@ -15,9 +15,11 @@ fatal and the error lists the valid ones::
     cfg = TrainingConfig.from_yaml("run.yaml", overrides=["trainer.learning_rate=1e-4"])
 
 Between the two, ``ASYNCGRPO_SECTION__FIELD`` environment variables (``ASYNCGRPO_PROXY__API_KEY``)
-override the file. Secret fields come only from there: set in the file or as an override they
-are refused. The loader is :mod:`asyncgrpo.config.settings`, shared with the proxy's and the replicas'
-own command lines; ``redacted(cfg)`` is what may be shown of a config (``repr`` shows the same).
+override the file. Relative paths are then made absolute from the directory the command runs
+in (:mod:`asyncgrpo.config.paths`), so a launched job or a sweep point reads what the user meant. Secret fields come only from there: set in the file or as an override they
+are refused. The loader (:mod:`asyncgrpo.config.sources`, :mod:`~asyncgrpo.config.coerce`) is
+shared with the proxy's and the replicas' own command lines (:mod:`asyncgrpo.config.flags`);
+``redacted(cfg)`` is what may be shown of a config (``repr`` shows the same).
 """
 
 from __future__ import annotations
@@ -30,16 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.config.settings import (
+from asyncgrpo.config.coerce import check_fields, config_from_dict, to_dict
+from asyncgrpo.config.paths import resolve_paths
+from asyncgrpo.config.redaction import redacted_repr
+from asyncgrpo.config.sources import (
     apply_overrides,
-    check_fields,
-    config_from_dict,
     env_overrides,
     parse_yaml,
     read_yaml,
-    redacted_repr,
     refuse_file_secrets,
-    to_dict,
 )
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.evaluation.config import EvalConfig
@@ -205,8 +206,10 @@ class TrainingConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], overrides: Sequence[str] = ()) -> TrainingConfig:
         """Build from a plain dict (e.g. parsed YAML), after applying ``overrides`` (from a
-        command line: a secret field there is refused)."""
-        return config_from_dict(cls, apply_overrides(cls, data, overrides, env_prefix=ENV_PREFIX))
+        command line: a secret field there is refused); its paths are made absolute from the
+        current directory (:func:`~asyncgrpo.config.paths.resolve_paths`), once, here."""
+        data = apply_overrides(cls, data, overrides, env_prefix=ENV_PREFIX)
+        return config_from_dict(cls, resolve_paths(cls, data))
 
     @classmethod
     def from_yaml(

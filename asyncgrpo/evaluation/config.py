@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from asyncgrpo.config.settings import check_fields
+from asyncgrpo.config.coerce import check_fields
 from asyncgrpo.errors import ConfigError
 
 

@@ -37,7 +37,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
-from asyncgrpo.config.settings import env_name
+from asyncgrpo.config.sources import env_name
 from asyncgrpo.config.training import ENV_PREFIX, TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus, Stage

@@ -74,10 +74,7 @@ class LocalBackend:
     def __init__(
         self, cfg: TrainingConfig, launch_dir: Path, *, environ: Mapping[str, str] | None = None
     ) -> None:
-        model = Path(cfg.model)
-        if model.exists():  # every role has its own working directory
-            cfg = _replace_model(cfg, str(model.resolve()))
-        self.cfg = cfg
+        self.cfg = cfg  # its paths are absolute since loading: each role has its own cwd
         self.launch_dir = launch_dir.resolve()
         self.environ = dict(os.environ if environ is None else environ)
         self.ports = [free_port(HOST) for _ in range(cfg.launch.replicas)]
@@ -278,12 +275,6 @@ class LocalBackend:
         if self._moto is not None:
             await stop_group(self._moto, STOP_GRACE_S, "the S3 protocol server")
             self._moto = None
-
-
-def _replace_model(cfg: TrainingConfig, model: str) -> TrainingConfig:
-    import dataclasses
-
-    return dataclasses.replace(cfg, model=model)
 
 
 def _create_bucket(endpoint: str) -> None:

@@ -6,7 +6,7 @@ the proxy in front of the replicas' URLs, the rollout client and the trainer). T
 the only state they share. Secret values travel in :attr:`JobSpec.secrets` only, which nothing
 prints; commands and plain environment variables hold none. A job reads its secrets from the
 environment like every other command: the variables :func:`job_secrets` names are the ones
-:mod:`asyncgrpo.config.settings` reads (``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``).
+:mod:`asyncgrpo.config.sources` reads (``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from asyncgrpo.config.fields import secret_keys
 from asyncgrpo.config.redaction import has_credentials
-from asyncgrpo.config.settings import env_name, secret_keys
+from asyncgrpo.config.sources import env_name
 from asyncgrpo.config.training import ENV_PREFIX, TrainingConfig, to_dict
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.launch.jobs import JobSpec, Role
@@ -59,10 +60,17 @@ def _secret_values(cfg: TrainingConfig) -> dict[str, Any]:
     return values
 
 
+#: Where a launched trainer job keeps its run directory, from its own working directory.
+JOB_OUTPUT_DIR = "runs"
+
+
 def job_config(cfg: TrainingConfig) -> str:
     """The config as YAML for ``$ASYNCGRPO_CONFIG``, with every secret field emptied and a
-    transport URL with credentials left out (both travel as :func:`job_secrets`)."""
+    transport URL with credentials left out (both travel as :func:`job_secrets`). The job's
+    run directory is ``runs/`` in its own working directory: ``output_dir``, absolute on the
+    launching host since loading, names nothing on the job's."""
     data: dict[str, Any] = to_dict(cfg)
+    data["output_dir"] = JOB_OUTPUT_DIR
     for key in secret_keys(TrainingConfig):
         *sections, name = key.split(".")
         node = data

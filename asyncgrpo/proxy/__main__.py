@@ -14,9 +14,9 @@ import logging
 import signal
 from collections.abc import Sequence
 
-from asyncgrpo.config.settings import exit_on_config_error, parse_args
-from asyncgrpo.console import run_command
-from asyncgrpo.errors import ConfigError
+from asyncgrpo.config.flags import parse_args
+from asyncgrpo.console import parse_command_line, run_command
+from asyncgrpo.errors import UsageError
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.server import serve_proxy
 
@@ -31,7 +31,7 @@ def _log_level(parser: argparse.ArgumentParser) -> None:
 
 
 def parse(argv: Sequence[str] | None = None) -> tuple[ProxyConfig, str]:
-    """The config and the log level; a bad value exits with status 2 and one line."""
+    """The config and the log level; a bad value raises :class:`~asyncgrpo.errors.UsageError`."""
     config, args = _parse(argv)
     return config, args.log_level
 
@@ -46,7 +46,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[ProxyConfig, argparse.Namespace]
         extra=_log_level,
     )
     if not config.upstreams:
-        exit_on_config_error(PROG, ConfigError("give at least one --upstream URL"))
+        raise UsageError("give at least one --upstream URL", prog=PROG, debug=args.debug)
     return config, args
 
 
@@ -72,7 +72,7 @@ def _run(config: ProxyConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Serve until SIGINT/SIGTERM (status 0); a start-up failure (a busy port) is one line."""
-    config, args = _parse(argv)
+    config, args = parse_command_line(lambda: _parse(argv), PROG)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
-from asyncgrpo.config.settings import check_fields
+from asyncgrpo.config.coerce import check_fields
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.serve.config import is_loopback
 

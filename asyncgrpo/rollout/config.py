@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from asyncgrpo.config.settings import check_fields
+from asyncgrpo.config.coerce import check_fields
 from asyncgrpo.errors import ConfigError
 
 RequestMode = Literal["n", "per_sample"]

@@ -3,7 +3,7 @@
 ``asyncgrpo train`` for a machine that has no copy of the config file: the config arrives as
 YAML in ``$ASYNCGRPO_CONFIG`` (secrets emptied), the replicas' URLs as overrides on the command
 line, and secrets as the job's secret environment variables (``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``,
-...), read by the same loader as every command (:mod:`asyncgrpo.config.settings`), so no secret is ever
+...), read by the same loader as every command (:mod:`asyncgrpo.config.sources`), so no secret is ever
 in argv or in the config text. Each optimizer step prints one progress line
 (:mod:`asyncgrpo.launch.progress`) for the launcher.
 """
@@ -47,15 +47,17 @@ async def train(cfg) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     import argparse
 
-    from asyncgrpo.config.settings import ConfigParser
-    from asyncgrpo.console import DEBUG_HELP, run_async, run_command
+    from asyncgrpo.config.flags import ConfigParser
+    from asyncgrpo.console import parse_command_line, run_async, run_command
+    from asyncgrpo.errors import DEBUG_HELP
 
     parser = ConfigParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    parser.add_argument("overrides", nargs="*", default=[],
+                        help="section.field=value overrides")  # fmt: skip
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
-    args = parser.parse_args(argv)
+    args = parse_command_line(lambda: parser.parse_args(argv), PROG)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

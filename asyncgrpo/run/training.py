@@ -28,7 +28,7 @@ from typing import Any, Literal
 import anyio
 
 from asyncgrpo.config.model_source import check_model
-from asyncgrpo.config.settings import redacted
+from asyncgrpo.config.redaction import redacted
 from asyncgrpo.config.training import TrainingConfig, run_transport_url
 from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.rollout.window import AdmissionWindow

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import anyio
 
-from asyncgrpo.config.settings import exit_on_config_error, parse_args
-from asyncgrpo.console import run_async, run_command
-from asyncgrpo.errors import ConfigError, ReplicaError
+from asyncgrpo.config.flags import parse_args
+from asyncgrpo.console import parse_command_line, run_async, run_command
+from asyncgrpo.errors import ConfigError, ReplicaError, UsageError
 from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.serve.replicas import Replica, launch_replicas
 from asyncgrpo.vllm.client import update_proxy
@@ -65,7 +65,7 @@ def _register_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def parse(argv: Sequence[str] | None = None) -> ServeConfig:
-    """The config; a bad value exits with status 2 and one line."""
+    """The config; a bad value raises :class:`~asyncgrpo.errors.UsageError`."""
     return _parse(argv)[0]
 
 
@@ -76,11 +76,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[ServeConfig, Registration | None
         extra=_register_flags,
     )  # fmt: skip
     if config.replicas < 1:
-        exit_on_config_error(PROG, ConfigError(f"--replicas={config.replicas}: start 1 or more"))
+        raise UsageError(f"--replicas={config.replicas}: start 1 or more", prog=PROG,
+                         debug=args.debug)  # fmt: skip
     try:
         registration = _registration(config, args.register, args.register_key_env)
     except ConfigError as exc:
-        exit_on_config_error(PROG, exc)
+        raise UsageError(str(exc), prog=PROG, debug=args.debug) from exc
     return config, registration, args.debug
 
 
@@ -147,7 +148,7 @@ async def _leave(registration: Registration, replicas: list[Replica]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config, registration, debug = _parse(argv)
+    config, registration, debug = parse_command_line(lambda: _parse(argv), PROG)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

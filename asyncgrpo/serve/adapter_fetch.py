@@ -40,8 +40,9 @@ from pathlib import Path
 
 import anyio
 
+from asyncgrpo.config.coerce import config_from_dict
 from asyncgrpo.config.redaction import redact_text
-from asyncgrpo.config.settings import config_from_dict, env_overrides
+from asyncgrpo.config.sources import env_overrides
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.serve.config import CACHE_DIR_ENV, LIMITS_ENV_PREFIX, TRANSPORTS_ENV
 from asyncgrpo.store.adapters import AdapterStore, check_adapter_name, parse_version

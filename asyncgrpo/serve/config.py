@@ -9,7 +9,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
-from asyncgrpo.config.settings import check_fields, env_name, redacted_repr
+from asyncgrpo.config.coerce import check_fields
+from asyncgrpo.config.redaction import redacted_repr
+from asyncgrpo.config.sources import env_name
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.store.config import FetchLimits
 

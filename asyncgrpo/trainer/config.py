@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from asyncgrpo.config.settings import check_fields
+from asyncgrpo.config.coerce import check_fields
 from asyncgrpo.errors import ConfigError
 
 LrSchedule = Literal["constant", "linear", "cosine"]

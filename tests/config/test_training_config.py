@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.config.settings import config_from_dict, field_docs
+from asyncgrpo.config.coerce import config_from_dict
+from asyncgrpo.config.fields import field_docs
 from asyncgrpo.config.training import LoggingConfig, TrainingConfig
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.rollout.config import RolloutConfig
@@ -171,7 +172,7 @@ def test_example_config_loads():
     cfg = TrainingConfig.from_yaml(EXAMPLE)
     assert cfg.serve.replicas == 2
     assert cfg.trainer.dtype == "float32"
-    assert cfg.run_dir == Path("runs") / "tiny-cpu"
+    assert cfg.run_dir == Path.cwd() / "runs" / "tiny-cpu"  # absolute from where it was loaded
 
 
 def test_environment_overrides_between_file_and_arguments(tmp_path):

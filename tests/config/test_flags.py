@@ -1,19 +1,18 @@
-"""One configuration model for every entry point: flags, environment and YAML from the fields."""
+"""One configuration model for every entry point: the flags, and every command's answer to a
+bad one (one line, status 2), derived from the fields."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
-from asyncgrpo.config.settings import add_fields, env_overrides, field_docs, parse_args
-from asyncgrpo.errors import ConfigError
+from asyncgrpo.config.flags import parse_args
+from asyncgrpo.errors import UsageError
 from asyncgrpo.proxy.__main__ import parse as parse_proxy
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.serve.__main__ import parse as parse_serve
@@ -115,7 +114,7 @@ def test_flags_are_typed_from_the_fields() -> None:
     assert parse_serve(["--model", "m", "--spread-cpu-cores"]).spread_cpu_cores is True
 
 
-def test_serve_register_reads_the_admin_key_from_the_environment(monkeypatch, capsys) -> None:
+def test_serve_register_reads_the_admin_key_from_the_environment(monkeypatch) -> None:
     from asyncgrpo.serve.__main__ import _parse
 
     monkeypatch.setenv("ASYNCGRPO_PROXY_ADMIN_API_KEY", "adm-default")
@@ -134,9 +133,9 @@ def test_serve_register_reads_the_admin_key_from_the_environment(monkeypatch, ca
         (["--register", "http://p:1", "--host", "0.0.0.0", "--api-key-env", "MY_ADMIN"],
          "bind the address the proxy reaches"),
     ]:  # fmt: skip
-        with pytest.raises(SystemExit) as info:
+        with pytest.raises(UsageError, match=message) as info:
             _parse(["--model", "m", *argv])
-        assert info.value.code == 2 and message in capsys.readouterr().err
+        assert info.value.prog == "python -m asyncgrpo.serve"
 
 
 def test_precedence_file_then_environment_then_flags(tmp_path, monkeypatch) -> None:
@@ -159,18 +158,9 @@ def test_precedence_file_then_environment_then_flags(tmp_path, monkeypatch) -> N
     assert config.upstream_api_key == "tok"
 
 
-def test_environment_list_and_errors() -> None:
-    env = {"P_UPSTREAMS": "http://a:1,http://b:2", "P_PORT": "x"}
-    with pytest.raises(ConfigError, match="P_PORT='x': expected an integer"):
-        env_overrides(ProxyConfig, {}, "P_", env)
-    data = env_overrides(ProxyConfig, {}, "P_", {"P_UPSTREAMS": env["P_UPSTREAMS"]})
-    assert data == {"upstreams": ["http://a:1", "http://b:2"]}
-
-
 def test_secrets_have_no_flag_and_help_works() -> None:
-    with pytest.raises(SystemExit) as exc:
-        parse_proxy(["--upstream", "http://a:1", "--api-key", "s3cret"])
-    assert exc.value.code == 2
+    with pytest.raises(UsageError, match="--api-key-env s3cret: that variable is not set"):
+        parse_proxy(["--upstream", "http://a:1", "--api-key", "s3cret"])  # abbreviates -env
     docs = {
         "asyncgrpo.proxy": "Largest gap between two chunks",
         "asyncgrpo.serve": "Seconds to wait",
@@ -185,42 +175,69 @@ def test_secrets_have_no_flag_and_help_works() -> None:
         assert doc in " ".join(out.split())
 
 
-@dataclass(kw_only=True)
-class _Documented:
-    plain: int = 1
-    """One line."""
-    wrapped: str = "x"
-    """Two
-    lines."""
-    bare: float = 0.5
+def test_the_parser_raises_and_names_the_subcommand() -> None:
+    """The config layer never exits: argparse's refusal is a UsageError the command reports."""
+    from asyncgrpo.config.flags import ConfigParser
+
+    parser = ConfigParser(prog="tool")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("go").add_argument("--n", type=int)
+    with pytest.raises(UsageError, match="argument --n: invalid int value: 'x'") as info:
+        parser.parse_args(["go", "--n", "x"])
+    assert (info.value.prog, info.value.debug) == ("tool go", None)
+    with pytest.raises(UsageError, match="--port='x': expected an integer") as info:
+        parse_args(ProxyConfig, ["--port", "x", "--debug"], prog="p", description=None,
+                   env_prefix="P_")  # fmt: skip
+    assert (info.value.prog, info.value.debug) == ("p", True)
 
 
-def test_field_docs_reads_the_string_below_each_field() -> None:
-    docs = field_docs(_Documented)
-    assert docs["plain"] == "One line."
-    assert docs["wrapped"] == "Two lines."
-    assert "bare" not in docs
-    assert "One line." in _help_of(_Documented, "--plain")
+JOB = [sys.executable, "-m", "asyncgrpo.run.job"]
+ASYNCGRPO = [sys.executable, "-m", "asyncgrpo"]
+# (command line, status, what its one error line holds, what it must not hold): the commands'
+# own parsers, which no other test runs
+STATUSES = [
+    (
+        [*ASYNCGRPO, "train"],
+        2,
+        "asyncgrpo train: error: the following arguments are required: config",
+        "overrides",
+    ),
+    ([*ASYNCGRPO, "rollout"], 2, "arguments are required: config", "overrides"),
+    (
+        [*ASYNCGRPO, "launch", "x.yaml"],
+        2,
+        "asyncgrpo launch: error: the following arguments are required: --backend",
+        "overrides",
+    ),
+    ([*ASYNCGRPO, "frob"], 2, "asyncgrpo: error: argument command: invalid choice: 'frob'", None),
+    ([*JOB, "--bad"], 2, "python -m asyncgrpo.run.job: error: unrecognized arguments: --bad", None),
+    (JOB, 2, "python -m asyncgrpo.run.job: error: $ASYNCGRPO_CONFIG is empty", None),
+    ([*PROXY[:3]], 2, "python -m asyncgrpo.proxy: error: give at least one --upstream URL", None),
+    (
+        [*SERVE, "--replicas", "0"],
+        2,
+        "python -m asyncgrpo.serve: error: --replicas=0: start 1 or more",
+        None,
+    ),
+]
 
 
-def _help_of(cls: type, flag: str) -> str:
-    parser = argparse.ArgumentParser()
-    add_fields(parser, cls, env_prefix="X_")
-    return next(a.help for a in parser._actions if flag in a.option_strings)
+@pytest.mark.parametrize(("command", "status", "line", "absent"), STATUSES,
+                         ids=[" ".join(c[2:]) for c, *_ in STATUSES])  # fmt: skip
+def test_each_commands_parser_exits_2_with_one_line(
+    tmp_path: Path, command: list[str], status: int, line: str, absent: str | None
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCGRPO_")}
+    p = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                       env={**env, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert p.returncode == status, p.stderr
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()], p.stderr  # one line
+    assert line in p.stderr and (absent is None or absent not in p.stderr), p.stderr
 
 
-def test_check_fields_names_the_rule_and_allows_none() -> None:
-    from asyncgrpo.serve import ServeConfig
-    from asyncgrpo.trainer.config import TrainerConfig
-
-    with pytest.raises(ConfigError, match=r"^trainer\.max_steps=0: must be >= 1$"):
-        TrainerConfig(max_steps=0)
-    with pytest.raises(ConfigError, match=r"^trainer\.token_budget=0: must be >= 1, or None$"):
-        TrainerConfig(token_budget=0)
-    assert TrainerConfig(token_budget=None).token_budget is None
-    with pytest.raises(ConfigError, match=r"^trainer\.dtype='fp8': use one of 'auto'"):
-        TrainerConfig(dtype="fp8")  # a Literal is checked on direct construction too
-    with pytest.raises(ConfigError, match=r"^serve\.nice=20: must be <= 19$"):
-        ServeConfig(model="m", nice=20)
-    with pytest.raises(ConfigError, match=r"^proxy\.connect_timeout_s=0: must be > 0$"):
-        ProxyConfig(connect_timeout_s=0)
+@pytest.mark.parametrize("command", [[*ASYNCGRPO, "--help"], [*ASYNCGRPO, "train", "--help"],
+                                     [*ASYNCGRPO, "launch", "--help"], [*JOB, "--help"]])  # fmt: skip
+def test_help_still_exits_0(command: list[str]) -> None:
+    p = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert p.returncode == 0 and p.stdout.startswith("usage: "), p.stderr

@@ -1,0 +1,56 @@
+"""The configuration is the bottom layer: its modules raise, they never exit or print.
+
+Read from the source (``ast``), deferred imports inside functions included, so no import can
+hide: a module of ``asyncgrpo/config/`` imports only the base modules below it and the
+configuration layer itself (``asyncgrpo.config.*`` and the sections, ``asyncgrpo.<component>.config``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import asyncgrpo
+
+PACKAGE = Path(asyncgrpo.__file__).resolve().parent
+#: What the configuration layer may import: the base modules that need nothing above them.
+BASE = {"asyncgrpo.errors", "asyncgrpo.lazy"}
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return {name for name in found if name.split(".")[0] == "asyncgrpo"}
+
+
+def _allowed(name: str) -> bool:
+    parts = name.split(".")
+    return (
+        name in BASE
+        or parts[:2] == ["asyncgrpo", "config"]
+        or (len(parts) == 3 and parts[2] == "config")  # a component's section
+    )
+
+
+def test_the_config_package_imports_nothing_above_its_layer() -> None:
+    modules = sorted((PACKAGE / "config").glob("*.py"))
+    assert len(modules) >= 8  # the loader's modules are all seen
+    wrong = {
+        f"{path.name} imports {name}"
+        for path in modules
+        for name in _imports(path)
+        if not _allowed(name)
+    }
+    assert not wrong, sorted(wrong)
+
+
+def test_no_configuration_module_imports_the_console() -> None:
+    """Deciding to print and exit is the command's: not the loader's, not a section's."""
+    sections = [PACKAGE / p.parent.name / "config.py" for p in PACKAGE.glob("*/config.py")]
+    for path in [*sorted((PACKAGE / "config").glob("*.py")), *sections]:
+        assert "asyncgrpo.console" not in _imports(path), path
+        assert "sys.exit" not in path.read_text(), path
