@@ -22,6 +22,7 @@ from typing import Any
 from asyncgrpo.config.settings import ConfigParser
 from asyncgrpo.console import DEBUG_HELP, run_async, run_command
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.vllm.api import served_name
 
 
 class CommandParser(ConfigParser):
@@ -66,8 +67,9 @@ def _train(args: argparse.Namespace) -> None:
     source = "channel" if args.remote_rollouts else "local"
     result = run_async(lambda: run_training(cfg, rollout_source=source))
     if result.rank == 0:  # under torchrun, rank 0 speaks for the job
-        print(f"trained {result.steps} steps; final adapter {result.adapter_prefix}-v"
-              f"{result.final_version} in {result.transport_url}; metrics in {result.run_dir}")  # fmt: skip
+        final = served_name(result.adapter_prefix, result.final_version)
+        print(f"trained {result.steps} steps; final adapter {final} in {result.transport_url}; "
+              f"metrics in {result.run_dir}")  # fmt: skip
 
 
 def _rollout(args: argparse.Namespace) -> None:

@@ -27,7 +27,7 @@ from asyncgrpo.console import run_async, run_command
 from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.serve.replicas import Replica, launch_replicas
-from asyncgrpo.vllm.client import update_proxy
+from asyncgrpo.proxy.admin_client import update_proxy
 
 PROG = "python -m asyncgrpo.serve"
 ENV_PREFIX = "ASYNCGRPO_SERVE_"

@@ -28,7 +28,7 @@ from asyncgrpo.processes import free_port, kill_tree, process_tree, start_group,
 from asyncgrpo.serve.config import ServeConfig, is_loopback
 from asyncgrpo.serve.memory import with_kv_cache_size
 from asyncgrpo.serve.vllm_support import check_plugin_support
-from asyncgrpo.vllm.client import wait_healthy
+from asyncgrpo.vllm.health import wait_healthy
 
 logger = logging.getLogger(__name__)
 
