@@ -7,6 +7,8 @@ read from the source (``ast``), so a deferred import inside a function cannot hi
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import asyncgrpo
@@ -81,3 +83,15 @@ def test_no_import_cycle() -> None:
 
 def test_a_cycle_is_found() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_proxy_loads_no_http_client() -> None:
+    """The proxy speaks HTTP itself and reads vLLM through asyncgrpo.vllm.api: importing it (its
+    server, its CLI) loads neither aiohttp nor httpx; only its admin client, for runs, does."""
+    code = (
+        "import sys, asyncgrpo.proxy, asyncgrpo.proxy.server, asyncgrpo.proxy.__main__,"
+        " asyncgrpo.vllm.api;"
+        "print(sorted(m for m in ('aiohttp', 'httpx') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -26,8 +26,8 @@ from asyncgrpo.proxy.http.h1 import Response, split_url
 from asyncgrpo.proxy.http.headers import REPLICA_HEADER_B
 from asyncgrpo.proxy.http.jsonbody import BodyError, decode_object
 from asyncgrpo.proxy.metrics import CONTENT_TYPE_LATEST, render, runs_stats, stats_json
-from asyncgrpo.proxy.state import Proxy, error_answer, json_answer
 from asyncgrpo.proxy.paths import RUNS_PATH, STATS_PATH, UPSTREAMS_PATH
+from asyncgrpo.proxy.state import Proxy, error_answer, json_answer
 from asyncgrpo.proxy.upstream import Circuit, Upstream
 from asyncgrpo.vllm import api
 
@@ -344,12 +344,13 @@ async def runs_route(proxy: Proxy, method: str, target: str, body: bytes) -> Res
                              "max_loras": max_loras, "lora_slots_held": held})  # fmt: skip
 
 
+_BROADCAST = (api.PAUSE_PATH, api.RESUME_PATH, api.RESET_PREFIX_CACHE_PATH)
+
 #: (method, path) -> handler; HEAD is answered as GET without the body.
 ROUTES: dict[tuple[bytes, bytes], Handler] = {
     **{(b"POST", p.encode()): load for p in (api.LOAD_LORA_PATH, api.PLUGIN_LOAD_PATH)},
     **{(b"POST", p.encode()): unload for p in (api.UNLOAD_LORA_PATH, api.PLUGIN_UNLOAD_PATH)},
-    **{(b"POST", p.encode()): broadcast
-       for p in (api.PAUSE_PATH, api.RESUME_PATH, api.RESET_PREFIX_CACHE_PATH)},  # fmt: skip
+    **{(b"POST", p.encode()): broadcast for p in _BROADCAST},
     **{(m, UPSTREAMS_PATH.encode()): upstreams for m in (b"GET", b"POST", b"DELETE")},
     **{(m, RUNS_PATH.encode()): runs_route for m in (b"GET", b"POST", b"DELETE")},
     (b"GET", api.PLUGIN_INFO_PATH.encode()): fetch_info,

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncgrpo.errors import ConfigError, ReplicaError
+from asyncgrpo.proxy.admin_client import ProxyClient
 from asyncgrpo.proxy.server import serve_proxy
 from asyncgrpo.serve import ServeConfig, launch_replicas
 from asyncgrpo.store.run_documents import run_transport_url
-from asyncgrpo.proxy.admin_client import ProxyClient
 
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig

@@ -25,9 +25,9 @@ import anyio
 from asyncgrpo.config.settings import exit_on_config_error, parse_args
 from asyncgrpo.console import run_async, run_command
 from asyncgrpo.errors import ConfigError, ReplicaError
+from asyncgrpo.proxy.admin_client import update_proxy
 from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.serve.replicas import Replica, launch_replicas
-from asyncgrpo.proxy.admin_client import update_proxy
 
 PROG = "python -m asyncgrpo.serve"
 ENV_PREFIX = "ASYNCGRPO_SERVE_"

@@ -156,7 +156,7 @@ class AdapterRoutes:
             return body
         if why := api.load_refusal(body):
             return _error(400, why, "BadRequestError")
-        models, error_response, load_request, _ = self.internals
+        models, _, load_request, _ = self.internals
         serving, name, uri = models(request), body["lora_name"], body.get("lora_uri")
         if name in serving.lora_requests:
             # Before any fetch; the wording is vLLM's, which the proxy's replay recognises.

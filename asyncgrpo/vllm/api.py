@@ -61,7 +61,9 @@ def served_name(prefix: str, version: int) -> str:
     would mix KV computed with old weights into answers of the new ones.
     """
     if not prefix or isinstance(version, bool) or not isinstance(version, int):
-        raise ValueError(f"served_name needs a prefix and an int version, got {prefix!r}, {version!r}")
+        raise ValueError(
+            f"served_name needs a prefix and an int version, got {prefix!r}, {version!r}"
+        )
     if not 0 <= version < 10**18:
         raise ValueError(f"adapter version must be 0 to 10**18 - 1, got {version}")
     return f"{prefix}-v{version}"
