@@ -68,7 +68,7 @@ def _error(status: int, message: str, kind: str) -> Response:
 
 
 #: The one path a replica answers without the key (health checks carry none).
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({api.HEALTH_PATH})
 
 
 def _guard_every_route(app: Any) -> None:
@@ -185,12 +185,11 @@ class AdapterRoutes:
         body = await self._body(request)
         if not isinstance(body, dict):
             return body
-        name = body.get("lora_name")
-        if not isinstance(name, str) or not name:
-            return _error(400, "lora_name must be a non-empty string", "BadRequestError")
+        if why := api.name_refusal(body):
+            return _error(400, why, "BadRequestError")
         models, _, _, unload_request = self.internals
         serving = models(request)
-        result = await serving.unload_lora_adapter(unload_request(lora_name=name))
+        result = await serving.unload_lora_adapter(unload_request(lora_name=body["lora_name"]))
         return self._answer(serving, _fetcher_of(request), result)
 
     async def info(self, request: Request) -> Response:

@@ -86,13 +86,18 @@ def uri_served_name(uri: str) -> str | None:
     return served_name(parts[1], int(version[1]))
 
 
+def name_refusal(body: Mapping[str, Any]) -> str | None:
+    """Why a load or unload body names no adapter, or None."""
+    name = body.get("lora_name")
+    return None if isinstance(name, str) and name else "lora_name must be a non-empty string"
+
+
 def load_refusal(body: Mapping[str, Any]) -> str | None:
     """Why a load (vLLM's or the plugin's) must not reach vLLM, or None: it names the adapter,
     and never asks ``load_inplace``, since a served name never changes weights (vLLM keys its
     prefix cache by name). The proxy's rule and the plugin's."""
-    name = body.get("lora_name")
-    if not isinstance(name, str) or not name:
-        return "lora_name must be a non-empty string"
+    if why := name_refusal(body):
+        return why
     if body.get("load_inplace"):
         return (
             "load_inplace is refused: a served name never changes weights (vLLM keys its prefix "

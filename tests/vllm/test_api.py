@@ -238,3 +238,10 @@ def test_server_info_readers() -> None:
     assert api.max_num_seqs_of(doc) is None  # a bool is not a count
     assert api.block_size_of({"vllm_config": "a string in some versions"}) is None
     assert api.lora_slots_of(None) is None
+
+
+@pytest.mark.parametrize(
+    ("body", "named"), [({"lora_name": "x-v1"}, True), ({"lora_name": ""}, False), ({}, False)]
+)
+def test_an_unload_names_the_adapter(body: dict, named: bool) -> None:
+    assert (api.name_refusal(body) is None) is named
