@@ -205,3 +205,15 @@ def test_the_proxy_loads_no_aiohttp(statement: str) -> None:
     loaded = _loaded_by(statement)
     assert "aiohttp" not in loaded
     assert "torch" not in loaded
+
+
+def test_the_proxy_loads_no_http_client() -> None:
+    """The proxy speaks HTTP itself and reads vLLM through asyncgrpo.vllm.api: importing it (its
+    server, its CLI) loads neither aiohttp nor httpx; only its admin client, for runs, does."""
+    code = (
+        "import sys, asyncgrpo.proxy, asyncgrpo.proxy.server, asyncgrpo.proxy.__main__,"
+        " asyncgrpo.vllm.api;"
+        "print(sorted(m for m in ('aiohttp', 'httpx') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -16,9 +16,10 @@ import psutil
 import pytest
 
 from asyncgrpo.errors import ConfigError, ReplicaHTTPError, ReplicaStartError
+from asyncgrpo.run.preflight import check_lora_capacity
 from asyncgrpo.serve import Replica, ServeConfig, launch_replicas, round_lora_rank
 from asyncgrpo.testing import reference_logprobs, tiny_serve_config
-from asyncgrpo.vllm.client import VLLMClient, check_lora_capacity
+from asyncgrpo.vllm.client import VLLMClient
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 

@@ -41,6 +41,7 @@ async def export(source: str, dest: str, *, version: int | None, name: str | Non
     from asyncgrpo.store.adapters import AdapterStore
     from asyncgrpo.store.run_documents import RunStore
     from asyncgrpo.transport import open_transport
+    from asyncgrpo.vllm.api import parse_served_name
 
     async with open_transport(source_url(source)) as transport:
         if name is None:
@@ -50,7 +51,10 @@ async def export(source: str, dest: str, *, version: int | None, name: str | Non
                 raise ConfigError(
                     f"{source}: the run has published no adapter yet (no policy.json)"
                 ) from None
-            name = served.rpartition("-v")[0]
+            parsed = parse_served_name(served)
+            if parsed is None:
+                raise ConfigError(f"{source}: policy.json names {served!r}, not a version")
+            name = parsed[0]
         store = AdapterStore(transport)
         if version is None:
             version = await store.latest(name)

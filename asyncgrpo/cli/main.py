@@ -26,6 +26,7 @@ from typing import Any
 from asyncgrpo.config.flags import ConfigParser
 from asyncgrpo.console import parse_command_line, run_async, run_command
 from asyncgrpo.errors import DEBUG_HELP, ConfigError
+from asyncgrpo.vllm.api import served_name
 
 
 class CommandParser(ConfigParser):
@@ -70,9 +71,9 @@ def _train(args: argparse.Namespace) -> None:
     source = "channel" if args.remote_rollouts else "local"
     result = run_async(lambda: run_training(cfg, rollout_source=source))
     if result.rank == 0:  # under torchrun, rank 0 speaks for the job
-        print(f"trained {result.steps} steps; final adapter {result.adapter_prefix}-v"
-              f"{result.final_version} in {result.transport_url} and, as a PEFT directory, in "
-              f"{result.adapter_dir}; metrics in {result.run_dir}")  # fmt: skip
+        final = served_name(result.adapter_prefix, result.final_version)
+        print(f"trained {result.steps} steps; final adapter {final} in {result.transport_url} "
+              f"and, as a PEFT directory, in {result.adapter_dir}; metrics in {result.run_dir}")  # fmt: skip
 
 
 def _rollout(args: argparse.Namespace) -> None:

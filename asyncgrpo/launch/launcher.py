@@ -43,7 +43,8 @@ from asyncgrpo.errors import ConfigError, LaunchError, ReplicaError
 from asyncgrpo.launch.jobs import TERMINAL, Backend, Job, JobSpec
 from asyncgrpo.launch.progress import describe_progress, parse_progress
 from asyncgrpo.launch.sweep import Point, fleet_config, sweep_points
-from asyncgrpo.vllm.client import update_proxy, wait_healthy
+from asyncgrpo.proxy.admin_client import update_proxy
+from asyncgrpo.vllm.health import wait_healthy
 
 logger = logging.getLogger(__name__)
 

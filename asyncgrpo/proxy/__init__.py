@@ -11,6 +11,7 @@ from asyncgrpo.lazy import lazy_exports
 
 _EXPORTS = {
     "Decision": "asyncgrpo.proxy.router",
+    "ProxyClient": "asyncgrpo.proxy.admin_client",
     "ProxyConfig": "asyncgrpo.proxy.config",
     "Router": "asyncgrpo.proxy.router",
     "request_hashes": "asyncgrpo.proxy.router",

@@ -27,15 +27,10 @@ from asyncgrpo.proxy.http.h1 import Response
 from asyncgrpo.proxy.http.headers import REPLICA_HEADER_B
 from asyncgrpo.proxy.http.jsonbody import BodyError, decode_object
 from asyncgrpo.proxy.metrics import CONTENT_TYPE_LATEST, render, runs_stats, stats_json
+from asyncgrpo.proxy.paths import RUNS_PATH, STATS_PATH, UPSTREAMS_PATH
 from asyncgrpo.proxy.state import Proxy, error_answer, json_answer
-from asyncgrpo.proxy.upstream import Circuit, Upstream, unload_path
-from asyncgrpo.vllm.client import (
-    PLUGIN_INFO_PATH,
-    PLUGIN_LOAD_PATH,
-    PLUGIN_UNLOAD_PATH,
-    adapter_not_there_yet,
-    plugin_served_name,
-)
+from asyncgrpo.proxy.upstream import Circuit, Upstream
+from asyncgrpo.vllm import api
 
 __all__ = ["ROUTES", "check_lora_path"]
 
@@ -71,22 +66,13 @@ def check_lora_path(path: object, roots: tuple[str, ...]) -> str | None:
 
 
 def _load_refusal(path: str, parsed: dict[str, Any], roots: tuple[str, ...]) -> str | None:
-    """Why a load request may not go out, or None."""
-    name = parsed.get("lora_name")
-    if not isinstance(name, str) or not name:
-        return "lora_name must be a non-empty string"
-    if parsed.get("load_inplace"):
-        return "load_inplace is refused: a served name never changes weights; load a new version"
-    if path != PLUGIN_LOAD_PATH:
+    """Why a load request may not go out, or None: vLLM's load rules (the plugin's too), then
+    the proxy's on paths."""
+    if why := api.load_refusal(parsed):
+        return why
+    if path != api.PLUGIN_LOAD_PATH:
         return check_lora_path(parsed.get("lora_path"), roots)
-    uri = parsed.get("lora_uri")
-    if not isinstance(uri, str) or not uri:
-        return "lora_uri must be a non-empty string"
-    if (want := plugin_served_name(uri)) is None:
-        return f"lora_uri {uri!r} must end in <adapter name>/v<N>"
-    if name != want:
-        return f"lora_name {name!r} must be {want!r}, the version lora_uri names"
-    return None
+    return api.uri_refusal(parsed["lora_name"], parsed.get("lora_uri"))
 
 
 async def _call(
@@ -118,7 +104,7 @@ async def _load_one(
         status, data = await _call(proxy, up, path, body, timeout_s)
         if status in (0, 200):
             return ("ok" if status else "unreachable"), status, data
-        if not adapter_not_there_yet(status, data):
+        if not api.adapter_not_there_yet(status, data):
             return "rejected", status, data
         if loop.time() + cfg.load_retry_interval_s >= deadline:
             return "lagging", status, data
@@ -159,7 +145,7 @@ async def _load_fleet(proxy: Proxy, path: str, body: bytes, name: str) -> Respon
         return 200, [(b"Content-Type", b"text/plain")], ok[0][2]
     if ok:  # all or nothing: take it back from those that accepted
         unload = json.dumps({"lora_name": name}).encode()
-        await asyncio.gather(*(_call(proxy, up, unload_path(path), unload) for up, _, _ in ok))
+        await asyncio.gather(*(_call(proxy, up, api.unload_path(path), unload) for up, _, _ in ok))
     if rejected:
         up, status, data = rejected[0]
         stats.broadcasts["load", "rejected"] += 1
@@ -223,10 +209,10 @@ async def broadcast(proxy: Proxy, method: str, path_qs: str, body: bytes) -> Res
         agreed = [(up, data) for up, status, data in results if status == 200]
         failed = [{"url": up.url, "status": status, "body": data[:300].decode(errors="replace")}
                   for up, status, data in results if status not in (0, 200)]  # fmt: skip
-        if agreed and not failed and path in ("/pause", "/resume"):
-            pool.paused_query = ("?" + query if query else "") if path == "/pause" else None
+        if agreed and not failed and path in (api.PAUSE_PATH, api.RESUME_PATH):
+            pool.paused_query = ("?" + query if query else "") if path == api.PAUSE_PATH else None
         for up, _ in agreed:
-            up.paused = path == "/pause" or (up.paused and path != "/resume")
+            up.paused = path == api.PAUSE_PATH or (up.paused and path != api.RESUME_PATH)
     if not results:
         return error_answer(503, _NONE)
     if failed:
@@ -245,18 +231,10 @@ async def fetch_info(proxy: Proxy, method: str, path: str, body: bytes) -> Respo
 
     async def one(up: Upstream) -> list[dict[str, Any]]:
         try:
-            status, data = await proxy.pool.call(up, "GET", PLUGIN_INFO_PATH)
+            status, data = await proxy.pool.call(up, "GET", api.PLUGIN_INFO_PATH)
         except OSError as exc:
             return [{"url": up.url, "status": 0, "body": f"{type(exc).__name__}: {exc}"}]
-        try:
-            info = json.loads(data) if status == 200 else None
-        except ValueError:
-            info = None
-        if not isinstance(info, dict):
-            return [{"url": up.url, "status": status, "body": data[:300].decode(errors="replace")}]
-        if isinstance(info.get("replicas"), list):  # another proxy: report its replicas
-            return info["replicas"]
-        return [{"url": up.url, "status": status, "info": info}]
+        return api.plugin_answers(up.url, status, data)  # another proxy: its replicas
 
     targets = proxy.pool.targets()
     if not targets:
@@ -367,15 +345,17 @@ async def runs_route(proxy: Proxy, method: str, target: str, body: bytes) -> Res
                              "max_loras": max_loras, "lora_slots_held": held})  # fmt: skip
 
 
+_BROADCAST = (api.PAUSE_PATH, api.RESUME_PATH, api.RESET_PREFIX_CACHE_PATH)
+
 #: (method, path) -> handler; HEAD is answered as GET without the body.
 ROUTES: dict[tuple[bytes, bytes], Handler] = {
-    **{(b"POST", p): load for p in (b"/v1/load_lora_adapter", PLUGIN_LOAD_PATH.encode())},
-    **{(b"POST", p): unload for p in (b"/v1/unload_lora_adapter", PLUGIN_UNLOAD_PATH.encode())},
-    **{(b"POST", p): broadcast for p in (b"/pause", b"/resume", b"/reset_prefix_cache")},
-    **{(m, b"/proxy/upstreams"): upstreams for m in (b"GET", b"POST", b"DELETE")},
-    **{(m, b"/proxy/runs"): runs_route for m in (b"GET", b"POST", b"DELETE")},
-    (b"GET", PLUGIN_INFO_PATH.encode()): fetch_info,
-    (b"GET", b"/health"): health,
-    (b"GET", b"/metrics"): prometheus,
-    (b"GET", b"/proxy/stats"): stats,
+    **{(b"POST", p.encode()): load for p in (api.LOAD_LORA_PATH, api.PLUGIN_LOAD_PATH)},
+    **{(b"POST", p.encode()): unload for p in (api.UNLOAD_LORA_PATH, api.PLUGIN_UNLOAD_PATH)},
+    **{(b"POST", p.encode()): broadcast for p in _BROADCAST},
+    **{(m, UPSTREAMS_PATH.encode()): upstreams for m in (b"GET", b"POST", b"DELETE")},
+    **{(m, RUNS_PATH.encode()): runs_route for m in (b"GET", b"POST", b"DELETE")},
+    (b"GET", api.PLUGIN_INFO_PATH.encode()): fetch_info,
+    (b"GET", api.HEALTH_PATH.encode()): health,
+    (b"GET", api.METRICS_PATH.encode()): prometheus,
+    (b"GET", STATS_PATH.encode()): stats,
 }

@@ -20,14 +20,14 @@ Pure, like the router beside it: no I/O, no clock reads (callers pass ``now``).
 from __future__ import annotations
 
 import functools
-import re
 from collections import deque
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from asyncgrpo.vllm.api import parse_served_name
+
 __all__ = ["OVERFLOW", "Run", "Runs", "Waiting", "run_of", "sequences"]
 
-_VERSIONED = re.compile(r"(.+)-v[0-9]+")
 #: The run of requests beyond ``max_runs`` distinct runs (all busy): bounded memory.
 OVERFLOW = "(other)"
 
@@ -35,8 +35,7 @@ OVERFLOW = "(other)"
 @functools.lru_cache(maxsize=4096)
 def run_of(model: str) -> str:
     """``tiny-1a2b3c4d-v12`` -> ``tiny-1a2b3c4d``; a name without a version is its own run."""
-    match = _VERSIONED.fullmatch(model)
-    return match[1] if match else model
+    return parsed[0] if (parsed := parse_served_name(model)) else model
 
 
 def sequences(body: dict[str, Any]) -> int:

@@ -27,27 +27,14 @@ from typing import Any, Protocol
 from asyncgrpo.proxy.config import ProxyConfig, token_allowed
 from asyncgrpo.proxy.http.h1 import ConnectFailed, H1Pool
 from asyncgrpo.proxy.router import Router
-from asyncgrpo.vllm.client import (
-    PLUGIN_LOAD_PATH,
-    PLUGIN_UNLOAD_PATH,
-    SERVER_INFO_PATH,
-    already_loaded,
-    block_size_of,
-    lora_slots_of,
-    max_num_seqs_of,
-)
+from asyncgrpo.vllm import api
 
-__all__ = ["Circuit", "Inflight", "Upstream", "UpstreamPool", "failure_kind", "unload_path"]
+__all__ = ["Circuit", "Inflight", "Upstream", "UpstreamPool", "failure_kind"]
 
 log = logging.getLogger(__name__)
 
 _MAX_OPEN_S = 30.0
 RETIRED_KEPT = 4096
-
-
-def unload_path(load_path: str) -> str:
-    """The route that unloads an adapter loaded through ``load_path``."""
-    return PLUGIN_UNLOAD_PATH if load_path == PLUGIN_LOAD_PATH else "/v1/unload_lora_adapter"
 
 
 class Circuit(enum.Enum):
@@ -269,7 +256,7 @@ class UpstreamPool:
         timeout = self.config.health_timeout_s
         ok: bool | None
         try:
-            status, _, _ = await up.h1.fetch("GET", "/health", timeout_s=timeout)
+            status, _, _ = await up.h1.fetch("GET", api.HEALTH_PATH, timeout_s=timeout)
             ok = status == 200
             if not ok:
                 up.last_error = f"health: HTTP {status}"
@@ -348,11 +335,11 @@ class UpstreamPool:
         a replica that restarted holds nothing, one that was only unreachable what it had."""
         try:
             if ask:
-                status, data = await self.call(up, "GET", "/v1/models")
+                status, data = await self.call(up, "GET", api.MODELS_PATH)
                 if status != 200:
                     return f"/v1/models: HTTP {status} {data[:200].decode(errors='replace')}"
                 known = {**self.retired, **{n: path for n, (path, _) in self.adapters.items()}}
-                served = [m.get("id") for m in json.loads(data).get("data", [])]
+                served = api.model_ids(data)
                 up.adapters = {name: known[name] for name in served if name in known}
             # A replica that fetches adapters itself fetches them again here: nothing of this
             # host's disk is needed to bring it up to date.
@@ -360,22 +347,22 @@ class UpstreamPool:
                 if name in up.adapters:
                     continue
                 status, data = await self.call(up, "POST", endpoint, body)
-                if status != 200 and not already_loaded(status, data):
+                if status != 200 and not api.already_loaded(status, data):
                     return f"load {name}: HTTP {status} {data[:200].decode(errors='replace')}"
                 up.adapters[name] = endpoint
             for name in up.adapters.keys() - self.adapters.keys():
                 body = json.dumps({"lora_name": name}).encode()
-                status, data = await self.call(up, "POST", unload_path(up.adapters[name]), body)
+                status, data = await self.call(up, "POST", api.unload_path(up.adapters[name]), body)
                 if status not in (200, 404):
                     return f"unload {name}: HTTP {status} {data[:200].decode(errors='replace')}"
                 del up.adapters[name]
             if self.paused_query is not None and up.paused is not True:
-                status, _ = await self.call(up, "POST", "/pause" + self.paused_query)
+                status, _ = await self.call(up, "POST", api.PAUSE_PATH + self.paused_query)
                 if status != 200:
                     return f"pause: HTTP {status}"
                 up.paused = True
             elif self.paused_query is None and up.paused is not False:
-                status, _ = await self.call(up, "POST", "/resume")
+                status, _ = await self.call(up, "POST", api.RESUME_PATH)
                 if status != 200:
                     return f"resume: HTTP {status}"
                 up.paused = False
@@ -386,13 +373,13 @@ class UpstreamPool:
     async def settings(self) -> dict[str, int | None]:
         """What the proxy sizes itself by, from the fleet's ``/server_info``: ``block_size``,
         ``max_loras``, ``max_num_seqs``, each the smallest any replica says (None: none says)."""
-        readers = {"block_size": block_size_of, "max_loras": lora_slots_of,
-                   "max_num_seqs": max_num_seqs_of}  # fmt: skip
+        readers = {"block_size": api.block_size_of, "max_loras": api.lora_slots_of,
+                   "max_num_seqs": api.max_num_seqs_of}  # fmt: skip
 
         async def one(up: Upstream) -> Any:
             timeout_s = self.config.health_timeout_s
             try:
-                status, data = await self.call(up, "GET", SERVER_INFO_PATH, timeout_s=timeout_s)
+                status, data = await self.call(up, "GET", api.SERVER_INFO_JSON, timeout_s=timeout_s)
                 return json.loads(data) if status == 200 else None
             except (OSError, ValueError):
                 return None

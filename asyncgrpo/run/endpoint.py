@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 from asyncgrpo.config.training import run_transport_url
 from asyncgrpo.errors import ConfigError, ReplicaError
+from asyncgrpo.proxy.admin_client import ProxyClient
 from asyncgrpo.proxy.server import serve_proxy
 from asyncgrpo.serve import ServeConfig, launch_replicas
-from asyncgrpo.vllm.client import VLLMClient
 
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
@@ -77,7 +77,7 @@ async def standalone_proxy(cfg: TrainingConfig) -> Endpoint | None:
         return None
     url = cfg.proxy.upstreams[0].rstrip("/")
     key = cfg.proxy.upstream_api_key
-    async with VLLMClient(url, api_key=key, timeout_s=30) as client:
+    async with ProxyClient(url, api_key=key, timeout_s=30) as client:
         try:
             replicas = await client.proxy_upstreams()
         except ReplicaError as exc:

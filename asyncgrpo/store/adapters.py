@@ -40,6 +40,7 @@ from asyncgrpo.store.bundle import (
 )
 from asyncgrpo.transport import Transport
 from asyncgrpo.transport.base import join_key
+from asyncgrpo.vllm.api import served_name
 
 __all__ = ["AdapterStore", "AdapterVersion", "check_adapter_name", "parse_version"]
 
@@ -69,7 +70,7 @@ class AdapterVersion:
     @property
     def adapter_name(self) -> str:
         """The name vLLM serves this version under: ``<name>-v<N>``."""
-        return f"{self.name}-v{self.version}"
+        return served_name(self.name, self.version)
 
     @property
     def size_bytes(self) -> int:
@@ -216,7 +217,7 @@ class AdapterStore(BundleStore):
         that other processes could have written).
         """
         key = self._key(name, version)
-        dest = Path(cache_dir) / f"{name}-v{version}"
+        dest = Path(cache_dir) / served_name(name, version)
         try:
             path, _ = await download_bundle(
                 self.transport,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from asyncgrpo.vllm.api import METRICS_PATH
+
 __all__ = ["prefix_cache", "samples"]
 
 
@@ -25,7 +27,7 @@ async def prefix_cache(urls: list[str]) -> tuple[float, float]:
     hits = queries = 0.0
     async with aiohttp.ClientSession() as s:
         for url in urls:
-            async with s.get(url + "/metrics") as r:
+            async with s.get(url + METRICS_PATH) as r:
                 text = await r.text()
             for key, value in samples(text).items():
                 name = key.partition("{")[0]

@@ -22,13 +22,13 @@ import httptools
 import pytest
 
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
-from asyncgrpo.vllm.client import SERVER_INFO_PATH
+from asyncgrpo.vllm.api import SERVER_INFO_JSON
 
 pytestmark = pytest.mark.anyio
 
 TOKEN = "upstream-token-123"
 ADMIN = {"Authorization": "Bearer admin-key-456"}
-SERVER_INFO = SERVER_INFO_PATH.encode()
+SERVER_INFO = SERVER_INFO_JSON.encode()
 COMPLETION = b'{"model": "m", "prompt": [1, 2, 3]}'
 
 
@@ -301,6 +301,7 @@ async def test_a_served_name_cannot_be_swapped(replicas: list[Recorder]) -> None
         ("/v1/asyncgrpo/load", {"lora_name": "run-v2", "lora_uri": uri}, "'run-v3'"),
         ("/v1/asyncgrpo/load", {"lora_name": "other-v3", "lora_uri": uri}, "'run-v3'"),
         ("/v1/asyncgrpo/load", {"lora_name": "run-v3", "lora_uri": "s3://bucket/run"}, "v<N>"),
+        ("/v1/asyncgrpo/load", {"lora_name": "run-v3", "lora_uri": uri + "0" * 5000}, "v<N>"),
     ]  # fmt: skip
     json_type = {"Content-Type": "application/json"}
     async with serve_proxy(cfg) as base:

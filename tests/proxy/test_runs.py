@@ -12,9 +12,9 @@ from aiohttp import web
 
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
+from asyncgrpo.proxy.admin_client import ProxyClient
 from asyncgrpo.proxy.runs import OVERFLOW, Run, Runs, run_of, sequences
 from asyncgrpo.testing.vllm_metrics import samples
-from asyncgrpo.vllm.client import VLLMClient
 
 
 class Req:
@@ -296,12 +296,12 @@ async def test_a_run_books_its_slots_through_the_client_and_a_plain_server_keeps
     proxy's message; a vLLM server (no /proxy/runs) is no error, there is just no booking."""
     url, _ = replica
     async with serve_proxy(ProxyConfig(upstreams=(url,), port=0)) as base:
-        async with VLLMClient(base) as client:
+        async with ProxyClient(base) as client:
             assert await client.register_run("a-1", lora_slots=3)
             with pytest.raises(ConfigError, match=r"run b-2 needs 2 LoRA slots.*--max-loras 4"):
                 await client.register_run("b-2", lora_slots=2, weight=0.5)
             await client.release_run("a-1")
             await client.release_run("a-1")  # gone already: nothing to give back
             assert await client.register_run("b-2", lora_slots=2, weight=0.5)
-    async with VLLMClient(url) as client:
+    async with ProxyClient(url) as client:
         assert not await client.register_run("a-1", lora_slots=3)

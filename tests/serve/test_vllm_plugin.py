@@ -17,13 +17,14 @@ import pytest
 
 from asyncgrpo.errors import ReplicaHTTPError, SyncError
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
+from asyncgrpo.run.preflight import check_adapter_fetching
 from asyncgrpo.run.sync import AdapterSync, ProxyLoader, TransportSource
 from asyncgrpo.serve import Replica
 from asyncgrpo.serve.adapter_fetch import adapter_uri
 from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.testing import make_lora_adapter, reference_logprobs
 from asyncgrpo.transport import open_transport
-from asyncgrpo.vllm.client import VLLMClient, check_adapter_fetching
+from asyncgrpo.vllm.client import VLLMClient
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 

@@ -1,0 +1,143 @@
+"""The client of an asyncgrpo proxy's own routes: its replicas, its book of runs, its counters.
+
+A proxy looks like one vLLM, so :class:`ProxyClient` is a :class:`~asyncgrpo.vllm.client.VLLMClient`
+with the proxy's routes added; a method asked of a plain vLLM server says so (None, False)
+rather than failing. Used by the runs and launches above the proxy, never by the proxy itself
+(which stays free of aiohttp).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from asyncgrpo.errors import ConfigError, ReplicaError, ReplicaHTTPError
+from asyncgrpo.proxy.paths import RUNS_PATH, STATS_PATH, UPSTREAMS_PATH
+from asyncgrpo.vllm.api import error_message
+from asyncgrpo.vllm.client import VLLMClient
+
+__all__ = ["ProxyClient", "update_proxy"]
+
+
+class ProxyClient(VLLMClient):
+    """Async client of an asyncgrpo proxy (or of a vLLM server, which has none of its routes)."""
+
+    async def proxy_upstreams(self) -> list[str] | None:
+        """The replicas behind this URL if it is an asyncgrpo proxy (``GET /proxy/upstreams``),
+        else None (a vLLM server answers 404)."""
+        status, body = await self._request("GET", UPSTREAMS_PATH)
+        if status in (401, 403):
+            raise ConfigError(
+                f"{self.base_url} refused the API key ({status}): give the key it expects "
+                "(a run's proxy.upstream_api_key: export ASYNCGRPO_PROXY__UPSTREAM_API_KEY)"
+            )
+        try:
+            doc = json.loads(body) if status == 200 else None
+        except ValueError:
+            return None
+        if not isinstance(doc, dict) or not isinstance(doc.get("upstreams"), list):
+            return None
+        return [str(u.get("url")) for u in doc["upstreams"] if isinstance(u, dict)]
+
+    async def register_run(self, run: str, *, lora_slots: int, weight: float = 1.0) -> bool:
+        """Book ``lora_slots`` of the replicas' LoRA slots for adapter prefix ``run``, with its
+        share weight, on the asyncgrpo proxy behind this URL. False when it keeps no such book
+        (a vLLM server, an older proxy); ``ConfigError`` naming ``--max-loras`` and the numbers
+        when the runs sharing the replicas would need more slots than they have."""
+        body = {"run": run, "lora_slots": lora_slots, "weight": weight}
+        status, text = await self._request("POST", RUNS_PATH, json_body=body)
+        if status == 404:
+            return False
+        if status == 409:
+            raise ConfigError(error_message(text))
+        if status >= 400:
+            self._refused("POST", RUNS_PATH, status, text)
+        return True
+
+    async def release_run(self, run: str) -> None:
+        """Give back the LoRA slots :meth:`register_run` booked (a run that ends)."""
+        status, text = await self._request("DELETE", RUNS_PATH, json_body={"run": run})
+        if status >= 400 and status != 404:
+            self._refused("DELETE", RUNS_PATH, status, text)
+
+    async def proxy_stats(self) -> dict[str, Any] | None:
+        """An asyncgrpo proxy's ``GET /proxy/stats`` document; None if this URL does not answer
+        one (a vLLM server)."""
+        status, body = await self._request("GET", STATS_PATH)
+        try:
+            doc = json.loads(body) if status == 200 else None
+        except ValueError:
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    async def add_upstream(self, url: str) -> None:
+        """Add the replica at ``url`` to this asyncgrpo proxy (an admin route: the client's key
+        is the proxy's admin key). The proxy answers once it has replayed its loaded adapters to
+        the replica and put it in rotation; a replica it already has counts as added."""
+        status, body = await self._request("POST", UPSTREAMS_PATH, json_body={"url": url})
+        if status < 400 or (status == 400 and "already an upstream" in body):
+            return
+        raise ReplicaHTTPError(
+            f"adding replica {url} to the proxy at {self.base_url} failed ({status}): "
+            f"{body[:500]}",
+            url=self.base_url + UPSTREAMS_PATH, status=status, body=body,
+        )  # fmt: skip
+
+    async def remove_upstream(self, url: str) -> bool:
+        """Take the replica at ``url`` out of this asyncgrpo proxy (admin route); False if the
+        proxy did not have it."""
+        status, body = await self._request("DELETE", UPSTREAMS_PATH, json_body={"url": url})
+        if status == 404:
+            return False
+        if status >= 400:
+            raise ReplicaHTTPError(
+                f"removing replica {url} from the proxy at {self.base_url} failed ({status}): "
+                f"{body[:500]}",
+                url=self.base_url + UPSTREAMS_PATH, status=status, body=body,
+            )  # fmt: skip
+        return True
+
+
+async def update_proxy(
+    proxy_url: str,
+    admin_key: str | None,
+    replica_url: str,
+    *,
+    remove: bool = False,
+    timeout_s: float | None = None,
+    interval_s: float = 2.0,
+    on_retry: Callable[[str], None] | None = None,
+) -> bool:
+    """Add the replica at ``replica_url`` to the asyncgrpo proxy at ``proxy_url`` (or remove it),
+    retrying while the proxy cannot be reached or cannot take the replica in yet (a 5xx: it
+    could not replay the adapters to it). Returns False if ``timeout_s`` passed first; a refused
+    key (401, 403) raises :class:`ConfigError` at once. ``on_retry(error)`` before each retry."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    async with ProxyClient(proxy_url, api_key=admin_key, timeout_s=600) as proxy:
+        while True:
+            try:
+                if remove:
+                    await proxy.remove_upstream(replica_url)
+                else:
+                    await proxy.add_upstream(replica_url)
+                return True
+            except ReplicaHTTPError as exc:
+                if exc.status in (401, 403):
+                    raise ConfigError(
+                        f"the proxy at {proxy_url} refused the admin key ({exc.status}): give "
+                        "the key it was started with (its proxy.admin_api_key)"
+                    ) from exc
+                if exc.status < 500:
+                    raise
+                error = str(exc)
+            except ReplicaError as exc:
+                error = str(exc)
+            if deadline is not None and time.monotonic() + interval_s > deadline:
+                return False
+            if on_retry is not None:
+                on_retry(error)
+            await anyio.sleep(interval_s)

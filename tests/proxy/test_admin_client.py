@@ -1,0 +1,67 @@
+"""Adding a replica to a proxy's fleet (``update_proxy``) against a stand-in admin route."""
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from asyncgrpo.errors import ConfigError, ReplicaHTTPError
+from asyncgrpo.proxy.admin_client import update_proxy
+
+
+async def _admin_route(answers: list[tuple[int, str]], seen: list[tuple]) -> TestServer:
+    """A stand-in for a proxy's /proxy/upstreams answering ``answers`` in turn."""
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append((request.method, await request.json(), request.headers.get("Authorization")))
+        status, text = answers.pop(0)
+        return web.Response(status=status, text=text)
+
+    app = web.Application()
+    app.router.add_route("*", "/proxy/upstreams", handler)
+    server = TestServer(app)
+    await server.start_server()
+    return server
+
+
+@pytest.mark.anyio
+async def test_adding_a_replica_retries_while_the_proxy_cannot_take_it_in() -> None:
+    seen: list[tuple] = []
+    server = await _admin_route([(502, "could not join: replay"), (503, "busy"), (200, "{}")], seen)
+    retries: list[str] = []
+    try:
+        url = str(server.make_url("/")).rstrip("/")
+        assert await update_proxy(url, "adm", "http://r:1", interval_s=0.01,
+                                  on_retry=retries.append)  # fmt: skip
+    finally:
+        await server.close()
+    assert len(retries) == 2 and "could not join" in retries[0]
+    assert seen == [("POST", {"url": "http://r:1"}, "Bearer adm")] * 3
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("answers", "remove", "outcome"),
+    [
+        ([(400, '{"error": {"message": "http://r:1 is already an upstream"}}')], False, True),
+        ([(404, "not an upstream")], True, True),  # gone already: what was asked
+        ([(502, "x")] * 5, False, False),  # the deadline passed
+        ([(401, "wrong admin key")], False, ConfigError),
+        ([(403, "admin routes are off")], True, ConfigError),
+        ([(400, "bad url")], False, ReplicaHTTPError),
+    ],
+)  # fmt: skip
+async def test_adding_or_removing_a_replica_ends(
+    answers: list[tuple[int, str]], remove: bool, outcome: object
+) -> None:
+    server = await _admin_route(list(answers), [])
+    try:
+        url = str(server.make_url("/")).rstrip("/")
+        call = update_proxy(url, "adm", "http://r:1", remove=remove, timeout_s=0.03,
+                            interval_s=0.01)  # fmt: skip
+        if isinstance(outcome, bool):
+            assert await call is outcome
+        else:
+            with pytest.raises(outcome):  # type: ignore[call-overload]
+                await call
+    finally:
+        await server.close()
