@@ -42,12 +42,15 @@ from asyncgrpo.launch.plan import (
     transport_secret,
 )
 from asyncgrpo.processes import free_port, start_group, stop_group
+from asyncgrpo.run.metrics import METRICS_FILE
 
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 S3_BUCKET = "asyncgrpo"
 STOP_GRACE_S = 30.0
+#: A trainer job's ``output_dir``, inside its working directory: its run directory is there.
+JOB_OUTPUT_DIR = "runs"
 #: moto accepts any key pair; these only satisfy the S3 client.
 _MOTO_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -57,11 +60,12 @@ _MOTO_ENV = {
 
 
 def _tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of ``path``; empty when it has none (or does not exist)."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 class LocalBackend:
@@ -163,7 +167,7 @@ class LocalBackend:
         point = cfg is not None  # a sweep's: it sends to the sweep's proxy, which grows
         cfg = cfg or self.cfg
         transport = cfg.transport_url or self.transport_url  # a sweep's point has its own
-        shipped = dataclasses.replace(cfg, transport_url=transport, output_dir="runs")
+        shipped = dataclasses.replace(cfg, transport_url=transport, output_dir=JOB_OUTPUT_DIR)
         secrets = job_secrets(shipped)
         port = None if point else self.proxy_port
         if self._admin_key is not None and not point:
@@ -219,7 +223,7 @@ class LocalBackend:
                 if self._moto.returncode is not None or time.monotonic() > deadline:
                     raise LaunchError(
                         f"the S3 protocol server (moto) did not start: {exc}; log {log}, last "
-                        f"lines:\n{_tail(log, 20)}"
+                        f"lines:\n{_tail(log, 20) or '(none)'}"
                     ) from exc
                 await anyio.sleep(0.2)
         logger.info("S3 protocol server at %s, transport %s", endpoint, self.transport_url)
@@ -247,7 +251,15 @@ class LocalBackend:
         return JobStatus("failed", url, f"exit code {code}")
 
     async def log_tail(self, job: Job, lines: int) -> str:
-        return _tail(job.log_path, lines)
+        return await anyio.to_thread.run_sync(_tail, job.log_path, lines)
+
+    def metrics_path(self, job: Job) -> Path | None:
+        """A trainer job's ``metrics.jsonl``: in its working directory, under the
+        ``output_dir`` it is shipped with (:data:`JOB_OUTPUT_DIR`)."""
+        if job.spec.role != "trainer":
+            return None
+        run_name = job.name.removesuffix("-trainer")
+        return self._workdir(job.spec) / JOB_OUTPUT_DIR / run_name / METRICS_FILE
 
     async def follow_logs(self, job: Job, on_line: Callable[[str], None]) -> None:
         """The process writes its own log file (``job.log_path``); read new lines from it."""
