@@ -334,7 +334,7 @@ class LaunchHandle:
                     error = await job_failure(self.backend, job, decision.why, lcfg.log_tail_lines)
                     if decision.verdict == "fail":
                         return error, state.failed
-                    logger.error("%s; the other points go on", str(error).splitlines()[0])
+                    logger.error("a sweep point failed; the other points go on: %s", error)
                     state.trainer_ended(job, error)
                 if state.over:
                     return None, state.failed
