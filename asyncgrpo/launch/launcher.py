@@ -310,35 +310,37 @@ class LaunchHandle:
         """Poll every job until each trainer has ended: (None, the failures of a sweep's
         points), or (the failure, ...) as soon as a job ends that is not to be replaced and
         the launch cannot go on without (a replica, a sweep's proxy, the one trainer)."""
-        lcfg = self.cfg.launch
         state = WatchState(trainers)
         while True:
             for job in list(self.jobs):
-                if not state.watched(job):
-                    continue
-                status = await self.backend.status(job)
-                job.stage = status.stage
-                job.url = job.url or status.url
-                self._front.note(job)
-                decision = decide(job, status, sweep=self.sweep,
-                                  restarts=self.restarts, budget=lcfg.replica_restarts)  # fmt: skip
-                if decision.verdict == "running":
-                    continue
-                if decision.verdict == "replace":
-                    await self._replacer.replace(job, decision.why, tg)
-                    continue
-                if decision.verdict == "completed":
-                    logger.info("trainer job %s completed", job.name)
-                    state.trainer_ended(job)
-                else:
-                    error = await job_failure(self.backend, job, decision.why, lcfg.log_tail_lines)
-                    if decision.verdict == "fail":
-                        return error, state.failed
-                    logger.error("a sweep point failed; the other points go on: %s", error)
-                    state.trainer_ended(job, error)
+                if state.watched(job) and (error := await self._poll(job, state, tg)):
+                    return error, state.failed
                 if state.over:
                     return None, state.failed
-            await anyio.sleep(lcfg.poll_s)
+            await anyio.sleep(self.cfg.launch.poll_s)
+
+    async def _poll(self, job: Job, state: WatchState, tg: TaskGroup) -> LaunchError | None:
+        """Poll ``job`` once and act on what it did (:func:`~asyncgrpo.launch.watch.decide`);
+        the launch's failure when it must end now."""
+        lcfg = self.cfg.launch
+        status = await self.backend.status(job)
+        job.stage = status.stage
+        job.url = job.url or status.url
+        self._front.note(job)
+        decision = decide(job, status, sweep=self.sweep, restarts=self.restarts,
+                          budget=lcfg.replica_restarts)  # fmt: skip
+        if decision.verdict == "replace":
+            await self._replacer.replace(job, decision.why, tg)
+        elif decision.verdict == "completed":
+            logger.info("trainer job %s completed", job.name)
+            state.trainer_ended(job)
+        elif decision.verdict != "running":
+            error = await job_failure(self.backend, job, decision.why, lcfg.log_tail_lines)
+            if decision.verdict == "fail":
+                return error
+            logger.error("a sweep point failed; the other points go on: %s", error)
+            state.trainer_ended(job, error)
+        return None
 
     async def cancel(self) -> None:
         """Cancel every job of the launch that is not known to have ended. Idempotent."""

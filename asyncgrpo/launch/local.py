@@ -20,7 +20,7 @@ import shlex
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import anyio
@@ -198,21 +198,15 @@ class LocalBackend:
 
     async def prepare(self) -> None:
         if self.cfg.launch.local_hide_trainer:  # the mount point must exist before replicas
-            self._workdir_of("trainer").mkdir(parents=True, exist_ok=True)
+            await anyio.Path(self._workdir_of("trainer")).mkdir(parents=True, exist_ok=True)
         if self._moto_port is not None:
             await self._start_s3_server()
 
     async def _start_s3_server(self) -> None:
         log = self.launch_dir / "transport.log"
         workdir = self.launch_dir / "transport"
-        workdir.mkdir(parents=True, exist_ok=True)
-        with log.open("ab") as out:
-            self._moto = await start_group(
-                [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self._moto_port)],
-                stdout=out,
-                stderr=out,
-                cwd=workdir,
-            )
+        argv = [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self._moto_port)]
+        self._moto = await _start_logged(argv, log, cwd=workdir)
         endpoint = self.transport_env["AWS_ENDPOINT_URL"]
         deadline = time.monotonic() + 60
         while True:
@@ -223,18 +217,15 @@ class LocalBackend:
                 if self._moto.returncode is not None or time.monotonic() > deadline:
                     raise LaunchError(
                         f"the S3 protocol server (moto) did not start: {exc}; log {log}, last "
-                        f"lines:\n{_tail(log, 20) or '(none)'}"
+                        f"lines:\n{await anyio.to_thread.run_sync(_tail, log, 20) or '(none)'}"
                     ) from exc
                 await anyio.sleep(0.2)
         logger.info("S3 protocol server at %s, transport %s", endpoint, self.transport_url)
 
     async def start(self, spec: JobSpec) -> str:
-        workdir = self._workdir(spec)
-        workdir.mkdir(parents=True, exist_ok=True)
         log_path = self.launch_dir / f"{spec.name}.log"
         env = {**self.environ, **spec.env, **spec.secrets}
-        with log_path.open("ab") as log:
-            process = await start_group(spec.command, stdout=log, stderr=log, cwd=workdir, env=env)
+        process = await _start_logged(spec.command, log_path, cwd=self._workdir(spec), env=env)
         job_id = f"pid-{process.pid}"
         self._processes[job_id] = process
         return job_id
@@ -290,6 +281,18 @@ class LocalBackend:
         if self._moto is not None:
             await stop_group(self._moto, STOP_GRACE_S, "the S3 protocol server")
             self._moto = None
+
+
+async def _start_logged(
+    argv: Sequence[str], log: Path, *, cwd: Path, env: Mapping[str, str] | None = None
+) -> Process:
+    """Start ``argv`` in ``cwd`` (made if missing), its output appended to ``log``."""
+    await anyio.Path(cwd).mkdir(parents=True, exist_ok=True)
+    out = await anyio.to_thread.run_sync(log.open, "ab")
+    try:
+        return await start_group(argv, stdout=out, stderr=out, cwd=cwd, env=env)
+    finally:
+        await anyio.to_thread.run_sync(out.close)
 
 
 def _replace_model(cfg: TrainingConfig, model: str) -> TrainingConfig:

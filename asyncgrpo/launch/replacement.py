@@ -46,7 +46,7 @@ class ReplicaReplacer:
         jobs: JobSet,
         front: FrontProxy,
         lcfg: LaunchConfig,
-        follow: Callable[[Job, TaskGroup], None],
+        follow: Callable[[Job, TaskGroup], object],
     ) -> None:
         self.jobs = jobs
         self.front = front
