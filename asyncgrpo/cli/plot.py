@@ -73,13 +73,14 @@ def find_metrics(path: str | Path) -> dict[str, Path]:
     except ValueError as exc:
         raise ConfigError(f"{manifests[0]} is not a launch manifest: {exc}") from None
     found = {run: metrics for run, metrics in named.items() if metrics.is_file()}
-    if not found:
-        where = ", ".join(str(m) for m in named.values()) or "on the trainer jobs' machines"
-        raise ConfigError(
-            f"the launch in {manifests[0].parent} has no {METRICS_FILE} here yet (expected: "
-            f"{where})"
-        )
-    return found
+    if found:
+        return found
+    where = manifests[0].parent
+    if not named:
+        raise ConfigError(f"the launch in {where} kept no {METRICS_FILE} on this host: its "
+                          "trainer jobs wrote theirs on their own machines")  # fmt: skip
+    expected = ", ".join(str(m) for m in named.values())
+    raise ConfigError(f"the launch in {where} has no {METRICS_FILE} yet (expected: {expected})")
 
 
 def plot_runs(path: str | Path) -> dict[str, Path]:

@@ -38,10 +38,14 @@ def manifest(backend: str, jobs: list[Job], metrics: Mapping[str, Path | None]) 
     }
 
 
-def trainer_metrics(doc: Mapping[str, Any]) -> dict[str, Path]:
-    """Run name -> ``metrics.jsonl`` path of every trainer job of a manifest that has one."""
+def trainer_metrics(doc: object) -> dict[str, Path]:
+    """Run name -> ``metrics.jsonl`` path of every trainer job of a manifest that has one;
+    ``ValueError`` if ``doc`` is no manifest."""
+    jobs = doc.get("jobs") if isinstance(doc, Mapping) else None
+    if not isinstance(jobs, list):
+        raise ValueError("no list of jobs")
     out: dict[str, Path] = {}
-    for job in doc.get("jobs", []):
+    for job in jobs:
         if isinstance(job, dict) and job.get("role") == "trainer" and job.get("metrics"):
             out[str(job["name"]).removesuffix("-trainer")] = Path(job["metrics"])
     return out

@@ -58,15 +58,19 @@ def test_plot_on_a_sweeps_launch_directory_draws_every_point(tmp_path: Path) -> 
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a point that wrote nothing yet is left out; none at all names where they would be
     assert set(find_metrics(sweep_launch(tmp_path / "2", 2, written=1))) == {"sw-0"}
-    with pytest.raises(ConfigError, match=r"no metrics.jsonl here yet \(expected: .*sw-0/metri"):
+    with pytest.raises(ConfigError, match=r"no metrics.jsonl yet \(expected: .*sw-0/metrics"):
         find_metrics(sweep_launch(tmp_path / "3", 1, written=0))
 
 
 def test_plot_of_a_directory_that_is_neither_says_what_to_give(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="or a launch directory"):
         find_metrics(tmp_path)
-    (tmp_path / "jobs.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="is not a launch manifest"):
+    for text in ("{not json", "[]", '{"jobs": 3}'):
+        (tmp_path / "jobs.json").write_text(text)
+        with pytest.raises(ConfigError, match=r"jobs\.json is not a launch manifest"):
+            find_metrics(tmp_path)
+    (tmp_path / "jobs.json").write_text(json.dumps(manifest("hf-jobs", [trainer("r")], {})))
+    with pytest.raises(ConfigError, match="wrote theirs on their own machines"):
         find_metrics(tmp_path)
 
 
