@@ -25,8 +25,8 @@ def failure_message(job: Job, what: str, tail: str, *, fetch_error: str | None =
     the tail below; for an empty tail (or one that could not be fetched), a line that says so."""
     causes = [m["cause"] for line in tail.splitlines() if (m := _ERROR_LINE.search(line))]
     head = f"{job.spec.role} job {job.name} ({job.id}) {what}"
-    if causes:
-        head += f": {causes[-1]}"
+    if causes:  # a cause that ends by announcing lines below: they are in the tail below
+        head += f": {causes[-1].removesuffix('last lines:').rstrip(' ,;:')}"
     if fetch_error is not None:
         return f"{head}; could not fetch its log ({fetch_error}); log file {job.log_path}"
     if not tail.strip():

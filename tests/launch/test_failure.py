@@ -23,6 +23,14 @@ def test_the_jobs_own_error_line_comes_first_and_its_tail_below() -> None:
     assert below == tail.splitlines()
 
 
+def test_a_cause_announcing_lines_below_does_not_end_the_first_line_with_it() -> None:
+    tail = ("python -m asyncgrpo.serve: error: vLLM replica 0 (port 1) not healthy after 600 s; "
+            "full log: replica-0.log, last lines:\nTraceback\nOSError: no space")  # fmt: skip
+    first = failure_message(trainer(), "failed", tail).splitlines()[0]
+    assert first == ("trainer job r-0-trainer (pid-7) failed: vLLM replica 0 (port 1) not healthy "
+                     f"after 600 s; full log: replica-0.log; log {LOG}, last lines:")  # fmt: skip
+
+
 def test_an_empty_log_is_said_to_be_empty_with_where_it_is() -> None:
     for tail in ("", "\n  \n"):
         text = failure_message(trainer(), "failed during the run (exit code 2)", tail)
