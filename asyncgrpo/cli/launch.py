@@ -2,7 +2,8 @@
 
 Every field of the ``launch`` section is also a flag (``--replicas 3`` is ``launch.replicas=3``;
 flags win over overrides); progress lines and failures go to the terminal, each job's log to
-``<run_dir>/launch/``. Ctrl-C or SIGTERM cancels every job started.
+``<run_dir>/launch/``. The last lines say where each run's metrics are (``asyncgrpo plot
+<run_dir>/launch`` draws them). Ctrl-C or SIGTERM cancels every job started.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -49,11 +51,37 @@ def overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it is under it (what a user types)."""
+    if not path.is_absolute():
+        return str(path)
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def metrics_lines(metrics: dict[str, Path | None], launch_dir: Path) -> list[str]:
+    """Where each run's ``metrics.jsonl`` is (run name -> path; None: on the trainer job's
+    machine), and the command that plots them."""
+    here = {run: path for run, path in metrics.items() if path is not None}
+    lines = [f"metrics of {run}: on its trainer job's machine, not on this host"
+             for run, path in metrics.items() if path is None]  # fmt: skip
+    if len(metrics) == 1 and here:
+        (path,) = here.values()
+        return [f"metrics: {_shown(path)} (plot: asyncgrpo plot {_shown(launch_dir)})"]
+    lines += [f"metrics of {run}: {_shown(path)}" for run, path in here.items()]
+    if here:
+        lines.append(f"plot every run: asyncgrpo plot {_shown(launch_dir)}")
+    return lines
+
+
 def run(args: argparse.Namespace) -> None:
     import logging
 
     from asyncgrpo.config.training import TrainingConfig
     from asyncgrpo.console import run_async
+    from asyncgrpo.errors import LaunchError
     from asyncgrpo.launch.launcher import dry_run, launch
     from asyncgrpo.launch.progress import describe_progress
 
@@ -75,11 +103,16 @@ def run(args: argparse.Namespace) -> None:
             )  # fmt: skip
             print(f"replicas healthy at {', '.join(handle.urls)}; {started}; logs in "
                   f"{handle.launch_dir}", flush=True)  # fmt: skip
-            records = await handle.wait()
+            try:
+                records = await handle.wait()
+            except LaunchError:  # what the failed runs wrote is still worth a look
+                print("\n".join(metrics_lines(handle.metrics, handle.launch_dir)), flush=True)
+                raise
         last = {r.get("run"): describe_progress(r) for r in records}  # each run's last line
         done = "; ".join(last.values()) or "no progress lines"
         what = "trainer" if len(handle.trainers) == 1 else "every trainer"
         print(f"{what} completed ({done}); every job stopped", flush=True)
+        print("\n".join(metrics_lines(handle.metrics, handle.launch_dir)), flush=True)
 
     try:
         run_async(main)

@@ -104,15 +104,11 @@ def _eval(args: argparse.Namespace) -> None:
 
 
 def _plot(args: argparse.Namespace) -> None:
-    from asyncgrpo.cli.plot import plot_run
-    from asyncgrpo.run.metrics import METRICS_FILE
+    from asyncgrpo.cli.plot import plot_runs
 
-    if not (Path(args.run_dir) / METRICS_FILE).is_file():
-        raise ConfigError(
-            f"{args.run_dir} has no {METRICS_FILE}: give a run directory, <output_dir>/<run_name>"
-            " of a config (e.g. runs/demo)"
-        )
-    print(plot_run(args.run_dir))
+    plots = plot_runs(args.run_dir)
+    for run, png in plots.items():
+        print(png if len(plots) == 1 else f"{run}: {png}")
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -188,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_export_parser(sub)
 
     plot = sub.add_parser("plot", help="plot a run's metrics.jsonl to plot.png")
-    plot.add_argument("run_dir")
+    plot.add_argument("run_dir", help="a run directory, or a launch's (a sweep: every point)")
     plot.set_defaults(func=_plot)
 
     check = sub.add_parser("check-serving", help="served logprobs vs transformers + peft")

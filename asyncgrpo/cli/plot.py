@@ -1,4 +1,6 @@
-"""``plot_run(run_dir)``: a run's metrics as one PNG.
+"""``plot_run(run_dir)``: a run's metrics as one PNG; ``plot_runs(path)``: each run found at
+``path`` (a run directory, a launch directory or the run directory above it; a sweep's: every
+point), for ``asyncgrpo plot``.
 
 Panels: reward; ``ratio`` (trainer over vLLM on on-policy tokens: must stay ~1); step time;
 staleness of the trained samples; the share of tokens at each staleness (stacked); the
@@ -13,7 +15,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.run.metrics import read_metrics
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.run.metrics import METRICS_FILE, read_metrics
 
 PLOT_FILE = "plot.png"
 _PER_STALENESS = re.compile(r"^off_policy/staleness_(\d+)/tokens$")
@@ -46,6 +49,43 @@ def _panels(staleness: list[int]) -> list[Panel]:
         ("tokens cut by the correction (share)",
          [("off_policy/truncated", "truncated"), ("off_policy/masked", "masked")], None),
     ]  # fmt: skip
+
+
+def find_metrics(path: str | Path) -> dict[str, Path]:
+    """Run name -> ``metrics.jsonl`` of each run at ``path``: a run directory's own, else those
+    the launch manifest (``jobs.json``, in ``path`` or ``path/launch``) names that exist. None
+    found: :class:`ConfigError` saying what to give instead."""
+    import json
+
+    from asyncgrpo.launch.manifest import MANIFEST_FILE, trainer_metrics
+
+    path = Path(path)
+    if (path / METRICS_FILE).is_file():
+        return {path.name: path / METRICS_FILE}
+    manifests = [m for m in (path / MANIFEST_FILE, path / "launch" / MANIFEST_FILE) if m.is_file()]
+    if not manifests:
+        raise ConfigError(
+            f"{path} has no {METRICS_FILE}: give a run directory, <output_dir>/<run_name> of a "
+            "config (e.g. runs/demo), or a launch directory (<output_dir>/<run_name>/launch)"
+        )
+    try:
+        named = trainer_metrics(json.loads(manifests[0].read_text()))
+    except ValueError as exc:
+        raise ConfigError(f"{manifests[0]} is not a launch manifest: {exc}") from None
+    found = {run: metrics for run, metrics in named.items() if metrics.is_file()}
+    if found:
+        return found
+    where = manifests[0].parent
+    if not named:
+        raise ConfigError(f"the launch in {where} kept no {METRICS_FILE} on this host: its "
+                          "trainer jobs wrote theirs on their own machines")  # fmt: skip
+    expected = ", ".join(str(m) for m in named.values())
+    raise ConfigError(f"the launch in {where} has no {METRICS_FILE} yet (expected: {expected})")
+
+
+def plot_runs(path: str | Path) -> dict[str, Path]:
+    """Plot every run :func:`find_metrics` finds at ``path``: run name -> its PNG."""
+    return {run: plot_run(metrics.parent) for run, metrics in find_metrics(path).items()}
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:

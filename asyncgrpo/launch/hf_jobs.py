@@ -304,7 +304,11 @@ class HfJobsBackend:
             follow=False,
             tail=lines,
         )
-        return "\n".join(got[-lines:]) or "(no log lines yet)"
+        return "\n".join(got[-lines:])
+
+    def metrics_path(self, job: Job) -> Path | None:
+        """None: a trainer job's run directory is on its machine, gone when the job ends."""
+        return None
 
     async def follow_logs(self, job: Job, on_line: Callable[[str], None]) -> None:
         """Stream the job's log until it ends. The stream blocks inside httpx, so it runs in a

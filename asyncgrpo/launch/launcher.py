@@ -24,13 +24,16 @@ sweep's proxy job ending, or a replica job once the budget is spent, fails the l
 of the same run again resumes from its last checkpoint). Whatever ends the launch (success, a
 failed job, an error, cancellation, Ctrl-C) cancels every job it started that is still running:
 nothing is left billing.
+
+The pieces: :mod:`.job_set` (start, record, cancel the jobs), :mod:`.health` (the health
+waits), :mod:`.log_follower`, :mod:`.watch` (what to do about a job that ended),
+:mod:`.replacement` and :mod:`.front_proxy` (replacing a replica), :mod:`.failure` (the
+messages). :class:`LaunchHandle` composes them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -39,31 +42,26 @@ import anyio
 from anyio.abc import TaskGroup
 
 from asyncgrpo.config.training import TrainingConfig
-from asyncgrpo.errors import ConfigError, LaunchError, ReplicaError
-from asyncgrpo.launch.jobs import TERMINAL, Backend, Job, JobSpec
+from asyncgrpo.errors import ConfigError, LaunchError
+from asyncgrpo.launch.failure import job_failure, points_failure
+from asyncgrpo.launch.front_proxy import FrontProxy
+from asyncgrpo.launch.health import wait_all_healthy, wait_job_healthy
+from asyncgrpo.launch.job_set import JobSet
+from asyncgrpo.launch.jobs import Backend, Job
+from asyncgrpo.launch.log_follower import LogFollower
 from asyncgrpo.launch.progress import describe_progress, parse_progress
+from asyncgrpo.launch.replacement import ReplicaReplacer, restart_delay
 from asyncgrpo.launch.sweep import Point, fleet_config, sweep_points
-from asyncgrpo.proxy.admin_client import update_proxy
-from asyncgrpo.vllm.health import wait_healthy
+from asyncgrpo.launch.watch import WatchState, decide
+
+__all__ = ["LaunchHandle", "dry_run", "launch", "make_backend", "plan", "restart_delay"]
 
 logger = logging.getLogger(__name__)
 
-#: The one-line error every asyncgrpo command ends with (``asyncgrpo.console``).
-_ERROR_LINE = re.compile(r": error: (?P<cause>.+)$")
 BackendName = Literal["hf-jobs", "local"]
 ProgressHook = Callable[[dict[str, Any]], None]
 #: Seconds the trainer's log may take to drain after its job completed.
 DRAIN_S = 15.0
-#: Longest delay before a replacement replica job starts.
-MAX_RESTART_DELAY_S = 600.0
-#: Seconds between two warnings that the proxy in front of the replicas cannot be reached yet.
-ADMIN_WARN_S = 60.0
-
-
-def restart_delay(n: int, base_s: float) -> float:
-    """Seconds before the ``n``-th replacement (from 1) starts: ``base_s``, doubled for each
-    further one, at most :data:`MAX_RESTART_DELAY_S`."""
-    return min(base_s * 2 ** (n - 1), MAX_RESTART_DELAY_S)
 
 
 def make_backend(
@@ -163,18 +161,22 @@ class LaunchHandle:
         #: the runs: one, or a sweep's points (each a trainer job on the shared fleet)
         self.points = points or [Point(cfg, "")]
         self.launch_dir = launch_dir
-        self.jobs: list[Job] = []
         self.progress: list[dict[str, Any]] = []
-        self.restarts = 0  #: replacement replica jobs started so far
-        self._front_url = anyio.Event()  #: set once the URL of :attr:`front` is known
         self._on_progress = on_progress
-        self._closed = False
+        self._jobs = JobSet(backend, launch_dir)
+        self._front = FrontProxy(self._jobs, sweep=self.sweep, admin_key=backend.admin_key,
+                                 poll_s=cfg.launch.poll_s)  # fmt: skip
+        self._replacer = ReplicaReplacer(self._jobs, self._front, cfg.launch, self._follow)
 
     # -- what it started ---------------------------------------------------------------------
 
     @property
+    def jobs(self) -> list[Job]:
+        return self._jobs.jobs
+
+    @property
     def replicas(self) -> list[Job]:
-        return [j for j in self.jobs if j.spec.role == "replica"]
+        return self._jobs.of_role("replica")
 
     @property
     def trainer(self) -> Job | None:
@@ -182,7 +184,7 @@ class LaunchHandle:
 
     @property
     def trainers(self) -> list[Job]:
-        return [j for j in self.jobs if j.spec.role == "trainer"]
+        return self._jobs.of_role("trainer")
 
     @property
     def sweep(self) -> bool:
@@ -192,136 +194,60 @@ class LaunchHandle:
     def front(self) -> Job | None:
         """The job whose proxy is in front of the replicas, the one replacements join: a
         sweep's proxy job, else the trainer job."""
-        role = "proxy" if self.sweep else "trainer"
-        return next((j for j in self.jobs if j.spec.role == role), None)
+        return self._front.job
 
     @property
     def front_name(self) -> str:
-        return "the sweep's proxy" if self.sweep else "the trainer's proxy"
+        return self._front.name
 
     @property
     def urls(self) -> list[str]:
         """The base URLs of the replicas serving (not replaced)."""
-        return [j.url for j in self.replicas if j.url and j.replaced_by is None]
+        return self._jobs.serving_urls()
 
     @property
     def job_ids(self) -> list[str]:
         return [j.id for j in self.jobs]
 
+    @property
+    def restarts(self) -> int:
+        """Replacement replica jobs started so far."""
+        return self._replacer.restarts
+
+    @property
+    def metrics(self) -> dict[str, Path | None]:
+        """Run name -> its ``metrics.jsonl`` on this host (None: on the trainer job's machine),
+        for each trainer job started."""
+        return {p.cfg.run_name: self.backend.metrics_path(t)
+                for p, t in zip(self.points, self.trainers, strict=False)}  # fmt: skip
+
     async def logs(self, job: Job | str, lines: int | None = None) -> str:
         """The last ``lines`` log lines of ``job`` (a :class:`Job` or its name), from the
         backend."""
-        if isinstance(job, str):
-            found = next((j for j in self.jobs if j.name == job or j.id == job), None)
-            if found is None:
-                raise ConfigError(f"no job {job!r}; jobs: {', '.join(j.name for j in self.jobs)}")
-            job = found
-        return await self.backend.log_tail(job, lines or self.cfg.launch.log_tail_lines)
+        return await self.backend.log_tail(
+            self._jobs.find(job), lines or self.cfg.launch.log_tail_lines
+        )
 
     # -- starting ----------------------------------------------------------------------------
 
-    async def _start_job(self, spec: JobSpec) -> Job:
-        job_id = await self.backend.start(spec)
-        job = Job(spec, job_id, self.launch_dir / f"{spec.name}.log")
-        self.jobs.append(job)
-        logger.info("started %s job %s (%s)", spec.role, spec.name, job_id)
-        self._write_manifest()
-        return job
-
-    def _write_manifest(self) -> None:
-        """``launch/jobs.json``: what was started, so a person can find and stop it by hand."""
-        doc = {
-            "backend": self.backend.name,
-            "jobs": [
-                {
-                    "name": j.name,
-                    "role": j.spec.role,
-                    "id": j.id,
-                    "url": j.url,
-                    "log": str(j.log_path),
-                    **({"replaces": j.replaces} if j.replaces else {}),
-                    **({"replaced_by": j.replaced_by} if j.replaced_by else {}),
-                }
-                for j in self.jobs
-            ],
-        }
-        (self.launch_dir / "jobs.json").write_text(json.dumps(doc, indent=2) + "\n")
-
     async def _start(self) -> None:
+        lcfg = self.cfg.launch
         await self.backend.prepare()
-        for index in range(self.cfg.launch.replicas):
-            await self._start_job(self.backend.replica_spec(index))
-        failures: list[BaseException] = []
-        async with anyio.create_task_group() as tg:
-
-            async def healthy(job: Job) -> None:
-                try:
-                    await self._wait_healthy(job)
-                except LaunchError as exc:
-                    failures.append(exc)
-                    tg.cancel_scope.cancel()
-
-            for job in self.replicas:
-                tg.start_soon(healthy, job)
-        if failures:
-            raise failures[0]
-        self._write_manifest()
+        for index in range(lcfg.replicas):
+            await self._jobs.start(self.backend.replica_spec(index))
+        await wait_all_healthy(self.backend, self.replicas, lcfg)
+        await self._jobs.save()  # with their URLs
         urls = self.urls
         if self.sweep:  # one proxy for every point: their LoRA slots and shares in one place
-            proxy = await self._start_job(self.backend.proxy_spec(urls))
-            await self._wait_healthy(proxy)
-            self._write_manifest()
-            self._front_url.set()
+            proxy = await self._jobs.start(self.backend.proxy_spec(urls))
+            await wait_job_healthy(self.backend, proxy, lcfg)
+            await self._jobs.save()
+            self._front.note(proxy)
             urls = [str(proxy.url)]
         for point in self.points:  # the one run's trainer gets the launch's config
-            cfg = point.cfg if self.sweep else None
-            await self._start_job(self.backend.trainer_spec(urls, cfg))
-
-    async def _failure(self, job: Job, what: str) -> LaunchError:
-        """The job's failure: on the first line, its own last error line when it printed one
-        (an asyncgrpo command always does); its log's tail below."""
-        tail = await self._save_tail(job)
-        causes = [m["cause"] for line in tail.splitlines() if (m := _ERROR_LINE.search(line))]
-        cause = f": {causes[-1]}" if causes else ""
-        return LaunchError(
-            f"{job.spec.role} job {job.name} ({job.id}) {what}{cause}; log {job.log_path}, "
-            f"last lines:\n{tail}"
-        )
-
-    async def _save_tail(self, job: Job) -> str:
-        try:
-            tail = await self.backend.log_tail(job, self.cfg.launch.log_tail_lines)
-        except Exception as exc:  # the error being reported matters more than its log
-            return f"(could not fetch the log: {exc})"
-        path = anyio.Path(job.log_path)
-        if not await path.exists() or not (await path.read_text(errors="replace")).strip():
-            await path.write_text(tail + "\n")
-        return tail
-
-    async def _wait_healthy(self, job: Job) -> None:
-        lcfg = self.cfg.launch
-
-        async def url() -> str | None:
-            status = await self.backend.status(job)
-            job.stage = status.stage
-            if status.stage in TERMINAL:
-                why = f" ({status.message})" if status.message else ""
-                raise await self._failure(job, f"{status.stage} before it was healthy{why}")
-            job.url = job.url or status.url
-            return job.url
-
-        if not await wait_healthy(
-            url,
-            timeout_s=lcfg.health_timeout_s,
-            interval_s=lcfg.poll_s,
-            headers=self.backend.health_headers,
-        ):
-            raise await self._failure(
-                job,
-                f"not healthy after {lcfg.health_timeout_s:.0f} s (raise "
-                "launch.health_timeout_s if the image or model is large)",
+            await self._jobs.start(
+                self.backend.trainer_spec(urls, point.cfg if self.sweep else None)
             )
-        logger.info("%s healthy at %s", job.name, job.url)
 
     # -- watching ----------------------------------------------------------------------------
 
@@ -336,46 +262,15 @@ class LaunchHandle:
         if self._on_progress is not None:
             self._on_progress(record)
 
-    def _line_handler(self, job: Job) -> Callable[[str], None]:
+    def _follow(self, job: Job, tg: TaskGroup) -> LogFollower:
+        """Follow ``job``'s log in ``tg``: a trainer's progress lines to :attr:`progress`."""
         if job.spec.role == "trainer":
-            return lambda line: self._on_trainer_line(job, line)
-        return lambda line: None
-
-    async def _follow(self, job: Job, done: anyio.Event) -> None:
-        if self.backend.writes_own_logs:
-            try:
-                await self.backend.follow_logs(job, self._line_handler(job))
-            finally:
-                done.set()
-            return
-        async with await anyio.open_file(job.log_path, "a", encoding="utf-8") as log:
-            lines: list[str] = []
-            handle_line = self._line_handler(job)
-
-            def on_line(line: str) -> None:
-                lines.append(line)
-                handle_line(line)
-
-            async def flush() -> None:
-                while lines:
-                    await log.write(lines.pop(0) + "\n")
-                await log.flush()
-
-            async with anyio.create_task_group() as tg:
-
-                async def flusher() -> None:
-                    while True:
-                        await anyio.sleep(0.5)
-                        await flush()
-
-                tg.start_soon(flusher)
-                try:
-                    await self.backend.follow_logs(job, on_line)
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await flush()
-                    done.set()
-                    tg.cancel_scope.cancel()
+            on_line: Callable[[str], None] = lambda line: self._on_trainer_line(job, line)  # noqa: E731
+        else:
+            on_line = lambda line: None  # noqa: E731
+        follower = LogFollower(self.backend, job, on_line)
+        tg.start_soon(follower.run)
+        return follower
 
     async def wait(self) -> list[dict[str, Any]]:
         """Follow the jobs until every trainer job completes; their progress records.
@@ -391,19 +286,16 @@ class LaunchHandle:
             raise LaunchError("the launch has no trainer job (it did not start)")
         try:
             async with anyio.create_task_group() as tg:
-                drained = {job.id: anyio.Event() for job in self.jobs}
-                for job in self.jobs:
-                    tg.start_soon(self._follow, job, drained[job.id])
+                followers = {job.id: self._follow(job, tg) for job in self.jobs}
                 failure, failed = await self._watch(trainers, tg)
                 if failure is None:
                     with anyio.move_on_after(DRAIN_S):
                         for trainer in trainers:
-                            await drained[trainer.id].wait()
+                            await followers[trainer.id].drained.wait()
                 tg.cancel_scope.cancel()
             if failure is None and failed:
                 failure = failed[0] if len(failed) == 1 else LaunchError(
-                    f"{len(failed)} of {len(trainers)} sweep points failed:\n"
-                    + "\n".join(str(f).splitlines()[0] for f in failed)
+                    points_failure([str(f) for f in failed], len(trainers))
                 )  # fmt: skip
             if failure is not None:
                 raise failure
@@ -418,130 +310,41 @@ class LaunchHandle:
         """Poll every job until each trainer has ended: (None, the failures of a sweep's
         points), or (the failure, ...) as soon as a job ends that is not to be replaced and
         the launch cannot go on without (a replica, a sweep's proxy, the one trainer)."""
-        lcfg = self.cfg.launch
-        front = self.front
-        failed: dict[str, LaunchError] = {}
-        done: set[str] = set()
+        state = WatchState(trainers)
         while True:
             for job in list(self.jobs):
-                if job.replaced_by is not None or job.id in done:
-                    continue
-                status = await self.backend.status(job)
-                job.stage = status.stage
-                job.url = job.url or status.url
-                if job is front and job.url is not None:
-                    self._front_url.set()
-                if status.stage not in TERMINAL:
-                    continue
-                if job.spec.role == "trainer" and status.stage == "completed":
-                    logger.info("trainer job %s completed", job.name)
-                    done.add(job.id)
-                    if all(t.id in done for t in trainers):
-                        return None, list(failed.values())
-                    continue
-                why = job.failure or f"{status.stage} during the run" + (
-                    f" ({status.message})" if status.message else ""
-                )
-                if job.spec.role == "replica" and self.restarts < lcfg.replica_restarts:
-                    await self._replace(job, why, tg)
-                    continue
-                if job.spec.role == "replica" and lcfg.replica_restarts:
-                    why += f"; launch.replica_restarts={lcfg.replica_restarts} replacements used"
-                error = await self._failure(job, why)
-                if job.spec.role != "trainer" or not self.sweep:
-                    return error, list(failed.values())
-                logger.error("%s; the other points go on", str(error).splitlines()[0])
-                failed[job.id] = error
-                done.add(job.id)
-                if all(t.id in done for t in trainers):
-                    return None, list(failed.values())
-            await anyio.sleep(lcfg.poll_s)
+                if state.watched(job) and (error := await self._poll(job, state, tg)):
+                    return error, state.failed
+                if state.over:
+                    return None, state.failed
+            await anyio.sleep(self.cfg.launch.poll_s)
 
-    # -- replacing replicas ------------------------------------------------------------------
-
-    async def _replace(self, dead: Job, why: str, tg: TaskGroup) -> None:
-        """Start bringing up a replacement for ``dead`` (after its backoff); the watch goes on."""
+    async def _poll(self, job: Job, state: WatchState, tg: TaskGroup) -> LaunchError | None:
+        """Poll ``job`` once and act on what it did (:func:`~asyncgrpo.launch.watch.decide`);
+        the launch's failure when it must end now."""
         lcfg = self.cfg.launch
-        self.restarts += 1
-        delay = restart_delay(self.restarts, lcfg.replica_restart_backoff_s)
-        spec = self.backend.replica_spec(lcfg.replicas + self.restarts - 1)
-        dead.replaced_by = spec.name
-        await self._save_tail(dead)
-        logger.warning(
-            "replica job %s (%s) %s; training continues on the other replicas; replacement "
-            "%d of launch.replica_restarts=%d (%s) starts in %.0f s; its log: %s",
-            dead.name, dead.id, why, self.restarts, lcfg.replica_restarts, spec.name, delay,
-            dead.log_path,
-        )  # fmt: skip
-        self._write_manifest()
-        if dead.url is not None:
-            tg.start_soon(self._admin, "remove", dead.url)
-        tg.start_soon(self._bring_up, spec, dead, delay, tg)
-
-    async def _bring_up(self, spec: JobSpec, dead: Job, delay: float, tg: TaskGroup) -> None:
-        """Start the replacement, wait for its health, add it to the proxy in front of the
-        replicas. If it ends or misses ``launch.health_timeout_s`` first, the watch treats it
-        like any replica job that ended (another replacement, or the launch fails)."""
-        await anyio.sleep(delay)
-        job = await self._start_job(spec)
-        job.replaces = dead.name
-        self._write_manifest()
-        tg.start_soon(self._follow, job, anyio.Event())
-        try:
-            await self._wait_healthy(job)
-        except LaunchError:
-            if job.stage not in TERMINAL:  # not healthy in time: give up on it
-                job.failure = f"not healthy after {self.cfg.launch.health_timeout_s:.0f} s"
-                job.cancel_requested = True
-                await self.backend.cancel(job)
-            return
-        assert job.url is not None
-        self._write_manifest()  # with its URL
-        await self._admin("add", job.url)
-        logger.info(
-            "replica job %s (replacing %s) is in %s at %s",
-            job.name, dead.name, self.front_name, job.url,
-        )  # fmt: skip
-
-    async def _admin(self, action: Literal["add", "remove"], url: str) -> None:
-        """Add ``url`` to, or remove it from, the proxy in front of the replicas (:attr:`front`);
-        retried until it answers (a trainer job may still be installing or loading its model).
-        A refusal is logged: the run goes on with the replicas it has."""
-        front = self.front
-        assert front is not None
-        await self._front_url.wait()
-        assert front.url is not None
-        warned = -ADMIN_WARN_S
-        where = "to" if action == "add" else "from"
-
-        def on_retry(error: str) -> None:
-            nonlocal warned
-            if anyio.current_time() - warned >= ADMIN_WARN_S:
-                warned = anyio.current_time()
-                logger.warning("could not %s replica %s %s %s yet (retrying): %s", action, url,
-                               where, self.front_name, error)  # fmt: skip
-
-        try:
-            await update_proxy(front.url, self.backend.admin_key, url, remove=action == "remove",
-                               interval_s=self.cfg.launch.poll_s, on_retry=on_retry)  # fmt: skip
-        except (ConfigError, ReplicaError) as exc:
-            logger.error("could not %s replica %s %s %s: %s", action, url, where,
-                         self.front_name, exc)  # fmt: skip
+        status = await self.backend.status(job)
+        job.stage = status.stage
+        job.url = job.url or status.url
+        self._front.note(job)
+        decision = decide(job, status, sweep=self.sweep, restarts=self.restarts,
+                          budget=lcfg.replica_restarts)  # fmt: skip
+        if decision.verdict == "replace":
+            await self._replacer.replace(job, decision.why, tg)
+        elif decision.verdict == "completed":
+            logger.info("trainer job %s completed", job.name)
+            state.trainer_ended(job)
+        elif decision.verdict != "running":
+            error = await job_failure(self.backend, job, decision.why, lcfg.log_tail_lines)
+            if decision.verdict == "fail":
+                return error
+            logger.error("a sweep point failed; the other points go on: %s", error)
+            state.trainer_ended(job, error)
+        return None
 
     async def cancel(self) -> None:
         """Cancel every job of the launch that is not known to have ended. Idempotent."""
-        for job in self.jobs:
-            if job.stage in TERMINAL or job.cancel_requested:
-                continue
-            job.cancel_requested = True
-            try:
-                await self.backend.cancel(job)
-                logger.info("cancelled %s (%s)", job.name, job.id)
-            except Exception as exc:  # keep cancelling the others
-                logger.error("could not cancel job %s (%s): %s", job.name, job.id, exc)
-        if not self._closed:
-            self._closed = True
-            await self.backend.aclose()
+        await self._jobs.cancel()
 
     async def __aenter__(self) -> LaunchHandle:
         return self

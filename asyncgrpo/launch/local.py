@@ -20,7 +20,7 @@ import shlex
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import anyio
@@ -42,12 +42,15 @@ from asyncgrpo.launch.plan import (
     transport_secret,
 )
 from asyncgrpo.processes import free_port, start_group, stop_group
+from asyncgrpo.run.metrics import METRICS_FILE
 
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 S3_BUCKET = "asyncgrpo"
 STOP_GRACE_S = 30.0
+#: A trainer job's ``output_dir``, inside its working directory: its run directory is there.
+JOB_OUTPUT_DIR = "runs"
 #: moto accepts any key pair; these only satisfy the S3 client.
 _MOTO_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -57,11 +60,12 @@ _MOTO_ENV = {
 
 
 def _tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of ``path``; empty when it has none (or does not exist)."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 class LocalBackend:
@@ -160,7 +164,7 @@ class LocalBackend:
         point = cfg is not None  # a sweep's: it sends to the sweep's proxy, which grows
         cfg = cfg or self.cfg
         transport = cfg.transport_url or self.transport_url  # a sweep's point has its own
-        shipped = dataclasses.replace(cfg, transport_url=transport, output_dir="runs")
+        shipped = dataclasses.replace(cfg, transport_url=transport, output_dir=JOB_OUTPUT_DIR)
         secrets = job_secrets(shipped)
         port = None if point else self.proxy_port
         if self._admin_key is not None and not point:
@@ -191,21 +195,15 @@ class LocalBackend:
 
     async def prepare(self) -> None:
         if self.cfg.launch.local_hide_trainer:  # the mount point must exist before replicas
-            self._workdir_of("trainer").mkdir(parents=True, exist_ok=True)
+            await anyio.Path(self._workdir_of("trainer")).mkdir(parents=True, exist_ok=True)
         if self._moto_port is not None:
             await self._start_s3_server()
 
     async def _start_s3_server(self) -> None:
         log = self.launch_dir / "transport.log"
         workdir = self.launch_dir / "transport"
-        workdir.mkdir(parents=True, exist_ok=True)
-        with log.open("ab") as out:
-            self._moto = await start_group(
-                [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self._moto_port)],
-                stdout=out,
-                stderr=out,
-                cwd=workdir,
-            )
+        argv = [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self._moto_port)]
+        self._moto = await _start_logged(argv, log, cwd=workdir)
         endpoint = self.transport_env["AWS_ENDPOINT_URL"]
         deadline = time.monotonic() + 60
         while True:
@@ -216,18 +214,15 @@ class LocalBackend:
                 if self._moto.returncode is not None or time.monotonic() > deadline:
                     raise LaunchError(
                         f"the S3 protocol server (moto) did not start: {exc}; log {log}, last "
-                        f"lines:\n{_tail(log, 20)}"
+                        f"lines:\n{await anyio.to_thread.run_sync(_tail, log, 20) or '(none)'}"
                     ) from exc
                 await anyio.sleep(0.2)
         logger.info("S3 protocol server at %s, transport %s", endpoint, self.transport_url)
 
     async def start(self, spec: JobSpec) -> str:
-        workdir = self._workdir(spec)
-        workdir.mkdir(parents=True, exist_ok=True)
         log_path = self.launch_dir / f"{spec.name}.log"
         env = {**self.environ, **spec.env, **spec.secrets}
-        with log_path.open("ab") as log:
-            process = await start_group(spec.command, stdout=log, stderr=log, cwd=workdir, env=env)
+        process = await _start_logged(spec.command, log_path, cwd=self._workdir(spec), env=env)
         job_id = f"pid-{process.pid}"
         self._processes[job_id] = process
         return job_id
@@ -244,7 +239,15 @@ class LocalBackend:
         return JobStatus("failed", url, f"exit code {code}")
 
     async def log_tail(self, job: Job, lines: int) -> str:
-        return _tail(job.log_path, lines)
+        return await anyio.to_thread.run_sync(_tail, job.log_path, lines)
+
+    def metrics_path(self, job: Job) -> Path | None:
+        """A trainer job's ``metrics.jsonl``: in its working directory, under the
+        ``output_dir`` it is shipped with (:data:`JOB_OUTPUT_DIR`)."""
+        if job.spec.role != "trainer":
+            return None
+        run_name = job.name.removesuffix("-trainer")
+        return self._workdir(job.spec) / JOB_OUTPUT_DIR / run_name / METRICS_FILE
 
     async def follow_logs(self, job: Job, on_line: Callable[[str], None]) -> None:
         """The process writes its own log file (``job.log_path``); read new lines from it."""
@@ -275,6 +278,18 @@ class LocalBackend:
         if self._moto is not None:
             await stop_group(self._moto, STOP_GRACE_S, "the S3 protocol server")
             self._moto = None
+
+
+async def _start_logged(
+    argv: Sequence[str], log: Path, *, cwd: Path, env: Mapping[str, str] | None = None
+) -> Process:
+    """Start ``argv`` in ``cwd`` (made if missing), its output appended to ``log``."""
+    await anyio.Path(cwd).mkdir(parents=True, exist_ok=True)
+    out = await anyio.to_thread.run_sync(log.open, "ab")
+    try:
+        return await start_group(argv, stdout=out, stderr=out, cwd=cwd, env=env)
+    finally:
+        await anyio.to_thread.run_sync(out.close)
 
 
 def _create_bucket(endpoint: str) -> None:

@@ -333,3 +333,39 @@ def test_a_sweep_shares_one_proxy_job_and_a_failed_point_lets_the_others_finish(
     # point 1's progress lines, named; the jobs still running cancelled at the end
     assert [(r["run"], r["step"]) for r in progress] == [("fake-run-1", s) for s in (1, 2, 3)]
     assert hub.cancelled() == {replicas[0].id, replicas[2].id, proxy.id}
+
+
+def test_a_job_that_printed_nothing_fails_saying_its_log_is_empty_and_where(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    hub.scripts["trainer"] = lambda: {"fail_after_s": 0.2}
+    cfg = make_config(tmp_path)
+    with pytest.raises(LaunchError) as info:
+        run_launch(cfg, hub, lambda handle: handle.wait())
+    log = cfg.run_dir / "launch" / "fake-run-trainer.log"
+    assert str(info.value).endswith(
+        f"failed during the run (exit code 1); its log is empty (log file {log})"
+    )
+
+
+def test_a_sweep_whose_points_all_fail_shows_each_points_last_lines(
+    tmp_path: Path, hub: FakeHub
+) -> None:
+    points = iter(range(10))
+    hub.scripts["trainer"] = lambda: {
+        "logs": ["Traceback", f"python -m asyncgrpo.run.job: error: point {next(points)} broke"],
+        "fail_after_s": 0.2,
+    }
+    cfg = make_config(tmp_path, "launch.sweep=['trainer.learning_rate=1e-5,1e-4']")
+    with pytest.raises(LaunchError) as info:
+        run_launch(cfg, hub, lambda handle: handle.wait())
+    text = str(info.value)
+    assert text.startswith("2 of 2 sweep points failed:\n")
+    for i in (0, 1):
+        log = cfg.run_dir / "launch" / f"fake-run-{i}-trainer.log"
+        assert re.search(
+            rf"trainer job fake-run-{i}-trainer \(\w+\) failed during the run \(exit code 1\): "
+            rf"point {i} broke; "
+            rf"log {re.escape(str(log))}, last lines:\nTraceback\n.*error: point {i} broke\n?",
+            text,
+        ), text

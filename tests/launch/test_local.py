@@ -24,6 +24,7 @@ import anyio
 import psutil
 import pytest
 
+from asyncgrpo.cli.plot import find_metrics
 from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import LaunchError
 from asyncgrpo.launch import launch
@@ -580,3 +581,51 @@ def test_a_two_point_sweep_end_to_end_shares_one_replica(tiny_model: Path, tmp_p
         assert all(f"tiny-cpu-{1 - i}" not in p for _, p in mine), mine
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+
+
+#: A trainer that writes its metrics where a launched run's trainer does (``runs/<run>`` in its
+#: working directory) and prints a progress line per step.
+METRICS_TRAINER = textwrap.dedent("""
+    import os, sys
+    from asyncgrpo.launch.progress import progress_line
+    from asyncgrpo.run.metrics import MetricsWriter
+    with MetricsWriter(os.path.join("runs", sys.argv[1])) as metrics:
+        for step in (1, 2, 3):
+            record = {"reward": step / 10, "ratio": 1.0, "perf/step_s": 0.5}
+            metrics.log(record, step=step)
+            print(progress_line(step, 3, record), flush=True)
+""")
+
+
+class MetricsRoles(ScriptedRoles):
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
+        return JobSpec(role="trainer", name=f"{self.cfg.run_name}-trainer",
+                       command=(sys.executable, "-c", METRICS_TRAINER, self.cfg.run_name))  # fmt: skip
+
+
+def test_the_launch_says_where_the_metrics_are_and_plot_finds_them_from_its_directory(
+    tmp_path: Path,
+) -> None:
+    cfg = config(tmp_path, "launch.local_transport=dir")
+    launch_dir = cfg.run_dir / "launch"
+    environ = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    backend = MetricsRoles(cfg, launch_dir, environ=environ)
+
+    async def main() -> dict[str, Path | None]:
+        async with await launch(cfg, backend) as handle:
+            await handle.wait()
+            return handle.metrics
+
+    metrics = anyio.run(main)
+    where = launch_dir.resolve() / "trainer" / "runs" / "local-run" / "metrics.jsonl"
+    assert metrics == {"local-run": where} and where.is_file()
+    jobs = json.loads((launch_dir / "jobs.json").read_text())["jobs"]
+    assert [j.get("metrics") for j in jobs if j["role"] == "trainer"] == [str(where)]
+    # from the launch directory, or the run's above it
+    assert find_metrics(cfg.run_dir) == find_metrics(launch_dir) == {"local-run": where}
+    out = subprocess.run([sys.executable, "-m", "asyncgrpo.cli.main", "plot", str(launch_dir)],
+                         env=environ, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    png = where.parent / "plot.png"
+    assert out.stdout.strip() == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

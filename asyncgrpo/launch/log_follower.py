@@ -1,0 +1,69 @@
+"""Following one job's log to its end: each line to a handler, and into ``job.log_path``.
+
+A backend whose jobs write their own log file (local processes) only reports lines; otherwise
+the follower appends what the backend streams to the file, batched by a flusher so a chatty
+job costs one write per :data:`FLUSH_S`, not one per line, and nothing is lost at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+
+from asyncgrpo.launch.jobs import Backend, Job
+
+__all__ = ["FLUSH_S", "LogFollower"]
+
+#: Seconds between two writes of the lines streamed meanwhile.
+FLUSH_S = 0.5
+
+
+class LogFollower:
+    """``await follower.run()`` follows ``job``'s log until the job ends; :attr:`drained` is
+    set once every line is handled and written (also when the follow fails or is cancelled)."""
+
+    def __init__(self, backend: Backend, job: Job, on_line: Callable[[str], None]) -> None:
+        self.backend = backend
+        self.job = job
+        self.on_line = on_line
+        self.drained = anyio.Event()
+        self._pending: list[str] = []
+
+    async def run(self) -> None:
+        try:
+            if self.backend.writes_own_logs:
+                await self.backend.follow_logs(self.job, self.on_line)
+            else:
+                await self._follow_into_file()
+        finally:
+            self.drained.set()
+
+    def _take(self, line: str) -> None:
+        self._pending.append(line)
+        self.on_line(line)
+
+    async def _follow_into_file(self) -> None:
+        async with await anyio.open_file(self.job.log_path, "a", encoding="utf-8") as log:
+            writing = anyio.Lock()  # the last flush waits for the flusher's: lines in order
+
+            async def flush() -> None:
+                async with writing:
+                    lines, self._pending = self._pending, []
+                    if lines:
+                        await log.write("".join(f"{line}\n" for line in lines))
+                        await log.flush()
+
+            async def flusher() -> None:
+                while True:
+                    await anyio.sleep(FLUSH_S)
+                    await flush()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(flusher)
+                try:
+                    await self.backend.follow_logs(self.job, self._take)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await flush()
+                    tg.cancel_scope.cancel()
