@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> None:
     from asyncgrpo.config.training import TrainingConfig
     from asyncgrpo.console import run_async
     from asyncgrpo.launch.launcher import dry_run, launch
-    from asyncgrpo.launch.progress import describe_progress
+    from asyncgrpo.run.progress import describe_progress
 
     cfg = TrainingConfig.from_yaml(args.config, overrides=overrides(args))
     if args.dry_run:

@@ -41,7 +41,7 @@ from anyio.abc import TaskGroup
 from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError, ReplicaError
 from asyncgrpo.launch.jobs import TERMINAL, Backend, Job, JobSpec
-from asyncgrpo.launch.progress import describe_progress, parse_progress
+from asyncgrpo.run.progress import describe_progress, parse_progress
 from asyncgrpo.launch.sweep import Point, fleet_config, sweep_points
 from asyncgrpo.vllm.client import update_proxy, wait_healthy
 

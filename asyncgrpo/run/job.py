@@ -5,7 +5,7 @@ YAML in ``$ASYNCGRPO_CONFIG`` (secrets emptied), the replicas' URLs as overrides
 line, and secrets as the job's secret environment variables (``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``,
 ...), read by the same loader as every command (:mod:`asyncgrpo.config.settings`), so no secret is ever
 in argv or in the config text. Each optimizer step prints one progress line
-(:mod:`asyncgrpo.launch.progress`) for the launcher.
+(:mod:`asyncgrpo.run.progress`) for the launcher.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None):
 
 
 async def train(cfg) -> None:
-    from asyncgrpo.launch.progress import progress_line
+    from asyncgrpo.run.progress import progress_line
     from asyncgrpo.run.training import run_training
 
     def progress(step: int, metrics: dict[str, float]) -> None:

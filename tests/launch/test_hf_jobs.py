@@ -14,7 +14,7 @@ from huggingface_hub import HfApi
 from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch import launch
-from asyncgrpo.launch.progress import progress_line
+from asyncgrpo.run.progress import progress_line
 from asyncgrpo.proxy.config import token_allowed
 from asyncgrpo.run.job import load_config
 

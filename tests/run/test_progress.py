@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from asyncgrpo.launch.progress import describe_progress, parse_progress, progress_line
+from asyncgrpo.run.progress import describe_progress, parse_progress, progress_line
 
 
 def test_round_trip_through_a_log_line() -> None:
