@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 import traceback
@@ -38,6 +39,16 @@ EXIT_INTERRUPTED = 130
 #: Set to 1 to print the full traceback of any command's error (same as ``--debug``).
 DEBUG_ENV = "ASYNCGRPO_DEBUG"
 DEBUG_HELP = f"on an error, print the full traceback too (or set {DEBUG_ENV}=1)"
+
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+
+
+def plain_help(doc: str | None) -> str | None:
+    """A docstring as ``--help`` text: reST markup gone (double backticks, ``:mod:`a.b```
+    roles), so the terminal shows what a user types, not how the docs render it."""
+    if doc is None:
+        return None
+    return _ROLE.sub(lambda m: m.group(1), doc).replace("``", "")
 
 
 def debug_requested(flag: bool = False) -> bool:

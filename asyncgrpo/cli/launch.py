@@ -16,6 +16,7 @@ import yaml
 
 from asyncgrpo.config.settings import add_fields
 from asyncgrpo.config.training import ENV_PREFIX
+from asyncgrpo.console import plain_help
 from asyncgrpo.launch.config import LaunchConfig
 
 
@@ -24,7 +25,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "launch",
         help="start a run across machines (Hugging Face Jobs) or local processes",
-        description=__doc__,
+        description=plain_help(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", help="YAML config file")

@@ -41,8 +41,8 @@ from anyio.abc import TaskGroup
 from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError, ReplicaError
 from asyncgrpo.launch.jobs import TERMINAL, Backend, Job, JobSpec
-from asyncgrpo.run.progress import describe_progress, parse_progress
 from asyncgrpo.launch.sweep import Point, fleet_config, sweep_points
+from asyncgrpo.run.progress import describe_progress, parse_progress
 from asyncgrpo.vllm.client import update_proxy, wait_healthy
 
 logger = logging.getLogger(__name__)

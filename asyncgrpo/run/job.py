@@ -48,10 +48,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     import argparse
 
     from asyncgrpo.config.settings import ConfigParser
-    from asyncgrpo.console import DEBUG_HELP, run_async, run_command
+    from asyncgrpo.console import DEBUG_HELP, plain_help, run_async, run_command
 
     parser = ConfigParser(
-        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=PROG,
+        description=plain_help(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)

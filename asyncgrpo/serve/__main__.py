@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import anyio
 
 from asyncgrpo.config.settings import exit_on_config_error, parse_args
-from asyncgrpo.console import run_async, run_command
+from asyncgrpo.console import plain_help, run_async, run_command
 from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.serve.replicas import Replica, launch_replicas
@@ -72,7 +72,7 @@ def parse(argv: Sequence[str] | None = None) -> ServeConfig:
 def _parse(argv: Sequence[str] | None) -> tuple[ServeConfig, Registration | None, bool]:
     """The config, the proxy to register with, and ``--debug``."""
     config, args = parse_args(
-        ServeConfig, argv, prog=PROG, description=__doc__, env_prefix=ENV_PREFIX,
+        ServeConfig, argv, prog=PROG, description=plain_help(__doc__), env_prefix=ENV_PREFIX,
         extra=_register_flags,
     )  # fmt: skip
     if config.replicas < 1:
