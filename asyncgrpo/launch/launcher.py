@@ -43,6 +43,7 @@ from asyncgrpo.errors import ConfigError, LaunchError, ReplicaError
 from asyncgrpo.launch.jobs import TERMINAL, Backend, Job, JobSpec
 from asyncgrpo.launch.sweep import Point, fleet_config, sweep_points
 from asyncgrpo.run.progress import describe_progress, parse_progress
+from asyncgrpo.transport import check_transport_url
 from asyncgrpo.vllm.client import update_proxy, wait_healthy
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,12 @@ def plan(
     cfg: TrainingConfig, backend: BackendName | str, **options: Any
 ) -> tuple[Backend, list[Point]]:
     """The backend, with replicas sized for every point of a sweep, and the points (one
-    without a sweep)."""
+    without a sweep). A transport URL no job could open is refused here, before any job."""
+    if cfg.transport_url:
+        try:
+            check_transport_url(cfg.transport_url)
+        except ConfigError as exc:
+            raise ConfigError(f"transport_url: {exc}") from None
     points = sweep_points(cfg, None)
     be = make_backend(backend, fleet_config(cfg, points), cfg.run_dir / "launch", **options)
     if cfg.launch.sweep:  # each point's storage under the backend's

@@ -27,6 +27,7 @@ from asyncgrpo.console import plain_help, run_async, run_command
 from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.serve.replicas import Replica, launch_replicas
+from asyncgrpo.transport import check_transport_url
 from asyncgrpo.vllm.client import update_proxy
 
 PROG = "python -m asyncgrpo.serve"
@@ -77,6 +78,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[ServeConfig, Registration | None
     )  # fmt: skip
     if config.replicas < 1:
         exit_on_config_error(PROG, ConfigError(f"--replicas={config.replicas}: start 1 or more"))
+    try:
+        for url in config.transports:  # here, not 30 s later in every vLLM process
+            check_transport_url(url)
+    except ConfigError as exc:
+        exit_on_config_error(PROG, ConfigError(f"--transport: {exc}"))
     try:
         registration = _registration(config, args.register, args.register_key_env)
     except ConfigError as exc:
