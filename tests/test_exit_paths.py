@@ -217,6 +217,13 @@ def test_train_in_a_fresh_directory_names_the_missing_model(tmp_path: Path, debu
     assert not (tmp_path / "runs" / "tiny-cpu" / "replica-logs").exists()  # nothing started
 
 
+def test_a_missing_model_of_ones_own_is_not_offered_the_tiny_model(tmp_path: Path) -> None:
+    p = run([*ASYNCGRPO, "train", TINY_CONFIG, "model=models/my-qwen"], tmp_path)
+    line = check(p, 2, "model='models/my-qwen': no such directory here",
+                 "set model to an existing model directory or a Hugging Face id")  # fmt: skip
+    assert "asyncgrpo.testing.tiny" not in line
+
+
 def test_rollout_names_the_missing_model(tmp_path: Path) -> None:
     check(run([*ASYNCGRPO, "rollout", TINY_CONFIG], tmp_path), 2, TINY_FIX)
 
