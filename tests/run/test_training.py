@@ -292,7 +292,8 @@ async def test_training_continues_when_one_of_its_own_replicas_dies(
     class Phases:
         """Hears the run's phases (a RunProgress); the steps are the hook's."""
 
-        said: list[str] = []
+        def __init__(self) -> None:
+            self.said: list[str] = []
 
         def phase(self, text: str) -> None:
             self.said.append(text)
