@@ -89,9 +89,11 @@ def _train(args: argparse.Namespace) -> None:
 
 def _rollout(args: argparse.Namespace) -> None:
     cfg = _load(args)
+    from asyncgrpo.run.progress import ConsoleProgress
     from asyncgrpo.run.rollouts import run_rollouts
 
-    shipped = run_async(run_rollouts, cfg)
+    with ConsoleProgress(cfg.trainer.max_steps) as progress:  # phases only: it takes no step
+        shipped = run_async(lambda: run_rollouts(cfg, progress=progress))
     print(f"shipped {shipped} samples")
 
 
