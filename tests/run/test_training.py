@@ -250,6 +250,8 @@ def test_split_mode_rollouts_ship_through_the_transport(
             rollout.kill()
     shipped = int(out.split("shipped ")[1].split()[0])
     assert shipped >= 4 * 32
+    # its phases: the trainer's first version, then each new one it switched to
+    assert "waiting for the trainer's first version" in out and "generating under " in out, out
     records = read_metrics(tmp_path / "t" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     # `ratio` covers the tokens sampled from the trainer's current weights (NaN on a step
