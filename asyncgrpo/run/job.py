@@ -4,8 +4,8 @@
 YAML in ``$ASYNCGRPO_CONFIG`` (secrets emptied), the replicas' URLs as overrides on the command
 line, and secrets as the job's secret environment variables (``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``,
 ...), read by the same loader as every command (:mod:`asyncgrpo.config.settings`), so no secret is ever
-in argv or in the config text. Each optimizer step prints one progress line
-(:mod:`asyncgrpo.run.progress`) for the launcher.
+in argv or in the config text. Each phase before the first step prints a line, and each
+optimizer step one progress line (:mod:`asyncgrpo.run.progress`) for the launcher.
 """
 
 from __future__ import annotations
@@ -33,13 +33,10 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None):
 
 
 async def train(cfg) -> None:
-    from asyncgrpo.run.progress import progress_line
+    from asyncgrpo.run.progress import JobLines
     from asyncgrpo.run.training import run_training
 
-    def progress(step: int, metrics: dict[str, float]) -> None:
-        print(progress_line(step, cfg.trainer.max_steps, metrics), flush=True)
-
-    result = await run_training(cfg, progress=progress)
+    result = await run_training(cfg, progress=JobLines(cfg.trainer.max_steps))
     print(f"trained {result.steps} steps; final adapter {result.adapter_prefix}-v"
           f"{result.final_version} in {result.transport_url}", flush=True)  # fmt: skip
 

@@ -131,6 +131,22 @@ class Silent:
         pass
 
 
+class JobLines:
+    """A launched trainer job's: phases as plain lines in its log (the launcher's failure
+    message shows the last ones), each step as a :func:`progress_line` the launcher reads."""
+
+    def __init__(self, max_steps: int, stream: TextIO | None = None) -> None:
+        self.max_steps = max_steps
+        self.stream = stream
+
+    def phase(self, text: str) -> None:
+        print(text, file=self.stream or sys.stdout, flush=True)
+
+    def step(self, step: int, metrics: dict[str, float]) -> None:
+        print(progress_line(step, self.max_steps, metrics), file=self.stream or sys.stdout,
+              flush=True)  # fmt: skip
+
+
 def as_progress(progress: RunProgress | StepCallback | None) -> RunProgress:
     """``progress`` as a :class:`RunProgress`: a plain callback gets the steps only."""
     if progress is None:

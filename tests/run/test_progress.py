@@ -8,6 +8,7 @@ from pathlib import Path
 
 from asyncgrpo.run.progress import (
     ConsoleProgress,
+    JobLines,
     as_progress,
     describe_progress,
     parse_progress,
@@ -106,3 +107,13 @@ def test_the_summary_of_a_resumed_run_counts_this_runs_steps(tmp_path: Path) -> 
     )
     assert lines[1].startswith("reward 1.000 -> 1.000")  # steps 21-25 only
     assert not any(line.startswith("metrics:") for line in lines)  # logging.jsonl off
+
+
+def test_a_launched_jobs_lines_are_read_back_by_the_launcher() -> None:
+    out = io.StringIO()
+    job = JobLines(5, stream=out)
+    job.phase("model m: found")
+    job.step(2, {"reward": 0.5})
+    phase, step = out.getvalue().splitlines()
+    assert phase == "model m: found" and parse_progress(phase) is None
+    assert parse_progress(step) == {"step": 2, "max_steps": 5, "reward": 0.5}
