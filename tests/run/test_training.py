@@ -216,7 +216,8 @@ def test_killed_trainer_resumes_from_its_last_checkpoint(
     steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in steps] == [f"{s}/10" for s in range(resumed + 1, 11)]
     assert all(" reward " in line and " v " in line for line in steps), steps
-    assert (f"trained {10 - resumed} steps in " in done.stdout
+    trained = f"{10 - resumed} step{'s' if 10 - resumed != 1 else ''}"
+    assert (f"trained {trained} in " in done.stdout
             and f"(resumed from the checkpoint of step {resumed}; 10 steps in all)" in done.stdout)  # fmt: skip
     assert "\r" not in done.stdout  # no progress bar off a terminal
     after = anyio.run(AdapterStore(str(store)).versions, prefix)
