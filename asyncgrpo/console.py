@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 import traceback
@@ -36,6 +37,16 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+
+
+def plain_help(doc: str | None) -> str | None:
+    """A docstring as ``--help`` text: reST markup gone (double backticks, ``:mod:`a.b```
+    roles), so the terminal shows what a user types, not how the docs render it."""
+    if doc is None:
+        return None
+    return _ROLE.sub(lambda m: m.group(1), doc).replace("``", "")
 
 
 def debug_requested(flag: bool = False) -> bool:

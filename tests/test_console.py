@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from asyncgrpo.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, error_lines, exit_status
 from asyncgrpo.errors import ConfigError, LaunchError, ReplicaStartError, SyncError, leaves
 
@@ -45,3 +47,18 @@ def test_a_setting_is_one_line_and_an_unexpected_error_names_its_type() -> None:
     (line,) = error_lines("p", PermissionError(13, "Permission denied"))
     assert line.startswith("p: error: PermissionError: [Errno 13] Permission denied")
     assert "--debug" in line
+
+
+def test_help_text_shows_what_a_user_types_not_rest_markup(capsys: pytest.CaptureFixture) -> None:
+    from asyncgrpo.cli.main import main
+    from asyncgrpo.console import plain_help
+
+    assert plain_help("``asyncgrpo plot RUN_DIR``: see :mod:`asyncgrpo.run.progress`, "
+                      ":func:`~asyncgrpo.run.training.run_training`") == (
+        "asyncgrpo plot RUN_DIR: see asyncgrpo.run.progress, asyncgrpo.run.training.run_training"
+    )  # fmt: skip
+    for argv in (["--help"], ["launch", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = capsys.readouterr().out
+        assert "asyncgrpo" in out and "``" not in out and ":mod:" not in out

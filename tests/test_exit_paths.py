@@ -29,6 +29,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,34 @@ def test_proxy_on_a_busy_port(tmp_path: Path, debug: bool) -> None:
     check(p, 2, f"cannot listen on 127.0.0.1:{port}", "choose another --port", debug=debug)
 
 
+# -- a transport no transport opens: status 2 before anything starts ------------------------
+
+FTP = "unknown transport scheme 'ftp' in 'ftp://x'; accepted: /abs/or/relative/path"
+
+
+def test_train_dry_run_refuses_an_unknown_transport_scheme(tmp_path: Path) -> None:
+    p = run([*ASYNCGRPO, "train", TINY_CONFIG, "--dry-run", "transport_url=ftp://x"], tmp_path)
+    line = check(p, 2, "transport_url: " + FTP)
+    assert "s3://bucket[/prefix]" in line and "hf://buckets/" in line  # every scheme shown
+    assert "recipe OK" not in p.stdout
+
+
+def test_serve_refuses_an_unknown_transport_scheme_before_vllm_starts(tmp_path: Path) -> None:
+    started = time.monotonic()
+    p = run([*SERVE, "--model", str(tmp_path), "--transport", "ftp://x", "--log-dir",
+             str(tmp_path / "logs")], tmp_path, timeout=60)  # fmt: skip
+    assert time.monotonic() - started < 5
+    check(p, 2, "--transport: " + FTP)
+    assert not (tmp_path / "logs").exists()  # no replica was started
+
+
+def test_launch_refuses_an_unknown_transport_scheme_before_any_job(tmp_path: Path) -> None:
+    p = run([*ASYNCGRPO, "launch", TINY_CONFIG, "--backend", "local", "transport_url=ftp://x"],
+            tmp_path)  # fmt: skip
+    check(p, 2, "transport_url: " + FTP)
+    assert not (tmp_path / "runs" / "tiny-cpu" / "launch").exists()
+
+
 # -- a model directory that does not exist: status 2, before any replica starts -----------------
 
 TINY_FIX = "build the tiny test model there with `python -m asyncgrpo.testing.tiny runs/tiny-model`"
@@ -186,6 +215,13 @@ def test_train_in_a_fresh_directory_names_the_missing_model(tmp_path: Path, debu
     line = check(p, 2, "model='runs/tiny-model': no such directory here", TINY_FIX, debug=debug)
     assert "Hugging Face Hub cannot be reached from this host" in line
     assert not (tmp_path / "runs" / "tiny-cpu" / "replica-logs").exists()  # nothing started
+
+
+def test_a_missing_model_of_ones_own_is_not_offered_the_tiny_model(tmp_path: Path) -> None:
+    p = run([*ASYNCGRPO, "train", TINY_CONFIG, "model=models/my-qwen"], tmp_path)
+    line = check(p, 2, "model='models/my-qwen': no such directory here",
+                 "set model to an existing model directory or a Hugging Face id")  # fmt: skip
+    assert "asyncgrpo.testing.tiny" not in line
 
 
 def test_rollout_names_the_missing_model(tmp_path: Path) -> None:

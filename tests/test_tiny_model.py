@@ -40,3 +40,17 @@ def test_shapes_and_chat_template(tiny_model: Path) -> None:
 def test_head_dim_16_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="head_dim 64"):
         make_tiny_model(tmp_path / "m", hidden_size=64, num_heads=4)
+
+
+def test_the_module_runs_as_a_script_without_warnings() -> None:
+    """``python -m asyncgrpo.testing.tiny``: the package must not import the module before runpy
+    runs it (a RuntimeWarning, "found in sys.modules"), and its help shows no reST markup."""
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "asyncgrpo.testing.tiny", "--help"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert "OUT_DIR" in p.stdout and "``" not in p.stdout

@@ -113,11 +113,10 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
     Asynchronous: the replicas generate up to ``trainer.max_staleness`` versions ahead of the
     trainer, and the loss corrects for it (``trainer.off_policy``).
     """
-    from tqdm import tqdm
-
     from asyncgrpo.cli.plot import plot_run
     from asyncgrpo.config.training import TrainingConfig
     from asyncgrpo.run.metrics import read_metrics, summarize
+    from asyncgrpo.run.progress import ConsoleProgress
     from asyncgrpo.run.training import run_training
 
     if not EXAMPLE_CONFIG.exists():
@@ -130,14 +129,7 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
     if max_steps is not None:
         overrides.append(f"trainer.max_steps={max_steps}")
     cfg = TrainingConfig.from_yaml(EXAMPLE_CONFIG, overrides=overrides)
-    print(f"starting {cfg.serve.replicas} vLLM replicas and the proxy (about 1-2 min on 2 cores)")
-    bar = tqdm(total=cfg.trainer.max_steps, desc="training", unit="step")
-
-    def progress(step: int, m: dict[str, float]) -> None:
-        bar.set_postfix(reward=f"{m.get('reward', float('nan')):.3f}",
-                        stale=f"{m.get('sample/staleness_mean', float('nan')):.1f}",
-                        v=int(m.get("adapter_version", 0)))  # fmt: skip
-        bar.update(step - bar.n)
+    print("vLLM replicas and the proxy take about 1-2 min to start on 2 cores")
 
     recent: list = []  # the samples of the last few steps, for the exactness check
 
@@ -145,8 +137,8 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
         recent.append(list(samples))
         del recent[:-4]
 
-    result = await run_training(cfg, progress=progress, on_step=keep_recent)
-    bar.close()
+    with ConsoleProgress(cfg.trainer.max_steps) as progress:
+        result = await run_training(cfg, progress=progress, on_step=keep_recent)
     samples = [s for batch in recent for s in batch]
     errors = await anyio.to_thread.run_sync(
         served_logprob_errors, model, result.transport_url, result.adapter_prefix, samples,

@@ -18,6 +18,7 @@ import yaml
 
 from asyncgrpo.config.flags import add_fields
 from asyncgrpo.config.training import ENV_PREFIX
+from asyncgrpo.console import plain_help
 from asyncgrpo.launch.config import LaunchConfig
 
 
@@ -26,7 +27,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "launch",
         help="start a run across machines (Hugging Face Jobs) or local processes",
-        description=__doc__,
+        description=plain_help(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", help="YAML config file")
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> None:
     from asyncgrpo.console import run_async
     from asyncgrpo.errors import LaunchError
     from asyncgrpo.launch.launcher import dry_run, launch
-    from asyncgrpo.launch.progress import describe_progress
+    from asyncgrpo.run.progress import describe_progress
 
     cfg = TrainingConfig.from_yaml(args.config, overrides=overrides(args))
     if args.dry_run:

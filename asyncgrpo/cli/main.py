@@ -1,8 +1,9 @@
 """The ``asyncgrpo`` command.
 
 - ``asyncgrpo demo [--output-dir DIR]``: the tiny CPU example end to end (the README's main job)
-- ``asyncgrpo train CONFIG [key=value ...] [--remote-rollouts] [--dry-run]``: train (in one
-  process, or fed by rollout processes through the transport); ``--dry-run`` checks the recipe;
+- ``asyncgrpo train CONFIG [key=value ...] [--remote-rollouts] [--dry-run] [--quiet]``: train (in
+  one process, or fed by rollout processes through the transport), showing its phases, a line
+  or a progress bar per step and a summary (``--quiet``: one line); ``--dry-run`` checks the recipe;
   ``torchrun --nproc-per-node N -m asyncgrpo train CONFIG`` trains data-parallel over N ranks
 - ``asyncgrpo rollout CONFIG [key=value ...]``: a rollout process for a split run
 - ``asyncgrpo launch CONFIG --backend hf-jobs|local [--dry-run]``: the run across machines
@@ -19,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from asyncgrpo.config.flags import ConfigParser
-from asyncgrpo.console import parse_command_line, run_async, run_command
+from asyncgrpo.console import parse_command_line, plain_help, run_async, run_command
 from asyncgrpo.errors import DEBUG_HELP, ConfigError
 from asyncgrpo.vllm.api import served_name
 
@@ -68,19 +72,35 @@ def _train(args: argparse.Namespace) -> None:
         print("\n".join(dry_run(cfg)))
         print("recipe OK (dry run: nothing started or downloaded)")
         return
+    from asyncgrpo.run.metrics import METRICS_FILE, read_metrics
+    from asyncgrpo.run.progress import ConsoleProgress, Silent, summary_lines
+
     source = "channel" if args.remote_rollouts else "local"
-    result = run_async(lambda: run_training(cfg, rollout_source=source))
-    if result.rank == 0:  # under torchrun, rank 0 speaks for the job
+    # under torchrun, rank 0 speaks for the job
+    speaks = not args.quiet and os.environ.get("RANK", "0") == "0"
+    started = time.monotonic()
+    with ConsoleProgress(cfg.trainer.max_steps) if speaks else nullcontext(Silent()) as progress:
+        result = run_async(lambda: run_training(cfg, rollout_source=source, progress=progress))
+    if result.rank != 0:
+        return
+    if args.quiet:
         final = served_name(result.adapter_prefix, result.final_version)
         print(f"trained {result.steps} steps; final adapter {final} in {result.transport_url} "
               f"and, as a PEFT directory, in {result.adapter_dir}; metrics in {result.run_dir}")  # fmt: skip
+        return
+    metrics = result.run_dir / METRICS_FILE
+    records = read_metrics(metrics) if metrics.is_file() else []
+    print("\n".join(summary_lines(result, records, time.monotonic() - started)))
+    print(f"final adapter as a PEFT directory: {result.adapter_dir}")
 
 
 def _rollout(args: argparse.Namespace) -> None:
     cfg = _load(args)
+    from asyncgrpo.run.progress import ConsoleProgress
     from asyncgrpo.run.rollouts import run_rollouts
 
-    shipped = run_async(run_rollouts, cfg)
+    with ConsoleProgress(cfg.trainer.max_steps) as progress:  # phases only: it takes no step
+        shipped = run_async(lambda: run_rollouts(cfg, progress=progress))
     print(f"shipped {shipped} samples")
 
 
@@ -135,7 +155,9 @@ def _at_least_one(text: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = ConfigParser(
-        prog="asyncgrpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="asyncgrpo",
+        description=plain_help(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
@@ -165,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                            help="take samples from `asyncgrpo rollout` processes via the transport")  # fmt: skip
             p.add_argument("--dry-run", action="store_true",
                            help="check the recipe (rewards import, replica flags, context) and exit")  # fmt: skip
+            p.add_argument("--quiet", action="store_true",
+                           help="no phases, no progress: one line at the end (for scripts)")  # fmt: skip
 
     from asyncgrpo.cli.launch import add_parser as add_launch_parser
 

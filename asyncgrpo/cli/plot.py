@@ -111,6 +111,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             drawn = _lines(ax, records, keys, log="maximum" in title)
         if ref is not None and drawn:
             ax.axhline(ref, color="grey", linestyle="--", linewidth=0.8)
+            _plain_ticks(ax)
         if not drawn:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
         else:
@@ -124,6 +125,15 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
+
+
+def _plain_ticks(ax: Any) -> None:
+    """Tick labels as values (``1.0000001``), not an offset (``1e-7+1``) to add in one's head:
+    a ratio or weight near 1 is read against 1."""
+    from matplotlib.ticker import ScalarFormatter
+
+    if ax.get_yscale() == "linear":
+        ax.yaxis.set_major_formatter(ScalarFormatter(useOffset=False))
 
 
 def _lines(ax: Any, records: list[dict[str, Any]], keys: list[tuple[str, str]], log: bool) -> bool:

@@ -26,7 +26,7 @@ def local_path(name: str, cwd: Path | None = None) -> Path | None:
 
 def check_model(model: str) -> None:
     """Refuse ``model`` unless it is a path on this host, a Hugging Face id in the local cache,
-    or one the Hub answers for from here; the error names how to build the tiny test model.
+    or one the Hub answers for from here; the error says what to do (:func:`missing_model_fix`).
 
     Blocks for up to 10 s on the Hub lookup: call it from a worker thread in async code.
     """
@@ -34,11 +34,19 @@ def check_model(model: str) -> None:
         return
     why = _hub_problem(model)
     if why is not None:
-        raise ConfigError(
-            f"model={model!r}: no such directory here, and {why}: build the tiny test model "
-            f"there with `python -m asyncgrpo.testing.tiny {shlex.quote(model)}`, or set model "
-            "to an existing model directory or a Hugging Face id"
-        )
+        raise ConfigError(f"model={model!r}: no such directory here, and {why}: "
+                          f"{missing_model_fix(model)}")  # fmt: skip
+
+
+def missing_model_fix(model: str) -> str:
+    """What to do about a missing ``model``. Building the tiny test model there is offered only
+    for a path named like one (the README's ``runs/tiny-model``): for any other path it would
+    put a toy model where the user expects theirs."""
+    fix = "set model to an existing model directory or a Hugging Face id"
+    if "tiny" not in Path(model).name.lower():
+        return fix
+    build = f"python -m asyncgrpo.testing.tiny {shlex.quote(model)}"
+    return f"build the tiny test model there with `{build}`, or {fix}"
 
 
 @functools.cache

@@ -49,10 +49,11 @@ from asyncgrpo.launch.health import wait_all_healthy, wait_job_healthy
 from asyncgrpo.launch.job_set import JobSet
 from asyncgrpo.launch.jobs import Backend, Job
 from asyncgrpo.launch.log_follower import LogFollower
-from asyncgrpo.launch.progress import describe_progress, parse_progress
 from asyncgrpo.launch.replacement import ReplicaReplacer, restart_delay
 from asyncgrpo.launch.sweep import Point, fleet_config, sweep_points
 from asyncgrpo.launch.watch import WatchState, decide
+from asyncgrpo.run.progress import describe_progress, parse_progress
+from asyncgrpo.transport import check_transport_url
 
 __all__ = ["LaunchHandle", "dry_run", "launch", "make_backend", "plan", "restart_delay"]
 
@@ -82,7 +83,12 @@ def plan(
     cfg: TrainingConfig, backend: BackendName | str, **options: Any
 ) -> tuple[Backend, list[Point]]:
     """The backend, with replicas sized for every point of a sweep, and the points (one
-    without a sweep)."""
+    without a sweep). A transport URL no job could open is refused here, before any job."""
+    if cfg.transport_url:
+        try:
+            check_transport_url(cfg.transport_url)
+        except ConfigError as exc:
+            raise ConfigError(f"transport_url: {exc}") from None
     points = sweep_points(cfg, None)
     be = make_backend(backend, fleet_config(cfg, points), cfg.run_dir / "launch", **options)
     if cfg.launch.sweep:  # each point's storage under the backend's

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,16 +91,23 @@ async def standalone_proxy(cfg: TrainingConfig) -> Endpoint | None:
 
 @asynccontextmanager
 async def open_endpoint(
-    cfg: TrainingConfig, cache_dir: Path, transport_url: str
+    cfg: TrainingConfig,
+    cache_dir: Path,
+    transport_url: str,
+    *,
+    phase: Callable[[str], None] | None = None,
 ) -> AsyncIterator[Endpoint]:
     """The run's endpoint (see the module docstring); stops what it started on exit.
 
     Local replicas may fetch adapters from the run's transport themselves, like remote ones; an
     in-process proxy accepts load paths only under ``cache_dir``, where the trainer fetches
-    versions for replicas that share its disk.
+    versions for replicas that share its disk. ``phase`` hears what is starting (the replicas
+    take a minute on a CPU): :meth:`asyncgrpo.run.progress.RunProgress.phase`.
     """
+    say = phase or (lambda text: None)
     given = await standalone_proxy(cfg)
     if given is not None:
+        say(f"using the asyncgrpo proxy at {given.url}")
         yield given
         return
     key = upstream_key(cfg)
@@ -107,8 +115,15 @@ async def open_endpoint(
         urls = list(cfg.proxy.upstreams)
         if cfg.serve.replicas:
             serve = replica_config(cfg, transport_url)
+            n = cfg.serve.replicas
+            say(f"starting {n} vLLM replica{'s' if n != 1 else ''} (logs in {serve.log_dir})")
+            started = time.monotonic()
             replicas = await stack.enter_async_context(launch_replicas(serve))
+            say(f"{n} replica{'s' if n != 1 else ''} healthy after "
+                f"{time.monotonic() - started:.0f} s")  # fmt: skip
             urls = [r.url for r in replicas] + urls
+        if cfg.proxy.upstreams:
+            say(f"{len(cfg.proxy.upstreams)} remote replica(s) behind the run's proxy")
         proxy = dataclasses.replace(
             cfg.proxy,
             upstreams=tuple(urls),

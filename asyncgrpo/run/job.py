@@ -4,8 +4,8 @@
 YAML in ``$ASYNCGRPO_CONFIG`` (secrets emptied), the replicas' URLs as overrides on the command
 line, and secrets as the job's secret environment variables (``ASYNCGRPO_PROXY__UPSTREAM_API_KEY``,
 ...), read by the same loader as every command (:mod:`asyncgrpo.config.sources`), so no secret is ever
-in argv or in the config text. Each optimizer step prints one progress line
-(:mod:`asyncgrpo.launch.progress`) for the launcher.
+in argv or in the config text. Each phase before the first step prints a line, and each
+optimizer step one progress line (:mod:`asyncgrpo.run.progress`) for the launcher.
 """
 
 from __future__ import annotations
@@ -33,14 +33,11 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None):
 
 
 async def train(cfg) -> None:
-    from asyncgrpo.launch.progress import progress_line
+    from asyncgrpo.run.progress import JobLines
     from asyncgrpo.run.training import run_training
     from asyncgrpo.vllm.api import served_name
 
-    def progress(step: int, metrics: dict[str, float]) -> None:
-        print(progress_line(step, cfg.trainer.max_steps, metrics), flush=True)
-
-    result = await run_training(cfg, progress=progress)
+    result = await run_training(cfg, progress=JobLines(cfg.trainer.max_steps))
     final = served_name(result.adapter_prefix, result.final_version)
     print(f"trained {result.steps} steps; final adapter {final} in {result.transport_url}",
           flush=True)  # fmt: skip
@@ -50,11 +47,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     import argparse
 
     from asyncgrpo.config.flags import ConfigParser
-    from asyncgrpo.console import parse_command_line, run_async, run_command
+    from asyncgrpo.console import parse_command_line, plain_help, run_async, run_command
     from asyncgrpo.errors import DEBUG_HELP
 
     parser = ConfigParser(
-        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=PROG,
+        description=plain_help(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("overrides", nargs="*", default=[],
                         help="section.field=value overrides")  # fmt: skip

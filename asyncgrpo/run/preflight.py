@@ -3,7 +3,8 @@
 downloading.
 
 What a real start would find out minutes (and a model download) later is checked here in
-milliseconds: the config validates; every reward function imports; the replicas' vLLM flags,
+milliseconds: the config validates; the transport's scheme and form are known and a credential
+it needs is set; every reward function imports; the replicas' vLLM flags,
 derived exactly as a run derives them, pass the same LoRA capacity check a run applies to a live
 replica's ``/server_info``; prompt plus completion fit the replicas' context; a token budget
 below the longest sample is reported. Nothing is downloaded: model and dataset are only named.
@@ -87,12 +88,21 @@ def check_adapter_fetching(replicas: list[Mapping[str, Any]], transport_url: str
 
 def dry_run(cfg: TrainingConfig) -> list[str]:
     """Report lines for a valid recipe; raises ``ConfigError`` naming the field to fix."""
+    from asyncgrpo.config.redaction import redact_text
+    from asyncgrpo.config.training import run_transport_url
     from asyncgrpo.rollout.environment import environment_class
     from asyncgrpo.rollout.rewards import load_reward_func
     from asyncgrpo.run.endpoint import replica_config
+    from asyncgrpo.transport import check_transport_url
 
     gen, tr = cfg.generation, cfg.trainer
     lines = [f"model: {cfg.model} ({_where(cfg.model)})"]
+    transport = run_transport_url(cfg)
+    try:
+        check_transport_url(transport)
+    except ConfigError as exc:
+        raise ConfigError(f"transport_url: {exc}") from None
+    lines.append(f"transport: {redact_text(transport)} (not contacted by --dry-run)")
     if cfg.dataset.path is not None:
         lines.append(f"dataset: {cfg.dataset.path} ({_where(cfg.dataset.path)})")
     for path in cfg.rollout.reward_funcs:

@@ -20,6 +20,7 @@ from asyncgrpo.config.training import run_transport_url
 from asyncgrpo.errors import ReplicaError
 from asyncgrpo.rollout.client import RolloutClient
 from asyncgrpo.run.endpoint import open_endpoint
+from asyncgrpo.run.progress import RunProgress, as_progress
 from asyncgrpo.run.sources import rollout_client
 from asyncgrpo.store.channel import RolloutChannel
 from asyncgrpo.store.run_documents import RunStore
@@ -31,24 +32,32 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-async def run_rollouts(cfg: TrainingConfig, *, poll_interval_s: float = 0.5) -> int:
-    """Ship rollouts until the trainer finishes; returns the number of samples shipped."""
+async def run_rollouts(
+    cfg: TrainingConfig, *, poll_interval_s: float = 0.5, progress: RunProgress | None = None
+) -> int:
+    """Ship rollouts until the trainer finishes; returns the number of samples shipped.
+    ``progress`` hears the phases: model, replicas, the trainer's policy and each new one."""
+    report = as_progress(progress)
     await anyio.to_thread.run_sync(check_model, cfg.model)
+    report.phase(f"model {cfg.model}: found")
     transport = open_transport(run_transport_url(cfg))
     store = RunStore(transport)
     shipped = 0
     try:
         async with AsyncExitStack() as stack:
             endpoint = await stack.enter_async_context(  # first: a bad setup fails at once
-                open_endpoint(cfg, cfg.run_dir / "adapter-cache", transport.url)
+                open_endpoint(cfg, cfg.run_dir / "adapter-cache", transport.url, phase=report.phase)
             )
+            report.phase(f"waiting for the trainer's first version in {transport.url}")
             policy = await store.wait_for_policy(poll_interval_s)
+            report.phase(f"generating under {policy[0]} (version {policy[1]})")
             client = await stack.enter_async_context(
                 await rollout_client(cfg, endpoint.url, policy, 0, api_key=endpoint.api_key)
             )
             channel = RolloutChannel(transport)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_follow_policy, store, client, poll_interval_s, tg.cancel_scope)
+                tg.start_soon(_follow_policy, store, client, poll_interval_s, tg.cancel_scope,
+                              report)  # fmt: skip
                 while samples := await client.get(cfg.generation.num_generations):
                     await channel.append(samples)
                     shipped += len(samples)
@@ -65,7 +74,11 @@ async def run_rollouts(cfg: TrainingConfig, *, poll_interval_s: float = 0.5) -> 
 
 
 async def _follow_policy(
-    store: RunStore, client: RolloutClient, poll_interval_s: float, scope: anyio.CancelScope
+    store: RunStore,
+    client: RolloutClient,
+    poll_interval_s: float,
+    scope: anyio.CancelScope,
+    report: RunProgress,
 ) -> None:
     """Switch the client to each new policy the trainer writes; end the shipping at done."""
     while True:
@@ -76,3 +89,4 @@ async def _follow_policy(
         name, version = await store.read_policy()
         if version > client.policy[1]:
             client.set_policy(name, version)
+            report.phase(f"generating under version {version}")

@@ -157,12 +157,7 @@ class AdapterSync:
     async def unload_all(self, timeout_s: float = 30.0) -> None:
         """Unload every version this process loaded (on exit: the store keeps them all)."""
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
-            for version in list(self.loaded):
-                try:
-                    await self.loader.unload(self.name(version))
-                except ReplicaError as exc:
-                    logger.warning("unloading %s failed: %s", self.name(version), exc)
-                self.loaded.remove(version)
+            await self._unload(list(self.loaded))
 
     async def sync(
         self,
@@ -224,11 +219,21 @@ class AdapterSync:
 
     async def _retire(self, newest: int) -> None:
         oldest_kept = newest - self.max_staleness
-        for version in [v for v in self.loaded if v < oldest_kept]:
+        await self._unload([v for v in self.loaded if v < oldest_kept])
+
+    async def _unload(self, versions: list[int]) -> None:
+        """Unload each of ``versions``; never fatal. One whose unload failed (not one no replica
+        knows: vLLM may have evicted it) stays in :attr:`loaded` and is tried again at the next
+        retire and at exit: the replica that missed it would serve, and cache, it until it
+        restarts, since the proxy replays no unload to a replica that stayed in rotation."""
+        for version in versions:
             try:
                 await self.loader.unload(self.name(version))
-            except ReplicaError as exc:  # vLLM may have evicted it already; never fatal
-                logger.warning("unloading %s failed: %s", self.name(version), exc)
+            except ReplicaError as exc:
+                if not (isinstance(exc, ReplicaHTTPError) and exc.status == 404):
+                    logger.warning("unloading %s failed (tried again later): %s",
+                                   self.name(version), exc)  # fmt: skip
+                    continue
             self.loaded.remove(version)
 
 

@@ -38,6 +38,7 @@ from asyncgrpo.run.evaluation import RunEvaluator
 from asyncgrpo.run.follower import follow
 from asyncgrpo.run.metrics import MetricsWriter
 from asyncgrpo.run.preflight import check_adapter_fetching, check_lora_capacity
+from asyncgrpo.run.progress import RunProgress, StepCallback, as_progress
 from asyncgrpo.run.sources import ChannelSource, LocalSource, SampleSource, rollout_client
 from asyncgrpo.run.sync import (
     AdapterLoader,
@@ -107,29 +108,34 @@ async def run_training(
     rollout_source: Literal["local", "channel"] = "local",
     on_step: StepHook | None = None,
     loader_factory: LoaderFactory | None = None,
-    progress: Callable[[int, dict[str, float]], None] | None = None,
+    progress: RunProgress | StepCallback | None = None,
 ) -> RunResult:
     """Train ``cfg`` to ``trainer.max_steps``; resumes from the latest checkpoint if any.
 
     One line per phase; the exit stack undoes them in reverse (rollouts stop, adapters unload,
     proxy and replicas stop, the transport closes) on success, an error and cancellation alike.
+    ``progress`` hears of the phases before the first step and of every step
+    (:mod:`asyncgrpo.run.progress`); a plain callback hears of the steps only.
     """
     from asyncgrpo.trainer.distributed import DataParallel
 
+    report = as_progress(progress)
     _check_rollout_source(cfg, rollout_source)
     await anyio.to_thread.run_sync(check_model, cfg.model)
+    report.phase(f"model {cfg.model}: found")
     dp = DataParallel.from_env(timeout_s=cfg.trainer.dp_timeout_s)  # None in one process
     if dp is not None and not dp.is_main:
         return await follow(cfg, dp)
     async with AsyncExitStack() as stack:
         run = await stack.enter_async_context(_open_run(cfg, dp))
         endpoint = await stack.enter_async_context(
-            open_endpoint(cfg, run.cache_dir, run.transport.url)
+            open_endpoint(cfg, run.cache_dir, run.transport.url, phase=report.phase)
         )
         sync = await stack.enter_async_context(_adapter_sync(run, endpoint, loader_factory))
-        start = await _start_trainer(run, dp)
-        work = Path(await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(dir=cfg.run_dir)))
+        work = await _scratch_dir(stack, cfg.run_dir)
+        start = await _start_trainer(run, dp, work, report)
         version = await _publish_first_version(run, sync, start.trainer, work)
+        report.phase(f"version {version} ({sync.name(version)}) loaded on every replica")
         writer = stack.enter_context(_metrics_writer(cfg, run.prefix))
         source = await stack.enter_async_context(
             _sample_source(run, endpoint, rollout_source, (sync.name(version), version), start)
@@ -140,7 +146,7 @@ async def run_training(
         evaluator = await _evaluator(cfg, endpoint, writer, sync, start)
         step, version = await _train(
             run, start.trainer, sync, source, writer, work, version,
-            on_step=on_step, progress=progress, fleet=lambda: _fleet_metrics(proxy),
+            on_step=on_step, progress=report, fleet=lambda: _fleet_metrics(proxy),
         )  # fmt: skip
         if evaluator is not None:  # the final version, after the last step
             await evaluator(sync.name(version), version, step=step)
@@ -264,23 +270,35 @@ async def preflight_fleet(cfg: TrainingConfig, client: VLLMClient, transport_url
     return fetching
 
 
-async def _start_trainer(run: _Run, dp: Any) -> _Start:
+async def _scratch_dir(stack: AsyncExitStack, run_dir: Path) -> Path:
+    """A directory in the run directory for the files on their way to the transport (each
+    version's adapter, each checkpoint, a checkpoint being resumed); removed when the run ends.
+    Hidden: the run directory's listing shows the run's outputs, not its scratch files."""
+    work = Path(await anyio.to_thread.run_sync(
+        lambda: tempfile.mkdtemp(prefix=".scratch-", dir=run_dir)
+    ))  # fmt: skip
+    stack.push_async_callback(anyio.to_thread.run_sync, lambda: shutil.rmtree(work, True))
+    return work
+
+
+async def _start_trainer(run: _Run, dp: Any, work: Path, report: RunProgress) -> _Start:
     """The trainer, resumed from the latest checkpoint if there is one; under torchrun every
     rank resumes from the checkpoint rank 0 names here."""
     from asyncgrpo.trainer.loop import Trainer
 
     cfg = run.cfg
+    report.phase("loading the trainer's model")
     trainer = await anyio.to_thread.run_sync(lambda: Trainer.from_config(cfg, dp=dp))
     latest = await run.checkpoints.latest_checkpoint()
     if dp is not None:
         await anyio.to_thread.run_sync(dp.broadcast, {"step": latest, "prefix": run.prefix})
     if latest is None:
         return _Start(trainer=trainer, resumed_from=None, position=0)
-    dest = cfg.run_dir / "resume" / f"step-{latest}"
-    ckpt_dir, meta = await run.checkpoints.load(latest, dest)
+    ckpt_dir, meta = await run.checkpoints.load(latest, work / "resume" / f"step-{latest}")
     await anyio.to_thread.run_sync(trainer.load_checkpoint, ckpt_dir)
     position = int(meta.get("position", 0))
     logger.info("resumed from checkpoint step %d (data position %d)", latest, position)
+    report.phase(f"resumed from the checkpoint of step {latest}")
     return _Start(trainer=trainer, resumed_from=latest, position=position)
 
 
@@ -355,7 +373,7 @@ async def _train(
     version: int,
     *,
     on_step: StepHook | None,
-    progress: Callable[[int, dict[str, float]], None] | None,
+    progress: RunProgress,
     fleet: Callable[[], Awaitable[dict[str, float]]],
 ) -> tuple[int, int]:
     """The loop, until ``trainer.max_steps`` or the end of the dataset: fresh samples, one
@@ -408,8 +426,7 @@ async def _train(
         metrics.update(await fleet())
         if step % run.cfg.logging.log_every == 0:
             writer.log(metrics, step=step)
-        if progress is not None:
-            progress(step, metrics)
+        progress.step(step, metrics)
         if getattr(trainer, "stop_requested", False):  # trainer.collapse_action=stop fired
             break
     return step, version

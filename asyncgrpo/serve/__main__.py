@@ -23,11 +23,12 @@ from dataclasses import dataclass
 import anyio
 
 from asyncgrpo.config.flags import parse_args
-from asyncgrpo.console import parse_command_line, run_async, run_command
+from asyncgrpo.console import parse_command_line, plain_help, run_async, run_command
 from asyncgrpo.errors import ConfigError, ReplicaError, UsageError
 from asyncgrpo.proxy.admin_client import update_proxy
 from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.serve.replicas import Replica, launch_replicas
+from asyncgrpo.transport import check_transport_url
 
 PROG = "python -m asyncgrpo.serve"
 ENV_PREFIX = "ASYNCGRPO_SERVE_"
@@ -72,12 +73,17 @@ def parse(argv: Sequence[str] | None = None) -> ServeConfig:
 def _parse(argv: Sequence[str] | None) -> tuple[ServeConfig, Registration | None, bool]:
     """The config, the proxy to register with, and ``--debug``."""
     config, args = parse_args(
-        ServeConfig, argv, prog=PROG, description=__doc__, env_prefix=ENV_PREFIX,
+        ServeConfig, argv, prog=PROG, description=plain_help(__doc__), env_prefix=ENV_PREFIX,
         extra=_register_flags,
     )  # fmt: skip
     if config.replicas < 1:
         raise UsageError(f"--replicas={config.replicas}: start 1 or more", prog=PROG,
                          debug=args.debug)  # fmt: skip
+    try:
+        for url in config.transports:  # here, not 30 s later in every vLLM process
+            check_transport_url(url)
+    except ConfigError as exc:
+        raise UsageError(f"--transport: {exc}", prog=PROG, debug=args.debug) from exc
     try:
         registration = _registration(config, args.register, args.register_key_env)
     except ConfigError as exc:

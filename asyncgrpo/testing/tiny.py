@@ -230,7 +230,11 @@ def tiny_serve_config(model: str | Path, **overrides: Any) -> ServeConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m asyncgrpo.testing.tiny", description=__doc__)
+    from asyncgrpo.console import plain_help
+
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncgrpo.testing.tiny", description=plain_help(__doc__)
+    )
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lora-out", type=Path, help="also write a LoRA adapter (non-zero B) here")

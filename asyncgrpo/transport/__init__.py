@@ -12,6 +12,7 @@ _EXPORTS = {
     "ObjectInfo": "asyncgrpo.transport.base",
     "PutMode": "asyncgrpo.transport.base",
     "Transport": "asyncgrpo.transport.base",
+    "check_transport_url": "asyncgrpo.transport.registry",
     "open_transport": "asyncgrpo.transport.registry",
     "register_scheme": "asyncgrpo.transport.registry",
 }

@@ -20,7 +20,13 @@ from asyncgrpo.config.redaction import redact_text
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.transport.base import Transport
 
-__all__ = ["ACCEPTED_FORMS", "TransportFactory", "open_transport", "register_scheme"]
+__all__ = [
+    "ACCEPTED_FORMS",
+    "TransportFactory",
+    "check_transport_url",
+    "open_transport",
+    "register_scheme",
+]
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +119,9 @@ def _from_entry_points(scheme: str) -> TransportFactory | None:
     return None
 
 
-def open_transport(url: str | Any, **options: Any) -> Transport:
-    """Open the transport for ``url``; ``options`` go to its constructor as keywords.
-
-    Raises :class:`ConfigError` naming the accepted forms for an unknown scheme or malformed URL.
-    """
+def _factory(url: str | Any) -> tuple[str, str | None, TransportFactory]:
+    """``url`` as a string, its scheme (None for a plain path) and the factory that opens it;
+    :class:`ConfigError` naming the accepted forms for an unknown scheme or a malformed URL."""
     if hasattr(url, "__fspath__"):
         url = str(url)
     if not isinstance(url, str) or not url.strip():
@@ -126,7 +130,7 @@ def open_transport(url: str | Any, **options: Any) -> Transport:
     if match is None:
         if "://" in url or (":" in url.split("/", 1)[0] and not re.match(r"^[A-Za-z]:", url)):
             raise ConfigError(f"malformed transport URL {redact_text(url)!r}; accepted: {_forms()}")
-        return _local(url, **options)
+        return url, None, _local
     scheme = match.group(1).lower()
     factory = _registry.get(scheme) or _BUILTIN.get(scheme) or _from_entry_points(scheme)
     if factory is None:
@@ -134,7 +138,40 @@ def open_transport(url: str | Any, **options: Any) -> Transport:
             f"unknown transport scheme {scheme!r} in {redact_text(url)!r}; accepted: {_forms()} "
             f"(or a scheme registered via entry point group {ENTRY_POINT_GROUP!r})"
         )
+    return url, scheme, factory
+
+
+def open_transport(url: str | Any, **options: Any) -> Transport:
+    """Open the transport for ``url``; ``options`` go to its constructor as keywords.
+
+    Raises :class:`ConfigError` naming the accepted forms for an unknown scheme or malformed URL.
+    """
+    url, _, factory = _factory(url)
     return factory(url, **options)
+
+
+#: The extra that brings each built-in object store's client (obstore, huggingface_hub).
+_EXTRAS = {"s3": "s3", "gs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure",
+           "https": "azure", "hf": "hf"}  # fmt: skip
+
+
+def check_transport_url(url: str | Any) -> None:
+    """What can be known of ``url`` before any process starts, checked without a request: the
+    scheme is one asyncgrpo opens, the URL has that scheme's form, and a credential the scheme
+    cannot work without is there (``gs://``, ``az://``: their transports refuse to open without
+    one). Nothing is created or contacted: a path is not made, a store is only configured.
+    ``asyncgrpo train --dry-run``, ``python -m asyncgrpo.serve`` and ``asyncgrpo launch`` call
+    it, so a typo fails in milliseconds, not after vLLM started."""
+    url, scheme, factory = _factory(url)
+    if scheme is None or scheme == "file" or factory is not _BUILTIN.get(scheme):
+        return  # a path (made on first use), or another package's scheme: its own rules
+    try:
+        factory(url)
+    except ImportError as exc:
+        raise ConfigError(
+            f"transport {scheme}:// needs the {_EXTRAS[scheme]!r} extra ({exc.name} is not "
+            f"installed): pip install 'asyncgrpo[{_EXTRAS[scheme]}]'"
+        ) from None
 
 
 def _forms() -> str:

@@ -14,9 +14,9 @@ from huggingface_hub import HfApi
 from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch import launch
-from asyncgrpo.launch.progress import progress_line
 from asyncgrpo.proxy.config import token_allowed
 from asyncgrpo.run.job import load_config
+from asyncgrpo.run.progress import progress_line
 
 S3_KEY, S3_SECRET = "HFAKfakeaccesskey", "fakeS3secretvalue987"
 ENVIRON = {

@@ -30,7 +30,7 @@ from asyncgrpo.errors import LaunchError
 from asyncgrpo.launch import launch
 from asyncgrpo.launch.jobs import JobSpec
 from asyncgrpo.launch.local import LocalBackend
-from asyncgrpo.launch.progress import parse_progress
+from asyncgrpo.run.progress import parse_progress
 
 #: Answers /health on the port given as argv[1], after writing its cwd and a child's pid.
 REPLICA = textwrap.dedent("""
@@ -54,7 +54,7 @@ REPLICA = textwrap.dedent("""
 #: Writes through the transport (the S3 server), prints progress lines, exits 0.
 TRAINER = textwrap.dedent("""
     import os, sys, anyio
-    from asyncgrpo.launch.progress import progress_line
+    from asyncgrpo.run.progress import progress_line
     from asyncgrpo.transport import open_transport
     print("cwd", os.getcwd(), "urls", sys.argv[1], flush=True)
     async def main():
@@ -220,7 +220,7 @@ def test_a_launcher_killed_with_sigkill_takes_its_roles_and_s3_server_with_it(
 #: port, printing each call; completes its three steps once a replica was added with the key.
 TRAINER_PROXY = textwrap.dedent("""
     import http.server, json, os, sys, threading
-    from asyncgrpo.launch.progress import progress_line
+    from asyncgrpo.run.progress import progress_line
     key = os.environ["ASYNCGRPO_PROXY__ADMIN_API_KEY"]
     added = threading.Event()
     class H(http.server.BaseHTTPRequestHandler):
@@ -333,7 +333,7 @@ def test_with_no_restarts_a_replica_killed_mid_run_stops_the_launch_naming_it(
 #: own storage, prints progress lines; with HANG set, stays after step 1 until it is stopped.
 SWEEP_TRAINER = textwrap.dedent("""
     import json, os, sys, time, urllib.request, anyio
-    from asyncgrpo.launch.progress import progress_line
+    from asyncgrpo.run.progress import progress_line
     from asyncgrpo.transport import open_transport
     url = sys.argv[1]
     with urllib.request.urlopen(url + "/proxy/upstreams", timeout=10) as resp:
@@ -587,7 +587,7 @@ def test_a_two_point_sweep_end_to_end_shares_one_replica(tiny_model: Path, tmp_p
 #: working directory) and prints a progress line per step.
 METRICS_TRAINER = textwrap.dedent("""
     import os, sys
-    from asyncgrpo.launch.progress import progress_line
+    from asyncgrpo.run.progress import progress_line
     from asyncgrpo.run.metrics import MetricsWriter
     with MetricsWriter(os.path.join("runs", sys.argv[1])) as metrics:
         for step in (1, 2, 3):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.launch.progress import parse_progress
+from asyncgrpo.run.progress import parse_progress
 
 ROOT = Path(__file__).resolve().parents[2]
 

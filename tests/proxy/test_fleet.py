@@ -42,6 +42,7 @@ class StandIn:
     gates: dict[str, asyncio.Event] = field(default_factory=dict)  #: a load waits for it
     loading: dict[str, asyncio.Event] = field(default_factory=dict)  #: set once it waits
     refuse: dict[str, int] = field(default_factory=dict)  #: a load answers this status
+    fail_unload: dict[str, int] = field(default_factory=dict)  #: unloads answered 500, per name
     #: its engine dies at the load of this adapter: "before" or "after" answering it
     die_on_load: dict[str, str] = field(default_factory=dict)
     dead: bool = False  #: drops every connection
@@ -113,6 +114,9 @@ class StandIn:
 
     async def unload(self, request: web.Request) -> web.Response:
         name = (await request.json())["lora_name"]
+        if self.fail_unload.get(name):
+            self.fail_unload[name] -= 1
+            return web.Response(status=500, text="engine busy")
         if name not in self.adapters:
             return web.Response(status=404, text="not found")
         self.adapters.discard(name)
@@ -380,3 +384,30 @@ async def test_the_trainers_sync_goes_through_when_a_replica_dies_in_the_middle_
     assert switched == ["run-x-v0", "run-x-v1"]
     assert a.adapters == {"run-x-v1"} and not a.paused and b.dead
     assert b.adapters == ({"run-x-v0"} if when == "before" else {"run-x-v0", "run-x-v1"})
+
+
+async def test_an_unload_one_replica_failed_is_tried_again_at_the_next_retire(
+    fleet: list[StandIn], tmp_path: Path
+) -> None:
+    """A replica that stays in rotation but fails an unload would serve (and cache) that version
+    until it restarts: the proxy replays no unload to it. The trainer's sync tries again."""
+    a, b = fleet
+    b.fail_unload = {"run-x-v0": 1}
+    cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, lora_roots=(str(tmp_path),),
+                      **{**FAST, "health_interval_s": 3600})  # fmt: skip
+    store = AdapterStore(str(tmp_path / "store"))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 1, "lora_alpha": 2}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    async with serve_proxy(cfg) as base, VLLMClient(base) as client:
+        sync = AdapterSync(store=store, source=LocalCacheSource(store, tmp_path / "cache"),
+                           loader=ProxyLoader(client), prefix="run-x", max_staleness=0,
+                           attempts=1)  # fmt: skip
+        await sync.sync(0, adapter, step=0)
+        await sync.sync(1, adapter, step=1)  # retiring v0 fails on b
+        assert a.adapters == {"run-x-v1"} and b.adapters == {"run-x-v0", "run-x-v1"}
+        await sync.sync(2, adapter, step=2)
+        assert a.adapters == b.adapters == {"run-x-v2"}
+        await sync.unload_all()
+    assert a.adapters == b.adapters == set()

@@ -113,3 +113,22 @@ def test_plot_run_writes_png(tmp_path):
     assert out == tmp_path / "plot.png"
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_a_ratio_near_one_is_labelled_by_value_not_by_an_offset() -> None:
+    """The ratio panel of a float32 run spans 1 +- 1e-7: matplotlib would label it ``1e-7+1``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from asyncgrpo.cli.plot import _plain_ticks
+
+    fig, ax = plt.subplots()
+    ax.plot([1, 2, 3], [1 - 1e-7, 1.0, 1 + 1e-7])
+    _plain_ticks(ax)
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    plt.close(fig)
+    assert ax.yaxis.get_offset_text().get_text() == ""
+    assert all(label.startswith(("0.9999", "1.0000")) for label in labels), labels

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -212,10 +213,20 @@ def test_killed_trainer_resumes_from_its_last_checkpoint(
     prefix = _adapter_prefix(store)
     before = anyio.run(AdapterStore(str(store)).versions, prefix)
     killed_at = max(r["step"] for r in read_metrics(tmp_path / "t" / "metrics.jsonl"))
+    resumed = anyio.run(checkpoints.latest_checkpoint)
+    assert resumed is not None
 
     done = subprocess.run(_cli("train", str(config)), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "trained 10 steps" in done.stdout
+    # Under a pipe: the phases, one line per step trained this time, a summary that says so.
+    assert f"resumed from the checkpoint of step {resumed}" in done.stdout
+    steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == [f"{s}/10" for s in range(resumed + 1, 11)]
+    assert all(" reward " in line and " v " in line for line in steps), steps
+    trained = f"{10 - resumed} step{'s' if 10 - resumed != 1 else ''}"
+    assert (f"trained {trained} in " in done.stdout
+            and f"(resumed from the checkpoint of step {resumed}; 10 steps in all)" in done.stdout)  # fmt: skip
+    assert "\r" not in done.stdout  # no progress bar off a terminal
     after = anyio.run(AdapterStore(str(store)).versions, prefix)
     assert after == list(range(len(after))), "version numbers must be contiguous"
     assert set(before) < set(after), "a published version was lost"
@@ -247,6 +258,8 @@ def test_split_mode_rollouts_ship_through_the_transport(
             rollout.kill()
     shipped = int(out.split("shipped ")[1].split()[0])
     assert shipped >= 4 * 32
+    # its phases: the trainer's first version, then each new one it switched to
+    assert "waiting for the trainer's first version" in out and "generating under " in out, out
     records = read_metrics(tmp_path / "t" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     # `ratio` covers the tokens sampled from the trainer's current weights (NaN on a step
@@ -286,7 +299,24 @@ async def test_training_continues_when_one_of_its_own_replicas_dies(
             os.killpg(own[1].pid, signal.SIGKILL)  # its own session: the whole replica
             killed.append(step)
 
-    result = await run_training(cfg, on_step=kill_at_step_3)
+    class Phases:
+        """Hears the run's phases (a RunProgress); the steps are the hook's."""
+
+        def __init__(self) -> None:
+            self.said: list[str] = []
+
+        def phase(self, text: str) -> None:
+            self.said.append(text)
+
+        def step(self, step: int, metrics: dict[str, float]) -> None:
+            pass
+
+    heard = Phases()
+    result = await run_training(cfg, on_step=kill_at_step_3, progress=heard)
+    # the replicas' start, with their count and how long it took, before the first version
+    starting = next(i for i, t in enumerate(heard.said) if t.startswith("starting 2 vLLM replicas"))
+    assert re.fullmatch(r"2 replicas healthy after \d+ s", heard.said[starting + 1]), heard.said
+    assert any(t.startswith("version 0 (") for t in heard.said[starting + 2 :]), heard.said
     assert killed == [3]
     assert result.steps == 8
     assert result.final_version == 8  # syncs after the death reached the surviving replica
@@ -301,6 +331,64 @@ async def test_training_continues_when_one_of_its_own_replicas_dies(
         [s for batch in batches for s in batch], tmp_path / "check-cache",
     )  # fmt: skip
     assert max(diffs) < TOLERANCE, f"{sum(d >= TOLERANCE for d in diffs)} samples differ"
+
+
+def _on_a_terminal(argv: list[str], timeout_s: float) -> tuple[int, str]:
+    """Run ``argv`` with a pseudo-terminal (160 columns) as stdin, stdout and stderr; its exit
+    status and everything it wrote."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    out = bytearray()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: every writer closed the terminal
+                    break
+                if not chunk:
+                    break
+                out += chunk
+        else:
+            proc.kill()
+    finally:
+        os.close(master)
+    return proc.wait(timeout=60), out.decode(errors="replace")
+
+
+#: What a run directory may hold (docs/runs.md, "The run directory").
+RUN_DIR_ENTRIES = {"metrics.jsonl", "store", "adapter-cache", "replica-logs", "replica-adapters",
+                   "resume", "plot.png"}  # fmt: skip
+
+
+def test_train_on_a_terminal_shows_phases_a_progress_bar_and_a_summary(
+    vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
+) -> None:
+    config = _write_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
+                           trainer={"max_steps": 2, "save_steps": 0, "weight_sync_steps": 1})  # fmt: skip
+    status, out = _on_a_terminal(_cli("train", str(config)), timeout_s=600)
+    assert status == 0, out[-3000:]
+    phases = [f"model {tiny_model}: found", "2 remote replica(s) behind the run's proxy",
+              "loading the trainer's model", "version 0 (", "loaded on every replica"]  # fmt: skip
+    for phase in phases:
+        assert phase in out, out[-3000:]
+    assert "training: 100%" in out and "2/2 [" in out and "reward " in out, out[-3000:]
+    assert "step 1/2 " not in out  # the bar, not a line per step
+    summary = out[out.index("trained 2 steps in ") :]
+    assert "resumed" not in summary and f"metrics: {tmp_path / 't' / 'metrics.jsonl'}" in summary
+    assert "final adapter: t-" in summary and "-v2 in " in summary
+    # Only what the docs describe is left in the run directory: no scratch files.
+    left = {p.name for p in (tmp_path / "t").iterdir()}
+    assert left <= RUN_DIR_ENTRIES, left - RUN_DIR_ENTRIES
 
 
 def _torchrun(*args: str, ranks: int = 2) -> list[str]:
@@ -359,7 +447,7 @@ def test_two_ranks_a_killed_rank_fails_the_job_and_a_restart_resumes(
                           text=True, timeout=900,
                           env={**os.environ, "ASYNCGRPO_WRITE_LOG": str(writes)})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("trained 6 steps") == 1  # rank 0 alone reports
+    assert done.stdout.count("6 steps in all") == 1  # rank 0 alone reports
     after = anyio.run(AdapterStore(str(store)).versions, prefix)
     assert after == list(range(len(after))), "version numbers must be contiguous"
     assert set(before) < set(after), "a published version was lost"

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.transport import open_transport, register_scheme
+from asyncgrpo.transport import check_transport_url, open_transport, register_scheme
 from asyncgrpo.transport.hf import HFBucketTransport
 from asyncgrpo.transport.local import LocalTransport
+from asyncgrpo.transport.registry import ACCEPTED_FORMS
 from asyncgrpo.transport.s3 import S3Transport
 
 
@@ -140,3 +141,39 @@ async def test_local_temp_files_hidden_and_root_confined(tmp_path: Path) -> None
 def test_local_root_must_exist_without_create(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a directory"):
         LocalTransport(tmp_path / "nope", create=False)
+
+
+# -- check_transport_url: what train --dry-run, serve and launch check before starting -------
+
+
+def test_check_refuses_an_unknown_scheme_naming_every_accepted_form() -> None:
+    with pytest.raises(ConfigError) as info:
+        check_transport_url("ftp://x")
+    message = str(info.value)
+    assert message.startswith("unknown transport scheme 'ftp' in 'ftp://x'")
+    for form in ACCEPTED_FORMS:
+        assert form in message, form
+
+
+def test_check_creates_and_contacts_nothing(tmp_path: Path) -> None:
+    check_transport_url(tmp_path / "not-yet")  # a path is made on first use, not here
+    check_transport_url(f"file://{tmp_path}/neither")
+    check_transport_url("s3://bucket/prefix?endpoint=http://127.0.0.1:9")  # nothing listens
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_check_refuses_a_store_without_the_credential_it_needs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncgrpo.transport import gcs
+
+    for name in ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST", "GOOGLE_BASE_URL",
+                 "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_CONNECTION_STRING",
+                 *gcs._CREDENTIAL_ENV, *gcs._ON_GCP_ENV):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no gcloud credentials file either
+    monkeypatch.setattr(gcs, "on_google_cloud", lambda: False)  # this host's DMI may say GCE
+    with pytest.raises(ConfigError, match="GOOGLE_APPLICATION_CREDENTIALS"):
+        check_transport_url("gs://bucket/run")
+    with pytest.raises(ConfigError, match="AZURE_STORAGE_ACCOUNT_NAME"):
+        check_transport_url("az://container/run")
