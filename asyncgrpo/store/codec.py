@@ -131,6 +131,8 @@ def _decode(data: bytes) -> list[Sample]:
         arrays.append(arr)
         offset += 4 * count
     tokens, logprobs, versions = arrays
+    if tokens and min(tokens) < 0:  # an embedding lookup would raise at every resume
+        raise ValueError("a token id is negative")
     masks = data[offset:]
     samples, t, lp, v, m = [], 0, 0, 0, 0
     for row in header:
