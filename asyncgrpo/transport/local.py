@@ -140,11 +140,11 @@ class LocalTransport(Transport):
             link = self._link_on(parts[: i + 1])
             if link is not None:
                 raise self._link_error(link) from None
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-                where = f"{self.url}/{'/'.join(parts[: i + 1])}"
-                if create:  # a write below an object: nothing missing, a file in the way
-                    raise TransportError(f"{where} is not a directory") from None
-                raise NotFound(f"{where} is not a directory") from exc
+            where = f"{self.url}/{'/'.join(parts[: i + 1])}"
+            if exc.errno == errno.ENOTDIR and create:  # a write below an object
+                raise TransportError(f"{where} is not a directory") from None
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):  # (a write: removed as we walked)
+                raise NotFound(f"{where} does not exist as a directory") from exc
             raise
         return fds
 
@@ -248,7 +248,12 @@ class LocalTransport(Transport):
                 raise NotFound(f"local file {src} does not exist") from exc
         try:
             for attempt in range(3):  # a concurrent delete may rmdir an empty parent under us
-                fds = self._walk(parts[:-1], create=True)
+                try:
+                    fds = self._walk(parts[:-1], create=True)
+                except NotFound:
+                    if attempt == 2:
+                        raise
+                    continue
                 try:
                     if self._write_in(fds[-1], name, key, data, source, mode):
                         return
