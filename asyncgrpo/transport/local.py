@@ -292,8 +292,7 @@ class LocalTransport(Transport):
         try:
             with f:
                 if source is not None:
-                    source.seek(0)
-                    shutil.copyfileobj(source, f, CHUNK_BYTES)
+                    _copy_file(source, f)
                 else:
                     f.write(data or b"")
                 if self._fsync:
@@ -416,6 +415,25 @@ class LocalTransport(Transport):
 def _close(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
+
+
+def _copy_file(source: BinaryIO, sink: BinaryIO) -> None:
+    """Copy all of ``source`` into the empty ``sink`` in the kernel (``sendfile``, as
+    ``shutil.copyfile`` does, which is what ``put_file`` used before writes went through
+    directory descriptors), or through Python where the kernel cannot."""
+    offset = 0
+    try:
+        while sent := os.sendfile(sink.fileno(), source.fileno(), offset, CHUNK_BYTES):
+            offset += sent
+        return
+    except (AttributeError, OSError) as exc:
+        if offset or getattr(exc, "errno", errno.ENOSYS) not in _NO_SENDFILE:
+            raise
+    source.seek(0)
+    shutil.copyfileobj(source, sink, CHUNK_BYTES)
+
+
+_NO_SENDFILE = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOTSOCK}
 
 
 def _unlink_quiet(name: str, dir_fd: int) -> None:
