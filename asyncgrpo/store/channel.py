@@ -8,9 +8,9 @@ Used when the rollout client runs on another machine than the trainer. Layout un
 **Producers** write batch ``seq`` with a create-only put; if another producer took that number
 the put fails with ``AlreadyExists`` and the producer tries the next one, so concurrent producers
 never clobber each other and sequence numbers have no holes (a put is atomic, so a crashed
-producer leaves either a whole batch or nothing). A fresh producer starts after the highest
-batch it can list; batches are never deleted (compaction leaves tombstones), so the listing is
-what the channel has ever held, and no cursor file can move a producer.
+producer leaves either a whole batch or nothing). A fresh producer starts after the batches
+``0..n-1`` it lists: batches are never deleted (compaction leaves tombstones), so they are what
+the channel has ever held; a number past a gap was planted, and no cursor file moves a producer.
 
 **Exactly once across a lost answer.** A create can land and still report ``AlreadyExists``:
 its answer was lost and the transport's retry found the object (object stores say so). So an
