@@ -147,7 +147,7 @@ async def test_resume_when_no_checkpoint_verifies_is_one_clear_error(
     assert await store.load_latest_verified(tmp_path / "resume") is None  # a fresh run
     await store.save(1, trainer_state(tmp_path / "s1", 1), {})
     _file_of(tmp_path, 1, "scheduler.pt").write_bytes(b"xyz")
-    with pytest.raises(IntegrityError, match="no checkpoint under .* verifies"):
+    with pytest.raises(IntegrityError, match=r"no checkpoint under .* verifies"):
         await store.load_latest_verified(tmp_path / "resume")
     assert await store.steps() == [1]  # nothing is set aside without one to resume from
 
