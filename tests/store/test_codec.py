@@ -64,3 +64,11 @@ def test_multi_turn_fields_roundtrip_and_old_formats_are_refused() -> None:
     newer[4] = 3
     with pytest.raises(ConfigError, match="format v3"):
         decode_batch(bytes(newer))
+
+
+def test_a_negative_token_id_is_refused() -> None:
+    """It decodes as bytes, then fails the trainer's embedding lookup at every resume."""
+    bad = sample("neg")
+    bad.prompt_ids[1] = -7
+    with pytest.raises(IntegrityError, match="token id is negative"):
+        decode_batch(encode_batch([bad]))
