@@ -2,22 +2,44 @@
 
 Compares asyncgrpo's binary ``AGRB`` layout with JSONL (and both compressed with zlib) on a
 GRPO-shaped batch. Run: ``python bench/rollout_encoding.py [--samples 64] [--prompt 256]
-[--completion 1024] [--rounds 20]``.
+[--completion 1024] [--rounds 20]``. The JSONL codec lives here, not in the package: it is the
+measured alternative, which nothing at run time reads or writes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import time
 import zlib
+from collections.abc import Sequence
+from dataclasses import fields
 
 from asyncgrpo.sample import Sample
-from asyncgrpo.store.channel import decode_batch, decode_jsonl, encode_batch, encode_jsonl
+from asyncgrpo.store.codec import FORMAT_VERSION, check_format, decode_batch, encode_batch
 
 # ---- defaults -------------------------------------------------------------------------------
 SAMPLES, PROMPT, COMPLETION, ROUNDS = 64, 256, 1024, 20
+
+
+def encode_jsonl(samples: Sequence[Sample]) -> bytes:
+    """One JSON object per sample, each tagged with the format version (``"format"``)."""
+    names = [f.name for f in fields(Sample)]
+    rows = ({"format": FORMAT_VERSION, **{n: getattr(s, n) for n in names}} for s in samples)
+    return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows)
+
+
+def decode_jsonl(data: bytes) -> list[Sample]:
+    """Inverse of :func:`encode_jsonl`."""
+    out = []
+    for i, line in enumerate(data.splitlines()):
+        if line:
+            row = json.loads(line)
+            check_format(row.pop("format", 1), f"JSONL row {i}")
+            out.append(Sample(**row))
+    return out
 
 
 def make_batch(n: int, n_prompt: int, n_completion: int) -> list[Sample]:

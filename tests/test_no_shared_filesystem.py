@@ -29,7 +29,7 @@ import yaml
 
 from asyncgrpo.processes import free_port
 from asyncgrpo.run.metrics import read_metrics
-from asyncgrpo.store.channel import decode_batch
+from asyncgrpo.store.codec import decode_batch
 from asyncgrpo.testing.verify import served_logprob_errors
 from asyncgrpo.transport import open_transport
 

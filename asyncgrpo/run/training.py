@@ -30,7 +30,7 @@ import anyio
 from asyncgrpo.config.model_source import check_model
 from asyncgrpo.config.redaction import redacted
 from asyncgrpo.config.training import TrainingConfig, run_transport_url
-from asyncgrpo.errors import ConfigError, ReplicaError
+from asyncgrpo.errors import ConfigError, IntegrityError, ReplicaError
 from asyncgrpo.proxy.admin_client import ProxyClient
 from asyncgrpo.rollout.window import AdmissionWindow
 from asyncgrpo.run.endpoint import Endpoint, open_endpoint
@@ -282,24 +282,30 @@ async def _scratch_dir(stack: AsyncExitStack, run_dir: Path) -> Path:
 
 
 async def _start_trainer(run: _Run, dp: Any, work: Path, report: RunProgress) -> _Start:
-    """The trainer, resumed from the latest checkpoint if there is one; under torchrun every
-    rank resumes from the checkpoint rank 0 names here."""
+    """The trainer, resumed from the newest checkpoint that verifies, if there is one (a newer
+    one that does not is set aside, in one log line); under torchrun every rank resumes from
+    the checkpoint rank 0 names here, once rank 0 has verified it."""
     from asyncgrpo.trainer.loop import Trainer
 
     cfg = run.cfg
     report.phase("loading the trainer's model")
     trainer = await anyio.to_thread.run_sync(lambda: Trainer.from_config(cfg, dp=dp))
-    latest = await run.checkpoints.latest_checkpoint()
+    found = await run.checkpoints.load_latest_verified(work / "resume")
+    step = None if found is None else found[1]["step"]
     if dp is not None:
-        await anyio.to_thread.run_sync(dp.broadcast, {"step": latest, "prefix": run.prefix})
-    if latest is None:
+        await anyio.to_thread.run_sync(dp.broadcast, {"step": step, "prefix": run.prefix})
+    if found is None:
         return _Start(trainer=trainer, resumed_from=None, position=0)
-    ckpt_dir, meta = await run.checkpoints.load(latest, work / "resume" / f"step-{latest}")
+    ckpt_dir, meta = found
+    position = meta.get("position", 0)
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise IntegrityError(
+            f"checkpoint step {step}: its data position {str(position)[:40]} is not an integer >= 0"
+        )
     await anyio.to_thread.run_sync(trainer.load_checkpoint, ckpt_dir)
-    position = int(meta.get("position", 0))
-    logger.info("resumed from checkpoint step %d (data position %d)", latest, position)
-    report.phase(f"resumed from the checkpoint of step {latest}")
-    return _Start(trainer=trainer, resumed_from=latest, position=position)
+    logger.info("resumed from checkpoint step %d (data position %d)", step, position)
+    report.phase(f"resumed from the checkpoint of step {step}")
+    return _Start(trainer=trainer, resumed_from=step, position=position)
 
 
 async def _publish_first_version(run: _Run, sync: AdapterSync, trainer: Any, work: Path) -> int:

@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound
+from asyncgrpo.errors import AlreadyExists, ConfigError, IntegrityError, NotFound
 from asyncgrpo.store.bundle import (
     LOCAL_MANIFEST,
     BundleStore,
@@ -78,7 +78,20 @@ class AdapterVersion:
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> AdapterVersion:
+        """The version a manifest describes; :class:`IntegrityError` if it lacks a field or
+        holds one of the wrong type (a storage writer decides what a manifest holds)."""
+        try:
+            return cls._from_manifest(manifest)
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            raise IntegrityError(
+                f"malformed adapter manifest ({type(exc).__name__}: {exc})"[:300]
+            ) from None
+
+    @classmethod
+    def _from_manifest(cls, manifest: dict[str, Any]) -> AdapterVersion:
         lora = manifest.get("lora") or {}
+        if not isinstance(manifest["name"], str) or not isinstance(manifest["files"], list):
+            raise TypeError("name or files")
         return cls(
             name=manifest["name"],
             version=int(manifest["version"]),

@@ -228,7 +228,7 @@ async def read_manifest(
     raw = await transport.get(key, max_bytes=max_bytes or _DEFAULT_LIMITS.max_manifest_bytes)
     try:
         manifest = json.loads(raw)
-    except ValueError as exc:
+    except Exception as exc:  # also RecursionError: a manifest nested 100,000 deep
         raise IntegrityError(f"{transport.url}/{key} is not valid JSON") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise IntegrityError(f"{transport.url}/{key} is not an {FORMAT} manifest")
@@ -299,7 +299,9 @@ async def download_bundle(
     limits = limits or _DEFAULT_LIMITS
     if reuse and (dest / LOCAL_MANIFEST).is_file():
         cached = json.loads((dest / LOCAL_MANIFEST).read_text())
-        return dest, cached
+        if manifest is None or cached == manifest:
+            return dest, cached
+        reuse = False  # a copy of an earlier publish under this name (a re-saved checkpoint)
     if manifest is None:
         manifest = await read_manifest(transport, prefix, max_bytes=limits.max_manifest_bytes)
     where = f"{transport.url}/{prefix}"

@@ -2,14 +2,23 @@
 
 Used when the rollout client runs on another machine than the trainer. Layout under ``prefix``::
 
-    rollouts/batches/<seq:012d>.agrb    one batch of samples, written create-only
+    rollouts/batches/<seq:012d>.agrb    one batch of samples (asyncgrpo.store.codec), create-only
     rollouts/cursors/<consumer>.json    {"next": seq}: the first batch not yet committed
 
 **Producers** write batch ``seq`` with a create-only put; if another producer took that number
 the put fails with ``AlreadyExists`` and the producer tries the next one, so concurrent producers
 never clobber each other and sequence numbers have no holes (a put is atomic, so a crashed
-producer leaves either a whole batch or nothing). A fresh producer starts after the highest
-batch it can list and after every consumer's cursor (batches may have been compacted away).
+producer leaves either a whole batch or nothing). A fresh producer starts after the batches
+``0..n-1`` it lists: batches are never deleted (compaction leaves tombstones), so they are what
+the channel has ever held; a number past a gap was planted, and no cursor file moves a producer.
+
+**Exactly once across a lost answer.** A create can land and still report ``AlreadyExists``:
+its answer was lost and the transport's retry found the object (object stores say so). So an
+``AlreadyExists`` is checked by reading the batch back: our bytes there mean our write landed
+(done, no second copy under the next number); other bytes mean another producer took the
+number (try the next); nothing there means the conflict wrote nothing (write the same number
+again, or the consumer would wait at the gap forever). Two producers writing byte-identical
+batches (the same samples, token for token and logprob for logprob) count as one.
 
 **Consumers** read ``seq`` in order. :meth:`RolloutChannel.receive` returns the next batch and,
 on the following call, commits the previous one (writes the cursor), like Kafka's auto-commit:
@@ -17,7 +26,10 @@ a consumer that crashes while working on batch ``k`` gets ``k`` again after rest
 anything it committed. For the trainer, store :attr:`~RolloutChannel.position` in the checkpoint
 meta and :meth:`~RolloutChannel.seek` to it on restore, so the channel and the weights agree.
 With ``compact=True`` a committed batch is overwritten by an empty tombstone (not deleted, so a
-lagging producer's create on that number still fails and nothing is lost).
+lagging producer's create on that number still fails and nothing is lost). A cursor file is
+checked before it is used (:func:`parse_cursor`: a non-negative integer, at most the number of
+batches the channel has held); one that is not raises an :class:`IntegrityError` naming the
+file, rather than reading from batch 1e9 or from 0 again.
 
 A batch that does not decode (a buggy or hostile writer) is **quarantined**: copied to
 ``rollouts/quarantine/<seq>.agrb`` for inspection, replaced by a tombstone, counted
@@ -26,25 +38,13 @@ would stop the trainer at the same batch on every resume. A batch of another **f
 is not malformed but written by another asyncgrpo release: the consumer stops there with a
 ``ConfigError`` naming both versions (quarantining would skip every batch of a fleet that runs
 mixed releases), and the batch stays for a reader of its version.
-
-**Encoding** (format version 2: per-token versions and policy masks of multi-turn episodes),
-measured with ``bench/rollout_encoding.py`` (64 samples x 256 prompt + 1024
-completion tokens, 2 shared CPU cores): the binary ``AGRB`` layout (a JSON header for the scalar
-fields, then int32 token ids and float32 logprobs) is 0.60 MB (7.3 B/token), encodes in 9-31 ms
-and decodes in 5-18 ms; JSONL is 1.83 MB (22.3 B/token), 220-510 ms and 97-125 ms. zlib saves
-only 22 % on the binary form (random-looking ids and logprobs) at 3x the time, so it is off.
-Logprobs are float32, which is exact for what vLLM returns (it computes them in float32).
 """
 
 from __future__ import annotations
 
-import array
 import json
 import logging
-import math
 import re
-import struct
-import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -52,205 +52,40 @@ from typing import Any
 
 import anyio
 
-from asyncgrpo.errors import AlreadyExists, ConfigError, IntegrityError, NotFound
+from asyncgrpo.errors import AlreadyExists, ConfigError, IntegrityError, NotFound, TransportError
 from asyncgrpo.sample import Sample
+from asyncgrpo.store.codec import decode_batch, encode_batch
 from asyncgrpo.transport import Transport, open_transport
 from asyncgrpo.transport.base import join_key
 
-__all__ = [
-    "Batch",
-    "RolloutChannel",
-    "decode_batch",
-    "decode_jsonl",
-    "encode_batch",
-    "encode_jsonl",
-]
+__all__ = ["Batch", "RolloutChannel", "parse_cursor"]
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"AGRB"
-#: 2: per-token versions and policy masks (multi-turn episodes). A reader refuses any other.
-FORMAT_VERSION = 2
-_HEAD = struct.Struct("<4sBI")  # magic, format version, header JSON length
-_SCALARS = ("reward", "advantage", "version", "group_id", "temperature", "rewards", "finish_reason")
-_LITTLE = sys.byteorder == "little"
 _BATCH_NAME = re.compile(r"([0-9]{1,18})\.agrb")  # fullmatch; ASCII digits only
+#: A cursor is ~50 bytes; a larger one was not written by a consumer.
+MAX_CURSOR_BYTES = 4096
+#: Times a create may report ``AlreadyExists`` with nothing readable at its key before append
+#: gives up (something that is not a batch sits there: a directory, a link).
+_EMPTY_CONFLICTS = 3
 
 
-# ---- encoding ------------------------------------------------------------------------------------
-def _le(arr: array.array) -> bytes:
-    if not _LITTLE:
-        arr.byteswap()
-    return arr.tobytes()
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def encode_batch(samples: Sequence[Sample]) -> bytes:
-    """Samples -> ``AGRB`` bytes: header JSON (scalars, lengths), int32 tokens, float32
-    logprobs, then int32 per-token versions and uint8 policy masks of the samples that have
-    them (multi-turn episodes)."""
-    header: list[dict[str, Any]] = []
-    tokens = array.array("i")
-    logprobs = array.array("f")
-    versions = array.array("i")
-    masks = bytearray()
-    for s in samples:
-        row = {k: getattr(s, k) for k in _SCALARS}
-        row["np"], row["nc"] = len(s.prompt_ids), len(s.completion_ids)
-        if s.versions is not None:
-            row["v"] = 1
-            versions.extend(s.versions)
-        if s.completion_mask is not None:
-            row["m"] = 1
-            masks.extend(map(bool, s.completion_mask))
-        header.append(row)
-        tokens.extend(s.prompt_ids)
-        tokens.extend(s.completion_ids)
-        logprobs.extend(s.logprobs)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    return b"".join(
-        [
-            _HEAD.pack(MAGIC, FORMAT_VERSION, len(head)),
-            head,
-            _le(tokens),
-            _le(logprobs),
-            _le(versions),
-            bytes(masks),
-        ]
-    )
-
-
-def _check_format(fmt: Any, where: str) -> None:
-    """Refuse a batch written by another release: its samples would be misread. A
-    :class:`ConfigError`, not an :class:`IntegrityError`: the batch is sound, the fleet is not."""
-    if fmt != FORMAT_VERSION:
-        raise ConfigError(
-            f"{where} is rollout format v{fmt}, this asyncgrpo reads v{FORMAT_VERSION}: the "
-            "rollout processes and the trainer run different asyncgrpo releases; install the "
-            "same release on both"
-        )
-
-
-def decode_batch(data: bytes) -> list[Sample]:
-    """Inverse of :func:`encode_batch`; :class:`IntegrityError` on anything malformed."""
+def parse_cursor(raw: bytes) -> int:
+    """The ``next`` of a cursor file's bytes; ``ValueError`` saying what is wrong unless they
+    are a JSON object whose ``next`` is an integer >= 0 (not 1e9, null, true or a string)."""
     try:
-        magic, fmt, head_len = _HEAD.unpack_from(data)
-        if magic != MAGIC:
-            raise ValueError(f"not an AGRB batch (magic {magic!r})")
-        _check_format(fmt, "the batch")
-        offset = _HEAD.size
-        header = json.loads(data[offset : offset + head_len])
-        offset += head_len
-        _check_header(header)
-        n_tok = sum(r["np"] + r["nc"] for r in header)
-        n_lp = sum(r["nc"] for r in header)
-        n_ver = sum(r["nc"] for r in header if r.get("v"))
-        n_mask = sum(r["nc"] for r in header if r.get("m"))
-        if len(data) != offset + 4 * (n_tok + n_lp + n_ver) + n_mask:
-            raise ValueError(f"size {len(data)} does not match header ({n_tok} tokens, {n_lp} lp)")
-        arrays = []
-        for code, count in (("i", n_tok), ("f", n_lp), ("i", n_ver)):
-            arr = array.array(code)
-            arr.frombytes(data[offset : offset + 4 * count])
-            if not _LITTLE:
-                arr.byteswap()
-            arrays.append(arr)
-            offset += 4 * count
-        tokens, logprobs, versions = arrays
-        masks = data[offset:]
-        samples, t, lp, v, m = [], 0, 0, 0, 0
-        for row in header:
-            n_p, n_c = row.pop("np"), row.pop("nc")
-            extra: dict[str, Any] = {}
-            if row.pop("v", 0):
-                extra["versions"] = versions[v : v + n_c].tolist()
-                v += n_c
-            if row.pop("m", 0):
-                extra["completion_mask"] = [bool(b) for b in masks[m : m + n_c]]
-                m += n_c
-            samples.append(
-                Sample(
-                    prompt_ids=tokens[t : t + n_p].tolist(),
-                    completion_ids=tokens[t + n_p : t + n_p + n_c].tolist(),
-                    logprobs=logprobs[lp : lp + n_c].tolist(),
-                    **row,
-                    **extra,
-                )
-            )
-            t += n_p + n_c
-            lp += n_c
-        return samples
-    except ConfigError:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
-        raise IntegrityError(f"cannot decode rollout batch: {exc}") from exc
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-_ROW_CHECKS: dict[str, tuple[str, Any]] = {
-    "np": ("a count", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
-    "nc": ("a count", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
-    "reward": ("a number", _is_number),
-    "advantage": ("a finite number", lambda v: _is_number(v) and math.isfinite(v)),
-    "version": ("a version", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
-    "group_id": ("a string", lambda v: isinstance(v, str)),
-    "temperature": ("a number > 0", lambda v: _is_number(v) and v > 0),
-    "rewards": (
-        "a mapping of numbers",
-        lambda v: isinstance(v, dict) and all(_is_number(x) for x in v.values()),
-    ),
-    "finish_reason": ("a string or null", lambda v: v is None or isinstance(v, str)),
-}
-
-
-#: Present (= 1) when the sample carries per-token versions ("v") / a policy mask ("m").
-_ROW_FLAGS = frozenset({"v", "m"})
-_ROW_KEYS = _ROW_FLAGS | set(_ROW_CHECKS)
-
-
-def _check_header(header: Any) -> None:
-    """Each row holds exactly the fields a :class:`Sample` needs, each of the right type, so a
-    batch that decodes cannot crash the trainer later (a string version, a NaN advantage)."""
-    if not isinstance(header, list):
-        raise ValueError("the header is not a list of samples")
-    for i, row in enumerate(header):
-        if not isinstance(row, dict) or not set(_ROW_CHECKS) <= set(row) <= _ROW_KEYS:
-            raise ValueError(f"sample {i}: expected the fields {sorted(_ROW_CHECKS)}")
-        for key, (what, ok) in _ROW_CHECKS.items():
-            if not ok(row[key]):
-                raise ValueError(f"sample {i}: {key} is not {what}")
-        for key in _ROW_FLAGS.intersection(row):
-            if row[key] != 1:
-                raise ValueError(f"sample {i}: {key} is not 1")
-
-
-def encode_jsonl(samples: Sequence[Sample]) -> bytes:
-    """One JSON object per sample, each tagged with the format version (``"format"``); the
-    measured alternative (kept for the bench and debugging)."""
-    from dataclasses import fields
-
-    names = [f.name for f in fields(Sample)]
-    rows = ({"format": FORMAT_VERSION, **{n: getattr(s, n) for n in names}} for s in samples)
-    return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows)
-
-
-def decode_jsonl(data: bytes) -> list[Sample]:
-    """Inverse of :func:`encode_jsonl`; :class:`IntegrityError` on a row of another format."""
-    out = []
-    for i, line in enumerate(data.splitlines()):
-        if not line:
-            continue
-        try:
-            row = json.loads(line)
-            _check_format(row.pop("format", 1), f"JSONL row {i}")
-            out.append(Sample(**row))
-        except ConfigError:
-            raise
-        except (ValueError, TypeError) as exc:
-            raise IntegrityError(f"cannot decode rollout batch: {exc}") from exc
-    return out
+        doc = json.loads(raw)
+    except Exception as exc:  # RecursionError on deep nesting, UnicodeDecodeError, ...
+        raise ValueError(f"not JSON ({type(exc).__name__})") from None
+    if not isinstance(doc, dict) or "next" not in doc:
+        raise ValueError('not a {"next": <batch number>} object')
+    if not _is_count(doc["next"]):
+        raise ValueError(f"next={str(doc['next'])[:40]} is not an integer >= 0")
+    return doc["next"]
 
 
 # ---- channel ---------------------------------------------------------------------------------
@@ -302,39 +137,72 @@ class RolloutChannel:
         return join_key(self.prefix, "quarantine", f"{seq:012d}.agrb")
 
     # ---- producer -----------------------------------------------------------------------------
-    async def _first_free_seq(self) -> int:
-        highest = -1
+    async def _held(self) -> int:
+        """How many sequence numbers the channel has held: ``n`` when batches ``0..n-1`` are
+        listed. Producers leave no holes, so a number past a gap was not written by one (a
+        planted ``999999999999999999.agrb``): it is ignored, and does not move a producer."""
+        held: set[int] = set()
         async for info in self.transport.list(join_key(self.prefix, "batches")):
-            match = _BATCH_NAME.fullmatch(info.key.rsplit("/", 1)[-1])
-            if match:
-                highest = max(highest, int(match.group(1)))
-        # Read cursors after listing: a consumer writes its cursor before compacting.
-        async for info in self.transport.list(join_key(self.prefix, "cursors")):
-            try:
-                highest = max(
-                    highest, int(json.loads(await self.transport.get(info.key))["next"]) - 1
-                )
-            except (NotFound, ValueError, KeyError):
-                continue
-        return highest + 1
+            name = info.key.rsplit("/", 1)[-1]
+            match = _BATCH_NAME.fullmatch(name)
+            if match and name == f"{int(match.group(1)):012d}.agrb":  # one spelling per number
+                held.add(int(match.group(1)))
+        count = 0
+        while count in held:
+            count += 1
+        if len(held) > count:
+            log.warning(
+                "%s/%s: %d batch numbers past the gap at %d ignored (no producer leaves gaps)",
+                self.transport.url,
+                self.prefix,
+                len(held) - count,
+                count,
+            )
+        return count
 
     async def append(self, samples: Sequence[Sample]) -> int:
-        """Write one batch; return its sequence number."""
+        """Write one batch; return its sequence number (see the module docstring: exactly once
+        also when a create's answer is lost)."""
         data = encode_batch(samples)
         if self._next_write is None:
-            self._next_write = await self._first_free_seq()
+            self._next_write = await self._held()
+        empty_conflicts = 0
         while True:
             seq = self._next_write
+            key = self._batch_key(seq)
             try:
-                await self.transport.put(self._batch_key(seq), data, mode="create")
+                await self.transport.put(key, data, mode="create")
             except AlreadyExists:
+                landed = await self._landed(key, data)
+                if landed is None:
+                    empty_conflicts += 1
+                    if empty_conflicts >= _EMPTY_CONFLICTS:
+                        raise TransportError(
+                            f"{self.transport.url}/{key} reports existing but reads as no "
+                            "object; something other than a batch is there: remove it"
+                        ) from None
+                    continue  # the conflict wrote nothing: the same number again, no gap
                 self._next_write = seq + 1
-                continue
-            self._next_write = seq + 1
+                if not landed:
+                    continue  # another producer's batch
+                log.info("rollout batch %d: our create landed, though it reported a conflict", seq)
+            else:
+                self._next_write = seq + 1
             log.debug(
                 "appended rollout batch %d (%d samples, %d bytes)", seq, len(samples), len(data)
             )
             return seq
+
+    async def _landed(self, key: str, data: bytes) -> bool | None:
+        """After a create reported ``AlreadyExists``: whether ``key`` holds ``data`` (our write
+        landed), other bytes (False), or nothing (None). Reads no more than ``data``'s size."""
+        try:
+            there = await self.transport.get(key, max_bytes=len(data))
+        except NotFound:
+            return None
+        except IntegrityError:  # larger than ours
+            return False
+        return there == data
 
     # ---- consumer -----------------------------------------------------------------------------
     @property
@@ -345,21 +213,37 @@ class RolloutChannel:
         return self._cursor
 
     async def _load_cursor(self) -> int:
+        key = self._cursor_key(self.consumer)
         try:
-            raw = await self.transport.get(self._cursor_key(self.consumer))
+            raw = await self.transport.get(key, max_bytes=MAX_CURSOR_BYTES)
         except NotFound:
             return 0
+        except IntegrityError:
+            raw = None
         try:
-            return int(json.loads(raw)["next"])
-        except (ValueError, KeyError) as exc:
+            if raw is None:
+                raise ValueError(f"larger than {MAX_CURSOR_BYTES} bytes")
+            seq = parse_cursor(raw)
+            if seq > 0 and seq > (held := await self._held()):
+                raise ValueError(f"next={seq} is past the {held} batches the channel has held")
+        except ValueError as exc:
             raise IntegrityError(
-                f"consumer cursor {self.consumer} is corrupt: {raw[:80]!r}"
-            ) from exc
+                f"consumer cursor {self.transport.url}/{key} is unusable ({exc}); it was not "
+                "written by a consumer: delete it to read from batch 0, or seek() to a "
+                "checkpoint's position"
+            ) from None
+        return seq
 
     async def seek(self, seq: int) -> None:
-        """Move this consumer's cursor (persisted), e.g. to a position saved in a checkpoint."""
-        if seq < 0:
-            raise ConfigError(f"seek position must be >= 0, got {seq}")
+        """Move this consumer's cursor (persisted), e.g. to a position saved in a checkpoint:
+        an integer from 0 to the number of batches the channel has held."""
+        if not _is_count(seq):
+            raise ConfigError(f"seek position must be an integer >= 0, got {seq!r}")
+        if seq > 0 and seq > (held := await self._held()):
+            raise ConfigError(
+                f"seek position {seq} is past the {held} batches {self.transport.url}/"
+                f"{self.prefix} has held: the position is from another channel"
+            )
         self._pending = None
         await self._store_cursor(seq)
 

@@ -8,6 +8,11 @@ version, data position, rollout-channel cursor, ...). Same manifest-last rule as
     checkpoints/step-<N:09d>/files-<attempt>/...   the trainer's files
 
 Zero-padded steps keep listings in order for humans; the code parses the number.
+
+A resume takes the newest checkpoint that verifies (:meth:`CheckpointStore.load_latest_verified`):
+one whose manifest is malformed, or whose files are missing or do not match it, is set aside
+with one log line, and the previous one is loaded, rather than failing a run whose older state
+is intact.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from asyncgrpo.errors import ConfigError, NotFound
+from asyncgrpo.errors import ConfigError, IntegrityError, NotFound
 from asyncgrpo.store.bundle import (
+    MANIFEST,
     BundleStore,
     FetchLimits,
     delete_bundle,
@@ -83,7 +89,7 @@ class CheckpointStore(BundleStore):
         manifest = await read_manifest(
             self.transport, self._key(step), max_bytes=self.limits.max_manifest_bytes
         )
-        return dict(manifest["meta"])
+        return _checked_meta(manifest, step, f"{self.transport.url}/{self._key(step)}")
 
     async def load(
         self, step: int | Literal["latest"] | None, dest_dir: str | os.PathLike[str]
@@ -110,6 +116,7 @@ class CheckpointStore(BundleStore):
                 f"checkpoint step {step} not found under {self.transport.url}/{self.prefix} "
                 f"(complete checkpoints: {', '.join(map(str, steps[-10:])) or 'none'})"
             ) from None
+        meta = _checked_meta(manifest, step, f"{self.transport.url}/{key}")
         path, manifest = await download_bundle(
             self.transport,
             key,
@@ -118,7 +125,50 @@ class CheckpointStore(BundleStore):
             concurrency=self._concurrency,
             limits=self.limits,
         )
-        return path, {**manifest["meta"], "step": manifest["step"]}
+        return path, {**meta, "step": step}
+
+    async def load_latest_verified(
+        self, dest_dir: str | os.PathLike[str]
+    ) -> tuple[Path, dict[str, Any]] | None:
+        """:meth:`load` of the newest checkpoint that verifies; ``None`` if there is none.
+
+        A newer one that does not verify (malformed manifest, a file missing or not matching
+        it) is logged in one line and set aside: its manifest is deleted, so the resumed run
+        can save that step again (its files go when it does, or when pruned). Network and
+        permission errors are raised, not fallen back on. :class:`IntegrityError` if no
+        checkpoint verifies: starting from scratch is not this method's call.
+        """
+        rejected: list[tuple[int, Exception]] = []
+        for step in reversed(await self.steps()):
+            try:
+                path, meta = await self.load(step, dest_dir)
+            except (IntegrityError, NotFound) as exc:
+                rejected.append((step, exc))
+                continue
+            if rejected:
+                await self._set_aside(rejected, step)
+            return path, meta
+        if rejected:
+            newest, exc = rejected[0]
+            raise IntegrityError(
+                f"no checkpoint under {self.transport.url}/{self.prefix} verifies (newest, step "
+                f"{newest}: {exc}); delete the prefix to start over"
+            )
+        return None
+
+    async def _set_aside(self, rejected: list[tuple[int, Exception]], resumed: int) -> None:
+        for step, _ in rejected:
+            await self.transport.delete(join_key(self._key(step), MANIFEST))
+        newest, exc = rejected[0]
+        others = f" (and {len(rejected) - 1} newer)" if len(rejected) > 1 else ""
+        log.warning(
+            "checkpoint step %d does not verify (%s)%s: set aside, resuming from step %d, the "
+            "newest that does",
+            newest,
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            others,
+            resumed,
+        )
 
     async def prune(self, *, keep_last: int) -> list[int]:
         """Delete all but the newest ``keep_last`` checkpoints (and older unfinished uploads)."""
@@ -136,6 +186,15 @@ class CheckpointStore(BundleStore):
         if doomed:
             log.info("pruned checkpoints %s", doomed)
         return doomed
+
+
+def _checked_meta(manifest: dict[str, Any], step: int, where: str) -> dict[str, Any]:
+    """The ``meta`` of a checkpoint manifest, refused unless the manifest names ``step`` and its
+    meta is a JSON object (a storage writer decides what a manifest holds)."""
+    meta, named = manifest.get("meta"), manifest.get("step")
+    if not isinstance(meta, dict) or isinstance(named, bool) or named != step:
+        raise IntegrityError(f"{where}: malformed checkpoint manifest (step or meta)")
+    return dict(meta)
 
 
 def _parse_steps(children: list[str]) -> list[int]:

@@ -8,15 +8,19 @@ lets a concurrent reader see a partial file (we log that once); a fallback creat
 (a full disk) removes what it wrote, so no truncated object is left to be read as complete.
 
 Keys are confined to the root: :func:`~asyncgrpo.transport.base.check_key` rejects ``..`` and
-absolute keys before any path is built, and no symbolic link under the root is followed. Reads
-walk from the root one directory at a time with ``O_NOFOLLOW`` (and open only regular files),
-so a link planted by someone who can write the directory cannot make a reader return a file from
-elsewhere; writes, deletes and listings refuse a path with a link on it. The root itself may be
-a link: it is the user's choice. Temp files are named ``.~asyncgrpo.*`` and never listed.
+absolute keys before any path is built, and no symbolic link under the root is followed. Every
+operation walks from the root one directory at a time with ``O_NOFOLLOW``, holding each
+directory's descriptor, and acts relative to the last one (``openat``, ``mkdirat``,
+``renameat``, ``linkat``, ``unlinkat``); reads open only regular files, temp files are created
+``O_EXCL|O_NOFOLLOW``. So a link planted by someone who can write the directory cannot make a
+reader return a file from elsewhere, nor a writer write there, also when it is swapped in
+between two calls: no path is checked and then used. The root itself may be a link: it is the
+user's choice. Temp files are named ``.~asyncgrpo.*`` and never listed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import logging
@@ -88,16 +92,19 @@ class LocalTransport(Transport):
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))
 
-    def _refuse_links(self, path: Path) -> None:
-        """Raise if ``path`` or a directory between it and the root is a symbolic link."""
-        current = path
-        while current != self.root:
+    def _link_on(self, parts: list[str]) -> Path | None:
+        """Which of root/parts... is a symbolic link, if any: the diagnosis of an open the
+        kernel refused (``ELOOP``, or ``ENOTDIR`` for a link opened as a directory); nothing
+        relies on it for safety."""
+        current = self.root
+        for part in parts:
+            current = current / part
             try:
                 if stat.S_ISLNK(os.lstat(current).st_mode):
-                    raise self._link_error(current)
-            except (FileNotFoundError, NotADirectoryError):
-                pass
-            current = current.parent
+                    return current
+            except OSError:
+                break
+        return None
 
     def _link_error(self, path: Path) -> TransportError:
         return TransportError(
@@ -106,30 +113,59 @@ class LocalTransport(Transport):
             "copied the store without -P)"
         )
 
+    def _walk(self, parts: list[str], *, create: bool = False) -> list[int]:
+        """Descriptors of the root and of each directory ``parts`` names below it, opened one
+        at a time relative to the previous with ``O_NOFOLLOW`` (made when missing if
+        ``create``): no link is followed, and a link swapped in after a check cannot redirect
+        the operation, as it could if a path were checked and then used. The caller closes
+        them (:func:`_close`). ``NotFound`` when a directory is missing (or is a file)."""
+        try:
+            fds = [os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)]
+        except FileNotFoundError as exc:
+            raise NotFound(f"{self.url} does not exist") from exc
+        try:
+            for part in parts:
+                try:
+                    fds.append(os.open(part, _DIR_FLAGS, dir_fd=fds[-1]))
+                    continue
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, dir_fd=fds[-1])
+                fds.append(os.open(part, _DIR_FLAGS, dir_fd=fds[-1]))
+        except OSError as exc:
+            _close(fds)
+            i = len(fds) - 1  # parts[i] is the one that failed
+            link = self._link_on(parts[: i + 1])
+            if link is not None:
+                raise self._link_error(link) from None
+            where = f"{self.url}/{'/'.join(parts[: i + 1])}"
+            if exc.errno == errno.ENOTDIR and create:  # a write below an object
+                raise TransportError(f"{where} is not a directory") from None
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):  # (a write: removed as we walked)
+                raise NotFound(f"{where} does not exist as a directory") from exc
+            raise
+        return fds
+
     def _open_object(self, key: str) -> tuple[int, os.stat_result]:
         """An open descriptor of the regular file at ``key`` and its stat, reached from the root
         without following any link: ``O_NOFOLLOW`` on every directory and on the file."""
         parts = check_key(key).split("/")
-        where = self._path(key)
-        self._refuse_links(where)  # the walk below would refuse it too, less clearly
         try:
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
-        except FileNotFoundError as exc:
+            fds = self._walk(parts[:-1])
+        except NotFound as exc:
             raise NotFound(f"{self.url}/{key} does not exist") from exc
         try:
-            for part in parts[:-1]:
-                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                os.close(fd)
-                fd = child
-            file_fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=fd)
+            file_fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=fds[-1])
         except (FileNotFoundError, NotADirectoryError) as exc:
             raise NotFound(f"{self.url}/{key} does not exist") from exc
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise self._link_error(where) from None
+                raise self._link_error(self._path(key)) from None
             raise
         finally:
-            os.close(fd)
+            _close(fds)
         st = os.fstat(file_fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(file_fd)
@@ -155,81 +191,120 @@ class LocalTransport(Transport):
     def _tmp_for(self, path: Path) -> Path:
         return path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex[:12]}")
 
-    def _finish(self, tmp: Path, path: Path, mode: PutMode) -> None:
-        """Move a fully written temp file to ``path`` (rename, or link for create)."""
+    def _finish(self, dir_fd: int, tmp: str, name: str, mode: PutMode, key: str) -> None:
+        """Move a fully written temp file to ``name`` in ``dir_fd`` (rename, or link for
+        create). Neither follows a link at ``name``: rename replaces it, link fails on it."""
         if mode == "overwrite":
-            os.replace(tmp, path)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             return
         try:
-            os.link(tmp, path)
+            os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
         except FileExistsError:
-            tmp.unlink(missing_ok=True)
-            raise AlreadyExists(f"{self.url}/{self._rel(path)} already exists") from None
+            raise AlreadyExists(f"{self.url}/{key} already exists") from None
         except OSError as exc:
             if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
-                tmp.unlink(missing_ok=True)
                 raise
-            self._create_without_link(tmp, path)
-            return
-        tmp.unlink(missing_ok=True)
+            self._create_without_link(dir_fd, tmp, name, key)
+        finally:
+            _unlink_quiet(tmp, dir_fd)
 
-    def _create_without_link(self, tmp: Path, path: Path) -> None:
+    def _create_without_link(self, dir_fd: int, tmp: str, name: str, key: str) -> None:
         if not self._warned_no_link:
             log.warning(
                 "%s: hard links unsupported; create-only writes are exclusive but not atomic",
                 self.root,
             )
             self._warned_no_link = True
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
         except FileExistsError:
-            tmp.unlink(missing_ok=True)
-            raise AlreadyExists(f"{self.url}/{self._rel(path)} already exists") from None
+            raise AlreadyExists(f"{self.url}/{key} already exists") from None
         try:
-            with os.fdopen(fd, "wb") as dst, tmp.open("rb") as src:
+            with os.fdopen(fd, "wb") as dst, _open_in(dir_fd, tmp, os.O_RDONLY, "rb") as src:
                 shutil.copyfileobj(src, dst)
                 if self._fsync:
                     os.fsync(dst.fileno())
         except BaseException:
             # A partial object must not stay: it would read as complete (a truncated manifest
             # listed as a published version). We created it exclusively, so it is ours.
-            path.unlink(missing_ok=True)
+            _unlink_quiet(name, dir_fd)
             raise
-        finally:
-            tmp.unlink(missing_ok=True)
 
     def _rel(self, path: Path) -> str:
         return path.relative_to(self.root).as_posix()
 
-    def _write(self, path: Path, data: bytes | None, src: Path | None, mode: PutMode) -> None:
-        self._refuse_links(path)
-        if mode == "create" and (path.exists() or path.is_symlink()):
-            raise AlreadyExists(f"{self.url}/{self._rel(path)} already exists")
-        tmp = self._tmp_for(path)
-        for attempt in range(3):  # a concurrent delete may rmdir an empty parent under us
-            path.parent.mkdir(parents=True, exist_ok=True)
+    def _write(self, key: str, data: bytes | None, src: Path | None, mode: PutMode) -> None:
+        """Write ``data`` (or the local file ``src``) to ``key``: a temp file created with
+        ``O_EXCL|O_NOFOLLOW`` in the directory reached by :meth:`_walk`, then renamed or
+        linked into place relative to that same descriptor."""
+        parts = check_key(key).split("/")
+        name = parts[-1]
+        source = None
+        if src is not None:
             try:
-                tmp.touch(exist_ok=False)
-                break
-            except FileNotFoundError:
-                if attempt == 2:
-                    raise
+                source = open(src, "rb")  # closed below
+            except FileNotFoundError as exc:
+                raise NotFound(f"local file {src} does not exist") from exc
         try:
-            if src is not None:
+            for attempt in range(3):  # a concurrent delete may rmdir an empty parent under us
                 try:
-                    shutil.copyfile(src, tmp)
-                except FileNotFoundError as exc:
-                    raise NotFound(f"local file {src} does not exist") from exc
-            else:
-                with tmp.open("wb") as f:
+                    fds = self._walk(parts[:-1], create=True)
+                except NotFound:
+                    if attempt == 2:
+                        raise
+                    continue
+                try:
+                    if self._write_in(fds[-1], name, key, data, source, mode):
+                        return
+                finally:
+                    _close(fds)
+                if attempt == 2:
+                    raise NotFound(f"{self.url}/{key}: its directory kept vanishing while written")
+        finally:
+            if source is not None:
+                source.close()
+
+    def _write_in(
+        self,
+        dir_fd: int,
+        name: str,
+        key: str,
+        data: bytes | None,
+        source: BinaryIO | None,
+        mode: PutMode,
+    ) -> bool:
+        """One attempt of :meth:`_write` in an open directory; False if it was removed."""
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None and stat.S_ISLNK(st.st_mode):  # would be replaced, not followed
+            raise self._link_error(self._path(key))
+        if st is not None and mode == "create":
+            raise AlreadyExists(f"{self.url}/{key} already exists")
+        tmp = f"{TMP_PREFIX}{name}.{uuid.uuid4().hex[:12]}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
+        try:
+            f = _open_in(dir_fd, tmp, flags, "wb")
+        except FileNotFoundError:  # the directory was removed after we opened it
+            return False
+        try:
+            with f:
+                if source is not None:
+                    _copy_file(source, f)
+                else:
                     f.write(data or b"")
-            if self._fsync:
-                with tmp.open("rb+") as f:
+                if self._fsync:
+                    f.flush()
                     os.fsync(f.fileno())
-            self._finish(tmp, path, mode)
+            self._finish(dir_fd, tmp, name, mode, key)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            _unlink_quiet(tmp, dir_fd)
             raise
+        if self._fsync:
+            os.fsync(dir_fd)  # the rename itself survives power loss too
+        return True
 
     # ---- Transport ----------------------------------------------------------------------------
     async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
@@ -241,12 +316,12 @@ class LocalTransport(Transport):
         return await anyio.to_thread.run_sync(read)
 
     async def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> None:
-        await anyio.to_thread.run_sync(self._write, self._path(key), bytes(data), None, mode)
+        await anyio.to_thread.run_sync(self._write, key, bytes(data), None, mode)
 
     async def put_file(
         self, key: str, path: str | os.PathLike[str], *, mode: PutMode = "overwrite"
     ) -> None:
-        await anyio.to_thread.run_sync(self._write, self._path(key), None, Path(path), mode)
+        await anyio.to_thread.run_sync(self._write, key, None, Path(path), mode)
 
     async def get_file(
         self, key: str, path: str | os.PathLike[str], *, max_bytes: int | None = None
@@ -278,48 +353,94 @@ class LocalTransport(Transport):
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:  # type: ignore[override]
         prefix = check_key(prefix, allow_empty=True)
-        base = self.root.joinpath(*prefix.split("/")) if prefix else self.root
+        parts = prefix.split("/") if prefix else []
 
         def walk() -> list[ObjectInfo]:
             found: list[ObjectInfo] = []
-            self._refuse_links(base)
-            if not base.is_dir():
+            try:
+                fds = self._walk(parts)
+            except NotFound:
                 return found
-            # os.walk descends no linked directory; linked files are skipped by lstat.
-            for dirpath, _dirs, files in os.walk(base):
-                for name in files:
-                    if name.startswith(TMP_PREFIX):
-                        continue
-                    full = Path(dirpath, name)
-                    try:
-                        st = os.lstat(full)
-                    except FileNotFoundError:  # deleted while walking
-                        continue
-                    if stat.S_ISREG(st.st_mode):
-                        found.append(ObjectInfo(self._rel(full), st.st_size, st.st_mtime))
+            try:
+                # fwalk descends by descriptor and enters no linked directory; linked files
+                # are skipped by their lstat.
+                for dirpath, _dirs, files, dir_fd in os.fwalk(".", dir_fd=fds[-1]):
+                    rel = [*parts, *Path(dirpath).parts]
+                    for name in files:
+                        if name.startswith(TMP_PREFIX):
+                            continue
+                        try:
+                            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                        except FileNotFoundError:  # deleted while walking
+                            continue
+                        if stat.S_ISREG(st.st_mode):
+                            key = "/".join([*rel, name])
+                            found.append(ObjectInfo(key, st.st_size, st.st_mtime))
+            finally:
+                _close(fds)
             return found
 
         for info in await anyio.to_thread.run_sync(walk):
             yield info
 
     async def delete(self, key: str) -> None:
-        path = self._path(key)
+        parts = check_key(key).split("/")
 
         def remove() -> None:
-            self._refuse_links(path.parent)  # the link itself may go: unlink does not follow it
             try:
-                path.unlink()
-            except FileNotFoundError:
+                fds = self._walk(parts[:-1])  # the link itself may go: unlink does not follow it
+            except NotFound:
                 return
-            except IsADirectoryError as exc:
-                raise TransportError(f"{self.url}/{key} is a directory, not an object") from exc
-            # Drop empty parents so listings stay cheap; a concurrent writer may refill one.
-            parent = path.parent
-            while parent != self.root:
+            try:
                 try:
-                    parent.rmdir()
-                except OSError:
-                    break
-                parent = parent.parent
+                    os.unlink(parts[-1], dir_fd=fds[-1])
+                except FileNotFoundError:
+                    return
+                except (IsADirectoryError, PermissionError) as exc:
+                    if not stat.S_ISDIR(os.stat(parts[-1], dir_fd=fds[-1]).st_mode):
+                        raise
+                    raise TransportError(f"{self.url}/{key} is a directory, not an object") from exc
+                # Drop empty parents so listings stay cheap; a concurrent writer may refill one.
+                for depth in range(len(parts) - 1, 0, -1):
+                    try:
+                        os.rmdir(parts[depth - 1], dir_fd=fds[depth - 1])
+                    except OSError:
+                        break
+            finally:
+                _close(fds)
 
         await anyio.to_thread.run_sync(remove)
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _copy_file(source: BinaryIO, sink: BinaryIO) -> None:
+    """Copy all of ``source`` into the empty ``sink`` in the kernel (``sendfile``, as
+    ``shutil.copyfile`` does, which is what ``put_file`` used before writes went through
+    directory descriptors), or through Python where the kernel cannot."""
+    offset = 0
+    try:
+        while sent := os.sendfile(sink.fileno(), source.fileno(), offset, CHUNK_BYTES):
+            offset += sent
+        return
+    except (AttributeError, OSError) as exc:
+        if offset or getattr(exc, "errno", errno.ENOSYS) not in _NO_SENDFILE:
+            raise
+    source.seek(0)
+    shutil.copyfileobj(source, sink, CHUNK_BYTES)
+
+
+_NO_SENDFILE = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOTSOCK}
+
+
+def _unlink_quiet(name: str, dir_fd: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=dir_fd)
+
+
+def _open_in(dir_fd: int, name: str, flags: int, mode: str) -> BinaryIO:
+    """A file object for ``name`` in the directory ``dir_fd`` (its ``name`` stays a str)."""
+    return open(name, mode, opener=lambda path, _: os.open(path, flags, 0o666, dir_fd=dir_fd))  # type: ignore[return-value]

@@ -97,3 +97,65 @@ async def test_an_integrity_error_names_the_file_and_the_manifest_not_what_was_r
     assert f"{len(planted)} bytes" not in message
     assert hashlib.sha256(planted).hexdigest()[:8] not in message
     assert "700 bytes" in message  # what the manifest declares is fine to show
+
+
+# ---- issue 34, finding 11: no window between a check and the write ----------------------------
+_SWAPPER = """
+import os, sys, time
+root, outside, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+d = os.path.join(root, "d")
+end, n = time.monotonic() + seconds, 0
+print("ready", flush=True)
+while time.monotonic() < end:  # d: a directory, then a link to outside, then a directory
+    n += 1
+    for step in (lambda: os.rename(d, os.path.join(root, f"gone-{n}")),
+                 lambda: os.symlink(outside, d), lambda: time.sleep(0.0005),
+                 lambda: os.unlink(d), lambda: os.mkdir(d), lambda: time.sleep(0.0005)):
+        try:
+            step()
+        except OSError:
+            pass
+"""
+
+
+@pytest.mark.parametrize("mode", ["overwrite", "create"])
+def test_a_link_swapped_in_while_writing_is_never_written_through(
+    tmp_path: Path, mode: str
+) -> None:
+    """Another process swaps a directory under the root for a link to a directory outside it,
+    over and over, while objects are written there. Writes checked the path, then wrote it:
+    objects and temp files landed outside. Now each write walks by directory descriptor, so a
+    write fails or lands inside, never outside."""
+    import subprocess
+    import sys
+
+    import anyio
+
+    root, outside = tmp_path / "store", tmp_path / "outside"
+    outside.mkdir()
+    (root / "d").mkdir(parents=True)
+    transport = LocalTransport(root)
+
+    async def write_for(seconds: float) -> int:
+        written = 0
+        with anyio.move_on_after(seconds):
+            while True:
+                try:
+                    await transport.put(f"d/obj-{written}", b"planted?", mode=mode)  # type: ignore[arg-type]
+                except (TransportError, OSError):
+                    pass
+                written += 1
+        return written
+
+    swapper = subprocess.Popen(
+        [sys.executable, "-c", _SWAPPER, str(root), str(outside), "2.5"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert swapper.stdout is not None and swapper.stdout.readline() == "ready\n"
+        written = anyio.run(write_for, 2.0)
+    finally:
+        swapper.wait(timeout=30)
+    assert written > 100
+    assert [p.name for p in outside.iterdir()] == []

@@ -15,7 +15,8 @@ from asyncgrpo.errors import ConfigError
 from asyncgrpo.sample import Sample
 from asyncgrpo.serve.adapter_fetch import AdapterFetcher, SourceForbidden
 from asyncgrpo.store.adapters import AdapterStore
-from asyncgrpo.store.channel import RolloutChannel, encode_batch
+from asyncgrpo.store.channel import RolloutChannel
+from asyncgrpo.store.codec import encode_batch
 from asyncgrpo.transport.local import LocalTransport
 
 pytestmark = pytest.mark.anyio

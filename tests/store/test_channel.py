@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import anyio
 import pytest
 
-from asyncgrpo.errors import ConfigError, IntegrityError
+from asyncgrpo.errors import ConfigError
 from asyncgrpo.sample import Sample
-from asyncgrpo.store.channel import (
-    RolloutChannel,
-    decode_batch,
-    decode_jsonl,
-    encode_batch,
-    encode_jsonl,
-)
+from asyncgrpo.store.channel import RolloutChannel
 from asyncgrpo.transport.local import LocalTransport
 
 pytestmark = pytest.mark.anyio
@@ -39,28 +32,6 @@ def sample(tag: str, n: int = 5, **kw) -> Sample:
 @pytest.fixture
 def transport(tmp_path: Path) -> LocalTransport:
     return LocalTransport(tmp_path / "bucket")
-
-
-def test_binary_encoding_roundtrips_exactly() -> None:
-    batch = [
-        sample("a", temperature=0.7, rewards={"math": 1.0, "fmt": 0.5}, finish_reason="stop"),
-        sample("b", n=0, reward=-2.0, finish_reason=None),
-        sample("c", n=3000, version=0),
-    ]
-    assert decode_batch(encode_batch(batch)) == batch
-    assert decode_jsonl(encode_jsonl(batch)) == batch
-    assert decode_batch(encode_batch([])) == []
-    nan = decode_batch(encode_batch([sample("n", reward=float("nan"))]))[0]
-    assert math.isnan(nan.reward) and not nan.reward_ok
-    assert len(encode_batch(batch)) < 0.7 * len(encode_jsonl(batch))
-
-
-@pytest.mark.parametrize(
-    "junk", [b"", b"XXXX\x01\x00\x00\x00\x00", encode_batch([sample("a")])[:-3]]
-)
-def test_malformed_batch_is_integrity_error(junk: bytes) -> None:
-    with pytest.raises(IntegrityError):
-        decode_batch(junk)
 
 
 async def test_in_order_each_once_then_waits(transport: LocalTransport) -> None:
@@ -162,32 +133,6 @@ async def test_compaction_keeps_lagging_producer_safe(transport: LocalTransport)
     assert await fresh.append([sample("n")]) == 5
     got = [(await consumer.receive(timeout_s=5)).samples[0].group_id for _ in range(2)]
     assert got == ["s1", "n"]
-
-
-def test_multi_turn_fields_roundtrip_and_old_formats_are_refused() -> None:
-    import json
-    import struct
-
-    multi = sample("m", n=4, version=2, completion_mask=[True, False, False, True],
-                   versions=[2, 2, 2, 3])  # fmt: skip
-    batch = [sample("a"), multi, sample("b", n=2, completion_mask=[True, True])]
-    assert decode_batch(encode_batch(batch)) == batch
-    assert decode_jsonl(encode_jsonl(batch)) == batch
-    # A batch from a release before masks (format 1): refused with what to do, not misread.
-    head = json.dumps([{"reward": 1.0, "advantage": 0.0, "version": 0, "group_id": "x",
-                        "temperature": 1.0, "rewards": {}, "finish_reason": None,
-                        "np": 1, "nc": 1}]).encode()  # fmt: skip
-    old = struct.pack("<4sBI", b"AGRB", 1, len(head)) + head + b"\0" * 12
-    with pytest.raises(ConfigError, match=r"format v1, this asyncgrpo reads v2.*same release"):
-        decode_batch(old)
-    newer = bytearray(encode_batch(batch))
-    newer[4] = 3
-    with pytest.raises(ConfigError, match="format v3"):
-        decode_batch(bytes(newer))
-    row = json.loads(encode_jsonl([multi]))
-    del row["format"]  # JSONL of format 1 had no tag
-    with pytest.raises(ConfigError, match="format v1"):
-        decode_jsonl(json.dumps(row).encode())
 
 
 async def test_a_batch_of_another_format_stops_the_consumer_and_stays(

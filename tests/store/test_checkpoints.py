@@ -92,3 +92,76 @@ async def test_tampered_checkpoint_not_loaded(store: CheckpointStore, tmp_path: 
     with pytest.raises(IntegrityError):
         await store.load(7, tmp_path / "r")
     assert not (tmp_path / "r" / "step-000000007").exists()
+
+
+# ---- issue 34, finding 10: a resume survives one bad checkpoint --------------------------------
+async def _three(store: CheckpointStore, tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        await store.save(step, trainer_state(tmp_path / f"s{step}", step), {"position": step * 10})
+
+
+def _file_of(tmp_path: Path, step: int, name: str) -> Path:
+    (path,) = (tmp_path / "bucket").glob(f"checkpoints/step-{step:09d}/files-*/{name}")
+    return path
+
+
+async def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(
+    store: CheckpointStore, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    await _three(store, tmp_path)
+    victim = _file_of(tmp_path, 3, "optimizer.pt")
+    victim.write_bytes(b"x" * victim.stat().st_size)  # same size, other bytes
+    with caplog.at_level("WARNING", logger="asyncgrpo.store.checkpoints"):
+        found = await store.load_latest_verified(tmp_path / "resume")
+    assert found is not None
+    path, meta = found
+    assert meta == {"position": 20, "step": 2} and path.name == "step-000000002"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "step 3 does not verify" in line and "resuming from step 2" in line
+    assert "\n" not in line
+    # set aside: the resumed run can save step 3 again, and nothing of the bad one is left
+    assert await store.steps() == [1, 2]
+    await store.save(3, trainer_state(tmp_path / "s3-again", 3), {"position": 31})
+    _, meta = await store.load(3, tmp_path / "again")
+    assert meta["position"] == 31
+
+
+async def test_resume_skips_every_bad_checkpoint_and_says_how_many(
+    store: CheckpointStore, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    await _three(store, tmp_path)
+    manifest = tmp_path / "bucket" / "checkpoints" / "step-000000003" / "manifest.json"
+    manifest.write_text('{"format": "asyncgrpo.bundle/1", "files": 7}')  # malformed
+    _file_of(tmp_path, 2, "rng.pt").unlink()  # a file missing
+    with caplog.at_level("WARNING", logger="asyncgrpo.store.checkpoints"):
+        found = await store.load_latest_verified(tmp_path / "resume")
+    assert found is not None and found[1]["step"] == 1
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "step 3 does not verify" in line and "(and 1 newer)" in line
+    assert "resuming from step 1" in line
+
+
+async def test_resume_when_no_checkpoint_verifies_is_one_clear_error(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    assert await store.load_latest_verified(tmp_path / "resume") is None  # a fresh run
+    await store.save(1, trainer_state(tmp_path / "s1", 1), {})
+    _file_of(tmp_path, 1, "scheduler.pt").write_bytes(b"xyz")
+    with pytest.raises(IntegrityError, match=r"no checkpoint under .* verifies"):
+        await store.load_latest_verified(tmp_path / "resume")
+    assert await store.steps() == [1]  # nothing is set aside without one to resume from
+
+
+@pytest.mark.parametrize(
+    "fields", [{"meta": [1]}, {"meta": None}, {"step": 8}, {"step": True}, {"step": None}]
+)
+async def test_a_checkpoint_manifest_with_a_bad_step_or_meta_is_an_integrity_error(
+    store: CheckpointStore, tmp_path: Path, fields: dict
+) -> None:
+    await store.save(1, trainer_state(tmp_path / "s1", 1), {"position": 3})
+    path = tmp_path / "bucket" / "checkpoints" / "step-000000001" / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    with pytest.raises(IntegrityError, match="malformed checkpoint manifest"):
+        await store.meta(1)
+    with pytest.raises(IntegrityError, match="malformed checkpoint manifest"):
+        await store.load(1, tmp_path / "r")

@@ -296,3 +296,50 @@ async def test_a_full_disk_without_hard_links_leaves_no_truncated_manifest(
     assert (path / "adapter_model.safetensors").read_bytes() == (
         src / "adapter_model.safetensors"
     ).read_bytes()
+
+
+# ---- the rollout channel exactly once across lost answers (issue 34, finding 8) ----------------
+def _batch_sample(tag: str):
+    from asyncgrpo.sample import Sample
+
+    return Sample(prompt_ids=[1, 2], completion_ids=[3], logprobs=[-0.5], reward=1.0,
+                  advantage=0.5, version=1, group_id=tag)  # fmt: skip
+
+
+async def test_a_batch_whose_create_answer_was_lost_is_delivered_once(
+    transport_factory, proxy_of
+) -> None:
+    """The create lands on moto, its answer is lost (503), the retry is told 412: the batch is
+    ours. Before, append wrote it again as batch 1 and the trainer trained on it twice."""
+    from asyncgrpo.store.channel import RolloutChannel
+
+    transport = transport_factory("s3-proxy")
+    fault_proxy = proxy_of("s3-proxy")
+    producer = RolloutChannel(transport)
+    fault_proxy.lose_answer_to("PUT", "/rollouts/batches/000000000000.agrb")
+    assert await producer.append([_batch_sample("once")]) == 0
+    batch_puts = [p for m, p, _ in fault_proxy.seen if m == "PUT" and p.endswith("0.agrb")]
+    assert fault_proxy.failed == 1 and len(batch_puts) == 2  # landed, lost, retried: 412
+    assert await producer.append([_batch_sample("next")]) == 1
+    consumer = RolloutChannel(transport, poll_interval_s=0.02)
+    got = [await consumer.receive(timeout_s=5) for _ in range(2)]
+    assert [(b.seq, b.samples[0].group_id) for b in got] == [(0, "once"), (1, "next")]
+    with pytest.raises(TimeoutError):
+        await consumer.receive(timeout_s=0.3)  # no second copy
+
+
+async def test_a_conflict_that_wrote_nothing_leaves_no_gap(transport_factory, proxy_of) -> None:
+    """A create answered 412 that wrote nothing: append writes the same number again. Before,
+    it moved on to the next number, and the consumer waited at the empty one forever."""
+    from asyncgrpo.store.channel import RolloutChannel
+
+    transport = transport_factory("s3-proxy")
+    fault_proxy = proxy_of("s3-proxy")
+    producer = RolloutChannel(transport)
+    assert await producer.append([_batch_sample("a")]) == 0
+    fault_proxy.fail_next(1, status=412)  # the next request: batch 1's create, not forwarded
+    assert await producer.append([_batch_sample("b")]) == 1
+    assert fault_proxy.failed == 1
+    consumer = RolloutChannel(transport, poll_interval_s=0.02)
+    got = [await consumer.receive(timeout_s=5) for _ in range(2)]
+    assert [b.samples[0].group_id for b in got] == ["a", "b"]

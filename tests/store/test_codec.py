@@ -1,0 +1,74 @@
+"""The AGRB batch encoding: exact round trips, malformed bytes refused as IntegrityError,
+other format versions as ConfigError."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import pytest
+
+from asyncgrpo.errors import ConfigError, IntegrityError
+from asyncgrpo.sample import Sample
+from asyncgrpo.store.codec import decode_batch, encode_batch
+
+
+def sample(tag: str, n: int = 5, **kw) -> Sample:
+    # Logprobs chosen exactly representable in float32, as vLLM returns them.
+    return Sample(
+        prompt_ids=[1, 2, 151_000, 7],
+        completion_ids=list(range(100, 100 + n)),
+        logprobs=[-0.5 * i - 0.125 for i in range(n)],
+        reward=kw.pop("reward", 1.0),
+        advantage=kw.pop("advantage", 0.75),
+        version=kw.pop("version", 3),
+        group_id=tag,
+        **kw,
+    )
+
+
+def test_binary_encoding_roundtrips_exactly() -> None:
+    batch = [
+        sample("a", temperature=0.7, rewards={"math": 1.0, "fmt": 0.5}, finish_reason="stop"),
+        sample("b", n=0, reward=-2.0, finish_reason=None),
+        sample("c", n=3000, version=0),
+    ]
+    assert decode_batch(encode_batch(batch)) == batch
+    assert decode_batch(encode_batch([])) == []
+    nan = decode_batch(encode_batch([sample("n", reward=float("nan"))]))[0]
+    assert math.isnan(nan.reward) and not nan.reward_ok
+
+
+@pytest.mark.parametrize(
+    "junk", [b"", b"XXXX\x01\x00\x00\x00\x00", encode_batch([sample("a")])[:-3]]
+)
+def test_malformed_batch_is_integrity_error(junk: bytes) -> None:
+    with pytest.raises(IntegrityError):
+        decode_batch(junk)
+
+
+def test_multi_turn_fields_roundtrip_and_old_formats_are_refused() -> None:
+    multi = sample("m", n=4, version=2, completion_mask=[True, False, False, True],
+                   versions=[2, 2, 2, 3])  # fmt: skip
+    batch = [sample("a"), multi, sample("b", n=2, completion_mask=[True, True])]
+    assert decode_batch(encode_batch(batch)) == batch
+    # A batch from a release before masks (format 1): refused with what to do, not misread.
+    head = json.dumps([{"reward": 1.0, "advantage": 0.0, "version": 0, "group_id": "x",
+                        "temperature": 1.0, "rewards": {}, "finish_reason": None,
+                        "np": 1, "nc": 1}]).encode()  # fmt: skip
+    old = struct.pack("<4sBI", b"AGRB", 1, len(head)) + head + b"\0" * 12
+    with pytest.raises(ConfigError, match=r"format v1, this asyncgrpo reads v2.*same release"):
+        decode_batch(old)
+    newer = bytearray(encode_batch(batch))
+    newer[4] = 3
+    with pytest.raises(ConfigError, match="format v3"):
+        decode_batch(bytes(newer))
+
+
+def test_a_negative_token_id_is_refused() -> None:
+    """It decodes as bytes, then fails the trainer's embedding lookup at every resume."""
+    bad = sample("neg")
+    bad.prompt_ids[1] = -7
+    with pytest.raises(IntegrityError, match="token id is negative"):
+        decode_batch(encode_batch([bad]))
