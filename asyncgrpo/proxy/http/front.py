@@ -36,6 +36,7 @@ from asyncgrpo.proxy.http.inbound import (
     Request,
     Rules,
     check_head,
+    check_trailer,
     refusal,
 )
 from asyncgrpo.proxy.http.jsonbody import BodyError, decode_object
@@ -112,6 +113,8 @@ class Connection(asyncio.Protocol):
         self.req = Request()  # being parsed
         self.in_head = self.begun = self.in_message = False
         self.head_size = self.queued_bytes = 0
+        self.framing = self.body_calls = 0  # bytes since the last body bytes (chunk framing,
+        # trailers); on_body calls
         self.queue: deque[Request | Refused] = deque()  # parsed, waiting their turn
         self.current: Request | None = None  # being answered
         self.started = self.chunked = False  # the current answer's head was written; its framing
@@ -125,7 +128,7 @@ class Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.req = Request()
         self.in_head = self.begun = self.in_message = True
-        self.head_size = 0
+        self.head_size = self.framing = 0
         if self.current is None:
             self.deadline = self.proxy.now + self.clients.head_s
 
@@ -133,7 +136,10 @@ class Connection(asyncio.Protocol):
         self.req.target += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.req.headers.append((name, value))
+        if self.in_head:
+            self.req.headers.append((name, value))
+        else:  # a trailer, after the last chunk: counted against the head's limits, dropped
+            check_trailer(self.req, name, value)
 
     def on_headers_complete(self) -> None:
         self.in_head = False
@@ -146,6 +152,7 @@ class Connection(asyncio.Protocol):
                 self.write(_CONTINUE)
 
     def on_body(self, data: bytes) -> None:
+        self.framing, self.body_calls = 0, self.body_calls + 1
         req = self.req
         req.body.append(data)
         req.size += len(data)
@@ -175,6 +182,7 @@ class Connection(asyncio.Protocol):
         if parser is None:
             return  # refused: lingering until the client closes
         self.begun = False
+        in_body, calls = self.in_message and not self.in_head, self.body_calls
         try:
             while True:
                 try:
@@ -188,6 +196,12 @@ class Connection(asyncio.Protocol):
                 self.head_size += len(data)
                 if self.head_size > HEAD_LIMIT:
                     raise Refused(431, TOO_LARGE)
+            # Likewise trailers (llhttp holds a field until it ends): pieces in a body that
+            # carry no body bytes.
+            elif in_body and self.in_message and not self.in_head and self.body_calls == calls:
+                self.framing += len(data)
+                if self.framing > HEAD_LIMIT:
+                    raise Refused(431, TOO_LARGE + " (trailers included)")
         except httptools.HttpParserError as exc:
             self.queue.append(refusal(exc, self.in_head))
             self.parser = None  # what follows a refused request cannot be framed
