@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import posixpath
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -41,6 +42,8 @@ __all__ = ["ROUTES", "check_lora_path"]
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Proxy, str, str, bytes], Awaitable[Response]]
+#: How a plugin load's URI ends: ``/v<N>``, N with at most 18 digits (an int64).
+_VERSION = re.compile(r"/v[0-9]{1,18}\Z")
 _NONE = "no replica in rotation"
 
 
@@ -81,6 +84,8 @@ def _load_refusal(path: str, parsed: dict[str, Any], roots: tuple[str, ...]) -> 
     uri = parsed.get("lora_uri")
     if not isinstance(uri, str) or not uri:
         return "lora_uri must be a non-empty string"
+    if not _VERSION.search(uri):  # before int(): thousands of digits take seconds, or raise
+        return f"lora_uri {uri!r:.200} must end in <adapter name>/v<N>, N at most 18 digits"
     if (want := plugin_served_name(uri)) is None:
         return f"lora_uri {uri!r} must end in <adapter name>/v<N>"
     if name != want:

@@ -301,6 +301,9 @@ async def test_a_served_name_cannot_be_swapped(replicas: list[Recorder]) -> None
         ("/v1/asyncgrpo/load", {"lora_name": "run-v2", "lora_uri": uri}, "'run-v3'"),
         ("/v1/asyncgrpo/load", {"lora_name": "other-v3", "lora_uri": uri}, "'run-v3'"),
         ("/v1/asyncgrpo/load", {"lora_name": "run-v3", "lora_uri": "s3://bucket/run"}, "v<N>"),
+        # a 5,000-digit version: int() would raise (a 500 with a traceback before)
+        ("/v1/asyncgrpo/load", {"lora_name": "run-v1", "lora_uri": "s3://b/run/v" + "9" * 5000},
+         "18 digits"),
     ]  # fmt: skip
     json_type = {"Content-Type": "application/json"}
     async with serve_proxy(cfg) as base:
