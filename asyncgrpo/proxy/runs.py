@@ -271,7 +271,10 @@ class Runs:
     ) -> str | None:  # fmt: skip
         """Register run ``name`` (again: a restarted run replaces its old registration); the
         reason it does not fit, or None."""
-        if name not in self.runs and self._new(name, now) is None:
+        full = len(self.runs) >= self.max_runs
+        if full and name not in self.runs and not any(
+            r.slots is None and r.idle() for r in self.runs.values()
+        ):
             return (
                 f"the proxy already tracks max_runs={self.max_runs} runs, each busy or "
                 "registered: wait for one to end"
@@ -286,7 +289,8 @@ class Runs:
                 f"sharing them ({others}): restart the replicas with --max-loras {used + slots} "
                 "or more (python -m asyncgrpo.serve --runs N sizes it), or lower max_staleness"
             )
-        run = self.runs[name]
+        run = self.runs.get(name) or self._new(name, now)
+        assert run is not None  # room was checked above
         run.slots, run.weight, run.seen = slots, weight, now
         return None
 

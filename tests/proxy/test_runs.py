@@ -270,23 +270,33 @@ async def test_runs_register_their_lora_slots_and_one_that_does_not_fit_is_refus
             status, doc = await call("POST", {"run": "b-2", "lora_slots": 2, "weight": 2})
             assert status == 200 and doc["max_loras"] == 4
             assert doc["lora_slots_held"] == {"a-1": 2, "b-2": 2}
+            token = doc["token"]
             status, doc = await call("POST", {"run": "c-3", "lora_slots": 1})
             assert status == 409
             message = doc["error"]["message"]
             assert "--max-loras 4" in message and "needs 1 LoRA slots" in message, message
             assert "--max-loras 5" in message  # what to restart them with
-            assert (await call("DELETE", {"run": "b-2"}))[0] == 200
-            assert (await call("DELETE", {"run": "b-2"}))[0] == 404
+            # only the holder of b-2's token may release or re-register it
+            assert (await call("DELETE", {"run": "b-2"}))[0] == 403
+            assert (await call("DELETE", {"run": "b-2", "token": "x" * 32}))[0] == 403
+            status, doc = await call("POST", {"run": "b-2", "lora_slots": 1, "weight": 1e-3})
+            assert status == 403 and "another holder" in doc["error"]["message"]
+            assert (await call("DELETE", {"run": "b-2", "token": token}))[0] == 200
+            assert (await call("DELETE", {"run": "b-2", "token": token}))[0] == 404
             assert (await call("POST", {"run": "c-3", "lora_slots": 1}))[0] == 200
             for bad in ({"lora_slots": 1}, {"run": "x", "lora_slots": 0},
-                        {"run": "x", "lora_slots": 1, "weight": -1}, ["x"]):  # fmt: skip
+                        {"run": "x", "lora_slots": 1, "weight": -1},
+                        {"run": "x", "lora_slots": 1, "weight": 5e-324},
+                        {"run": "x", "lora_slots": 1, "weight": 1e300},
+                        {"run": "x" * 257, "lora_slots": 1}, {"run": "a b", "lora_slots": 1},
+                        {"run": "x", "lora_slots": 1, "token": "short"}, ["x"]):  # fmt: skip
                 status, doc = await call("POST", bad)
                 assert status == 400, (bad, doc)
             status, doc = await call("GET", None)
     assert status == 200
-    assert {n: r["lora_slots"] for n, r in doc["runs"].items()} == {"a-1": 2, "b-2": None,
-                                                                   "c-3": 1}  # fmt: skip
-    assert doc["runs"]["b-2"]["weight"] == 2.0
+    # a released run leaves the table
+    assert {n: r["lora_slots"] for n, r in doc["runs"].items()} == {"a-1": 2, "c-3": 1}
+    assert "token" not in str(doc)
 
 
 async def test_a_run_books_its_slots_through_the_client_and_a_plain_server_keeps_no_book(
@@ -297,11 +307,56 @@ async def test_a_run_books_its_slots_through_the_client_and_a_plain_server_keeps
     url, _ = replica
     async with serve_proxy(ProxyConfig(upstreams=(url,), port=0)) as base:
         async with VLLMClient(base) as client:
-            assert await client.register_run("a-1", lora_slots=3)
+            token = "t" * 32
+            assert await client.register_run("a-1", lora_slots=3, token=token)
+            assert await client.register_run("a-1", lora_slots=3, token=token)  # restarted
             with pytest.raises(ConfigError, match=r"run b-2 needs 2 LoRA slots.*--max-loras 4"):
                 await client.register_run("b-2", lora_slots=2, weight=0.5)
-            await client.release_run("a-1")
-            await client.release_run("a-1")  # gone already: nothing to give back
+            with pytest.raises(ConfigError, match="another holder"):
+                await client.register_run("a-1", lora_slots=1, token="u" * 32)
+            await client.release_run("a-1", token=token)
+            await client.release_run("a-1", token=token)  # gone already: nothing to give back
             assert await client.register_run("b-2", lora_slots=2, weight=0.5)
     async with VLLMClient(url) as client:
         assert not await client.register_run("a-1", lora_slots=3)
+
+
+def test_register_release_churn_keeps_the_table_within_max_runs() -> None:
+    """3,000 register/release pairs left 3,003 entries with max_runs 1,024: a released run now
+    leaves the table, and a registration past max_runs takes an idle run's place or is
+    refused; requests of runs beyond it count under OVERFLOW."""
+    runs = Runs(lease_s=60, max_runs=8)
+    for i in range(3000):
+        assert runs.register(f"r{i}", slots=1, weight=1.0, max_loras=4, loaded=(), now=i) is None
+        assert runs.release(f"r{i}")
+    assert len(runs.runs) <= 8
+    for i in range(8):
+        runs.run(f"busy{i}-v0", 0.0).inflight = 1
+    why = runs.register("late", slots=1, weight=1.0, max_loras=4, loaded=(), now=1.0)
+    assert why is not None and "max_runs=8" in why
+    assert runs.run("more-v0", 1.0).name == OVERFLOW and runs.folded == 1
+    assert len(runs.runs) == 9  # OVERFLOW's own entry
+
+
+def test_waiting_requests_have_a_deadline_a_cap_and_the_heaviest_run_is_evicted_first() -> None:
+    class Held(Req):
+        def dropped(self, status: int, message: str, *, close: bool) -> None:
+            self.order.append(f"{self.name}:{status}:{close}")
+
+    runs = Runs(lease_s=60, max_queued=3, queue_timeout_s=10.0)
+    runs.per_replica = 1
+    runs.resize(1, 0.0)
+    order: list[str] = []
+    a, b = runs.run("a-v0", 0.0), runs.run("b-v0", 0.0)
+    assert runs.admit(a, Held("a0", order), 1, 0.0)
+    for i in range(3):
+        assert not runs.queue_full(a)
+        assert not runs.admit(a, Held(f"a{i + 1}", order), 1, float(i))
+    assert runs.queue_full(a) and not runs.queue_full(b)
+    assert not runs.admit(b, Held("b1", order), 1, 5.0)
+    assert runs.evict(2, 6.0) == 2  # a holds the most waiting: its two oldest
+    assert order == ["a1:503:True", "a2:503:True"]
+    runs.expire_waiting(12.5)  # a3 waited since 2.0: over 10 s; b1 since 5.0 not yet
+    assert order[2:] == ["a3:503:False"] and runs.waiting == 1
+    runs.expire_waiting(15.5)
+    assert order[3:] == ["b1:503:False"] and runs.waiting == 0
