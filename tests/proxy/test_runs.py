@@ -4,6 +4,7 @@ sockets in front of stand-in replicas that hold requests until told."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -360,3 +361,87 @@ def test_waiting_requests_have_a_deadline_a_cap_and_the_heaviest_run_is_evicted_
     assert order[2:] == ["a3:503:False"] and runs.waiting == 1
     runs.expire_waiting(15.5)
     assert order[3:] == ["b1:503:False"] and runs.waiting == 0
+
+
+async def _open(
+    base: str, model: str, pad: int = 0
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection that has sent one completion request for ``model``."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = json.dumps({"model": model, "prompt": "x" * pad}).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n\r\n%s"
+                 % (host.encode(), len(body), body))  # fmt: skip
+    return reader, writer
+
+
+async def _status(reader: asyncio.StreamReader, timeout_s: float = 10.0) -> int:
+    """The status of the next answer on a connection (0: closed without one)."""
+    try:
+        line = await asyncio.wait_for(reader.readline(), timeout_s)
+    except (ConnectionError, TimeoutError):
+        return 0
+    return int(line.split()[1]) if line else 0
+
+
+async def test_one_client_cannot_lock_the_others_out_at_the_connection_cap(replica) -> None:
+    """A client holding more queued requests than the connection cap: each new connection
+    makes room by evicting the longest-waiting queued requests of the run with the most (503,
+    closed), so another client still gets in and is served in its turn (before: 503 too many
+    connections)."""
+    url, state = replica
+    cfg = ProxyConfig(upstreams=(url,), port=0, max_connections=16)
+    async with serve_proxy(cfg) as base:
+        flood = [await _open(base, "evil-v0") for _ in range(24)]
+        await _until(lambda: len(state["arrived"]) == 2)
+        await asyncio.sleep(0.2)
+        victim = await _open(base, "good-v0")
+        await asyncio.sleep(0.2)
+        state["gate"].release()  # a place frees: the victim's run is furthest below its share
+        await _until(lambda: "good-v0" in state["arrived"])
+        for _ in range(30):
+            state["gate"].release()
+        assert await _status(victim[0]) == 200
+        statuses = [await _status(r, 2.0) for r, _ in flood]
+        for _, w in [*flood, victim]:
+            w.close()
+    assert statuses.count(503) >= 24 - 16  # evicted (or refused) to make room
+    assert 200 in statuses
+
+
+async def test_a_waiting_request_has_a_deadline_and_a_run_a_cap_on_its_queue(replica) -> None:
+    url, state = replica
+    cfg = ProxyConfig(upstreams=(url,), port=0, queue_timeout_s=0.3, max_queued_per_run=1)
+    async with serve_proxy(cfg) as base:
+        held = [await _open(base, "a-v0") for _ in range(2)]
+        await _until(lambda: len(state["arrived"]) == 2)
+        waiting = await _open(base, "a-v0")
+        await asyncio.sleep(0.1)
+        over = await _open(base, "a-v0")
+        assert await _status(over[0], 2.0) == 429  # a's queue holds one already
+        t0 = asyncio.get_running_loop().time()
+        assert await _status(waiting[0], 5.0) == 503  # waited over queue_timeout_s
+        assert asyncio.get_running_loop().time() - t0 < 2.0
+        for _ in range(2):
+            state["gate"].release()
+        assert [await _status(r) for r, _ in held] == [200, 200]
+        for _, w in [*held, waiting, over]:
+            w.close()
+
+
+async def test_the_bodies_held_at_once_are_bounded(replica) -> None:
+    url, state = replica
+    cfg = ProxyConfig(upstreams=(url,), port=0, max_body_bytes=4096, max_buffered_bytes=8192)
+    async with serve_proxy(cfg) as base:
+        held = [await _open(base, "a-v0", pad=3000) for _ in range(2)]
+        await _until(lambda: len(state["arrived"]) == 2)
+        over = await _open(base, "b-v0", pad=3000)
+        assert await _status(over[0], 5.0) == 503
+        for _ in range(2):
+            state["gate"].release()
+        assert [await _status(r) for r, _ in held] == [200, 200]
+        again = await _open(base, "b-v0", pad=3000)  # released: room again
+        state["gate"].release()
+        assert await _status(again[0]) == 200
+        for _, w in [*held, over, again]:
+            w.close()
