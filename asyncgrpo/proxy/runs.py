@@ -272,8 +272,10 @@ class Runs:
         """Register run ``name`` (again: a restarted run replaces its old registration); the
         reason it does not fit, or None."""
         full = len(self.runs) >= self.max_runs
-        if full and name not in self.runs and not any(
-            r.slots is None and r.idle() for r in self.runs.values()
+        if (
+            full
+            and name not in self.runs
+            and not any(r.slots is None and r.idle() for r in self.runs.values())
         ):
             return (
                 f"the proxy already tracks max_runs={self.max_runs} runs, each busy or "
