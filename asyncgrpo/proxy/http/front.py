@@ -285,20 +285,24 @@ class Connection(asyncio.Protocol):
             self.processing = False
 
     def _dispatch(self, req: Request) -> None:
-        proxy, body = self.proxy, b"".join(req.body)
+        proxy = self.proxy
         method, path = req.method, req.target.partition(b"?")[0]
-        forward = (method, req.target, b"".join(req.lines), body)
         if method == b"POST" and path in _GENERATE:
             block_size = None
             if proxy.router.policy == "affinity":
                 block_size = proxy.pool.block_size or FALLBACK_BLOCK_SIZE
-            if len(body) > proxy.config.offload_body_bytes:  # off the event loop
-                read = proxy.offload.read(body, self.rules.max_body, block_size)
+            if req.size > proxy.config.offload_body_bytes:  # off the event loop, unjoined
+                forward = (method, req.target, b"".join(req.lines), req.body)
+                read = proxy.offload.read(req.body, self.rules.max_body, block_size)
                 self.work = proxy.spawn(self._offloaded(req, forward, read), "asyncgrpo-read")
                 return
+            body = b"".join(req.body)
+            forward = (method, req.target, b"".join(req.lines), body)
             return self._generate(req, forward, read_generation(body, self.rules.max_body,
                                                                 block_size))  # fmt: skip
-        elif (handler := ROUTES.get((b"GET" if method == b"HEAD" else method, path))) is not None:
+        body = b"".join(req.body)
+        forward = (method, req.target, b"".join(req.lines), body)
+        if (handler := ROUTES.get((b"GET" if method == b"HEAD" else method, path))) is not None:
             self.work = proxy.spawn(self._control(handler, req, body), f"asyncgrpo-proxy {path!r}")
             return
         elif method in (b"GET", b"HEAD") or (method == b"POST" and path in _PASS_POST):
@@ -312,8 +316,9 @@ class Connection(asyncio.Protocol):
         self.work.start()
 
     def _generate(
-        self, req: Request, forward: tuple[bytes, bytes, bytes, bytes], intake: Intake
-    ) -> None:
+        self, req: Request, forward: tuple[bytes, bytes, bytes, bytes | list[bytes]],
+        intake: Intake,
+    ) -> None:  # fmt: skip
         """Relay a generation request (or answer why not) once its body is read."""
         proxy = self.proxy
         if intake.status:
@@ -326,7 +331,7 @@ class Connection(asyncio.Protocol):
         self.work.submit()  # now, or its run's turn while the replicas are saturated
 
     async def _offloaded(
-        self, req: Request, forward: tuple[bytes, bytes, bytes, bytes],
+        self, req: Request, forward: tuple[bytes, bytes, bytes, bytes | list[bytes]],
         read: Awaitable[Intake],
     ) -> None:  # fmt: skip
         intake = await read
