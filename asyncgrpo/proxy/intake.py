@@ -133,6 +133,8 @@ class Offload:
 def _serve() -> None:
     """The worker: read bodies from stdin, answer each with its :class:`Intake`, until EOF
     (the proxy stopped or died)."""
+    with contextlib.suppress(OSError):  # below the proxy (and the trainer) for the CPU
+        os.nice(10)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while len(head := stdin.read(_HEAD.size)) == _HEAD.size:
         size, max_bytes, block_size = _HEAD.unpack(head)
