@@ -242,12 +242,11 @@ def _booking_token(run_dir: Path) -> str:
     """The secret that holds this run's booking on the proxy, kept in the run directory (mode
     0600) so that a restarted run can take its booking back."""
     path = Path(run_dir) / "proxy-booking-token"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return path.read_text().strip()
+    if path.exists() and len(token := path.read_text().strip()) >= 32:
+        return token
     token = secrets.token_urlsafe(32)
-    with os.fdopen(fd, "w") as f:
+    path.unlink(missing_ok=True)  # empty (a crash while writing it): a new one
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(token)
     return token
 
