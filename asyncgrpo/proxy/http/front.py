@@ -9,7 +9,8 @@ llhttp. A request that llhttp and :mod:`~asyncgrpo.proxy.http.inbound` accept go
 forwarded, and the connection closes.
 
 Limits: connections (:class:`Clients`), time to send a head or a body, bytes held per connection
-(reading pauses): ``docs/proxy.md``, "Security".
+(reading pauses) and in all (``max_buffered_bytes``); a large generation body is read in a
+worker process (:mod:`~asyncgrpo.proxy.intake`): ``docs/proxy.md``, "Security".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the front accepts from a client, on top of llhttp's own strictness (pure: no I/O).
 
-A request llhttp accepted is still refused here for its version, method, transfer coding, size,
-Host, key, expectation, and for what only a web page in the user's browser would send (an
+A request llhttp accepted is still refused here for its version, method, target (a path
+only), transfer coding, size and number of fields (trailers included), Host, key, expectation, and for what only a web page in the user's browser would send (an
 ``Origin``, a body that is not JSON, a Host that is not this machine's on a loopback proxy: a
 ``text/plain`` POST needs no CORS preflight). The list: ``docs/proxy.md``, "Security".
 """
