@@ -341,7 +341,8 @@ _VALID = (
 )
 _ATOMS = [b"\r", b"\n", b"\r\n", b"\x00", b" ", b"\t", b":", b",", b";", b"0", b"9", b"f",
           b"chunked", b"Transfer-Encoding: chunked\r\n", b"Content-Length: 3\r\n",
-          b"Host: x\r\n", b"HTTP/1.0", b"\x7f", b"\xff", b"\r\n\r\n"]  # fmt: skip
+          b"Host: x\r\n", b"HTTP/1.0", b"\x7f", b"\xff", b"\r\n\r\n",
+          b"0\r\nX-Trailer: t\r\n\r\n", b"http://localhost"]  # fmt: skip
 
 
 def _reference(data: bytes) -> list[bytes]:
