@@ -18,6 +18,12 @@
     python bench/proxy.py --upstream URL --upstream URL --part routing   # reuse running replicas
     python bench/proxy.py --part overhead --baseline ../main   # A/B: that checkout's proxy too
     python bench/proxy.py --part overhead --baseline /tmp/old --baseline ../main   # A/B/C
+    python bench/proxy.py --part hostile --baseline ../main    # (d) and (e), A/B, ~2 min
+
+(d) Stall: while one 32 MiB body (one-token prompts, or a chat of many messages) goes through
+    the proxy, the latency of small requests sent one at a time by another client (p50, p99, max).
+(e) Floods: the proxy's resident memory after 48 MB of trailers on one chunked request and after
+    300 requests whose model names are 64 KB each, and the size of /metrics then.
 """
 
 from __future__ import annotations
@@ -125,7 +131,7 @@ def run_canned_upstream(port: int) -> None:
     async def server_info(request: web.Request) -> web.Response:
         return web.json_response({"vllm_config": {"cache_config": {"block_size": 16}}})
 
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)  # part (d)'s 32 MiB bodies
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
     app.router.add_get("/server_info", server_info)
@@ -307,6 +313,141 @@ async def part_overhead(baselines: list[str] | None = None) -> list[list[str]]:
     return rows
 
 
+# -- (d) stall, (e) floods: hostile clients ----------------------------------------------------
+
+STALL_BODY_BYTES = 32 * 1024 * 1024 - 4096
+FLOOD_TRAILER_BYTES = 48 * 1000 * 1000
+FLOOD_NAMES, FLOOD_NAME_BYTES = 300, 64 * 1024
+
+
+def stall_bodies() -> dict[str, bytes]:
+    """Two bodies just under 32 MiB (the default max_body_bytes) that cost the most to read."""
+    n = (STALL_BODY_BYTES - 40) // 9  # '[[1234],' per prompt, +1 for the space json.dumps adds
+    tokens = json.dumps({"model": "bench-v1", "prompt": [[1234]] * n})
+    message = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+    per = len(json.dumps(message)) + 2
+    chat = json.dumps({"model": "bench-v1", "messages": [message] * (STALL_BODY_BYTES // per)})
+    return {"tokens": tokens.encode(), "chat": chat.encode()}
+
+
+async def stall_one(url: str, big: bytes, small: bytes) -> tuple[float, list[float]]:
+    """(seconds the big request took, sorted latencies of the small ones sent meanwhile)."""
+    conn = aiohttp.TCPConnector(limit=4)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        headers = {"Content-Type": "application/json"}
+        t0 = time.perf_counter()
+        task = asyncio.create_task(s.post(url + "/v1/completions", data=big, headers=headers))
+        lat = []
+        while not task.done():
+            t = time.perf_counter()
+            async with s.post(url + "/v1/completions", data=small, headers=headers) as r:
+                await r.read()
+            lat.append(time.perf_counter() - t)
+        resp = await task
+        await resp.read()
+        assert resp.status == 200, resp.status
+        return time.perf_counter() - t0, sorted(lat)
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def trailer_flood(port: int) -> str:
+    """One chunked request followed by FLOOD_TRAILER_BYTES of trailer fields; its status."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Type: application/json\r\nConnection: close\r\n\r\n2\r\n{}\r\n0\r\n")  # fmt: skip
+    piece = b"".join(b"X-T%d: %s\r\n" % (i, b"a" * 8000) for i in range(125))  # 1 MB
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        try:
+            sock.sendall(head)
+            for _ in range(FLOOD_TRAILER_BYTES // len(piece)):
+                sock.sendall(piece)
+            sock.sendall(b"\r\n")
+        except OSError:
+            pass  # refused: the proxy closed the connection
+        try:
+            answer = sock.recv(64)
+        except OSError:
+            answer = b""
+    return answer.split(b" ")[1].decode() if answer.startswith(b"HTTP/") else "closed"
+
+
+async def name_flood(url: str) -> tuple[dict[int, int], int]:
+    """FLOOD_NAMES requests with distinct 64 KB model names: (statuses, bytes of /metrics)."""
+    statuses: dict[int, int] = {}
+    async with aiohttp.ClientSession() as s:
+        for i in range(FLOOD_NAMES):
+            name = f"{i:04d}" + "n" * (FLOOD_NAME_BYTES - 4)
+            body = json.dumps({"model": name, "prompt": [1, 2, 3], "max_tokens": 1}).encode()
+            async with s.post(url + "/v1/completions", data=body,
+                              headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+                await r.read()
+                statuses[r.status] = statuses.get(r.status, 0) + 1
+        async with s.get(url + "/metrics") as r:
+            metrics = await r.read()
+    return statuses, len(metrics)
+
+
+async def part_hostile(
+    baselines: list[str] | None = None,
+) -> tuple[list[list[str]], list[list[str]]]:
+    """(d) and (e) for this checkout's proxy and each of ``baselines``, each a fresh proxy."""
+    up_port = free_port()
+    rng = random.Random(0)
+    small = json.dumps({"model": "bench-v1", "prompt": [rng.randrange(50000) for _ in range(300)],
+                        "max_tokens": 2}).encode()  # fmt: skip
+    bodies = stall_bodies()
+    stall_rows, flood_rows = [], []
+    checkouts = {
+        "proxy": None,
+        **{os.path.basename(os.path.abspath(b)): b for b in baselines or []},
+    }
+    with subprocess_server([PY, __file__, "--_canned-upstream", str(up_port)]):
+        upstream = f"http://127.0.0.1:{up_port}"
+        await wait_http(upstream + "/health")
+        argv = [PY, "-m", "asyncgrpo.proxy", "--upstream", upstream, "--log-level", "ERROR",
+                "--port"]  # fmt: skip
+        for name, checkout in checkouts.items():
+            env = cwd = None
+            if checkout is not None:
+                env = {**os.environ, "PYTHONPATH": os.path.abspath(checkout)}
+                cwd = checkout
+            for kind, big in bodies.items():
+                port = free_port()
+                with subprocess_server([*argv, str(port)], env, cwd):
+                    url = f"http://127.0.0.1:{port}"
+                    await wait_http(url + "/health")
+                    await measure_small(url, small)
+                    took, lat = await stall_one(url, big, small)
+                stall_rows.append([name, kind, f"{len(big) / 2**20:.1f}", f"{took:.2f}",
+                                   str(len(lat)), f"{pct(lat, 0.5):.1f}", f"{pct(lat, 0.99):.1f}",
+                                   f"{lat[-1] * 1e3:.1f}"])  # fmt: skip
+            port = free_port()
+            with subprocess_server([*argv, str(port)], env, cwd) as proc:
+                url = f"http://127.0.0.1:{port}"
+                await wait_http(url + "/health")
+                await measure_small(url, small)
+                start = rss_mib(proc.pid)
+                status = await asyncio.to_thread(trailer_flood, port)
+                after_trailers = rss_mib(proc.pid)
+                statuses, metrics = await name_flood(url)
+                after_names = rss_mib(proc.pid)
+            flood_rows.append([name, f"{start:.0f}", status, f"{after_trailers:.0f}",
+                               " ".join(f"{k}x{v}" for k, v in sorted(statuses.items())),
+                               f"{after_names:.0f}", f"{metrics / 2**20:.2f}"])  # fmt: skip
+    return stall_rows, flood_rows
+
+
+async def measure_small(url: str, small: bytes) -> None:
+    """Warm a fresh proxy up: connections, caches."""
+    async with aiohttp.ClientSession() as s:
+        await measure(s, url + "/v1/completions", 1, 50, small)
+
+
 # -- (a) routing quality ------------------------------------------------------------------------
 
 
@@ -464,6 +605,20 @@ async def main(args: argparse.Namespace) -> None:
              "proxy CPU us/req"],
             rows,
         ), flush=True)  # fmt: skip
+    if args.part in ("hostile", "all"):
+        stall, floods = await part_hostile(args.baseline)
+        print(table(
+            "(d) stall: small requests (300-token prompt, one at a time) while one ~32 MiB body "
+            "goes through the proxy; ms",
+            ["path", "body", "MiB", "big s", "small n", "p50 ms", "p99 ms", "max ms"], stall,
+        ), flush=True)  # fmt: skip
+        print(table(
+            f"(e) floods: proxy RSS (MiB) at start, after {FLOOD_TRAILER_BYTES / 1e6:.0f} MB of "
+            f"trailers on one request, after {FLOOD_NAMES} requests of {FLOOD_NAME_BYTES // 1024}"
+            " KB model names; size of /metrics then",
+            ["path", "start MiB", "trailers: status", "MiB", "names: statuses", "MiB",
+             "/metrics MiB"], floods,
+        ), flush=True)  # fmt: skip
     if args.part in ("parse", "all"):
         print(table(
             "(c) llhttp (httptools) parse of one request (7 headers, (b)'s body) and one answer "
@@ -480,7 +635,9 @@ if __name__ == "__main__":
         run_relay(int(sys.argv[2]), int(sys.argv[3]))
         sys.exit(0)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("all", "routing", "overhead", "parse"), default="all")
+    parser.add_argument(
+        "--part", choices=("all", "routing", "overhead", "parse", "hostile"), default="all"
+    )
     parser.add_argument("--upstream", action="append", help="reuse running vLLM replicas")
     parser.add_argument(
         "--baseline",

@@ -43,24 +43,32 @@ class ProxyClient(VLLMClient):
             return None
         return [str(u.get("url")) for u in doc["upstreams"] if isinstance(u, dict)]
 
-    async def register_run(self, run: str, *, lora_slots: int, weight: float = 1.0) -> bool:
+    async def register_run(
+        self, run: str, *, lora_slots: int, weight: float = 1.0, token: str | None = None
+    ) -> bool:
         """Book ``lora_slots`` of the replicas' LoRA slots for adapter prefix ``run``, with its
-        share weight, on the asyncgrpo proxy behind this URL. False when it keeps no such book
-        (a vLLM server, an older proxy); ``ConfigError`` naming ``--max-loras`` and the numbers
-        when the runs sharing the replicas would need more slots than they have."""
-        body = {"run": run, "lora_slots": lora_slots, "weight": weight}
+        share weight, on the asyncgrpo proxy behind this URL; ``token`` (16 to 256 printable
+        characters, kept secret) is what re-registering or releasing the booking takes. False
+        when it keeps no such book (a vLLM server, an older proxy); ``ConfigError`` naming
+        ``--max-loras`` and the numbers when the runs sharing the replicas would need more
+        slots than they have, or saying who holds the booking."""
+        body: dict[str, Any] = {"run": run, "lora_slots": lora_slots, "weight": weight}
+        if token is not None:
+            body["token"] = token
         status, text = await self._request("POST", RUNS_PATH, json_body=body)
         if status == 404:
             return False
-        if status == 409:
+        if status in (403, 409):
             raise ConfigError(error_message(text))
         if status >= 400:
             self._refused("POST", RUNS_PATH, status, text)
         return True
 
-    async def release_run(self, run: str) -> None:
-        """Give back the LoRA slots :meth:`register_run` booked (a run that ends)."""
-        status, text = await self._request("DELETE", RUNS_PATH, json_body={"run": run})
+    async def release_run(self, run: str, *, token: str | None = None) -> None:
+        """Give back the LoRA slots :meth:`register_run` booked with ``token`` (a run that
+        ends)."""
+        body = {"run": run} if token is None else {"run": run, "token": token}
+        status, text = await self._request("DELETE", RUNS_PATH, json_body=body)
         if status >= 400 and status != 404:
             self._refused("DELETE", RUNS_PATH, status, text)
 

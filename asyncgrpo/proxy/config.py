@@ -99,6 +99,24 @@ class ProxyConfig:
     share (runs: a request's model less its -v<N>). None: the replicas' --max-num-seqs (from
     /server_info), beyond which vLLM would queue them itself, first come first served; 0:
     requests never wait here."""
+    queue_timeout_s: float = 600.0
+    """A generation request waiting for its run's turn (replicas saturated) this long gets 503:
+    no client can hold its place, and a connection, for ever."""
+    max_queued_per_run: int = 4096
+    """Requests of one run waiting for its turn, at most; one more gets 429. At the connection
+    cap, with no idle connection to close, the longest-waiting requests of the run with the
+    most waiting are answered 503 and their connections closed to make room."""
+    max_runs: int = 1024
+    """Runs (distinct models less their -v<N>) the proxy keeps figures for, at most; beyond,
+    the longest silent idle one is forgotten, or (all busy or registered) the request counts
+    under run "(other)", and a registration is refused. Bounds memory and /metrics."""
+    max_buffered_bytes: int = 2 * 1024**3
+    """Request bodies the proxy holds at once (being received, queued, waiting their turn, in
+    flight), bytes, at most; a body that would go past gets 503."""
+    offload_body_bytes: int = 1024 * 1024
+    """Generation bodies above this size are decoded and hashed for routing in a worker
+    process, not on the event loop: a 32 MiB body takes seconds there, while every other
+    client waits. 0: all bodies."""
     run_lease_s: float = 3600.0
     """A run registered through POST /proxy/runs (its LoRA slots, its weight) that sends no
     request for this long loses its registration: a run that died without releasing it."""
@@ -153,13 +171,19 @@ class ProxyConfig:
         for root in self.lora_roots:
             if not posixpath.isabs(root) or ".." in root.split("/"):
                 raise ConfigError(f"lora_roots: {root!r} must be an absolute path without '..'")
+        if self.max_buffered_bytes < self.max_body_bytes:
+            raise ConfigError(
+                f"proxy.max_buffered_bytes={self.max_buffered_bytes} is below max_body_bytes="
+                f"{self.max_body_bytes}: the largest body could never be held"
+            )
         seconds = [n for n in self.__dataclass_fields__ if n.endswith("_s")]
         check_fields(
             self, "proxy", gt=dict.fromkeys(seconds, 0), le={"port": 65535},
             ge={"port": 0, "block_size": 1, "imbalance": 0, "imbalance_ratio": 1,
                 "max_tracked_blocks": 1, "max_body_bytes": 1024, "health_timeouts_to_open": 1,
                 "min_healthy_replicas": 0,
-                "max_attempts": 1, "max_connections": 1, "max_inflight_per_replica": 0},
+                "max_attempts": 1, "max_connections": 1, "max_inflight_per_replica": 0,
+                "max_queued_per_run": 1, "max_runs": 1, "offload_body_bytes": 0},
         )  # fmt: skip
 
 

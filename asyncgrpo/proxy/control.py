@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import os
 import posixpath
+import re
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ from asyncgrpo.proxy.http.headers import REPLICA_HEADER_B
 from asyncgrpo.proxy.http.jsonbody import BodyError, decode_object
 from asyncgrpo.proxy.metrics import CONTENT_TYPE_LATEST, render, runs_stats, stats_json
 from asyncgrpo.proxy.paths import RUNS_PATH, STATS_PATH, UPSTREAMS_PATH
+from asyncgrpo.proxy.runs import MAX_NAME, MAX_WEIGHT, MIN_WEIGHT, NAME, TOKEN, booking_refusal
 from asyncgrpo.proxy.state import Proxy, error_answer, json_answer
 from asyncgrpo.proxy.upstream import Circuit, Upstream
 from asyncgrpo.vllm import api
@@ -37,6 +39,13 @@ __all__ = ["ROUTES", "check_lora_path"]
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Proxy, str, str, bytes], Awaitable[Response]]
+#: Largest body of a control call (a load, a registration...): they are a few hundred bytes,
+#: and are decoded on the event loop.
+CONTROL_MAX_BODY = 64 * 1024
+#: Longest replica URL accepted at run time (it becomes a label on ``/metrics``).
+MAX_URL = 1024
+#: How a plugin load's URI ends: ``/v<N>``, N with at most 18 digits (an int64).
+_VERSION = re.compile(r"/v[0-9]{1,18}\Z")
 _NONE = "no replica in rotation"
 
 
@@ -68,6 +77,9 @@ def check_lora_path(path: object, roots: tuple[str, ...]) -> str | None:
 def _load_refusal(path: str, parsed: dict[str, Any], roots: tuple[str, ...]) -> str | None:
     """Why a load request may not go out, or None: vLLM's load rules (the plugin's too), then
     the proxy's on paths."""
+    name = parsed.get("lora_name")
+    if isinstance(name, str) and len(name) > MAX_NAME:
+        return f"lora_name must be at most {MAX_NAME} characters"
     if why := api.load_refusal(parsed):
         return why
     if path != api.PLUGIN_LOAD_PATH:
@@ -115,7 +127,7 @@ async def load(proxy: Proxy, method: str, target: str, body: bytes) -> Response:
     cfg, pool, stats = proxy.config, proxy.pool, proxy.stats
     path = target.partition("?")[0]  # the query is not replayed
     try:
-        parsed = decode_object(body, cfg.max_body_bytes)
+        parsed = decode_object(body, CONTROL_MAX_BODY)
     except BodyError as exc:
         return error_answer(exc.status, str(exc))
     if why := _load_refusal(path, parsed, cfg.lora_roots):
@@ -172,7 +184,7 @@ async def unload(proxy: Proxy, method: str, target: str, body: bytes) -> Respons
     """Every replica; 200 if any unloaded it, 404 if none knew it."""
     path = target.partition("?")[0]
     try:
-        name = decode_object(body, proxy.config.max_body_bytes).get("lora_name")
+        name = decode_object(body, CONTROL_MAX_BODY).get("lora_name")
     except BodyError:
         name = None
     if not isinstance(name, str):
@@ -273,7 +285,9 @@ async def upstreams(proxy: Proxy, method: str, path: str, body: bytes) -> Respon
     if method == "GET":
         return json_answer(200, {"upstreams": [u.as_dict() for u in pool.upstreams.values()]})
     try:
-        url = str(decode_object(body, proxy.config.max_body_bytes).get("url") or "").rstrip("/")
+        url = str(decode_object(body, CONTROL_MAX_BODY).get("url") or "").rstrip("/")
+        if len(url) > MAX_URL:
+            raise ValueError(f"a URL over {MAX_URL} characters")
         split_url(url)
     except (BodyError, ValueError) as exc:
         return error_answer(400, f'body must be {{"url": "http://HOST:PORT"}}: {exc}')
@@ -296,31 +310,45 @@ async def upstreams(proxy: Proxy, method: str, path: str, body: bytes) -> Respon
 
 def _weight(value: object) -> float | None:
     ok = isinstance(value, int | float) and not isinstance(value, bool)
-    return float(value) if ok and math.isfinite(value) and value > 0 else None  # type: ignore[arg-type]
+    return float(value) if ok and MIN_WEIGHT <= value <= MAX_WEIGHT else None  # type: ignore[operator]
 
 
 async def runs_route(proxy: Proxy, method: str, target: str, body: bytes) -> Response:
-    """List (GET), register (POST ``{"run", "lora_slots", "weight"}``: 409 naming ``--max-loras``
-    and the numbers when the runs would need more LoRA slots than the replicas hold) or release
-    (DELETE ``{"run"}``) the training runs sharing the replicas (:mod:`~asyncgrpo.proxy.runs`)."""
+    """List (GET), register (POST ``{"run", "lora_slots", "weight", "token"?}``: 409 naming
+    ``--max-loras`` and the numbers when the runs would need more LoRA slots than the replicas
+    hold) or release (DELETE ``{"run", "token"}``) the training runs sharing the replicas
+    (:mod:`~asyncgrpo.proxy.runs`). A registration answers its token (the caller's own, or one
+    drawn here); re-registering or releasing a registered run takes that token (403)."""
     runs = proxy.runs
     if method == "GET":
         return json_answer(200, runs_stats(proxy))
     try:
-        doc = decode_object(body, proxy.config.max_body_bytes)
+        doc = decode_object(body, CONTROL_MAX_BODY)
     except BodyError as exc:
         return error_answer(exc.status, str(exc))
-    name = doc.get("run")
-    if not isinstance(name, str) or not name or len(name) > 256:
-        return error_answer(400, 'body must name the run: {"run": "<adapter prefix>", ...}')
+    name, token = doc.get("run"), doc.get("token")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        return error_answer(400, 'body must name the run, printable ASCII without spaces, at '
+                            f'most {MAX_NAME} characters: {{"run": "<adapter prefix>", ...}}')  # fmt: skip
+    if token is not None and (not isinstance(token, str) or not TOKEN.fullmatch(token)):
+        return error_answer(400, "token must be 16 to 256 printable ASCII characters")
+    if why := booking_refusal(runs.runs.get(name), token):
+        return error_answer(403, why)
     if method == "DELETE":
         if not runs.release(name):
             return error_answer(404, f"run {name} is not registered")
         log.info("run %s released its LoRA slots", name)
         return json_answer(200, {"released": name})
+    return await _register(proxy, doc, name, token or secrets.token_urlsafe(24))
+
+
+async def _register(proxy: Proxy, doc: dict[str, Any], name: str, token: str) -> Response:
+    runs = proxy.runs
     slots, weight = doc.get("lora_slots"), _weight(doc.get("weight", 1.0))
-    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1 or weight is None:
-        return error_answer(400, "lora_slots must be an integer >= 1 and weight a number > 0")
+    if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= 1 << 16:
+        return error_answer(400, "lora_slots must be an integer from 1 to 65536")
+    if weight is None:
+        return error_answer(400, f"weight must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g}")
     said = await proxy.pool.settings()
     max_loras, max_seqs = said["max_loras"], said["max_num_seqs"]
     if max_loras is None:
@@ -333,15 +361,18 @@ async def runs_route(proxy: Proxy, method: str, target: str, body: bytes) -> Res
         runs.resize(len(proxy.pool.targets()), now)
     for lapsed in runs.expire(now):
         log.warning("run %s sent nothing for run_lease_s: its LoRA slots are free", lapsed)
+    if why := booking_refusal(runs.runs.get(name), token):  # registered while we awaited
+        return error_answer(403, why)
     why = runs.register(name, slots=slots, weight=weight, max_loras=max_loras,
                         loaded=list(proxy.pool.adapters), now=now)  # fmt: skip
     if why is not None:
         log.warning("refused: %s", why)
         return error_answer(409, why)
+    runs.runs[name].token = token
     held = runs.holders(proxy.pool.adapters)
     log.info("run %s holds %d LoRA slots (weight %g); %d of --max-loras %d held", name, slots,
              weight, sum(held.values()), max_loras)  # fmt: skip
-    return json_answer(200, {"run": name, "lora_slots": slots, "weight": weight,
+    return json_answer(200, {"run": name, "lora_slots": slots, "weight": weight, "token": token,
                              "max_loras": max_loras, "lora_slots_held": held})  # fmt: skip
 
 

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
 from asyncgrpo.errors import NoHealthyReplica
 from asyncgrpo.proxy.http.h1 import Exchange, Response
 from asyncgrpo.proxy.http.headers import REPLICA_HEADER_B
-from asyncgrpo.proxy.router import Decision, request_hashes
+from asyncgrpo.proxy.router import Decision
 from asyncgrpo.proxy.runs import Run
 from asyncgrpo.proxy.state import Proxy, error_answer
 from asyncgrpo.proxy.upstream import Upstream
 
-__all__ = ["FALLBACK_BLOCK_SIZE", "Client", "Forward", "request_chains"]
+__all__ = ["FALLBACK_BLOCK_SIZE", "Client", "Forward"]
 
 log = logging.getLogger(__name__)
 
@@ -47,20 +48,6 @@ class Client(Protocol):
     def close(self) -> None: ...
 
 
-def request_chains(proxy: Proxy, parsed: dict[str, Any]) -> list[tuple[int, ...]]:
-    """The routing key of a parsed generation request (empty when routing ignores prefixes)."""
-    if proxy.router.policy != "affinity":
-        return []
-    t0 = time.perf_counter()
-    try:
-        chains = request_hashes(parsed, proxy.pool.block_size or FALLBACK_BLOCK_SIZE)
-    except Exception:  # a router bug must not cost the request: route it unmatched
-        log.exception("no routing key for a generation request")
-        chains = []
-    proxy.stats.route_seconds += time.perf_counter() - t0
-    return chains
-
-
 class Forward(Exchange):
     """Relay one request; the client gets exactly one answer (or a stream) unless
     :meth:`cancel` comes first. ``chains`` None: not a generation request (round-robin, not
@@ -79,8 +66,8 @@ class Forward(Exchange):
         self,
         proxy: Proxy,
         client: Client,
-        req: tuple[bytes, bytes, bytes, bytes],
-        chains: list[tuple[int, ...]] | None,
+        req: tuple[bytes, bytes, bytes, bytes | list[bytes]],
+        chains: Sequence[tuple[int, ...]] | None,
         *,
         stream: bool = False,
         run: Run | None = None,
@@ -108,6 +95,13 @@ class Forward(Exchange):
     def submit(self) -> None:
         """Send it now, or (replicas saturated) when its run's turn comes."""
         proxy, run = self.proxy, self.run
+        if run is not None and proxy.runs.queue_full(run):
+            self.run = None
+            proxy.stats.rejected[429] += 1
+            return self._answer(error_answer(
+                429, f"run {run.name} has max_queued_per_run={proxy.runs.max_queued} requests "
+                "waiting for its turn (the replicas are saturated): retry later"
+            ))  # fmt: skip
         if run is None or proxy.runs.admit(run, self, self.cost, proxy.now):
             self.held, self.began = run is not None, proxy.now
             self.start()
@@ -116,6 +110,16 @@ class Forward(Exchange):
         """Its turn: it holds its sequences until it is answered."""
         self.held, self.began = True, self.proxy.now
         self.start()
+
+    def dropped(self, status: int, message: str, *, close: bool) -> None:
+        """Taken out of its run's queue unsent (:meth:`Runs.expire_waiting`, :meth:`Runs.evict`):
+        answer ``status``; ``close``: its connection too."""
+        self.run = None
+        self.proxy.stats.rejected[status] += 1
+        client = self.client
+        self._answer(error_answer(status, message))
+        if close and client is not None:
+            client.close()
 
     def _release(self) -> None:
         """Answered, or its client is gone: its sequences go to the next request waiting."""

@@ -11,6 +11,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from asyncgrpo.proxy.runs import OVERFLOW
 from asyncgrpo.proxy.state import Proxy
 from asyncgrpo.proxy.upstream import Circuit
 
@@ -118,6 +119,9 @@ def _run_families(proxy: Proxy) -> list[_Family]:
          r, [((x.name,), x.weight) for x in runs]),
         ("run_lora_slots", "gauge", "LoRA slots a registered run holds (max_staleness + 2).",
          r, [((x.name,), x.slots) for x in runs if x.slots is not None]),
+        ("runs_folded_total", "counter",
+         f"Requests counted under run {OVERFLOW!r}: their run came past max_runs busy ones.",
+         (), [((), proxy.runs.folded)]),
         ("share_capacity", "gauge",
          "Sequences in flight before requests wait for their run's turn (0: they never wait).",
          (), [((), proxy.runs.capacity or 0)]),

@@ -20,6 +20,7 @@ from asyncgrpo.errors import NoHealthyReplica
 
 __all__ = [
     "BYTES_PER_TOKEN",
+    "MAX_KEY_BLOCKS",
     "Decision",
     "Router",
     "chat_bytes",
@@ -104,30 +105,45 @@ def chat_bytes(body: dict[str, Any]) -> bytes:
     return b"".join(parts)
 
 
-def request_hashes(body: dict[str, Any], block_size: int) -> list[tuple[int, ...]]:
-    """Block-hash chains for a parsed completions or chat body: one chain per prompt.
+#: Most blocks of a request's routing key, over all its prompts: a prefix of each chain routes
+#: as the whole would (the longest prompts vLLM takes have fewer), and hashing and recording a
+#: 32 MiB body's million blocks would hold the event loop for seconds.
+MAX_KEY_BLOCKS = 16_384
+
+
+def request_hashes(
+    body: dict[str, Any], block_size: int, max_blocks: int = MAX_KEY_BLOCKS
+) -> list[tuple[int, ...]]:
+    """Block-hash chains for a parsed completions or chat body: one chain per prompt, at most
+    ``max_blocks`` blocks in all (the first prompts, each chain's first blocks).
 
     Returns ``[]`` when the body has nothing to route on (the request is then "unmatched").
     """
     model = str(body.get("model") or "")
     chunk = block_size * BYTES_PER_TOKEN
     if "messages" in body:
-        return [byte_hashes(model, chat_bytes(body), chunk)]
+        return [byte_hashes(model, chat_bytes(body)[: max_blocks * chunk], chunk)]
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return [byte_hashes(model, prompt.encode(), chunk)]
-    if isinstance(prompt, list) and prompt:
-        first = prompt[0]
-        if isinstance(first, int):
-            return [token_hashes(model, prompt, block_size)]
-        chains = []
-        for p in prompt:
-            if isinstance(p, str):
-                chains.append(byte_hashes(model, p.encode(), chunk))
-            elif isinstance(p, list) and all(isinstance(t, int) for t in p):
-                chains.append(token_hashes(model, p, block_size))
-        return chains
-    return []
+        return [byte_hashes(model, prompt[: max_blocks * chunk].encode()[: max_blocks * chunk],
+                            chunk)]  # fmt: skip
+    if not isinstance(prompt, list) or not prompt:
+        return []
+    if isinstance(prompt[0], int):
+        return [token_hashes(model, prompt[: max_blocks * block_size], block_size)]
+    chains: list[tuple[int, ...]] = []
+    left = max_blocks
+    for p in prompt:
+        if left <= 0:
+            break
+        if isinstance(p, str):
+            chains.append(byte_hashes(model, p[: left * chunk].encode()[: left * chunk], chunk))
+        elif isinstance(p, list) and all(isinstance(t, int) for t in p[: left * block_size]):
+            chains.append(token_hashes(model, p[: left * block_size], block_size))
+        else:
+            continue
+        left -= len(chains[-1]) or 1
+    return chains
 
 
 #: Bound on the "recently recorded" prompts (cleared when reached).

@@ -20,16 +20,29 @@ Pure, like the router beside it: no I/O, no clock reads (callers pass ``now``).
 from __future__ import annotations
 
 import functools
+import hmac
+import re
 from collections import deque
 from collections.abc import Iterable
 from typing import Any, Protocol
 
 from asyncgrpo.vllm.api import parse_served_name
 
-__all__ = ["OVERFLOW", "Run", "Runs", "Waiting", "run_of", "sequences"]
+__all__ = ["MAX_NAME", "MAX_WEIGHT", "MIN_WEIGHT", "NAME", "OVERFLOW", "TOKEN", "Run", "Runs", "Waiting",
+           "booking_refusal", "run_of", "sequences"]  # fmt: skip
 
-#: The run of requests beyond ``max_runs`` distinct runs (all busy): bounded memory.
+#: The run of requests beyond ``max_runs`` distinct runs (all busy): bounded memory, and a
+#: bounded number of ``run`` label values on ``/metrics``.
 OVERFLOW = "(other)"
+#: Longest model or run name (characters): names are cached, kept per run and shown as labels.
+MAX_NAME = 256
+#: A run's share weight lies in [MIN_WEIGHT, MAX_WEIGHT]: a weight of 5e-324 (or 1e300) would
+#: starve a run (or every other run) for good.
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3
+#: A run name in a registration: printable ASCII, no space.
+NAME = re.compile(f"[!-~]{{1,{MAX_NAME}}}")
+#: A token a caller chooses for its registration (else the proxy draws one).
+TOKEN = re.compile(r"[!-~]{16,256}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -50,21 +63,26 @@ def sequences(body: dict[str, Any]) -> int:
 
 
 class Waiting(Protocol):
-    """A request waiting for its turn; ``admitted`` sends it."""
+    """A request waiting for its turn; ``admitted`` sends it, ``dropped`` answers it ``status``
+    and ``message`` instead (its deadline passed, or it was evicted), closing its connection
+    if ``close``."""
 
     def admitted(self) -> None: ...
+
+    def dropped(self, status: int, message: str, *, close: bool) -> None: ...
 
 
 class Run:
     """One run's registration, its requests now and its totals."""
 
     __slots__ = ("inflight", "name", "queue", "requests", "seen", "sequence_s", "sequences",
-                 "slots", "waited_s", "weight")  # fmt: skip
+                 "slots", "token", "waited_s", "weight")  # fmt: skip
 
     def __init__(self, name: str, now: float) -> None:
         self.name = name
         self.weight = 1.0
         self.slots: int | None = None  #: registered LoRA slots; None: not registered
+        self.token = ""  #: what its registration answered: needed to re-register or release
         self.seen = now  #: last request or registration
         self.inflight = 0  #: sequences
         self.queue: deque[tuple[Waiting, int, float]] = deque()  # (request, cost, since)
@@ -93,9 +111,15 @@ class Run:
 class Runs:
     """Every run the proxy has seen (at most ``max_runs`` at once), their slots and turns."""
 
-    def __init__(self, *, lease_s: float, max_runs: int = 1024) -> None:
+    def __init__(
+        self, *, lease_s: float, max_runs: int = 1024, max_queued: int = 4096,
+        queue_timeout_s: float = float("inf"),
+    ) -> None:  # fmt: skip
         self.lease_s = lease_s
         self.max_runs = max_runs
+        self.max_queued = max_queued  #: requests of one run waiting their turn, at most
+        self.queue_timeout_s = queue_timeout_s  #: how long a request may wait for its turn
+        self.folded = 0  #: requests counted under OVERFLOW: their run was one too many
         self.runs: dict[str, Run] = {}
         #: sequences one replica runs at once (its --max-num-seqs); None: requests never wait
         self.per_replica: int | None = None
@@ -113,14 +137,19 @@ class Runs:
         run = self.runs.get(name)
         if run is None:
             run = self._new(name, now)
+            if run is None:
+                self.folded += 1
+                run = self.runs.get(OVERFLOW) or self.runs.setdefault(OVERFLOW, Run(OVERFLOW, now))
         run.seen = now
         return run
 
-    def _new(self, name: str, now: float) -> Run:
+    def _new(self, name: str, now: float) -> Run | None:
+        """A new entry, in place of the longest silent idle unregistered run if the table is
+        full; None if every entry is busy or registered."""
         if len(self.runs) >= self.max_runs:
             idle = [r for r in self.runs.values() if r.slots is None and r.idle()]
             if not idle:
-                return self.runs.get(OVERFLOW) or self.runs.setdefault(OVERFLOW, Run(OVERFLOW, now))
+                return None
             del self.runs[min(idle, key=lambda r: r.seen).name]
         run = self.runs[name] = Run(name, now)
         return run
@@ -144,6 +173,41 @@ class Runs:
         run.queue.append((request, cost, now))
         self.waiting += 1
         return False
+
+    def queue_full(self, run: Run) -> bool:
+        """Whether a request of ``run`` that would wait must be refused instead (429)."""
+        return len(run.queue) >= self.max_queued and not (
+            self.capacity is None or self.inflight < self.capacity
+        )
+
+    def expire_waiting(self, now: float) -> None:
+        """Answer 503 to every request that waited ``queue_timeout_s`` for its turn."""
+        due = now - self.queue_timeout_s
+        for run in [r for r in self.runs.values() if r.queue and r.queue[0][2] <= due]:
+            while run.queue and run.queue[0][2] <= due:
+                request, _, since = run.queue.popleft()
+                self.waiting -= 1
+                run.waited_s += now - since
+                request.dropped(503, f"waited over queue_timeout_s={self.queue_timeout_s:g} s "
+                                "for its run's turn: the replicas are saturated", close=False)  # fmt: skip
+
+    def evict(self, count: int, now: float) -> int:
+        """Drop the ``count`` longest-waiting requests of the run with the most waiting (each
+        answered 503, its connection closed: the connection cap needs room); how many."""
+        queued = [r for r in self.runs.values() if r.queue]
+        if not queued:
+            return 0
+        run = max(queued, key=lambda r: len(r.queue))
+        n = 0
+        while run.queue and n < count:
+            request, _, since = run.queue.popleft()
+            self.waiting -= 1
+            run.waited_s += now - since
+            n += 1
+            request.dropped(503, "evicted while waiting for its run's turn: the proxy is at "
+                            "max_connections and this run holds the most waiting requests",
+                            close=True)  # fmt: skip
+        return n
 
     def done(self, run: Run, cost: int, seconds: float) -> None:
         """A request that was sent ended after ``seconds``; its sequences are free."""
@@ -186,7 +250,7 @@ class Runs:
         lapsed = [r for r in self.runs.values()
                   if r.slots is not None and r.idle() and now - r.seen > self.lease_s]  # fmt: skip
         for run in lapsed:
-            run.slots = None
+            run.slots, run.token = None, ""
         return [r.name for r in lapsed]
 
     def holders(self, loaded: Iterable[str], *, besides: str = "") -> dict[str, int]:
@@ -207,6 +271,16 @@ class Runs:
     ) -> str | None:  # fmt: skip
         """Register run ``name`` (again: a restarted run replaces its old registration); the
         reason it does not fit, or None."""
+        full = len(self.runs) >= self.max_runs
+        if (
+            full
+            and name not in self.runs
+            and not any(r.slots is None and r.idle() for r in self.runs.values())
+        ):
+            return (
+                f"the proxy already tracks max_runs={self.max_runs} runs, each busy or "
+                "registered: wait for one to end"
+            )  # fmt: skip
         held = self.holders(loaded, besides=name)
         used = sum(held.values())
         if used + slots > max_loras:
@@ -217,15 +291,32 @@ class Runs:
                 f"sharing them ({others}): restart the replicas with --max-loras {used + slots} "
                 "or more (python -m asyncgrpo.serve --runs N sizes it), or lower max_staleness"
             )
-        # Its own entry even past max_runs: each registration holds a slot, so they are few.
-        run = self.runs.get(name) or self.runs.setdefault(name, Run(name, now))
+        run = self.runs.get(name) or self._new(name, now)
+        assert run is not None  # room was checked above
         run.slots, run.weight, run.seen = slots, weight, now
         return None
 
     def release(self, name: str) -> bool:
-        """The run ended: its slots are free. False if it was not registered."""
+        """The run ended: its slots are free, and its entry leaves the table unless requests of
+        it are still in flight or waiting. False if it was not registered."""
         run = self.runs.get(name)
         if run is None or run.slots is None:
             return False
-        run.slots = None
+        run.slots, run.token = None, ""
+        if run.idle():
+            del self.runs[name]
         return True
+
+
+def booking_refusal(run: Run | None, token: object) -> str | None:
+    """Why a caller holding ``token`` may not re-register or release ``run``, or None: a run's
+    registration is its holder's, whose token its registration answered."""
+    if run is None or run.slots is None or not run.token:
+        return None
+    if isinstance(token, str) and hmac.compare_digest(token.encode(), run.token.encode()):
+        return None
+    return (
+        f"run {run.name} is registered by another holder: only the token its registration "
+        "answered can re-register or release it (an unused registration lapses after "
+        "run_lease_s)"
+    )

@@ -103,5 +103,6 @@ async def serve_proxy(config: ProxyConfig) -> AsyncIterator[str]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         proxy.pool.close()
+        await proxy.offload.aclose()
         if server is not None:
             await server.wait_closed()

@@ -9,6 +9,7 @@ from collections import Counter
 
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.http.h1 import Response
+from asyncgrpo.proxy.intake import Offload
 from asyncgrpo.proxy.router import Router
 from asyncgrpo.proxy.runs import Runs
 from asyncgrpo.proxy.upstream import Inflight, UpstreamPool
@@ -40,7 +41,8 @@ class Proxy:
     few microseconds each), which also keeps ``now``, the loop's time at its last pass: a
     deadline far off needs no clock read."""
 
-    __slots__ = ("config", "inflight", "loop", "now", "pool", "router", "runs", "stats", "tasks")
+    __slots__ = ("config", "inflight", "loop", "now", "offload", "pool", "router", "runs", "stats",
+                 "tasks")  # fmt: skip
 
     def __init__(self, config: ProxyConfig, loop: asyncio.AbstractEventLoop) -> None:
         self.config = config
@@ -52,9 +54,13 @@ class Proxy:
             policy=config.routing,
         )
         self.pool = UpstreamPool(config, self.router, self.spawn)
-        self.runs = Runs(lease_s=config.run_lease_s)
+        self.runs = Runs(
+            lease_s=config.run_lease_s, max_runs=config.max_runs,
+            max_queued=config.max_queued_per_run, queue_timeout_s=config.queue_timeout_s,
+        )  # fmt: skip
         self.runs.per_replica = config.max_inflight_per_replica or None
         self.stats = ProxyStats()
+        self.offload = Offload()  # reads large generation bodies off the event loop
         self.inflight: set[Inflight] = set()  # relayed requests, each with its deadline
         self.now = loop.time()
         self.tasks: set[asyncio.Task[None]] = set()  # control calls and the health checker
@@ -79,6 +85,8 @@ class Proxy:
                 self.inflight.discard(request)
         if self.runs.per_replica:
             self.runs.resize(len(self.pool.targets()), now)
+        if self.runs.waiting:
+            self.runs.expire_waiting(now)
         return now
 
 

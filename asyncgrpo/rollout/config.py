@@ -161,11 +161,12 @@ class RolloutConfig:
     """First retry delay, seconds; doubles on each retry (capped at 30 s)."""
     share_weight: float = 1.0
     """This run's weight when several runs share the replicas through one proxy and saturate
-    them: each gets a share of generation proportional to its weight."""
+    them: each gets a share of generation proportional to its weight (0.001 to 1000)."""
 
     def __post_init__(self) -> None:
         check_fields(
-            self, "rollout", gt={"request_timeout_s": 0, "share_weight": 0}, ge={"retries": 0, "retry_backoff_s": 0,
+            self, "rollout", gt={"request_timeout_s": 0}, le={"share_weight": 1000},
+            ge={"retries": 0, "retry_backoff_s": 0, "share_weight": 0.001,
             **dict.fromkeys(("max_inflight", "queue_maxsize",
                              "reward_max_threads", "score_concurrency"), 1)},
         )  # fmt: skip

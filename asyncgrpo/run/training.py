@@ -16,6 +16,8 @@ split run (:mod:`asyncgrpo.run.rollouts`), the run's documents in its transport
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -244,16 +246,37 @@ async def _lora_slots(cfg: TrainingConfig, client: ProxyClient, prefix: str) -> 
     which refuses, naming ``--max-loras``, a run the replicas cannot hold besides the other runs
     sharing them (and sets the run's share weight); give them back at the end."""
     slots = cfg.trainer.max_staleness + 2
-    booked = await client.register_run(prefix, lora_slots=slots, weight=cfg.rollout.share_weight)
-    try:
-        yield
-    finally:
-        if booked:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                try:
-                    await client.release_run(prefix)
-                except ReplicaError as exc:  # the proxy lets the booking lapse by itself
-                    logger.warning("could not give back the run's LoRA slots: %s", exc)
+    token = _booking_token(cfg.run_dir)
+    async with AsyncExitStack() as stack:
+        if cfg.proxy.admin_api_key:  # the proxy's book of runs is behind its admin key
+            client = await stack.enter_async_context(
+                VLLMClient(client.base_url, api_key=cfg.proxy.admin_api_key)
+            )
+        booked = await client.register_run(
+            prefix, lora_slots=slots, weight=cfg.rollout.share_weight, token=token
+        )
+        try:
+            yield
+        finally:
+            if booked:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                    try:
+                        await client.release_run(prefix, token=token)
+                    except ReplicaError as exc:  # the proxy lets the booking lapse by itself
+                        logger.warning("could not give back the run's LoRA slots: %s", exc)
+
+
+def _booking_token(run_dir: Path) -> str:
+    """The secret that holds this run's booking on the proxy, kept in the run directory (mode
+    0600) so that a restarted run can take its booking back."""
+    path = Path(run_dir) / "proxy-booking-token"
+    if path.exists() and len(token := path.read_text().strip()) >= 32:
+        return token
+    token = secrets.token_urlsafe(32)
+    path.unlink(missing_ok=True)  # empty (a crash while writing it): a new one
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(token)
+    return token
 
 
 async def preflight_fleet(cfg: TrainingConfig, client: VLLMClient, transport_url: str) -> bool:

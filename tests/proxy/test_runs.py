@@ -4,6 +4,7 @@ sockets in front of stand-in replicas that hold requests until told."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -270,23 +271,33 @@ async def test_runs_register_their_lora_slots_and_one_that_does_not_fit_is_refus
             status, doc = await call("POST", {"run": "b-2", "lora_slots": 2, "weight": 2})
             assert status == 200 and doc["max_loras"] == 4
             assert doc["lora_slots_held"] == {"a-1": 2, "b-2": 2}
+            token = doc["token"]
             status, doc = await call("POST", {"run": "c-3", "lora_slots": 1})
             assert status == 409
             message = doc["error"]["message"]
             assert "--max-loras 4" in message and "needs 1 LoRA slots" in message, message
             assert "--max-loras 5" in message  # what to restart them with
-            assert (await call("DELETE", {"run": "b-2"}))[0] == 200
-            assert (await call("DELETE", {"run": "b-2"}))[0] == 404
+            # only the holder of b-2's token may release or re-register it
+            assert (await call("DELETE", {"run": "b-2"}))[0] == 403
+            assert (await call("DELETE", {"run": "b-2", "token": "x" * 32}))[0] == 403
+            status, doc = await call("POST", {"run": "b-2", "lora_slots": 1, "weight": 1e-3})
+            assert status == 403 and "another holder" in doc["error"]["message"]
+            assert (await call("DELETE", {"run": "b-2", "token": token}))[0] == 200
+            assert (await call("DELETE", {"run": "b-2", "token": token}))[0] == 404
             assert (await call("POST", {"run": "c-3", "lora_slots": 1}))[0] == 200
             for bad in ({"lora_slots": 1}, {"run": "x", "lora_slots": 0},
-                        {"run": "x", "lora_slots": 1, "weight": -1}, ["x"]):  # fmt: skip
+                        {"run": "x", "lora_slots": 1, "weight": -1},
+                        {"run": "x", "lora_slots": 1, "weight": 5e-324},
+                        {"run": "x", "lora_slots": 1, "weight": 1e300},
+                        {"run": "x" * 257, "lora_slots": 1}, {"run": "a b", "lora_slots": 1},
+                        {"run": "x", "lora_slots": 1, "token": "short"}, ["x"]):  # fmt: skip
                 status, doc = await call("POST", bad)
                 assert status == 400, (bad, doc)
             status, doc = await call("GET", None)
     assert status == 200
-    assert {n: r["lora_slots"] for n, r in doc["runs"].items()} == {"a-1": 2, "b-2": None,
-                                                                   "c-3": 1}  # fmt: skip
-    assert doc["runs"]["b-2"]["weight"] == 2.0
+    # a released run leaves the table
+    assert {n: r["lora_slots"] for n, r in doc["runs"].items()} == {"a-1": 2, "c-3": 1}
+    assert "token" not in str(doc)
 
 
 async def test_a_run_books_its_slots_through_the_client_and_a_plain_server_keeps_no_book(
@@ -297,11 +308,140 @@ async def test_a_run_books_its_slots_through_the_client_and_a_plain_server_keeps
     url, _ = replica
     async with serve_proxy(ProxyConfig(upstreams=(url,), port=0)) as base:
         async with ProxyClient(base) as client:
-            assert await client.register_run("a-1", lora_slots=3)
+            token = "t" * 32
+            assert await client.register_run("a-1", lora_slots=3, token=token)
+            assert await client.register_run("a-1", lora_slots=3, token=token)  # restarted
             with pytest.raises(ConfigError, match=r"run b-2 needs 2 LoRA slots.*--max-loras 4"):
                 await client.register_run("b-2", lora_slots=2, weight=0.5)
-            await client.release_run("a-1")
-            await client.release_run("a-1")  # gone already: nothing to give back
+            with pytest.raises(ConfigError, match="another holder"):
+                await client.register_run("a-1", lora_slots=1, token="u" * 32)
+            await client.release_run("a-1", token=token)
+            await client.release_run("a-1", token=token)  # gone already: nothing to give back
             assert await client.register_run("b-2", lora_slots=2, weight=0.5)
     async with ProxyClient(url) as client:
         assert not await client.register_run("a-1", lora_slots=3)
+
+
+def test_register_release_churn_keeps_the_table_within_max_runs() -> None:
+    """3,000 register/release pairs left 3,003 entries with max_runs 1,024: a released run now
+    leaves the table, and a registration past max_runs takes an idle run's place or is
+    refused; requests of runs beyond it count under OVERFLOW."""
+    runs = Runs(lease_s=60, max_runs=8)
+    for i in range(3000):
+        assert runs.register(f"r{i}", slots=1, weight=1.0, max_loras=4, loaded=(), now=i) is None
+        assert runs.release(f"r{i}")
+    assert len(runs.runs) <= 8
+    for i in range(8):
+        runs.run(f"busy{i}-v0", 0.0).inflight = 1
+    why = runs.register("late", slots=1, weight=1.0, max_loras=4, loaded=(), now=1.0)
+    assert why is not None and "max_runs=8" in why
+    assert runs.run("more-v0", 1.0).name == OVERFLOW and runs.folded == 1
+    assert len(runs.runs) == 9  # OVERFLOW's own entry
+
+
+def test_waiting_requests_have_a_deadline_a_cap_and_the_heaviest_run_is_evicted_first() -> None:
+    class Held(Req):
+        def dropped(self, status: int, message: str, *, close: bool) -> None:
+            self.order.append(f"{self.name}:{status}:{close}")
+
+    runs = Runs(lease_s=60, max_queued=3, queue_timeout_s=10.0)
+    runs.per_replica = 1
+    runs.resize(1, 0.0)
+    order: list[str] = []
+    a, b = runs.run("a-v0", 0.0), runs.run("b-v0", 0.0)
+    assert runs.admit(a, Held("a0", order), 1, 0.0)
+    for i in range(3):
+        assert not runs.queue_full(a)
+        assert not runs.admit(a, Held(f"a{i + 1}", order), 1, float(i))
+    assert runs.queue_full(a) and not runs.queue_full(b)
+    assert not runs.admit(b, Held("b1", order), 1, 5.0)
+    assert runs.evict(2, 6.0) == 2  # a holds the most waiting: its two oldest
+    assert order == ["a1:503:True", "a2:503:True"]
+    runs.expire_waiting(12.5)  # a3 waited since 2.0: over 10 s; b1 since 5.0 not yet
+    assert order[2:] == ["a3:503:False"] and runs.waiting == 1
+    runs.expire_waiting(15.5)
+    assert order[3:] == ["b1:503:False"] and runs.waiting == 0
+
+
+async def _open(
+    base: str, model: str, pad: int = 0
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection that has sent one completion request for ``model``."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = json.dumps({"model": model, "prompt": "x" * pad}).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n\r\n%s"
+                 % (host.encode(), len(body), body))  # fmt: skip
+    return reader, writer
+
+
+async def _status(reader: asyncio.StreamReader, timeout_s: float = 10.0) -> int:
+    """The status of the next answer on a connection (0: closed without one)."""
+    try:
+        line = await asyncio.wait_for(reader.readline(), timeout_s)
+    except (ConnectionError, TimeoutError):
+        return 0
+    return int(line.split()[1]) if line else 0
+
+
+async def test_one_client_cannot_lock_the_others_out_at_the_connection_cap(replica) -> None:
+    """A client holding more queued requests than the connection cap: each new connection
+    makes room by evicting the longest-waiting queued requests of the run with the most (503,
+    closed), so another client still gets in and is served in its turn (before: 503 too many
+    connections)."""
+    url, state = replica
+    cfg = ProxyConfig(upstreams=(url,), port=0, max_connections=16)
+    async with serve_proxy(cfg) as base:
+        flood = [await _open(base, "evil-v0") for _ in range(24)]
+        await _until(lambda: len(state["arrived"]) == 2)
+        await asyncio.sleep(0.2)
+        victim = await _open(base, "good-v0")
+        await asyncio.sleep(0.2)
+        state["gate"].release()  # a place frees: the victim's run is furthest below its share
+        await _until(lambda: "good-v0" in state["arrived"])
+        for _ in range(30):
+            state["gate"].release()
+        assert await _status(victim[0]) == 200
+        statuses = [await _status(r, 2.0) for r, _ in flood]
+        for _, w in [*flood, victim]:
+            w.close()
+    assert statuses.count(503) >= 24 - 16  # evicted (or refused) to make room
+    assert 200 in statuses
+
+
+async def test_a_waiting_request_has_a_deadline_and_a_run_a_cap_on_its_queue(replica) -> None:
+    url, state = replica
+    cfg = ProxyConfig(upstreams=(url,), port=0, queue_timeout_s=0.3, max_queued_per_run=1)
+    async with serve_proxy(cfg) as base:
+        held = [await _open(base, "a-v0") for _ in range(2)]
+        await _until(lambda: len(state["arrived"]) == 2)
+        waiting = await _open(base, "a-v0")
+        await asyncio.sleep(0.1)
+        over = await _open(base, "a-v0")
+        assert await _status(over[0], 2.0) == 429  # a's queue holds one already
+        t0 = asyncio.get_running_loop().time()
+        assert await _status(waiting[0], 5.0) == 503  # waited over queue_timeout_s
+        assert asyncio.get_running_loop().time() - t0 < 2.0
+        for _ in range(2):
+            state["gate"].release()
+        assert [await _status(r) for r, _ in held] == [200, 200]
+        for _, w in [*held, waiting, over]:
+            w.close()
+
+
+async def test_the_bodies_held_at_once_are_bounded(replica) -> None:
+    url, state = replica
+    cfg = ProxyConfig(upstreams=(url,), port=0, max_body_bytes=4096, max_buffered_bytes=8192)
+    async with serve_proxy(cfg) as base:
+        held = [await _open(base, "a-v0", pad=3000) for _ in range(2)]
+        await _until(lambda: len(state["arrived"]) == 2)
+        over = await _open(base, "b-v0", pad=3000)
+        assert await _status(over[0], 5.0) == 503
+        for _ in range(2):
+            state["gate"].release()
+        assert [await _status(r) for r, _ in held] == [200, 200]
+        again = await _open(base, "b-v0", pad=3000)  # released: room again
+        state["gate"].release()
+        assert await _status(again[0]) == 200
+        for _, w in [*held, over, again]:
+            w.close()

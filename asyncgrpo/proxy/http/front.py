@@ -9,7 +9,8 @@ llhttp. A request that llhttp and :mod:`~asyncgrpo.proxy.http.inbound` accept go
 forwarded, and the connection closes.
 
 Limits: connections (:class:`Clients`), time to send a head or a body, bytes held per connection
-(reading pauses): ``docs/proxy.md``, "Security".
+(reading pauses) and in all (``max_buffered_bytes``); a large generation body is read in a
+worker process (:mod:`~asyncgrpo.proxy.intake`): ``docs/proxy.md``, "Security".
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import cast
 import httptools
 
 from asyncgrpo.proxy.control import ROUTES
-from asyncgrpo.proxy.forward import Forward, request_chains
+from asyncgrpo.proxy.forward import FALLBACK_BLOCK_SIZE, Forward
 from asyncgrpo.proxy.http.h1 import Response
 from asyncgrpo.proxy.http.headers import DROP_RESPONSE_B, head_lines
 from asyncgrpo.proxy.http.inbound import (
@@ -36,10 +37,10 @@ from asyncgrpo.proxy.http.inbound import (
     Request,
     Rules,
     check_head,
+    check_trailer,
     refusal,
 )
-from asyncgrpo.proxy.http.jsonbody import BodyError, decode_object
-from asyncgrpo.proxy.runs import sequences
+from asyncgrpo.proxy.intake import Intake, read_generation
 from asyncgrpo.proxy.state import TICK_S, Proxy, error_answer
 
 __all__ = ["Clients", "Connection"]
@@ -68,14 +69,19 @@ class Clients:
         self.every = max(1, round(min(self.head_s / 4, self.idle_s / 4, 1.0) / TICK_S))
         self.conns: set[Connection] = set()
         self._date = (0, b"")
+        #: bytes of request bodies held, every connection's; at most ``max_buffered``
+        self.buffered, self.max_buffered = 0, cfg.max_buffered_bytes
 
     def admit(self) -> bool:
         """Make room for one more connection; False if every open one is busy."""
         if len(self.conns) < self.cap:
             return True
+        room = max(1, self.cap // 16)
         waiting = [c for c in self.conns if c.deadline is not None]
-        for c in heapq.nsmallest(max(1, self.cap // 16), waiting, key=_eviction_order):
+        for c in heapq.nsmallest(room, waiting, key=_eviction_order):
             c.close()
+        if len(self.conns) >= self.cap:  # all busy: requests waiting their turn go first
+            self.proxy.runs.evict(room, self.proxy.now)
         return len(self.conns) < self.cap
 
     def sweep(self, now: float) -> None:
@@ -112,6 +118,9 @@ class Connection(asyncio.Protocol):
         self.req = Request()  # being parsed
         self.in_head = self.begun = self.in_message = False
         self.head_size = self.queued_bytes = 0
+        self.held = 0  # bytes of bodies it holds, counted in ``clients.buffered``
+        self.framing = self.body_calls = 0  # bytes since the last body bytes (chunk framing,
+        # trailers); on_body calls
         self.queue: deque[Request | Refused] = deque()  # parsed, waiting their turn
         self.current: Request | None = None  # being answered
         self.started = self.chunked = False  # the current answer's head was written; its framing
@@ -125,7 +134,7 @@ class Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.req = Request()
         self.in_head = self.begun = self.in_message = True
-        self.head_size = 0
+        self.head_size = self.framing = 0
         if self.current is None:
             self.deadline = self.proxy.now + self.clients.head_s
 
@@ -133,7 +142,10 @@ class Connection(asyncio.Protocol):
         self.req.target += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.req.headers.append((name, value))
+        if self.in_head:
+            self.req.headers.append((name, value))
+        else:  # a trailer, after the last chunk: counted against the head's limits, dropped
+            check_trailer(self.req, name, value)
 
     def on_headers_complete(self) -> None:
         self.in_head = False
@@ -146,6 +158,13 @@ class Connection(asyncio.Protocol):
                 self.write(_CONTINUE)
 
     def on_body(self, data: bytes) -> None:
+        self.framing, self.body_calls = 0, self.body_calls + 1
+        clients = self.clients
+        if clients.buffered + len(data) > clients.max_buffered:
+            raise Refused(503, f"the proxy holds max_buffered_bytes={clients.max_buffered} of "
+                          "request bodies: retry later")  # fmt: skip
+        clients.buffered += len(data)
+        self.held += len(data)
         req = self.req
         req.body.append(data)
         req.size += len(data)
@@ -175,6 +194,7 @@ class Connection(asyncio.Protocol):
         if parser is None:
             return  # refused: lingering until the client closes
         self.begun = False
+        in_body, calls = self.in_message and not self.in_head, self.body_calls
         try:
             while True:
                 try:
@@ -188,6 +208,12 @@ class Connection(asyncio.Protocol):
                 self.head_size += len(data)
                 if self.head_size > HEAD_LIMIT:
                     raise Refused(431, TOO_LARGE)
+            # Likewise trailers (llhttp holds a field until it ends): pieces in a body that
+            # carry no body bytes.
+            elif in_body and self.in_message and not self.in_head and self.body_calls == calls:
+                self.framing += len(data)
+                if self.framing > HEAD_LIMIT:
+                    raise Refused(431, TOO_LARGE + " (trailers included)")
         except httptools.HttpParserError as exc:
             self.queue.append(refusal(exc, self.in_head))
             self.parser = None  # what follows a refused request cannot be framed
@@ -215,6 +241,8 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed, self.deadline = True, None
         self.clients.conns.discard(self)
+        self.clients.buffered -= self.held
+        self.held = 0
         work, self.work = self.work, None
         if isinstance(work, Forward):
             work.cancel()  # a control call runs to its end: a broadcast is all or nothing
@@ -258,21 +286,24 @@ class Connection(asyncio.Protocol):
             self.processing = False
 
     def _dispatch(self, req: Request) -> None:
-        proxy, body = self.proxy, b"".join(req.body)
+        proxy = self.proxy
         method, path = req.method, req.target.partition(b"?")[0]
-        forward = (method, req.target, b"".join(req.lines), body)
         if method == b"POST" and path in _GENERATE:
-            try:
-                parsed = decode_object(body, self.rules.max_body)
-            except BodyError as exc:
-                proxy.stats.rejected[exc.status] += 1
-                return self.answer(error_answer(exc.status, str(exc)))
-            chains = request_chains(proxy, parsed)
-            run = proxy.runs.run(str(parsed.get("model") or ""), proxy.now)
-            self.work = Forward(proxy, self, forward, chains, stream=parsed.get("stream") is True,
-                                run=run, cost=sequences(parsed), session=req.session)  # fmt: skip
-            return self.work.submit()  # now, or its run's turn while the replicas are saturated
-        elif (handler := ROUTES.get((b"GET" if method == b"HEAD" else method, path))) is not None:
+            block_size = None
+            if proxy.router.policy == "affinity":
+                block_size = proxy.pool.block_size or FALLBACK_BLOCK_SIZE
+            if req.size > proxy.config.offload_body_bytes:  # off the event loop, unjoined
+                forward = (method, req.target, b"".join(req.lines), req.body)
+                read = proxy.offload.read(req.body, self.rules.max_body, block_size)
+                self.work = proxy.spawn(self._offloaded(req, forward, read), "asyncgrpo-read")
+                return
+            body = b"".join(req.body)
+            forward = (method, req.target, b"".join(req.lines), body)
+            return self._generate(req, forward, read_generation(body, self.rules.max_body,
+                                                                block_size))  # fmt: skip
+        body = b"".join(req.body)
+        forward = (method, req.target, b"".join(req.lines), body)
+        if (handler := ROUTES.get((b"GET" if method == b"HEAD" else method, path))) is not None:
             self.work = proxy.spawn(self._control(handler, req, body), f"asyncgrpo-proxy {path!r}")
             return
         elif method in (b"GET", b"HEAD") or (method == b"POST" and path in _PASS_POST):
@@ -284,6 +315,29 @@ class Connection(asyncio.Protocol):
                 "control calls are"
             ))  # fmt: skip
         self.work.start()
+
+    def _generate(
+        self, req: Request, forward: tuple[bytes, bytes, bytes, bytes | list[bytes]],
+        intake: Intake,
+    ) -> None:  # fmt: skip
+        """Relay a generation request (or answer why not) once its body is read."""
+        proxy = self.proxy
+        if intake.status:
+            proxy.stats.rejected[intake.status] += 1
+            return self.answer(error_answer(intake.status, intake.message))
+        proxy.stats.route_seconds += intake.hash_s
+        run = proxy.runs.run(intake.model, proxy.now)
+        self.work = Forward(proxy, self, forward, intake.chains, stream=intake.stream, run=run,
+                            cost=intake.cost, session=req.session)  # fmt: skip
+        self.work.submit()  # now, or its run's turn while the replicas are saturated
+
+    async def _offloaded(
+        self, req: Request, forward: tuple[bytes, bytes, bytes, bytes | list[bytes]],
+        read: Awaitable[Intake],
+    ) -> None:  # fmt: skip
+        intake = await read
+        if self.current is req and not self.closed:
+            self._generate(req, forward, intake)
 
     async def _control(
         self, handler: Callable[[Proxy, str, str, bytes], Awaitable[Response]], req: Request,
@@ -344,6 +398,10 @@ class Connection(asyncio.Protocol):
 
     def answered(self) -> None:
         req, self.current = self.current, None
+        if req is not None:
+            freed = min(req.size, self.held)
+            self.held -= freed
+            self.clients.buffered -= freed
         if req is not None and not req.keep_alive:
             self.close()
         elif req is not None:

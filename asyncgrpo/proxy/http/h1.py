@@ -18,7 +18,7 @@ import httptools
 
 from asyncgrpo.proxy.config import split_url
 
-__all__ = ["ConnectFailed", "Disconnected", "Exchange", "H1Pool", "Response"]
+__all__ = ["ConnectFailed", "Disconnected", "Exchange", "H1Pool", "Request", "Response"]
 
 #: Idle connections kept per pool; more are closed when returned.
 _MAX_IDLE = 1024
@@ -27,6 +27,16 @@ _JSON = b"Content-Type: application/json\r\n"
 
 #: (status, headers as (name, value) bytes pairs, body)
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
+#: A request as written: one piece, or its head and the body's pieces (never joined: a copy of
+#: a 32 MiB body holds the event loop for tens of milliseconds)
+Request = bytes | list[bytes]
+
+
+def _write(transport: asyncio.Transport, request: Request) -> None:
+    if isinstance(request, bytes):
+        transport.write(request)
+    else:
+        transport.writelines(request)
 
 
 class ConnectFailed(OSError):
@@ -104,7 +114,7 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.reused, self.used = False, 0.0
 
-    def start(self, exchange: Exchange, request: bytes, head_request: bool) -> None:
+    def start(self, exchange: Exchange, request: Request, head_request: bool) -> None:
         exchange.conn = self
         self.exchange, self.request, self.head_request = exchange, request, head_request
         self.sink = exchange if exchange.streams else None
@@ -113,7 +123,7 @@ class _Conn(asyncio.Protocol):
         self.status = 0
         self.done = self.keep = self.started = False
         if self.transport is not None:
-            self.transport.write(request)
+            _write(self.transport, request)
 
     def detach(self) -> Exchange | None:
         exchange, self.exchange, self.sink = self.exchange, None, None
@@ -227,15 +237,19 @@ class H1Pool:
             self.head += f"Authorization: Bearer {auth}\r\n".encode()
         self.idle: list[_Conn] = []
 
-    def request(self, method: bytes, path_qs: bytes, header_lines: bytes, body: bytes) -> bytes:
+    def request(
+        self, method: bytes, path_qs: bytes, header_lines: bytes, body: bytes | list[bytes]
+    ) -> Request:
         """One request: ``header_lines`` ("Name: value\\r\\n", validated) + Host, Authorization,
-        Content-Length."""
-        return b"".join(
-            (method, b" ", self.prefix, path_qs, b" HTTP/1.1\r\n", self.head, header_lines,
-             b"Content-Length: %d\r\n\r\n" % len(body), body)
-        )  # fmt: skip
+        Content-Length; ``body`` in pieces stays in pieces."""
+        size = len(body) if isinstance(body, bytes) else sum(map(len, body))
+        head = (method, b" ", self.prefix, path_qs, b" HTTP/1.1\r\n", self.head, header_lines,
+                b"Content-Length: %d\r\n\r\n" % size)  # fmt: skip
+        if isinstance(body, bytes):
+            return b"".join((*head, body))
+        return [b"".join(head), *body]
 
-    def send(self, exchange: Exchange, request: bytes, *, head_request: bool = False) -> None:
+    def send(self, exchange: Exchange, request: Request, *, head_request: bool = False) -> None:
         """Send ``request`` (from :meth:`request`) on an idle connection or a new one."""
         idle, oldest = self.idle, time.monotonic() - self.keepalive_s
         while idle:
@@ -247,7 +261,7 @@ class H1Pool:
             conn.close()
         self.send_fresh(exchange, request, head_request)
 
-    def send_fresh(self, exchange: Exchange, request: bytes, head_request: bool) -> None:
+    def send_fresh(self, exchange: Exchange, request: Request, head_request: bool) -> None:
         conn = _Conn(self)
         conn.start(exchange, request, head_request)
         conn.connecting = asyncio.get_running_loop().create_task(self._connect(conn))
@@ -295,7 +309,7 @@ class H1Pool:
             return
         conn.connecting = None
         if conn.exchange is not None and conn.transport is not None:
-            conn.transport.write(conn.request)
+            _write(conn.transport, conn.request)
         else:
             conn.close()
 

@@ -1,7 +1,7 @@
 """What the front accepts from a client, on top of llhttp's own strictness (pure: no I/O).
 
-A request llhttp accepted is still refused here for its version, method, transfer coding, size,
-Host, key, expectation, and for what only a web page in the user's browser would send (an
+A request llhttp accepted is still refused here for its version, method, target (a path
+only), transfer coding, size and number of fields (trailers included), Host, key, expectation, and for what only a web page in the user's browser would send (an
 ``Origin``, a body that is not JSON, a Host that is not this machine's on a loopback proxy: a
 ``text/plain`` POST needs no CORS preflight). The list: ``docs/proxy.md``, "Security".
 """
@@ -15,15 +15,20 @@ import httptools
 from asyncgrpo.proxy.config import ProxyConfig, is_loopback
 from asyncgrpo.proxy.http.headers import DROP_REQUEST_B, SESSION_HEADER
 
-__all__ = ["ADMIN_PATHS", "HEAD_LIMIT", "TOO_LARGE", "Refused", "Request", "Rules", "check_head",
-           "refusal"]  # fmt: skip
+__all__ = ["ADMIN_PATHS", "HEAD_LIMIT", "MAX_FIELDS", "RUNS_PATH", "TOO_LARGE", "Refused",
+           "Request", "Rules", "check_head", "check_trailer", "refusal"]  # fmt: skip
 
-#: Longest request head (request line and headers).
+#: Longest request head (request line and headers), trailers of a chunked body included.
 HEAD_LIMIT = 64 * 1024
+#: Most header fields in a request, trailers included: each costs a Python call and a tuple.
+MAX_FIELDS = 256
 TOO_LARGE = f"request head over {HEAD_LIMIT} bytes"
+TOO_MANY = f"more than {MAX_FIELDS} header fields"
 #: Routes that change the replica set (but for reading it: GET, HEAD): the admin key, not the
 #: client key. Reading the list stays with the client key, as ``/proxy/stats`` shows it too.
 ADMIN_PATHS = frozenset({b"/proxy/upstreams"})
+#: The book of runs: its writes take the admin key when one is set (else the client key).
+RUNS_PATH = b"/proxy/runs"
 _READ = frozenset({b"GET", b"HEAD"})
 _SESSION = SESSION_HEADER.lower().encode()
 _WATCH = frozenset({b"origin", b"content-type", _SESSION})
@@ -73,15 +78,16 @@ class Rules:
 class Request:
     """One request as llhttp hands it over: head, then body piece by piece."""
 
-    __slots__ = ("auth", "body", "content_type", "expect", "headers", "host", "hosts", "http11",
-                 "keep_alive", "length", "lines", "method", "origin", "session", "size", "target",
-                 "te")  # fmt: skip
+    __slots__ = ("auth", "body", "content_type", "expect", "fields", "head_size", "headers",
+                 "host", "hosts", "http11", "keep_alive", "length", "lines", "method", "origin",
+                 "session", "size", "target", "te")  # fmt: skip
 
     def __init__(self) -> None:
         self.method = self.target = b""
         self.headers: list[tuple[bytes, bytes]] = []  # as llhttp accepted them
         self.lines: list[bytes] = []  # "Name: value\r\n" of those a replica may see
         self.hosts = self.size = 0
+        self.head_size = self.fields = 0  # the head's, then the trailers' added (check_trailer)
         self.te: list[bytes] = []
         self.auth = self.expect = self.host = self.origin = self.content_type = None
         self.session: int | None = None  # hash of X-Session-ID: a fixed size whatever its length
@@ -117,6 +123,7 @@ class Request:
                 self.auth = value
             elif lower == b"expect":
                 self.expect = value.lower()
+        self.head_size, self.fields = size, len(self.headers)
         return size
 
 
@@ -129,11 +136,18 @@ def check_head(req: Request, version: str, rules: Rules) -> None:
     """Raise :class:`Refused` if the front does not take a request with this head."""
     if req.scan_headers() > HEAD_LIMIT:
         raise Refused(431, TOO_LARGE)
+    if req.fields > MAX_FIELDS:
+        raise Refused(431, TOO_MANY)
     if version not in ("1.1", "1.0"):
         raise Refused(505, f"HTTP/{version} is not supported: only HTTP/1.0 and 1.1")
     req.http11 = version == "1.1"
     if req.method == b"CONNECT":
         raise Refused(405, "CONNECT is not supported: this is not a forward proxy")
+    if req.target[:1] != b"/":  # absolute form (http://host/...), authority form, asterisk
+        raise Refused(
+            400, "the request target must be a path (origin form, /...): this is not a "
+            "forward proxy"
+        )  # fmt: skip
     if req.te:
         if not req.http11:
             raise Refused(400, "Transfer-Encoding in an HTTP/1.0 request")
@@ -157,7 +171,11 @@ def check_head(req: Request, version: str, rules: Rules) -> None:
             403, "this proxy listens on loopback and answers only Host localhost or a loopback "
             "address (a guard against DNS rebinding)",
         )  # fmt: skip
-    if req.method not in _READ and req.target.partition(b"?")[0] in ADMIN_PATHS:
+    path = req.target.partition(b"?")[0]
+    admin = req.method not in _READ and (
+        path in ADMIN_PATHS or (path == RUNS_PATH and rules.admin is not None)
+    )
+    if admin:
         if rules.admin is None:
             raise Refused(403, _ADMIN_OFF)
         if not hmac.compare_digest(req.auth or b"", rules.admin):
@@ -171,6 +189,17 @@ def check_head(req: Request, version: str, rules: Rules) -> None:
         raise Refused(
             415, f"Content-Type {ct.decode('latin-1')!r}: bodies must be application/json"
         )
+
+
+def check_trailer(req: Request, name: bytes, value: bytes) -> None:
+    """A trailer field after a chunked body: counted against the head's limits and dropped
+    (the proxy forwards a body with a Content-Length, so no trailer reaches a replica)."""
+    req.head_size += len(name) + len(value) + 4
+    req.fields += 1
+    if req.head_size > HEAD_LIMIT:
+        raise Refused(431, TOO_LARGE + " (trailers included)")
+    if req.fields > MAX_FIELDS:
+        raise Refused(431, TOO_MANY + " (trailers included)")
 
 
 def refusal(exc: httptools.HttpParserError, in_head: bool) -> Refused:

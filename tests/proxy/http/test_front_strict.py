@@ -249,6 +249,16 @@ CORPUS: list[tuple[str, list[bytes], list[int]]] = [
     ("oversized head trickled", [P + H, *[b"X-Big: " + b"a" * 8000 + b"\r\n"] * 10], [431]),
     ("body over the limit", [_post(b"x" * (MAX_BODY + 1))], [413]),
     ("unknown expectation", [_post(B, b"Expect: 200-ok\r\n")], [417]),
+    # trailers after a chunked body: the head's limits hold for them too
+    ("trailers over 64 KiB", [CHUNKED + b"2\r\n{}\r\n0\r\n" + b"".join(b"X-T%d: %s\r\n" % (i, b"a" * 1000) for i in range(70)) + b"\r\n"], [431]),
+    ("trailers over 64 KiB trickled", [CHUNKED + b"2\r\n{}\r\n0\r\n", *[b"X-T: " + b"a" * 8000 + b"\r\n"] * 10, b"\r\n"], [431]),
+    ("one trailer over 64 KiB trickled", [CHUNKED + b"2\r\n{}\r\n0\r\nX-T: ", *[b"a" * 8000] * 10, b"\r\n\r\n"], [431]),
+    ("trailer fields over 256", [CHUNKED + b"2\r\n{}\r\n0\r\n" + b"X-T: 1\r\n" * 300 + b"\r\n"], [431]),
+    ("header fields over 256", [_post(B, b"X-A: 1\r\n" * 300)], [431]),
+    # request targets: a path only
+    ("absolute-form target", [_post(B, head=b"POST http://localhost/v1/completions HTTP/1.1\r\nHost: localhost\r\n")], [400]),
+    ("absolute-form GET", [b"GET http://127.0.0.1:1/health HTTP/1.1\r\nHost: localhost\r\n\r\n"], [400]),
+    ("asterisk target", [b"OPTIONS * HTTP/1.1\r\nHost: localhost\r\n\r\n"], [400]),
     # pipelining after an error
     ("bad then good, pipelined", [_post(B, b"X-A: a\x00\r\n") + GOOD], [400]),
     ("good, bad, good, pipelined", [GOOD + _post(B, b"Host: other\r\n") + GOOD], [200, 400]),
@@ -331,7 +341,8 @@ _VALID = (
 )
 _ATOMS = [b"\r", b"\n", b"\r\n", b"\x00", b" ", b"\t", b":", b",", b";", b"0", b"9", b"f",
           b"chunked", b"Transfer-Encoding: chunked\r\n", b"Content-Length: 3\r\n",
-          b"Host: x\r\n", b"HTTP/1.0", b"\x7f", b"\xff", b"\r\n\r\n"]  # fmt: skip
+          b"Host: x\r\n", b"HTTP/1.0", b"\x7f", b"\xff", b"\r\n\r\n",
+          b"0\r\nX-Trailer: t\r\n\r\n", b"http://localhost"]  # fmt: skip
 
 
 def _reference(data: bytes) -> list[bytes]:
@@ -428,3 +439,14 @@ def test_head_answer_has_no_body_and_the_connection_goes_on(proxy) -> None:
     assert first.startswith(b"HTTP/1.1 200") and b"Content-Length" in first
     assert rest.startswith(b"HTTP/1.1 200")  # no body between the two answers
     assert json.loads(rest.partition(b"\r\n\r\n")[2])["rejected"] is not None
+
+
+def test_a_small_trailer_is_dropped_and_the_body_forwarded(proxy) -> None:
+    port, rec = proxy
+    before = len(rec.requests)
+    body = _body("good")
+    chunked = CHUNKED + b"%x\r\n%s\r\n0\r\nX-Checksum: 1\r\n\r\n" % (len(body), body)
+    answers, closed = _exchange(port, [chunked], half_close=True)
+    assert answers.statuses == [200] and closed
+    assert [b for _, _, b in rec.requests[before:]] == [body]
+    assert b"X-Checksum" not in rec.raw

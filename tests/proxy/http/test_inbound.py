@@ -111,3 +111,18 @@ def test_llhttp_refusals_are_named(raw: bytes, status: int, message: str) -> Non
         httptools.HttpRequestParser(sink).feed_data(raw)
     got = refusal(info.value, sink.in_head)
     assert got.status == status and message in str(got)
+
+
+def test_the_book_of_runs_takes_the_admin_key_for_writes_when_there_is_one() -> None:
+    runs = b"/proxy/runs"
+    keyed = _rules(api_key="k", admin_api_key="a")
+    for method in (b"POST", b"DELETE"):
+        with pytest.raises(Refused, match="admin key") as info:
+            check_head(_req(HOST, KEY, method=method, target=runs), "1.1", keyed)
+        assert info.value.status == 401
+        check_head(_req(HOST, (b"Authorization", b"Bearer a"), method=method, target=runs),
+                   "1.1", keyed)  # fmt: skip
+        # no admin key: the client key (or, on loopback without one, nothing), as before
+        check_head(_req(HOST, KEY, method=method, target=runs), "1.1", _rules(api_key="k"))
+        check_head(_req(HOST, method=method, target=runs), "1.1", _rules())
+    check_head(_req(HOST, KEY, method=b"GET", target=runs), "1.1", keyed)  # reading
