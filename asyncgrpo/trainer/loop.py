@@ -57,6 +57,7 @@ from asyncgrpo.trainer.loss import (
 from asyncgrpo.trainer.model import default_device, load_policy, row_logprobs
 from asyncgrpo.trainer.model import save_adapter as _save_adapter
 from asyncgrpo.trainer.packing import PackedRow, build_row, pack_samples
+from asyncgrpo.trainer.trust_region import cap_update
 
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
@@ -372,7 +373,7 @@ class Trainer:
         batch = self._pack(samples)
         lr = self.scheduler.get_last_lr()[0]
         loss_total, sums, fwd_s, fwd_bwd_s = self._backward(batch, clock)
-        grad_norm, update_norm, param_norm = self._update()
+        grad_norm, update_norm, param_norm, update_scale = self._update()
         self._sync()
         step_s = time.perf_counter() - t_step
 
@@ -383,6 +384,7 @@ class Trainer:
             **finalize_stats(sums, self.buckets),
             "collapse/update_norm": update_norm,
             "collapse/adapter_norm": param_norm,
+            "collapse/update_scale": update_scale,
             "batch/tokens": float(batch.total_tokens),
             "batch/completion_tokens": float(batch.num_tokens),
             "batch/microbatches_per_step": float(batch.num_rows),
@@ -523,9 +525,10 @@ class Trainer:
         )
         return loss, part, forward_end
 
-    def _update(self) -> tuple[float, float, float]:
-        """Clip, then the optimizer step and schedule (a non-finite gradient skips the update):
-        (gradient norm, update norm, adapter norm)."""
+    def _update(self) -> tuple[float, float, float, float]:
+        """Clip, the optimizer step and schedule (a non-finite gradient skips the update), then
+        the trust region (``trainer.max_update_ratio``): (gradient norm, update norm, adapter
+        norm, the trust region's scale)."""
         if self.config.max_grad_norm is not None:
             grad_norm = float(
                 torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
@@ -545,9 +548,11 @@ class Trainer:
                 warnings.simplefilter("ignore", UserWarning)
                 self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        update_norm, param_norm = _norms(self.params, before)
+        update_norm, param_norm, scale = cap_update(
+            self.params, before, self.config.max_update_ratio
+        )
         self.step_count += 1
-        return grad_norm, update_norm, param_norm
+        return grad_norm, update_norm, param_norm, scale
 
     # -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -655,20 +660,6 @@ class Trainer:
 def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
     """A deep copy of a ``state_dict`` without its RNG (a snapshot training cannot mutate)."""
     return copy.deepcopy({k: v for k, v in state.items() if k != "rng"})
-
-
-def _norms(params: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> tuple[float, float]:
-    """The L2 norm of the step's change to the adapter, and of the adapter after it."""
-    with torch.no_grad():
-        delta = [
-            torch.linalg.vector_norm(p.detach() - b) for p, b in zip(params, before, strict=True)
-        ]
-        norm = [torch.linalg.vector_norm(p.detach()) for p in params]
-    if not delta:
-        return 0.0, 0.0
-    return float(torch.linalg.vector_norm(torch.stack(delta))), float(
-        torch.linalg.vector_norm(torch.stack(norm))
-    )
 
 
 def _padding_row(rows: Sequence[PackedRow]) -> PackedRow:
