@@ -78,7 +78,8 @@ def run_one(model: Path, recipe: dict[str, Any], staleness: int, steps: int, see
                              ("adapter_norm", "collapse/adapter_norm"),
                              ("adv_abs_max", "advantages/abs_max"),
                              ("alarm", "collapse/alarm"),
-                             ("update_scale", "collapse/update_scale"))
+                             ("update_scale", "collapse/update_scale"),
+                             ("update_kl", "collapse/update_kl"))
     }  # fmt: skip
     return {"settings": settings, "reward": rewards, "curves": curves,
             "wall_s": time.monotonic() - t0}  # fmt: skip

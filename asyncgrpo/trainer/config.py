@@ -72,6 +72,11 @@ class TrainerConfig:
     than 5 %). AdamW sizes its steps by the learning rate, not the gradient, so clipping the
     gradient does not bound them; this does. None: no cap. Metric collapse/update_scale is the
     factor applied (1: within the region)."""
+    max_update_kl: float | None = None
+    """Trust region of one optimizer step in policy space, in nats: after the step, one more
+    forward over the step's tokens measures how far it moved the policy (mean k3 KL per token,
+    metric collapse/update_kl); above this the update is shrunk towards the old weights by
+    sqrt(max_update_kl / kl). None: off (no extra forward)."""
     epsilon: float = 0.2
     """Lower clip range: the ratio is clipped at 1 - epsilon."""
     epsilon_high: float | None = None
@@ -164,7 +169,7 @@ class TrainerConfig:
             gt=dict.fromkeys(
                 ("learning_rate", "max_grad_norm", "epsilon", "epsilon_high", "dp_timeout_s",
                  "peak_flops", "collapse_drop", "collapse_lr_factor", "adam_epsilon",
-                 "max_update_ratio"), 0
+                 "max_update_ratio", "max_update_kl"), 0
             ),
             lt={"collapse_lr_factor": 1, "adam_beta1": 1, "adam_beta2": 1},
             ge={"warmup_steps": 0, "weight_decay": 0, "adam_beta1": 0, "adam_beta2": 0, "samples_per_step": 1, "token_budget": 1,

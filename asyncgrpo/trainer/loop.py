@@ -57,7 +57,7 @@ from asyncgrpo.trainer.loss import (
 from asyncgrpo.trainer.model import default_device, load_policy, row_logprobs
 from asyncgrpo.trainer.model import save_adapter as _save_adapter
 from asyncgrpo.trainer.packing import PackedRow, build_row, pack_samples
-from asyncgrpo.trainer.trust_region import cap_update
+from asyncgrpo.trainer.trust_region import cap_update, global_norm, kl_scale, shrink, token_kl
 
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
@@ -137,6 +137,8 @@ class _Batch:
     num_sequences: int
     longest: int  #: the longest sample's policy tokens
     micro_steps: int  #: forward/backward passes (FSDP: equal on every rank)
+    #: each micro-step's token logprobs before the update (detached): the KL trust region's base
+    logps: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 class Trainer:
@@ -373,7 +375,7 @@ class Trainer:
         batch = self._pack(samples)
         lr = self.scheduler.get_last_lr()[0]
         loss_total, sums, fwd_s, fwd_bwd_s = self._backward(batch, clock)
-        grad_norm, update_norm, param_norm, update_scale = self._update()
+        grad_norm, update_norm, param_norm, update_scale, update_kl = self._update(batch)
         self._sync()
         step_s = time.perf_counter() - t_step
 
@@ -385,6 +387,7 @@ class Trainer:
             "collapse/update_norm": update_norm,
             "collapse/adapter_norm": param_norm,
             "collapse/update_scale": update_scale,
+            "collapse/update_kl": update_kl,
             "batch/tokens": float(batch.total_tokens),
             "batch/completion_tokens": float(batch.num_tokens),
             "batch/microbatches_per_step": float(batch.num_rows),
@@ -491,6 +494,7 @@ class Trainer:
         logp, entropy = row_logprobs(self.model, row)
         self._sync()
         forward_end = time.perf_counter()
+        batch.logps.append(logp.detach())
         mask = row.completion_mask
         device = logp.device
         staleness = clock[0] - row.versions[mask]
@@ -525,14 +529,13 @@ class Trainer:
         )
         return loss, part, forward_end
 
-    def _update(self) -> tuple[float, float, float, float]:
+    def _update(self, batch: _Batch) -> tuple[float, float, float, float, float]:
         """Clip, the optimizer step and schedule (a non-finite gradient skips the update), then
-        the trust region (``trainer.max_update_ratio``): (gradient norm, update norm, adapter
-        norm, the trust region's scale)."""
-        if self.config.max_grad_norm is not None:
-            grad_norm = float(
-                torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
-            )
+        the trust region (``trainer.max_update_ratio``, ``max_update_kl``): (gradient norm,
+        update norm, adapter norm, the trust region's scale, the step's KL before it)."""
+        cfg = self.config
+        if cfg.max_grad_norm is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
         else:
             norms = [torch.linalg.vector_norm(p.grad) for p in self.params if p.grad is not None]
             grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
@@ -548,11 +551,33 @@ class Trainer:
                 warnings.simplefilter("ignore", UserWarning)
                 self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        update_norm, param_norm, scale = cap_update(
-            self.params, before, self.config.max_update_ratio
-        )
+        update_norm, param_norm, scale = cap_update(self.params, before, cfg.max_update_ratio)
+        kl = math.nan
+        if cfg.max_update_kl is not None:
+            kl = self._update_kl(batch)
+            shrink_by = kl_scale(kl, cfg.max_update_kl)
+            if shrink_by < 1.0:
+                shrink(self.params, before, shrink_by)
+                scale *= shrink_by
+                update_norm *= shrink_by
+                param_norm = global_norm([p.detach() for p in self.params])
         self.step_count += 1
-        return grad_norm, update_norm, param_norm, scale
+        return grad_norm, update_norm, param_norm, scale, kl
+
+    @torch.no_grad()
+    def _update_kl(self, batch: _Batch) -> float:
+        """Mean k3 change of the step's token logprobs from before the update to now (one
+        forward per micro-step; every rank's tokens)."""
+        total = 0.0
+        rows = batch.rows
+        for i in range(batch.micro_steps):
+            row = rows[i] if i < len(rows) else _padding_row(rows)
+            logp, _ = row_logprobs(self.model, row, with_entropy=False)
+            if i < len(rows):
+                total += float(token_kl(logp.float(), batch.logps[i].float()).sum())
+        if self.dp is not None:
+            total = self.dp.sum([total])[0]
+        return total / batch.num_tokens
 
     # -----------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -43,10 +43,32 @@ def cap_update(
 ) -> tuple[float, float, float]:
     """Shrink the step just taken from ``before`` to ``params`` (in place) into the trust
     region: (the update's norm after the cap, the adapter's norm after it, the scale applied)."""
-    delta = [p.detach() - b for p, b in zip(params, before, strict=True)]
-    norm = global_norm(delta)
+    norm = global_norm([p.detach() - b for p, b in zip(params, before, strict=True)])
     scale = update_scale(norm, global_norm(before), max_ratio)
-    if scale < 1.0:
-        for p, b, d in zip(params, before, delta, strict=True):
-            p.copy_(b + d * scale)
+    shrink(params, before, scale)
     return norm * scale, global_norm(params), scale
+
+
+@torch.no_grad()
+def shrink(params: Sequence[torch.Tensor], before: Sequence[torch.Tensor], scale: float) -> None:
+    """Move ``params`` back towards ``before``: ``before + scale * (params - before)``."""
+    if scale < 1.0:
+        for p, b in zip(params, before, strict=True):
+            p.copy_(b + (p.detach() - b) * scale)
+
+
+def token_kl(new_logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    """Per token, k3 = r - 1 - log r with r = pi_new / pi_old: how far the step moved the
+    policy on the step's own tokens (>= 0; the KL(pi_old || pi_new) estimate of PPO's
+    approx_kl where the tokens come from pi_old)."""
+    log_r = new_logp - old_logp
+    return torch.expm1(log_r) - log_r
+
+
+def kl_scale(kl: float, max_kl: float | None) -> float:
+    """The factor that brings a step whose policy change is ``kl`` within ``max_kl``, taking
+    the change as quadratic in the step's length near the start (KL's second-order term, the
+    approximation TRPO's step size rests on); 1 when within, off, or not finite."""
+    if max_kl is None or not math.isfinite(kl) or kl <= max_kl:
+        return 1.0
+    return math.sqrt(max_kl / kl)
