@@ -74,9 +74,10 @@ class TrainerConfig:
     factor applied (1: within the region)."""
     max_update_kl: float | None = None
     """Trust region of one optimizer step in policy space, in nats: after the step, one more
-    forward over the step's tokens measures how far it moved the policy (mean k3 KL per token,
-    metric collapse/update_kl); above this the update is shrunk towards the old weights by
-    sqrt(max_update_kl / kl). None: off (no extra forward)."""
+    forward over the step's tokens measures how far it moved the policy (KL(before || after)
+    per token, importance-weighted from the sampler's tokens; metric collapse/update_kl); above
+    this the update is shrunk towards the old weights by sqrt(max_update_kl / kl). None: off
+    (no extra forward)."""
     epsilon: float = 0.2
     """Lower clip range: the ratio is clipped at 1 - epsilon."""
     epsilon_high: float | None = None

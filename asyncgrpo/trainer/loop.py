@@ -566,18 +566,25 @@ class Trainer:
 
     @torch.no_grad()
     def _update_kl(self, batch: _Batch) -> float:
-        """Mean k3 change of the step's token logprobs from before the update to now (one
-        forward per micro-step; every rank's tokens)."""
-        total = 0.0
+        """How far the step moved the policy: KL(before || after) estimated on the step's
+        tokens, each token's k3 weighted by pi_before / pi_sampler and the weights normalised
+        (self-normalised importance sampling: the tokens came from the sampler, and a token the
+        policy had all but ruled out would otherwise dominate). One forward per micro-step;
+        every rank's tokens."""
+        num = den = 0.0
         rows = batch.rows
         for i in range(batch.micro_steps):
             row = rows[i] if i < len(rows) else _padding_row(rows)
             logp, _ = row_logprobs(self.model, row, with_entropy=False)
             if i < len(rows):
-                total += float(token_kl(logp.float(), batch.logps[i].float()).sum())
+                old = batch.logps[i].double()
+                behaviour = row.behaviour_logprobs[row.completion_mask].to(old.device).double()
+                weight = torch.exp(old - behaviour)
+                num += float((weight * token_kl(logp.double(), old)).sum())
+                den += float(weight.sum())
         if self.dp is not None:
-            total = self.dp.sum([total])[0]
-        return total / batch.num_tokens
+            num, den = self.dp.sum([num, den])
+        return num / den if den > 0 else 0.0
 
     # -----------------------------------------------------------------------------------------
     @torch.no_grad()

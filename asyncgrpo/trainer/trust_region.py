@@ -58,9 +58,8 @@ def shrink(params: Sequence[torch.Tensor], before: Sequence[torch.Tensor], scale
 
 
 def token_kl(new_logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
-    """Per token, k3 = r - 1 - log r with r = pi_new / pi_old: how far the step moved the
-    policy on the step's own tokens (>= 0; the KL(pi_old || pi_new) estimate of PPO's
-    approx_kl where the tokens come from pi_old)."""
+    """Per token, k3 = r - 1 - log r with r = pi_new / pi_old (>= 0): on tokens drawn from
+    pi_old its mean estimates KL(pi_old || pi_new), as PPO's approx_kl."""
     log_r = new_logp - old_logp
     return torch.expm1(log_r) - log_r
 
