@@ -66,12 +66,6 @@ class TrainerConfig:
     direction with little history from being amplified up to 1/sqrt(1 - adam_beta2) times."""
     max_grad_norm: float | None = 1.0
     """Clip the gradient norm to this; None disables clipping."""
-    max_update_ratio: float | None = None
-    """Trust region of one optimizer step: the update is scaled down so that its L2 norm is at
-    most this share of the adapter's norm before it (0.05: no step moves the adapter by more
-    than 5 %). AdamW sizes its steps by the learning rate, not the gradient, so clipping the
-    gradient does not bound them; this does. None: no cap. Metric collapse/update_scale is the
-    factor applied (1: within the region)."""
     max_update_kl: float | None = None
     """Trust region of one optimizer step in policy space, in nats: after the step, one more
     forward over the step's tokens measures how far it moved the policy (KL(before || after)
@@ -170,7 +164,7 @@ class TrainerConfig:
             gt=dict.fromkeys(
                 ("learning_rate", "max_grad_norm", "epsilon", "epsilon_high", "dp_timeout_s",
                  "peak_flops", "collapse_drop", "collapse_lr_factor", "adam_epsilon",
-                 "max_update_ratio", "max_update_kl"), 0
+                 "max_update_kl"), 0
             ),
             lt={"collapse_lr_factor": 1, "adam_beta1": 1, "adam_beta2": 1},
             ge={"warmup_steps": 0, "weight_decay": 0, "adam_beta1": 0, "adam_beta2": 0, "samples_per_step": 1, "token_budget": 1,

@@ -57,7 +57,7 @@ from asyncgrpo.trainer.loss import (
 from asyncgrpo.trainer.model import default_device, load_policy, row_logprobs
 from asyncgrpo.trainer.model import save_adapter as _save_adapter
 from asyncgrpo.trainer.packing import PackedRow, build_row, pack_samples
-from asyncgrpo.trainer.trust_region import cap_update, global_norm, kl_scale, shrink, token_kl
+from asyncgrpo.trainer.trust_region import global_norm, kl_scale, shrink, token_kl
 
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
@@ -531,8 +531,8 @@ class Trainer:
 
     def _update(self, batch: _Batch) -> tuple[float, float, float, float, float]:
         """Clip, the optimizer step and schedule (a non-finite gradient skips the update), then
-        the trust region (``trainer.max_update_ratio``, ``max_update_kl``): (gradient norm,
-        update norm, adapter norm, the trust region's scale, the step's KL before it)."""
+        the trust region (``trainer.max_update_kl``): (gradient norm, update norm, adapter norm,
+        the trust region's scale, the step's KL before it)."""
         cfg = self.config
         if cfg.max_grad_norm is not None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
@@ -551,16 +551,15 @@ class Trainer:
                 warnings.simplefilter("ignore", UserWarning)
                 self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        update_norm, param_norm, scale = cap_update(self.params, before, cfg.max_update_ratio)
-        kl = math.nan
+        kl, scale = math.nan, 1.0
         if cfg.max_update_kl is not None:
             kl = self._update_kl(batch)
-            shrink_by = kl_scale(kl, cfg.max_update_kl)
-            if shrink_by < 1.0:
-                shrink(self.params, before, shrink_by)
-                scale *= shrink_by
-                update_norm *= shrink_by
-                param_norm = global_norm([p.detach() for p in self.params])
+            scale = kl_scale(kl, cfg.max_update_kl)
+            shrink(self.params, before, scale)
+        update_norm = global_norm(
+            [p.detach() - b for p, b in zip(self.params, before, strict=True)]
+        )
+        param_norm = global_norm([p.detach() for p in self.params])
         self.step_count += 1
         return grad_norm, update_norm, param_norm, scale, kl
 

@@ -1,13 +1,13 @@
-"""The optimizer step's trust region: a cap on how far one update may move the adapter.
+"""The optimizer step's trust region in policy space (``trainer.max_update_kl``).
 
-AdamW divides each coordinate's gradient by the root of its own running mean square, so the
-size of an update follows the learning rate, not the gradient: a gradient spike in a direction
-with little history, or a take-off where every coordinate moves at once, moves the adapter as
-far as a step of real signal. With samples several versions stale the trainer sees the damage
-of such a step only ``max_staleness`` steps later. ``trainer.max_update_ratio`` bounds the step
-instead: ``||delta|| <= ratio * ||adapter||`` (the idea of LAMB's trust ratio and of the update
-clipping of Adafactor and StableAdamW, applied to the whole adapter), so one step can change
-the policy by a bounded share of what the adapter has learned, whatever the gradient did.
+AdamW sizes each coordinate's step by the learning rate, not by the gradient, and clipping the
+gradient does not change that; how far a step of a given length moves the *policy* depends on
+where the adapter is (near convergence, with peaked logits, the same length moves it much
+further). With samples several versions stale the trainer sees the damage of an over-long step
+only ``max_staleness`` steps later. So the step is measured where it matters: after the update,
+the KL between the policy before and after it on the step's own tokens, and an update above
+the bound is shrunk towards the old weights, TRPO's trust region applied after the fact instead
+of by a constrained solve (and PPO's target_kl without stopping the step).
 """
 
 from __future__ import annotations
@@ -16,16 +16,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-
-
-def update_scale(update_norm: float, param_norm: float, max_ratio: float | None) -> float:
-    """The factor in (0, 1] that brings an update of ``update_norm`` within ``max_ratio`` of
-    the adapter's norm before it, ``param_norm``; 1 when it is within already, when the cap is
-    off (None), or when the adapter has no norm to measure against (all zeros)."""
-    if max_ratio is None or param_norm <= 0 or not math.isfinite(update_norm):
-        return 1.0
-    limit = max_ratio * param_norm
-    return 1.0 if update_norm <= limit else limit / update_norm
 
 
 def global_norm(tensors: Sequence[torch.Tensor]) -> float:
@@ -38,20 +28,8 @@ def global_norm(tensors: Sequence[torch.Tensor]) -> float:
 
 
 @torch.no_grad()
-def cap_update(
-    params: Sequence[torch.Tensor], before: Sequence[torch.Tensor], max_ratio: float | None
-) -> tuple[float, float, float]:
-    """Shrink the step just taken from ``before`` to ``params`` (in place) into the trust
-    region: (the update's norm after the cap, the adapter's norm after it, the scale applied)."""
-    norm = global_norm([p.detach() - b for p, b in zip(params, before, strict=True)])
-    scale = update_scale(norm, global_norm(before), max_ratio)
-    shrink(params, before, scale)
-    return norm * scale, global_norm(params), scale
-
-
-@torch.no_grad()
 def shrink(params: Sequence[torch.Tensor], before: Sequence[torch.Tensor], scale: float) -> None:
-    """Move ``params`` back towards ``before``: ``before + scale * (params - before)``."""
+    """Move ``params`` back towards ``before``, in place: ``before + scale * (params - before)``."""
     if scale < 1.0:
         for p, b in zip(params, before, strict=True):
             p.copy_(b + (p.detach() - b) * scale)
@@ -66,8 +44,9 @@ def token_kl(new_logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
 
 def kl_scale(kl: float, max_kl: float | None) -> float:
     """The factor that brings a step whose policy change is ``kl`` within ``max_kl``, taking
-    the change as quadratic in the step's length near the start (KL's second-order term, the
-    approximation TRPO's step size rests on); 1 when within, off, or not finite."""
+    the change as quadratic in the step's length (KL's second-order term, the approximation
+    TRPO's step size rests on; for a long step it is only that); 1 when within, off (None), or
+    not finite."""
     if max_kl is None or not math.isfinite(kl) or kl <= max_kl:
         return 1.0
     return math.sqrt(max_kl / kl)
