@@ -56,30 +56,38 @@ def test_bad_max_update_kl_names_the_field(value):
         TrainerConfig(max_update_kl=value)
 
 
-def _step(model_dir, **overrides) -> tuple[dict[str, float], float]:
-    """One on-policy step at a learning rate that moves the policy far: its metrics, and how
-    far it moved the policy on its tokens (mean k3, measured afresh)."""
+def _step(model_dir, *, stale: float = 0.0, **overrides) -> tuple[dict[str, float], float, float]:
+    """One step at a learning rate that moves the policy far: its metrics, and how far it
+    moved the policy on its tokens, measured afresh (k3 weighted by pi_before / pi_sampler,
+    the weights normalised; and unweighted). ``stale``: the sampler's logprobs are the trainer's shifted by up
+    to this much per token."""
     cfg = TrainerConfig(learning_rate=0.2, token_budget=64, dtype="float32", **overrides)
     trainer = Trainer(model_dir, lora=LoraConfig(r=2, alpha=4.0), trainer=cfg, device="cpu")
     samples = make_samples(8, seed=1)
     old = trainer.logprobs(samples)
-    samples = [dataclasses.replace(s, logprobs=lp) for s, lp in zip(samples, old, strict=True)]
+    gen = torch.Generator().manual_seed(2)
+    behaviour = [(torch.tensor(lp) + stale * (torch.rand(len(lp), generator=gen) * 2 - 1))
+                 .tolist() for lp in old]  # fmt: skip
+    samples = [dataclasses.replace(s, logprobs=lp) for s, lp in zip(samples, behaviour,
+                                                                     strict=True)]  # fmt: skip
     metrics = trainer.step(samples)
-    new = trainer.logprobs(samples)
-    flat = [torch.tensor([x for lp in lps for x in lp]) for lps in (new, old)]
-    return metrics, float(token_kl(*flat).mean())
+    new, old, mu = ([x for lp in lps for x in lp] for lps in (trainer.logprobs(samples), old,
+                                                              behaviour))  # fmt: skip
+    k3 = token_kl(torch.tensor(new, dtype=torch.float64), torch.tensor(old, dtype=torch.float64))
+    weight = torch.exp(torch.tensor(old, dtype=torch.float64) - torch.tensor(mu))
+    return metrics, float((weight * k3).sum() / weight.sum()), float(k3.mean())
 
 
 def test_kl_trust_region_through_the_trainer(tiny_model_dir):
     """On-policy samples (importance weights 1): the step's KL is the plain mean k3 of its
     tokens; above the cap the update is shrunk by the quadratic rule and the policy moves
     less (the rule is an approximation: the KL after it is not exactly the cap)."""
-    off, moved_off = _step(tiny_model_dir)
+    off, moved_off, _ = _step(tiny_model_dir)
     assert math.isnan(off["collapse/update_kl"]) and off["collapse/update_scale"] == 1.0
-    free, moved = _step(tiny_model_dir, max_update_kl=1e9)  # measured, never binding
+    free, moved, _ = _step(tiny_model_dir, max_update_kl=1e9)  # measured, never binding
     assert free["collapse/update_scale"] == 1.0 and moved == pytest.approx(moved_off)
     assert free["collapse/update_kl"] == pytest.approx(moved, rel=1e-3) and moved > 1e-3
-    capped, moved_capped = _step(tiny_model_dir, max_update_kl=moved / 100)
+    capped, moved_capped, _ = _step(tiny_model_dir, max_update_kl=moved / 100)
     assert capped["collapse/update_kl"] == pytest.approx(moved, rel=1e-3)
     assert capped["collapse/update_scale"] == pytest.approx(0.1, rel=1e-3)
     assert capped["collapse/update_norm"] == pytest.approx(
@@ -87,3 +95,10 @@ def test_kl_trust_region_through_the_trainer(tiny_model_dir):
     )
     assert capped["loss"] == pytest.approx(free["loss"])  # the same gradient, a shorter step
     assert moved_capped < moved / 2
+
+
+def test_kl_of_stale_samples_is_weighted_towards_the_policys_own_tokens(tiny_model_dir):
+    """Sampler logprobs up to 2 nats off: the step's KL is the importance-weighted one."""
+    metrics, moved, unweighted = _step(tiny_model_dir, stale=2.0, max_update_kl=1e9)
+    assert metrics["collapse/update_kl"] == pytest.approx(moved, rel=1e-3)
+    assert moved != pytest.approx(unweighted, rel=1e-2)  # the weights changed the estimate
