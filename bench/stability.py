@@ -13,9 +13,13 @@ Columns: ``step>=0.5`` and ``step>=0.9`` (first step whose 3-step mean reward re
 keeps what it learned stays near 0.9 or above), ``last-5``, ``entropy max`` (after step
 ``steps / 2``), ``update max`` (the largest ``collapse/update_norm`` after reaching 0.9).
 
-Run: ``python bench/stability.py --recipe demo --recipe none:scale_rewards=none`` (8 seeds, 100
-steps, staleness 4); results go to ``--out/results.jsonl``, runs already there are skipped;
-``--report`` prints the tables from that file alone.
+The summary table adds, per recipe, the median and lowest ``last-5`` over the seeds.
+
+Run: ``python bench/stability.py --recipe main:max_update_kl=null --recipe demo --jobs 2``
+(the demo recipe without and with its trust region; 8 seeds, 100 steps, staleness 4; ``--jobs``
+runs that many seeds at once, each on one thread, so the figures do not depend on it); results
+go to ``--out/results.jsonl``, runs already there are skipped; ``--report`` prints the tables
+from that file alone.
 """
 
 from __future__ import annotations
