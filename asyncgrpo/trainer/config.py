@@ -109,8 +109,9 @@ class TrainerConfig:
     collapse_action: CollapseAction = "warn"
     """What to do when a run that had reached its reward loses most of the gain
     (collapse/alarm): 'warn' logs one line; 'stop' ends the run after that step; 'rollback'
-    restores the adapter and optimizer of the best step so far (kept in memory) and multiplies
-    the learning rate by collapse_lr_factor; 'off': no detection. Metrics collapse/* are
+    restores the adapter and optimizer of the policy that earned the best reward so far (the
+    oldest published version among that step's samples, kept in memory) and multiplies the
+    learning rate by collapse_lr_factor; 'off': no detection. Metrics collapse/* are
     logged in every case."""
     collapse_window: int = 5
     """Steps in the moving mean of the reward the collapse alarm watches."""

@@ -221,6 +221,9 @@ class Trainer:
         self.stop_requested = False
         self.rollbacks = 0
         self._best_state: dict[str, Any] | None = None  # collapse_action=rollback's target
+        self._best_step = 0
+        #: collapse_action=rollback: the state each recent published version was saved with
+        self._snapshots: dict[int, tuple[int, dict[str, Any]]] = {}
 
     @classmethod
     def from_config(
@@ -261,7 +264,7 @@ class Trainer:
             shard = self.dp.scatter(samples, clock)
             assert shard is not None
             metrics = self._step(shard[0], samples, shard[1])
-        metrics.update(self._watch(metrics))
+        metrics.update(self._watch(metrics, samples))
         return metrics
 
     def scaled(self, samples: Sequence[Sample]) -> list[Sample]:
@@ -274,7 +277,7 @@ class Trainer:
                                 [s.group_id for s in samples], scale)  # fmt: skip
         return [dataclasses.replace(s, advantage=a) for s, a in zip(samples, advs, strict=True)]
 
-    def _watch(self, metrics: dict[str, float]) -> dict[str, float]:
+    def _watch(self, metrics: dict[str, float], samples: Sequence[Sample]) -> dict[str, float]:
         """The collapse alarm on this step's reward, and its action (rank 0)."""
         cfg = self.config
         out = {
@@ -290,8 +293,7 @@ class Trainer:
         out["collapse/alarm"] = float(verdict.alarm)
         if cfg.collapse_action == "rollback":
             if verdict.new_best:
-                self._best_state = _copy_state(self.state_dict())
-                self._best_step = self.step_count
+                self._best_step, self._best_state = self._scoring_state(samples)
             out["collapse/rollbacks"] = float(self.rollbacks + verdict.alarm)
         if not verdict.alarm:
             return out
@@ -310,6 +312,17 @@ class Trainer:
             metrics.get("collapse/update_norm", math.nan), what,
         )  # fmt: skip
         return out
+
+    def _scoring_state(self, samples: Sequence[Sample]) -> tuple[int, dict[str, Any]]:
+        """The step and state of the policy that earned these samples' rewards: the oldest
+        version among them, as it was published (``save_adapter(..., version=N)``). With stale
+        samples a high reward is the old policy's: the current one may already be breaking
+        while they still score well. Unknown versions (never published here): the current."""
+        oldest = min(s.version for s in samples)
+        if oldest in self._snapshots:
+            step, state = self._snapshots[oldest]
+            return step, _copy_state(state)
+        return self.step_count, _copy_state(self.state_dict())
 
     def _rollback(self) -> str:
         """Restore the best step's adapter and optimizer, keep the step count, lower the lr."""
@@ -619,6 +632,10 @@ class Trainer:
         out = _save_adapter(self.model, path)
         if version is not None:
             self._published = (version, self.step_count)
+            if self.config.collapse_action == "rollback":  # the versions samples may come from
+                self._snapshots[version] = (self.step_count, _copy_state(self.state_dict()))
+                for old in sorted(self._snapshots)[: -(self.config.max_staleness + 1)]:
+                    del self._snapshots[old]
         return out
 
     # -- checkpointing ------------------------------------------------------------------------
