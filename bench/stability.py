@@ -13,9 +13,13 @@ Columns: ``step>=0.5`` and ``step>=0.9`` (first step whose 3-step mean reward re
 keeps what it learned stays near 0.9 or above), ``last-5``, ``entropy max`` (after step
 ``steps / 2``), ``update max`` (the largest ``collapse/update_norm`` after reaching 0.9).
 
-Run: ``python bench/stability.py --recipe demo --recipe none:scale_rewards=none`` (8 seeds, 100
-steps, staleness 4); results go to ``--out/results.jsonl``, runs already there are skipped;
-``--report`` prints the tables from that file alone.
+The summary table adds, per recipe, the median and lowest ``last-5`` over the seeds.
+
+Run: ``python bench/stability.py --recipe main:max_update_kl=null --recipe demo --jobs 2``
+(the demo recipe without and with its trust region; 8 seeds, 100 steps, staleness 4; ``--jobs``
+runs that many seeds at once, each on one thread, so the figures do not depend on it); results
+go to ``--out/results.jsonl``, runs already there are skipped; ``--report`` prints the tables
+from that file alone.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import math
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +81,9 @@ def run_one(model: Path, recipe: dict[str, Any], staleness: int, steps: int, see
                              ("update_norm", "collapse/update_norm"),
                              ("adapter_norm", "collapse/adapter_norm"),
                              ("adv_abs_max", "advantages/abs_max"),
-                             ("alarm", "collapse/alarm"))
+                             ("alarm", "collapse/alarm"),
+                             ("update_scale", "collapse/update_scale"),
+                             ("update_kl", "collapse/update_kl"))
     }  # fmt: skip
     return {"settings": settings, "reward": rewards, "curves": curves,
             "wall_s": time.monotonic() - t0}  # fmt: skip
@@ -108,12 +115,14 @@ def report(rows: list[dict[str, Any]], recipes: list[str]) -> None:
               f"{f['step90'] or 'never'} | {kept_} | {f['last']:.3f} | {f['entropy_max']:.2f} | "
               f"{f['update_max']:.3f} |")  # fmt: skip
     print("\n| recipe | staleness | seeds | reached 0.9 | kept >= 0.8 | lowest kept | "
-          "median step>=0.5 |\n|---|---|---|---|---|---|---|")  # fmt: skip
+          "median step>=0.5 | last-5 median | last-5 min |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for (recipe, k), fs in groups.items():
         ks = [f["kept"] for f in fs if f["kept"] is not None]
+        last = [f["last"] for f in fs]
         print(f"| {recipe} | {k} | {len(fs)} | {len(ks)} | {sum(x >= KEPT_BAR for x in ks)} | "
               f"{min(ks, default=math.nan):.3f} | "
-              f"{statistics.median(f['step'] or math.inf for f in fs):g} |")  # fmt: skip
+              f"{statistics.median(f['step'] or math.inf for f in fs):g} | "
+              f"{statistics.median(last):.3f} | {min(last):.3f} |")  # fmt: skip
 
 
 def main() -> None:
@@ -126,6 +135,9 @@ def main() -> None:
     p.add_argument("--seeds", type=ints, default=list(range(8)))
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs in parallel (processes of one thread each: the results do not "
+                        "depend on it)")  # fmt: skip
     p.add_argument("--report", action="store_true", help="only print the tables")
     args = p.parse_args()
     recipes = dict(args.recipes or [("demo", {})])
@@ -145,20 +157,23 @@ def main() -> None:
         model = args.out / "model"
         if not (model / "config.json").exists():
             make_tiny_model(model, seed=0)  # the tests' tiny_model
-        for name, recipe in recipes.items():
-            for k in args.staleness:
-                for seed in args.seeds:
-                    key = f"{name}-k{k}-s{seed}-n{args.steps}"
-                    if key in done:
-                        continue
-                    row = run_one(model, recipe, k, args.steps, seed)
-                    row.update(key=key, recipe=name, staleness=k, seed=seed, steps=args.steps)
-                    with results.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
-                    done[key] = row
-                    fg = figures(row)
-                    print(f"{key}: step>=0.5 {fg['step']} kept {fg['kept']} "
-                          f"last-5 {fg['last']:.3f} ({row['wall_s']:.0f} s)", flush=True)  # fmt: skip
+        todo = [(f"{name}-k{k}-s{seed}-n{args.steps}", name, k, seed)
+                for name in recipes for k in args.staleness for seed in args.seeds]  # fmt: skip
+        todo = [t for t in todo if t[0] not in done]
+        with ProcessPoolExecutor(args.jobs) as pool:  # each run on one thread: jobs = cores
+            futures = {pool.submit(run_one, model, recipes[name], k, args.steps, seed): key
+                       for key, name, k, seed in todo}  # fmt: skip
+            for future in as_completed(futures):
+                key = futures[future]
+                _, name, k, seed = next(t for t in todo if t[0] == key)
+                row = future.result()
+                row.update(key=key, recipe=name, staleness=k, seed=seed, steps=args.steps)
+                with results.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                done[key] = row
+                fg = figures(row)
+                print(f"{key}: step>=0.5 {fg['step']} kept {fg['kept']} "
+                      f"last-5 {fg['last']:.3f} ({row['wall_s']:.0f} s)", flush=True)  # fmt: skip
     wanted = [r for r in done.values() if r["recipe"] in recipes and r["steps"] == args.steps
               and r["staleness"] in args.staleness and r["seed"] in args.seeds]  # fmt: skip
     report(wanted, list(recipes))

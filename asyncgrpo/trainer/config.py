@@ -66,6 +66,12 @@ class TrainerConfig:
     direction with little history from being amplified up to 1/sqrt(1 - adam_beta2) times."""
     max_grad_norm: float | None = 1.0
     """Clip the gradient norm to this; None disables clipping."""
+    max_update_kl: float | None = None
+    """Trust region of one optimizer step in policy space, in nats: after the step, one more
+    forward over the step's tokens measures how far it moved the policy (KL(before || after)
+    per token, importance-weighted from the sampler's tokens; metric collapse/update_kl); above
+    this the update is shrunk towards the old weights by sqrt(max_update_kl / kl). None: off
+    (no extra forward)."""
     epsilon: float = 0.2
     """Lower clip range: the ratio is clipped at 1 - epsilon."""
     epsilon_high: float | None = None
@@ -103,8 +109,9 @@ class TrainerConfig:
     collapse_action: CollapseAction = "warn"
     """What to do when a run that had reached its reward loses most of the gain
     (collapse/alarm): 'warn' logs one line; 'stop' ends the run after that step; 'rollback'
-    restores the adapter and optimizer of the best step so far (kept in memory) and multiplies
-    the learning rate by collapse_lr_factor; 'off': no detection. Metrics collapse/* are
+    restores the adapter and optimizer of the policy that earned the best reward so far (the
+    oldest published version among that step's samples, kept in memory) and multiplies the
+    learning rate by collapse_lr_factor; 'off': no detection. Metrics collapse/* are
     logged in every case."""
     collapse_window: int = 5
     """Steps in the moving mean of the reward the collapse alarm watches."""
@@ -157,7 +164,8 @@ class TrainerConfig:
             self, "trainer",
             gt=dict.fromkeys(
                 ("learning_rate", "max_grad_norm", "epsilon", "epsilon_high", "dp_timeout_s",
-                 "peak_flops", "collapse_drop", "collapse_lr_factor", "adam_epsilon"), 0
+                 "peak_flops", "collapse_drop", "collapse_lr_factor", "adam_epsilon",
+                 "max_update_kl"), 0
             ),
             lt={"collapse_lr_factor": 1, "adam_beta1": 1, "adam_beta2": 1},
             ge={"warmup_steps": 0, "weight_decay": 0, "adam_beta1": 0, "adam_beta2": 0, "samples_per_step": 1, "token_budget": 1,

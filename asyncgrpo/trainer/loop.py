@@ -57,6 +57,7 @@ from asyncgrpo.trainer.loss import (
 from asyncgrpo.trainer.model import default_device, load_policy, row_logprobs
 from asyncgrpo.trainer.model import save_adapter as _save_adapter
 from asyncgrpo.trainer.packing import PackedRow, build_row, pack_samples
+from asyncgrpo.trainer.trust_region import global_norm, kl_scale, shrink, token_kl
 
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
@@ -136,6 +137,8 @@ class _Batch:
     num_sequences: int
     longest: int  #: the longest sample's policy tokens
     micro_steps: int  #: forward/backward passes (FSDP: equal on every rank)
+    #: each micro-step's token logprobs before the update (detached): the KL trust region's base
+    logps: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 class Trainer:
@@ -218,6 +221,9 @@ class Trainer:
         self.stop_requested = False
         self.rollbacks = 0
         self._best_state: dict[str, Any] | None = None  # collapse_action=rollback's target
+        self._best_step = 0
+        #: collapse_action=rollback: the state each recent published version was saved with
+        self._snapshots: dict[int, tuple[int, dict[str, Any]]] = {}
 
     @classmethod
     def from_config(
@@ -258,7 +264,7 @@ class Trainer:
             shard = self.dp.scatter(samples, clock)
             assert shard is not None
             metrics = self._step(shard[0], samples, shard[1])
-        metrics.update(self._watch(metrics))
+        metrics.update(self._watch(metrics, samples))
         return metrics
 
     def scaled(self, samples: Sequence[Sample]) -> list[Sample]:
@@ -271,7 +277,7 @@ class Trainer:
                                 [s.group_id for s in samples], scale)  # fmt: skip
         return [dataclasses.replace(s, advantage=a) for s, a in zip(samples, advs, strict=True)]
 
-    def _watch(self, metrics: dict[str, float]) -> dict[str, float]:
+    def _watch(self, metrics: dict[str, float], samples: Sequence[Sample]) -> dict[str, float]:
         """The collapse alarm on this step's reward, and its action (rank 0)."""
         cfg = self.config
         out = {
@@ -287,8 +293,7 @@ class Trainer:
         out["collapse/alarm"] = float(verdict.alarm)
         if cfg.collapse_action == "rollback":
             if verdict.new_best:
-                self._best_state = _copy_state(self.state_dict())
-                self._best_step = self.step_count
+                self._best_step, self._best_state = self._scoring_state(samples)
             out["collapse/rollbacks"] = float(self.rollbacks + verdict.alarm)
         if not verdict.alarm:
             return out
@@ -307,6 +312,17 @@ class Trainer:
             metrics.get("collapse/update_norm", math.nan), what,
         )  # fmt: skip
         return out
+
+    def _scoring_state(self, samples: Sequence[Sample]) -> tuple[int, dict[str, Any]]:
+        """The step and state of the policy that earned these samples' rewards: the oldest
+        version among them, as it was published (``save_adapter(..., version=N)``). With stale
+        samples a high reward is the old policy's: the current one may already be breaking
+        while they still score well. Unknown versions (never published here): the current."""
+        oldest = min(s.version for s in samples)
+        if oldest in self._snapshots:
+            step, state = self._snapshots[oldest]
+            return step, _copy_state(state)
+        return self.step_count, _copy_state(self.state_dict())
 
     def _rollback(self) -> str:
         """Restore the best step's adapter and optimizer, keep the step count, lower the lr."""
@@ -372,7 +388,7 @@ class Trainer:
         batch = self._pack(samples)
         lr = self.scheduler.get_last_lr()[0]
         loss_total, sums, fwd_s, fwd_bwd_s = self._backward(batch, clock)
-        grad_norm, update_norm, param_norm = self._update()
+        grad_norm, update_norm, param_norm, update_scale, update_kl = self._update(batch)
         self._sync()
         step_s = time.perf_counter() - t_step
 
@@ -383,6 +399,8 @@ class Trainer:
             **finalize_stats(sums, self.buckets),
             "collapse/update_norm": update_norm,
             "collapse/adapter_norm": param_norm,
+            "collapse/update_scale": update_scale,
+            "collapse/update_kl": update_kl,
             "batch/tokens": float(batch.total_tokens),
             "batch/completion_tokens": float(batch.num_tokens),
             "batch/microbatches_per_step": float(batch.num_rows),
@@ -489,6 +507,7 @@ class Trainer:
         logp, entropy = row_logprobs(self.model, row)
         self._sync()
         forward_end = time.perf_counter()
+        batch.logps.append(logp.detach())
         mask = row.completion_mask
         device = logp.device
         staleness = clock[0] - row.versions[mask]
@@ -523,13 +542,13 @@ class Trainer:
         )
         return loss, part, forward_end
 
-    def _update(self) -> tuple[float, float, float]:
-        """Clip, then the optimizer step and schedule (a non-finite gradient skips the update):
-        (gradient norm, update norm, adapter norm)."""
-        if self.config.max_grad_norm is not None:
-            grad_norm = float(
-                torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
-            )
+    def _update(self, batch: _Batch) -> tuple[float, float, float, float, float]:
+        """Clip, the optimizer step and schedule (a non-finite gradient skips the update), then
+        the trust region (``trainer.max_update_kl``): (gradient norm, update norm, adapter norm,
+        the trust region's scale, the step's KL before it)."""
+        cfg = self.config
+        if cfg.max_grad_norm is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
         else:
             norms = [torch.linalg.vector_norm(p.grad) for p in self.params if p.grad is not None]
             grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
@@ -545,9 +564,39 @@ class Trainer:
                 warnings.simplefilter("ignore", UserWarning)
                 self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        update_norm, param_norm = _norms(self.params, before)
+        kl, scale = math.nan, 1.0
+        if cfg.max_update_kl is not None:
+            kl = self._update_kl(batch)
+            scale = kl_scale(kl, cfg.max_update_kl)
+            shrink(self.params, before, scale)
+        update_norm = global_norm(
+            [p.detach() - b for p, b in zip(self.params, before, strict=True)]
+        )
+        param_norm = global_norm([p.detach() for p in self.params])
         self.step_count += 1
-        return grad_norm, update_norm, param_norm
+        return grad_norm, update_norm, param_norm, scale, kl
+
+    @torch.no_grad()
+    def _update_kl(self, batch: _Batch) -> float:
+        """How far the step moved the policy: KL(before || after) estimated on the step's
+        tokens, each token's k3 weighted by pi_before / pi_sampler and the weights normalised
+        (self-normalised importance sampling: the tokens came from the sampler, and a token the
+        policy had all but ruled out would otherwise dominate). One forward per micro-step;
+        every rank's tokens."""
+        num = den = 0.0
+        rows = batch.rows
+        for i in range(batch.micro_steps):
+            row = rows[i] if i < len(rows) else _padding_row(rows)
+            logp, _ = row_logprobs(self.model, row, with_entropy=False)
+            if i < len(rows):
+                old = batch.logps[i].double()
+                behaviour = row.behaviour_logprobs[row.completion_mask].to(old.device).double()
+                weight = torch.exp(old - behaviour)
+                num += float((weight * token_kl(logp.double(), old)).sum())
+                den += float(weight.sum())
+        if self.dp is not None:
+            num, den = self.dp.sum([num, den])
+        return num / den if den > 0 else 0.0
 
     # -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -583,6 +632,10 @@ class Trainer:
         out = _save_adapter(self.model, path)
         if version is not None:
             self._published = (version, self.step_count)
+            if self.config.collapse_action == "rollback":  # the versions samples may come from
+                self._snapshots[version] = (self.step_count, _copy_state(self.state_dict()))
+                for old in sorted(self._snapshots)[: -(self.config.max_staleness + 1)]:
+                    del self._snapshots[old]
         return out
 
     # -- checkpointing ------------------------------------------------------------------------
@@ -655,20 +708,6 @@ class Trainer:
 def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
     """A deep copy of a ``state_dict`` without its RNG (a snapshot training cannot mutate)."""
     return copy.deepcopy({k: v for k, v in state.items() if k != "rng"})
-
-
-def _norms(params: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> tuple[float, float]:
-    """The L2 norm of the step's change to the adapter, and of the adapter after it."""
-    with torch.no_grad():
-        delta = [
-            torch.linalg.vector_norm(p.detach() - b) for p, b in zip(params, before, strict=True)
-        ]
-        norm = [torch.linalg.vector_norm(p.detach()) for p in params]
-    if not delta:
-        return 0.0, 0.0
-    return float(torch.linalg.vector_norm(torch.stack(delta))), float(
-        torch.linalg.vector_norm(torch.stack(norm))
-    )
 
 
 def _padding_row(rows: Sequence[PackedRow]) -> PackedRow:

@@ -307,3 +307,25 @@ def test_stop_action_requests_the_end_and_warn_only_logs(tiny_model_dir, caplog)
                 metrics = trainer.step(_reward_samples(trainer, r))
         assert metrics["collapse/alarm"] == 1.0
         assert trainer.stop_requested == (action == "stop")
+
+
+def test_rollback_restores_the_version_that_earned_the_best_reward(tiny_model_dir, tmp_path):
+    """Samples two versions old: the best moving mean is the reward of the version that
+    sampled it, so the rollback restores that version as published, not the adapter the
+    trainer had when it saw the reward (with stale samples that one may already be broken)."""
+    trainer = _trainer(tiny_model_dir, collapse_action="rollback", collapse_window=2,
+                       collapse_lr_factor=0.5, learning_rate=1e-2, max_staleness=2)  # fmt: skip
+    published, current = {}, {}
+    for step, r in enumerate((0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0)):
+        trainer.save_adapter(tmp_path / f"v{step}", version=step)
+        published[step] = _lora(trainer)
+        samples = [dataclasses.replace(s, version=max(0, step - 2))
+                   for s in _reward_samples(trainer, r)]  # fmt: skip
+        metrics = trainer.step(samples)
+        current[step] = _lora(trainer)
+    assert metrics["collapse/alarm"] == 1.0
+    # the best mean (1.0) first came at step 3, on samples of version 1
+    after = _lora(trainer)
+    assert all(torch.equal(after[k], published[1][k]) for k in after)
+    assert not all(torch.equal(after[k], current[3][k]) for k in after)
+    assert len(trainer._snapshots) == 3  # max_staleness + 1 versions kept

@@ -1,0 +1,104 @@
+"""The optimizer step's trust region in policy space (``trainer.max_update_kl``): the pieces as
+pure logic, and through ``Trainer.step`` against the same step without it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from trainer_helpers import make_samples
+
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
+from asyncgrpo.trainer.loop import Trainer
+from asyncgrpo.trainer.trust_region import global_norm, kl_scale, shrink, token_kl
+
+
+def test_token_kl_is_k3_of_the_logprob_change():
+    old = torch.tensor([-0.1, -2.0, -5.0, -1.0])
+    new = torch.tensor([-0.1, -1.0, -0.5, -3.0])
+    want = [math.exp(n - o) - 1 - (n - o) for n, o in zip(new.tolist(), old.tolist(), strict=True)]
+    kl = token_kl(new, old)
+    torch.testing.assert_close(kl, torch.tensor(want))
+    assert kl[0] == 0.0 and bool((kl > 0)[1:].all())
+
+
+@pytest.mark.parametrize(
+    ("kl", "cap", "want"),
+    [(0.5, 1.0, 1.0), (1.0, 1.0, 1.0), (4.0, 1.0, 0.5), (400.0, 1.0, 0.05), (4.0, None, 1.0),
+     (math.nan, 1.0, 1.0)],
+)  # fmt: skip
+def test_kl_scale_takes_the_change_as_quadratic(kl, cap, want):
+    assert kl_scale(kl, cap) == pytest.approx(want)
+
+
+def test_shrink_moves_every_tensor_back_by_one_factor():
+    gen = torch.Generator().manual_seed(0)
+    before = [torch.randn(3, 4, generator=gen), torch.randn(5, generator=gen)]
+    steps = [torch.randn(3, 4, generator=gen), torch.randn(5, generator=gen) * 10]
+    params = [b + d for b, d in zip(before, steps, strict=True)]
+    shrink(params, before, 0.25)
+    for p, b, d in zip(params, before, steps, strict=True):  # the direction is kept
+        torch.testing.assert_close(p, b + d * 0.25)
+    assert global_norm([p - b for p, b in zip(params, before, strict=True)]) == pytest.approx(
+        0.25 * global_norm(steps)
+    )
+    kept = [p.clone() for p in params]
+    shrink(params, before, 1.0)
+    assert all(torch.equal(k, p) for k, p in zip(kept, params, strict=True))
+
+
+@pytest.mark.parametrize("value", [0.0, -0.1, math.nan])
+def test_bad_max_update_kl_names_the_field(value):
+    with pytest.raises(ConfigError, match=r"trainer\.max_update_kl="):
+        TrainerConfig(max_update_kl=value)
+
+
+def _step(model_dir, *, stale: float = 0.0, **overrides) -> tuple[dict[str, float], float, float]:
+    """One step at a learning rate that moves the policy far: its metrics, and how far it
+    moved the policy on its tokens, measured afresh (k3 weighted by pi_before / pi_sampler,
+    the weights normalised; and unweighted). ``stale``: the sampler's logprobs are the trainer's shifted by up
+    to this much per token."""
+    cfg = TrainerConfig(learning_rate=0.2, token_budget=64, dtype="float32", **overrides)
+    trainer = Trainer(model_dir, lora=LoraConfig(r=2, alpha=4.0), trainer=cfg, device="cpu")
+    samples = make_samples(8, seed=1)
+    old = trainer.logprobs(samples)
+    gen = torch.Generator().manual_seed(2)
+    behaviour = [(torch.tensor(lp) + stale * (torch.rand(len(lp), generator=gen) * 2 - 1))
+                 .tolist() for lp in old]  # fmt: skip
+    samples = [dataclasses.replace(s, logprobs=lp) for s, lp in zip(samples, behaviour,
+                                                                     strict=True)]  # fmt: skip
+    metrics = trainer.step(samples)
+    new, old, mu = ([x for lp in lps for x in lp] for lps in (trainer.logprobs(samples), old,
+                                                              behaviour))  # fmt: skip
+    k3 = token_kl(torch.tensor(new, dtype=torch.float64), torch.tensor(old, dtype=torch.float64))
+    weight = torch.exp(torch.tensor(old, dtype=torch.float64) - torch.tensor(mu))
+    return metrics, float((weight * k3).sum() / weight.sum()), float(k3.mean())
+
+
+def test_kl_trust_region_through_the_trainer(tiny_model_dir):
+    """On-policy samples (importance weights 1): the step's KL is the plain mean k3 of its
+    tokens; above the cap the update is shrunk by the quadratic rule and the policy moves
+    less (the rule is an approximation: the KL after it is not exactly the cap)."""
+    off, moved_off, _ = _step(tiny_model_dir)
+    assert math.isnan(off["collapse/update_kl"]) and off["collapse/update_scale"] == 1.0
+    free, moved, _ = _step(tiny_model_dir, max_update_kl=1e9)  # measured, never binding
+    assert free["collapse/update_scale"] == 1.0 and moved == pytest.approx(moved_off)
+    assert free["collapse/update_kl"] == pytest.approx(moved, rel=1e-3) and moved > 1e-3
+    capped, moved_capped, _ = _step(tiny_model_dir, max_update_kl=moved / 100)
+    assert capped["collapse/update_kl"] == pytest.approx(moved, rel=1e-3)
+    assert capped["collapse/update_scale"] == pytest.approx(0.1, rel=1e-3)
+    assert capped["collapse/update_norm"] == pytest.approx(
+        free["collapse/update_norm"] * 0.1, rel=1e-3
+    )
+    assert capped["loss"] == pytest.approx(free["loss"])  # the same gradient, a shorter step
+    assert moved_capped < moved / 2
+
+
+def test_kl_of_stale_samples_is_weighted_towards_the_policys_own_tokens(tiny_model_dir):
+    """Sampler logprobs up to 2 nats off: the step's KL is the importance-weighted one."""
+    metrics, moved, unweighted = _step(tiny_model_dir, stale=2.0, max_update_kl=1e9)
+    assert metrics["collapse/update_kl"] == pytest.approx(moved, rel=1e-3)
+    assert moved != pytest.approx(unweighted, rel=1e-2)  # the weights changed the estimate
