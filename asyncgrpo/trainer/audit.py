@@ -13,6 +13,7 @@ run's: :mod:`asyncgrpo.run.audit`.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -88,18 +89,34 @@ def by_version(samples: Iterable[Sample]) -> dict[int, list[Sample]]:
 
 
 @dataclass
-class _ReplicaGap:
+class _Gap:
+    """|trainer - vLLM| over the tokens of one (replica, version)."""
+
     max_diff: float = 0.0
     sum_diff: float = 0.0
     tokens: int = 0
-    version: int = -1  #: the version of its largest difference
+
+    @property
+    def mean(self) -> float:
+        return self.sum_diff / self.tokens if self.tokens else 0.0
+
+    def merge(self, other: _Gap) -> None:
+        self.max_diff = max(self.max_diff, other.max_diff)
+        self.sum_diff += other.sum_diff
+        self.tokens += other.tokens
 
 
 @dataclass
 class AuditTally:
-    """|trainer - vLLM| logprob per policy token, gathered per replica."""
+    """|trainer - vLLM| logprob per policy token, gathered per (replica, version).
 
-    per_replica: dict[str, _ReplicaGap] = field(default_factory=dict)
+    The verdict is on each (replica, version)'s **mean** over its tokens: the largest single
+    token's gap grows with the number of tokens audited and, in bfloat16, has a long tail
+    (docs/trainer.md), while weights other than the version's move every token. The max is
+    reported beside it.
+    """
+
+    gaps: dict[tuple[str, int], _Gap] = field(default_factory=dict)
 
     def add(self, sample: Sample, version: int, recomputed: Sequence[float]) -> None:
         """Compare ``sample``'s tokens of ``version`` with ``recomputed`` (the trainer's
@@ -109,60 +126,64 @@ class AuditTally:
                 f"sample {sample.group_id}: {len(recomputed)} recomputed logprobs for "
                 f"{len(sample.completion_ids)} completion tokens"
             )
-        gap = self.per_replica.setdefault(sample.replica or UNNAMED, _ReplicaGap())
+        gap = self.gaps.setdefault((sample.replica or UNNAMED, version), _Gap())
         versions, mask = sample.token_versions(), sample.policy_mask()
         for i, (v, m) in enumerate(zip(versions, mask, strict=True)):
             if m and v == version:
                 d = abs(recomputed[i] - sample.logprobs[i])
                 if d != d:  # NaN: nothing it is compared with can pass
-                    d = float("inf")
+                    d = math.inf
                 gap.sum_diff += d
                 gap.tokens += 1
-                if gap.version < 0 or d > gap.max_diff:
-                    gap.max_diff, gap.version = d, version
+                gap.max_diff = max(gap.max_diff, d)
 
-    @property
-    def tokens(self) -> int:
-        return sum(g.tokens for g in self.per_replica.values())
+    def per_replica(self) -> dict[str, _Gap]:
+        out: dict[str, _Gap] = {}
+        for (name, _), gap in sorted(self.gaps.items()):
+            if gap.tokens:
+                out.setdefault(name, _Gap()).merge(gap)
+        return out
 
     def metrics(self) -> dict[str, float]:
         """``audit/*`` overall and ``audit/replica/<replica>/*`` for each replica audited."""
-        gaps = [g for g in self.per_replica.values() if g.tokens]
-        if not gaps:
+        replicas = self.per_replica()
+        if not replicas:
             return {}
-        tokens = sum(g.tokens for g in gaps)
+        total = _Gap()
+        for gap in replicas.values():
+            total.merge(gap)
         out = {
-            "audit/max_abs_logprob_diff": max(g.max_diff for g in gaps),
-            "audit/mean_abs_logprob_diff": sum(g.sum_diff for g in gaps) / tokens,
-            "audit/tokens": float(tokens),
-            "audit/replicas": float(len(gaps)),
+            "audit/max_abs_logprob_diff": total.max_diff,
+            "audit/mean_abs_logprob_diff": total.mean,
+            "audit/tokens": float(total.tokens),
+            "audit/replicas": float(len(replicas)),
         }
-        for name, g in sorted(self.per_replica.items()):
-            if g.tokens:
-                key = f"audit/replica/{replica_key(name)}"
-                out[f"{key}/max_abs_logprob_diff"] = g.max_diff
-                out[f"{key}/mean_abs_logprob_diff"] = g.sum_diff / g.tokens
-                out[f"{key}/tokens"] = float(g.tokens)
+        for name, gap in replicas.items():
+            key = f"audit/replica/{replica_key(name)}"
+            out[f"{key}/max_abs_logprob_diff"] = gap.max_diff
+            out[f"{key}/mean_abs_logprob_diff"] = gap.mean
+            out[f"{key}/tokens"] = float(gap.tokens)
         return out
 
     def verdict(self, tolerance: float, *, prefix: str = "", dtype: str = "") -> str | None:
-        """One line naming the replica with the largest difference above ``tolerance``, the
-        version and the difference (and how many other replicas failed); None if all pass."""
+        """One line naming the (replica, version) whose mean gap is largest above
+        ``tolerance``, with the difference (and how many other replicas failed); None if all
+        pass."""
         failed = sorted(
-            ((g.max_diff, name) for name, g in self.per_replica.items()
-             if g.tokens and not g.max_diff <= tolerance),
+            ((g.mean, key) for key, g in self.gaps.items() if g.tokens and not g.mean <= tolerance),
             reverse=True,
-        )  # fmt: skip
+        )
         if not failed:
             return None
-        diff, name = failed[0]
-        g = self.per_replica[name]
-        adapter = f"{prefix}-v{g.version}" if prefix else f"v{g.version}"
-        others = f"; {len(failed) - 1} other replica(s) too" if len(failed) > 1 else ""
+        mean, (name, version) = failed[0]
+        g = self.gaps[(name, version)]
+        adapter = f"{prefix}-v{version}" if prefix else f"v{version}"
+        others = len({n for _, (n, _) in failed} - {name})
+        more = f"; {others} other replica(s) too" if others else ""
         precision = f" for {dtype}" if dtype else ""
         return (
-            f"served-policy audit: replica {name} serves other weights than version {g.version} "
-            f"({adapter}): its logprobs differ from the trainer's by up to {diff:.3g} (mean "
-            f"{g.sum_diff / g.tokens:.3g} over {g.tokens} tokens; tolerance {tolerance:g}"
-            f"{precision}){others}"
+            f"served-policy audit: replica {name} serves other weights than version {version} "
+            f"({adapter}): its logprobs differ from the trainer's by {mean:.3g} on average over "
+            f"{g.tokens} tokens (at most {g.max_diff:.3g}; tolerance {tolerance:g}{precision})"
+            f"{more}"
         )

@@ -78,12 +78,14 @@ def test_tally_metrics_per_replica_and_the_verdict_names_the_worst() -> None:
     assert m["audit/mean_abs_logprob_diff"] == pytest.approx((0.0005 + 0.2 + 0.05) / 7)
     assert m["audit/replica/127.0.0.1:8001/max_abs_logprob_diff"] == pytest.approx(0.0005)
     assert m["audit/replica/127.0.0.1:8002/tokens"] == 4
-    assert tally.verdict(1e-3) is not None
+    # The verdict is on the mean of each (replica, version): B's v3 tokens differ by 0.25 / 3.
     line = tally.verdict(1e-3, prefix="run-ab12", dtype="float32")
     assert line is not None and "\n" not in line
-    assert f"replica {B} " in line and "version 3 (run-ab12-v3)" in line and "0.2" in line
-    assert "tolerance 0.001 for float32" in line and A not in line
-    assert tally.verdict(0.5) is None
+    assert f"replica {B} " in line and "version 3 (run-ab12-v3)" in line
+    assert "by 0.0833 on average over 3 tokens (at most 0.2;" in line
+    assert "tolerance 0.001 for float32" in line and A not in line and "other replica" not in line
+    assert tally.verdict(0.09) is None
+    assert "1 other replica(s) too" in (tally.verdict(1e-4) or "")
     with pytest.raises(ValueError, match="2 recomputed logprobs for 3"):
         tally.add(good, 0, [0.0, 0.0])
 
