@@ -169,6 +169,11 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
     )
     print(f"\nserved vs trainer logprobs (last 4 steps, {len(samples)} samples, each at its "
           f"adapter version): max |diff| = {max(errors):.1e}")  # fmt: skip
+    audits = [r["audit/max_abs_logprob_diff"] for r in records if "audit/tokens" in r]
+    if audits:
+        tokens = sum(int(r["audit/tokens"]) for r in records if "audit/tokens" in r)
+        print(f"served-policy audit (trainer.audit, after every sync): {len(audits)} audits, "
+              f"{tokens} tokens, max |diff| = {max(audits):.1e}")  # fmt: skip
     print(f"metrics: {result.run_dir / 'metrics.jsonl'}\nplot:    {plot}")
     if max(errors) > 1e-3:
         raise SystemExit("MISMATCH: a replica served something other than the trained policy")
