@@ -96,7 +96,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("vllm",),
     ("transport",),
     ("store",),
-    ("trainer", "rollout", "proxy", "serve", "rewards"),
+    ("trainer", "rollout", "proxy", "serve", "rewards", "evaluation"),
     ("run",),
     ("launch",),
     ("testing",),
@@ -165,7 +165,7 @@ def _loaded_by(statement: str) -> set[str]:
     return set(out.stdout.split())
 
 
-COMPONENTS = ("proxy", "serve", "rollout", "trainer", "launch", "run", "cli", "store")
+COMPONENTS = ("proxy", "serve", "rollout", "trainer", "evaluation", "launch", "run", "cli", "store")
 HEAVY = ("aiohttp", "torch", "transformers")
 
 

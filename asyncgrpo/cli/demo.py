@@ -17,6 +17,7 @@ from pathlib import Path
 import anyio
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.evaluation.records import read_evals
 from asyncgrpo.serve import launch_replicas
 from asyncgrpo.testing import (
     make_lora_adapter,
@@ -169,11 +170,24 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
     )
     print(f"\nserved vs trainer logprobs (last 4 steps, {len(samples)} samples, each at its "
           f"adapter version): max |diff| = {max(errors):.1e}")  # fmt: skip
-    audits = [r["audit/max_abs_logprob_diff"] for r in records if "audit/tokens" in r]
-    if audits:
-        tokens = sum(int(r["audit/tokens"]) for r in records if "audit/tokens" in r)
-        print(f"served-policy audit (trainer.audit, after every sync): {len(audits)} audits, "
-              f"{tokens} tokens, max |diff| = {max(audits):.1e}")  # fmt: skip
+    _print_audit(records)
+    evals = read_evals(result.run_dir)
+    if len(evals) >= 2:
+        base, final = evals[0], evals[-1]
+        k = cfg.eval.num_generations if cfg.eval else 1
+        print(f"held-out reward ({int(base['eval/prompts'])} prompts the trainer never saw, k={k}): "
+              f"base {base['eval/reward']:.3f} -> final {final['eval/reward']:.3f} (pass@1 "
+              f"{base.get('eval/pass@1', math.nan):.2f} -> {final.get('eval/pass@1', math.nan):.2f})")  # fmt: skip
     print(f"metrics: {result.run_dir / 'metrics.jsonl'}\nplot:    {plot}")
     if max(errors) > 1e-3:
         raise SystemExit("MISMATCH: a replica served something other than the trained policy")
+
+
+def _print_audit(records: list[dict[str, float]]) -> None:
+    """The served-policy audit's figure over the run (``trainer.audit``), when it ran."""
+    audited = [r for r in records if "audit/tokens" in r]
+    if audited:
+        tokens = sum(int(r["audit/tokens"]) for r in audited)
+        worst = max(r["audit/max_abs_logprob_diff"] for r in audited)
+        print(f"served-policy audit (trainer.audit, after every sync): {len(audited)} audits, "
+              f"{tokens} tokens, max |diff| = {worst:.1e}")  # fmt: skip

@@ -7,6 +7,10 @@
 - ``asyncgrpo rollout CONFIG [key=value ...]``: a rollout process for a split run
 - ``asyncgrpo launch CONFIG --backend hf-jobs|local [--dry-run]``: the run across machines
   (Hugging Face Jobs) or as separate local processes; Ctrl-C cancels every job
+- ``asyncgrpo eval CONFIG [--version N | --base | --all]``: held-out evaluation of published
+  versions of a run (its ``eval`` section), on its fleet or on replicas it starts
+- ``asyncgrpo export RUN_DIR DIR [--version N]``: a published adapter version as a plain PEFT
+  directory
 - ``asyncgrpo plot RUN_DIR``: reward, ratio, step time and staleness to ``RUN_DIR/plot.png``
 - ``asyncgrpo check-serving [--output-dir DIR]``: served logprobs equal transformers + peft's
 """
@@ -67,7 +71,8 @@ def _train(args: argparse.Namespace) -> None:
     result = run_async(lambda: run_training(cfg, rollout_source=source))
     if result.rank == 0:  # under torchrun, rank 0 speaks for the job
         print(f"trained {result.steps} steps; final adapter {result.adapter_prefix}-v"
-              f"{result.final_version} in {result.transport_url}; metrics in {result.run_dir}")  # fmt: skip
+              f"{result.final_version} in {result.transport_url} and, as a PEFT directory, in "
+              f"{result.adapter_dir}; metrics in {result.run_dir}")  # fmt: skip
 
 
 def _rollout(args: argparse.Namespace) -> None:
@@ -76,6 +81,25 @@ def _rollout(args: argparse.Namespace) -> None:
 
     shipped = run_async(run_rollouts, cfg)
     print(f"shipped {shipped} samples")
+
+
+def _eval(args: argparse.Namespace) -> None:
+    cfg = _load(args)
+    if cfg.eval is None:
+        raise ConfigError(f"{args.config} has no eval section: add one (docs/eval.md)")
+    from asyncgrpo.evaluation.records import EVAL_METRICS_FILE
+    from asyncgrpo.run.evaluation import evaluate_published
+
+    results = run_async(
+        lambda: evaluate_published(cfg, version=args.version, base=args.base, every=args.all)
+    )
+    k = cfg.eval.num_generations
+    for m in results:
+        print(f"version {int(m['eval/version'])}: reward {m['eval/reward']:.3f}, pass@1 "
+              f"{m.get('eval/pass@1', float('nan')):.3f}, pass@{k} "
+              f"{m.get(f'eval/pass@{k}', float('nan')):.3f} over {int(m['eval/prompts'])} "
+              "prompts")  # fmt: skip
+    print(f"in {cfg.run_dir / EVAL_METRICS_FILE} (completions in {cfg.run_dir / 'eval.jsonl'})")
 
 
 def _plot(args: argparse.Namespace) -> None:
@@ -147,6 +171,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     from asyncgrpo.cli.launch import add_parser as add_launch_parser
 
     add_launch_parser(sub)
+
+    ev = sub.add_parser("eval", help="evaluate published versions of a run on held-out prompts")
+    ev.add_argument("config", help="the run's YAML config (with an eval section)")
+    ev.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    which = ev.add_mutually_exclusive_group()
+    which.add_argument("--version", type=int, default=None, help="this version (default: newest)")
+    which.add_argument("--base", action="store_true", help="version 0: the base model")
+    which.add_argument("--all", action="store_true", help="every published version")
+    ev.set_defaults(func=_eval)
+
+    from asyncgrpo.cli.export import add_parser as add_export_parser
+
+    add_export_parser(sub)
 
     plot = sub.add_parser("plot", help="plot a run's metrics.jsonl to plot.png")
     plot.add_argument("run_dir")

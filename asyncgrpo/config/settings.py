@@ -424,7 +424,7 @@ def _set(
                 child = node[part] = {}
             if not isinstance(child, dict):
                 raise ConfigError(f"{label}: {where}{part} is not a section")
-            node, target = child, tp
+            node, target = child, _strip_none(tp)  # an optional section (eval: None)
             continue
         if _secret(fields[part]) and secret_from is not None:
             raise ConfigError(

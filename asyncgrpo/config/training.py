@@ -42,6 +42,7 @@ from asyncgrpo.config.settings import (
     to_dict,
 )
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.evaluation.config import EvalConfig
 from asyncgrpo.launch.config import LaunchConfig
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.rollout.config import DatasetConfig, GenerationConfig, RolloutConfig
@@ -101,6 +102,15 @@ class LoggingConfig:
     """Also log to trackio (must be installed)."""
     trackio_project: str | None = None
     """trackio project; None: 'asyncgrpo'."""
+    wandb: bool = False
+    """Also log to Weights & Biases (``pip install wandb``); the key only from WANDB_API_KEY in
+    the environment, or WANDB_MODE=offline to write the run locally."""
+    wandb_project: str | None = None
+    """W&B project; None: 'asyncgrpo'."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team); None: the key's default entity."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """Tags of the W&B run."""
     log_every: int = 1
     """Log metrics every this many steps."""
     level: str = "INFO"
@@ -148,6 +158,9 @@ class TrainingConfig:
     """Metrics."""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """`asyncgrpo launch`: jobs, images, hardware (asyncgrpo.launch.config)."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation of the base model and the final adapter (asyncgrpo.evaluation.config);
+    None: none."""
 
     __repr__ = redacted_repr  # the generated repr would print credentials in transport_url
 

@@ -36,7 +36,7 @@ import anyio.abc
 from asyncgrpo.errors import ConfigError, ReplicaError, leaves
 from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import Prompt, PromptDataset
-from asyncgrpo.rollout.environment import Environment, Episode, combine_reward, load_environment
+from asyncgrpo.rollout.environment import Environment, Episode, group_rewards, load_environment
 from asyncgrpo.rollout.policy import PolicyClient
 from asyncgrpo.rollout.rewards import GroupScores, RewardScorer
 from asyncgrpo.rollout.window import AdmissionWindow
@@ -371,39 +371,7 @@ class RolloutClient:
                 self._pending.discard(item.prompt.index)
 
     async def _rewards(self, prompt: Prompt, episodes: list[Episode]) -> GroupScores:
-        """Rewards of a group: the environment's (its named parts, or ``environment``) plus the
-        reward functions' weighted sum when any are configured (NaN parts skipped)."""
-        k = len(episodes)
-        per_func: dict[str, list[float]] = {}
-        totals: list[list[float]] = [[] for _ in range(k)]
-        for j, e in enumerate(episodes):
-            if e.reward is None:
-                continue
-            total, parts = combine_reward(e.reward)
-            totals[j].append(total)
-            for name, value in (parts or {"environment": total}).items():
-                per_func.setdefault(name, [math.nan] * k)[j] = value
-        if self.scorer is not None:
-            kwargs: dict[str, Any] = {
-                key: [value] * k
-                for key, value in prompt.extra.items()
-                if key not in ("prompts", "completions")
-            }
-            kwargs["prompt_ids"] = [e.prompt_ids for e in episodes]
-            kwargs["completion_ids"] = [e.completion_ids for e in episodes]
-            if any(e.completion_mask is not None for e in episodes):
-                kwargs["completion_mask"] = [e.completion_mask for e in episodes]
-            scores = await self.scorer.score(
-                [prompt.prompt] * k, [e.completion for e in episodes], **kwargs
-            )
-            per_func.update(scores.per_func)
-            for j, r in enumerate(scores.rewards):
-                totals[j].append(r)
-        rewards = []
-        for parts in totals:
-            finite = [r for r in parts if not math.isnan(r)]
-            rewards.append(math.fsum(finite) if finite else math.nan)
-        return GroupScores(rewards=rewards, per_func=per_func)
+        return await group_rewards(self.scorer, prompt, episodes)
 
     async def _score_group(self, item: _Generated) -> None:
         prompt, episodes = item.prompt, item.episodes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -90,6 +91,25 @@ def _read_rows(config: DatasetConfig) -> list[Any]:
     return ds.to_list()
 
 
+def read_rows(config: DatasetConfig) -> list[Any]:
+    """The rows of a dataset section, unshuffled."""
+    return _read_rows(config)
+
+
+def split_rows(rows: Sequence[Any], share: float, *, seed: int) -> tuple[list[Any], list[Any]]:
+    """(training rows, held-out rows): ``ceil(share * len(rows))`` rows chosen by ``seed`` are
+    held out (at least one, and at least one left to train on); both keep the rows' order, and
+    the choice depends only on the row count, the share and the seed."""
+    n = len(rows)
+    if n < 2:
+        raise ConfigError(f"eval.holdout needs at least 2 training rows; the dataset has {n}")
+    count = min(max(1, math.ceil(share * n)), n - 1)
+    held = set(random.Random(f"asyncgrpo:holdout:{seed}").sample(range(n), count))
+    return [r for i, r in enumerate(rows) if i not in held], [
+        r for i, r in enumerate(rows) if i in held
+    ]
+
+
 def _normalise(row: Any, column: str, where: int) -> tuple[Any, dict[str, Any]]:
     if isinstance(row, str) or (isinstance(row, list) and all(isinstance(m, dict) for m in row)):
         return row, {}
@@ -143,9 +163,15 @@ class PromptDataset:
         self._perm_cache: tuple[int, list[int]] | None = None
 
     @classmethod
-    def from_config(cls, config: DatasetConfig, *, tokenizer: Any) -> PromptDataset:
+    def from_config(
+        cls, config: DatasetConfig, *, tokenizer: Any, holdout: float | None = None
+    ) -> PromptDataset:
+        """The training prompts; ``holdout``: less the share :func:`split_rows` keeps out."""
+        rows = _read_rows(config)
+        if holdout is not None:
+            rows, _ = split_rows(rows, holdout, seed=config.seed)
         return cls(
-            _read_rows(config),
+            rows,
             tokenizer=tokenizer,
             prompt_column=config.prompt_column,
             epochs=config.epochs,

@@ -36,6 +36,7 @@ from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.rollout.config import GenerationConfig
 from asyncgrpo.rollout.dataset import Prompt
 from asyncgrpo.rollout.policy import PolicyClient, Turn
+from asyncgrpo.rollout.rewards import GroupScores, RewardScorer
 
 __all__ = [
     "ChatContinuation",
@@ -47,6 +48,7 @@ __all__ = [
     "Trajectory",
     "combine_reward",
     "environment_class",
+    "group_rewards",
     "load_environment",
 ]
 
@@ -384,6 +386,42 @@ class MultiTurnEnv(Environment):
 
 def _plain(messages: list[Message]) -> str:
     return "".join(str(m.get("content") or "") for m in messages)
+
+
+async def group_rewards(
+    scorer: RewardScorer | None, prompt: Prompt, episodes: Sequence[Episode]
+) -> GroupScores:
+    """Rewards of a group: the environment's (its named parts, or ``environment``) plus the
+    reward functions' weighted sum when any are configured (NaN parts skipped)."""
+    k = len(episodes)
+    per_func: dict[str, list[float]] = {}
+    totals: list[list[float]] = [[] for _ in range(k)]
+    for j, e in enumerate(episodes):
+        if e.reward is None:
+            continue
+        total, parts = combine_reward(e.reward)
+        totals[j].append(total)
+        for name, value in (parts or {"environment": total}).items():
+            per_func.setdefault(name, [math.nan] * k)[j] = value
+    if scorer is not None:
+        kwargs: dict[str, Any] = {
+            key: [value] * k
+            for key, value in prompt.extra.items()
+            if key not in ("prompts", "completions")
+        }
+        kwargs["prompt_ids"] = [e.prompt_ids for e in episodes]
+        kwargs["completion_ids"] = [e.completion_ids for e in episodes]
+        if any(e.completion_mask is not None for e in episodes):
+            kwargs["completion_mask"] = [e.completion_mask for e in episodes]
+        scores = await scorer.score([prompt.prompt] * k, [e.completion for e in episodes], **kwargs)
+        per_func.update(scores.per_func)
+        for j, r in enumerate(scores.rewards):
+            totals[j].append(r)
+    rewards = []
+    for parts in totals:
+        finite = [r for r in parts if not math.isnan(r)]
+        rewards.append(math.fsum(finite) if finite else math.nan)
+    return GroupScores(rewards=rewards, per_func=per_func)
 
 
 def combine_reward(reward: float | Mapping[str, float]) -> tuple[float, dict[str, float]]:

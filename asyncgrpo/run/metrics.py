@@ -1,4 +1,5 @@
-"""Training metrics: one JSON object per optimizer step in ``metrics.jsonl``, optionally trackio.
+"""Training metrics: one JSON object per optimizer step in ``metrics.jsonl``, mirrored to the
+run's trackers (:mod:`asyncgrpo.run.trackers`).
 
 Names follow TRL's async GRPO where the meaning matches (``perf/step_s``, ``ratio``,
 ``clip_ratio/low_mean``, ``sample/staleness_mean``...). JSON has no NaN, so a non-finite value is
@@ -18,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.errors import ConfigError
+from asyncgrpo.run.trackers import Tracker, numeric
 
 logger = logging.getLogger(__name__)
 
@@ -60,21 +61,14 @@ def _jsonable(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one line per step to ``run_dir/metrics.jsonl``; mirrors to trackio if enabled.
+    """Appends one line per step to ``run_dir/metrics.jsonl`` and mirrors it to ``trackers``.
 
     Appending (not truncating) lets a resumed run continue the same file; ``read_metrics``
     keeps the last line of each step, so steps replayed after a crash are not counted twice.
     """
 
     def __init__(
-        self,
-        run_dir: str | Path,
-        *,
-        jsonl: bool = True,
-        trackio: bool = False,
-        project: str | None = None,
-        run_name: str | None = None,
-        config: dict[str, Any] | None = None,
+        self, run_dir: str | Path, *, jsonl: bool = True, trackers: Sequence[Tracker] = ()
     ) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_FILE
@@ -82,17 +76,7 @@ class MetricsWriter:
         if jsonl:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
-        self._trackio = None
-        if trackio:
-            try:
-                import trackio as _trackio
-            except ImportError as exc:
-                raise ConfigError(
-                    "logging.trackio=true but trackio is not installed: pip install trackio, "
-                    "or set logging.trackio=false"
-                ) from exc
-            _trackio.init(project=project or "asyncgrpo", name=run_name, config=config)
-            self._trackio = _trackio
+        self._trackers = list(trackers)
 
     def log(self, metrics: dict[str, Any], *, step: int) -> None:
         record = {"step": step, "time": time.time()}
@@ -100,19 +84,24 @@ class MetricsWriter:
         if self._file is not None:
             self._file.write(json.dumps(record, sort_keys=False) + "\n")
             self._file.flush()
-        if self._trackio is not None:
-            numeric = {
-                k: v for k, v in record.items() if isinstance(v, int | float) and k != "step"
-            }
-            self._trackio.log(numeric, step=step)
+        if self._trackers:
+            values = numeric(record)
+            for tracker in self._trackers:
+                tracker.log(values, step=step)
+
+    def mirror(self, metrics: dict[str, Any], *, step: int) -> None:
+        """Send ``metrics`` to the trackers only (an evaluation keeps its own file)."""
+        values = numeric(metrics)
+        for tracker in self._trackers:
+            tracker.log(values, step=step)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._trackio is not None:
-            self._trackio.finish()
-            self._trackio = None
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.finish()
 
     def __enter__(self) -> MetricsWriter:
         return self

@@ -101,4 +101,37 @@ def dry_run(cfg: TrainingConfig) -> list[str]:
         f"{f' + {rest}' if rest else ''}), lr {tr.learning_rate:g}, max_staleness "
         f"{tr.max_staleness}, weight_sync_steps {tr.weight_sync_steps}, {tr.max_steps} steps"
     )
-    return lines
+    return lines + _evaluation(cfg) + _trackers(cfg)
+
+
+def _evaluation(cfg: TrainingConfig) -> list[str]:
+    """The held-out set: readable, and disjoint from the training set when it must be."""
+    if cfg.eval is None:
+        return []
+    from asyncgrpo.evaluation.runner import eval_rows
+
+    e = cfg.eval
+    rows, _ = eval_rows(cfg)  # raises ConfigError naming the overlap
+    shown = min(len(rows), e.max_prompts or len(rows))
+    source = "held out of the training set" if e.holdout else "disjoint from the training set"
+    return [
+        f"eval: {shown} prompts ({source}), k={e.num_generations}, temperature "
+        f"{e.temperature:g}: base model before step 1, final version after step "
+        f"{cfg.trainer.max_steps}"
+    ]
+
+
+def _trackers(cfg: TrainingConfig) -> list[str]:
+    """The trackers switched on: installed, and W&B with a key (or offline)."""
+    import os
+
+    from asyncgrpo.run.trackers import check_wandb_key, require_installed
+
+    names = [n for n in ("trackio", "wandb") if getattr(cfg.logging, n)]
+    for name in names:
+        require_installed(name)
+    if cfg.logging.wandb:
+        check_wandb_key()
+        mode = os.environ.get("WANDB_MODE", "online")
+        return [f"trackers: {', '.join(names)} (W&B mode {mode}, files in {cfg.run_dir}/wandb)"]
+    return [f"trackers: {', '.join(names)}"] if names else []

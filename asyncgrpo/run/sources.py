@@ -66,7 +66,9 @@ async def rollout_client(
     tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
     return RolloutClient(
         base_url=base_url,
-        dataset=PromptDataset.from_config(cfg.dataset, tokenizer=tokenizer),
+        dataset=PromptDataset.from_config(
+            cfg.dataset, tokenizer=tokenizer, holdout=cfg.eval.holdout if cfg.eval else None
+        ),
         generation=cfg.generation,
         rollout=cfg.rollout,
         policy=policy,

@@ -16,6 +16,7 @@ split run (:mod:`asyncgrpo.run.rollouts`), the run's documents in its transport
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -33,6 +34,7 @@ from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.rollout.window import AdmissionWindow
 from asyncgrpo.run.audit import ServedPolicyAudit
 from asyncgrpo.run.endpoint import Endpoint, open_endpoint
+from asyncgrpo.run.evaluation import RunEvaluator
 from asyncgrpo.run.follower import follow
 from asyncgrpo.run.metrics import MetricsWriter
 from asyncgrpo.run.sources import ChannelSource, LocalSource, SampleSource, rollout_client
@@ -44,11 +46,12 @@ from asyncgrpo.run.sync import (
     ProxyLoader,
     TransportSource,
 )
+from asyncgrpo.run.trackers import Tracker, TrackioTracker, WandbTracker
 from asyncgrpo.sample import Sample
 from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.store.channel import RolloutChannel
 from asyncgrpo.store.checkpoints import CheckpointStore
-from asyncgrpo.store.run_documents import RunResult, RunStore
+from asyncgrpo.store.run_documents import FINAL_ADAPTER_DIR, RunResult, RunStore
 from asyncgrpo.trainer.staleness import filter_stale, staleness_stats
 from asyncgrpo.transport import Transport, open_transport
 from asyncgrpo.vllm.client import VLLMClient, check_adapter_fetching, check_lora_capacity
@@ -133,12 +136,29 @@ async def run_training(
         proxy = await stack.enter_async_context(
             VLLMClient(endpoint.url, api_key=endpoint.api_key, timeout_s=FLEET_TIMEOUT_S)
         )
+        evaluator = await _evaluator(cfg, endpoint, writer, sync, start)
         step, version = await _train(
             run, start.trainer, sync, source, writer, work, version,
             on_step=on_step, progress=progress, fleet=lambda: _fleet_metrics(proxy),
             audit=_served_policy_audit(run, start.trainer, work),
         )  # fmt: skip
+        if evaluator is not None:  # the final version, after the last step
+            await evaluator(sync.name(version), version, step=step)
         return await _finish(run, start, step, version)
+
+
+async def _evaluator(
+    cfg: TrainingConfig, endpoint: Endpoint, writer: MetricsWriter, sync: AdapterSync, start: _Start
+) -> RunEvaluator | None:
+    """With an ``eval`` section: the held-out prompts read (a bad set fails before the first
+    step), and the base model (version 0) evaluated unless the run resumed."""
+    if cfg.eval is None:
+        return None
+    evaluator = RunEvaluator(cfg, base_url=endpoint.url, api_key=endpoint.api_key, writer=writer)
+    await evaluator.prepare()
+    if start.resumed_from is None:
+        await evaluator(sync.name(0), 0, step=0)
+    return evaluator
 
 
 def _check_rollout_source(cfg: TrainingConfig, rollout_source: str) -> None:
@@ -186,7 +206,7 @@ async def _adapter_sync(
     what it loaded (the store keeps them all) and gives the slots back."""
     cfg = run.cfg
     async with VLLMClient(endpoint.url, api_key=endpoint.api_key) as client:
-        fetching = await _preflight(cfg, client, run.transport.url)
+        fetching = await preflight_fleet(cfg, client, run.transport.url)
         source: AdapterSource
         if fetching:  # replicas fetch each version themselves: nothing of this disk is needed
             source = TransportSource(run.store)
@@ -230,7 +250,7 @@ async def _lora_slots(cfg: TrainingConfig, client: VLLMClient, prefix: str) -> A
                     logger.warning("could not give back the run's LoRA slots: %s", exc)
 
 
-async def _preflight(cfg: TrainingConfig, client: VLLMClient, transport_url: str) -> bool:
+async def preflight_fleet(cfg: TrainingConfig, client: VLLMClient, transport_url: str) -> bool:
     """Refuse to start, before the trainer loads its model, when the served replicas cannot
     hold the run: LoRA off, a rank or slot count too small, or (when replicas fetch adapters
     themselves: ``serve.adapter_delivery``) no asyncgrpo vLLM plugin or no access to this
@@ -289,15 +309,25 @@ def _served_policy_audit(run: _Run, trainer: Any, work: Path) -> ServedPolicyAud
 
 
 def _metrics_writer(cfg: TrainingConfig, prefix: str) -> MetricsWriter:
-    """One metrics line per logged step, to ``metrics.jsonl`` and (optionally) trackio."""
-    return MetricsWriter(
-        cfg.run_dir,
-        jsonl=cfg.logging.jsonl,
-        trackio=cfg.logging.trackio,
-        project=cfg.logging.trackio_project,
-        run_name=prefix,
-        config=redacted(cfg),
-    )
+    """One metrics line per logged step, to ``metrics.jsonl`` and the trackers switched on."""
+    log = cfg.logging
+    trackers: list[Tracker] = []
+    if log.trackio:
+        trackers.append(
+            TrackioTracker(project=log.trackio_project, run_name=prefix, config=redacted(cfg))
+        )
+    if log.wandb:
+        trackers.append(
+            WandbTracker(
+                run_dir=cfg.run_dir,
+                project=log.wandb_project,
+                entity=log.wandb_entity,
+                run_name=prefix,
+                tags=log.wandb_tags,
+                config=redacted(cfg),
+            )
+        )
+    return MetricsWriter(cfg.run_dir, jsonl=log.jsonl, trackers=trackers)
 
 
 @asynccontextmanager
@@ -342,7 +372,8 @@ async def _train(
 ) -> tuple[int, int]:
     """The loop, until ``trainer.max_steps`` or the end of the dataset: fresh samples, one
     optimizer step; every ``weight_sync_steps`` publish and load a new version, switch the
-    rollouts to it and audit what the replicas served (``trainer.audit``); every ``save_steps`` a checkpoint; one metrics line. Returns (step, version).
+    rollouts to it and audit what the replicas served (``trainer.audit``); every
+    ``save_steps`` a checkpoint; one metrics line. Returns (step, version).
     """
     tcfg = run.cfg.trainer
 
@@ -445,6 +476,9 @@ async def _finish(run: _Run, start: _Start, step: int, version: int) -> RunResul
     ``done.json``, which ends the split run's rollout processes."""
     await anyio.to_thread.run_sync(start.trainer.release)
     await run.documents.finish(step, version)
+    final = run.cfg.run_dir / FINAL_ADAPTER_DIR  # a resumed run replaces the earlier one
+    await anyio.to_thread.run_sync(lambda: shutil.rmtree(final, ignore_errors=True))
+    await run.store.export(run.prefix, version, final)
     return RunResult(
         run_dir=run.cfg.run_dir,
         adapter_prefix=run.prefix,
@@ -452,4 +486,5 @@ async def _finish(run: _Run, start: _Start, step: int, version: int) -> RunResul
         final_version=version,
         resumed_from_step=start.resumed_from,
         transport_url=run.transport.url,
+        adapter_dir=final,
     )

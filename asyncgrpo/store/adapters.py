@@ -19,12 +19,18 @@ import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.errors import ConfigError, NotFound
+import anyio
+import anyio.to_thread
+
+from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound
 from asyncgrpo.store.bundle import (
+    LOCAL_MANIFEST,
     BundleStore,
     delete_bundle,
     download_bundle,
@@ -226,6 +232,28 @@ class AdapterStore(BundleStore):
             raise await self._missing(name, version) from None
         return path
 
+    async def export(self, name: str, version: int, dest: str | os.PathLike[str]) -> Path:
+        """Write ``name`` version ``version`` to ``dest`` as a plain PEFT directory (loadable by
+        ``PeftModel.from_pretrained`` and ``vllm serve --lora-modules``): the verified files and
+        nothing of asyncgrpo's. ``dest`` must not exist, or be an empty directory; it appears
+        whole or not at all (fetched beside it, then renamed)."""
+        dest = Path(dest)
+        if dest.is_symlink() or (dest.exists() and (not dest.is_dir() or any(dest.iterdir()))):
+            raise AlreadyExists(f"{dest} exists and is not an empty directory")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(
+            await anyio.to_thread.run_sync(
+                lambda: tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent)
+            )
+        )
+        try:
+            fetched = await self.fetch(name, version, staging)
+            (fetched / LOCAL_MANIFEST).unlink(missing_ok=True)
+            await anyio.to_thread.run_sync(_replace_empty, fetched, dest)
+        finally:
+            await anyio.to_thread.run_sync(lambda: shutil.rmtree(staging, ignore_errors=True))
+        return dest
+
     async def _missing(self, name: str, version: int) -> NotFound:
         versions = await self.versions(name)
         shown = ", ".join(map(str, versions[-10:])) or "none"
@@ -269,3 +297,10 @@ class AdapterStore(BundleStore):
 
 def _parse_versions(children: list[str]) -> list[int]:
     return [v for child in children if (v := parse_version(child)) is not None]
+
+
+def _replace_empty(src: Path, dest: Path) -> None:
+    """Rename ``src`` to ``dest``, which is absent or an empty directory."""
+    if dest.is_dir():
+        dest.rmdir()  # empty: checked by the caller; rmdir refuses otherwise
+    src.rename(dest)

@@ -28,6 +28,8 @@ from asyncgrpo.transport import Transport
 RUN_KEY = "run.json"
 POLICY_KEY = "policy.json"
 DONE_KEY = "done.json"
+#: Where a finished run leaves its final version as a plain PEFT directory, in its run directory.
+FINAL_ADAPTER_DIR = "adapter"
 
 
 @dataclass
@@ -41,6 +43,8 @@ class RunResult:
     resumed_from_step: int | None
     transport_url: str
     rank: int = 0  #: data-parallel rank; on ranks > 0 ``final_version`` is -1 (not tracked)
+    #: the final version as a plain PEFT directory, ``<run_dir>/adapter`` (rank 0 only)
+    adapter_dir: Path | None = None
 
 
 def parse_policy(data: bytes) -> tuple[str, int]:
@@ -54,6 +58,23 @@ class RunStore:
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
+
+    async def existing_run_id(self, run_name: str) -> str:
+        """The id of a run that has started here; :class:`ConfigError` when none has (or
+        another run owns this transport)."""
+        try:
+            stored = json.loads(await self.transport.get(RUN_KEY))
+        except NotFound:
+            raise ConfigError(
+                f"no run has started in {self.transport.url} ({RUN_KEY} is missing): train "
+                "first, or give the config of the run to evaluate"
+            ) from None
+        if stored.get("run_name") != run_name:
+            raise ConfigError(
+                f"transport {self.transport.url} holds run {stored.get('run_name')!r}, not "
+                f"{run_name!r}: give that run's config"
+            )
+        return str(stored["run_id"])
 
     async def run_id(self, run_name: str) -> str:
         """The run's id, created once (create-only write: two racing starts agree on one id)."""

@@ -10,6 +10,7 @@ import pytest
 from asyncgrpo.cli.plot import plot_run
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.run.metrics import METRICS_FILE, MetricsBuffer, MetricsWriter, nanmean, read_metrics
+from asyncgrpo.run.trackers import TrackioTracker
 
 
 def test_nanmean_skips_nan_and_none():
@@ -60,10 +61,32 @@ def test_trackio_missing_is_a_config_error(tmp_path):
         import trackio  # noqa: F401
     except ImportError:
         with pytest.raises(ConfigError, match="pip install trackio"):
-            MetricsWriter(tmp_path, trackio=True)
+            TrackioTracker(project=None, run_name="r", config={})
     else:  # installed: it must accept our records
-        with MetricsWriter(tmp_path, trackio=True, project="asyncgrpo-test") as w:
+        tracker = TrackioTracker(project="asyncgrpo-test", run_name="r", config={})
+        with MetricsWriter(tmp_path, trackers=[tracker]) as w:
             w.log({"reward": 1.0}, step=1)
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.logged: list[tuple[int, dict[str, float]]] = []
+        self.finished = 0
+
+    def log(self, metrics, *, step):
+        self.logged.append((step, dict(metrics)))
+
+    def finish(self):
+        self.finished += 1
+
+
+def test_trackers_get_the_finite_numbers_of_each_record_and_finish_once(tmp_path):
+    recorder = _Recorder()
+    with MetricsWriter(tmp_path, trackers=[recorder]) as w:
+        w.log({"reward": 0.5, "kl": math.nan, "ok": True, "name": "x", "n": 3}, step=1)
+    w.close()
+    assert recorder.logged == [(1, {"reward": 0.5, "n": 3.0})]
+    assert recorder.finished == 1
 
 
 def test_plot_run_writes_png(tmp_path):

@@ -63,6 +63,13 @@ async def test_end_to_end_served_logprobs_equal_trainer_and_reward_rises(
 
     assert result.steps == 30
     assert result.final_version == 30  # v0 at start, then one per step
+    # the final version, as a plain PEFT directory in the run directory
+    assert result.adapter_dir == result.run_dir / "adapter"
+    published = AdapterStore(result.transport_url)
+    final_dir = await published.fetch(result.adapter_prefix, 30, tmp_path / "final-cache")
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (result.adapter_dir / f).read_bytes() == (final_dir / f).read_bytes()
+    assert not (result.adapter_dir / ".asyncgrpo-manifest.json").exists()
     versions = {s.version for _, batch in batches for s in batch}
     assert len(versions) >= 4, versions
     diffs = await anyio.to_thread.run_sync(

@@ -1,0 +1,180 @@
+"""One evaluation: the held-out prompts, k completions each under one served name, scored.
+
+Generation goes through the same environment and policy client as training rollouts (so a
+multi-turn environment is evaluated the way it is trained), with the ``eval`` section's own
+sampling (k, temperature, max tokens) and at most ``eval.max_inflight`` completions in flight,
+its bound on the fleet's time while training goes on.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import anyio
+
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.evaluation.scores import Graded, summarize
+from asyncgrpo.rollout.config import DatasetConfig, GenerationConfig, RolloutConfig
+from asyncgrpo.rollout.dataset import Prompt, PromptDataset, read_rows, split_rows
+from asyncgrpo.rollout.environment import group_rewards, load_environment
+from asyncgrpo.rollout.policy import PolicyClient
+from asyncgrpo.rollout.rewards import RewardScorer
+
+if TYPE_CHECKING:
+    from asyncgrpo.config.training import TrainingConfig
+    from asyncgrpo.evaluation.config import EvalConfig
+
+__all__ = ["EvalReport", "eval_prompts", "eval_rows", "evaluate"]
+
+
+@dataclass
+class EvalReport:
+    """What one evaluation measured: ``eval/*`` metrics and one row per completion."""
+
+    version: int
+    model: str
+    metrics: dict[str, float]
+    rows: list[dict[str, Any]]
+
+
+def _key(prompt: Any) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def _prompt_of(row: Any, column: str) -> Any:
+    return row.get(column) if isinstance(row, dict) else row
+
+
+def eval_rows(cfg: TrainingConfig) -> tuple[list[Any], str]:
+    """The held-out rows and their prompt column (nothing tokenized: a dry run reads them);
+    ``ConfigError`` when told to be disjoint from the training set and they are not."""
+    e = _section(cfg)
+    if e.holdout is not None:
+        _, rows = split_rows(read_rows(cfg.dataset), e.holdout, seed=cfg.dataset.seed)
+        return rows, cfg.dataset.prompt_column
+    source = DatasetConfig(
+        path=e.path, prompts=e.prompts, subset=e.subset, split=e.split,
+        prompt_column=e.prompt_column, epochs=1, shuffle=False,
+    )  # fmt: skip
+    rows = read_rows(source)
+    if e.check_disjoint:
+        trained = {_key(_prompt_of(r, cfg.dataset.prompt_column)) for r in read_rows(cfg.dataset)}
+        both = [p for r in rows if _key(p := _prompt_of(r, e.prompt_column)) in trained]
+        if both:
+            raise ConfigError(
+                f"eval: {len(both)} of {len(rows)} held-out prompts are also in the training "
+                f"set (first: {str(both[0])[:80]!r}); remove them, or set "
+                "eval.check_disjoint=false"
+            )
+    return rows, e.prompt_column
+
+
+def eval_prompts(cfg: TrainingConfig, tokenizer: Any) -> list[Prompt]:
+    """The held-out prompts, tokenized, in their file's order (at most ``eval.max_prompts``)."""
+    rows, column = eval_rows(cfg)
+    dataset = PromptDataset(
+        rows, tokenizer=tokenizer, prompt_column=column, epochs=1, shuffle=False,
+        max_prompt_tokens=cfg.dataset.max_prompt_tokens,
+    )  # fmt: skip
+    prompts = list(dataset.iter_from(0))
+    limit = _section(cfg).max_prompts
+    return prompts[:limit] if limit is not None else prompts
+
+
+def _section(cfg: TrainingConfig) -> EvalConfig:
+    if cfg.eval is None:
+        raise ConfigError("no eval section in the config: add one (docs/eval.md)")
+    return cfg.eval
+
+
+def _sampling(cfg: TrainingConfig) -> tuple[GenerationConfig, RolloutConfig]:
+    """The training settings with the evaluation's sampling. The generation section is copied
+    and changed in place: its checks are training's (GRPO needs G >= 2 and a temperature > 0),
+    and an evaluation may ask for one greedy completion."""
+    e = _section(cfg)
+    gen = copy.copy(cfg.generation)
+    gen.num_generations = e.num_generations
+    gen.temperature = e.temperature
+    gen.max_completion_length = e.max_tokens or cfg.generation.max_completion_length
+    gen.seed = None
+    rollout = dataclasses.replace(
+        cfg.rollout,
+        reward_funcs=list(
+            e.reward_funcs if e.reward_funcs is not None else cfg.rollout.reward_funcs
+        ),
+        reward_weights=None if e.reward_funcs is not None else cfg.rollout.reward_weights,
+        max_inflight=e.max_inflight,
+    )
+    return gen, rollout
+
+
+async def evaluate(
+    cfg: TrainingConfig,
+    *,
+    base_url: str,
+    api_key: str | None,
+    model: str,
+    version: int,
+    prompts: Sequence[Prompt],
+    tokenizer: Any,
+) -> EvalReport:
+    """Evaluate the served ``model`` (adapter ``version``) on ``prompts``."""
+    e = _section(cfg)
+    gen, rollout = _sampling(cfg)
+    environment = load_environment(
+        rollout.environment, rollout.environment_args, tokenizer=tokenizer, generation=gen
+    )
+    scorer = None
+    if rollout.reward_funcs or not environment.provides_reward:
+        scorer = RewardScorer(
+            rollout.reward_funcs, weights=rollout.reward_weights,
+            max_threads=rollout.reward_max_threads,
+        )  # fmt: skip
+    graded: list[Graded] = []
+    rows: list[dict[str, Any]] = []
+    limiter = anyio.CapacityLimiter(max(1, e.max_inflight // e.num_generations))
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=rollout.request_timeout_s), headers=headers
+    ) as session:
+        policy = PolicyClient(
+            session=session, base_url=base_url, generation=gen, rollout=rollout,
+            policy=lambda: (model, version),
+        )  # fmt: skip
+
+        async def one(prompt: Prompt) -> None:
+            async with limiter:
+                episodes = await environment.group(prompt, policy, e.num_generations)
+                scores = await group_rewards(scorer, prompt, episodes)
+            graded.append(
+                Graded(
+                    rewards=scores.rewards,
+                    per_func=scores.per_func,
+                    completion_tokens=[len(ep.completion_ids) for ep in episodes],
+                )
+            )
+            for j, ep in enumerate(episodes):
+                rows.append({
+                    "version": version, "prompt_index": prompt.index, "prompt": prompt.prompt,
+                    "completion": ep.completion, "reward": scores.rewards[j],
+                    "rewards": {n: v[j] for n, v in scores.per_func.items()},
+                    "completion_tokens": len(ep.completion_ids),
+                    "finish_reason": ep.finish_reason,
+                })  # fmt: skip
+
+        async with anyio.create_task_group() as tg:
+            for prompt in prompts:
+                tg.start_soon(one, prompt)
+    metrics = summarize(graded, k=e.num_generations, threshold=e.pass_threshold)
+    metrics["eval/version"] = float(version)
+    metrics["eval/seconds"] = time.perf_counter() - t0
+    rows.sort(key=lambda r: r["prompt_index"])
+    return EvalReport(version=version, model=model, metrics=metrics, rows=rows)

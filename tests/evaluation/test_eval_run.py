@@ -1,0 +1,75 @@
+"""Evaluation in a run, on real vLLM replicas: the base model before the first step and the
+final version after the last, on prompts the trainer never sees."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncgrpo.config.training import TrainingConfig
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.evaluation.records import EVAL_FILE, read_evals
+from asyncgrpo.evaluation.runner import eval_prompts
+from asyncgrpo.rollout.dataset import load_tokenizer
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
+
+
+def _config(tmp_path: Path, model: Path, urls: Sequence[str], *overrides: str) -> TrainingConfig:
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data.update(model=str(model), output_dir=str(tmp_path), run_name="ev")
+    data["trainer"]["max_staleness"] = 2  # the session's replicas hold 4 adapters
+    data["serve"] = {"replicas": 0}
+    data["proxy"]["upstreams"] = list(urls) or ["http://127.0.0.1:9"]
+    data.pop("eval", None)
+    return TrainingConfig.from_dict(data, overrides)
+
+
+def test_held_out_prompts_must_not_be_training_prompts(tmp_path, tiny_model):
+    tokenizer = load_tokenizer(tiny_model)
+    cfg = _config(tmp_path, tiny_model, [], 'eval.prompts=["name a fruit", "name a color"]')
+    with pytest.raises(ConfigError, match="1 of 2 held-out prompts are also in the training"):
+        eval_prompts(cfg, tokenizer)
+    cfg = _config(tmp_path, tiny_model, [], 'eval.prompts=["name a fruit", "name a color"]',
+                  "eval.check_disjoint=false")  # fmt: skip
+    assert [p.prompt for p in eval_prompts(cfg, tokenizer)] == ["name a fruit", "name a color"]
+    cfg = _config(tmp_path, tiny_model, [], "eval.holdout=0.25", "eval.max_prompts=1")
+    assert len(eval_prompts(cfg, tokenizer)) == 1
+
+
+@pytest.mark.vllm
+@pytest.mark.anyio
+async def test_a_run_evaluates_base_and_final_on_prompts_it_never_trains_on(
+    vllm_replicas, tiny_model, tmp_path
+):
+    from asyncgrpo.run.training import run_training
+
+    cfg = _config(tmp_path, tiny_model, [r.url for r in vllm_replicas], "trainer.max_steps=3",
+                  "eval.holdout=0.25", "eval.num_generations=2")  # fmt: skip
+    held = [p.prompt for p in eval_prompts(cfg, load_tokenizer(tiny_model))]
+    assert len(held) == 2
+    trained: set[str] = set()
+    tokenizer = load_tokenizer(tiny_model)
+    held_ids = {tuple(p.prompt_ids) for p in eval_prompts(cfg, tokenizer)}
+
+    def on_step(step, samples, version):
+        trained.update(tuple(s.prompt_ids) for s in samples)
+
+    result = await run_training(cfg, on_step=on_step)
+    assert trained and trained.isdisjoint(held_ids)
+    evals = read_evals(result.run_dir)
+    assert [e["eval/version"] for e in evals] == [0, result.final_version]
+    assert [e["step"] for e in evals] == [0, 3]
+    for e in evals:
+        assert e["eval/prompts"] == 2 and e["eval/completions"] == 4
+        assert 0.0 <= e["eval/reward"] <= 1.0 and 0.0 <= e["eval/pass@1"] <= e["eval/pass@2"]
+        assert e["eval/seconds"] > 0 and e["eval/completion_tokens"] > 0
+        assert "eval/rewards/digit_fraction" in e
+    rows = [json.loads(line) for line in (result.run_dir / EVAL_FILE).read_text().splitlines()]
+    assert len(rows) == 2 * 2 * 2
+    assert {r["prompt"] for r in rows} == set(held)
+    assert {r["version"] for r in rows} == {0, result.final_version}
