@@ -16,6 +16,7 @@ _EXPORTS = {
     "AdapterVersion": "asyncgrpo.store.adapters",
     "AlreadyExists": "asyncgrpo.errors",
     "AsyncGRPOError": "asyncgrpo.errors",
+    "AuditError": "asyncgrpo.errors",
     "CheckpointStore": "asyncgrpo.store.checkpoints",
     "ConfigError": "asyncgrpo.errors",
     "IntegrityError": "asyncgrpo.errors",

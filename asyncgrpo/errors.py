@@ -16,6 +16,7 @@ ours, or the builtin each one also is::
     │   ├── ReplicaStartError                        it did not become healthy (log tail attached)
     │   └── NoHealthyReplica                         nothing left in rotation
     ├── SyncError                                    an adapter version did not reach every replica
+    ├── AuditError                                   a replica served other weights than the trainer's
     ├── RankError                                    a data-parallel rank died or stopped answering
     └── LaunchError                                  a launched job failed to start or died (log tail)
 
@@ -98,6 +99,11 @@ class NoHealthyReplica(ReplicaError):
 
 class SyncError(AsyncGRPOError):
     """An adapter version could not be loaded on every replica."""
+
+
+class AuditError(AsyncGRPOError):
+    """The served-policy audit found a replica whose logprobs are not the trainer's at the
+    version it claims to serve; the message names the version, the replica and the gap."""
 
 
 class RankError(AsyncGRPOError):

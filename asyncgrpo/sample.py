@@ -28,6 +28,10 @@ class Sample:
     ``--logprobs-mode processed_logprobs``: after temperature, so the trainer must divide its
     logits by the same ``temperature`` before comparing. Aligned with ``completion_ids``;
     environment tokens hold 0.0, which nothing reads.
+
+    ``replica`` names the replica that served the episode's model turns, as the proxy names it
+    (``X-Asyncgrpo-Replica``; turns served by several are joined by ``+``; ``None`` without a
+    proxy): the trainer's served-policy audit names the replica whose logprobs are wrong.
     """
 
     prompt_ids: list[int]
@@ -42,6 +46,7 @@ class Sample:
     finish_reason: str | None = None
     completion_mask: list[bool] | None = None
     versions: list[int] | None = None
+    replica: str | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

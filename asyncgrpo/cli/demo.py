@@ -162,6 +162,7 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
     )
     print(f"\nserved vs trainer logprobs (last 4 steps, {len(samples)} samples, each at its "
           f"adapter version): max |diff| = {max(errors):.1e}")  # fmt: skip
+    _print_audit(records)
     evals = read_evals(result.run_dir)
     if len(evals) >= 2:
         base, final = evals[0], evals[-1]
@@ -172,3 +173,13 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
     print(f"metrics: {result.run_dir / 'metrics.jsonl'}\nplot:    {plot}")
     if max(errors) > 1e-3:
         raise SystemExit("MISMATCH: a replica served something other than the trained policy")
+
+
+def _print_audit(records: list[dict[str, float]]) -> None:
+    """The served-policy audit's figure over the run (``trainer.audit``), when it ran."""
+    audited = [r for r in records if "audit/tokens" in r]
+    if audited:
+        tokens = sum(int(r["audit/tokens"]) for r in audited)
+        worst = max(r["audit/max_abs_logprob_diff"] for r in audited)
+        print(f"served-policy audit (trainer.audit, after every sync): {len(audited)} audits, "
+              f"{tokens} tokens, max |diff| = {worst:.1e}")  # fmt: skip

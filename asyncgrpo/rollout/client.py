@@ -398,6 +398,7 @@ class RolloutClient:
                 finish_reason=e.finish_reason,
                 completion_mask=e.completion_mask,
                 versions=e.versions,
+                replica=e.served_by,
             )
             try:
                 self._send.send_nowait(sample)

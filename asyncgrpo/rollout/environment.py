@@ -76,6 +76,13 @@ class Episode:
     #: The environment's own reward (a number or named parts, summed); None: reward functions.
     reward: float | Mapping[str, float] | None = None
 
+    @property
+    def served_by(self) -> str | None:
+        """The replica(s) that served the model turns, in turn order without repeats, joined by
+        ``+`` (None when no turn was named: no proxy in front)."""
+        names = list(dict.fromkeys(r for r in self.replicas or () if r))
+        return "+".join(names) if names else None
+
 
 class Trajectory:
     """Builds an episode turn by turn, holding the exact token ids to send next (``ids``).

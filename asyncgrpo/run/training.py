@@ -35,6 +35,7 @@ from asyncgrpo.config.training import TrainingConfig, run_transport_url
 from asyncgrpo.errors import ConfigError, IntegrityError, ReplicaError
 from asyncgrpo.proxy.admin_client import ProxyClient
 from asyncgrpo.rollout.window import AdmissionWindow
+from asyncgrpo.run.audit import ServedPolicyAudit
 from asyncgrpo.run.endpoint import Endpoint, open_endpoint
 from asyncgrpo.run.evaluation import RunEvaluator
 from asyncgrpo.run.follower import follow
@@ -149,6 +150,7 @@ async def run_training(
         step, version = await _train(
             run, start.trainer, sync, source, writer, work, version,
             on_step=on_step, progress=report, fleet=lambda: _fleet_metrics(proxy),
+            audit=_served_policy_audit(run, start.trainer, work),
         )  # fmt: skip
         if evaluator is not None:  # the final version, after the last step
             await evaluator(sync.name(version), version, step=step)
@@ -344,6 +346,17 @@ async def _publish_first_version(run: _Run, sync: AdapterSync, trainer: Any, wor
     return version
 
 
+def _served_policy_audit(run: _Run, trainer: Any, work: Path) -> ServedPolicyAudit:
+    """The audit of what the replicas serve, from the versions this process saved in ``work``
+    (a version published before a restart is not there, and its samples are not audited)."""
+
+    def saved(version: int) -> Path | None:
+        directory = work / f"v{version}"
+        return directory if directory.is_dir() else None
+
+    return ServedPolicyAudit(run.cfg.trainer.audit, trainer, saved, prefix=run.prefix)
+
+
 def _metrics_writer(cfg: TrainingConfig, prefix: str) -> MetricsWriter:
     """One metrics line per logged step, to ``metrics.jsonl`` and the trackers switched on."""
     log = cfg.logging
@@ -404,10 +417,12 @@ async def _train(
     on_step: StepHook | None,
     progress: RunProgress,
     fleet: Callable[[], Awaitable[dict[str, float]]],
+    audit: ServedPolicyAudit,
 ) -> tuple[int, int]:
     """The loop, until ``trainer.max_steps`` or the end of the dataset: fresh samples, one
-    optimizer step; every ``weight_sync_steps`` publish and load a new version and switch the
-    rollouts to it; every ``save_steps`` a checkpoint; one metrics line. Returns (step, version).
+    optimizer step; every ``weight_sync_steps`` publish and load a new version, switch the
+    rollouts to it and audit what the replicas served (``trainer.audit``); every
+    ``save_steps`` a checkpoint; one metrics line. Returns (step, version).
     """
     tcfg = run.cfg.trainer
 
@@ -429,6 +444,7 @@ async def _train(
             break
         if on_step is not None and (hooked := on_step(step + 1, samples, version)) is not None:
             await hooked
+        audit.observe(samples)
         metrics = await anyio.to_thread.run_sync(trainer.step, samples)
         step = trainer.step_count
         metrics.update(staleness_stats(samples, current_version=version))
@@ -445,6 +461,7 @@ async def _train(
                 await sync.sync(version, adapter_dir, step=step, on_loaded=switch_policy)
             )
             metrics["adapter_version"] = float(version)
+            metrics.update(await audit.after_sync())
 
         if tcfg.save_steps and (step % tcfg.save_steps == 0 or step == tcfg.max_steps):
             t_ckpt = time.perf_counter()

@@ -59,6 +59,8 @@ def encode_batch(samples: Sequence[Sample]) -> bytes:
         if s.versions is not None:
             row["v"] = 1
             versions.extend(s.versions)
+        if s.replica is not None:
+            row["r"] = s.replica
         if s.completion_mask is not None:
             row["m"] = 1
             masks.extend(map(bool, s.completion_mask))
@@ -141,6 +143,8 @@ def _decode(data: bytes) -> list[Sample]:
         if row.pop("v", 0):
             extra["versions"] = versions[v : v + n_c].tolist()
             v += n_c
+        if "r" in row:
+            extra["replica"] = row.pop("r")
         if row.pop("m", 0):
             extra["completion_mask"] = [bool(b) for b in masks[m : m + n_c]]
             m += n_c
@@ -184,7 +188,9 @@ _ROW_CHECKS: dict[str, tuple[str, Any]] = {
 
 #: Present (= 1) when the sample carries per-token versions ("v") / a policy mask ("m").
 _ROW_FLAGS = frozenset({"v", "m"})
-_ROW_KEYS = _ROW_FLAGS | set(_ROW_CHECKS)
+#: Present when known: the replica that served the sample ("r", a string).
+_ROW_OPTIONAL = frozenset({"r"})
+_ROW_KEYS = _ROW_FLAGS | _ROW_OPTIONAL | set(_ROW_CHECKS)
 
 
 def _check_header(header: Any) -> None:
@@ -201,3 +207,5 @@ def _check_header(header: Any) -> None:
         for key in _ROW_FLAGS.intersection(row):
             if row[key] != 1:
                 raise ValueError(f"sample {i}: {key} is not 1")
+        if "r" in row and not isinstance(row["r"], str):
+            raise ValueError(f"sample {i}: r (its replica) is not a string")

@@ -4,7 +4,7 @@ optimised (loss, batching, schedule, and the cadence of syncs and checkpoints)."
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from asyncgrpo.config.coerce import check_fields
@@ -16,6 +16,12 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 ScaleRewards = Literal["group", "batch", "none"]
 LossType = Literal["dapo", "grpo", "dr_grpo"]
 CollapseAction = Literal["off", "warn", "stop", "rollback"]
+AuditAction = Literal["off", "warn", "stop"]
+
+#: The audit's default tolerance (mean |trainer - vLLM| logprob per token, per replica and
+#: version) by the trainer's dtype: above how far two correct implementations drift apart at
+#: that precision (measured: docs/trainer.md).
+AUDIT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.3, "float16": 0.3}
 
 
 @dataclass(kw_only=True)
@@ -37,6 +43,37 @@ class LoraConfig:
                      lt={"dropout": 1})  # fmt: skip
         if isinstance(self.target_modules, list) and not self.target_modules:
             raise ConfigError("lora.target_modules is empty: use 'all-linear' or list module names")
+
+
+@dataclass(kw_only=True)
+class AuditConfig:
+    """The served-policy audit (``trainer.audit``): after a weight sync the trainer recomputes
+    the logprobs of a few just-trained samples at the version that sampled them, spread over
+    the replicas that served them, and compares them with what vLLM returned: a replica serving
+    other weights under the right name is caught within one sync, and named."""
+
+    action: AuditAction = "stop"
+    """Above the tolerance: 'stop' ends the run with one line naming the version, the replica
+    and the difference; 'warn' logs that line and trains on; 'off': no audit."""
+    every: int = 1
+    """Audit after every this many weight syncs."""
+    samples: int = 8
+    """Samples recomputed per audit, taken round-robin over the replicas that served the
+    samples trained since the last audit, newest first (one extra forward of their tokens)."""
+    tolerance: float | None = None
+    """Largest mean |trainer - vLLM| logprob per token accepted, over each replica's audited
+    tokens of one version. None: by the trainer's dtype, 1e-3 in float32, 0.3 in bfloat16 and
+    float16 (measured: docs/trainer.md). Set it when the replicas serve in a lower precision
+    than the trainer."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "trainer.audit", ge={"every": 1, "samples": 1}, gt={"tolerance": 0})
+
+    def tolerance_for(self, dtype: str) -> float:
+        """The tolerance in force for a trainer computing in ``dtype`` ('float32', ...)."""
+        if self.tolerance is not None:
+            return self.tolerance
+        return AUDIT_TOLERANCE.get(dtype, AUDIT_TOLERANCE["bfloat16"])
 
 
 @dataclass(kw_only=True)
@@ -158,6 +195,8 @@ class TrainerConfig:
     """Publish a new adapter version every this many steps."""
     save_steps: int = 50
     """Checkpoint every this many steps; 0 disables."""
+    audit: AuditConfig = field(default_factory=AuditConfig)
+    """The served-policy audit: trainer vs vLLM logprobs of served samples, per replica."""
 
     def __post_init__(self) -> None:
         check_fields(

@@ -54,7 +54,12 @@ from asyncgrpo.trainer.loss import (
     stat_keys,
     token_normaliser,
 )
-from asyncgrpo.trainer.model import default_device, load_policy, row_logprobs
+from asyncgrpo.trainer.model import (
+    default_device,
+    load_adapter_weights,
+    load_policy,
+    row_logprobs,
+)
 from asyncgrpo.trainer.model import save_adapter as _save_adapter
 from asyncgrpo.trainer.packing import PackedRow, build_row, pack_samples
 from asyncgrpo.trainer.trust_region import global_norm, kl_scale, shrink, token_kl
@@ -622,6 +627,24 @@ class Trainer:
             return out
         finally:
             self.model.train(was_training)
+
+    @torch.no_grad()
+    def logprobs_at(self, samples: Sequence[Sample], adapter_dir: str | Path) -> list[list[float]]:
+        """:meth:`logprobs` under the adapter saved in ``adapter_dir`` (a published version):
+        its weights are copied in for the forward and the current ones copied back, bit for
+        bit, even if the forward fails. The served-policy audit recomputes a version with it."""
+        current = [p.detach().clone() for p in self.params]
+        try:
+            load_adapter_weights(self.model, adapter_dir)
+            return self.logprobs(samples)
+        finally:
+            for p, saved in zip(self.params, current, strict=True):
+                p.copy_(saved)
+
+    @property
+    def dtype_name(self) -> str:
+        """The base model's dtype as a config spells it ('float32', 'bfloat16', ...)."""
+        return str(getattr(self.model, "dtype", torch.float32)).removeprefix("torch.")
 
     def save_adapter(self, path: str | Path, *, version: int | None = None) -> Path:
         """Write the adapter (safetensors + adapter_config.json) into directory ``path``.

@@ -199,3 +199,20 @@ def save_adapter(model: Any, path: str | Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
     return path
+
+
+def load_adapter_weights(model: Any, path: str | Path) -> None:
+    """Copy the adapter saved in ``path`` (by :func:`save_adapter`) into ``model``'s adapter,
+    in place: the parameters stay the optimizer's. Refuses files that do not cover exactly
+    this adapter's weights (another LoRA config)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(path) / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, state)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"the adapter in {path} does not match this model's LoRA config (missing "
+            f"{missing[:3]}, unexpected {list(result.unexpected_keys)[:3]})"
+        )

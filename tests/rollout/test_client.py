@@ -231,6 +231,8 @@ async def test_several_replicas_go_behind_the_proxy(vllm_replicas, served, tiny_
                 routed = [u["routed"] for u in (await resp.json())["upstreams"]]
     assert len(samples) == 48
     assert sum(routed) >= 48 and min(routed) > 0, routed
+    # Each sample names the replica that served it (the trainer's audit reads it).
+    assert {s.replica for s in samples} == set(urls)
 
 
 async def test_backpressure_when_nobody_consumes(served, tiny_model) -> None:

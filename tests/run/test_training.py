@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from asyncgrpo.config.training import TrainingConfig
+from asyncgrpo.errors import AuditError
 from asyncgrpo.run.metrics import read_metrics, summarize
 from asyncgrpo.run.sync import ProxyLoader
 from asyncgrpo.run.training import run_training
@@ -33,6 +34,7 @@ from asyncgrpo.serve import Replica
 from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.store.checkpoints import CheckpointStore
 from asyncgrpo.testing.verify import next_token_mass, served_logprob_errors
+from asyncgrpo.trainer.audit import replica_key
 from asyncgrpo.vllm.client import VLLMClient
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
@@ -87,6 +89,9 @@ async def test_end_to_end_served_logprobs_equal_trainer_and_reward_rises(
                 "batch/microbatches_per_step", "ratio", "kl", "entropy", "reward", "reward_std",
                 "rewards/digit_fraction", "adapter_version"):  # fmt: skip
         assert key in records[-1], key
+    # The served-policy audit ran after every sync and passed: float32 on both sides.
+    audited = [r["audit/max_abs_logprob_diff"] for r in records if "audit/tokens" in r]
+    assert len(audited) >= 25 and max(audited) < TOLERANCE, audited
     # max_staleness=0: the admission window starts no rollout the trainer would drop.
     assert records[-1]["sample/dropped_stale_total"] == 0
     # Learning. The reward is the share of digits; a random policy puts ~3 % of its mass on
@@ -148,9 +153,11 @@ class SkipOneReplica(ProxyLoader):
 async def test_a_replica_serving_a_stale_version_is_caught(
     vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
 ) -> None:
+    """With ``trainer.audit.action=warn`` the run trains on; its audit metrics name replica 1."""
     cfg = tiny_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
                       "trainer.max_steps=8", "trainer.weight_sync_steps=2",
                       "proxy.routing=round_robin", "serve.adapter_delivery=path",
+                      "trainer.audit.action=warn",
                       "rollout.reward_funcs=asyncgrpo.testing.rewards:always_fails,"
                       "asyncgrpo.testing.rewards:digit_fraction")  # fmt: skip
     batches: list[tuple[int, list[Sample]]] = []
@@ -169,6 +176,38 @@ async def test_a_replica_serving_a_stale_version_is_caught(
     assert len(records) == 8
     assert records[-1]["rollout/reward_errors_total"] > 0
     assert not math.isnan(records[-1]["reward"])
+    good, stale = (
+        f"audit/replica/{replica_key(r.url)}/max_abs_logprob_diff" for r in vllm_replicas
+    )
+    audits = [r for r in records if stale in r]
+    assert audits, "no audit covered replica 1"
+    assert max(r[stale] for r in audits) > 1e-2
+    assert max(r.get(good, 0.0) for r in records) < TOLERANCE
+
+
+async def test_the_audit_stops_the_run_naming_the_replica_within_one_sync(
+    vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
+) -> None:
+    """Replica 1 serves v0's weights under v1's name: the audit after the sync that follows
+    the first steps on v1's samples stops the run with one line naming v1 and replica 1."""
+    cfg = tiny_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
+                      "trainer.max_steps=12", "trainer.weight_sync_steps=2",
+                      "trainer.max_staleness=0", "trainer.samples_per_step=8",
+                      "generation.request_mode=per_sample",
+                      "proxy.routing=round_robin", "serve.adapter_delivery=path")  # fmt: skip
+    steps: list[int] = []
+    with pytest.raises(AuditError) as caught:
+        await run_training(
+            cfg,
+            on_step=lambda step, s, v: steps.append(step),
+            loader_factory=lambda url: SkipOneReplica(VLLMClient(url), vllm_replicas),
+        )
+    line = str(caught.value)
+    assert "\n" not in line
+    assert f"replica {vllm_replicas[1].url} serves other weights than version 1 " in line, line
+    # v1 is loaded at the sync after step 2; steps 3-4 train on its samples; the sync after
+    # step 4 audits them.
+    assert max(steps) == 4, steps
 
 
 def _write_config(tmp_path: Path, model: Path, urls: Sequence[str], **sections: Any) -> Path:

@@ -30,7 +30,13 @@ def sample(tag: str, n: int = 5, **kw) -> Sample:
 
 def test_binary_encoding_roundtrips_exactly() -> None:
     batch = [
-        sample("a", temperature=0.7, rewards={"math": 1.0, "fmt": 0.5}, finish_reason="stop"),
+        sample(
+            "a",
+            temperature=0.7,
+            rewards={"math": 1.0, "fmt": 0.5},
+            finish_reason="stop",
+            replica="http://127.0.0.1:8001",
+        ),
         sample("b", n=0, reward=-2.0, finish_reason=None),
         sample("c", n=3000, version=0),
     ]
