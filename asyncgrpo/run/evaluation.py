@@ -88,8 +88,8 @@ async def evaluate_published(
     from asyncgrpo.config.training import run_transport_url
     from asyncgrpo.run.endpoint import open_endpoint
     from asyncgrpo.run.metrics import MetricsWriter
+    from asyncgrpo.run.preflight import preflight_fleet
     from asyncgrpo.run.sync import LocalCacheSource, ProxyLoader, TransportSource
-    from asyncgrpo.run.training import preflight_fleet
     from asyncgrpo.store.adapters import AdapterStore
     from asyncgrpo.store.run_documents import RunStore
     from asyncgrpo.transport import open_transport

@@ -161,13 +161,17 @@ def dry_run(cfg: TrainingConfig) -> list[str]:
             f"{len(cfg.proxy.upstreams)} remote replica(s): their /server_info and adapter "
             "plugin are checked at start"
         )
+    return [*lines, _step_line(cfg), *_evaluation(cfg), *_trackers(cfg)]
+
+
+def _step_line(cfg: TrainingConfig) -> str:
+    gen, tr = cfg.generation, cfg.trainer
     groups, rest = divmod(tr.samples_per_step, gen.num_generations)
-    lines.append(
+    return (
         f"step: {tr.samples_per_step} samples ({groups} prompts x G={gen.num_generations}"
         f"{f' + {rest}' if rest else ''}), lr {tr.learning_rate:g}, max_staleness "
         f"{tr.max_staleness}, weight_sync_steps {tr.weight_sync_steps}, {tr.max_steps} steps"
     )
-    return lines + _evaluation(cfg) + _trackers(cfg)
 
 
 def _evaluation(cfg: TrainingConfig) -> list[str]:
@@ -201,3 +205,17 @@ def _trackers(cfg: TrainingConfig) -> list[str]:
         mode = os.environ.get("WANDB_MODE", "online")
         return [f"trackers: {', '.join(names)} (W&B mode {mode}, files in {cfg.run_dir}/wandb)"]
     return [f"trackers: {', '.join(names)}"] if names else []
+
+
+async def preflight_fleet(cfg: TrainingConfig, client: Any, transport_url: str) -> bool:
+    """Refuse to start, before the trainer loads its model, when the served replicas cannot
+    hold the run: LoRA off, a rank or slot count too small, or (when replicas fetch adapters
+    themselves: ``serve.adapter_delivery``) no asyncgrpo vLLM plugin or no access to this
+    run's transport. Returns whether the replicas fetch."""
+    check_lora_capacity(
+        await client.server_info(), lora_rank=cfg.lora.r, max_staleness=cfg.trainer.max_staleness
+    )
+    fetching = cfg.serve.delivery(remote_replicas=bool(cfg.proxy.upstreams)) == "fetch"
+    if fetching:
+        check_adapter_fetching(await client.adapter_plugin_info(), transport_url)
+    return fetching

@@ -40,7 +40,7 @@ from asyncgrpo.run.endpoint import Endpoint, open_endpoint
 from asyncgrpo.run.evaluation import RunEvaluator
 from asyncgrpo.run.follower import follow
 from asyncgrpo.run.metrics import MetricsWriter
-from asyncgrpo.run.preflight import check_adapter_fetching, check_lora_capacity
+from asyncgrpo.run.preflight import preflight_fleet
 from asyncgrpo.run.progress import RunProgress, StepCallback, as_progress
 from asyncgrpo.run.sources import ChannelSource, LocalSource, SampleSource, rollout_client
 from asyncgrpo.run.sync import (
@@ -279,20 +279,6 @@ def _booking_token(run_dir: Path) -> str:
     with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(token)
     return token
-
-
-async def preflight_fleet(cfg: TrainingConfig, client: VLLMClient, transport_url: str) -> bool:
-    """Refuse to start, before the trainer loads its model, when the served replicas cannot
-    hold the run: LoRA off, a rank or slot count too small, or (when replicas fetch adapters
-    themselves: ``serve.adapter_delivery``) no asyncgrpo vLLM plugin or no access to this
-    run's transport. Returns whether the replicas fetch."""
-    check_lora_capacity(
-        await client.server_info(), lora_rank=cfg.lora.r, max_staleness=cfg.trainer.max_staleness
-    )
-    fetching = cfg.serve.delivery(remote_replicas=bool(cfg.proxy.upstreams)) == "fetch"
-    if fetching:
-        check_adapter_fetching(await client.adapter_plugin_info(), transport_url)
-    return fetching
 
 
 async def _scratch_dir(stack: AsyncExitStack, run_dir: Path) -> Path:
