@@ -44,7 +44,7 @@ def _section(cls: type, data: dict[str, Any], parts: list[str], label: str) -> t
         fields = init_fields(target)
         if part not in fields:
             raise unknown_key(where, part, target)
-        tp = type_hints(target)[part]
+        tp = strip_none(type_hints(target)[part])  # an optional section (eval: None) too
         if not dataclasses.is_dataclass(tp):
             raise ConfigError(f"{label}: {where}{part} has no fields")
         child = node.setdefault(part, {})
@@ -52,7 +52,7 @@ def _section(cls: type, data: dict[str, Any], parts: list[str], label: str) -> t
             child = node[part] = {}
         if not isinstance(child, dict):
             raise ConfigError(f"{label}: {where}{part} is not a section")
-        node, target = child, strip_none(tp)  # an optional section (eval: None)
+        node, target = child, tp
     return target, node
 
 
