@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -58,7 +59,7 @@ def numeric(record: Mapping[str, Any]) -> dict[str, float]:
 
 def require_installed(name: str) -> None:
     """Refuse ``logging.<name>=true`` when the tracker's client is not installed."""
-    if importlib.util.find_spec(name) is None:
+    if name not in sys.modules and importlib.util.find_spec(name) is None:
         raise ConfigError(
             f"logging.{name}=true but {name} is not installed: pip install {name}, "
             f"or set logging.{name}=false"

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from asyncgrpo.config.training import TrainingConfig
+from asyncgrpo.run.progress import Silent
 from asyncgrpo.run.training import _start_trainer
 from asyncgrpo.store.checkpoints import CheckpointStore
 from asyncgrpo.transport.local import LocalTransport
@@ -33,6 +34,6 @@ async def test_the_trainer_resumes_from_the_newest_checkpoint_that_verifies(
     victim.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # a damaged newest checkpoint
     run = SimpleNamespace(cfg=cfg, checkpoints=checkpoints, prefix="run")
     with caplog.at_level("WARNING", logger="asyncgrpo.store.checkpoints"):
-        start = await _start_trainer(run, None)  # type: ignore[arg-type]
+        start = await _start_trainer(run, None, tmp_path / "work", Silent())  # type: ignore[arg-type]
     assert (start.resumed_from, start.position) == (4, 64)
     assert any("step 8 does not verify" in r.getMessage() for r in caplog.records)
