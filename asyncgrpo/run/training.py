@@ -252,7 +252,7 @@ async def _lora_slots(cfg: TrainingConfig, client: ProxyClient, prefix: str) -> 
     async with AsyncExitStack() as stack:
         if cfg.proxy.admin_api_key:  # the proxy's book of runs is behind its admin key
             client = await stack.enter_async_context(
-                VLLMClient(client.base_url, api_key=cfg.proxy.admin_api_key)
+                ProxyClient(client.base_url, api_key=cfg.proxy.admin_api_key)
             )
         booked = await client.register_run(
             prefix, lora_slots=slots, weight=cfg.rollout.share_weight, token=token
