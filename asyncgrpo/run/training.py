@@ -59,7 +59,6 @@ from asyncgrpo.store.checkpoints import CheckpointStore
 from asyncgrpo.store.run_documents import FINAL_ADAPTER_DIR, RunResult, RunStore
 from asyncgrpo.trainer.staleness import filter_stale, staleness_stats
 from asyncgrpo.transport import Transport, open_transport
-from asyncgrpo.vllm.client import VLLMClient
 
 __all__ = ["LoaderFactory", "RunResult", "StepHook", "run_training"]
 
