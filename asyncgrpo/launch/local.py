@@ -167,7 +167,7 @@ class LocalBackend:
         shipped = dataclasses.replace(cfg, transport_url=transport, output_dir=JOB_OUTPUT_DIR)
         secrets = job_secrets(shipped)
         port = None if point else self.proxy_port
-        if self._admin_key is not None and not point:
+        if self._admin_key is not None:  # the proxy's book of LoRA slots is behind it too
             secrets[ADMIN_KEY_ENV] = self._admin_key
         return JobSpec(
             role="trainer",
