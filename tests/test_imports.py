@@ -97,7 +97,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("transport",),
     ("store",),
     ("trainer", "rollout", "proxy", "serve", "rewards", "evaluation"),
-    ("run",),
+    ("run", "tinker"),
     ("launch",),
     ("testing",),
     ("cli", "__main__"),

@@ -1,0 +1,74 @@
+"""Settings of the Tinker-compatible service: one keyword-only dataclass, every field a flag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncgrpo.config.coerce import check_fields
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.serve.config import is_loopback
+
+__all__ = ["TinkerConfig"]
+
+#: The variable the SDK reads its key from; the service reads the key it requires from it too.
+API_KEY_ENV = "TINKER_API_KEY"
+#: The prefix the SDK's ``ApiKeyAuthProvider`` insists on (it refuses any other key locally).
+API_KEY_PREFIX = "tml-"
+
+
+@dataclass(kw_only=True)
+class TinkerConfig:
+    """A REST server speaking the ``tinker`` SDK's API over asyncgrpo's trainer.
+
+    Groups: the base model it trains (``model``, ``model_name``, ``dtype``, LoRA bounds); where
+    it listens and who may talk to it (``host``, ``port``, ``api_key``).
+    """
+
+    model: str = field(default="", metadata={"required": True})
+    """Directory (or Hugging Face id) of the base model every training client's LoRA is on."""
+    model_name: str | None = None
+    """The name clients pass as ``base_model``. None: ``model`` as given, so the SDK's
+    ``get_tokenizer()`` loads the tokenizer from that directory, offline."""
+    dtype: str = "auto"
+    """Trainer dtype: auto (bfloat16 on a CUDA device that has it, else float32), float32,
+    bfloat16 or float16."""
+    max_lora_rank: int = 32
+    """Largest LoRA rank a client may ask for; keep it at or below the replicas'
+    ``--max-lora-rank`` so every adapter can be served."""
+    lora_alpha: float = 32.0
+    """lora_alpha of every client's adapter (the update is scaled by alpha/rank)."""
+    max_context_length: int = 4096
+    """Longest ``Datum`` (tokens) accepted, reported in the server capabilities."""
+    host: str = "127.0.0.1"
+    """Interface to bind. Anything but loopback requires api_key."""
+    port: int = 8000
+    """Port to bind; 0 picks a free one (the ready line names it)."""
+    api_key: str | None = field(default=None, repr=False, metadata={"secret": True})
+    """Key every request must carry (the SDK sends TINKER_API_KEY as X-API-Key); it must start
+    with 'tml-', the SDK's own rule. Required unless host is loopback. Never logged."""
+    max_body_bytes: int = 256 * 1024 * 1024
+    """Largest request body accepted (a forward_backward of many long Datums is large)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "tinker", ge={"max_lora_rank": 1, "max_context_length": 2, "port": 0,
+                                         "max_body_bytes": 1024},
+                     le={"port": 65535}, gt={"lora_alpha": 0})  # fmt: skip
+        if not self.model:
+            raise ConfigError("tinker.model is empty: give the base model's directory (--model)")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"tinker.dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
+        if self.api_key is not None and not self.api_key.startswith(API_KEY_PREFIX):
+            raise ConfigError(
+                f"{API_KEY_ENV} must start with {API_KEY_PREFIX!r} (the tinker SDK refuses "
+                "any other key before sending it)"
+            )
+        if not is_loopback(self.host) and not self.api_key:
+            raise ConfigError(
+                f"tinker.host={self.host!r} is reachable from other machines: set "
+                f"{API_KEY_ENV} (a key starting with {API_KEY_PREFIX!r}) or bind 127.0.0.1"
+            )
+
+    @property
+    def served_name(self) -> str:
+        """The ``base_model`` name clients use."""
+        return self.model_name or self.model

@@ -1,0 +1,173 @@
+"""The trainer side of the service: one base model, one LoRA adapter and AdamW per client.
+
+The base model is loaded once by the trainer's own ``load_policy``; every training client adds
+a peft adapter of its own rank to it (named by its model id) and gets an AdamW over that
+adapter's weights only. Before each request the client's adapter is made the active one, so
+clients never see each other's weights, and gradients accumulate in each adapter's own
+parameters across ``forward_backward`` calls until that client's ``optim_step``.
+
+Called from one worker thread at a time (the service's scheduler), never concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncgrpo.tinker.losses import LossInputError, check_inputs, check_loss, token_loss
+from asyncgrpo.tinker.wire import FwdBwdRequest, FwdBwdResult, WireDatum
+from asyncgrpo.trainer.attention import varlen_kwargs
+from asyncgrpo.trainer.config import LoraConfig
+from asyncgrpo.trainer.model import autocast, load_policy, model_device
+
+__all__ = ["AdamStep", "Engine", "LoraSpec"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    seed: int | None
+    train_mlp: bool
+    train_attn: bool
+
+
+@dataclass(frozen=True)
+class AdamStep:
+    """One ``optim_step``'s ``AdamParams``."""
+
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float
+
+
+@dataclass
+class _Client:
+    spec: LoraSpec
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.AdamW
+    steps: int = 0
+
+
+def target_modules(model: torch.nn.Module, *, mlp: bool, attn: bool) -> list[str]:
+    """The names (last path component) of the base model's linear layers in its MLP and/or
+    attention blocks; never the LM head (vLLM's runtime LoRA does not serve it)."""
+    names: set[str] = set()
+    for path, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or "lora_" in path:
+            continue
+        parts = path.split(".")
+        if parts[-1] == "base_layer":  # already wrapped by another client's adapter
+            parts = parts[:-1]
+        in_attn = any("attn" in p or "attention" in p for p in parts[:-1])
+        in_mlp = any("mlp" in p for p in parts[:-1])
+        if (attn and in_attn) or (mlp and in_mlp):
+            names.add(parts[-1])
+    return sorted(names)
+
+
+class Engine:
+    def __init__(self, model_path: str | Path, *, dtype: str, lora_alpha: float) -> None:
+        self.model: Any = load_policy(model_path, LoraConfig(r=1), dtype=dtype)
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.lora_alpha = lora_alpha
+        self._clients: dict[str, _Client] = {}
+
+    def create(self, model_id: str, spec: LoraSpec) -> None:
+        """Add client ``model_id``'s adapter (seeded by ``spec.seed``) and its optimizer."""
+        from peft import LoraConfig as PeftLoraConfig
+
+        base = self.model.get_base_model()
+        targets = target_modules(base, mlp=spec.train_mlp, attn=spec.train_attn)
+        if not targets:
+            raise LossInputError("train_mlp and train_attn are both False: LoRA needs one")
+        config = PeftLoraConfig(task_type="CAUSAL_LM", r=spec.rank, lora_alpha=self.lora_alpha,
+                                target_modules=targets, lora_dropout=0.0)  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed if spec.seed is not None else 0)
+            self.model.add_adapter(model_id, config)
+        params = [p for n, p in self.model.named_parameters() if f".{model_id}." in n]
+        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12,
+                                      weight_decay=0.0)  # fmt: skip
+        self._clients[model_id] = _Client(spec=spec, params=params, optimizer=optimizer)
+
+    def has(self, model_id: str) -> bool:
+        return model_id in self._clients
+
+    def _activate(self, model_id: str) -> _Client:
+        client = self._clients[model_id]
+        self.model.set_adapter(model_id)
+        return client
+
+    def _check(self, request: FwdBwdRequest) -> None:
+        check_loss(request.loss_fn, request.loss_fn_config)
+        for i, datum in enumerate(request.data):
+            check_inputs(request.loss_fn, int(datum.tokens.size), datum.inputs, i)
+            for what, arr in (("model_input", datum.tokens),
+                              ("target_tokens", datum.inputs["target_tokens"])):  # fmt: skip
+                if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+                    raise LossInputError(f"datum {i}: {what} has a token id outside the "
+                                         f"model's vocabulary [0, {self.vocab_size})")  # fmt: skip
+
+    def _logprobs(self, datum: WireDatum) -> torch.Tensor:
+        """Logprob of each ``target_tokens[i]`` given ``model_input[: i + 1]`` (with grad)."""
+        device = model_device(self.model)
+        ids = torch.as_tensor(datum.tokens, device=device)
+        targets = torch.as_tensor(datum.inputs["target_tokens"], device=device).long()
+        n = int(ids.numel())
+        with autocast(self.model, device):
+            out = self.model(input_ids=ids.unsqueeze(0),
+                             position_ids=torch.arange(n, device=device).unsqueeze(0),
+                             use_cache=False, **varlen_kwargs([n], device))  # fmt: skip
+        logits = out.logits[0].float()
+        lse = torch.logsumexp(logits, dim=-1)
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+
+    def forward_backward(self, request: FwdBwdRequest) -> FwdBwdResult:
+        """The loss and logprobs of every datum; unless ``forward_only``, the gradient of the
+        summed loss is added to the client's adapter (all datums checked before any)."""
+        self._check(request)
+        self._activate(request.model_id)
+        outputs: list[dict[str, np.ndarray]] = []
+        total = 0.0
+        with torch.set_grad_enabled(not request.forward_only):
+            for datum in request.data:
+                logp = self._logprobs(datum)
+                inputs = {k: torch.as_tensor(v, device=logp.device)
+                          for k, v in datum.inputs.items()}  # fmt: skip
+                loss_t = token_loss(request.loss_fn, logp, inputs, request.loss_fn_config)
+                loss = loss_t.sum()
+                if not request.forward_only:
+                    loss.backward()
+                total += float(loss.detach())
+                outputs.append({"logprobs": logp.detach().cpu().numpy(),
+                                "elementwise_loss": loss_t.detach().cpu().numpy()})  # fmt: skip
+        return FwdBwdResult(outputs=outputs, metrics={"loss:sum": total})
+
+    def optim_step(self, model_id: str, step: AdamStep) -> dict[str, float]:
+        """One AdamW step of the client's accumulated gradient, which is then cleared."""
+        client = self._activate(model_id)
+        for group in client.optimizer.param_groups:
+            group.update(lr=step.learning_rate, betas=(step.beta1, step.beta2), eps=step.eps,
+                         weight_decay=step.weight_decay)  # fmt: skip
+        grads = [p.grad for p in client.params if p.grad is not None]
+        norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        if step.grad_clip_norm > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(client.params, step.grad_clip_norm,
+                                                 torch.tensor(norm))  # fmt: skip
+        client.optimizer.step()
+        client.optimizer.zero_grad(set_to_none=True)
+        client.steps += 1
+        return {"grad_norm:mean": norm}
+
+    def rank(self, model_id: str) -> int:
+        return self._clients[model_id].spec.rank

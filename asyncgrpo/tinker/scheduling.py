@@ -1,0 +1,40 @@
+"""Which training client's request runs next: in arrival order per client, round-robin across
+clients.
+
+One request of each client with work waiting runs in turn, so a client with a long queue of
+``forward_backward`` calls delays another client's ``optim_step`` by at most one request per
+busy client. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Generic, TypeVar
+
+__all__ = ["FairQueue"]
+
+T = TypeVar("T")
+
+
+class FairQueue(Generic[T]):
+    def __init__(self) -> None:
+        self._queues: OrderedDict[str, deque[T]] = OrderedDict()
+
+    def put(self, client: str, item: T) -> None:
+        self._queues.setdefault(client, deque()).append(item)
+
+    def pop(self) -> tuple[str, T] | None:
+        """The oldest item of the client whose turn it is (which then goes last), or None."""
+        for client, queue in self._queues.items():
+            if queue:
+                item = queue.popleft()
+                self._queues.move_to_end(client)
+                return client, item
+        return None
+
+    def drop(self, client: str) -> list[T]:
+        """Forget ``client``, returning what it still had queued."""
+        return list(self._queues.pop(client, ()))
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())

@@ -1,0 +1,40 @@
+"""``serve_tinker``: the service running, as an async context manager yielding its URL."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import anyio
+from aiohttp import web
+
+from asyncgrpo.tinker.app import build_app
+from asyncgrpo.tinker.config import TinkerConfig
+from asyncgrpo.tinker.engine import Engine
+from asyncgrpo.tinker.service import TinkerService
+
+__all__ = ["serve_tinker"]
+
+
+@contextlib.asynccontextmanager
+async def serve_tinker(config: TinkerConfig) -> AsyncIterator[str]:
+    """Load the base model, listen on ``config.host:config.port`` and serve until the block
+    ends; yields ``http://HOST:PORT`` (the bound port when ``port`` is 0)."""
+    engine = await anyio.to_thread.run_sync(
+        lambda: Engine(config.model, dtype=config.dtype, lora_alpha=config.lora_alpha)
+    )
+    service = TinkerService(engine)
+    runner = web.AppRunner(build_app(config, service), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(service.run)
+            yield f"http://{host}:{port}"
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await runner.cleanup()

@@ -1,0 +1,139 @@
+"""The tinker SDK's wire format, translated to and from plain values at the edge.
+
+JSON bodies are the SDK's own pydantic request and response types (``tinker.types``);
+``forward_backward`` requests and ``ForwardBackwardOutput`` results travel as the SDK's
+protobuf messages (``tinker.proto.tinker_public_pb2``). Reading the SDK's own schema, not a
+copy of it, keeps this server on the exact format the pinned SDK version sends. Everything the
+rest of the service sees is a :class:`WireDatum` or a :class:`FwdBwdResult`: numpy arrays, no
+SDK type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tinker.proto import tinker_public_pb2 as pb
+
+__all__ = ["FwdBwdRequest", "FwdBwdResult", "WireDatum", "WireError", "decode_fwdbwd",
+           "encode_fwdbwd", "fwdbwd_json"]  # fmt: skip
+
+PROTO_CONTENT_TYPE = "application/x-protobuf"
+
+_DTYPES = {pb.DTYPE_FLOAT32: np.dtype(np.float32), pb.DTYPE_INT64: np.dtype(np.int64),
+           pb.DTYPE_INT32: np.dtype(np.int32)}  # fmt: skip
+
+
+class WireError(ValueError):
+    """A request body the service cannot read; the message says what to send instead."""
+
+
+@dataclass(frozen=True)
+class WireDatum:
+    """One ``Datum``: its input tokens and its ``loss_fn_inputs``, each a 1-D or N-D array."""
+
+    tokens: np.ndarray
+    inputs: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class FwdBwdRequest:
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    loss_fn_config: dict[str, float]
+    forward_only: bool
+    data: list[WireDatum]
+
+
+@dataclass
+class FwdBwdResult:
+    """Per datum the named float arrays (``logprobs``, ``elementwise_loss``), and metrics."""
+
+    outputs: list[dict[str, np.ndarray]]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
+    if msg.HasField("sparse_csr"):
+        raise WireError(f"{where} is a sparse tensor: send one value per input token (a 1-D "
+                        "dense tensor)")  # fmt: skip
+    dtype = _DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise WireError(f"{where} has dtype {pb.DType.Name(msg.dtype)}: send float32 or int64")
+    if len(msg.dense) % dtype.itemsize:
+        raise WireError(f"{where}: {len(msg.dense)} bytes is not a whole number of values")
+    arr = np.frombuffer(msg.dense, dtype=dtype).copy()
+    shape = list(msg.shape) or [arr.size]
+    if int(np.prod(shape)) != arr.size:
+        raise WireError(f"{where}: shape {shape} does not hold its {arr.size} values")
+    return arr.reshape(shape)
+
+
+def _tokens(chunks: Any, index: int) -> np.ndarray:
+    parts = []
+    for chunk in chunks:
+        if chunk.WhichOneof("chunk") != "encoded_text":
+            raise WireError(f"datum {index}: only token chunks (EncodedTextChunk) are served "
+                            "here; images and audio are not")  # fmt: skip
+        parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
+    if not parts:
+        raise WireError(f"datum {index} has no tokens: give model_input at least one token")
+    return np.concatenate(parts).astype(np.int64)
+
+
+def decode_fwdbwd(body: bytes) -> FwdBwdRequest:
+    """Read a ``forward_backward`` body (the SDK's protobuf ``ForwardBackwardRequest``)."""
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as exc:  # protobuf's DecodeError; the message is what matters
+        raise WireError(f"the body is not a ForwardBackwardRequest protobuf: {exc}") from None
+    config: dict[str, float] = dict(msg.loss_fn_config)
+    for key, value in msg.loss_fn_config_v2.items():
+        if value.WhichOneof("value") == "text":
+            raise WireError(f"loss_fn_config[{key!r}]={value.text!r}: give a number")
+        config[key] = value.number
+    data = []
+    for i, datum in enumerate(msg.data):
+        if len(datum.model_input_spans) or len(datum.loss_fn_input_spans):
+            raise WireError(f"datum {i} carries provenance spans: they are not served here; "
+                            "send the datum without them")  # fmt: skip
+        inputs = {k: _tensor(v, f"datum {i} loss_fn_inputs[{k!r}]")
+                  for k, v in datum.loss_fn_inputs.items()}  # fmt: skip
+        data.append(WireDatum(tokens=_tokens(datum.model_input, i), inputs=inputs))
+    if not data:
+        raise WireError("forward_backward got no data: send at least one Datum")
+    return FwdBwdRequest(model_id=msg.model_id, seq_id=msg.seq_id, loss_fn=msg.loss_fn,
+                         loss_fn_config=config, forward_only=msg.forward_only, data=data)  # fmt: skip
+
+
+def _batched(arrays: list[np.ndarray]) -> pb.BatchedTensor:
+    flat = [np.ascontiguousarray(a, dtype=np.float32).ravel() for a in arrays]
+    offsets = np.zeros(len(flat) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([a.nbytes for a in flat])
+    data = b"".join(a.tobytes() for a in flat)
+    return pb.BatchedTensor(data=data, offsets=offsets.tobytes(), dtype=pb.DTYPE_FLOAT32)
+
+
+def encode_fwdbwd(result: FwdBwdResult) -> bytes:
+    """The SDK's protobuf ``ForwardBackwardOutput`` of ``result`` (one batched record)."""
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    for k, v in result.metrics.items():
+        msg.metrics[k] = float(v)
+    if result.outputs:
+        record = msg.loss_fn_outputs.add()
+        record.num_datums = len(result.outputs)
+        for name in result.outputs[0]:
+            record.fields[name].CopyFrom(_batched([o[name] for o in result.outputs]))
+    return msg.SerializeToString()
+
+
+def fwdbwd_json(result: FwdBwdResult) -> dict[str, Any]:
+    """``result`` as the JSON ``ForwardBackwardOutput`` (for clients that do not ask for
+    protobuf)."""
+    outputs = [{k: {"data": v.ravel().tolist(), "dtype": "float32", "shape": list(v.shape)}
+                for k, v in o.items()} for o in result.outputs]  # fmt: skip
+    return {"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs,
+            "metrics": result.metrics}  # fmt: skip
