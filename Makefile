@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.asyncgrpo-installed
 OUT ?= runs/demo
-EXTRAS ?= train,serve-cpu,s3,gcs,azure,hf,math,fast,envs,wandb,dev
+EXTRAS ?= train,serve-cpu,s3,gcs,azure,hf,math,fast,envs,wandb,tinker,dev
 
 .PHONY: install demo test lint bench
 

@@ -3,7 +3,8 @@ clients.
 
 One request of each client with work waiting runs in turn, so a client with a long queue of
 ``forward_backward`` calls delays another client's ``optim_step`` by at most one request per
-busy client. Pure: no I/O, no clock.
+busy client. A client whose queue was empty goes first in the ring when work arrives (it had no
+turn while idle); one just served goes last. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -21,15 +22,20 @@ class FairQueue(Generic[T]):
         self._queues: OrderedDict[str, deque[T]] = OrderedDict()
 
     def put(self, client: str, item: T) -> None:
-        self._queues.setdefault(client, deque()).append(item)
+        if client not in self._queues:
+            self._queues[client] = deque()
+            self._queues.move_to_end(client, last=False)
+        self._queues[client].append(item)
 
     def pop(self) -> tuple[str, T] | None:
         """The oldest item of the client whose turn it is (which then goes last), or None."""
         for client, queue in self._queues.items():
+            item = queue.popleft()
             if queue:
-                item = queue.popleft()
                 self._queues.move_to_end(client)
-                return client, item
+            else:
+                del self._queues[client]
+            return client, item
         return None
 
     def drop(self, client: str) -> list[T]:
