@@ -22,10 +22,16 @@ from tinker import types
 
 from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.engine import AdamStep, LoraSpec
-from asyncgrpo.tinker.losses import LossInputError, check_loss
+from asyncgrpo.tinker.losses import LossInputError
 from asyncgrpo.tinker.service import TinkerService, TrainingModel
-from asyncgrpo.tinker.wire import (PROTO_CONTENT_TYPE, FwdBwdResult, WireError, decode_fwdbwd,
-                                   encode_fwdbwd, fwdbwd_json)  # fmt: skip
+from asyncgrpo.tinker.wire import (
+    PROTO_CONTENT_TYPE,
+    FwdBwdResult,
+    WireError,
+    decode_fwdbwd,
+    encode_fwdbwd,
+    fwdbwd_json,
+)
 
 __all__ = ["build_app"]
 
@@ -68,7 +74,9 @@ async def _body(request: web.Request, model: type[pydantic.BaseModel]) -> Any:
     except (ValueError, pydantic.ValidationError) as exc:
         first = exc.errors()[0] if isinstance(exc, pydantic.ValidationError) else None
         where = ".".join(map(str, first["loc"])) + ": " + first["msg"] if first else str(exc)
-        raise WireError(f"{request.path}: the body is not a valid {model.__name__} ({where})")
+        raise WireError(
+            f"{request.path}: the body is not a valid {model.__name__} ({where})"
+        ) from None
 
 
 def _json(value: Any) -> web.Response:
@@ -190,7 +198,7 @@ async def forward_backward(request: web.Request) -> web.Response:
         raise WireError("compressed bodies are not read here: send forward_backward unencoded")
     fwdbwd = decode_fwdbwd(await request.read())
     _model(service, fwdbwd.model_id)
-    check_loss(fwdbwd.loss_fn, fwdbwd.loss_fn_config)
+    service.engine.check(fwdbwd)
     for i, datum in enumerate(fwdbwd.data):
         if datum.tokens.size > request.app[CONFIG].max_context_length:
             raise WireError(f"datum {i} has {datum.tokens.size} tokens, more than this "

@@ -56,7 +56,9 @@ class TinkerConfig:
         if not self.model:
             raise ConfigError("tinker.model is empty: give the base model's directory (--model)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"tinker.dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
+            raise ConfigError(
+                f"tinker.dtype={self.dtype!r}: use auto, float32, bfloat16 or float16"
+            )
         if self.api_key is not None and not self.api_key.startswith(API_KEY_PREFIX):
             raise ConfigError(
                 f"{API_KEY_ENV} must start with {API_KEY_PREFIX!r} (the tinker SDK refuses "

@@ -108,7 +108,9 @@ class Engine:
         self.model.set_adapter(model_id)
         return client
 
-    def _check(self, request: FwdBwdRequest) -> None:
+    def check(self, request: FwdBwdRequest) -> None:
+        """Refuse a request whose loss, config or datums this model cannot take (no torch work:
+        safe to call from any thread)."""
         check_loss(request.loss_fn, request.loss_fn_config)
         for i, datum in enumerate(request.data):
             check_inputs(request.loss_fn, int(datum.tokens.size), datum.inputs, i)
@@ -135,7 +137,7 @@ class Engine:
     def forward_backward(self, request: FwdBwdRequest) -> FwdBwdResult:
         """The loss and logprobs of every datum; unless ``forward_only``, the gradient of the
         summed loss is added to the client's adapter (all datums checked before any)."""
-        self._check(request)
+        self.check(request)
         self._activate(request.model_id)
         outputs: list[dict[str, np.ndarray]] = []
         total = 0.0

@@ -47,9 +47,10 @@ def _serve(model: Path, **overrides: object) -> Iterator[Served]:
     from asyncgrpo.tinker import TinkerConfig, serve_tinker
 
     config = TinkerConfig(model=str(model), port=0, max_lora_rank=8, **overrides)
-    with start_blocking_portal() as portal, portal.wrap_async_context_manager(
-        serve_tinker(config)
-    ) as url:
+    with (
+        start_blocking_portal() as portal,
+        portal.wrap_async_context_manager(serve_tinker(config)) as url,
+    ):
         yield Served(url=url, model=config.served_name)
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 
-
 def test_capabilities_and_health_name_the_served_model(served) -> None:
     import tinker
 
@@ -33,7 +32,9 @@ def test_a_training_client_reports_its_model_and_tokenizer(service_client, serve
 def test_an_unknown_base_model_is_a_bad_request_naming_the_served_one(service_client, served):
     import tinker
 
-    with pytest.raises(tinker.BadRequestError, match=rf"'Qwen/Qwen3-8B' is not served.*{served.model}"):
+    with pytest.raises(
+        tinker.BadRequestError, match=rf"'Qwen/Qwen3-8B' is not served.*{served.model}"
+    ):
         service_client.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
 
 

@@ -1,0 +1,111 @@
+"""forward / forward_backward / optim_step through the real SDK on the tiny model."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+SENTENCES = ["12 + 7 = 19", "3 + 4 = 7", "20 + 5 = 25", "8 + 8 = 16"]
+
+
+def _datum(tokenizer, text: str):
+    from tinker import types
+
+    ids = tokenizer.encode(text)
+    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                       loss_fn_inputs={"target_tokens": ids[1:],
+                                       "weights": [1.0] * (len(ids) - 1)})  # fmt: skip
+
+
+def _client(service_client, served, rank: int = 4, seed: int = 0):
+    return service_client.create_lora_training_client(
+        base_model=served.model, rank=rank, seed=seed
+    ).result()
+
+
+def test_cross_entropy_falls_over_twenty_steps(service_client, served) -> None:
+    from tinker import types
+
+    training = _client(service_client, served)
+    data = [_datum(training.get_tokenizer(), s) for s in SENTENCES]
+    tokens = sum(len(d.model_input.to_ints()) for d in data)
+    losses = []
+    for _ in range(20):
+        fwdbwd = training.forward_backward(data, "cross_entropy")
+        optim = training.optim_step(types.AdamParams(learning_rate=2e-2))
+        losses.append(fwdbwd.result().metrics["loss:sum"] / tokens)
+        optim.result()
+    assert losses[-1] < 0.3 * losses[0], losses
+    assert all(b < a for a, b in itertools.pairwise(losses[:6])), losses
+
+
+def test_each_loss_is_its_formula_over_the_forward_logprobs(service_client, served) -> None:
+    from tinker import TensorData, types
+
+    training = _client(service_client, served, seed=1)
+    base = _datum(training.get_tokenizer(), SENTENCES[0])
+    n = len(base.model_input.to_ints())
+    targets = base.loss_fn_inputs["target_tokens"]
+    out = training.forward([base], "cross_entropy").result()
+    logp = out.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert out.metrics["loss:sum"] == pytest.approx(-logp.sum(), rel=1e-5)
+    rng = np.random.default_rng(0)
+    q = (logp + rng.normal(0, 0.3, n)).astype(np.float32)
+    adv = rng.normal(0, 1, n).astype(np.float32)
+    inputs = {"target_tokens": targets, "logprobs": TensorData.from_numpy(q),
+              "advantages": TensorData.from_numpy(adv)}  # fmt: skip
+    datum = types.Datum(model_input=base.model_input, loss_fn_inputs=inputs)
+    ratio = np.exp(logp.astype(np.float64) - q)
+    got = training.forward([datum], "importance_sampling").result().metrics["loss:sum"]
+    assert got == pytest.approx(-(ratio * adv).sum(), rel=1e-4)
+    clipped = np.clip(ratio, 0.8, 1.2)
+    got = training.forward([datum], "ppo").result().metrics["loss:sum"]
+    assert got == pytest.approx(-np.minimum(ratio * adv, clipped * adv).sum(), rel=1e-4)
+    wide = {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}
+    got = training.forward([datum], "ppo", wide).result().metrics["loss:sum"]
+    clipped = np.clip(ratio, 0.5, 1.5)
+    assert got == pytest.approx(-np.minimum(ratio * adv, clipped * adv).sum(), rel=1e-4)
+
+
+def test_bad_input_is_refused_and_the_client_keeps_its_state(service_client, served) -> None:
+    import tinker
+    from tinker import types
+
+    training = _client(service_client, served, seed=2)
+    tokenizer = training.get_tokenizer()
+    good = _datum(tokenizer, SENTENCES[1])
+    training.forward_backward([good], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    before = training.forward([good], "cross_entropy").result().metrics["loss:sum"]
+    ids = good.model_input.to_ints()
+    short = types.Datum(model_input=good.model_input,
+                        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * 2})  # fmt: skip
+    with pytest.raises(
+        tinker.BadRequestError,
+        match=r"weights'\] has shape \[2\] .* give one value per input token",
+    ):
+        training.forward_backward([short], "cross_entropy").result()
+    with pytest.raises(tinker.BadRequestError, match="loss_fn='cispo' is not supported"):
+        training.forward_backward([good], "cispo").result()
+    with pytest.raises(tinker.BadRequestError, match="needs loss_fn_inputs logprobs, advantages"):
+        training.forward_backward([good], "importance_sampling").result()
+    after = training.forward([good], "cross_entropy").result().metrics["loss:sum"]
+    assert after == pytest.approx(before, rel=1e-6)  # nothing was accumulated or stepped
+
+
+def test_two_clients_train_separate_adapters(service_client, served) -> None:
+    from tinker import types
+
+    one, two = _client(service_client, served, seed=0), _client(service_client, served, seed=0)
+    datum = _datum(one.get_tokenizer(), SENTENCES[2])
+    start = two.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+    for _ in range(3):
+        one.forward_backward([datum], "cross_entropy")
+        one.optim_step(types.AdamParams(learning_rate=5e-2))
+    trained = one.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+    assert trained < 0.8 * start
+    assert two.forward([datum], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
+        start, rel=1e-6
+    )
