@@ -14,6 +14,8 @@
   directory
 - ``asyncgrpo plot RUN_DIR``: reward, ratio, step time and staleness to ``RUN_DIR/plot.png``
 - ``asyncgrpo check-serving [--output-dir DIR]``: served logprobs equal transformers + peft's
+- ``asyncgrpo tinker --model DIR [--port P]``: the Tinker-compatible service (the ``tinker``
+  SDK's REST API over this trainer); its flags are ``python -m asyncgrpo.tinker``'s
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -154,6 +157,11 @@ def _at_least_one(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["tinker"]:  # its own parser: every TinkerConfig field is a flag
+        from asyncgrpo.tinker.__main__ import main as tinker_main
+
+        tinker_main(argv[1:], prog="asyncgrpo tinker")
     parser = ConfigParser(
         prog="asyncgrpo",
         description=plain_help(__doc__),
@@ -215,6 +223,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     check.add_argument("--output-dir", default="runs/check-serving")
     check.add_argument("--replicas", type=_at_least_one, default=2, help="vLLM replicas to check")
     check.set_defaults(func=_check_serving)
+
+    sub.add_parser("tinker", help="serve the tinker SDK's API (asyncgrpo tinker --help)")
 
     args = parse_command_line(lambda: parser.parse_args(argv), parser.prog)
     logging.basicConfig(

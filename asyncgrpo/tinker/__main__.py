@@ -30,11 +30,11 @@ def _extra(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _parse(argv: Sequence[str] | None) -> tuple[TinkerConfig, argparse.Namespace]:
+def _parse(argv: Sequence[str] | None, prog: str) -> tuple[TinkerConfig, argparse.Namespace]:
     config, args = parse_args(
         TinkerConfig,
         argv,
-        prog=PROG,
+        prog=prog,
         description="A REST server speaking the tinker SDK's API over asyncgrpo's trainer.",
         env_prefix=ENV_PREFIX,
         extra=_extra,
@@ -57,13 +57,13 @@ async def _serve(config: TinkerConfig) -> None:
     print("tinker service stopped", flush=True)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> None:
     """Serve until SIGINT/SIGTERM (status 0); a bad flag or a busy port is one line."""
-    config, args = parse_command_line(lambda: _parse(argv), PROG)
+    config, args = parse_command_line(lambda: _parse(argv, prog), prog)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    run_command(lambda: asyncio.run(_serve(config)), PROG, debug=args.debug)
+    run_command(lambda: asyncio.run(_serve(config)), prog, debug=args.debug)
 
 
 if __name__ == "__main__":
