@@ -23,7 +23,7 @@ from tinker import types
 from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.engine import AdamStep, LoraSpec
 from asyncgrpo.tinker.losses import LossInputError
-from asyncgrpo.tinker.service import TinkerService, TrainingModel
+from asyncgrpo.tinker.service import TinkerService, TrainingModel, in_thread
 from asyncgrpo.tinker.wire import (
     PROTO_CONTENT_TYPE,
     FwdBwdResult,
@@ -177,7 +177,7 @@ async def create_model(request: web.Request) -> web.Response:
         logger.info("training client %s: LoRA rank %d", model_id, spec.rank)
         return {"model_id": model_id, "type": "create_model"}
 
-    return _json({"request_id": service.submit(model_id, job), "model_id": model_id})
+    return _json({"request_id": service.submit(model_id, in_thread(job)), "model_id": model_id})
 
 
 async def get_info(request: web.Request) -> web.Response:
@@ -203,7 +203,9 @@ async def forward_backward(request: web.Request) -> web.Response:
         if datum.tokens.size > request.app[CONFIG].max_context_length:
             raise WireError(f"datum {i} has {datum.tokens.size} tokens, more than this "
                             f"service's max_context_length {request.app[CONFIG].max_context_length}")  # fmt: skip
-    rid = service.submit(fwdbwd.model_id, lambda: service.engine.forward_backward(fwdbwd))
+    rid = service.submit(
+        fwdbwd.model_id, in_thread(lambda: service.engine.forward_backward(fwdbwd))
+    )
     return _json({"request_id": rid, "model_id": fwdbwd.model_id})
 
 
@@ -221,7 +223,8 @@ async def optim_step(request: web.Request) -> web.Response:
     def job() -> dict[str, Any]:
         return {"metrics": service.engine.optim_step(body.model_id, step)}
 
-    return _json({"request_id": service.submit(body.model_id, job), "model_id": body.model_id})
+    rid = service.submit(body.model_id, in_thread(job))
+    return _json({"request_id": rid, "model_id": body.model_id})
 
 
 async def retrieve_future(request: web.Request) -> web.Response:

@@ -24,17 +24,17 @@ async def serve_tinker(config: TinkerConfig) -> AsyncIterator[str]:
         lambda: Engine(config.model, dtype=config.dtype, lora_alpha=config.lora_alpha)
     )
     service = TinkerService(engine)
-    runner = web.AppRunner(build_app(config, service), access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        port = runner.addresses[0][1]
-        host = f"[{config.host}]" if ":" in config.host else config.host
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(service.run)
+    async with anyio.create_task_group() as tg:
+        await tg.start(service.run)
+        runner = web.AppRunner(build_app(config, service), access_log=None)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, config.host, config.port)
+            await site.start()
+            port = runner.addresses[0][1]
+            host = f"[{config.host}]" if ":" in config.host else config.host
             yield f"http://{host}:{port}"
+        finally:
+            with anyio.CancelScope(shield=True):
+                await runner.cleanup()
             tg.cancel_scope.cancel()
-    finally:
-        with anyio.CancelScope(shield=True):
-            await runner.cleanup()

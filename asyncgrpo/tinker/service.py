@@ -13,22 +13,24 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
+from anyio.abc import TaskGroup, TaskStatus
 
 from asyncgrpo.tinker.futures import FutureTable, Outcome
 from asyncgrpo.tinker.losses import LossInputError
 from asyncgrpo.tinker.scheduling import FairQueue
 from asyncgrpo.tinker.wire import WireError
 
-__all__ = ["Session", "TinkerService", "TrainingModel"]
+__all__ = ["Session", "TinkerService", "TrainingModel", "in_thread"]
 
 logger = logging.getLogger(__name__)
 
-Job = Callable[[], Any]
+#: A queued request's work: a coroutine function (:func:`in_thread` wraps torch work).
+Job = Callable[[], Awaitable[Any]]
 #: Errors that are the request's fault; any other exception is the service's.
 USER_ERRORS = (LossInputError, WireError)
 
@@ -49,14 +51,21 @@ class TrainingModel:
     rank: int
 
 
+def in_thread(fn: Callable[[], Any]) -> Job:
+    """``fn`` as a job run in a worker thread (the event loop keeps serving meanwhile)."""
+    return lambda: anyio.to_thread.run_sync(fn)
+
+
 class TinkerService:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, sampler: Any = None) -> None:
         self.engine = engine
+        self.sampler = sampler
         self.futures = FutureTable()
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TrainingModel] = {}
         self._queue: FairQueue[tuple[str, Job]] = FairQueue()
         self._waiting = anyio.Semaphore(0)
+        self._tasks: TaskGroup
 
     def new_session(self) -> Session:
         session = Session(session_id=f"s{secrets.token_hex(6)}", last_heartbeat=time.monotonic())
@@ -70,25 +79,37 @@ class TinkerService:
         self._waiting.release()
         return rid
 
+    def spawn(self, job: Job) -> str:
+        """Run ``job`` now, beside the queue (sampling: it needs no trainer); its request id."""
+        rid = self.futures.new()
+        self._tasks.start_soon(self._finish, "sampling", rid, job)
+        return rid
+
+    async def _finish(self, client: str, rid: str, job: Job) -> None:
+        self.futures.finish(rid, await self._run_one(client, job))
+
     def done(self, value: Any) -> str:
         """A request id that is already finished with ``value`` (no work to queue)."""
         rid = self.futures.new()
         self.futures.finish(rid, Outcome(value=value))
         return rid
 
-    async def run(self) -> None:
-        """Run queued jobs one at a time, forever (cancel to stop)."""
-        while True:
-            await self._waiting.acquire()
-            popped = self._queue.pop()
-            if popped is None:
-                continue
-            client, (rid, job) = popped
-            self.futures.finish(rid, await self._run_one(client, job))
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run queued jobs one at a time and spawned ones beside them, forever (cancel to
+        stop); ready once it can take jobs."""
+        async with anyio.create_task_group() as self._tasks:
+            task_status.started()
+            while True:
+                await self._waiting.acquire()
+                popped = self._queue.pop()
+                if popped is None:
+                    continue
+                client, (rid, job) = popped
+                await self._finish(client, rid, job)
 
     async def _run_one(self, client: str, job: Job) -> Outcome:
         try:
-            return Outcome(value=await anyio.to_thread.run_sync(job))
+            return Outcome(value=await job())
         except USER_ERRORS as exc:
             logger.warning("request of %s refused: %s", client, exc)
             return Outcome(error=str(exc), category="user")
