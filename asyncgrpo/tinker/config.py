@@ -48,10 +48,23 @@ class TinkerConfig:
     with 'tml-', the SDK's own rule. Required unless host is loopback. Never logged."""
     max_body_bytes: int = 256 * 1024 * 1024
     """Largest request body accepted (a forward_backward of many long Datums is large)."""
+    proxy_url: str | None = None
+    """The asyncgrpo proxy in front of the vLLM replicas that sample (they serve ``model``).
+    None: no sampling; save_weights_for_sampler and sample are refused."""
+    proxy_admin_key: str | None = field(default=None, repr=False, metadata={"secret": True})
+    """The proxy's admin key, which adapter loads and LoRA-slot bookings take. Never logged."""
+    store: str = ""
+    """Transport URL (a directory, s3://, gs://, ...) adapter versions are published to.
+    Empty: ``work_dir``/adapters."""
+    work_dir: str = "runs/tinker"
+    """Directory for the service's own files (saved adapters, the replicas' local copies)."""
+    sampler_keep: int = 2
+    """Versions of each client's sampler weights kept loaded on the replicas; each client books
+    sampler_keep + 1 LoRA slots (the replicas' --max-loras bounds the clients sampling at once)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "tinker", ge={"max_lora_rank": 1, "max_context_length": 2, "port": 0,
-                                         "max_body_bytes": 1024},
+                                         "max_body_bytes": 1024, "sampler_keep": 1},
                      le={"port": 65535}, gt={"lora_alpha": 0})  # fmt: skip
         if not self.model:
             raise ConfigError("tinker.model is empty: give the base model's directory (--model)")

@@ -171,5 +171,14 @@ class Engine:
         client.steps += 1
         return {"grad_norm:mean": norm}
 
+    def save_adapter(self, model_id: str, directory: Path) -> Path:
+        """Write the client's adapter as a plain PEFT directory (what vLLM loads); its path."""
+        self.model.save_pretrained(str(directory), selected_adapters=[model_id],
+                                   safe_serialization=True)  # fmt: skip
+        return directory / model_id  # peft writes a named adapter under its name
+
+    def steps(self, model_id: str) -> int:
+        return self._clients[model_id].steps
+
     def rank(self, model_id: str) -> int:
         return self._clients[model_id].spec.rank

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
-__all__ = ["FwdBwdRequest", "FwdBwdResult", "WireDatum", "WireError", "decode_fwdbwd",
-           "encode_fwdbwd", "fwdbwd_json"]  # fmt: skip
+__all__ = ["FwdBwdRequest", "FwdBwdResult", "SampleResult", "SampledSeq", "WireDatum",
+           "WireError", "decode_fwdbwd", "encode_fwdbwd", "encode_sample", "fwdbwd_json"]  # fmt: skip
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
 
@@ -53,6 +53,21 @@ class FwdBwdResult:
 
     outputs: list[dict[str, np.ndarray]]
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SampledSeq:
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    stop_reason: str
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """A ``SampleResponse``: the samples, and the prompt's logprobs when asked (NaN at 0)."""
+
+    sequences: list[SampledSeq]
+    prompt_logprobs: np.ndarray | None = None
 
 
 def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
@@ -137,3 +152,18 @@ def fwdbwd_json(result: FwdBwdResult) -> dict[str, Any]:
                 for k, v in o.items()} for o in result.outputs]  # fmt: skip
     return {"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs,
             "metrics": result.metrics}  # fmt: skip
+
+
+_STOP = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+
+
+def encode_sample(result: SampleResult) -> bytes:
+    """The SDK's protobuf ``SampleResponse`` of ``result``."""
+    msg = pb.SampleResponse()
+    for seq in result.sequences:
+        msg.sequences.add(stop_reason=_STOP[seq.stop_reason],
+                          tokens=np.ascontiguousarray(seq.tokens, dtype=np.int32).tobytes(),
+                          logprobs=np.ascontiguousarray(seq.logprobs, dtype=np.float32).tobytes())  # fmt: skip
+    if result.prompt_logprobs is not None:
+        msg.prompt_logprobs = np.ascontiguousarray(result.prompt_logprobs, np.float32).tobytes()
+    return msg.SerializeToString()

@@ -1,0 +1,201 @@
+"""The session, training and futures routes of the tinker SDK's REST API."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+from tinker import types
+
+from asyncgrpo.tinker.config import TinkerConfig
+from asyncgrpo.tinker.engine import AdamStep, LoraSpec
+from asyncgrpo.tinker.http import CONFIG, SERVICE, answer, read_body, refuse, training_model
+from asyncgrpo.tinker.service import TrainingModel, in_thread
+from asyncgrpo.tinker.wire import (
+    PROTO_CONTENT_TYPE,
+    FwdBwdResult,
+    SampleResult,
+    WireError,
+    decode_fwdbwd,
+    encode_fwdbwd,
+    encode_sample,
+    fwdbwd_json,
+)
+
+logger = logging.getLogger(__name__)
+
+#: How long ``retrieve_future`` waits for a pending request before answering ``try_again``
+#: (the SDK's own read timeout for the call is 45 s).
+POLL_S = 20.0
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return answer({"status": "ok"})
+
+
+async def capabilities(request: web.Request) -> web.Response:
+    config = request.app[CONFIG]
+    sampleable = request.app[SERVICE].sampler is not None
+    model = types.SupportedModel(model_name=config.served_name, trainable=True,
+                                 sampleable=sampleable,
+                                 max_context_length=config.max_context_length)  # fmt: skip
+    return answer(types.GetServerCapabilitiesResponse(supported_models=[model]))
+
+
+async def client_config(request: web.Request) -> web.Response:
+    # API keys only (no JWT exchange), plain httpx, one fwd/bwd chunk at a time in order.
+    return answer(types.ClientConfigResponse(pjwt_auth_enabled=False, use_pyqwest_transport=False,
+                                            parallel_fwdbwd_chunks=False,
+                                            proto_compress_fwdbwd=False))  # fmt: skip
+
+
+async def dynamic_config(request: web.Request) -> web.Response:
+    return answer(types.ClientDynamicConfigResponse())
+
+
+async def create_session(request: web.Request) -> web.Response:
+    await read_body(request, types.CreateSessionRequest)
+    session = request.app[SERVICE].new_session()
+    logger.info("session %s started", session.session_id)
+    return answer(types.CreateSessionResponse(session_id=session.session_id))
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    body = await read_body(request, types.SessionHeartbeatRequest)
+    session = request.app[SERVICE].sessions.get(body.session_id)
+    if session is None or session.finished:
+        raise refuse(web.HTTPGone, f"session {body.session_id!r} is not open on this service")
+    session.last_heartbeat = time.monotonic()
+    return answer(types.SessionHeartbeatResponse())
+
+
+async def finish_session(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    session = service.sessions.get(request.match_info["session_id"])
+    if session is not None and not session.finished:
+        session.finished = True
+        mine = [m for m in service.models.values() if m.session_id == session.session_id]
+        if service.sampler is not None and mine:
+            sampler = service.sampler
+
+            async def release() -> None:
+                for model in mine:
+                    await sampler.release(model.model_id)
+
+            service.spawn(release)
+    return answer({})
+
+
+async def telemetry(request: web.Request) -> web.Response:
+    return answer({"status": "accepted"})
+
+
+def _check_create(config: TinkerConfig, body: types.CreateModelRequest) -> LoraSpec:
+    if body.base_model != config.served_name:
+        raise WireError(f"base_model {body.base_model!r} is not served here: use "
+                        f"{config.served_name!r} (get_server_capabilities lists it)")  # fmt: skip
+    lora = body.lora_config or types.LoraConfig(rank=config.max_lora_rank)
+    if not 1 <= lora.rank <= config.max_lora_rank:
+        raise WireError(f"rank={lora.rank}: this service trains LoRA ranks 1 to "
+                        f"{config.max_lora_rank} (its --max-lora-rank); ask for a smaller rank")  # fmt: skip
+    if body.optimizer_config.type != "adamw":
+        raise WireError(f"optimizer {body.optimizer_config.type!r} is not served here: use the "
+                        "default AdamOptimizerConfig")  # fmt: skip
+    if not (lora.train_mlp or lora.train_attn):
+        raise WireError("train_mlp and train_attn are both False: LoRA here trains the MLP "
+                        "and/or attention layers (the LM head is never trained)")  # fmt: skip
+    return LoraSpec(rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
+                    train_attn=lora.train_attn)  # fmt: skip
+
+
+async def create_model(request: web.Request) -> web.Response:
+    service, config = request.app[SERVICE], request.app[CONFIG]
+    body = await read_body(request, types.CreateModelRequest)
+    if body.session_id not in service.sessions:
+        raise refuse(web.HTTPNotFound, f"session {body.session_id!r} is not open on this "
+                      "service: make a new ServiceClient")  # fmt: skip
+    spec = _check_create(config, body)
+    model_id = f"{body.session_id}_m{body.model_seq_id}"
+    if model_id in service.models:  # the SDK retried: the same client
+        return answer({"request_id": service.done({"model_id": model_id}), "model_id": model_id})
+    service.models[model_id] = TrainingModel(model_id, body.session_id, spec.rank)
+
+    async def job() -> dict[str, str]:
+        if service.sampler is not None:  # refused, naming --max-loras, if the fleet is full
+            await service.sampler.book(model_id)
+        await in_thread(lambda: service.engine.create(model_id, spec))()
+        logger.info("training client %s: LoRA rank %d", model_id, spec.rank)
+        return {"model_id": model_id, "type": "create_model"}
+
+    return answer({"request_id": service.submit(model_id, job), "model_id": model_id})
+
+
+async def get_info(request: web.Request) -> web.Response:
+    service, config = request.app[SERVICE], request.app[CONFIG]
+    body = await read_body(request, types.GetInfoRequest)
+    model = training_model(service, body.model_id)
+    data = types.ModelData(arch="lora", model_name=config.served_name, tokenizer_id=config.model)
+    return answer(types.GetInfoResponse(type="get_info", model_data=data, model_id=model.model_id,
+                                       is_lora=True, lora_rank=model.rank,
+                                       model_name=config.served_name))  # fmt: skip
+
+
+async def forward_backward(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    if request.content_type != PROTO_CONTENT_TYPE:
+        raise WireError(f"forward_backward takes a {PROTO_CONTENT_TYPE} body (the tinker SDK's)")
+    if request.headers.get("Content-Encoding"):
+        raise WireError("compressed bodies are not read here: send forward_backward unencoded")
+    fwdbwd = decode_fwdbwd(await request.read())
+    training_model(service, fwdbwd.model_id)
+    service.engine.check(fwdbwd)
+    for i, datum in enumerate(fwdbwd.data):
+        if datum.tokens.size > request.app[CONFIG].max_context_length:
+            raise WireError(f"datum {i} has {datum.tokens.size} tokens, more than this "
+                            f"service's max_context_length {request.app[CONFIG].max_context_length}")  # fmt: skip
+    rid = service.submit(
+        fwdbwd.model_id, in_thread(lambda: service.engine.forward_backward(fwdbwd))
+    )
+    return answer({"request_id": rid, "model_id": fwdbwd.model_id})
+
+
+async def optim_step(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    body = await read_body(request, types.OptimStepRequest)
+    training_model(service, body.model_id)
+    params = body.optim_params
+    if not isinstance(params, types.AdamParams):
+        raise WireError("optim_step takes AdamParams here (the only optimizer served)")
+    step = AdamStep(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2,
+                    eps=params.eps, weight_decay=params.weight_decay,
+                    grad_clip_norm=params.grad_clip_norm)  # fmt: skip
+
+    def job() -> dict[str, Any]:
+        return {"metrics": service.engine.optim_step(body.model_id, step)}
+
+    rid = service.submit(body.model_id, in_thread(job))
+    return answer({"request_id": rid, "model_id": body.model_id})
+
+
+async def retrieve_future(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    body = await read_body(request, types.FutureRetrieveRequest)
+    try:
+        outcome = await service.futures.wait(body.request_id, POLL_S)
+    except KeyError:
+        raise refuse(web.HTTPNotFound, f"no request {body.request_id!r} on this service "
+                      "(it restarted, or the id is another server's)") from None  # fmt: skip
+    if outcome is None:
+        return answer({"type": "try_again", "request_id": body.request_id,
+                      "queue_state": "active"})  # fmt: skip
+    if outcome.error is not None:
+        return answer({"error": outcome.error, "category": outcome.category})
+    if isinstance(outcome.value, SampleResult):
+        return web.Response(body=encode_sample(outcome.value), content_type=PROTO_CONTENT_TYPE)
+    if isinstance(outcome.value, FwdBwdResult):
+        if PROTO_CONTENT_TYPE in request.headers.get("Accept", ""):
+            return web.Response(body=encode_fwdbwd(outcome.value), content_type=PROTO_CONTENT_TYPE)
+        return answer(fwdbwd_json(outcome.value))
+    return answer(outcome.value)

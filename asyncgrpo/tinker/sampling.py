@@ -1,0 +1,186 @@
+"""Sampling through the asyncgrpo proxy: each training client's published adapter versions,
+sampling sessions, and ``SampleRequest`` as one vLLM completion of ``n`` samples.
+
+A training client's ``save_weights_for_sampler`` publishes its adapter as the next version of
+an adapter named by its model id through the :class:`~asyncgrpo.store.adapters.AdapterStore`
+and loads it on every replica through the proxy, all or nothing, with the run layer's own
+:class:`~asyncgrpo.run.sync.AdapterSync` (the newest ``keep`` versions stay loaded). Each
+client books ``keep + 1`` LoRA slots on the proxy as a run does, so clients share the fleet
+as a sweep's runs do. A sampling session is a name vLLM serves (a version, or the base model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from asyncgrpo.proxy.admin_client import ProxyClient
+from asyncgrpo.run.sync import AdapterSync, LocalCacheSource, ProxyLoader
+from asyncgrpo.store.adapters import AdapterStore
+from asyncgrpo.tinker.wire import SampledSeq, SampleResult, WireError
+
+__all__ = ["Sampler", "UnknownSampler", "completions_body", "open_sampler", "sample_result"]
+
+logger = logging.getLogger(__name__)
+
+#: The SDK's stop reasons for vLLM's finish reasons.
+_STOP_REASONS = {"stop": "stop", "length": "length", "abort": "length"}
+
+
+class UnknownSampler(LookupError):
+    """A sampling session, path or model this service does not serve."""
+
+
+def completions_body(
+    model: str, prompt: list[int], num_samples: int, params: Any, prompt_logprobs: bool
+) -> dict[str, Any]:
+    """The vLLM ``/v1/completions`` body of one ``SampleRequest`` (``params``: its
+    ``SamplingParams``): ``n`` samples of token ids with their logprobs."""
+    if not prompt:
+        raise WireError("the prompt is empty: give at least one token")
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "n": num_samples,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
+    if params.max_tokens is not None:
+        body["max_tokens"] = params.max_tokens
+    if params.seed is not None:
+        body["seed"] = params.seed
+    stop = params.stop
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and len(stop) == 0:
+        body["ignore_eos"] = True
+    elif stop is not None and all(isinstance(s, int) for s in stop):
+        body["stop_token_ids"] = list(stop)
+    elif stop is not None:
+        body["stop"] = list(stop)
+    if prompt_logprobs:
+        body["prompt_logprobs"] = 0
+    return body
+
+
+def _prompt_logprobs(entries: list[Any], prompt: list[int]) -> np.ndarray:
+    """vLLM's per-position prompt logprobs (dicts by token id) as the SDK's array; position 0,
+    which has no context, is NaN as the SDK's ``None``."""
+    out = np.full(len(prompt), np.nan, dtype=np.float32)
+    for i, entry in enumerate(entries[: len(prompt)]):
+        if entry:
+            found = entry.get(str(prompt[i])) or next(iter(entry.values()))
+            out[i] = found["logprob"]
+    return out
+
+
+def sample_result(
+    data: Mapping[str, Any], prompt: list[int], prompt_logprobs: bool
+) -> SampleResult:
+    """The samples of a vLLM completion answer, in the order of its choices."""
+    sequences = []
+    for choice in sorted(data.get("choices") or [], key=lambda c: c.get("index", 0)):
+        tokens = choice.get("token_ids") or []
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        if len(logprobs) != len(tokens):
+            raise RuntimeError("the replica returned no logprob for some sampled tokens")
+        sequences.append(SampledSeq(tokens=np.asarray(tokens, dtype=np.int32),
+                                    logprobs=np.asarray(logprobs, dtype=np.float32),
+                                    stop_reason=_STOP_REASONS.get(choice.get("finish_reason"),
+                                                                  "length")))  # fmt: skip
+    prompt_lp = None
+    if prompt_logprobs:
+        entries = (data.get("choices") or [{}])[0].get("prompt_logprobs") or []
+        prompt_lp = _prompt_logprobs(entries, prompt)
+    return SampleResult(sequences=sequences, prompt_logprobs=prompt_lp)
+
+
+class Sampler:
+    """The fleet side of the service: the proxy, the adapter store and what names are served."""
+
+    def __init__(self, client: ProxyClient, store: AdapterStore, *, base_model: str,
+                 cache_dir: Path, keep: int) -> None:  # fmt: skip
+        self.client = client
+        self.store = store
+        self.base_model = base_model
+        self.cache_dir = cache_dir
+        self.keep = keep
+        self.paths: dict[str, str] = {}  #: tinker:// path -> served adapter name
+        self.sessions: dict[str, str] = {}  #: sampling session id -> served name
+        self._syncs: dict[str, AdapterSync] = {}
+        self._tokens: dict[str, str] = {}
+
+    async def book(self, model_id: str) -> None:
+        """Book ``keep + 1`` LoRA slots for the client (a refusal names ``--max-loras``)."""
+        token = self._tokens.setdefault(model_id, secrets.token_hex(16))
+        await self.client.register_run(model_id, lora_slots=self.keep + 1, token=token)
+
+    async def release(self, model_id: str) -> None:
+        sync = self._syncs.pop(model_id, None)
+        if sync is not None:
+            await sync.unload_all()
+        if model_id in self._tokens:
+            await self.client.release_run(model_id, token=self._tokens.pop(model_id))
+
+    async def publish(self, model_id: str, local_dir: Path, step: int) -> str:
+        """Publish ``local_dir`` as the client's next version, loaded everywhere; its name."""
+        sync = self._syncs.get(model_id)
+        if sync is None:
+            sync = self._syncs[model_id] = AdapterSync(
+                store=self.store, source=LocalCacheSource(self.store, self.cache_dir),
+                loader=ProxyLoader(self.client), prefix=model_id, max_staleness=self.keep - 1,
+                base_model=self.base_model,
+            )  # fmt: skip
+        version = (await self.store.latest(model_id) or 0) + 1
+        await sync.sync(version, local_dir, step=step)
+        return sync.name(version)
+
+    def new_session(self, served: str) -> str:
+        sid = f"samp-{secrets.token_hex(6)}"
+        self.sessions[sid] = served
+        return sid
+
+    def resolve(self, *, session: str | None, path: str | None, base: str | None) -> str:
+        """The served name a sampling request or session names; UnknownSampler if none."""
+        if session is not None:
+            if session not in self.sessions:
+                raise UnknownSampler(f"no sampling session {session!r} on this service")
+            return self.sessions[session]
+        if path is not None:
+            if path not in self.paths:
+                raise UnknownSampler(f"no sampler weights at {path!r}: save them first with "
+                                     "save_weights_for_sampler (paths live as long as the "
+                                     "service)")  # fmt: skip
+            return self.paths[path]
+        return self.base_model
+
+    async def sample(self, served: str, request: Any) -> SampleResult:
+        prompt = request.prompt.to_ints()
+        body = completions_body(served, prompt, request.num_samples, request.sampling_params,
+                                bool(request.prompt_logprobs))  # fmt: skip
+        data = await self.client.completions(body)
+        return sample_result(data, prompt, bool(request.prompt_logprobs))
+
+
+@contextlib.asynccontextmanager
+async def open_sampler(
+    proxy_url: str, admin_key: str | None, store_url: str, *, base_model: str, work_dir: Path,
+    keep: int,
+) -> AsyncIterator[Sampler]:  # fmt: skip
+    """A :class:`Sampler` on the proxy at ``proxy_url`` and the store at ``store_url``."""
+    async with ProxyClient(proxy_url, api_key=admin_key, timeout_s=600) as client:
+        store = AdapterStore(store_url)
+        try:
+            yield Sampler(client, store, base_model=base_model, cache_dir=work_dir / "cache",
+                          keep=keep)  # fmt: skip
+        finally:
+            await store.transport.aclose()

@@ -1,0 +1,99 @@
+"""The sampling routes of the tinker SDK's REST API: sampler weights, sessions, ``asample``."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from tinker import types
+
+from asyncgrpo.tinker.http import CONFIG, SERVICE, answer, read_body, refuse, training_model
+from asyncgrpo.tinker.sampling import Sampler, UnknownSampler
+from asyncgrpo.tinker.service import TinkerService, in_thread
+from asyncgrpo.tinker.wire import WireError
+
+__all__ = ["asample", "create_sampling_session", "save_weights_for_sampler"]
+
+logger = logging.getLogger(__name__)
+
+
+def _sampler(service: TinkerService) -> Sampler:
+    if service.sampler is None:
+        raise WireError("this service samples nothing: start it with --proxy-url (the asyncgrpo "
+                        "proxy in front of vLLM replicas of its model)")  # fmt: skip
+    return service.sampler
+
+
+def _resolve(sampler: Sampler, **names: str | None) -> str:
+    try:
+        return sampler.resolve(session=names.get("session"), path=names.get("path"),
+                               base=names.get("base"))  # fmt: skip
+    except UnknownSampler as exc:
+        raise refuse(web.HTTPNotFound, str(exc)) from None
+
+
+def _check_base(request: web.Request, base: str | None) -> None:
+    served = request.app[CONFIG].served_name
+    if base is not None and base != served:
+        raise WireError(f"base_model {base!r} is not served here: use {served!r}")
+
+
+async def save_weights_for_sampler(request: web.Request) -> web.Response:
+    service, config = request.app[SERVICE], request.app[CONFIG]
+    body = await read_body(request, types.SaveWeightsForSamplerRequest)
+    model = training_model(service, body.model_id)
+    sampler = _sampler(service)
+    work = Path(config.work_dir) / "saved"
+
+    async def job() -> dict[str, Any]:
+        work.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=work) as tmp:
+            saved = await in_thread(
+                lambda: service.engine.save_adapter(model.model_id, Path(tmp))
+            )()
+            step = service.engine.steps(model.model_id)
+            served = await sampler.publish(model.model_id, saved, step)
+        logger.info("training client %s: sampler weights %s loaded", model.model_id, served)
+        if body.path is not None:
+            path = f"tinker://{model.model_id}/sampler_weights/{body.path}"
+            sampler.paths[path] = served
+            return {"path": path, "type": "save_weights_for_sampler"}
+        return {"sampling_session_id": sampler.new_session(served),
+                "type": "save_weights_for_sampler"}  # fmt: skip
+
+    return answer({"request_id": service.submit(model.model_id, job), "model_id": model.model_id})
+
+
+async def create_sampling_session(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    body = await read_body(request, types.CreateSamplingSessionRequest)
+    sampler = _sampler(service)
+    _check_base(request, body.base_model)
+    served = _resolve(sampler, path=body.model_path, base=body.base_model)
+    return answer(
+        types.CreateSamplingSessionResponse(sampling_session_id=sampler.new_session(served))
+    )
+
+
+async def asample(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    body = await read_body(request, types.SampleRequest)
+    sampler = _sampler(service)
+    _check_base(request, body.base_model)
+    unsupported = [name for name in ("topk_prompt_logprobs", "topk_sample_logprobs",
+                                     "prompt_alt_tokens_k") if getattr(body, name)]  # fmt: skip
+    if body.target_prompt_logprobs is not None or body.record_stability_info:
+        unsupported.append("target_prompt_logprobs/record_stability_info")
+    if unsupported:
+        raise WireError(f"sample: {', '.join(unsupported)} are not served here; leave them unset")
+    if not 1 <= body.num_samples <= 1024:
+        raise WireError(f"num_samples={body.num_samples}: give 1 to 1024")
+    served = _resolve(sampler, session=body.sampling_session_id, path=body.model_path,
+                      base=body.base_model)  # fmt: skip
+    ids = [f"seq-{secrets.token_hex(8)}" for _ in range(body.num_samples)]
+    rid = service.spawn(lambda: sampler.sample(served, body))
+    return answer({"request_id": rid, "sample_sequence_ids": ids})
