@@ -26,6 +26,7 @@ def build_app(config: TinkerConfig, service: TinkerService) -> web.Application:
     api = "/api/v1"
     app.router.add_get(f"{api}/healthz", routes.healthz)
     app.router.add_get(f"{api}/get_server_capabilities", routes.capabilities)
+    app.router.add_get(f"{api}/samplers/{{sampler_id}}", sampling_routes.get_sampler)
     for path, handler in (
         ("client/config", routes.client_config),
         ("client/dynamic_config", routes.dynamic_config),

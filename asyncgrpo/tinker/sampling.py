@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 
 from asyncgrpo.proxy.admin_client import ProxyClient
@@ -131,6 +132,14 @@ class Sampler:
         if model_id in self._tokens:
             await self.client.release_run(model_id, token=self._tokens.pop(model_id))
 
+    async def close(self) -> None:
+        """Unload every client's versions and give back their slots (at shutdown)."""
+        for model_id in sorted({*self._syncs, *self._tokens}):
+            try:
+                await self.release(model_id)
+            except Exception as exc:  # the proxy lets bookings lapse; keep closing the others
+                logger.warning("could not release %s on the proxy: %s", model_id, exc)
+
     async def publish(self, model_id: str, local_dir: Path, step: int) -> str:
         """Publish ``local_dir`` as the client's next version, loaded everywhere; its name."""
         sync = self._syncs.get(model_id)
@@ -148,6 +157,11 @@ class Sampler:
         sid = f"samp-{secrets.token_hex(6)}"
         self.sessions[sid] = served
         return sid
+
+    def path_of(self, session: str) -> str | None:
+        """The ``tinker://`` path a sampling session samples, if it was made from one."""
+        served = self.sessions[session]
+        return next((p for p, name in self.paths.items() if name == served), None)
 
     def resolve(self, *, session: str | None, path: str | None, base: str | None) -> str:
         """The served name a sampling request or session names; UnknownSampler if none."""
@@ -179,8 +193,11 @@ async def open_sampler(
     """A :class:`Sampler` on the proxy at ``proxy_url`` and the store at ``store_url``."""
     async with ProxyClient(proxy_url, api_key=admin_key, timeout_s=600) as client:
         store = AdapterStore(store_url)
-        try:
-            yield Sampler(client, store, base_model=base_model, cache_dir=work_dir / "cache",
+        sampler = Sampler(client, store, base_model=base_model, cache_dir=work_dir / "cache",
                           keep=keep)  # fmt: skip
+        try:
+            yield sampler
         finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                await sampler.close()
             await store.transport.aclose()

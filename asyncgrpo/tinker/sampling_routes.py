@@ -16,7 +16,7 @@ from asyncgrpo.tinker.sampling import Sampler, UnknownSampler
 from asyncgrpo.tinker.service import TinkerService, in_thread
 from asyncgrpo.tinker.wire import WireError
 
-__all__ = ["asample", "create_sampling_session", "save_weights_for_sampler"]
+__all__ = ["asample", "create_sampling_session", "get_sampler", "save_weights_for_sampler"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,3 +97,11 @@ async def asample(request: web.Request) -> web.Response:
     ids = [f"seq-{secrets.token_hex(8)}" for _ in range(body.num_samples)]
     rid = service.spawn(lambda: sampler.sample(served, body))
     return answer({"request_id": rid, "sample_sequence_ids": ids})
+
+
+async def get_sampler(request: web.Request) -> web.Response:
+    sampler = _sampler(request.app[SERVICE])
+    sid = request.match_info["sampler_id"]
+    _resolve(sampler, session=sid)
+    return answer(types.GetSamplerResponse(sampler_id=sid, base_model=request.app[CONFIG].served_name,
+                                           model_path=sampler.path_of(sid)))  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import anyio
 from aiohttp import web
@@ -11,6 +12,7 @@ from aiohttp import web
 from asyncgrpo.tinker.app import build_app
 from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.engine import Engine
+from asyncgrpo.tinker.sampling import open_sampler
 from asyncgrpo.tinker.service import TinkerService
 
 __all__ = ["serve_tinker"]
@@ -23,7 +25,21 @@ async def serve_tinker(config: TinkerConfig) -> AsyncIterator[str]:
     engine = await anyio.to_thread.run_sync(
         lambda: Engine(config.model, dtype=config.dtype, lora_alpha=config.lora_alpha)
     )
-    service = TinkerService(engine)
+    async with contextlib.AsyncExitStack() as stack:
+        sampler = None
+        if config.proxy_url:
+            work = Path(config.work_dir).resolve()
+            sampler = await stack.enter_async_context(open_sampler(
+                config.proxy_url, config.proxy_admin_key,
+                config.store or str(work / "adapters"), base_model=config.model, work_dir=work,
+                keep=config.sampler_keep,
+            ))  # fmt: skip
+        async with _serving(config, TinkerService(engine, sampler)) as url:
+            yield url
+
+
+@contextlib.asynccontextmanager
+async def _serving(config: TinkerConfig, service: TinkerService) -> AsyncIterator[str]:
     async with anyio.create_task_group() as tg:
         await tg.start(service.run)
         runner = web.AppRunner(build_app(config, service), access_log=None)

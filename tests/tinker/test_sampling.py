@@ -1,0 +1,96 @@
+"""Sampler weights and sampling through the proxy on two real vLLM replicas, via the SDK.
+
+The served-policy proof: the logprobs ``sample`` returns equal the training client's
+``forward`` logprobs of the same tokens at the same weights (float32 on both sides).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asyncgrpo.serve import Replica
+
+
+@pytest.fixture(scope="module")
+def fleet(vllm_replicas: list[Replica], tiny_model: Path, tmp_path_factory) -> Iterator[object]:
+    """The service in front of a proxy on the shared replicas (adapters stored under the
+    session's temporary directory, which the replicas may read)."""
+    import contextlib
+
+    from anyio.from_thread import start_blocking_portal
+
+    from asyncgrpo.proxy import ProxyConfig, serve_proxy
+    from asyncgrpo.tinker import TinkerConfig, serve_tinker
+
+    work = tmp_path_factory.mktemp("tinker-work")
+    with start_blocking_portal() as portal, contextlib.ExitStack() as stack:
+        proxy_cfg = ProxyConfig(upstreams=tuple(r.url for r in vllm_replicas), port=0)
+        proxy_url = stack.enter_context(portal.wrap_async_context_manager(serve_proxy(proxy_cfg)))
+        config = TinkerConfig(model=str(tiny_model), port=0, max_lora_rank=8, proxy_url=proxy_url,
+                              work_dir=str(work), sampler_keep=1)  # fmt: skip
+        yield stack.enter_context(portal.wrap_async_context_manager(serve_tinker(config)))
+
+
+def _train(training, tokenizer, steps: int) -> None:
+    from tinker import types
+
+    ids = tokenizer.encode("12 + 7 = 19")
+    datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                        loss_fn_inputs={"target_tokens": ids[1:]})  # fmt: skip
+    for _ in range(steps):
+        training.forward_backward([datum], "cross_entropy")
+        training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+
+
+def test_sampled_logprobs_equal_the_training_clients_forward(fleet, tiny_model: Path) -> None:
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=fleet)
+    training = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    tokenizer = training.get_tokenizer()
+    _train(training, tokenizer, steps=3)
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompt = tokenizer.encode("12 + 7 =")
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=0)
+    response = sampler.sample(types.ModelInput.from_ints(prompt), 4, params).result()
+    assert len(response.sequences) == 4
+    base = service.create_sampling_client(base_model=str(tiny_model))
+    base_seq = base.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
+    gaps, moved = [], []
+    for seq in response.sequences:
+        full = prompt + list(seq.tokens)
+        datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                            loss_fn_inputs={"target_tokens": full[1:]})  # fmt: skip
+        out = training.forward([datum], "cross_entropy").result()
+        trained = out.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1 :]
+        gaps.append(np.abs(trained - np.asarray(seq.logprobs)).max())
+        if list(seq.tokens) == list(base_seq.tokens):
+            moved.append(np.abs(np.asarray(seq.logprobs) - np.asarray(base_seq.logprobs)).max())
+    assert max(gaps) <= 1e-4, gaps
+    assert all(m > 1e-3 for m in moved), moved  # the adapter, not the base model, was served
+    service.close("success").result()
+
+
+def test_saved_paths_and_unknown_ones(fleet, tiny_model: Path) -> None:
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=fleet)
+    training = service.create_lora_training_client(base_model=str(tiny_model), rank=2).result()
+    _train(training, training.get_tokenizer(), steps=1)
+    path = training.save_weights_for_sampler("step-1").result().path
+    assert path.startswith("tinker://") and path.endswith("/sampler_weights/step-1")
+    sampler = service.create_sampling_client(model_path=path)
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=1)
+    seqs = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 2, params).result().sequences
+    assert [len(s.tokens) for s in seqs] == [len(s.logprobs) for s in seqs]
+    with pytest.raises(tinker.NotFoundError, match="no sampler weights at"):
+        service.create_sampling_client(model_path="tinker://nope/sampler_weights/x").sample(
+            types.ModelInput.from_ints([5]), 1, params
+        ).result()
+    service.close("success").result()
