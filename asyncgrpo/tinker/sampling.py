@@ -182,7 +182,11 @@ class Sampler:
         body = completions_body(served, prompt, request.num_samples, request.sampling_params,
                                 bool(request.prompt_logprobs))  # fmt: skip
         data = await self.client.completions(body)
-        return sample_result(data, prompt, bool(request.prompt_logprobs))
+        result = sample_result(data, prompt, bool(request.prompt_logprobs))
+        last_n = request.prompt_logprobs_last_n
+        if result.prompt_logprobs is not None and last_n is not None:
+            result.prompt_logprobs[: len(prompt) - last_n] = np.nan  # scored: the last n only
+        return result
 
 
 @contextlib.asynccontextmanager

@@ -73,6 +73,14 @@ def test_sampled_logprobs_equal_the_training_clients_forward(fleet, tiny_model: 
             moved.append(np.abs(np.asarray(seq.logprobs) - np.asarray(base_seq.logprobs)).max())
     assert max(gaps) <= 1e-4, gaps
     assert all(m > 1e-3 for m in moved), moved  # the adapter, not the base model, was served
+    full = prompt + list(response.sequences[0].tokens)
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
+    assert scored[0] is None
+    datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                        loss_fn_inputs={"target_tokens": full[1:]})  # fmt: skip
+    forward = training.forward([datum], "cross_entropy").result()
+    expected = forward.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert np.abs(np.asarray(scored[1:]) - expected).max() <= 1e-4
     service.close("success").result()
 
 
