@@ -73,3 +73,25 @@ def service_client(served: Served) -> Iterator[object]:
     client = tinker.ServiceClient(base_url=served.url)
     yield client
     client.close("success").result()
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    vllm_replicas: list, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The service in front of a proxy on the shared replicas (adapters stored under the
+    session's temporary directory, which the replicas may read)."""
+    import contextlib
+
+    from anyio.from_thread import start_blocking_portal
+
+    from asyncgrpo.proxy import ProxyConfig, serve_proxy
+    from asyncgrpo.tinker import TinkerConfig, serve_tinker
+
+    work = tmp_path_factory.mktemp("tinker-work")
+    with start_blocking_portal() as portal, contextlib.ExitStack() as stack:
+        proxy_cfg = ProxyConfig(upstreams=tuple(r.url for r in vllm_replicas), port=0)
+        proxy_url = stack.enter_context(portal.wrap_async_context_manager(serve_proxy(proxy_cfg)))
+        config = TinkerConfig(model=str(tiny_model), port=0, max_lora_rank=8, proxy_url=proxy_url,
+                              work_dir=str(work), sampler_keep=1)  # fmt: skip
+        yield stack.enter_context(portal.wrap_async_context_manager(serve_tinker(config)))

@@ -6,33 +6,10 @@ The served-policy proof: the logprobs ``sample`` returns equal the training clie
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-from asyncgrpo.serve import Replica
-
-
-@pytest.fixture(scope="module")
-def fleet(vllm_replicas: list[Replica], tiny_model: Path, tmp_path_factory) -> Iterator[object]:
-    """The service in front of a proxy on the shared replicas (adapters stored under the
-    session's temporary directory, which the replicas may read)."""
-    import contextlib
-
-    from anyio.from_thread import start_blocking_portal
-
-    from asyncgrpo.proxy import ProxyConfig, serve_proxy
-    from asyncgrpo.tinker import TinkerConfig, serve_tinker
-
-    work = tmp_path_factory.mktemp("tinker-work")
-    with start_blocking_portal() as portal, contextlib.ExitStack() as stack:
-        proxy_cfg = ProxyConfig(upstreams=tuple(r.url for r in vllm_replicas), port=0)
-        proxy_url = stack.enter_context(portal.wrap_async_context_manager(serve_proxy(proxy_cfg)))
-        config = TinkerConfig(model=str(tiny_model), port=0, max_lora_rank=8, proxy_url=proxy_url,
-                              work_dir=str(work), sampler_keep=1)  # fmt: skip
-        yield stack.enter_context(portal.wrap_async_context_manager(serve_tinker(config)))
 
 
 def _train(training, tokenizer, steps: int) -> None:
