@@ -89,7 +89,8 @@ def sample_result(
 ) -> SampleResult:
     """The samples of a vLLM completion answer, in the order of its choices."""
     sequences = []
-    for choice in sorted(data.get("choices") or [], key=lambda c: c.get("index", 0)):
+    choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
+    for choice in choices:
         tokens = choice.get("token_ids") or []
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
         if len(logprobs) != len(tokens):
@@ -100,7 +101,7 @@ def sample_result(
                                                                   "length")))  # fmt: skip
     prompt_lp = None
     if prompt_logprobs:
-        entries = (data.get("choices") or [{}])[0].get("prompt_logprobs") or []
+        entries = next((c["prompt_logprobs"] for c in choices if c.get("prompt_logprobs")), [])
         prompt_lp = _prompt_logprobs(entries, prompt)
     return SampleResult(sequences=sequences, prompt_logprobs=prompt_lp)
 
