@@ -36,7 +36,7 @@ def test_sampled_logprobs_equal_the_training_clients_forward(fleet, tiny_model: 
     params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=0)
     response = sampler.sample(types.ModelInput.from_ints(prompt), 4, params).result()
     assert len(response.sequences) == 4
-    base = service.create_sampling_client(base_model=str(tiny_model))
+    base = service.create_sampling_client(base_model=str(tiny_model)).result()
     base_seq = base.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
     gaps, moved = [], []
     for seq in response.sequences:
@@ -70,12 +70,10 @@ def test_saved_paths_and_unknown_ones(fleet, tiny_model: Path) -> None:
     _train(training, training.get_tokenizer(), steps=1)
     path = training.save_weights_for_sampler("step-1").result().path
     assert path.startswith("tinker://") and path.endswith("/sampler_weights/step-1")
-    sampler = service.create_sampling_client(model_path=path)
+    sampler = service.create_sampling_client(model_path=path).result()
     params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=1)
     seqs = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 2, params).result().sequences
     assert [len(s.tokens) for s in seqs] == [len(s.logprobs) for s in seqs]
     with pytest.raises(tinker.NotFoundError, match="no sampler weights at"):
-        service.create_sampling_client(model_path="tinker://nope/sampler_weights/x").sample(
-            types.ModelInput.from_ints([5]), 1, params
-        ).result()
+        service.create_sampling_client(model_path="tinker://nope/sampler_weights/x").result()
     service.close("success").result()
