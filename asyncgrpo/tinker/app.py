@@ -39,6 +39,8 @@ def build_app(config: TinkerConfig, service: TinkerService) -> web.Application:
         ("forward_backward", routes.forward_backward),
         ("optim_step", routes.optim_step),
         ("retrieve_future", routes.retrieve_future),
+        ("save_weights", routes.save_weights),
+        ("load_weights", routes.load_weights),
         ("save_weights_for_sampler", sampling_routes.save_weights_for_sampler),
         ("create_sampling_session", sampling_routes.create_sampling_session),
         ("asample", sampling_routes.asample),

@@ -54,8 +54,8 @@ class TinkerConfig:
     proxy_admin_key: str | None = field(default=None, repr=False, metadata={"secret": True})
     """The proxy's admin key, which adapter loads and LoRA-slot bookings take. Never logged."""
     store: str = ""
-    """Transport URL (a directory, s3://, gs://, ...) adapter versions are published to.
-    Empty: ``work_dir``/adapters."""
+    """Transport URL (a directory, s3://, gs://, ...) sampler weights and save_state
+    checkpoints are published to. Empty: ``work_dir``/store."""
     work_dir: str = "runs/tinker"
     """Directory for the service's own files (saved adapters, the replicas' local copies)."""
     sampler_keep: int = 2

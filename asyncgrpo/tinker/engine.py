@@ -25,7 +25,15 @@ from asyncgrpo.trainer.attention import varlen_kwargs
 from asyncgrpo.trainer.config import LoraConfig
 from asyncgrpo.trainer.model import autocast, load_policy, model_device
 
-__all__ = ["AdamStep", "Engine", "LoraSpec"]
+__all__ = ["AdamStep", "Engine", "LoraSpec", "StateError"]
+
+STATE_FILE = "tinker_state.pt"
+_STATE_FORMAT = "asyncgrpo-tinker-state-1"
+
+
+class StateError(ValueError):
+    """A saved state that does not fit the client loading it (another rank or layers)."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +184,45 @@ class Engine:
         self.model.save_pretrained(str(directory), selected_adapters=[model_id],
                                    safe_serialization=True)  # fmt: skip
         return directory / model_id  # peft writes a named adapter under its name
+
+    def save_state(self, model_id: str, directory: Path) -> None:
+        """Write the client's adapter, AdamW state and step count into ``directory``."""
+        client = self._clients[model_id]
+        names = [n.replace(f".{model_id}.", ".{adapter}.") for n, p in self.model.named_parameters()
+                 if f".{model_id}." in n]  # fmt: skip
+        state = {"format": _STATE_FORMAT, "rank": client.spec.rank,
+                 "adapter": {n: p.detach().cpu() for n, p in zip(names, client.params, strict=True)},
+                 "optimizer": client.optimizer.state_dict(), "steps": client.steps}  # fmt: skip
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(state, directory / STATE_FILE)
+
+    def load_state(self, model_id: str, directory: Path, *, optimizer: bool) -> None:
+        """Restore a :meth:`save_state` into the client (its AdamW state too if ``optimizer``,
+        else a fresh AdamW); StateError if it was saved from another LoRA shape."""
+        client = self._clients[model_id]
+        state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
+        names = [n.replace(f".{model_id}.", ".{adapter}.") for n, p in self.model.named_parameters()
+                 if f".{model_id}." in n]  # fmt: skip
+        saved = state.get("adapter", {})
+        if (
+            state.get("format") != _STATE_FORMAT
+            or set(saved) != set(names)
+            or any(saved[n].shape != p.shape for n, p in zip(names, client.params, strict=True))
+        ):
+            raise StateError(f"the saved state (LoRA rank {state.get('rank')}) does not fit this "
+                             f"client (rank {client.spec.rank}, its layers): load it into a "
+                             "client made with the same rank, train_mlp and train_attn")  # fmt: skip
+        with torch.no_grad():
+            for n, p in zip(names, client.params, strict=True):
+                p.copy_(saved[n])
+        client.optimizer = torch.optim.AdamW(client.params, lr=1e-4, betas=(0.9, 0.95),
+                                             eps=1e-12, weight_decay=0.0)  # fmt: skip
+        if optimizer:
+            client.optimizer.load_state_dict(state["optimizer"])
+            client.steps = int(state["steps"])
+
+    def spec(self, model_id: str) -> LoraSpec:
+        return self._clients[model_id].spec
 
     def steps(self, model_id: str) -> int:
         return self._clients[model_id].steps

@@ -102,7 +102,7 @@ def check_inputs(name: str, length: int, inputs: Mapping[str, torch.Tensor], ind
     if extra:
         raise LossInputError(f"datum {index}: loss {name} does not read {', '.join(extra)}; "
                              f"it reads {', '.join(sorted(allowed))}")  # fmt: skip
-    for key, tensor in inputs.items():
+    for key, tensor in sorted(inputs.items()):
         if tuple(tensor.shape) != (length,):
             raise LossInputError(
                 f"datum {index}: loss_fn_inputs[{key!r}] has shape {list(tensor.shape)} but the "

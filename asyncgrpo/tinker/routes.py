@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import secrets
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -12,7 +16,8 @@ from tinker import types
 from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.engine import AdamStep, LoraSpec
 from asyncgrpo.tinker.http import CONFIG, SERVICE, answer, read_body, refuse, training_model
-from asyncgrpo.tinker.service import TrainingModel, in_thread
+from asyncgrpo.tinker.service import TinkerService, TrainingModel, in_thread
+from asyncgrpo.tinker.states import parse_state_path
 from asyncgrpo.tinker.wire import (
     PROTO_CONTENT_TYPE,
     FwdBwdResult,
@@ -82,7 +87,7 @@ async def finish_session(request: web.Request) -> web.Response:
 
             async def release() -> None:
                 for model in mine:
-                    await sampler.release(model.model_id)
+                    await sampler.release(model.adapter)
 
             service.spawn(release)
     return answer({})
@@ -92,14 +97,22 @@ async def telemetry(request: web.Request) -> web.Response:
     return answer({"status": "accepted"})
 
 
-def _check_create(config: TinkerConfig, body: types.CreateModelRequest) -> LoraSpec:
-    if body.base_model != config.served_name:
-        raise WireError(f"base_model {body.base_model!r} is not served here: use "
+def _check_base(config: TinkerConfig, base_model: str | None) -> None:
+    if base_model is not None and base_model != config.served_name:
+        raise WireError(f"base_model {base_model!r} is not served here: use "
                         f"{config.served_name!r} (get_server_capabilities lists it)")  # fmt: skip
-    lora = body.lora_config or types.LoraConfig(rank=config.max_lora_rank)
-    if not 1 <= lora.rank <= config.max_lora_rank:
-        raise WireError(f"rank={lora.rank}: this service trains LoRA ranks 1 to "
+
+
+def _check_rank(config: TinkerConfig, rank: int) -> None:
+    if not 1 <= rank <= config.max_lora_rank:
+        raise WireError(f"rank={rank}: this service trains LoRA ranks 1 to "
                         f"{config.max_lora_rank} (its --max-lora-rank); ask for a smaller rank")  # fmt: skip
+
+
+def _check_create(config: TinkerConfig, body: types.CreateModelRequest) -> LoraSpec:
+    _check_base(config, body.base_model)
+    lora = body.lora_config or types.LoraConfig(rank=config.max_lora_rank)
+    _check_rank(config, lora.rank)
     if body.optimizer_config.type != "adamw":
         raise WireError(f"optimizer {body.optimizer_config.type!r} is not served here: use the "
                         "default AdamOptimizerConfig")  # fmt: skip
@@ -120,16 +133,20 @@ async def create_model(request: web.Request) -> web.Response:
     model_id = f"{body.session_id}_m{body.model_seq_id}"
     if model_id in service.models:  # the SDK retried: the same client
         return answer({"request_id": service.done({"model_id": model_id}), "model_id": model_id})
-    service.models[model_id] = TrainingModel(model_id, body.session_id, spec.rank)
+    model = service.models[model_id] = TrainingModel(model_id, body.session_id, spec.rank)
 
     async def job() -> dict[str, str]:
-        if service.sampler is not None:  # refused, naming --max-loras, if the fleet is full
-            await service.sampler.book(model_id)
-        await in_thread(lambda: service.engine.create(model_id, spec))()
-        logger.info("training client %s: LoRA rank %d", model_id, spec.rank)
+        await _add_client(service, model, spec)
         return {"model_id": model_id, "type": "create_model"}
 
     return answer({"request_id": service.submit(model_id, job), "model_id": model_id})
+
+
+async def _add_client(service: TinkerService, model: TrainingModel, spec: LoraSpec) -> None:
+    if service.sampler is not None:  # refused, naming --max-loras, if the fleet is full
+        await service.sampler.book(model.adapter)
+    await in_thread(lambda: service.engine.create(model.adapter, spec))()
+    logger.info("training client %s: LoRA rank %d", model.model_id, spec.rank)
 
 
 async def get_info(request: web.Request) -> web.Response:
@@ -149,22 +166,21 @@ async def forward_backward(request: web.Request) -> web.Response:
     if request.headers.get("Content-Encoding"):
         raise WireError("compressed bodies are not read here: send forward_backward unencoded")
     fwdbwd = decode_fwdbwd(await request.read())
-    training_model(service, fwdbwd.model_id)
+    model = training_model(service, fwdbwd.model_id)
+    fwdbwd = dataclasses.replace(fwdbwd, model_id=model.adapter)
     service.engine.check(fwdbwd)
     for i, datum in enumerate(fwdbwd.data):
         if datum.tokens.size > request.app[CONFIG].max_context_length:
             raise WireError(f"datum {i} has {datum.tokens.size} tokens, more than this "
                             f"service's max_context_length {request.app[CONFIG].max_context_length}")  # fmt: skip
-    rid = service.submit(
-        fwdbwd.model_id, in_thread(lambda: service.engine.forward_backward(fwdbwd))
-    )
-    return answer({"request_id": rid, "model_id": fwdbwd.model_id})
+    rid = service.submit(model.model_id, in_thread(lambda: service.engine.forward_backward(fwdbwd)))
+    return answer({"request_id": rid, "model_id": model.model_id})
 
 
 async def optim_step(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     body = await read_body(request, types.OptimStepRequest)
-    training_model(service, body.model_id)
+    model = training_model(service, body.model_id)
     params = body.optim_params
     if not isinstance(params, types.AdamParams):
         raise WireError("optim_step takes AdamParams here (the only optimizer served)")
@@ -173,7 +189,7 @@ async def optim_step(request: web.Request) -> web.Response:
                     grad_clip_norm=params.grad_clip_norm)  # fmt: skip
 
     def job() -> dict[str, Any]:
-        return {"metrics": service.engine.optim_step(body.model_id, step)}
+        return {"metrics": service.engine.optim_step(model.adapter, step)}
 
     rid = service.submit(body.model_id, in_thread(job))
     return answer({"request_id": rid, "model_id": body.model_id})
@@ -199,3 +215,58 @@ async def retrieve_future(request: web.Request) -> web.Response:
             return web.Response(body=encode_fwdbwd(outcome.value), content_type=PROTO_CONTENT_TYPE)
         return answer(fwdbwd_json(outcome.value))
     return answer(outcome.value)
+
+
+async def save_weights(request: web.Request) -> web.Response:
+    service, config = request.app[SERVICE], request.app[CONFIG]
+    body = await read_body(request, types.SaveWeightsRequest)
+    model = training_model(service, body.model_id)
+    name = body.path or f"state-{secrets.token_hex(4)}"
+    work = Path(config.work_dir) / "saved"
+
+    async def job() -> dict[str, Any]:
+        work.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=work) as tmp:
+            await in_thread(lambda: service.engine.save_state(model.adapter, Path(tmp)))()
+            spec = service.engine.spec(model.adapter)
+            path = await service.states.save(model.adapter, name, Path(tmp), spec)
+        logger.info("training client %s: state saved as %s", model.model_id, path)
+        return {"path": path, "type": "save_weights"}
+
+    return answer({"request_id": service.submit(model.model_id, job), "model_id": model.model_id})
+
+
+async def load_weights(request: web.Request) -> web.Response:
+    service, config = request.app[SERVICE], request.app[CONFIG]
+    body = await read_body(request, types.LoadWeightsRequest)
+    parse_state_path(body.path)
+    if body.model_id is not None:
+        model, new = training_model(service, body.model_id), False
+    elif body.session_id is not None and body.model_seq_id is not None:
+        _check_base(config, body.base_model)
+        if body.session_id not in service.sessions:
+            raise refuse(web.HTTPNotFound, f"session {body.session_id!r} is not open on this "
+                         "service: make a new ServiceClient")  # fmt: skip
+        model_id = f"{body.session_id}:train:{body.model_seq_id}"  # the id the SDK derives
+        model, new = (
+            service.models.get(model_id) or TrainingModel(model_id, body.session_id, 0),
+            True,
+        )
+    else:
+        raise WireError("load_weights needs model_id, or session_id with model_seq_id")
+    work = Path(config.work_dir) / "loaded"
+
+    async def job() -> dict[str, Any]:
+        work.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=work) as tmp:
+            state, spec = await service.states.fetch(body.path, Path(tmp))
+            if new and model.model_id not in service.models:
+                _check_rank(config, spec.rank)
+                service.models[model.model_id] = dataclasses.replace(model, rank=spec.rank)
+                await _add_client(service, model, spec)
+            await in_thread(lambda: service.engine.load_state(model.adapter, state,
+                                                              optimizer=body.optimizer))()  # fmt: skip
+        logger.info("training client %s: state %s loaded", model.model_id, body.path)
+        return {"path": body.path, "model_id": model.model_id, "type": "load_weights"}
+
+    return answer({"request_id": service.submit(model.model_id, job), "model_id": model.model_id})

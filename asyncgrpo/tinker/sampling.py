@@ -192,12 +192,12 @@ class Sampler:
 
 @contextlib.asynccontextmanager
 async def open_sampler(
-    proxy_url: str, admin_key: str | None, store_url: str, *, base_model: str, work_dir: Path,
-    keep: int,
+    proxy_url: str, admin_key: str | None, store: AdapterStore, *, base_model: str,
+    work_dir: Path, keep: int,
 ) -> AsyncIterator[Sampler]:  # fmt: skip
-    """A :class:`Sampler` on the proxy at ``proxy_url`` and the store at ``store_url``."""
+    """A :class:`Sampler` on the proxy at ``proxy_url``, publishing to ``store``; every
+    client's versions unloaded and slots given back at the end."""
     async with ProxyClient(proxy_url, api_key=admin_key, timeout_s=600) as client:
-        store = AdapterStore(store_url)
         sampler = Sampler(client, store, base_model=base_model, cache_dir=work_dir / "cache",
                           keep=keep)  # fmt: skip
         try:
@@ -205,4 +205,3 @@ async def open_sampler(
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(30):
                 await sampler.close()
-            await store.transport.aclose()

@@ -52,14 +52,12 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
     async def job() -> dict[str, Any]:
         work.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=work) as tmp:
-            saved = await in_thread(
-                lambda: service.engine.save_adapter(model.model_id, Path(tmp))
-            )()
-            step = service.engine.steps(model.model_id)
-            served = await sampler.publish(model.model_id, saved, step)
+            saved = await in_thread(lambda: service.engine.save_adapter(model.adapter, Path(tmp)))()
+            step = service.engine.steps(model.adapter)
+            served = await sampler.publish(model.adapter, saved, step)
         logger.info("training client %s: sampler weights %s loaded", model.model_id, served)
         if body.path is not None:
-            path = f"tinker://{model.model_id}/sampler_weights/{body.path}"
+            path = f"tinker://{model.adapter}/sampler_weights/{body.path}"
             sampler.paths[path] = served
             return {"path": path, "type": "save_weights_for_sampler"}
         return {"sampling_session_id": sampler.new_session(served),

@@ -9,11 +9,14 @@ from pathlib import Path
 import anyio
 from aiohttp import web
 
+from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.tinker.app import build_app
 from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.engine import Engine
 from asyncgrpo.tinker.sampling import open_sampler
 from asyncgrpo.tinker.service import TinkerService
+from asyncgrpo.tinker.states import StateStore
+from asyncgrpo.transport.registry import open_transport
 
 __all__ = ["serve_tinker"]
 
@@ -25,16 +28,18 @@ async def serve_tinker(config: TinkerConfig) -> AsyncIterator[str]:
     engine = await anyio.to_thread.run_sync(
         lambda: Engine(config.model, dtype=config.dtype, lora_alpha=config.lora_alpha)
     )
+    work = Path(config.work_dir).resolve()
+    transport = open_transport(config.store or str(work / "store"))
     async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(transport.aclose)
         sampler = None
         if config.proxy_url:
-            work = Path(config.work_dir).resolve()
             sampler = await stack.enter_async_context(open_sampler(
-                config.proxy_url, config.proxy_admin_key,
-                config.store or str(work / "adapters"), base_model=config.model, work_dir=work,
-                keep=config.sampler_keep,
+                config.proxy_url, config.proxy_admin_key, AdapterStore(transport),
+                base_model=config.model, work_dir=work, keep=config.sampler_keep,
             ))  # fmt: skip
-        async with _serving(config, TinkerService(engine, sampler)) as url:
+        service = TinkerService(engine, StateStore(transport), sampler)
+        async with _serving(config, service) as url:
             yield url
 
 

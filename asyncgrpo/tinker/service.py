@@ -11,6 +11,7 @@ in one line); the worker goes on with every other client's requests.
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -20,6 +21,8 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
+from asyncgrpo.errors import ConfigError, NotFound
+from asyncgrpo.tinker.engine import StateError
 from asyncgrpo.tinker.futures import FutureTable, Outcome
 from asyncgrpo.tinker.losses import LossInputError
 from asyncgrpo.tinker.scheduling import FairQueue
@@ -32,7 +35,7 @@ logger = logging.getLogger(__name__)
 #: A queued request's work: a coroutine function (:func:`in_thread` wraps torch work).
 Job = Callable[[], Awaitable[Any]]
 #: Errors that are the request's fault; any other exception is the service's.
-USER_ERRORS = (LossInputError, WireError)
+USER_ERRORS = (LossInputError, WireError, StateError, NotFound, ConfigError)
 
 
 @dataclass
@@ -44,11 +47,17 @@ class Session:
 
 @dataclass(frozen=True)
 class TrainingModel:
-    """A training client: its model id (also its adapter's name), session and rank."""
+    """A training client: its model id, session and rank."""
 
     model_id: str
     session_id: str
     rank: int
+
+    @property
+    def adapter(self) -> str:
+        """Its adapter's name (in peft, the store, the proxy and vLLM): the model id with
+        anything but letters, digits, '_' and '-' made '-' (the SDK's ids hold ':')."""
+        return re.sub(r"[^A-Za-z0-9_-]", "-", self.model_id)
 
 
 def in_thread(fn: Callable[[], Any]) -> Job:
@@ -57,8 +66,9 @@ def in_thread(fn: Callable[[], Any]) -> Job:
 
 
 class TinkerService:
-    def __init__(self, engine: Any, sampler: Any = None) -> None:
+    def __init__(self, engine: Any, states: Any, sampler: Any = None) -> None:
         self.engine = engine
+        self.states = states
         self.sampler = sampler
         self.futures = FutureTable()
         self.sessions: dict[str, Session] = {}

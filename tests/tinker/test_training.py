@@ -79,9 +79,9 @@ def test_bad_input_is_refused_and_the_client_keeps_its_state(service_client, ser
     training.forward_backward([good], "cross_entropy").result()
     training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
     before = training.forward([good], "cross_entropy").result().metrics["loss:sum"]
-    ids = good.model_input.to_ints()
+    targets = good.loss_fn_inputs["target_tokens"]
     short = types.Datum(model_input=good.model_input,
-                        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * 2})  # fmt: skip
+                        loss_fn_inputs={"target_tokens": targets, "weights": [1.0] * 2})  # fmt: skip
     with pytest.raises(
         tinker.BadRequestError,
         match=r"weights'\] has shape \[2\] .* give one value per input token",
@@ -109,3 +109,41 @@ def test_two_clients_train_separate_adapters(service_client, served) -> None:
     assert two.forward([datum], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
         start, rel=1e-6
     )
+
+
+def test_a_saved_state_makes_a_new_client_with_its_moments(service_client, served) -> None:
+    import tinker
+    from tinker import types
+
+    one = _client(service_client, served, rank=2, seed=4)
+    datum = _datum(one.get_tokenizer(), SENTENCES[3])
+    for _ in range(3):
+        one.forward_backward([datum], "cross_entropy")
+        one.optim_step(types.AdamParams(learning_rate=5e-2))
+    path = one.save_state("after-3").result().path
+    assert path == f"tinker://{one.model_id}/weights/after-3"
+    trained = one.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+    two = service_client.create_training_client_from_state_with_optimizer(path).result()
+    assert two.get_info().lora_rank == 2 and two.model_id != one.model_id
+    assert two.forward([datum], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
+        trained, rel=1e-6
+    )
+    for client in (one, two):  # the same moments: the same next step
+        client.forward_backward([datum], "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    after = [c.forward([datum], "cross_entropy").result().metrics["loss:sum"] for c in (one, two)]
+    assert after[0] == pytest.approx(after[1], rel=1e-5)
+    fresh = service_client.create_training_client_from_state(path).result()  # weights only
+    assert fresh.forward([datum], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
+        trained, rel=1e-6
+    )
+    wrong = _client(service_client, served, rank=4)
+    with (
+        pytest.warns(FutureWarning),
+        pytest.raises(tinker.RequestFailedError, match=r"rank 2.* does not fit this client"),
+    ):
+        wrong.load_state(path).result()
+    with pytest.raises(tinker.RequestFailedError, match="no saved state at"):
+        service_client.create_training_client_from_state(
+            f"tinker://{one.model_id}/weights/never"
+        ).result()
