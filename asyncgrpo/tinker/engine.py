@@ -108,6 +108,13 @@ class Engine:
                                       weight_decay=0.0)  # fmt: skip
         self._clients[model_id] = _Client(spec=spec, params=params, optimizer=optimizer)
 
+    def remove(self, model_id: str) -> None:
+        """Drop the client's adapter and optimizer (a finished session's)."""
+        if self._clients.pop(model_id, None) is not None:
+            if self.model.active_adapter == model_id:
+                self.model.set_adapter("default")  # peft warns when the active one goes
+            self.model.delete_adapter(model_id)
+
     def has(self, model_id: str) -> bool:
         return model_id in self._clients
 

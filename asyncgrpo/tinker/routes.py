@@ -16,7 +16,7 @@ from tinker import types
 from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.engine import AdamStep, LoraSpec
 from asyncgrpo.tinker.http import CONFIG, SERVICE, answer, read_body, refuse, training_model
-from asyncgrpo.tinker.service import TinkerService, TrainingModel, in_thread
+from asyncgrpo.tinker.service import Job, TinkerService, TrainingModel, in_thread
 from asyncgrpo.tinker.states import parse_state_path
 from asyncgrpo.tinker.wire import (
     PROTO_CONTENT_TYPE,
@@ -81,16 +81,23 @@ async def finish_session(request: web.Request) -> web.Response:
     session = service.sessions.get(request.match_info["session_id"])
     if session is not None and not session.finished:
         session.finished = True
-        mine = [m for m in service.models.values() if m.session_id == session.session_id]
-        if service.sampler is not None and mine:
-            sampler = service.sampler
-
-            async def release() -> None:
-                for model in mine:
-                    await sampler.release(model.adapter)
-
-            service.spawn(release)
+        for model in [m for m in service.models.values() if m.session_id == session.session_id]:
+            del service.models[model.model_id]
+            service.submit(model.model_id, _remover(service, model))
     return answer({})
+
+
+def _remover(service: TinkerService, model: TrainingModel) -> Job:
+    """The job that ends a finished session's client, after its queued requests: its versions
+    leave the replicas, its LoRA slots go back, its adapter leaves the trainer."""
+
+    async def job() -> None:
+        if service.sampler is not None:
+            await service.sampler.release(model.adapter)
+        await in_thread(lambda: service.engine.remove(model.adapter))()
+        logger.info("training client %s ended with its session", model.model_id)
+
+    return job
 
 
 async def telemetry(request: web.Request) -> web.Response:

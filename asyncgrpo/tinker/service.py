@@ -28,7 +28,7 @@ from asyncgrpo.tinker.losses import LossInputError
 from asyncgrpo.tinker.scheduling import FairQueue
 from asyncgrpo.tinker.wire import WireError
 
-__all__ = ["Session", "TinkerService", "TrainingModel", "in_thread"]
+__all__ = ["Job", "Session", "TinkerService", "TrainingModel", "in_thread"]
 
 logger = logging.getLogger(__name__)
 

@@ -147,3 +147,31 @@ def test_a_saved_state_makes_a_new_client_with_its_moments(service_client, serve
         service_client.create_training_client_from_state(
             f"tinker://{one.model_id}/weights/never"
         ).result()
+
+
+def test_a_finished_session_ends_its_clients_only(served) -> None:
+    import anyio
+    import tinker
+    from tinker import types
+    from tinker._client import AsyncTinker
+
+    first, second = (
+        tinker.ServiceClient(base_url=served.url),
+        tinker.ServiceClient(base_url=served.url),
+    )
+    gone = _client(first, served, seed=6)
+    kept = _client(second, served, seed=6)
+    datum = _datum(kept.get_tokenizer(), SENTENCES[0])
+    first.close("success").result()
+    kept.forward_backward([datum], "cross_entropy")
+    kept.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+    async def info_of_the_ended_client() -> None:
+        plain = types.ClientConfigResponse(use_pyqwest_transport=False)
+        async with AsyncTinker(base_url=served.url, _client_config=plain) as client:
+            await client.models.get_info(request=types.GetInfoRequest(model_id=gone.model_id))
+
+    with pytest.raises(tinker.NotFoundError, match="no training client"):
+        anyio.run(info_of_the_ended_client)
+    assert kept.get_info().lora_rank == 4
+    second.close("success").result()
