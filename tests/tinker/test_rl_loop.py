@@ -33,7 +33,7 @@ def test_reward_rises_past_a_half_within_forty_steps_on_two_seeds_at_once(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for seed in (0, 1)
     }
     for seed, proc in runs.items():
