@@ -13,7 +13,12 @@ of G sharing a prompt) on the tiny model:
 forwards cost against packed rows. Variants are interleaved, one step each per round; the
 median (and min) of the rounds after a warm-up round.
 
-Run: ``python bench/tinker.py [--samples 32] [--rounds 5]``.
+``--sampling`` adds the sampling side (two float32 vLLM replicas of the tiny model behind the
+proxy, started here): requests/s of the same ``sample`` calls (one prompt, ``n`` samples each,
+``--concurrency`` in flight) through the service and the SDK, and sent to the proxy directly as
+vLLM completions, interleaved in rounds.
+
+Run: ``python bench/tinker.py [--samples 32] [--rounds 5] [--sampling]``.
 """
 
 from __future__ import annotations
@@ -67,10 +72,82 @@ def arrays(s: Sample) -> tuple[list[int], list[int], list[float], list[float]]:
     return full[:-1], full[1:], pad + list(s.logprobs), pad + adv
 
 
+async def _proxy_rate(url: str, model: str, prompt: list[int], n: int, calls: int,
+                      concurrency: int) -> float:  # fmt: skip
+    import aiohttp
+    import anyio
+
+    body = {"model": model, "prompt": prompt, "n": n, "max_tokens": 16, "temperature": 1.0,
+            "logprobs": 0, "return_token_ids": True}  # fmt: skip
+    limit = anyio.Semaphore(concurrency)
+    async with aiohttp.ClientSession() as http:
+
+        async def one() -> None:
+            async with limit, http.post(f"{url}/v1/completions", json=body) as resp:
+                resp.raise_for_status()
+                await resp.json()
+
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for _ in range(calls):
+                tg.start_soon(one)
+        return calls / (time.perf_counter() - t0)
+
+
+def sampling(model: Path, rounds: int, calls: int = 32, n: int = 4, concurrency: int = 8) -> None:
+    """Requests/s of ``sample`` through the service vs the proxy directly."""
+    import contextlib
+
+    import tinker
+    from tinker import types
+
+    from asyncgrpo.proxy import ProxyConfig, serve_proxy
+    from asyncgrpo.serve import launch_replicas
+    from asyncgrpo.testing import tiny_serve_config
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    with start_blocking_portal() as portal, contextlib.ExitStack() as stack:
+        replicas = stack.enter_context(portal.wrap_async_context_manager(
+            launch_replicas(tiny_serve_config(model, replicas=2))))  # fmt: skip
+        proxy = stack.enter_context(portal.wrap_async_context_manager(serve_proxy(
+            ProxyConfig(upstreams=tuple(r.url for r in replicas), port=0))))  # fmt: skip
+        config = TinkerConfig(model=str(model), port=0, dtype="float32", proxy_url=proxy,
+                              work_dir=tempfile.mkdtemp())  # fmt: skip
+        url = stack.enter_context(portal.wrap_async_context_manager(serve_tinker(config)))
+        service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
+        sampler = service.create_sampling_client(base_model=str(model)).result()
+        params = types.SamplingParams(max_tokens=16, temperature=1.0)
+        chunk = types.ModelInput.from_ints(prompt)
+
+        def sdk_rate() -> float:
+            t0 = time.perf_counter()
+            done = 0
+            while done < calls:
+                batch = [
+                    sampler.sample(chunk, n, params) for _ in range(min(concurrency, calls - done))
+                ]
+                for f in batch:
+                    f.result()
+                done += len(batch)
+            return calls / (time.perf_counter() - t0)
+
+        rates: dict[str, list[float]] = {"proxy": [], "sdk": []}
+        for _ in range(rounds + 1):  # the first round warms up
+            rates["proxy"].append(portal.call(_proxy_rate, proxy, str(model), prompt, n, calls,
+                                              concurrency))  # fmt: skip
+            rates["sdk"].append(sdk_rate())
+        service.close("success").result()
+    print(f"\nsample: {calls} calls of n={n}, {concurrency} in flight, 16 tokens, {rounds} rounds")
+    print(f"{'path':<8} {'median req/s':>13} {'max req/s':>10}")
+    for name, rs in rates.items():
+        print(f"{name:<8} {statistics.median(rs[1:]):>13.1f} {max(rs[1:]):>10.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=SAMPLES)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--sampling", action="store_true", help="also the sampling side (vLLM)")
     args = parser.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     import tinker
@@ -120,6 +197,8 @@ def main() -> None:
     print(f"{'variant':<8} {'median s/step':>14} {'min s/step':>11}")
     for name, ts in times.items():
         print(f"{name:<8} {statistics.median(ts[1:]):>14.3f} {min(ts[1:]):>11.3f}")
+    if args.sampling:
+        sampling(model, args.rounds)
 
 
 if __name__ == "__main__":
