@@ -48,7 +48,7 @@ async def test_evaluating_a_run_that_never_started_says_so_and_makes_no_director
     from asyncgrpo.run.evaluation import evaluate_published
 
     cfg = _config(tmp_path / "out", tiny_model, [], 'eval.prompts=["name a color"]')
-    with pytest.raises(ConfigError, match="no run has started in .*: train first"):
+    with pytest.raises(ConfigError, match=r"no run has started in .*: train first"):
         await evaluate_published(cfg)
     assert not (tmp_path / "out").exists()
 
