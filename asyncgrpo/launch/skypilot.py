@@ -1,7 +1,7 @@
 """SkyPilot as a launch backend: every job a SkyPilot managed job, through SkyPilot's SDK.
 
 Every call is the SDK's (``sky.jobs.launch``, ``sky.jobs.queue_v2``, ``sky.jobs.tail_logs``,
-``sky.jobs.cancel``, ``sky.enabled_clouds``), each a request to the SkyPilot API server
+``sky.jobs.cancel``, ``enabled_clouds``), each a request to the SkyPilot API server
 (``SKYPILOT_API_SERVER_ENDPOINT``, or the local one SkyPilot starts), run in a worker thread:
 the SDK is synchronous. The tasks come from the same plans as on the other backends
 (:mod:`.plan`), as SkyPilot task configs (:mod:`.skypilot_tasks`).
@@ -263,7 +263,7 @@ class SkyPilotBackend:
                 raise ConfigError(f"{what}={value!r} is a local path, which the jobs cannot "
                                   "read: use a Hub id (or dataset.prompts)")  # fmt: skip
         self.task(self.replica_spec(0), with_secrets=False)  # an unknown infra, named
-        self._check_infra(self._call_sync(self.sky.enabled_clouds))
+        self._check_infra(self._call_sync(self.sky.client.sdk.enabled_clouds))
 
     def _check_infra(self, enabled: list[Any]) -> None:
         names = [str(c).lower() for c in enabled]
