@@ -74,7 +74,7 @@ def test_dry_run_writes_tasks_that_skypilot_loads(tmp_path: Path, sweep: bool) -
         task = sky.Task.from_yaml_config(dict(config))  # SkyPilot's own validation
         (res,) = task.resources
         assert str(res.cloud) == "AWS" and res.region == "us-east-1"
-        assert res.ports == ["8000"] or path.stem.endswith("trainer") and sweep
+        assert res.ports == ["8000"] or (path.stem.endswith("trainer") and sweep)
         assert config["resources"]["job_recovery"]["strategy"] == "EAGER_NEXT_REGION"
         role = config["resources"]["labels"]["asyncgrpo-role"]
         assert res.use_spot is (role == "replica")
@@ -186,9 +186,11 @@ class StandIn:
 
 
 async def until(condition, what: str, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    with anyio.fail_after(timeout_s):
-        while not await condition():
-            await anyio.sleep(0.05)
+    """Poll ``condition`` (the state is in other processes' hands: nothing to wait on)."""
+    deadline = anyio.current_time() + timeout_s
+    while not await condition():
+        assert anyio.current_time() < deadline, f"timed out waiting: {what}"
+        await anyio.sleep(0.05)
 
 
 @pytest.mark.anyio
