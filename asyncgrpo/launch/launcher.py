@@ -339,6 +339,11 @@ class LaunchHandle:
         job.stage = status.stage
         if job.spec.role == "replica" and job.replaced_by is None:
             self._replacer.note(job, status, tg)  # one the backend relaunched elsewhere
+        elif self._front.moved(job, status.url):  # the front, relaunched elsewhere
+            logger.warning("%s (job %s) moved to %s; bringing its replicas up to date",
+                           self._front.name, job.name, status.url)  # fmt: skip
+            job.url = status.url
+            tg.start_soon(self._front.resync, self._jobs.serving_urls)
         job.url = job.url or status.url
         self._front.note(job)
         decision = decide(job, status, sweep=self.sweep, restarts=self.restarts,

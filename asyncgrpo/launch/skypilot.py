@@ -31,6 +31,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import secrets as secrets_lib
 import threading
 from collections.abc import Callable, Mapping
@@ -96,6 +97,12 @@ def import_sky() -> Any:
 def stage_of(status: str) -> Stage:
     """Our stage for a managed job's status name (every FAILED_* is failed)."""
     return _STAGES.get(status, "failed" if status.startswith("FAILED") else "running")
+
+
+def _first_line(exc: BaseException) -> str:
+    """An SDK error in one line (SkyPilot's carry colour codes and several lines)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def record_url(record: Any, port: int) -> str | None:
@@ -230,9 +237,8 @@ class SkyPilotBackend:
                 task_config(spec, self.cfg.launch), secrets_overrides=overrides
             )
         except Exception as exc:  # SkyPilot's schema errors: ValueError and its own
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(
-                f"SkyPilot refuses the {spec.role} task {spec.name}: {first}"
+                f"SkyPilot refuses the {spec.role} task {spec.name}: {_first_line(exc)}"
             ) from None
 
     def dry_run_text(self, spec: JobSpec) -> str:
@@ -263,7 +269,13 @@ class SkyPilotBackend:
                 raise ConfigError(f"{what}={value!r} is a local path, which the jobs cannot "
                                   "read: use a Hub id (or dataset.prompts)")  # fmt: skip
         self.task(self.replica_spec(0), with_secrets=False)  # an unknown infra, named
-        self._check_infra(self._call_sync(self.sky.client.sdk.enabled_clouds))
+        try:
+            enabled = self._call_sync(self.sky.client.sdk.enabled_clouds)
+        except Exception as exc:  # no API server, a refused login: SkyPilot's own errors
+            raise ConfigError(
+                f"SkyPilot could not list its enabled infra: {_first_line(exc)}"
+            ) from None
+        self._check_infra(enabled)
 
     def _check_infra(self, enabled: list[Any]) -> None:
         names = [str(c).lower() for c in enabled]

@@ -8,6 +8,7 @@ real SDK. No vLLM: the replicas are stand-in HTTP servers that demand the replic
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
@@ -20,6 +21,7 @@ import pytest
 import yaml
 
 sky = pytest.importorskip("sky")
+import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 from fake_sky_api import FakeSkyApi  # noqa: E402
 
@@ -146,6 +148,20 @@ def test_infra_skypilot_has_not_enabled_is_refused_before_any_job(
     assert not sky_api.launched
 
 
+def test_an_api_server_that_does_not_answer_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SKYPILOT_API_SERVER_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    sky.server.common.get_server_url.cache_clear()
+    try:
+        backend = SkyPilotBackend(make_config(tmp_path), tmp_path, environ=ENVIRON)
+        with pytest.raises(ConfigError, match="SkyPilot could not list its enabled infra") as e:
+            backend.check()
+        assert "\n" not in str(e.value)
+    finally:
+        sky.server.common.get_server_url.cache_clear()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -216,16 +232,12 @@ async def test_a_replica_skypilot_recovers_rejoins_the_proxy(
         admin_api_key=admin, upstream_api_key=key, block_size=16, health_interval_s=0.1,
         upstream_key_urls=tuple(key_urls.split("=", 1)[1].split(",")),
     )  # fmt: skip
-    async with serve_proxy(proxy_cfg) as proxy_url:
-        import aiohttp
-
-        async def proxy_health() -> dict:
-            async with (
-                aiohttp.ClientSession() as s,
-                s.get(f"{proxy_url}/health", headers={"Authorization": f"Bearer {admin}"}) as r,
-            ):
-                return await r.json()
-
+    async with (
+        serve_proxy(proxy_cfg) as proxy_url,
+        serve_proxy(
+            dataclasses.replace(proxy_cfg, host="127.0.0.6")  # the trainer, relaunched elsewhere
+        ) as relaunched_url,
+    ):
         handle = await launch(cfg, backend)
         async with handle, anyio.create_task_group() as tg:
             tg.start_soon(handle.wait)
@@ -240,20 +252,38 @@ async def test_a_replica_skypilot_recovers_rejoins_the_proxy(
             job.ip, job.status = moved.host, "RUNNING"
 
             async def rejoined() -> bool:
-                health = await proxy_health()
+                health = await get(proxy_url, "/health", admin)
                 return health["serving"] == 2 and not health["unhealthy"]
 
             await until(rejoined, "the recovered replica joins the proxy")
             assert replica0.url == moved.url and handle.restarts == 0  # no replacement job
             assert moved.authorized >= 2  # health from the launcher, requests from the proxy
             assert [j for j in sky_api.launched if "replica-2" in str(j)] == []
+            # the trainer preempted too: back elsewhere with the replicas of its command
             trainer = sky_api.jobs[int(handle.trainer.id)]  # type: ignore[union-attr]
+            trainer.status = "RECOVERING"
+            await anyio.sleep(0.3)
+            trainer.ip, trainer.status = "127.0.0.6", "RUNNING"
+
+            async def resynced() -> bool:
+                listed = await get(relaunched_url, "/proxy/upstreams", admin)
+                return {u["url"] for u in listed["upstreams"]} == {second.url, moved.url}
+
+            await until(resynced, "the relaunched trainer's proxy gets the replicas serving")
             trainer.status = "SUCCEEDED"
         await second.stop()
         await moved.stop()
     # SkyPilot was asked for every job's status, and to cancel what was left running
     assert "POST /jobs/queue/v2" in sky_api.calls and "POST /jobs/cancel" in sky_api.calls
     assert sky_api.jobs[int(replica0.id)].status == "CANCELLED"
+
+
+async def get(base: str, path: str, key: str) -> dict:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{base}{path}", headers={"Authorization": f"Bearer {key}"}) as answer,
+    ):
+        return await answer.json()
 
 
 async def _no(job) -> bool:  # type: ignore[no-untyped-def]
