@@ -336,9 +336,9 @@ class LaunchHandle:
         the launch's failure when it must end now."""
         lcfg = self.cfg.launch
         status = await self.backend.status(job)
-        job.stage = status.stage
+        was, job.stage = job.stage, status.stage
         if job.spec.role == "replica" and job.replaced_by is None:
-            self._replacer.note(job, status, tg)  # one the backend relaunched elsewhere
+            self._replacer.note(job, was, status, tg)  # one the backend relaunched elsewhere
         elif self._front.moved(job, status.url):  # the front, relaunched elsewhere
             logger.warning("%s (job %s) moved to %s; bringing its replicas up to date",
                            self._front.name, job.name, status.url)  # fmt: skip

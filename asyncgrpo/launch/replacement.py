@@ -26,7 +26,7 @@ from asyncgrpo.launch.failure import fetch_tail
 from asyncgrpo.launch.front_proxy import FrontProxy
 from asyncgrpo.launch.health import not_healthy_in_time, wait_job_healthy
 from asyncgrpo.launch.job_set import JobSet
-from asyncgrpo.launch.jobs import TERMINAL, Job, JobSpec, JobStatus
+from asyncgrpo.launch.jobs import TERMINAL, Job, JobSpec, JobStatus, Stage
 
 __all__ = ["MAX_RESTART_DELAY_S", "ReplicaReplacer", "restart_delay"]
 
@@ -60,12 +60,13 @@ class ReplicaReplacer:
         self.restarts = 0
         self._recovering: set[str] = set()  #: ids of replica jobs relaunched, not yet back
 
-    def note(self, job: Job, status: JobStatus, tg: TaskGroup) -> None:
-        """``job`` (a replica serving, not replaced) was polled at ``status``: if the backend
-        is relaunching it elsewhere, or it runs at a new address, its old address leaves the
-        proxy; once it runs again, it rejoins when healthy (in ``tg``)."""
+    def note(self, job: Job, was: Stage, status: JobStatus, tg: TaskGroup) -> None:
+        """``job`` (a replica, not replaced), last seen at stage ``was``, was polled at
+        ``status``: if it ran and the backend is relaunching it elsewhere, or it runs at a new
+        address, its old address leaves the proxy; once it runs again, it rejoins when healthy
+        (in ``tg``)."""
         moved = status.url is not None and job.url is not None and status.url != job.url
-        if job.url is not None and (status.stage == "starting" or moved):
+        if was == "running" and job.url is not None and (status.stage == "starting" or moved):
             logger.warning("replica job %s (%s) is being relaunched by the backend (%s); "
                            "training continues on the other replicas", job.name, job.id,
                            status.message or status.stage)  # fmt: skip
