@@ -146,6 +146,8 @@ class FakeSkyApi:
                 body = json.loads(self.rfile.read(length) or b"{}")
                 if path == "/jobs/launch":
                     self._send(200, b"{}", api._launch(body))
+                elif path == "/validate":  # SkyPilot's schema check ran on the client
+                    self._send(200, b"{}")
                 elif path == "/jobs/queue/v2":
                     self._send(200, b"{}", api._queue(body))
                 elif path == "/jobs/cancel":

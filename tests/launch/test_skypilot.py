@@ -259,6 +259,8 @@ async def test_a_replica_skypilot_recovers_rejoins_the_proxy(
             assert replica0.url == moved.url and handle.restarts == 0  # no replacement job
             assert moved.authorized >= 2  # health from the launcher, requests from the proxy
             assert [j for j in sky_api.launched if "replica-2" in str(j)] == []
+            # the secrets reach SkyPilot with the task it launches (its task secrets)
+            assert key in sky_api.launched[0]["task"] and AWS_SECRET in sky_api.launched[0]["task"]
             # the trainer preempted too: back elsewhere with the replicas of its command
             trainer = sky_api.jobs[int(handle.trainer.id)]  # type: ignore[union-attr]
             trainer.status = "RECOVERING"
