@@ -124,6 +124,15 @@ def sky_api(monkeypatch: pytest.MonkeyPatch):
         sky.server.common.get_server_url.cache_clear()
 
 
+def test_no_enabled_infra_is_one_line_and_status_2_before_any_job(
+    tmp_path: Path, sky_api: FakeSkyApi
+) -> None:
+    sky_api.enabled = []
+    done = cli(tmp_path)  # a real launch: the check asks SkyPilot first
+    one_line_refusal(done, "SkyPilot has no enabled infra", "sky check")
+    assert "POST /jobs/launch" not in sky_api.calls and "GET /enabled_clouds" in sky_api.calls
+
+
 def make_config(tmp_path: Path, **launch: object) -> TrainingConfig:
     data = {**CONFIG, "output_dir": str(tmp_path / "runs")}
     data["launch"] = {**CONFIG["launch"], **launch}  # type: ignore[dict-item]
