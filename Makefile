@@ -31,11 +31,11 @@ test: install
 # tests run in a virtualenv of their own that sees the main one's packages after its own.
 SKY_VENV ?= .venv-skypilot
 SKY_PY := $(SKY_VENV)/bin/python
-SKY_SITE = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 test-skypilot: install
 	test -x $(SKY_PY) || $(PY) -m venv $(SKY_VENV)
 	$(SKY_PY) -m pip install -q 'skypilot>=0.14,<0.15'
-	echo '$(abspath $(SKY_SITE))' > "$$($(SKY_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-asyncgrpo-venv.pth"
+	$(PY) -c 'import os, sysconfig; print(os.path.abspath(sysconfig.get_paths()["purelib"]))' \
+		> "$$($(SKY_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-asyncgrpo-venv.pth"
 	$(SKY_PY) -m pytest -p no:cacheprovider -q tests/launch/test_skypilot.py
 
 lint: install
