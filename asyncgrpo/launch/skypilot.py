@@ -46,11 +46,11 @@ import anyio.to_thread
 from asyncgrpo.config.sources import env_name
 from asyncgrpo.config.training import ENV_PREFIX, TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
-from asyncgrpo.launch.hf_jobs import TOKEN_ENV, in_image
 from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus, Stage
 from asyncgrpo.launch.plan import (
     ADMIN_KEY_ENV,
     PROXY_ADMIN_KEY_ENV,
+    in_image,
     job_config,
     job_secrets,
     labels,
@@ -66,6 +66,8 @@ __all__ = ["REPLICA_KEY_ENV", "SkyPilotBackend", "import_sky"]
 
 logger = logging.getLogger(__name__)
 
+#: The Hugging Face token, passed on to the jobs when set (model and dataset downloads).
+TOKEN_ENV = "HF_TOKEN"
 #: The variable each replica reads its vLLM API key from.
 REPLICA_KEY_ENV = "ASYNCGRPO_REPLICA_API_KEY"
 #: The managed-job fields a status poll asks for.
