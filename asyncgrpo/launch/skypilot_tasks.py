@@ -9,6 +9,7 @@ the launcher that started it, so the bound is what stops the bill if the launche
 
 from __future__ import annotations
 
+import re
 import shlex
 from typing import Any
 
@@ -17,7 +18,7 @@ import yaml
 from asyncgrpo.launch.config import LaunchConfig
 from asyncgrpo.launch.jobs import JobSpec
 
-__all__ = ["any_host_origin", "task_config", "task_yaml"]
+__all__ = ["any_host_origin", "label_value", "task_config", "task_yaml"]
 
 
 def any_host_origin(port: int) -> str:
@@ -25,6 +26,13 @@ def any_host_origin(port: int) -> str:
     gets the replicas' key: SkyPilot relaunches a preempted replica on a new machine, whose
     address nobody knows in advance."""
     return f"http://*:{port}"
+
+
+def label_value(value: str) -> str:
+    """``value`` as every cloud and Kubernetes takes a label value: lowercase letters, digits,
+    ``-`` and ``_``, at most 63 characters, starting and ending alphanumeric."""
+    cleaned = re.sub(r"[^a-z0-9_-]+", "-", value.lower()).strip("-_")
+    return cleaned[:63].rstrip("-_") or "x"
 
 
 def _resources(spec: JobSpec, lcfg: LaunchConfig) -> dict[str, Any]:
@@ -50,7 +58,7 @@ def _resources(spec: JobSpec, lcfg: LaunchConfig) -> dict[str, Any]:
         "strategy": lcfg.recovery,
         "max_restarts_on_errors": lcfg.max_restarts_on_errors,
     }
-    res["labels"] = dict(spec.labels)
+    res["labels"] = {k: label_value(v) for k, v in spec.labels.items()}
     return res
 
 
