@@ -100,7 +100,8 @@ class LaunchConfig:
     """--backend skypilot: how SkyPilot relaunches a preempted job: EAGER_NEXT_REGION (another
     region first) or FAILOVER (the same region first)."""
     max_restarts_on_errors: int = 0
-    """--backend skypilot: times SkyPilot reruns a job whose command failed (not preempted)."""
+    """--backend skypilot: times SkyPilot reruns a job whose command failed (not preempted);
+    each rerun gets launch.timeout again."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
