@@ -7,7 +7,7 @@ STAMP := $(VENV)/.asyncgrpo-installed
 OUT ?= runs/demo
 EXTRAS ?= train,serve-cpu,s3,gcs,azure,hf,math,fast,envs,wandb,tinker,dev
 
-.PHONY: install demo test lint bench
+.PHONY: install demo test lint bench test-skypilot
 
 install: $(STAMP)
 
@@ -26,6 +26,17 @@ demo: install
 
 test: install
 	$(PY) -m pytest
+
+# SkyPilot's SDK pins click<8.2 and uvicorn<0.36, below what the main virtualenv has, so its
+# tests run in a virtualenv of their own that sees the main one's packages after its own.
+SKY_VENV ?= .venv-skypilot
+SKY_PY := $(SKY_VENV)/bin/python
+test-skypilot: install
+	test -x $(SKY_PY) || $(PY) -m venv $(SKY_VENV)
+	$(SKY_PY) -m pip install -q 'skypilot>=0.14,<0.15'
+	$(PY) -c 'import os, sysconfig; print(os.path.abspath(sysconfig.get_paths()["purelib"]))' \
+		> "$$($(SKY_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-asyncgrpo-venv.pth"
+	$(SKY_PY) -m pytest -p no:cacheprovider -q tests/launch/test_skypilot.py
 
 lint: install
 	$(VENV)/bin/ruff check asyncgrpo tests bench && $(VENV)/bin/ruff format --check asyncgrpo tests bench

@@ -101,7 +101,7 @@ def config(tmp_path: Path, model: Path, proxy: str, store: Path, *overrides: str
     data.update(model=str(model), output_dir=str(tmp_path), run_name="elastic",
                 transport_url=str(store))  # fmt: skip
     data["serve"] = {"replicas": 0}
-    data["proxy"] = {"upstreams": [proxy]}
+    data["proxy"] = {"upstreams": [proxy], "admin_api_key": ADMIN_KEY}  # its book of runs
     return TrainingConfig.from_dict(data, list(overrides))
 
 

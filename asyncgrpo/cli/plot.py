@@ -69,7 +69,7 @@ def find_metrics(path: str | Path) -> dict[str, Path]:
             "config (e.g. runs/demo), or a launch directory (<output_dir>/<run_name>/launch)"
         )
     try:
-        named = trainer_metrics(json.loads(manifests[0].read_text()))
+        named = trainer_metrics(json.loads(manifests[0].read_text()), manifests[0].parent)
     except ValueError as exc:
         raise ConfigError(f"{manifests[0]} is not a launch manifest: {exc}") from None
     found = {run: metrics for run, metrics in named.items() if metrics.is_file()}

@@ -12,6 +12,8 @@ from typing import Literal
 from asyncgrpo.errors import ConfigError
 
 _TIMEOUT = re.compile(r"[0-9]+(\.[0-9]+)?[smhd]?")
+#: SkyPilot's managed-job recovery strategies (``job_recovery.strategy``).
+SKY_RECOVERY = ("EAGER_NEXT_REGION", "FAILOVER")
 #: The trainer job's config (YAML, secrets emptied) travels in this environment variable.
 CONFIG_ENV = "ASYNCGRPO_CONFIG"
 #: Hugging Face Jobs' exposed-port URL, used when a job does not report its own.
@@ -79,6 +81,28 @@ class LaunchConfig:
     directory is an empty tmpfs, so a replica provably uses nothing of the trainer's disk
     (Linux; needs root and `unshare`)."""
 
+    infra: str | None = None
+    """--backend skypilot: where every job runs, as SkyPilot names it: a cloud (aws), a region
+    (gcp/us-central1), Kubernetes (k8s, k8s/CONTEXT), Slurm (slurm/CLUSTER); None: the cheapest
+    of the enabled infra (`sky check`)."""
+    replica_accelerators: str | None = "A10G:1"
+    """--backend skypilot: accelerators of each inference job (SkyPilot's NAME:COUNT); None: a
+    CPU machine."""
+    trainer_accelerators: str | None = "A100:1"
+    """--backend skypilot: accelerators of the trainer job."""
+    use_spot: bool = False
+    """--backend skypilot: inference jobs on spot (preemptible) machines; SkyPilot relaunches a
+    preempted one and the launcher adds it back to the proxy at its new address."""
+    trainer_use_spot: bool = False
+    """--backend skypilot: the trainer job on a spot machine too (it resumes from its last
+    checkpoint in the transport when SkyPilot relaunches it)."""
+    recovery: str = "EAGER_NEXT_REGION"
+    """--backend skypilot: how SkyPilot relaunches a preempted job: EAGER_NEXT_REGION (another
+    region first) or FAILOVER (the same region first)."""
+    max_restarts_on_errors: int = 0
+    """--backend skypilot: times SkyPilot reruns a job whose command failed (not preempted);
+    each rerun gets launch.timeout again."""
+
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ConfigError(f"launch.replicas={self.replicas}: set it to 1 or more")
@@ -109,6 +133,13 @@ class LaunchConfig:
             )
         if self.log_tail_lines < 1:
             raise ConfigError(f"launch.log_tail_lines={self.log_tail_lines}: set it to 1+")
+        if self.recovery.upper() not in SKY_RECOVERY:
+            raise ConfigError(f"launch.recovery={self.recovery!r}: use {' or '.join(SKY_RECOVERY)}")
+        self.recovery = self.recovery.upper()
+        if self.max_restarts_on_errors < 0:
+            raise ConfigError(
+                f"launch.max_restarts_on_errors={self.max_restarts_on_errors}: must be >= 0"
+            )
         if self.local_transport not in ("dir", "s3"):
             raise ConfigError(f"launch.local_transport={self.local_transport!r}: use 'dir' or 's3'")
 

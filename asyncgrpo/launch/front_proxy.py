@@ -4,11 +4,16 @@
 That proxy is a sweep's proxy job, else the trainer job's own proxy. It may not answer for a
 while (a trainer job still installing or loading its model), so each call retries until it
 does; a refusal is logged and the run goes on with the replicas it has.
+
+A front the backend relaunched on another machine (SkyPilot recovering the trainer job) comes
+back with the replicas its command names, those of the launch's start: :meth:`FrontProxy.resync`
+then makes its fleet the replicas serving now.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Literal
 
 import anyio
@@ -16,7 +21,7 @@ import anyio
 from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.launch.job_set import JobSet
 from asyncgrpo.launch.jobs import Job
-from asyncgrpo.proxy.admin_client import update_proxy
+from asyncgrpo.proxy.admin_client import ProxyClient, update_proxy
 
 __all__ = ["ADMIN_WARN_S", "FrontProxy"]
 
@@ -66,3 +71,35 @@ class FrontProxy:
                                interval_s=self.poll_s, on_retry=on_retry)  # fmt: skip
         except (ConfigError, ReplicaError) as exc:
             logger.error("could not %s replica %s %s %s: %s", action, url, where, self.name, exc)
+
+    def moved(self, job: Job, url: str | None) -> bool:
+        """Whether ``job`` is the front and now answers at ``url``, another address than the
+        one known (the backend relaunched it elsewhere)."""
+        return job is self.job and None not in (url, job.url) and url != job.url
+
+    async def resync(self, serving: Callable[[], list[str]]) -> None:
+        """Once the front answers again, remove from it the replicas not ``serving()`` and add
+        those missing (a relaunched front starts with the upstreams its command names)."""
+        front = self.job
+        assert front is not None and front.url is not None
+        listed: list[str] | None = None
+        while listed is None:
+            try:
+                async with ProxyClient(front.url, api_key=self.admin_key, timeout_s=30) as c:
+                    listed = await c.proxy_upstreams()
+            except ReplicaError:
+                pass
+            except ConfigError as exc:
+                logger.error("could not resync %s: %s", self.name, exc)
+                return
+            if listed is None:
+                await anyio.sleep(self.poll_s)
+        want = serving()
+        for url in listed:
+            if url not in want:
+                await self.update("remove", url)
+        for url in want:
+            if url not in listed:
+                await self.update("add", url)
+        logger.info("%s, relaunched at %s, has the replicas serving: %s", self.name,
+                    front.url, ", ".join(want))  # fmt: skip

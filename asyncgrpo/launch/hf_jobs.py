@@ -43,6 +43,7 @@ from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus, Stage
 from asyncgrpo.launch.plan import (
     ADMIN_KEY_ENV,
+    in_image,
     job_config,
     job_secrets,
     key_origins,
@@ -57,7 +58,6 @@ from asyncgrpo.launch.plan import (
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "HF_TOKEN"
-INSTALL_ENV = "ASYNCGRPO_INSTALL"
 _STAGES: dict[str, Stage] = {
     "SCHEDULING": "starting",
     "RUNNING": "running",
@@ -66,15 +66,6 @@ _STAGES: dict[str, Stage] = {
     "DELETED": "failed",
     "CANCELED": "canceled",
 }
-
-
-def in_image(args: list[str], install: str | None) -> tuple[list[str], dict[str, str]]:
-    """The job's command for ``python3 <args>``, after ``pip install $ASYNCGRPO_INSTALL`` if
-    set. ``"$@"`` keeps ``args`` as they are: nothing is re-parsed by the shell."""
-    if install is None:
-        return ["python3", *args], {}
-    script = f'python3 -m pip install --quiet "${INSTALL_ENV}" && exec python3 "$@"'
-    return ["sh", "-c", script, "sh", *args], {INSTALL_ENV: install}
 
 
 def _local_path(value: str) -> bool:

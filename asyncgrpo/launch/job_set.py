@@ -59,7 +59,8 @@ class JobSet:
     async def save(self) -> None:
         """Write ``launch/jobs.json`` (after each change: a job started, its URL known, ...)."""
         metrics = {j.name: self.backend.metrics_path(j) for j in self.of_role("trainer")}
-        text = json.dumps(manifest(self.backend.name, self.jobs, metrics), indent=2) + "\n"
+        doc = manifest(self.backend.name, self.jobs, metrics, base=self.launch_dir.resolve())
+        text = json.dumps(doc, indent=2) + "\n"
         async with self._saving:
             await anyio.Path(self.launch_dir / MANIFEST_FILE).write_text(text)
 

@@ -47,7 +47,7 @@ from asyncgrpo.launch.failure import job_failure, points_failure
 from asyncgrpo.launch.front_proxy import FrontProxy
 from asyncgrpo.launch.health import wait_all_healthy, wait_job_healthy
 from asyncgrpo.launch.job_set import JobSet
-from asyncgrpo.launch.jobs import Backend, Job
+from asyncgrpo.launch.jobs import Backend, Job, JobSpec
 from asyncgrpo.launch.log_follower import LogFollower
 from asyncgrpo.launch.replacement import ReplicaReplacer, restart_delay
 from asyncgrpo.launch.sweep import Point, fleet_config, sweep_points
@@ -59,7 +59,7 @@ __all__ = ["LaunchHandle", "dry_run", "launch", "make_backend", "plan", "restart
 
 logger = logging.getLogger(__name__)
 
-BackendName = Literal["hf-jobs", "local"]
+BackendName = Literal["hf-jobs", "local", "skypilot"]
 ProgressHook = Callable[[dict[str, Any]], None]
 #: Seconds the trainer's log may take to drain after its job completed.
 DRAIN_S = 15.0
@@ -76,7 +76,11 @@ def make_backend(
         from asyncgrpo.launch.local import LocalBackend
 
         return LocalBackend(cfg, launch_dir, **options)
-    raise ConfigError(f"unknown launch backend {name!r}: use 'hf-jobs' or 'local'")
+    if name == "skypilot":
+        from asyncgrpo.launch.skypilot import SkyPilotBackend
+
+        return SkyPilotBackend(cfg, launch_dir, **options)
+    raise ConfigError(f"unknown launch backend {name!r}: use 'hf-jobs', 'local' or 'skypilot'")
 
 
 def plan(
@@ -105,7 +109,9 @@ def dry_run(cfg: TrainingConfig, backend: BackendName | str, **options: Any) -> 
         specs.append(be.proxy_spec(urls))
         urls = ["<proxy URL>"]
     specs += [be.trainer_spec(urls, p.cfg if cfg.launch.sweep else None) for p in points]
-    text = "\n\n".join(spec.describe() for spec in specs)
+    # a backend with its own task format (SkyPilot's YAML) shows that, and writes it out
+    describe = getattr(be, "dry_run_text", JobSpec.describe)
+    text = "\n\n".join(describe(spec) for spec in specs)
     if cfg.launch.sweep:
         text = "\n".join(f"point {p.cfg.run_name}: {p.label}" for p in points) + "\n\n" + text
     if be.missing:
@@ -330,7 +336,14 @@ class LaunchHandle:
         the launch's failure when it must end now."""
         lcfg = self.cfg.launch
         status = await self.backend.status(job)
-        job.stage = status.stage
+        was, job.stage = job.stage, status.stage
+        if job.spec.role == "replica" and job.replaced_by is None:
+            self._replacer.note(job, was, status, tg)  # one the backend relaunched elsewhere
+        elif self._front.moved(job, status.url):  # the front, relaunched elsewhere
+            logger.warning("%s (job %s) moved to %s; bringing its replicas up to date",
+                           self._front.name, job.name, status.url)  # fmt: skip
+            job.url = status.url
+            tg.start_soon(self._front.resync, self._jobs.serving_urls)
         job.url = job.url or status.url
         self._front.note(job)
         decision = decide(job, status, sweep=self.sweep, restarts=self.restarts,

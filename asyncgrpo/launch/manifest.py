@@ -17,9 +17,21 @@ __all__ = ["MANIFEST_FILE", "manifest", "trainer_metrics"]
 MANIFEST_FILE = "jobs.json"
 
 
-def manifest(backend: str, jobs: list[Job], metrics: Mapping[str, Path | None]) -> dict[str, Any]:
+def manifest(
+    backend: str,
+    jobs: list[Job],
+    metrics: Mapping[str, Path | None],
+    *,
+    base: Path | None = None,
+) -> dict[str, Any]:
     """The manifest of ``jobs``; ``metrics``: job name -> its run's ``metrics.jsonl`` on this
-    host (trainer jobs whose run directory is here)."""
+    host (trainer jobs whose run directory is here). Paths inside ``base`` (the manifest's own
+    directory) are written relative to it, so that a launch directory copied or moved elsewhere
+    still finds its logs and metrics."""
+
+    def where(path: Path | str) -> str:
+        return _relative(Path(path), base)
+
     return {
         "backend": backend,
         "jobs": [
@@ -28,8 +40,8 @@ def manifest(backend: str, jobs: list[Job], metrics: Mapping[str, Path | None]) 
                 "role": j.spec.role,
                 "id": j.id,
                 "url": j.url,
-                "log": str(j.log_path),
-                **({"metrics": str(m)} if (m := metrics.get(j.name)) is not None else {}),
+                "log": where(j.log_path),
+                **({"metrics": where(m)} if (m := metrics.get(j.name)) is not None else {}),
                 **({"replaces": j.replaces} if j.replaces else {}),
                 **({"replaced_by": j.replaced_by} if j.replaced_by else {}),
             }
@@ -38,14 +50,24 @@ def manifest(backend: str, jobs: list[Job], metrics: Mapping[str, Path | None]) 
     }
 
 
-def trainer_metrics(doc: object) -> dict[str, Path]:
-    """Run name -> ``metrics.jsonl`` path of every trainer job of a manifest that has one;
-    ``ValueError`` if ``doc`` is no manifest."""
+def _relative(path: Path, base: Path | None) -> str:
+    if base is not None and path.is_absolute() and path.is_relative_to(base):
+        return str(path.relative_to(base))
+    return str(path)
+
+
+def trainer_metrics(doc: object, base: Path | None = None) -> dict[str, Path]:
+    """Run name -> ``metrics.jsonl`` path of every trainer job of a manifest that has one,
+    a relative path taken from ``base`` (the manifest's directory); ``ValueError`` if ``doc``
+    is no manifest."""
     jobs = doc.get("jobs") if isinstance(doc, Mapping) else None
     if not isinstance(jobs, list):
         raise ValueError("no list of jobs")
     out: dict[str, Path] = {}
     for job in jobs:
         if isinstance(job, dict) and job.get("role") == "trainer" and job.get("metrics"):
-            out[str(job["name"]).removesuffix("-trainer")] = Path(job["metrics"])
+            path = Path(job["metrics"])
+            out[str(job["name"]).removesuffix("-trainer")] = (
+                base / path if base is not None and not path.is_absolute() else path
+            )
     return out

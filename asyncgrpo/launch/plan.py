@@ -27,6 +27,7 @@ from asyncgrpo.launch.jobs import JobSpec, Role
 
 __all__ = [
     "JobSpec",
+    "in_image",
     "job_config",
     "job_secrets",
     "labels",
@@ -87,6 +88,20 @@ def job_secrets(cfg: TrainingConfig) -> dict[str, str]:
     reads it from (``proxy.api_key`` -> ``ASYNCGRPO_PROXY__API_KEY``)."""
     secrets = {env_name(ENV_PREFIX, k): v for k, v in _secret_values(cfg).items() if v}
     return {**secrets, **transport_secret("trainer", cfg.transport_url or "")}
+
+
+#: The pip requirement a job installs before it starts (``launch.replica_install``, ...).
+INSTALL_ENV = "ASYNCGRPO_INSTALL"
+
+
+def in_image(args: list[str], install: str | None) -> tuple[list[str], dict[str, str]]:
+    """A job's command for ``python3 <args>`` in an image, after ``pip install
+    $ASYNCGRPO_INSTALL`` if set. ``"$@"`` keeps ``args`` as they are: nothing is re-parsed by
+    the shell."""
+    if install is None:
+        return ["python3", *args], {}
+    script = f'python3 -m pip install --quiet "${INSTALL_ENV}" && exec python3 "$@"'
+    return ["sh", "-c", script, "sh", *args], {INSTALL_ENV: install}
 
 
 def replica_args(

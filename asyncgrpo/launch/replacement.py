@@ -5,6 +5,11 @@ delay (:func:`restart_delay`) a new replica job starts under the next name, and 
 URL joins that proxy, which replays the current adapter versions to it before it takes
 requests. A replacement that ends or is not healthy in time is left to the watch, like any
 replica job that ended (another replacement, or the launch fails).
+
+A replica job the backend relaunches by itself on another machine (SkyPilot's managed-job
+recovery after a preemption: it reports ``starting`` again, then runs at a new address) is no
+replacement: its old address leaves the proxy as soon as it is seen, and the new one joins
+once healthy, the same way.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from asyncgrpo.launch.failure import fetch_tail
 from asyncgrpo.launch.front_proxy import FrontProxy
 from asyncgrpo.launch.health import not_healthy_in_time, wait_job_healthy
 from asyncgrpo.launch.job_set import JobSet
-from asyncgrpo.launch.jobs import TERMINAL, Job, JobSpec
+from asyncgrpo.launch.jobs import TERMINAL, Job, JobSpec, JobStatus, Stage
 
 __all__ = ["MAX_RESTART_DELAY_S", "ReplicaReplacer", "restart_delay"]
 
@@ -53,6 +58,35 @@ class ReplicaReplacer:
         self.lcfg = lcfg
         self.follow = follow
         self.restarts = 0
+        self._recovering: set[str] = set()  #: ids of replica jobs relaunched, not yet back
+
+    def note(self, job: Job, was: Stage, status: JobStatus, tg: TaskGroup) -> None:
+        """``job`` (a replica, not replaced), last seen at stage ``was``, was polled at
+        ``status``: if it ran and the backend is relaunching it elsewhere, or it runs at a new
+        address, its old address leaves the proxy; once it runs again, it rejoins when healthy
+        (in ``tg``)."""
+        moved = status.url is not None and job.url is not None and status.url != job.url
+        if was == "running" and job.url is not None and (status.stage == "starting" or moved):
+            logger.warning("replica job %s (%s) is being relaunched by the backend (%s); "
+                           "training continues on the other replicas", job.name, job.id,
+                           status.message or status.stage)  # fmt: skip
+            tg.start_soon(self.front.update, "remove", job.url)
+            job.url = None
+            self._recovering.add(job.id)
+        if job.id in self._recovering and status.stage == "running" and status.url:
+            self._recovering.discard(job.id)
+            tg.start_soon(self._rejoin, job)
+
+    async def _rejoin(self, job: Job) -> None:
+        try:
+            await wait_job_healthy(self.jobs.backend, job, self.lcfg)
+        except LaunchError:
+            return  # it ended again, or is not healthy: the watch decides
+        assert job.url is not None
+        await self.jobs.save()  # with its new URL
+        await self.front.update("add", job.url)
+        logger.info("replica job %s, relaunched, is in %s at %s", job.name, self.front.name,
+                    job.url)  # fmt: skip
 
     async def replace(self, dead: Job, why: str, tg: TaskGroup) -> None:
         """Start bringing up a replacement for ``dead`` (after its delay) in ``tg``; returns at

@@ -60,6 +60,12 @@ class ProxyClient(VLLMClient):
             return False
         if status in (403, 409):
             raise ConfigError(error_message(text))
+        if status == 401:
+            raise ConfigError(
+                f"the proxy at {self.base_url} keeps its book of runs behind its admin key, and "
+                "refused this one: give the run the key the proxy was started with "
+                "(proxy.admin_api_key, or export ASYNCGRPO_PROXY__ADMIN_API_KEY)"
+            )
         if status >= 400:
             self._refused("POST", RUNS_PATH, status, text)
         return True

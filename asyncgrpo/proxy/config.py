@@ -54,7 +54,8 @@ class ProxyConfig:
     """Bearer token sent to every upstream (e.g. HF_TOKEN for a Hugging Face Job's exposed port,
     or vLLM's --api-key). Never logged."""
     upstream_key_urls: tuple[str, ...] = ()
-    """Origins (scheme://host[:port]; the host may start with '*.', e.g. https://*.hf.space) of
+    """Origins (scheme://host[:port]; the host may start with '*.', e.g. https://*.hf.space, or
+    be '*', any host on that port: machines whose addresses nobody knows in advance) of
     replicas added at run time (POST /proxy/upstreams) that get upstream_api_key; any other
     gets no token. The upstreams given at start always get it."""
     lora_roots: tuple[str, ...] = ()
@@ -189,13 +190,16 @@ class ProxyConfig:
 
 def token_allowed(url: str, config: ProxyConfig) -> bool:
     """Whether a replica added at run time at ``url`` may get ``upstream_api_key``: its scheme,
-    host and port match an entry of ``upstream_key_urls`` (``*.`` matching any subdomain)."""
+    host and port match an entry of ``upstream_key_urls`` (``*.`` matching any subdomain, a
+    host ``*`` any host)."""
     try:
         scheme, host, port, _ = split_url(url)
     except ValueError:
         return False
     for entry in config.upstream_key_urls:
         s, h, p, _ = split_url(entry)
-        if (s, p) == (scheme, port) and (h == host or (h[:2] == "*." and host.endswith(h[1:]))):
+        if (s, p) == (scheme, port) and (
+            h in (host, "*") or (h[:2] == "*." and host.endswith(h[1:]))
+        ):
             return True
     return False

@@ -297,14 +297,13 @@ class Runs:
         return None
 
     def release(self, name: str) -> bool:
-        """The run ended: its slots are free, and its entry leaves the table unless requests of
-        it are still in flight or waiting. False if it was not registered."""
+        """The run ended: its slots are free. Its entry stays, unregistered, so that its
+        counters remain readable in the stats, until a new run needs its place in a full table
+        (:meth:`_new`). False if it was not registered."""
         run = self.runs.get(name)
         if run is None or run.slots is None:
             return False
         run.slots, run.token = None, ""
-        if run.idle():
-            del self.runs[name]
         return True
 
 

@@ -96,7 +96,16 @@ async def evaluate_published(
     from asyncgrpo.vllm.api import served_name
     from asyncgrpo.vllm.client import VLLMClient
 
-    async with open_transport(run_transport_url(cfg)) as transport:
+    url = run_transport_url(cfg)
+    local = "://" not in url or url.startswith("file://")
+    try:  # a path is read, never made: evaluating a run that never started leaves no directory
+        transport = open_transport(url, **({"create": False} if local else {}))
+    except ConfigError:
+        raise ConfigError(
+            f"no run has started in {url} (there is no such directory): train first, or give "
+            "the config of the run to evaluate"
+        ) from None
+    async with transport:
         prefix = f"{cfg.run_name}-{await RunStore(transport).existing_run_id(cfg.run_name)}"
         store = AdapterStore(transport)
         chosen = pick_versions(

@@ -25,6 +25,7 @@ not allow) fails at once.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -46,6 +47,10 @@ class AdapterSource(Protocol):
 
     async def locate(self, prefix: str, version: int) -> str: ...
 
+    async def forget(self, prefix: str, version: int) -> None:
+        """The version has left every replica: drop whatever :meth:`locate` made for it."""
+        ...
+
 
 class TransportSource:
     """Send the replicas a reference into the transport; each fetches the version itself.
@@ -59,6 +64,9 @@ class TransportSource:
 
     async def locate(self, prefix: str, version: int) -> str:
         return adapter_uri(self.store.transport.url, self.store.prefix, prefix, version)
+
+    async def forget(self, prefix: str, version: int) -> None:
+        """Nothing here: each replica's plugin drops its own copy when the version unloads."""
 
 
 class LocalCacheSource:
@@ -75,6 +83,13 @@ class LocalCacheSource:
 
     async def locate(self, prefix: str, version: int) -> str:
         return str(await self.store.fetch(prefix, version, self.cache_dir))
+
+    async def forget(self, prefix: str, version: int) -> None:
+        """Remove the fetched copy, so that the cache holds the staleness window, not every
+        version of the run (the store keeps them all). Safe only once no replica has the
+        version loaded: vLLM may read an adapter's files again after evicting it from memory."""
+        path = self.cache_dir / served_name(prefix, version)
+        await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
 
 
 class AdapterLoader(Protocol):
@@ -235,6 +250,7 @@ class AdapterSync:
                                    self.name(version), exc)  # fmt: skip
                     continue
             self.loaded.remove(version)
+            await self.source.forget(self.prefix, version)
 
 
 def _permanent(exc: ReplicaError) -> bool:

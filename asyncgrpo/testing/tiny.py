@@ -73,6 +73,8 @@ def make_tiny_model(
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+    from asyncgrpo.trainer.model import no_progress_bars
+
     if hidden_size // num_heads != 64:
         raise ValueError(
             "hidden_size / num_heads must be 64: vLLM's CPU attention needs head_dim 64"
@@ -118,7 +120,8 @@ def make_tiny_model(
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    model.save_pretrained(out, safe_serialization=True)
+    with no_progress_bars():
+        model.save_pretrained(out, safe_serialization=True)
     generation_config = out / "generation_config.json"
     if generation_config.exists():
         generation_config.unlink()  # vLLM would apply its defaults over our sampling params
@@ -152,8 +155,11 @@ def make_lora_adapter(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from asyncgrpo.trainer.model import no_progress_bars
+
     torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with no_progress_bars():
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     peft_model = get_peft_model(
         base,
         LoraConfig(r=r, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0),
@@ -175,7 +181,10 @@ class ReferencePolicy:
         import torch
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        from asyncgrpo.trainer.model import no_progress_bars
+
+        with no_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         if adapter_dir is not None:
             from peft import PeftModel
 

@@ -17,6 +17,8 @@ logprobs agree within 1e-5, and that the test notices a row whose samples see ea
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +33,21 @@ if TYPE_CHECKING:
     from asyncgrpo.trainer.config import LoraConfig
 
 logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' own bars (loading weights, writing shards) off: between asyncgrpo's phase
+    and step lines they are noise, and a log file gets their every redraw."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def default_device() -> torch.device:
@@ -101,7 +118,8 @@ def load_policy(
     if attn == VARLEN_SDPA:
         register_varlen_sdpa()
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn}
-    base = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
+    with no_progress_bars():
+        base = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
     base.to(device)
     if gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

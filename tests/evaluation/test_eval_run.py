@@ -41,6 +41,18 @@ def test_held_out_prompts_must_not_be_training_prompts(tmp_path, tiny_model):
     assert len(eval_prompts(cfg, tokenizer)) == 1
 
 
+@pytest.mark.anyio
+async def test_evaluating_a_run_that_never_started_says_so_and_makes_no_directory(
+    tmp_path, tiny_model
+):
+    from asyncgrpo.run.evaluation import evaluate_published
+
+    cfg = _config(tmp_path / "out", tiny_model, [], 'eval.prompts=["name a color"]')
+    with pytest.raises(ConfigError, match=r"no run has started in .*: train first"):
+        await evaluate_published(cfg)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.vllm
 @pytest.mark.anyio
 async def test_a_run_evaluates_base_and_final_on_prompts_it_never_trains_on(

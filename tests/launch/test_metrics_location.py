@@ -36,7 +36,7 @@ def sweep_launch(tmp_path: Path, points: int, *, written: int | None = None) -> 
                     w.log({"reward": step / 4, "ratio": 1.0}, step=step)
     replica = Job(JobSpec(role="replica", name="sw-replica-0", command=("true",)), "r", Path("r"))
     jobs = [replica, *(trainer(f"sw-{i}") for i in range(points))]
-    doc = manifest("local", jobs, paths)
+    doc = manifest("local", jobs, paths, base=launch_dir)
     launch_dir.mkdir(parents=True, exist_ok=True)
     (launch_dir / "jobs.json").write_text(json.dumps(doc))
     return launch_dir
@@ -56,6 +56,13 @@ def test_plot_on_a_sweeps_launch_directory_draws_every_point(tmp_path: Path) -> 
     for i, png in enumerate(plots.values()):
         assert png == launch_dir / "trainer" / str(i) / "runs" / f"sw-{i}" / "plot.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the paths inside the launch directory are relative: a moved launch still finds them
+    doc = json.loads((launch_dir / "jobs.json").read_text())
+    assert {j["metrics"] for j in doc["jobs"] if "metrics" in j} == {
+        f"trainer/{i}/runs/sw-{i}/metrics.jsonl" for i in (0, 1)
+    }
+    moved = launch_dir.parent.rename(tmp_path / "elsewhere") / "launch"
+    assert set(find_metrics(moved)) == {"sw-0", "sw-1"}
     # a point that wrote nothing yet is left out; none at all names where they would be
     assert set(find_metrics(sweep_launch(tmp_path / "2", 2, written=1))) == {"sw-0"}
     with pytest.raises(ConfigError, match=r"no metrics.jsonl yet \(expected: .*sw-0/metrics"):

@@ -114,3 +114,22 @@ def test_replacements_get_the_token_where_the_first_replicas_live() -> None:
         "http://[::1]:80",
     ]
     assert key_origins(["http://hf.jobs:8000", "<replica-0 URL>"]) == ["http://hf.jobs:8000"]
+
+
+def test_a_key_origin_with_host_star_matches_any_host_on_its_port_only() -> None:
+    from asyncgrpo.proxy.config import ProxyConfig, token_allowed
+
+    cfg = ProxyConfig(upstream_key_urls=("http://*:8000",))
+    assert token_allowed("http://203.0.113.7:8000", cfg)
+    assert token_allowed("http://replica.example:8000", cfg)
+    assert not token_allowed("http://203.0.113.7:8001", cfg)
+    assert not token_allowed("https://203.0.113.7:8000", cfg)
+
+
+def test_a_skypilot_label_value_is_one_every_cloud_takes() -> None:
+    from asyncgrpo.launch.skypilot_tasks import label_value
+
+    assert label_value("sky-run") == "sky-run"
+    assert label_value("My.Run_1/a") == "my-run_1-a"
+    assert label_value("-x" * 40) == ("x-" * 32)[:63].rstrip("-")
+    assert label_value("...") == "x"

@@ -77,3 +77,36 @@ def test_no_trainer_left_to_wait_for(trainers: list[Job]) -> None:
     for t in trainers:
         state.trainer_ended(t)
     assert state.over
+
+
+class _Front:
+    """Records what the replacer asks of the proxy in front."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    async def update(self, action: str, url: str) -> None:
+        self.calls.append((action, url))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_only_a_replica_that_ran_counts_as_relaunched_by_its_backend(
+    anyio_backend: str,
+) -> None:
+    import anyio
+
+    from asyncgrpo.launch.config import LaunchConfig
+    from asyncgrpo.launch.replacement import ReplicaReplacer
+
+    front = _Front()
+    replacer = ReplicaReplacer(None, front, LaunchConfig(), lambda j, tg: None)  # type: ignore[arg-type]
+    new = job("replica", id="new")
+    new.url = "https://new--8000.hf.jobs"  # a Jobs URL is known while the job is scheduled
+    ran = job("replica", id="ran")
+    ran.url = "http://10.0.0.2:8000"
+    async with anyio.create_task_group() as tg:
+        replacer.note(new, "starting", JobStatus("starting", url=new.url), tg)
+        replacer.note(ran, "running", JobStatus("starting"), tg)  # SkyPilot: RECOVERING
+    assert new.url == "https://new--8000.hf.jobs"
+    assert front.calls == [("remove", "http://10.0.0.2:8000")] and ran.url is None

@@ -407,7 +407,11 @@ async def test_an_unload_one_replica_failed_is_tried_again_at_the_next_retire(
         await sync.sync(0, adapter, step=0)
         await sync.sync(1, adapter, step=1)  # retiring v0 fails on b
         assert a.adapters == {"run-x-v1"} and b.adapters == {"run-x-v0", "run-x-v1"}
+        cached = lambda: sorted(p.name for p in (tmp_path / "cache").iterdir())  # noqa: E731
+        assert cached() == ["run-x-v0", "run-x-v1"]  # b may still read v0's files
         await sync.sync(2, adapter, step=2)
         assert a.adapters == b.adapters == {"run-x-v2"}
+        assert cached() == ["run-x-v2"]  # the cache holds the window, not the run's history
         await sync.unload_all()
     assert a.adapters == b.adapters == set()
+    assert cached() == []

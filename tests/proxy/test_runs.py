@@ -295,8 +295,8 @@ async def test_runs_register_their_lora_slots_and_one_that_does_not_fit_is_refus
                 assert status == 400, (bad, doc)
             status, doc = await call("GET", None)
     assert status == 200
-    # a released run leaves the table
-    assert {n: r["lora_slots"] for n, r in doc["runs"].items()} == {"a-1": 2, "c-3": 1}
+    # a released run holds no slots but its counters stay readable
+    assert {n: r["lora_slots"] for n, r in doc["runs"].items()} == {"a-1": 2, "b-2": None, "c-3": 1}
     assert "token" not in str(doc)
 
 
@@ -320,12 +320,16 @@ async def test_a_run_books_its_slots_through_the_client_and_a_plain_server_keeps
             assert await client.register_run("b-2", lora_slots=2, weight=0.5)
     async with ProxyClient(url) as client:
         assert not await client.register_run("a-1", lora_slots=3)
+    admin = ProxyConfig(upstreams=(url,), port=0, admin_api_key="k" * 32)
+    async with serve_proxy(admin) as base, ProxyClient(base) as client:
+        with pytest.raises(ConfigError, match=r"behind its admin key.*proxy\.admin_api_key"):
+            await client.register_run("a-1", lora_slots=3, token="t" * 32)
 
 
 def test_register_release_churn_keeps_the_table_within_max_runs() -> None:
-    """3,000 register/release pairs left 3,003 entries with max_runs 1,024: a released run now
-    leaves the table, and a registration past max_runs takes an idle run's place or is
-    refused; requests of runs beyond it count under OVERFLOW."""
+    """3,000 register/release pairs left 3,003 entries with max_runs 1,024: a registration past
+    max_runs takes the place of an idle unregistered run (a released one) or is refused;
+    requests of runs beyond it count under OVERFLOW."""
     runs = Runs(lease_s=60, max_runs=8)
     for i in range(3000):
         assert runs.register(f"r{i}", slots=1, weight=1.0, max_loras=4, loaded=(), now=i) is None

@@ -8,25 +8,11 @@ import anyio
 import pytest
 
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.sample import Sample
 from asyncgrpo.store.channel import RolloutChannel
+from asyncgrpo.testing.samples import sample
 from asyncgrpo.transport.local import LocalTransport
 
 pytestmark = pytest.mark.anyio
-
-
-def sample(tag: str, n: int = 5, **kw) -> Sample:
-    # Logprobs chosen exactly representable in float32, as vLLM returns them.
-    return Sample(
-        prompt_ids=[1, 2, 151_000, 7],
-        completion_ids=list(range(100, 100 + n)),
-        logprobs=[-0.5 * i - 0.125 for i in range(n)],
-        reward=kw.pop("reward", 1.0),
-        advantage=kw.pop("advantage", 0.75),
-        version=kw.pop("version", 3),
-        group_id=tag,
-        **kw,
-    )
 
 
 @pytest.fixture

@@ -10,22 +10,8 @@ import struct
 import pytest
 
 from asyncgrpo.errors import ConfigError, IntegrityError
-from asyncgrpo.sample import Sample
 from asyncgrpo.store.codec import decode_batch, encode_batch
-
-
-def sample(tag: str, n: int = 5, **kw) -> Sample:
-    # Logprobs chosen exactly representable in float32, as vLLM returns them.
-    return Sample(
-        prompt_ids=[1, 2, 151_000, 7],
-        completion_ids=list(range(100, 100 + n)),
-        logprobs=[-0.5 * i - 0.125 for i in range(n)],
-        reward=kw.pop("reward", 1.0),
-        advantage=kw.pop("advantage", 0.75),
-        version=kw.pop("version", 3),
-        group_id=tag,
-        **kw,
-    )
+from asyncgrpo.testing.samples import sample
 
 
 def test_binary_encoding_roundtrips_exactly() -> None:

@@ -1,0 +1,380 @@
+"""SkyPilot as a launch backend: every job a SkyPilot managed job, through SkyPilot's SDK.
+
+Every call is the SDK's (``sky.jobs.launch``, ``sky.jobs.queue_v2``, ``sky.jobs.tail_logs``,
+``sky.jobs.cancel``, ``enabled_clouds``), each a request to the SkyPilot API server
+(``SKYPILOT_API_SERVER_ENDPOINT``, or the local one SkyPilot starts), run in a worker thread:
+the SDK is synchronous. The tasks come from the same plans as on the other backends
+(:mod:`.plan`), as SkyPilot task configs (:mod:`.skypilot_tasks`).
+
+Managed jobs, not one SkyServe service: the proxy in front of the replicas needs each replica's
+own address (it loads adapter versions onto each and routes by prefix), which a service's load
+balancer hides, and a service's controller replaces replicas by itself, a second mechanism
+beside the launcher's. A managed job that SkyPilot relaunches after a preemption
+(``job_recovery``) reports RECOVERING, then RUNNING on a new machine: the launcher takes its old
+address out of the proxy and adds the new one once it answers ``/health``, through the proxy's
+admin route, as for a replacement. A managed job that ends for good is replaced by the
+launcher (``launch.replica_restarts``).
+
+Secrets, given to SkyPilot as task secrets at launch (never in the task YAML or a command):
+
+* replica: the replicas' API key (made for the launch: each vLLM server listens on a public
+  port), ``HF_TOKEN`` if set, the transport's credentials;
+* trainer: the replicas' key as its proxy's upstream key; with ``launch.replica_restarts`` its
+  proxy's client and admin key (made for the launch: the launcher adds recovered and
+  replacement replicas through it); every secret of the config; ``HF_TOKEN``; the transport's;
+* a sweep's proxy: the replicas' key (its clients' too) and the admin key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import re
+import secrets as secrets_lib
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import anyio.to_thread
+
+from asyncgrpo.config.sources import env_name
+from asyncgrpo.config.training import ENV_PREFIX, TrainingConfig
+from asyncgrpo.errors import ConfigError, LaunchError
+from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus, Stage
+from asyncgrpo.launch.plan import (
+    ADMIN_KEY_ENV,
+    PROXY_ADMIN_KEY_ENV,
+    in_image,
+    job_config,
+    job_secrets,
+    labels,
+    proxy_args,
+    replica_args,
+    trainer_args,
+    transport_credentials,
+    transport_secret,
+)
+from asyncgrpo.launch.skypilot_tasks import any_host_origin, task_config, task_yaml
+
+__all__ = ["REPLICA_KEY_ENV", "SkyPilotBackend", "import_sky"]
+
+logger = logging.getLogger(__name__)
+
+#: The Hugging Face token, passed on to the jobs when set (model and dataset downloads).
+TOKEN_ENV = "HF_TOKEN"
+#: The variable each replica reads its vLLM API key from.
+REPLICA_KEY_ENV = "ASYNCGRPO_REPLICA_API_KEY"
+#: The managed-job fields a status poll asks for.
+FIELDS = ["job_id", "job_name", "status", "recovery_count", "failure_reason", "details",
+          "internal_external_ips"]  # fmt: skip
+_STAGES: dict[str, Stage] = {
+    "PENDING": "starting",
+    "SUBMITTED": "starting",
+    "STARTING": "starting",
+    "RECOVERING": "starting",
+    "RUNNING": "running",
+    "SUCCEEDED": "completed",
+    "CANCELLING": "canceled",
+    "CANCELLED": "canceled",
+}
+
+
+def import_sky() -> Any:
+    """SkyPilot's SDK, or one line saying how to install it."""
+    try:
+        import sky
+    except ImportError:
+        raise ConfigError(
+            "--backend skypilot needs SkyPilot: pip install 'asyncgrpo[skypilot]'"
+        ) from None
+    return sky
+
+
+def stage_of(status: str) -> Stage:
+    """Our stage for a managed job's status name (every FAILED_* is failed)."""
+    return _STAGES.get(status, "failed" if status.startswith("FAILED") else "running")
+
+
+def _first_line(exc: BaseException) -> str:
+    """An SDK error in one line (SkyPilot's carry colour codes and several lines)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def record_url(record: Any, port: int) -> str | None:
+    """``http://<external address>:<port>`` of a managed job's first node, once it has one."""
+    ips = record.internal_external_ips or []
+    if not ips:
+        return None
+    internal, external = ips[0]
+    host = external or internal
+    return f"http://{host}:{port}" if host else None
+
+
+class SkyPilotBackend:
+    """Replicas, a sweep's proxy and the trainers as SkyPilot managed jobs; the transport an
+    object store (S3 or an HF bucket)."""
+
+    name = "skypilot"
+    writes_own_logs = False
+
+    def __init__(
+        self,
+        cfg: TrainingConfig,
+        launch_dir: Path,
+        *,
+        environ: Mapping[str, str] | None = None,
+        sky: Any = None,
+    ) -> None:
+        self.sky = sky if sky is not None else import_sky()
+        self.cfg = cfg
+        self.launch_dir = launch_dir
+        self.environ = dict(os.environ if environ is None else environ)
+        self.transport_url = cfg.transport_url
+        self.replica_key = secrets_lib.token_urlsafe(32)
+        elastic = cfg.launch.replica_restarts > 0
+        self._admin_key = secrets_lib.token_urlsafe(32) if elastic else None
+        self.env: dict[str, str] = {}
+        self.missing: list[str] = []
+        found: dict[str, str] = {}
+        if self.transport_url:
+            found, self.env, self.missing = transport_credentials(self.transport_url, self.environ)
+        if self.environ.get(TOKEN_ENV):  # model and dataset downloads from the Hub
+            found = {TOKEN_ENV: self.environ[TOKEN_ENV], **found}
+        self.secrets = found
+
+    # -- specs (no request) ------------------------------------------------------------------
+
+    @property
+    def health_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.replica_key}"}
+
+    @property
+    def admin_key(self) -> str | None:
+        return self._admin_key
+
+    def _transport(self) -> str:
+        return self.transport_url or "<transport_url>"
+
+    def replica_spec(self, index: int) -> JobSpec:
+        lcfg = self.cfg.launch
+        args = replica_args(self.cfg, host="0.0.0.0", port=lcfg.port,
+                            transport_url=self._transport(), api_key_env=REPLICA_KEY_ENV)  # fmt: skip
+        command, env = in_image(args, lcfg.replica_install)
+        secrets = {**self.secrets, REPLICA_KEY_ENV: self.replica_key}
+        return JobSpec(
+            role="replica",
+            name=f"{self.cfg.run_name}-replica-{index}",
+            command=tuple(command),
+            env={**env, **self.env},
+            secrets={**secrets, **transport_secret("replica", self._transport())},
+            image=lcfg.image,
+            timeout_s=lcfg.timeout_s,
+            port=lcfg.port,
+            labels=labels(self.cfg, "replica"),
+        )
+
+    def proxy_spec(self, urls: list[str]) -> JobSpec:
+        """A sweep's proxy: its clients' key is the replicas' (the points' trainers hold it)."""
+        lcfg = self.cfg.launch
+        admin = self._admin_key
+        args = proxy_args(urls, host="0.0.0.0", port=lcfg.port, key_env=REPLICA_KEY_ENV,
+                          admin_key_env=PROXY_ADMIN_KEY_ENV if admin else None,
+                          key_urls=[any_host_origin(lcfg.port)] if admin else None)  # fmt: skip
+        command, env = in_image(args, lcfg.replica_install)
+        secrets = {REPLICA_KEY_ENV: self.replica_key}
+        if admin is not None:
+            secrets[PROXY_ADMIN_KEY_ENV] = admin
+        return JobSpec(
+            role="proxy",
+            name=f"{self.cfg.run_name}-proxy",
+            command=tuple(command),
+            env=env,
+            secrets=secrets,
+            image=lcfg.image,
+            timeout_s=lcfg.timeout_s,
+            port=lcfg.port,
+            labels=labels(self.cfg, "proxy"),
+        )
+
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
+        lcfg = self.cfg.launch
+        # a sweep's point sends to the sweep's proxy, which the launcher adds replicas to
+        elastic = self._admin_key is not None and cfg is None
+        cfg = cfg or self.cfg
+        args = trainer_args(urls, proxy_host="0.0.0.0" if elastic else None,
+                            proxy_port=lcfg.port if elastic else None,
+                            key_urls=[any_host_origin(lcfg.port)] if elastic else None)  # fmt: skip
+        command, env = in_image(args, lcfg.trainer_install)
+        secrets = {**job_secrets(cfg), **self.secrets}
+        secrets[env_name(ENV_PREFIX, "proxy.upstream_api_key")] = self.replica_key
+        if self._admin_key is not None:  # its proxy's admin routes; a point's LoRA booking
+            secrets[ADMIN_KEY_ENV] = self._admin_key
+            if elastic:  # it listens on a public port
+                secrets[env_name(ENV_PREFIX, "proxy.api_key")] = self._admin_key
+        return JobSpec(
+            role="trainer",
+            name=f"{cfg.run_name}-trainer",
+            command=tuple(command),
+            env={**env, **self.env, CONFIG_ENV: job_config(cfg)},
+            secrets=secrets,
+            image=lcfg.trainer_image or lcfg.image,
+            timeout_s=lcfg.timeout_s,
+            port=lcfg.port if elastic else None,
+            labels=labels(cfg, "trainer"),
+        )
+
+    def task(self, spec: JobSpec, *, with_secrets: bool) -> Any:
+        """``spec`` as a ``sky.Task``, loaded and validated by SkyPilot (resources and all);
+        a setting SkyPilot refuses (an unknown ``infra``) is a :class:`ConfigError`."""
+        overrides = list(spec.secrets.items()) if with_secrets else None
+        try:
+            return self.sky.Task.from_yaml_config(
+                task_config(spec, self.cfg.launch), secrets_overrides=overrides
+            )
+        except Exception as exc:  # SkyPilot's schema errors: ValueError and its own
+            raise ConfigError(
+                f"SkyPilot refuses the {spec.role} task {spec.name}: {_first_line(exc)}"
+            ) from None
+
+    def dry_run_text(self, spec: JobSpec) -> str:
+        """``spec``'s task as YAML, validated by SkyPilot and written to
+        ``launch/skypilot/<job>.yaml``; no secret value in it."""
+        self.task(spec, with_secrets=False)
+        text = task_yaml(spec, self.cfg.launch)
+        path = self.launch_dir / "skypilot" / f"{spec.name}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return f"# {spec.role} job {spec.name}: {path}\n{text}"
+
+    def check(self) -> None:
+        """Refuse, before any job, what no job could use; then ask SkyPilot which infra is
+        enabled (one request)."""
+        if not self.transport_url:
+            raise ConfigError(
+                "transport_url is unset: jobs share no disk; set transport_url=s3://... or "
+                "hf://buckets/<namespace>/<bucket>/<prefix>"
+            )
+        if self.missing:
+            raise ConfigError(
+                f"set {', '.join(self.missing)} in the environment: the jobs get "
+                f"{'it' if len(self.missing) == 1 else 'them'} as SkyPilot secrets"
+            )
+        for what, value in (("model", self.cfg.model), ("dataset.path", self.cfg.dataset.path)):
+            if value is not None and os.path.exists(value):
+                raise ConfigError(f"{what}={value!r} is a local path, which the jobs cannot "
+                                  "read: use a Hub id (or dataset.prompts)")  # fmt: skip
+        self.task(self.replica_spec(0), with_secrets=False)  # an unknown infra, named
+        try:
+            enabled = self._call_sync(self.sky.client.sdk.enabled_clouds)
+        except Exception as exc:  # no API server, a refused login: SkyPilot's own errors
+            raise ConfigError(
+                f"SkyPilot could not list its enabled infra: {_first_line(exc)}"
+            ) from None
+        self._check_infra(enabled)
+
+    def _check_infra(self, enabled: list[Any]) -> None:
+        names = [str(c).lower() for c in enabled]
+        if not names:
+            raise ConfigError("SkyPilot has no enabled infra: run `sky check` and set up "
+                              "credentials for a cloud, Kubernetes or Slurm")  # fmt: skip
+        infra = self.cfg.launch.infra
+        if infra:
+            cloud = infra.split("/")[0].lower()
+            cloud = {"k8s": "kubernetes"}.get(cloud, cloud)
+            if cloud not in names:
+                raise ConfigError(f"launch.infra={infra!r}: {cloud} is not enabled in SkyPilot "
+                                  f"(enabled: {', '.join(names)}; see `sky check`)")  # fmt: skip
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def _call_sync(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        """One SDK request and its result."""
+        return self.sky.get(fn(**kwargs))
+
+    async def _call(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        return await anyio.to_thread.run_sync(lambda: self._call_sync(fn, **kwargs))
+
+    async def prepare(self) -> None:
+        pass
+
+    async def start(self, spec: JobSpec) -> str:
+        task = self.task(spec, with_secrets=True)
+        try:
+            job_ids, _ = await self._call(self.sky.jobs.launch, task=task, name=spec.name)
+        except Exception as exc:
+            raise LaunchError(f"could not start {spec.role} job {spec.name}: {exc}") from exc
+        if not job_ids:
+            raise LaunchError(f"could not start {spec.role} job {spec.name}: no job id")
+        return str(job_ids[0])
+
+    async def status(self, job: Job) -> JobStatus:
+        try:
+            records, *_ = await self._call(self.sky.jobs.queue_v2, refresh=False,
+                                           job_ids=[int(job.id)], fields=FIELDS)  # fmt: skip
+        except Exception as exc:
+            raise LaunchError(
+                f"could not get the status of {job.spec.role} job {job.name} ({job.id}): {exc}"
+            ) from exc
+        record = next((r for r in records if str(r.job_id) == job.id), None)
+        if record is None:
+            return JobStatus(stage="failed", message="SkyPilot no longer lists it")
+        status = str(getattr(record.status, "value", record.status))
+        stage = stage_of(status)
+        url = record_url(record, job.spec.port) if job.spec.port and stage == "running" else None
+        message = record.failure_reason or record.details
+        if status == "RECOVERING":
+            message = f"SkyPilot is recovering it (recovery {record.recovery_count or 0})"
+        return JobStatus(stage=stage, url=url, message=message)
+
+    def _tail_sync(self, job: Job, lines: int) -> str:
+        out = io.StringIO()
+        self.sky.jobs.tail_logs(job_id=int(job.id), follow=False, tail=lines, output_stream=out)
+        return "\n".join(out.getvalue().splitlines()[-lines:])
+
+    async def log_tail(self, job: Job, lines: int) -> str:
+        return await anyio.to_thread.run_sync(self._tail_sync, job, lines)
+
+    def metrics_path(self, job: Job) -> Path | None:
+        """None: a trainer job's run directory is on its machine."""
+        return None
+
+    async def follow_logs(self, job: Job, on_line: Callable[[str], None]) -> None:
+        """Stream the job's log until it ends, in a daemon thread (the SDK blocks in
+        ``requests``): on cancellation it is left to end with the job."""
+        token = anyio.lowlevel.current_token()
+        ended = anyio.Event()
+        errors: list[BaseException] = []
+
+        class Lines(io.TextIOBase):
+            def write(self, text: str) -> int:
+                for line in text.splitlines():
+                    anyio.from_thread.run_sync(on_line, line, token=token)
+                return len(text)
+
+        def follow() -> None:
+            try:
+                self.sky.jobs.tail_logs(job_id=int(job.id), follow=True, output_stream=Lines())
+            except anyio.RunFinishedError:
+                return
+            except Exception as exc:
+                errors.append(exc)
+            with contextlib.suppress(anyio.RunFinishedError, RuntimeError):
+                anyio.from_thread.run_sync(ended.set, token=token)
+
+        threading.Thread(target=follow, name=f"logs-{job.name}", daemon=True).start()
+        await ended.wait()
+        if errors:
+            logger.warning("log stream of %s ended: %s", job.name, errors[0])
+
+    async def cancel(self, job: Job) -> None:
+        await self._call(self.sky.jobs.cancel, job_ids=[int(job.id)])
+
+    async def aclose(self) -> None:
+        pass
