@@ -1,0 +1,150 @@
+"""A verifiers 0.4 environment as an asyncgrpo :class:`~asyncgrpo.rollout.environment.Environment`.
+
+``rollout.environment: {verifiers: NAME, args: {...}}`` with verifiers 0.4 installed: NAME is a
+taskset id (an installed taskset module, dashes as underscores), ``args`` the rest of verifiers'
+``[env]`` block (``agent: {harness: {id: null}, runtime: {type: subprocess}}``, taskset
+options under ``taskset``). Each episode is ``Env.run_episode`` with a
+:class:`~asyncgrpo.rollout.verifiers_v1.TurnClient` answering its model calls; the episode's
+tokens are the client's record, its reward the trace's ``@vf.reward`` parts. A group whose
+environment raised, timed out or returned a malformed episode raises
+:class:`~asyncgrpo.errors.EpisodeError` (the rollout client drops that group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import verifiers.v1 as vf
+
+from asyncgrpo.errors import ConfigError, EpisodeError
+from asyncgrpo.rollout.config import GenerationConfig
+from asyncgrpo.rollout.dataset import Prompt
+from asyncgrpo.rollout.environment import Environment, Episode
+from asyncgrpo.rollout.policy import PolicyClient
+from asyncgrpo.rollout.verifiers_v1 import TurnClient, refusals, registered, serving
+
+__all__ = ["VerifiersV1Env"]
+
+
+class VerifiersV1Env(Environment):
+    """A verifiers 0.4 environment played token-exactly; see the module docstring.
+
+    ``max_episode_tokens`` bounds each episode's sequence (keep it at most the replicas'
+    ``--max-model-len``); ``episode_timeout_s`` bounds one episode (then its group is lost).
+    The dataset rows come from the run's ``dataset`` section, validated as the taskset's
+    ``TaskData`` (``prompt`` plus the fields its rewards read).
+    """
+
+    provides_reward = True
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        generation: GenerationConfig,
+        name: str,
+        args: Mapping[str, Any] | None = None,
+        max_episode_tokens: int = 1024,
+        episode_timeout_s: float = 120.0,
+    ) -> None:
+        super().__init__(tokenizer=tokenizer, generation=generation)
+        if max_episode_tokens < 2 or episode_timeout_s <= 0:
+            raise ConfigError(
+                f"VerifiersV1Env: max_episode_tokens={max_episode_tokens} must be >= 2 and "
+                f"episode_timeout_s={episode_timeout_s} > 0"
+            )
+        data = dict(args or {})
+        taskset = {**dict(data.pop("taskset", None) or {}), "id": name}
+        try:
+            self.env = vf.load_environment(vf.resolve_env_config({**data, "taskset": taskset}))
+        except Exception as exc:  # pydantic, import and plugin errors: the line names them
+            first = str(exc).strip().splitlines()
+            raise ConfigError(
+                f"verifiers environment {name!r}: {type(exc).__name__}: "
+                f"{' '.join(first[:3])}"
+            ) from exc
+        problems = refusals(self.env)
+        if problems:
+            raise ConfigError(f"verifiers environment {name!r}: {problems[0]}")
+        self.name, self.max_episode_tokens = name, max_episode_tokens
+        self.episode_timeout_s = episode_timeout_s
+        taskset_cls = type(self.env.taskset)
+        self._task_cls = taskset_cls.task_type()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        async with serving(self.env):
+            yield
+
+    def task(self, task: Prompt) -> Any:
+        """The run's dataset row as the taskset's task."""
+        prompt = task.prompt if task.is_chat else [{"role": "user", "content": task.prompt}]
+        data_cls = self._task_cls.data_type()
+        fields = {k: v for k, v in task.extra.items() if k in data_cls.model_fields}
+        try:
+            data = data_cls.model_validate({**fields, "prompt": prompt, "idx": task.index})
+        except Exception as exc:
+            raise ConfigError(f"dataset row {task.index} is no {data_cls.__name__}: {exc}") from exc
+        return self._task_cls(data, self.env.taskset.config.task)
+
+    async def group(self, task: Prompt, policy: PolicyClient, g: int) -> list[Episode]:
+        """G episodes at once; the first failure among them costs the whole group."""
+        results: list[Episode | str | None] = [None] * g
+
+        async def one(i: int) -> None:
+            results[i] = await self._play(task, policy, i)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(g):
+                tg.start_soon(one, i)
+        failed = [r for r in results if isinstance(r, str)]
+        if failed:
+            raise EpisodeError(f"verifiers environment {self.name!r}: {failed[0]}")
+        return [r for r in results if isinstance(r, Episode)]
+
+    async def rollout(self, task: Prompt, policy: PolicyClient, index: int) -> Episode | None:
+        played = await self._play(task, policy, index)
+        if isinstance(played, str):
+            raise EpisodeError(f"verifiers environment {self.name!r}: {played}")
+        return played
+
+    async def _play(self, task: Prompt, policy: PolicyClient, index: int) -> Episode | str:
+        """The episode, or why it is unusable (the environment's own message)."""
+        client = TurnClient(
+            tokenizer=self.tokenizer, policy=policy,
+            max_tokens=self.generation.max_completion_length,
+            max_episode_tokens=self.max_episode_tokens, session=self.session(task),
+            seed=lambda turn: self.seed(task, index, turn),
+        )  # fmt: skip
+        with registered(client) as config:
+            ctx = vf.ModelContext(model=policy.model, client=config)
+            with anyio.move_on_after(self.episode_timeout_s) as scope:
+                played = await self.env.run_episode(self.task(task), ctx)
+        if client.error is not None:
+            raise client.error  # the replicas', not the environment's: it stops the run
+        if scope.cancelled_caught:
+            return f"an episode ran past episode_timeout_s={self.episode_timeout_s:g}"
+        return _episode(played, client)
+
+
+def _episode(played: Any, client: TurnClient) -> Episode | str:
+    """asyncgrpo's episode from verifiers' finished one and the client's token record."""
+    errors = [*played.errors, *(e for t in played.traces for e in t.errors)]
+    if not played.ok or errors:
+        last = errors[-1] if errors else None
+        return f"{last.type}: {last.message}" if last else "the episode did not finish"
+    traces = [t for t in played.traces if t.id in client.sessions]
+    if len(traces) != 1:
+        return f"an episode with {len(traces)} model-calling agent runs (asyncgrpo trains one)"
+    trace = traces[0]
+    session = client.sessions[trace.id]
+    traj = session.traj
+    if not traj.model_turns:
+        return "an episode without a model turn"
+    parts = {k: r.value for k, r in trace.rewards.items() if r is not None}
+    if not parts:
+        return "an episode without a reward"
+    return traj.episode(session.sent[session.prompt_messages :], parts)
