@@ -340,9 +340,14 @@ class RolloutClient:
         try:
             try:
                 episodes = await self.environment.group(prompt, self._client, g)
-            except EpisodeError as exc:
+            except (EpisodeError, BaseExceptionGroup) as exc:
+                failed = leaves(exc)
+                if not all(isinstance(e, EpisodeError) for e in failed):
+                    raise
                 self._env_failures_total += 1
-                logger.warning("prompt %d: environment failed, group dropped: %s", prompt.index, exc)
+                logger.warning(
+                    "prompt %d: environment failed, group dropped: %s", prompt.index, failed[0]
+                )
                 return
             if not episodes:
                 logger.warning("prompt %d: no usable episode; group dropped", prompt.index)
