@@ -94,7 +94,10 @@ def refusals(env: Any) -> list[str]:
                 "sandbox), which asyncgrpo does not run; use the null or bash harness"
             )
     task_cls = type(env.taskset).task_type()
-    servers = [*task_cls.toolsets(env.taskset.config.task), *env.taskset.toolsets(env.taskset.config)]
+    servers = [
+        *task_cls.toolsets(env.taskset.config.task),
+        *env.taskset.toolsets(env.taskset.config),
+    ]
     for server in servers:
         cfg = server.config
         if not getattr(cfg, "url", None) and not runtime_is_local(cfg.runtime):
@@ -161,7 +164,8 @@ class TurnClient(vf.Client):
         if not isinstance(dialect, ChatDialect):
             raise vf.ProviderError(
                 f"the harness called the model with the {type(dialect).__name__}: asyncgrpo "
-                "plays chat-completions harnesses only (null, bash)", status_code=400,
+                "plays chat-completions harnesses only (null, bash)",
+                status_code=400,
             )
         request = dialect.parse_request(body)
         messages = [message_to_wire(m) for m in request.messages]
@@ -173,12 +177,16 @@ class TurnClient(vf.Client):
         s = self._session(session_id or "", messages, tools)
         room = min(self.max_tokens, self.max_episode_tokens - len(s.traj.ids))
         if room < 1:
-            raise vf.ProviderError(f"the episode reached max_episode_tokens={self.max_episode_tokens}", status_code=400)
+            raise vf.ProviderError(
+                f"the episode reached max_episode_tokens={self.max_episode_tokens}", status_code=400
+            )
         turns = await self.policy.complete(
             s.traj.ids, seed=self.seed(s.traj.model_turns), max_tokens=room, session=self.session
         )
         if not turns:
-            raise vf.ProviderError("a model turn came back without usable logprobs", status_code=502)
+            raise vf.ProviderError(
+                "a model turn came back without usable logprobs", status_code=502
+            )
         got = s.last = turns[0]
         s.traj.add_turn(got)
         calls = parse_tool_calls(got.text) if tools else []
@@ -197,7 +205,8 @@ class TurnClient(vf.Client):
         if _said(messages[:n]) != _said(s.sent) or s.last is None:
             raise vf.ProviderError(
                 "the harness changed earlier messages of an episode between turns; its turns "
-                "cannot be continued token-exactly", status_code=400,
+                "cannot be continued token-exactly",
+                status_code=400,
             )
         s.traj.add_env(self.chat.ids(messages[n:], after=s.last))
         return s
@@ -212,7 +221,9 @@ class TurnClient(vf.Client):
 
     def _response(self, got: Turn, calls: list[dict[str, Any]]) -> Any:
         tool_calls = [
-            vf.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+            vf.ToolCall(
+                id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"]
+            )
             for c in calls
         ] or None
         finish = "length" if got.finish_reason == "length" else ("tool_calls" if calls else "stop")

@@ -63,8 +63,7 @@ class VerifiersV1Env(Environment):
         except Exception as exc:  # pydantic, import and plugin errors: the line names them
             first = str(exc).strip().splitlines()
             raise ConfigError(
-                f"verifiers environment {name!r}: {type(exc).__name__}: "
-                f"{' '.join(first[:3])}"
+                f"verifiers environment {name!r}: {type(exc).__name__}: {' '.join(first[:3])}"
             ) from exc
         problems = refusals(self.env)
         if problems:

@@ -12,11 +12,11 @@ import pytest
 
 pytest.importorskip("verifiers.v1")
 
-from asyncgrpo.errors import ConfigError  # noqa: E402
-from asyncgrpo.rollout.config import GenerationConfig  # noqa: E402
-from asyncgrpo.rollout.dataset import Prompt, load_tokenizer  # noqa: E402
-from asyncgrpo.rollout.environment import load_environment  # noqa: E402
-from asyncgrpo.testing.envs import calculator_tasks  # noqa: E402
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.rollout.config import GenerationConfig
+from asyncgrpo.rollout.dataset import Prompt, load_tokenizer
+from asyncgrpo.rollout.environment import load_environment
+from asyncgrpo.testing.envs import calculator_tasks
 
 PACKAGE = Path(__file__).resolve().parents[2] / "examples" / "envs" / "vf_v1_calculator"
 LOCAL = {"agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}}
