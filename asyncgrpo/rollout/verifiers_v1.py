@@ -68,7 +68,9 @@ def registered(client: TurnClient) -> Any:
     """``client`` reachable at its address while the block runs; the client config to use."""
     _clients[client.url] = client
     try:
-        yield vf.EvalClientConfig(base_url=client.url, api_key_var="ASYNCGRPO_UNUSED")
+        # a train config: the interception server then asks the client for whole responses
+        # (and frames them as a stream itself) instead of relaying a provider's stream
+        yield vf.TrainClientConfig(base_url=client.url, api_key_var="ASYNCGRPO_UNUSED")
     finally:
         _clients.pop(client.url, None)
 
@@ -111,9 +113,10 @@ def refusals(env: Any) -> list[str]:
 class _Session:
     """One agent run's token record (verifiers' trace id is the session)."""
 
-    def __init__(self, prompt_ids: list[int], prompt_messages: int) -> None:
+    def __init__(self, prompt_ids: list[int], prompt_messages: int, tools: Any) -> None:
         self.traj = Trajectory(prompt_ids)
         self.prompt_messages = prompt_messages
+        self.tools = tools  # what the first turn offered (OpenAI's function form)
         self.sent: list[Message] = []
         self.last: Turn | None = None
 
@@ -199,7 +202,7 @@ class TurnClient(vf.Client):
     def _session(self, key: str, messages: list[Message], tools: Any) -> _Session:
         s = self.sessions.get(key)
         if s is None:
-            s = self.sessions[key] = _Session(self._prompt_ids(messages, tools), len(messages))
+            s = self.sessions[key] = _Session(self._prompt_ids(messages, tools), len(messages), tools)
             return s
         n = len(s.sent)
         if _said(messages[:n]) != _said(s.sent) or s.last is None:

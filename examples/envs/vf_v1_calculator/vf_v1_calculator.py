@@ -27,7 +27,7 @@ class CalculatorData(vf.TaskData):
     answer: str = ""
 
 
-class CalculatorTools(vf.Toolset):
+class CalculatorTools(vf.Toolset[vf.ToolsetConfig, vf.State]):
     @vf.tool
     async def add(self, a: int, b: int) -> int:
         """Add two integers."""
@@ -55,3 +55,7 @@ class CalculatorTaskset(vf.Taskset[CalculatorTask, vf.TasksetConfig]):
         for row in calculator_tasks(64):
             data = CalculatorData(prompt=row["prompt"], answer=row["answer"])
             yield CalculatorTask(data, self.config.task)
+
+
+if __name__ == "__main__":  # verifiers starts a tool server as `python -m <its module>`
+    CalculatorTools.run()
