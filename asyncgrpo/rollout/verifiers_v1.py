@@ -202,7 +202,9 @@ class TurnClient(vf.Client):
     def _session(self, key: str, messages: list[Message], tools: Any) -> _Session:
         s = self.sessions.get(key)
         if s is None:
-            s = self.sessions[key] = _Session(self._prompt_ids(messages, tools), len(messages), tools)
+            s = self.sessions[key] = _Session(
+                self._prompt_ids(messages, tools), len(messages), tools
+            )
             return s
         n = len(s.sent)
         if _said(messages[:n]) != _said(s.sent) or s.last is None:
