@@ -34,7 +34,7 @@ from asyncgrpo.rollout.environment import ChatContinuation, Message, Trajectory
 from asyncgrpo.rollout.policy import PolicyClient, Turn
 from asyncgrpo.rollout.verifiers_env import parse_tool_calls
 
-__all__ = ["TurnClient", "install", "refusals"]
+__all__ = ["Seat", "TurnClient", "install", "refusals"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,43 +110,45 @@ def refusals(env: Any) -> list[str]:
     return found
 
 
-class _Session:
-    """One agent run's token record (verifiers' trace id is the session)."""
-
-    def __init__(self, prompt_ids: list[int], prompt_messages: int, tools: Any) -> None:
-        self.traj = Trajectory(prompt_ids)
-        self.prompt_messages = prompt_messages
-        self.tools = tools  # what the first turn offered (OpenAI's function form)
-        self.sent: list[Message] = []
-        self.last: Turn | None = None
-
-
-class TurnClient(vf.Client):
-    """The model client of one episode: answers verifiers' model calls token-exactly.
-
-    ``policy`` samples a turn (asyncgrpo's :class:`~asyncgrpo.rollout.policy.PolicyClient`);
-    ``seed(turn)`` gives each turn's sampling seed; ``session`` is the ``X-Session-ID`` of the
-    episode's group. Sampling settings are the run's ``generation`` section.
-    """
+class Seat:
+    """One agent run's part in an episode (verifiers' trace id is its session): who samples
+    its turns, under which ``X-Session-ID`` and seeds, and its token record."""
 
     def __init__(
-        self,
-        *,
-        tokenizer: Any,
-        policy: PolicyClient,
-        max_tokens: int,
-        max_episode_tokens: int,
-        session: str | None,
-        seed: Callable[[int], int | None],
+        self, policy: PolicyClient, session: str | None, seed: Callable[[int], int | None]
     ) -> None:
-        self.url = f"{SCHEME}{secrets.token_hex(8)}/v1"
-        self.tokenizer, self.policy, self.session = tokenizer, policy, session
-        self.max_tokens, self.max_episode_tokens, self.seed = max_tokens, max_episode_tokens, seed
-        self.chat = ChatContinuation(tokenizer)
-        self.sessions: dict[str, _Session] = {}
+        self.policy, self.session, self.seed = policy, session, seed
+        self.traj: Trajectory | None = None
+        self.prompt_messages = 0
+        self.tools: Any = None  # what the first turn offered (OpenAI's function form)
+        self.sent: list[Message] = []  # the conversation of the last turn, with its answer
+        self.last: Turn | None = None
         #: an error of asyncgrpo's side (a replica failure): verifiers would turn it into an
         #: episode error; the environment re-raises it so that it stops the run
         self.error: AsyncGRPOError | None = None
+
+
+class TurnClient(vf.Client):
+    """The model client of an environment's episodes: answers verifiers' model calls
+    token-exactly, each agent run (trace) on the :class:`Seat` taken for it with
+    :meth:`seat` when verifiers mints the trace. Sampling settings are the run's
+    ``generation`` section (``max_tokens`` per turn), not the harness's.
+    """
+
+    def __init__(self, *, tokenizer: Any, max_tokens: int, max_episode_tokens: int) -> None:
+        self.url = f"{SCHEME}{secrets.token_hex(8)}/v1"
+        self.tokenizer, self.max_tokens, self.max_episode_tokens = (
+            tokenizer, max_tokens, max_episode_tokens,
+        )  # fmt: skip
+        self.chat = ChatContinuation(tokenizer)
+        self.seats: dict[str, Seat] = {}
+
+    def seat(self, trace_id: str, seat: Seat) -> None:
+        self.seats[trace_id] = seat
+
+    def release(self, trace_ids: list[str]) -> dict[str, Seat]:
+        """The seats of ``trace_ids``, no longer answered for."""
+        return {t: s for t in trace_ids if (s := self.seats.pop(t, None)) is not None}
 
     async def get_response(
         self,
@@ -157,13 +159,17 @@ class TurnClient(vf.Client):
         turn: Any = None,
         headers: Mapping[str, str] | None = None,
     ) -> Any:
+        seat = self.seats.get(session_id or "")
+        if seat is None:
+            raise vf.ProviderError(f"no episode of asyncgrpo's plays trace {session_id!r}",
+                                   status_code=400)  # fmt: skip
         try:
-            return await self._answer(dialect, body, session_id)
+            return await self._answer(seat, dialect, body)
         except AsyncGRPOError as exc:
-            self.error = exc
+            seat.error = exc
             raise
 
-    async def _answer(self, dialect: Any, body: dict, session_id: str | None) -> Any:
+    async def _answer(self, seat: Seat, dialect: Any, body: dict) -> Any:
         if not isinstance(dialect, ChatDialect):
             raise vf.ProviderError(
                 f"the harness called the model with the {type(dialect).__name__}: asyncgrpo "
@@ -177,44 +183,44 @@ class TurnClient(vf.Client):
                 "a message has content parts (multimodal): asyncgrpo plays text", status_code=400
             )
         tools = [tool_to_wire(t) for t in request.tools] if request.tools else None
-        s = self._session(session_id or "", messages, tools)
-        room = min(self.max_tokens, self.max_episode_tokens - len(s.traj.ids))
+        traj = self._extend(seat, messages, tools)
+        room = min(self.max_tokens, self.max_episode_tokens - len(traj.ids))
         if room < 1:
             raise vf.ProviderError(
                 f"the episode reached max_episode_tokens={self.max_episode_tokens}", status_code=400
             )
-        turns = await self.policy.complete(
-            s.traj.ids, seed=self.seed(s.traj.model_turns), max_tokens=room, session=self.session
+        turns = await seat.policy.complete(
+            traj.ids, seed=seat.seed(traj.model_turns), max_tokens=room, session=seat.session
         )
         if not turns:
             raise vf.ProviderError(
                 "a model turn came back without usable logprobs", status_code=502
             )
-        got = s.last = turns[0]
-        s.traj.add_turn(got)
+        got = seat.last = turns[0]
+        traj.add_turn(got)
         calls = parse_tool_calls(got.text) if tools else []
         answer: Message = {"role": "assistant", "content": got.text}
         if calls:
             answer["tool_calls"] = calls
-        s.sent = [*messages, answer]
-        return self._response(got, calls)
+        seat.sent = [*messages, answer]
+        return self._response(got, calls, seat.policy.model)
 
-    def _session(self, key: str, messages: list[Message], tools: Any) -> _Session:
-        s = self.sessions.get(key)
-        if s is None:
-            s = self.sessions[key] = _Session(
-                self._prompt_ids(messages, tools), len(messages), tools
-            )
-            return s
-        n = len(s.sent)
-        if _said(messages[:n]) != _said(s.sent) or s.last is None:
+    def _extend(self, seat: Seat, messages: list[Message], tools: Any) -> Trajectory:
+        """The ids to send: the first turn's prompt, or the last turn's sequence plus the new
+        messages rendered once."""
+        if seat.traj is None:
+            seat.traj = Trajectory(self._prompt_ids(messages, tools))
+            seat.prompt_messages, seat.tools = len(messages), tools
+            return seat.traj
+        n = len(seat.sent)
+        if _said(messages[:n]) != _said(seat.sent) or seat.last is None:
             raise vf.ProviderError(
                 "the harness changed earlier messages of an episode between turns; its turns "
                 "cannot be continued token-exactly",
                 status_code=400,
             )
-        s.traj.add_env(self.chat.ids(messages[n:], after=s.last))
-        return s
+        seat.traj.add_env(self.chat.ids(messages[n:], after=seat.last))
+        return seat.traj
 
     def _prompt_ids(self, messages: list[Message], tools: Any) -> list[int]:
         if not tools:
@@ -224,7 +230,8 @@ class TurnClient(vf.Client):
         )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _response(self, got: Turn, calls: list[dict[str, Any]]) -> Any:
+    @staticmethod
+    def _response(got: Turn, calls: list[dict[str, Any]], model: str) -> Any:
         tool_calls = [
             vf.ToolCall(
                 id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"]
@@ -233,14 +240,14 @@ class TurnClient(vf.Client):
         ] or None
         finish = "length" if got.finish_reason == "length" else ("tool_calls" if calls else "stop")
         response = vf.Response(
-            id=f"asyncgrpo-{secrets.token_hex(4)}", created=0, model=self.policy.model,
+            id=f"asyncgrpo-{secrets.token_hex(4)}", created=0, model=model,
             message=vf.AssistantMessage(content=got.text or None, tool_calls=tool_calls),
             finish_reason=finish,
             usage=vf.Usage(prompt_tokens=len(got.prompt_ids), completion_tokens=len(got.token_ids)),
             tokens=vf.TurnTokens(prompt_ids=got.prompt_ids, completion_ids=got.token_ids,
                                  completion_logprobs=got.logprobs),
         )  # fmt: skip
-        response.raw = serialize_completion(response, self.policy.model)
+        response.raw = serialize_completion(response, model)
         return response
 
 

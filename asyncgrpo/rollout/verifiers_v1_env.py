@@ -24,7 +24,7 @@ from asyncgrpo.rollout.config import GenerationConfig
 from asyncgrpo.rollout.dataset import Prompt
 from asyncgrpo.rollout.environment import Environment, Episode
 from asyncgrpo.rollout.policy import PolicyClient
-from asyncgrpo.rollout.verifiers_v1 import TurnClient, refusals, registered, serving
+from asyncgrpo.rollout.verifiers_v1 import Seat, TurnClient, refusals, registered, serving
 
 __all__ = ["VerifiersV1Env"]
 
@@ -70,13 +70,18 @@ class VerifiersV1Env(Environment):
             raise ConfigError(f"verifiers environment {name!r}: {problems[0]}")
         self.name, self.max_episode_tokens = name, max_episode_tokens
         self.episode_timeout_s = episode_timeout_s
-        taskset_cls = type(self.env.taskset)
-        self._task_cls = taskset_cls.task_type()
+        self._task_cls = type(self.env.taskset).task_type()
+        self.client = TurnClient(
+            tokenizer=tokenizer, max_tokens=generation.max_completion_length,
+            max_episode_tokens=max_episode_tokens,
+        )  # fmt: skip
+        self._config: Any = None
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        async with serving(self.env):
-            yield
+        with registered(self.client) as self._config:
+            async with serving(self.env):
+                yield
 
     def task(self, task: Prompt) -> Any:
         """The run's dataset row as the taskset's task."""
@@ -112,36 +117,42 @@ class VerifiersV1Env(Environment):
 
     async def _play(self, task: Prompt, policy: PolicyClient, index: int) -> Episode | str:
         """The episode, or why it is unusable (the environment's own message)."""
-        client = TurnClient(
-            tokenizer=self.tokenizer, policy=policy,
-            max_tokens=self.generation.max_completion_length,
-            max_episode_tokens=self.max_episode_tokens, session=self.session(task),
-            seed=lambda turn: self.seed(task, index, turn),
-        )  # fmt: skip
-        with registered(client) as config:
-            ctx = vf.ModelContext(model=policy.model, client=config)
+        if self._config is None:
+            raise RuntimeError("VerifiersV1Env plays episodes inside `async with env.running()`")
+        minted: list[str] = []
+
+        def take(trace: Any) -> None:  # verifiers mints each agent run's trace before it runs
+            minted.append(trace.id)
+            seed = lambda turn: self.seed(task, index, turn)  # noqa: E731
+            self.client.seat(trace.id, Seat(policy, self.session(task), seed))
+
+        ctx = vf.ModelContext(model=policy.model, client=self._config)
+        try:
             with anyio.move_on_after(self.episode_timeout_s) as scope:
-                played = await self.env.run_episode(self.task(task), ctx)
-        if client.error is not None:
-            raise client.error  # the replicas', not the environment's: it stops the run
+                played = await self.env.run_episode(self.task(task), ctx, on_trace=take)
+        finally:
+            seats = self.client.release(minted)
+        for seat in seats.values():
+            if seat.error is not None:
+                raise seat.error  # the replicas', not the environment's: it stops the run
         if scope.cancelled_caught:
             return f"an episode ran past episode_timeout_s={self.episode_timeout_s:g}"
-        return _episode(played, client)
+        return _episode(played, seats)
 
 
-def _episode(played: Any, client: TurnClient) -> Episode | str:
+def _episode(played: Any, seats: dict[str, Seat]) -> Episode | str:
     """asyncgrpo's episode from verifiers' finished one and the client's token record."""
     errors = [*played.errors, *(e for t in played.traces for e in t.errors)]
     if not played.ok or errors:
         last = errors[-1] if errors else None
         return f"{last.type}: {last.message}" if last else "the episode did not finish"
-    traces = [t for t in played.traces if t.id in client.sessions]
+    traces = [t for t in played.traces if (s := seats.get(t.id)) and s.traj]
     if len(traces) != 1:
         return f"an episode with {len(traces)} model-calling agent runs (asyncgrpo trains one)"
     trace = traces[0]
-    session = client.sessions[trace.id]
+    session = seats[trace.id]
     traj = session.traj
-    if not traj.model_turns:
+    if traj is None or not traj.model_turns:
         return "an episode without a model turn"
     parts = {k: r.value for k, r in trace.rewards.items() if r is not None}
     if not parts:
