@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import verifiers.v1 as vf
@@ -29,12 +29,10 @@ from verifiers.v1.dialects import ChatDialect
 from verifiers.v1.dialects.chat import message_to_wire
 
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
-from asyncgrpo.rollout.dataset import encode_prompt
-from asyncgrpo.rollout.environment import ChatContinuation, Message, Trajectory
-from asyncgrpo.rollout.policy import PolicyClient, Turn
-from asyncgrpo.rollout.verifiers_env import parse_tool_calls
+from asyncgrpo.rollout.chat_turns import ChatTurns, Seat, TurnRefused
+from asyncgrpo.rollout.policy import Turn
 
-__all__ = ["Seat", "TurnClient", "install", "refusals"]
+__all__ = ["TurnClient", "install", "refusals"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,24 +108,6 @@ def refusals(env: Any) -> list[str]:
     return found
 
 
-class Seat:
-    """One agent run's part in an episode (verifiers' trace id is its session): who samples
-    its turns, under which ``X-Session-ID`` and seeds, and its token record."""
-
-    def __init__(
-        self, policy: PolicyClient, session: str | None, seed: Callable[[int], int | None]
-    ) -> None:
-        self.policy, self.session, self.seed = policy, session, seed
-        self.traj: Trajectory | None = None
-        self.prompt_messages = 0
-        self.tools: Any = None  # what the first turn offered (OpenAI's function form)
-        self.sent: list[Message] = []  # the conversation of the last turn, with its answer
-        self.last: Turn | None = None
-        #: an error of asyncgrpo's side (a replica failure): verifiers would turn it into an
-        #: episode error; the environment re-raises it so that it stops the run
-        self.error: AsyncGRPOError | None = None
-
-
 class TurnClient(vf.Client):
     """The model client of an environment's episodes: answers verifiers' model calls
     token-exactly, each agent run (trace) on the :class:`Seat` taken for it with
@@ -135,12 +115,9 @@ class TurnClient(vf.Client):
     ``generation`` section (``max_tokens`` per turn), not the harness's.
     """
 
-    def __init__(self, *, tokenizer: Any, max_tokens: int, max_episode_tokens: int) -> None:
+    def __init__(self, turns: ChatTurns) -> None:
         self.url = f"{SCHEME}{secrets.token_hex(8)}/v1"
-        self.tokenizer, self.max_tokens, self.max_episode_tokens = (
-            tokenizer, max_tokens, max_episode_tokens,
-        )  # fmt: skip
-        self.chat = ChatContinuation(tokenizer)
+        self.turns = turns
         self.seats: dict[str, Seat] = {}
 
     def seat(self, trace_id: str, seat: Seat) -> None:
@@ -178,57 +155,12 @@ class TurnClient(vf.Client):
             )
         request = dialect.parse_request(body)
         messages = [message_to_wire(m) for m in request.messages]
-        if any(isinstance(m.get("content"), list) for m in messages):
-            raise vf.ProviderError(
-                "a message has content parts (multimodal): asyncgrpo plays text", status_code=400
-            )
         tools = [tool_to_wire(t) for t in request.tools] if request.tools else None
-        traj = self._extend(seat, messages, tools)
-        room = min(self.max_tokens, self.max_episode_tokens - len(traj.ids))
-        if room < 1:
-            raise vf.ProviderError(
-                f"the episode reached max_episode_tokens={self.max_episode_tokens}", status_code=400
-            )
-        turns = await seat.policy.complete(
-            traj.ids, seed=seat.seed(traj.model_turns), max_tokens=room, session=seat.session
-        )
-        if not turns:
-            raise vf.ProviderError(
-                "a model turn came back without usable logprobs", status_code=502
-            )
-        got = seat.last = turns[0]
-        traj.add_turn(got)
-        calls = parse_tool_calls(got.text) if tools else []
-        answer: Message = {"role": "assistant", "content": got.text}
-        if calls:
-            answer["tool_calls"] = calls
-        seat.sent = [*messages, answer]
+        try:
+            got, calls = await self.turns.answer(seat, messages, tools)
+        except TurnRefused as exc:
+            raise vf.ProviderError(str(exc), status_code=exc.status) from exc
         return self._response(got, calls, seat.policy.model)
-
-    def _extend(self, seat: Seat, messages: list[Message], tools: Any) -> Trajectory:
-        """The ids to send: the first turn's prompt, or the last turn's sequence plus the new
-        messages rendered once."""
-        if seat.traj is None:
-            seat.traj = Trajectory(self._prompt_ids(messages, tools))
-            seat.prompt_messages, seat.tools = len(messages), tools
-            return seat.traj
-        n = len(seat.sent)
-        if _said(messages[:n]) != _said(seat.sent) or seat.last is None:
-            raise vf.ProviderError(
-                "the harness changed earlier messages of an episode between turns; its turns "
-                "cannot be continued token-exactly",
-                status_code=400,
-            )
-        seat.traj.add_env(self.chat.ids(messages[n:], after=seat.last))
-        return seat.traj
-
-    def _prompt_ids(self, messages: list[Message], tools: Any) -> list[int]:
-        if not tools:
-            return encode_prompt(self.tokenizer, messages)
-        text = self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     @staticmethod
     def _response(got: Turn, calls: list[dict[str, Any]], model: str) -> Any:
@@ -249,11 +181,6 @@ class TurnClient(vf.Client):
         )  # fmt: skip
         response.raw = serialize_completion(response, model)
         return response
-
-
-def _said(messages: list[Message]) -> list[tuple[Any, str]]:
-    """Who said what: how two renderings of a conversation are compared."""
-    return [(m.get("role"), str(m.get("content") or "")) for m in messages]
 
 
 @contextlib.asynccontextmanager

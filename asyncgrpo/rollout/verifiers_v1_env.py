@@ -20,11 +20,12 @@ import anyio
 import verifiers.v1 as vf
 
 from asyncgrpo.errors import ConfigError, EpisodeError
+from asyncgrpo.rollout.chat_turns import ChatTurns, Seat
 from asyncgrpo.rollout.config import GenerationConfig
 from asyncgrpo.rollout.dataset import Prompt
 from asyncgrpo.rollout.environment import Environment, Episode
 from asyncgrpo.rollout.policy import PolicyClient
-from asyncgrpo.rollout.verifiers_v1 import Seat, TurnClient, refusals, registered, serving
+from asyncgrpo.rollout.verifiers_v1 import TurnClient, refusals, registered, serving
 
 __all__ = ["VerifiersV1Env"]
 
@@ -71,10 +72,11 @@ class VerifiersV1Env(Environment):
         self.name, self.max_episode_tokens = name, max_episode_tokens
         self.episode_timeout_s = episode_timeout_s
         self._task_cls = type(self.env.taskset).task_type()
-        self.client = TurnClient(
+        turns = ChatTurns(
             tokenizer=tokenizer, max_tokens=generation.max_completion_length,
             max_episode_tokens=max_episode_tokens,
         )  # fmt: skip
+        self.client = TurnClient(turns)
         self._config: Any = None
 
     @asynccontextmanager
@@ -157,4 +159,4 @@ def _episode(played: Any, seats: dict[str, Seat]) -> Episode | str:
     parts = {k: r.value for k, r in trace.rewards.items() if r is not None}
     if not parts:
         return "an episode without a reward"
-    return traj.episode(session.sent[session.prompt_messages :], parts)
+    return traj.episode(session.completion(), parts)

@@ -1,0 +1,116 @@
+"""Token-exact model turns for chat conversations that an outside program drives.
+
+A harness (verifiers' chat loop, an agent) sends the whole conversation each turn, as OpenAI
+chat messages. Rendered again through the chat template, the ids the trainer sees would not be
+those the policy sampled. :class:`ChatTurns` answers it token-exactly: the first turn is the
+conversation through the model's chat template (with the tools), every later turn the previous
+turn's exact ids, the ids vLLM sampled and only the new messages rendered once
+(:class:`~asyncgrpo.rollout.environment.ChatContinuation`), sent through asyncgrpo's policy
+client as token ids. Each conversation's record lives on its :class:`Seat`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from asyncgrpo.rollout.dataset import encode_prompt
+from asyncgrpo.rollout.environment import ChatContinuation, Message, Trajectory
+from asyncgrpo.rollout.policy import PolicyClient, Turn
+from asyncgrpo.rollout.verifiers_env import parse_tool_calls
+
+__all__ = ["ChatTurns", "Seat", "TurnRefused"]
+
+
+class TurnRefused(Exception):
+    """A model call that cannot be answered token-exactly; ``status`` is the HTTP status a
+    harness should see (400: its request; 502: the model's answer was unusable)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Seat:
+    """One conversation's part in an episode: who samples its turns, under which
+    ``X-Session-ID`` and seeds, and its token record."""
+
+    def __init__(
+        self, policy: PolicyClient, session: str | None, seed: Callable[[int], int | None]
+    ) -> None:
+        self.policy, self.session, self.seed = policy, session, seed
+        self.traj: Trajectory | None = None
+        self.prompt_messages = 0
+        self.tools: Any = None  # what the first turn offered (OpenAI's function form)
+        self.sent: list[Message] = []  # the conversation of the last turn, with its answer
+        self.last: Turn | None = None
+        #: an error of asyncgrpo's side (a replica failure): a harness would turn it into an
+        #: episode error; the environment re-raises it so that it stops the run
+        self.error: Exception | None = None
+
+    def completion(self) -> list[Message]:
+        """The messages after the prompt, up to the last answer."""
+        return self.sent[self.prompt_messages :]
+
+
+class ChatTurns:
+    """Answers chat turns token-exactly; ``max_tokens`` per turn, ``max_episode_tokens`` for
+    the whole sequence (keep it at most the replicas' ``--max-model-len``)."""
+
+    def __init__(self, *, tokenizer: Any, max_tokens: int, max_episode_tokens: int) -> None:
+        self.tokenizer, self.max_tokens = tokenizer, max_tokens
+        self.max_episode_tokens = max_episode_tokens
+        self.chat = ChatContinuation(tokenizer)
+
+    async def answer(
+        self, seat: Seat, messages: list[Message], tools: list[dict[str, Any]] | None
+    ) -> tuple[Turn, list[dict[str, Any]]]:
+        """The model's turn and its tool calls (OpenAI's form, read from the text)."""
+        if any(isinstance(m.get("content"), list) for m in messages):
+            raise TurnRefused("a message has content parts (multimodal): asyncgrpo plays text")
+        traj = self._extend(seat, messages, tools)
+        room = min(self.max_tokens, self.max_episode_tokens - len(traj.ids))
+        if room < 1:
+            raise TurnRefused(f"the episode reached max_episode_tokens={self.max_episode_tokens}")
+        turns = await seat.policy.complete(
+            traj.ids, seed=seat.seed(traj.model_turns), max_tokens=room, session=seat.session
+        )
+        if not turns:
+            raise TurnRefused("a model turn came back without usable logprobs", 502)
+        got = seat.last = turns[0]
+        traj.add_turn(got)
+        calls = parse_tool_calls(got.text) if tools else []
+        answer: Message = {"role": "assistant", "content": got.text}
+        if calls:
+            answer["tool_calls"] = calls
+        seat.sent = [*messages, answer]
+        return got, calls
+
+    def _extend(self, seat: Seat, messages: list[Message], tools: Any) -> Trajectory:
+        """The ids to send: the first turn's prompt, or the last turn's sequence plus the new
+        messages rendered once."""
+        if seat.traj is None:
+            seat.traj = Trajectory(self._prompt_ids(messages, tools))
+            seat.prompt_messages, seat.tools = len(messages), tools
+            return seat.traj
+        n = len(seat.sent)
+        if _said(messages[:n]) != _said(seat.sent) or seat.last is None:
+            raise TurnRefused(
+                "the harness changed earlier messages of an episode between turns; its turns "
+                "cannot be continued token-exactly"
+            )
+        seat.traj.add_env(self.chat.ids(messages[n:], after=seat.last))
+        return seat.traj
+
+    def _prompt_ids(self, messages: list[Message], tools: Any) -> list[int]:
+        if not tools:
+            return encode_prompt(self.tokenizer, messages)
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _said(messages: list[Message]) -> list[tuple[Any, str]]:
+    """Who said what: how two renderings of a conversation are compared."""
+    return [(m.get("role"), str(m.get("content") or "")) for m in messages]
