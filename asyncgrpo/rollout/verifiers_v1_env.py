@@ -25,9 +25,10 @@ from asyncgrpo.rollout.config import GenerationConfig
 from asyncgrpo.rollout.dataset import Prompt
 from asyncgrpo.rollout.environment import Environment, Episode
 from asyncgrpo.rollout.policy import PolicyClient
-from asyncgrpo.rollout.verifiers_v1 import TurnClient, refusals, registered, serving
+from asyncgrpo.rollout.verifiers_v1 import TurnClient, serving
+from asyncgrpo.rollout.vf_worker import load, outcome, refusals, registered
 
-__all__ = ["VerifiersV1Env"]
+__all__ = ["VerifiersV1Env", "episode_of"]
 
 
 class VerifiersV1Env(Environment):
@@ -57,10 +58,8 @@ class VerifiersV1Env(Environment):
                 f"VerifiersV1Env: max_episode_tokens={max_episode_tokens} must be >= 2 and "
                 f"episode_timeout_s={episode_timeout_s} > 0"
             )
-        data = dict(args or {})
-        taskset = {**dict(data.pop("taskset", None) or {}), "id": name}
         try:
-            self.env = vf.load_environment(vf.resolve_env_config({**data, "taskset": taskset}))
+            self.env = load(name, dict(args or {}))
         except Exception as exc:  # pydantic, import and plugin errors: the line names them
             first = str(exc).strip().splitlines()
             raise ConfigError(
@@ -143,20 +142,22 @@ class VerifiersV1Env(Environment):
 
 
 def _episode(played: Any, seats: dict[str, Seat]) -> Episode | str:
-    """asyncgrpo's episode from verifiers' finished one and the client's token record."""
-    errors = [*played.errors, *(e for t in played.traces for e in t.errors)]
-    if not played.ok or errors:
-        last = errors[-1] if errors else None
-        return f"{last.type}: {last.message}" if last else "the episode did not finish"
-    traces = [t for t in played.traces if (s := seats.get(t.id)) and s.traj]
+    """asyncgrpo's episode from verifiers' finished one and the seats' token records."""
+    return episode_of(outcome(played), seats)
+
+
+def episode_of(result: Mapping[str, Any], seats: Mapping[str, Seat]) -> Episode | str:
+    """The episode trained on, from an episode's outcome (its error, each trace's rewards)
+    and the seats that answered its traces; or why it is unusable."""
+    if result.get("error"):
+        return str(result["error"])
+    traces = [t for t in result["traces"] if (s := seats.get(t["id"])) and s.traj]
     if len(traces) != 1:
         return f"an episode with {len(traces)} model-calling agent runs (asyncgrpo trains one)"
-    trace = traces[0]
-    session = seats[trace.id]
-    traj = session.traj
-    if traj is None or not traj.model_turns:
+    seat = seats[traces[0]["id"]]
+    if seat.traj is None or not seat.traj.model_turns:
         return "an episode without a model turn"
-    parts = {k: r.value for k, r in trace.rewards.items() if r is not None}
+    parts = {str(k): float(v) for k, v in traces[0]["rewards"].items()}
     if not parts:
         return "an episode without a reward"
-    return traj.episode(session.completion(), parts)
+    return seat.traj.episode(seat.completion(), parts)
