@@ -11,15 +11,15 @@ client as token ids. Each conversation's record lives on its :class:`Seat`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from asyncgrpo.rollout.dataset import encode_prompt
-from asyncgrpo.rollout.environment import ChatContinuation, Message, Trajectory
+from asyncgrpo.rollout.environment import ChatContinuation, Episode, Message, Trajectory
 from asyncgrpo.rollout.policy import PolicyClient, Turn
 from asyncgrpo.rollout.verifiers_env import parse_tool_calls
 
-__all__ = ["ChatTurns", "Seat", "TurnRefused"]
+__all__ = ["ChatTurns", "Seat", "TurnRefused", "episode_of"]
 
 
 class TurnRefused(Exception):
@@ -114,3 +114,20 @@ class ChatTurns:
 def _said(messages: list[Message]) -> list[tuple[Any, str]]:
     """Who said what: how two renderings of a conversation are compared."""
     return [(m.get("role"), str(m.get("content") or "")) for m in messages]
+
+
+def episode_of(result: Mapping[str, Any], seats: Mapping[str, Seat]) -> Episode | str:
+    """The episode trained on, from an episode's outcome (its error, each trace's rewards)
+    and the seats that answered its traces; or why it is unusable."""
+    if result.get("error"):
+        return str(result["error"])
+    traces = [t for t in result["traces"] if (s := seats.get(t["id"])) and s.traj]
+    if len(traces) != 1:
+        return f"an episode with {len(traces)} model-calling agent runs (asyncgrpo trains one)"
+    seat = seats[traces[0]["id"]]
+    if seat.traj is None or not seat.traj.model_turns:
+        return "an episode without a model turn"
+    parts = {str(k): float(v) for k, v in traces[0]["rewards"].items()}
+    if not parts:
+        return "an episode without a reward"
+    return seat.traj.episode(seat.completion(), parts)

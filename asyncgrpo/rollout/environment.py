@@ -443,6 +443,8 @@ def environment_class(path: str | Mapping[str, Any]) -> type[Environment]:
     """The class ``rollout.environment`` names (``'package.module:Class'``), imported; for
     ``{verifiers: NAME}``, :class:`~asyncgrpo.rollout.verifiers_env.VerifiersEnv` once
     ``verifiers`` and the module NAME are found (not imported: that loads the environment)."""
+    if isinstance(path, Mapping) and path.get("python"):  # its own process and venv
+        return environment_class("asyncgrpo.rollout.verifiers_remote:RemoteV1Env")
     if isinstance(path, Mapping):  # loaded by path like any environment: it builds on this module
         cls: Any = environment_class("asyncgrpo.rollout.verifiers_env:VerifiersEnv")
         cls.find(str(path["verifiers"]))
@@ -495,6 +497,8 @@ def load_environment(
     cls = environment_class(path)
     if isinstance(path, Mapping):
         args.update(name=path["verifiers"], args=path.get("args"))
+        if path.get("python"):
+            args["python"] = path["python"]
     try:
         return cls(tokenizer=tokenizer, generation=generation, **args)
     except TypeError as exc:

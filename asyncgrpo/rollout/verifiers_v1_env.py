@@ -20,7 +20,7 @@ import anyio
 import verifiers.v1 as vf
 
 from asyncgrpo.errors import ConfigError, EpisodeError
-from asyncgrpo.rollout.chat_turns import ChatTurns, Seat
+from asyncgrpo.rollout.chat_turns import ChatTurns, Seat, episode_of
 from asyncgrpo.rollout.config import GenerationConfig
 from asyncgrpo.rollout.dataset import Prompt
 from asyncgrpo.rollout.environment import Environment, Episode
@@ -28,7 +28,7 @@ from asyncgrpo.rollout.policy import PolicyClient
 from asyncgrpo.rollout.verifiers_v1 import TurnClient, serving
 from asyncgrpo.rollout.vf_worker import load, outcome, refusals, registered
 
-__all__ = ["VerifiersV1Env", "episode_of"]
+__all__ = ["VerifiersV1Env"]
 
 
 class VerifiersV1Env(Environment):
@@ -144,20 +144,3 @@ class VerifiersV1Env(Environment):
 def _episode(played: Any, seats: dict[str, Seat]) -> Episode | str:
     """asyncgrpo's episode from verifiers' finished one and the seats' token records."""
     return episode_of(outcome(played), seats)
-
-
-def episode_of(result: Mapping[str, Any], seats: Mapping[str, Seat]) -> Episode | str:
-    """The episode trained on, from an episode's outcome (its error, each trace's rewards)
-    and the seats that answered its traces; or why it is unusable."""
-    if result.get("error"):
-        return str(result["error"])
-    traces = [t for t in result["traces"] if (s := seats.get(t["id"])) and s.traj]
-    if len(traces) != 1:
-        return f"an episode with {len(traces)} model-calling agent runs (asyncgrpo trains one)"
-    seat = seats[traces[0]["id"]]
-    if seat.traj is None or not seat.traj.model_turns:
-        return "an episode without a model turn"
-    parts = {str(k): float(v) for k, v in traces[0]["rewards"].items()}
-    if not parts:
-        return "an episode without a reward"
-    return seat.traj.episode(seat.completion(), parts)
