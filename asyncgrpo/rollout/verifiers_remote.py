@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from asyncgrpo.errors import AsyncGRPOError, ConfigError, EpisodeError
+from asyncgrpo.errors import AsyncGRPOError, ConfigError, EpisodeError, leaves
 from asyncgrpo.processes import start_group, stop_group
 from asyncgrpo.rollout.chat_turns import ChatTurns, Seat, TurnRefused, episode_of
 from asyncgrpo.rollout.config import GenerationConfig
@@ -110,21 +110,28 @@ class RemoteV1Env(Environment):
         try:
             await self._send({"op": "load", "name": self.name, "args": self.args})
             lines = _lines(process)
-            with anyio.fail_after(self.start_timeout_s):
-                first = await anext(lines, {"op": "error", "message": "the process exited"})
+            try:
+                with anyio.fail_after(self.start_timeout_s):
+                    first = await anext(lines, {"op": "error", "message": "the process exited"})
+            except TimeoutError as exc:
+                raise ConfigError(
+                    f"verifiers environment {self.name!r} did not load within "
+                    f"start_timeout_s={self.start_timeout_s:g}"
+                ) from exc
             if first["op"] != "ready":
                 raise ConfigError(f"verifiers environment {self.name!r}: {first.get('message')}")
             self.fields = list(first["fields"])
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                tg.start_soon(self._read, lines)
-                yield
-                tg.cancel_scope.cancel()
-        except TimeoutError as exc:
-            raise ConfigError(
-                f"verifiers environment {self.name!r} did not load within start_timeout_s="
-                f"{self.start_timeout_s:g}"
-            ) from exc
+            try:
+                async with anyio.create_task_group() as tg:
+                    self._tg = tg
+                    tg.start_soon(self._read, lines)
+                    yield
+                    tg.cancel_scope.cancel()
+            except BaseExceptionGroup as group:  # what the block raised, as it raised it
+                inner = leaves(group)
+                if len(inner) == 1 and isinstance(inner[0], Exception):
+                    raise inner[0] from None
+                raise
         finally:
             self._tg = None
             with anyio.CancelScope(shield=True):
