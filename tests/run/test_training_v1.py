@@ -63,3 +63,7 @@ async def test_a_v1_tool_environment_trains_4_steps_token_exactly(
     for r, batch in zip(records, batches, strict=True):  # environment tokens carry no loss
         assert r["batch/completion_tokens"] == sum(s.num_policy_tokens for s in batch)
     assert records[-1]["rollout/env_failures_total"] == 0
+    turns = [sum(m and (i == 0 or not s.policy_mask()[i - 1]) for i, m in enumerate(s.policy_mask()))
+             for s in samples]  # fmt: skip
+    print(f"v1 in process: max |logp error| {max(errors):.2e}, ratio "
+          f"{[round(r['ratio'], 6) for r in records]}, model turns {sorted(turns)}")  # fmt: skip
