@@ -33,7 +33,8 @@ lint: install
 # verifiers 0.4 (verifiers.v1) cannot share .venv with the `envs` extra's verifiers 0.1.10 (one
 # distribution). .venv-vf4 holds verifiers 0.4, uv (it runs verifiers' harness programs) and the
 # example environment package, and reads everything else from .venv through a .pth file, so
-# its own packages (openai 2.54, mcp 2.0.0, verifiers 0.4) come first. About a minute.
+# its own packages (openai 2.54, mcp 2.0.0, verifiers 0.4) come first. About a minute. Its
+# Python is what `rollout.environment.python` names to run a v1 environment from it.
 VF4 ?= .venv-vf4
 VF4_PY := $(VF4)/bin/python
 VF4_STAMP := $(VF4)/.asyncgrpo-vf4-installed
