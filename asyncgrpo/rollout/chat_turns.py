@@ -11,15 +11,25 @@ client as token ids. Each conversation's record lives on its :class:`Seat`.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from asyncgrpo.rollout.dataset import encode_prompt
-from asyncgrpo.rollout.environment import ChatContinuation, Episode, Message, Trajectory
+import anyio
+
+from asyncgrpo.errors import EpisodeError
+from asyncgrpo.rollout.dataset import Prompt, encode_prompt
+from asyncgrpo.rollout.environment import (
+    ChatContinuation,
+    Environment,
+    Episode,
+    Message,
+    Trajectory,
+)
 from asyncgrpo.rollout.policy import PolicyClient, Turn
 from asyncgrpo.rollout.verifiers_env import parse_tool_calls
 
-__all__ = ["ChatTurns", "Seat", "TurnRefused", "episode_of"]
+__all__ = ["ChatTurns", "PlayedEnv", "Seat", "TurnRefused", "episode_of"]
 
 
 class TurnRefused(Exception):
@@ -131,3 +141,35 @@ def episode_of(result: Mapping[str, Any], seats: Mapping[str, Seat]) -> Episode 
     if not parts:
         return "an episode without a reward"
     return seat.traj.episode(seat.completion(), parts)
+
+
+class PlayedEnv(Environment):
+    """An environment whose episodes an outside program plays (``name`` in messages): G at
+    once, and the first unusable one costs the whole group (:class:`EpisodeError`)."""
+
+    provides_reward = True
+    name = ""
+
+    @abstractmethod
+    async def _play(self, task: Prompt, policy: PolicyClient, index: int) -> Episode | str:
+        """The episode, or why it is unusable (the environment's own message)."""
+
+    async def group(self, task: Prompt, policy: PolicyClient, g: int) -> list[Episode]:
+        results: list[Episode | str | None] = [None] * g
+
+        async def one(i: int) -> None:
+            results[i] = await self._play(task, policy, i)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(g):
+                tg.start_soon(one, i)
+        failed = [r for r in results if isinstance(r, str)]
+        if failed:
+            raise EpisodeError(f"verifiers environment {self.name!r}: {failed[0]}")
+        return [r for r in results if isinstance(r, Episode)]
+
+    async def rollout(self, task: Prompt, policy: PolicyClient, index: int) -> Episode | None:
+        played = await self._play(task, policy, index)
+        if isinstance(played, str):
+            raise EpisodeError(f"verifiers environment {self.name!r}: {played}")
+        return played

@@ -24,12 +24,12 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from asyncgrpo.errors import AsyncGRPOError, ConfigError, EpisodeError, leaves
+from asyncgrpo.errors import AsyncGRPOError, ConfigError, leaves
 from asyncgrpo.processes import start_group, stop_group
-from asyncgrpo.rollout.chat_turns import ChatTurns, Seat, TurnRefused, episode_of
+from asyncgrpo.rollout.chat_turns import ChatTurns, PlayedEnv, Seat, TurnRefused, episode_of
 from asyncgrpo.rollout.config import GenerationConfig
 from asyncgrpo.rollout.dataset import Prompt
-from asyncgrpo.rollout.environment import Environment, Episode
+from asyncgrpo.rollout.environment import Episode
 from asyncgrpo.rollout.policy import PolicyClient
 
 __all__ = ["WORKER", "RemoteV1Env"]
@@ -50,15 +50,13 @@ class _Episode:
         self.result: dict[str, Any] = {}
 
 
-class RemoteV1Env(Environment):
+class RemoteV1Env(PlayedEnv):
     """A verifiers 0.4 environment in its own process; see the module docstring.
 
     ``python``: the environment venv's interpreter. ``max_episode_tokens`` and
     ``episode_timeout_s`` as for :class:`~asyncgrpo.rollout.verifiers_v1_env.VerifiersV1Env`;
     ``start_timeout_s`` bounds loading the environment there.
     """
-
-    provides_reward = True
 
     def __init__(
         self,
@@ -176,27 +174,6 @@ class RemoteV1Env(Environment):
                 seat.error = exc
                 reply.update(error=str(exc), status=502)
         await self._send(reply)
-
-    async def group(self, task: Prompt, policy: PolicyClient, g: int) -> list[Episode]:
-        """G episodes at once; the first failure among them costs the whole group."""
-        results: list[Episode | str | None] = [None] * g
-
-        async def one(i: int) -> None:
-            results[i] = await self._play(task, policy, i)
-
-        async with anyio.create_task_group() as tg:
-            for i in range(g):
-                tg.start_soon(one, i)
-        failed = [r for r in results if isinstance(r, str)]
-        if failed:
-            raise EpisodeError(f"verifiers environment {self.name!r}: {failed[0]}")
-        return [r for r in results if isinstance(r, Episode)]
-
-    async def rollout(self, task: Prompt, policy: PolicyClient, index: int) -> Episode | None:
-        played = await self._play(task, policy, index)
-        if isinstance(played, str):
-            raise EpisodeError(f"verifiers environment {self.name!r}: {played}")
-        return played
 
     async def _play(self, task: Prompt, policy: PolicyClient, index: int) -> Episode | str:
         if self._tg is None:

@@ -19,11 +19,11 @@ from typing import Any
 import anyio
 import verifiers.v1 as vf
 
-from asyncgrpo.errors import ConfigError, EpisodeError
-from asyncgrpo.rollout.chat_turns import ChatTurns, Seat, episode_of
+from asyncgrpo.errors import ConfigError
+from asyncgrpo.rollout.chat_turns import ChatTurns, PlayedEnv, Seat, episode_of
 from asyncgrpo.rollout.config import GenerationConfig
 from asyncgrpo.rollout.dataset import Prompt
-from asyncgrpo.rollout.environment import Environment, Episode
+from asyncgrpo.rollout.environment import Episode
 from asyncgrpo.rollout.policy import PolicyClient
 from asyncgrpo.rollout.verifiers_v1 import TurnClient, serving
 from asyncgrpo.rollout.vf_worker import load, outcome, refusals, registered
@@ -31,7 +31,7 @@ from asyncgrpo.rollout.vf_worker import load, outcome, refusals, registered
 __all__ = ["VerifiersV1Env"]
 
 
-class VerifiersV1Env(Environment):
+class VerifiersV1Env(PlayedEnv):
     """A verifiers 0.4 environment played token-exactly; see the module docstring.
 
     ``max_episode_tokens`` bounds each episode's sequence (keep it at most the replicas'
@@ -39,8 +39,6 @@ class VerifiersV1Env(Environment):
     The dataset rows come from the run's ``dataset`` section, validated as the taskset's
     ``TaskData`` (``prompt`` plus the fields its rewards read).
     """
-
-    provides_reward = True
 
     def __init__(
         self,
@@ -94,27 +92,6 @@ class VerifiersV1Env(Environment):
         except Exception as exc:
             raise ConfigError(f"dataset row {task.index} is no {data_cls.__name__}: {exc}") from exc
         return self._task_cls(data, self.env.taskset.config.task)
-
-    async def group(self, task: Prompt, policy: PolicyClient, g: int) -> list[Episode]:
-        """G episodes at once; the first failure among them costs the whole group."""
-        results: list[Episode | str | None] = [None] * g
-
-        async def one(i: int) -> None:
-            results[i] = await self._play(task, policy, i)
-
-        async with anyio.create_task_group() as tg:
-            for i in range(g):
-                tg.start_soon(one, i)
-        failed = [r for r in results if isinstance(r, str)]
-        if failed:
-            raise EpisodeError(f"verifiers environment {self.name!r}: {failed[0]}")
-        return [r for r in results if isinstance(r, Episode)]
-
-    async def rollout(self, task: Prompt, policy: PolicyClient, index: int) -> Episode | None:
-        played = await self._play(task, policy, index)
-        if isinstance(played, str):
-            raise EpisodeError(f"verifiers environment {self.name!r}: {played}")
-        return played
 
     async def _play(self, task: Prompt, policy: PolicyClient, index: int) -> Episode | str:
         """The episode, or why it is unusable (the environment's own message)."""
