@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from asyncgrpo.errors import AsyncGRPOError, ConfigError, leaves
+from asyncgrpo.errors import AsyncGRPOError, ConfigError, LaunchError, leaves
 from asyncgrpo.processes import start_group, stop_group
 from asyncgrpo.rollout.chat_turns import ChatTurns, PlayedEnv, Seat, TurnRefused, episode_of
 from asyncgrpo.rollout.config import GenerationConfig
@@ -94,6 +94,7 @@ class RemoteV1Env(PlayedEnv):
         self._by_trace: dict[str, _Episode] = {}
         self._ids = itertools.count()
         self._send_lock = anyio.Lock()
+        self._gone = ""  # why the environment process is no more
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -152,8 +153,10 @@ class RemoteV1Env(PlayedEnv):
             elif op == "done" and (ep := self._episodes.get(msg["id"])):
                 ep.result = msg
                 ep.done.set()
-        for ep in self._episodes.values():  # the process is gone: every episode with it
-            ep.result = {"error": "the environment process exited", "traces": []}
+        assert self._process is not None
+        self._gone = f"the environment process exited (status {await self._process.wait()})"
+        for ep in self._episodes.values():  # every episode in flight went with it
+            ep.result = {"error": self._gone, "traces": []}
             ep.done.set()
 
     async def _answer(self, msg: dict[str, Any]) -> None:
@@ -178,6 +181,8 @@ class RemoteV1Env(PlayedEnv):
     async def _play(self, task: Prompt, policy: PolicyClient, index: int) -> Episode | str:
         if self._tg is None:
             raise RuntimeError("RemoteV1Env plays episodes inside `async with env.running()`")
+        if self._gone:  # not one group's loss: no later episode can run either
+            raise LaunchError(f"verifiers environment {self.name!r}: {self._gone}")
         eid = next(self._ids)
         seed = lambda turn: self.seed(task, index, turn)  # noqa: E731
         ep = self._episodes[eid] = _Episode(policy, self.session(task), seed)

@@ -9,6 +9,7 @@ Needs the verifiers 0.4 venv (``make install-vf4``: .venv-vf4, or ASYNCGRPO_VF4_
 from __future__ import annotations
 
 import os
+import signal
 import textwrap
 from importlib.metadata import version
 from pathlib import Path
@@ -185,3 +186,24 @@ def test_refusals_and_load_errors_come_back_as_one_line(tokenizer: Any, package:
     with pytest.raises(ConfigError, match="not an executable file"):
         load_environment({"verifiers": "x", "python": "/no/such/python"}, None,
                          tokenizer=tokenizer, generation=GenerationConfig())  # fmt: skip
+
+
+def test_an_environment_process_that_dies_stops_the_run(tokenizer: Any, package: Path) -> None:
+    from asyncgrpo.errors import LaunchError
+
+    env = remote(tokenizer, "vf-remote-calculator", LOCAL)
+    row = calculator_tasks(1)[0]
+    extra = {k: v for k, v in row.items() if k != "prompt"}
+    task = Prompt(index=0, epoch=0, prompt=row["prompt"], prompt_ids=[0], extra=extra)
+
+    async def main() -> None:
+        async with env.running():
+            assert env._process is not None
+            os.killpg(env._process.pid, signal.SIGKILL)  # the process this test started
+            await env._process.wait()
+            await anyio.sleep(0.2)  # its stdout closes; the reader notices
+            await env.group(task, Scripted(tokenizer, ["x"]), 2)
+
+    with pytest.raises(ExceptionGroup) as info:  # from the group's task group
+        anyio.run(main)
+    assert info.group_contains(LaunchError, match=r"environment process exited \(status -9\)")
