@@ -7,7 +7,7 @@ STAMP := $(VENV)/.asyncgrpo-installed
 OUT ?= runs/demo
 EXTRAS ?= train,serve-cpu,s3,gcs,azure,hf,math,fast,envs,wandb,tinker,dev
 
-.PHONY: install demo test lint bench test-skypilot
+.PHONY: install demo test lint bench test-skypilot install-vf4 test-vf4
 
 install: $(STAMP)
 
@@ -40,3 +40,24 @@ test-skypilot: install
 
 lint: install
 	$(VENV)/bin/ruff check asyncgrpo tests bench && $(VENV)/bin/ruff format --check asyncgrpo tests bench
+
+# verifiers 0.4 (verifiers.v1) cannot share .venv with the `envs` extra's verifiers 0.1.10 (one
+# distribution). .venv-vf4 holds verifiers 0.4, uv (it runs verifiers' harness programs) and the
+# example environment package, and reads everything else from .venv through a .pth file, so
+# its own packages (openai 2.54, mcp 2.0.0, verifiers 0.4) come first. About a minute. Its
+# Python is what `rollout.environment.python` names to run a v1 environment from it.
+VF4 ?= .venv-vf4
+VF4_PY := $(VF4)/bin/python
+VF4_STAMP := $(VF4)/.asyncgrpo-vf4-installed
+
+install-vf4: $(VF4_STAMP)
+
+$(VF4_STAMP): $(STAMP) examples/envs/vf_v1_calculator/pyproject.toml
+	test -x $(VF4_PY) || $(PY) -m venv --without-pip $(VF4) && $(PY) -m pip --python $(VF4_PY) --version >/dev/null
+	$(PY) -m pip --python $(VF4_PY) install -q 'verifiers==0.4.0' uv
+	$(PY) -m pip --python $(VF4_PY) install -q --no-deps -e examples/envs/vf_v1_calculator
+	$(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$$($(VF4_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-asyncgrpo-base.pth"
+	touch $(VF4_STAMP)
+
+test-vf4: install-vf4
+	PATH="$(CURDIR)/$(VF4)/bin:$$PATH" $(VF4_PY) -m pytest tests/rollout/test_verifiers_v1.py tests/run/test_training_v1.py

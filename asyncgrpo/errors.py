@@ -18,6 +18,7 @@ ours, or the builtin each one also is::
     ├── SyncError                                    an adapter version did not reach every replica
     ├── AuditError                                   a replica served other weights than the trainer's
     ├── RankError                                    a data-parallel rank died or stopped answering
+    ├── EpisodeError                                 an environment failed one group's episodes
     └── LaunchError                                  a launched job failed to start or died (log tail)
 
 Task groups wrap what their tasks raise in exception groups; :func:`leaves` is the one place
@@ -57,6 +58,11 @@ class UsageError(ConfigError):
 
 class TransportError(AsyncGRPOError):
     """A storage operation failed."""
+
+
+class EpisodeError(AsyncGRPOError):
+    """An environment raised, hung past its timeout or returned a malformed episode: the
+    rollout client drops that group (counted, logged once), the run goes on."""
 
 
 class NotFound(TransportError, FileNotFoundError):

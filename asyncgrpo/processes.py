@@ -64,11 +64,12 @@ async def start_group(
     stderr: int | IO[Any] | None,
     env: Mapping[str, str] | None = None,
     cwd: str | os.PathLike[str] | None = None,
+    stdin: int | IO[Any] | None = None,
 ) -> Process:
     """Start ``argv`` in a session of its own that gets SIGTERM if this process dies first."""
     return await anyio.open_process(
         parent_death_argv(argv, env),
-        stdin=None,
+        stdin=stdin,
         stdout=stdout,
         stderr=stderr,
         cwd=cwd,

@@ -10,15 +10,23 @@
     ``X-Asyncgrpo-Replica``).
 (b) ``--part learn``: the calculator tool environment (examples/tool_calculator.yaml) trained
     with ``run_training`` for each of ``--seeds``: reward over the first and last steps.
+(c) ``--part verifiers``: the calculator task as a verifiers 0.1.10 ``ToolEnv`` (in process,
+    asyncgrpo.testing.vf_calculator) and as a verifiers 0.4 taskset (examples/envs/
+    vf_v1_calculator, in its own venv: ``--vf4-python``, .venv-vf4 by default), played through
+    the proxy (affinity + sessions) under one adapter version: episodes/s after the first group
+    (which pays for starting the environment process), vLLM's prefix-cache hit rate, model
+    turns per episode, groups lost.
 
     python bench/multiturn.py --part cache [--prompts 32] [--g 8] [--turns 4] [--rounds 2]
     python bench/multiturn.py --part learn [--seeds 0 1 2] [--steps 30]
+    python bench/multiturn.py --part verifiers [--prompts 16] [--g 4] [--rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import tempfile
 import time
@@ -31,9 +39,9 @@ import anyio
 from asyncgrpo.rollout import GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.client import RolloutClient
 from asyncgrpo.rollout.dataset import Prompt, PromptDataset, load_tokenizer
-from asyncgrpo.rollout.environment import Episode
+from asyncgrpo.rollout.environment import Episode, load_environment
 from asyncgrpo.rollout.policy import PolicyClient
-from asyncgrpo.testing.envs import ChatterEnv
+from asyncgrpo.testing.envs import ChatterEnv, calculator_tasks
 from asyncgrpo.testing.vllm_metrics import prefix_cache
 
 # ---- defaults -------------------------------------------------------------------------------
@@ -41,6 +49,8 @@ PROMPTS, G, TURNS, TOKENS, INFLIGHT, ROUNDS = 32, 8, 4, 24, 64, 2
 SEEDS, STEPS = (0, 1, 2), 30
 WORDS = "cat dog bird fish red blue green sun moon star tree road house river stone".split()
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tool_calculator.yaml"
+VF4_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vf4" / "bin" / "python"
+VF4_PACKAGE = Path(__file__).resolve().parents[1] / "examples" / "envs" / "vf_v1_calculator"
 
 
 class _Tracked(ChatterEnv):
@@ -185,9 +195,101 @@ async def part_learn(args: argparse.Namespace) -> None:
               f"{wall:.0f} |")  # fmt: skip
 
 
+def verifiers_envs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The two environments compared: the same task, rewards and turn bound."""
+    local = {"agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"},
+                       "max_turns": args.turns}}  # fmt: skip
+    return {
+        "verifiers 0.1.10 ToolEnv, in process": {
+            "verifiers": "asyncgrpo.testing.vf_calculator",
+            "args": {"kind": "tool", "max_turns": args.turns},
+        },
+        "verifiers 0.4 taskset, own venv": {
+            "verifiers": "vf-v1-calculator", "args": local, "python": args.vf4_python,
+        },
+    }  # fmt: skip
+
+
+async def run_verifiers(urls: list[str], model: str, name: str, args: argparse.Namespace) -> dict:
+    from asyncgrpo.proxy import ProxyConfig, serve_proxy
+
+    tok = load_tokenizer(model)
+    gen = GenerationConfig(num_generations=args.g, max_completion_length=args.tokens)
+    env = load_environment(verifiers_envs(args)[name], {"max_episode_tokens": 512},
+                           tokenizer=tok, generation=gen)  # fmt: skip
+    async with aiohttp.ClientSession() as s:
+        for url in urls:
+            async with s.post(url + "/reset_prefix_cache") as r:
+                assert r.status == 200, await r.text()
+    h0, q0 = await prefix_cache(urls)
+    async with serve_proxy(ProxyConfig(upstreams=tuple(urls), port=0)) as base:
+        client = RolloutClient(
+            base_url=base,
+            dataset=PromptDataset(calculator_tasks(args.prompts), tokenizer=tok, shuffle=False),
+            generation=gen,
+            rollout=RolloutConfig(max_inflight=args.inflight, queue_maxsize=4096),
+            policy=(model, 0),
+            environment=env,
+        )
+        t0 = time.perf_counter()
+        async with client:
+            samples = await client.get(args.g)  # start-up (an environment process) and a group
+            t1 = time.perf_counter()
+            samples += await client.get((args.prompts - 1) * args.g)
+            stats = client.stats()
+        wall = time.perf_counter() - t0
+    h1, q1 = await prefix_cache(urls)
+    turns = [sum(m and (i == 0 or not s.policy_mask()[i - 1])
+                 for i, m in enumerate(s.policy_mask())) for s in samples]  # fmt: skip
+    return {
+        "wall_s": wall,
+        "first_group_s": t1 - t0,
+        "episodes_per_s": (len(samples) - args.g) / max(wall - (t1 - t0), 1e-9),
+        "hit_rate": (h1 - h0) / max(q1 - q0, 1.0),
+        "turns": statistics.mean(turns) if turns else 0.0,
+        "lost": stats.get("rollout/env_failures_total", 0.0),
+    }
+
+
+async def part_verifiers(args: argparse.Namespace) -> None:
+    from asyncgrpo.serve import launch_replicas
+    from asyncgrpo.testing import make_tiny_model, tiny_serve_config
+
+    # the example package, for the environment process (and the tool servers it starts)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(VF4_PACKAGE), os.environ.get("PYTHONPATH")) if p
+    )
+    names = list(verifiers_envs(args))
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(make_tiny_model(Path(tmp) / "model", seed=0))
+        serve = tiny_serve_config(model, replicas=2, max_model_len=1024)
+        async with launch_replicas(serve) as replicas:
+            urls = [r.url for r in replicas]
+            warm = argparse.Namespace(**{**vars(args), "prompts": 2})
+            for name in names:
+                await run_verifiers(urls, model, name, warm)
+            runs: dict[str, list[dict]] = {name: [] for name in names}
+            for _ in range(args.rounds):
+                for name in names:  # interleaved, so drift hits both alike
+                    runs[name].append(await run_verifiers(urls, model, name, args))
+    print(
+        f"\n2 replicas, {args.prompts} calculator tasks x G={args.g} episodes of <= {args.turns} "
+        f"model turns (<= {args.tokens} tokens each), max_inflight {args.inflight}, median of "
+        f"{args.rounds} rounds\n"
+    )
+    print("| environment | episodes/s after the first group | first group s | vLLM prefix-cache "
+          "hit rate | model turns per episode | groups lost | wall s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        print(f"| {name} | {med['episodes_per_s']:.2f} | {med['first_group_s']:.1f} | "
+              f"{med['hit_rate']:.3f} | "
+              f"{med['turns']:.2f} | {med['lost']:.0f} | {med['wall_s']:.1f} |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--part", choices=["cache", "learn"], required=True)
+    parser.add_argument("--part", choices=["cache", "learn", "verifiers"], required=True)
     parser.add_argument("--prompts", type=int, default=PROMPTS)
     parser.add_argument("--g", type=int, default=G)
     parser.add_argument("--turns", type=int, default=TURNS)
@@ -196,8 +298,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--vf4-python", default=str(VF4_PYTHON))
     args = parser.parse_args()
-    anyio.run(part_cache if args.part == "cache" else part_learn, args)
+    parts = {"cache": part_cache, "learn": part_learn, "verifiers": part_verifiers}
+    anyio.run(parts[args.part], args)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import anyio
 
-from asyncgrpo.errors import ConfigError
+from asyncgrpo.errors import ConfigError, EpisodeError
 from asyncgrpo.evaluation.scores import Graded, summarize
 from asyncgrpo.rollout.config import DatasetConfig, GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import Prompt, PromptDataset, read_rows, split_rows
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from asyncgrpo.evaluation.config import EvalConfig
 
 __all__ = ["EvalReport", "eval_prompts", "eval_rows", "evaluate"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -152,7 +155,11 @@ async def evaluate(
 
         async def one(prompt: Prompt) -> None:
             async with limiter:
-                episodes = await environment.group(prompt, policy, e.num_generations)
+                try:
+                    episodes = await environment.group(prompt, policy, e.num_generations)
+                except EpisodeError as exc:  # that prompt is not graded; the eval goes on
+                    logger.warning("eval prompt %d: environment failed: %s", prompt.index, exc)
+                    return
                 scores = await group_rewards(scorer, prompt, episodes)
             graded.append(
                 Graded(
@@ -170,7 +177,7 @@ async def evaluate(
                     "finish_reason": ep.finish_reason,
                 })  # fmt: skip
 
-        async with anyio.create_task_group() as tg:
+        async with environment.running(), anyio.create_task_group() as tg:
             for prompt in prompts:
                 tg.start_soon(one, prompt)
     metrics = summarize(graded, k=e.num_generations, threshold=e.pass_threshold)

@@ -33,7 +33,7 @@ import aiohttp
 import anyio
 import anyio.abc
 
-from asyncgrpo.errors import ConfigError, ReplicaError, leaves
+from asyncgrpo.errors import ConfigError, EpisodeError, ReplicaError, leaves
 from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import Prompt, PromptDataset
 from asyncgrpo.rollout.environment import Environment, Episode, group_rewards, load_environment
@@ -168,6 +168,7 @@ class RolloutClient:
         self._backpressure = _BlockClock()
         self._score_block = _BlockClock()
         self._groups_total = 0
+        self._env_failures_total = 0
         self._samples_total = 0
         self._model_turns_total = 0
         self._reward_sums: dict[str, list[float]] = {}
@@ -289,6 +290,7 @@ class RolloutClient:
             "rollout/score_block_total_s": sb,
             "rollout/generated_tokens_total": float(tokens),
             "rollout/groups_total": float(self._groups_total),
+            "rollout/env_failures_total": float(self._env_failures_total),
             "rollout/samples_total": float(self._samples_total),
             "rollout/model_turns_total": float(self._model_turns_total),
             "rollout/retries_total": float(client.retries_total if client else 0),
@@ -308,7 +310,7 @@ class RolloutClient:
     # ----------------------------------------------------------------- pipeline
 
     async def _pipeline(self) -> None:
-        async with anyio.create_task_group() as tg:
+        async with self.environment.running(), anyio.create_task_group() as tg:
             tg.start_soon(self._produce, name="rollout-produce")
             tg.start_soon(self._score_all, name="rollout-score")
 
@@ -336,7 +338,17 @@ class RolloutClient:
         handed_over = False
         assert self._client is not None
         try:
-            episodes = await self.environment.group(prompt, self._client, g)
+            try:
+                episodes = await self.environment.group(prompt, self._client, g)
+            except (EpisodeError, BaseExceptionGroup) as exc:
+                failed = leaves(exc)
+                if not all(isinstance(e, EpisodeError) for e in failed):
+                    raise
+                self._env_failures_total += 1
+                logger.warning(
+                    "prompt %d: environment failed, group dropped: %s", prompt.index, failed[0]
+                )
+                return
             if not episodes:
                 logger.warning("prompt %d: no usable episode; group dropped", prompt.index)
                 return

@@ -138,8 +138,9 @@ class RolloutConfig:
     environment: str | dict[str, Any] | None = None
     """The environment that turns a prompt into episodes: an import path 'pkg.module:Class' (a
     subclass of asyncgrpo.rollout.environment.Environment, e.g. a MultiTurnEnv with tools), or
-    {verifiers: NAME, args: {...}} for an installed verifiers environment (asyncgrpo[envs]).
-    None: single-turn completions."""
+    {verifiers: NAME, args: {...}} for an installed verifiers environment (asyncgrpo[envs]),
+    with python: PATH to run a verifiers 0.4 one in its own process from the venv of that
+    Python. None: single-turn completions."""
     environment_args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor, e.g. {max_turns: 3}."""
     reward_funcs: list[str] = field(default_factory=list)
@@ -177,11 +178,12 @@ class RolloutConfig:
             if (
                 not isinstance(env.get("verifiers"), str)
                 or not isinstance(env.get("args", {}), dict)
-                or set(env) - {"verifiers", "args"}
+                or not isinstance(env.get("python", ""), str)
+                or set(env) - {"verifiers", "args", "python"}
             ):
                 raise ConfigError(
                     f"rollout.environment={env!r}: a verifiers environment is written "
-                    "{verifiers: NAME, args: {...}} (args optional)"
+                    "{verifiers: NAME, args: {...}, python: PATH} (args and python optional)"
                 )
         elif self.environment is not None and not _IMPORT_PATH.fullmatch(self.environment):
             raise ConfigError(

@@ -21,12 +21,13 @@ Write an environment by subclassing one of them; name it in the config as
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,6 +230,12 @@ class Environment(ABC):
             return None
         g = self.generation.num_generations
         return base + task.index * g + episode + turn * 1_000_003
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Resources the environment holds while the rollout client runs (servers, tool
+        processes); the client enters it before the first group and leaves it last."""
+        yield
 
     async def group(self, task: Prompt, policy: PolicyClient, g: int) -> list[Episode]:
         """G episodes of ``task``, run concurrently."""
@@ -436,9 +443,13 @@ def environment_class(path: str | Mapping[str, Any]) -> type[Environment]:
     """The class ``rollout.environment`` names (``'package.module:Class'``), imported; for
     ``{verifiers: NAME}``, :class:`~asyncgrpo.rollout.verifiers_env.VerifiersEnv` once
     ``verifiers`` and the module NAME are found (not imported: that loads the environment)."""
+    if isinstance(path, Mapping) and path.get("python"):  # its own process and venv
+        return environment_class("asyncgrpo.rollout.verifiers_remote:RemoteV1Env")
     if isinstance(path, Mapping):  # loaded by path like any environment: it builds on this module
         cls: Any = environment_class("asyncgrpo.rollout.verifiers_env:VerifiersEnv")
         cls.find(str(path["verifiers"]))
+        if cls.stack() == "v1":
+            return environment_class("asyncgrpo.rollout.verifiers_v1_env:VerifiersV1Env")
         return cls
     module_name, _, attr = path.partition(":")
     if module_name.partition(".")[0] == "verifiers":
@@ -486,6 +497,8 @@ def load_environment(
     cls = environment_class(path)
     if isinstance(path, Mapping):
         args.update(name=path["verifiers"], args=path.get("args"))
+        if path.get("python"):
+            args["python"] = path["python"]
     try:
         return cls(tokenizer=tokenizer, generation=generation, **args)
     except TypeError as exc:

@@ -207,6 +207,14 @@ class VerifiersEnv(Environment):
         self.chat = ChatContinuation(tokenizer)
 
     @staticmethod
+    def stack() -> str:
+        """Which verifiers is installed: ``v1`` (0.4 and later, ``verifiers.v1``) or ``v0``."""
+        from importlib.metadata import version
+
+        major_minor = tuple(int(p) for p in version("verifiers").split(".")[:2] if p.isdigit())
+        return "v1" if major_minor >= (0, 4) else "v0"
+
+    @staticmethod
     def find(name: str) -> None:
         """Raise ``ConfigError`` unless ``verifiers`` and the environment module ``name`` are
         installed (found, not imported: importing loads the environment)."""
