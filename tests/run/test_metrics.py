@@ -115,6 +115,41 @@ def test_plot_run_writes_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_the_plot_draws_held_out_reward_and_pass_at_k_against_the_version(tmp_path):
+    """With ``eval_metrics.jsonl``, one more row: reward and pass@1 / pass@k, x the version
+    evaluated (not the trainer's step: an evaluation of version 4 may end at step 6)."""
+    import json
+    import struct
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from asyncgrpo.cli.plot import _eval_panels
+    from asyncgrpo.evaluation.records import EVAL_METRICS_FILE, read_evals
+
+    with MetricsWriter(tmp_path) as w:
+        for step in range(1, 7):
+            w.log({"reward": step / 10}, step=step)
+    height = lambda png: struct.unpack(">II", png.read_bytes()[16:24])[1]  # noqa: E731
+    without = height(plot_run(tmp_path))
+    evals = [(0, 0, 0.1, 0.5), (4, 6, 0.3, 0.75), (6, 6, 0.4, 1.0)]  # version, step, r, pass@2
+    with (tmp_path / EVAL_METRICS_FILE).open("w") as f:
+        for version, step, reward, p2 in evals:
+            f.write(json.dumps({"step": step, "eval/version": version, "eval/reward": reward,
+                                "eval/reward_std": 0.1, "eval/pass@1": reward,
+                                "eval/pass@2": p2}) + "\n")  # fmt: skip
+    assert height(plot_run(tmp_path)) > without
+    fig, axes = plt.subplots(1, 2)
+    _eval_panels(axes, read_evals(tmp_path))
+    ((x, y),) = [line.get_data() for line in axes[0].get_lines()]
+    assert list(x) == [0, 4, 6] and list(y) == [0.1, 0.3, 0.4]
+    drawn = {line.get_label(): list(line.get_ydata()) for line in axes[1].get_lines()}
+    assert drawn == {"pass@1": [0.1, 0.3, 0.4], "pass@2": [0.5, 0.75, 1.0]}
+    plt.close(fig)
+
+
 def test_a_ratio_near_one_is_labelled_by_value_not_by_an_offset() -> None:
     """The ratio panel of a float32 run spans 1 +- 1e-7: matplotlib would label it ``1e-7+1``."""
     import matplotlib
