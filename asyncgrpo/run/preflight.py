@@ -190,9 +190,15 @@ def _evaluation(cfg: TrainingConfig) -> list[str]:
     rows, _ = eval_rows(cfg)  # raises ConfigError naming the overlap
     shown = min(len(rows), e.max_prompts or len(rows))
     source = "held out of the training set" if e.holdout else "disjoint from the training set"
+    during = (
+        f", every {e.every} versions during training (one at a time, proxy run weight "
+        f"{e.share_weight:g})"
+        if e.every
+        else ""
+    )
     return [
         f"eval: {shown} prompts ({source}), k={e.num_generations}, temperature "
-        f"{e.temperature:g}: base model before step 1, final version after step "
+        f"{e.temperature:g}: base model before step 1{during}, final version after step "
         f"{cfg.trainer.max_steps}"
     ]
 
