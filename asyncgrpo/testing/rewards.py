@@ -47,13 +47,3 @@ def gated_digit_fraction(prompts: list[Any], completions: list[Any], **kwargs: A
         time.sleep(0.2)
     return digit_fraction(prompts, completions)
 
-
-#: Seconds :func:`slow_digit_fraction` takes (tests stretch an evaluation over several steps).
-DELAY_ENV = "ASYNCGRPO_TEST_REWARD_DELAY_S"
-
-
-def slow_digit_fraction(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
-    """:func:`digit_fraction` after ``$ASYNCGRPO_TEST_REWARD_DELAY_S`` seconds (0 if unset), in
-    its worker thread: an evaluation scored with it outlasts a few training steps."""
-    time.sleep(float(os.environ.get(DELAY_ENV) or 0))
-    return digit_fraction(prompts, completions)

@@ -93,50 +93,59 @@ async def test_evaluations_during_training_run_on_pinned_versions_beside_the_tra
     vllm_replicas, tiny_model, tmp_path, monkeypatch
 ):
     """``eval.every=2``: intermediate versions are evaluated, keyed by version, while the
-    trainer keeps stepping; the version under evaluation stays loaded after it leaves the
-    window (max_staleness 1) and is unloaded when its evaluation ends. Each evaluation takes
-    at least three seconds (a slow reward), several training steps here."""
-    import time
-
+    trainer keeps stepping. The evaluation of version 2 is held in its reward function (a gate
+    file) until the trainer is at version 5: it stepped on meanwhile, version 4 fell due and
+    was skipped, and version 2 stayed loaded past the window (max_staleness 1); once the
+    evaluation ends, version 2 is unloaded while the run goes on."""
     import aiohttp
+    import anyio
 
     from asyncgrpo.run.training import run_training
-    from asyncgrpo.testing.rewards import DELAY_ENV
+    from asyncgrpo.testing.rewards import GATE_ENV
 
-    monkeypatch.setenv(DELAY_ENV, "3")
+    gate = tmp_path / "gate"
+    gate.touch()  # open for the base model's evaluation
+    monkeypatch.setenv(GATE_ENV, str(gate))
     cfg = _config(
         tmp_path, tiny_model, [r.url for r in vllm_replicas], "trainer.max_steps=10",
         "trainer.max_staleness=1", "trainer.samples_per_step=8", "generation.num_generations=4",
         "generation.max_completion_length=8", "trainer.save_steps=0", "eval.holdout=0.25",
         "eval.num_generations=2", "eval.every=2",
-        'eval.reward_funcs=["asyncgrpo.testing.rewards:slow_digit_fraction"]',
+        'eval.reward_funcs=["asyncgrpo.testing.rewards:gated_digit_fraction"]',
     )  # fmt: skip
-    seen: list[tuple[int, float, set[int]]] = []  # (version trained on, time, versions loaded)
+    seen: dict[int, set[int]] = {}  # version trained on -> versions loaded on a replica
 
-    async def on_step(step, samples, version):
+    async def loaded() -> set[int]:
         async with aiohttp.ClientSession() as s, s.get(vllm_replicas[0].url + "/v1/models") as r:
             names = [m["id"] for m in (await r.json())["data"]]
-        prefix = f"{cfg.run_name}-"
-        loaded = {int(n.rsplit("-v", 1)[1]) for n in names if n.startswith(prefix) and "-v" in n}
-        seen.append((version, time.monotonic(), loaded))
+        return {int(n.rsplit("-v", 1)[1]) for n in names if n.startswith(f"{cfg.run_name}-")}
+
+    async def on_step(step, samples, version):
+        if step == 1:
+            gate.unlink()  # the base model is evaluated: hold the next evaluation
+        seen[version] = await loaded()
+        if version == 5:
+            gate.touch()
+        if version == 8:  # the held evaluation ended meanwhile: its version goes
+            for _ in range(300):
+                if 2 not in (now := await loaded()):
+                    break
+                await anyio.sleep(0.1)
+            seen[version] = now
 
     result = await run_training(cfg, on_step=on_step)
     evals = read_evals(result.run_dir)
     versions = [int(e["eval/version"]) for e in evals]
-    assert versions[0] == 0 and versions[-1] == result.final_version == 10
-    middle = versions[1:-1]
-    assert middle and all(v % 2 == 0 and 0 < v < 10 for v in middle)
-    for e in evals[1:]:  # keyed by the version: run while the trainer was at that version
+    assert versions[:2] == [0, 2] and versions[-1] == result.final_version == 10
+    assert 4 not in versions and all(v % 2 == 0 for v in versions)
+    for e in evals:  # keyed by the version, with the step that published it
         assert e["step"] == e["eval/version"] and e["eval/prompts"] == 2
-        assert "eval/rewards/slow_digit_fraction" in e and e["eval/seconds"] >= 3
+        assert "eval/rewards/gated_digit_fraction" in e
     rows = [json.loads(line) for line in (result.run_dir / EVAL_FILE).read_text().splitlines()]
     assert {r["version"] for r in rows} == set(versions)
-    pinned = middle[0]
-    # Past the window (the trainer at pinned + 2 or later) it was still loaded: the trainer
-    # stepped while its evaluation ran; and then it was unloaded, with steps still to come.
-    held = [t for v, t, loaded in seen if v >= pinned + 2 and pinned in loaded]
-    after = [t for v, t, loaded in seen if v >= pinned + 2 and pinned not in loaded]
-    assert held, seen
-    assert after and min(after) > max(held), seen
-    for v, _, loaded in seen:  # never more than the window and the one pinned version
-        assert len(loaded - {v, v - 1}) <= 1, (v, loaded)
+    # The trainer went from version 2 to 5 while version 2's evaluation was held, and version 2
+    # stayed loaded, past the window {v - 1, v}; then it was unloaded with steps to come.
+    assert all(2 in seen[v] for v in (2, 3, 4, 5)), seen
+    assert 2 not in seen[8] and seen[8] >= {7, 8}, seen
+    for v, held in seen.items():  # never more than the window and one pinned version
+        assert len(held - {v, v - 1}) <= 1, seen
