@@ -89,6 +89,21 @@ def test_trackers_get_the_finite_numbers_of_each_record_and_finish_once(tmp_path
     assert recorder.finished == 1
 
 
+def test_an_evaluation_mirrored_late_never_sends_a_step_back(tmp_path):
+    """An evaluation of the version published at step 2 ends at step 5: the trackers get it at
+    step 5 (W&B drops a record whose step goes back), its version in ``eval/version``."""
+    recorder = _Recorder()
+    with MetricsWriter(tmp_path, jsonl=False, trackers=[recorder]) as w:
+        w.mirror({"eval/version": 0.0}, step=0)
+        for step in range(1, 6):
+            w.log({"reward": 0.5}, step=step)
+        w.mirror({"eval/version": 2.0}, step=2)
+        w.log({"reward": 0.5}, step=6)
+    steps = [s for s, _ in recorder.logged]
+    assert steps == [0, 1, 2, 3, 4, 5, 5, 6]
+    assert recorder.logged[6] == (5, {"eval/version": 2.0})
+
+
 def test_plot_run_writes_png(tmp_path):
     with MetricsWriter(tmp_path) as w:
         for step in range(1, 11):
