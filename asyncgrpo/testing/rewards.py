@@ -46,4 +46,3 @@ def gated_digit_fraction(prompts: list[Any], completions: list[Any], **kwargs: A
     while gate and not os.path.exists(gate):
         time.sleep(0.2)
     return digit_fraction(prompts, completions)
-
