@@ -6,8 +6,8 @@ float32 vLLM replicas behind the proxy, 32 samples per step, a sync every step, 
 4 held-out prompts x 4 completions evaluated before the first step and after the last) with
 ``eval.every`` 0 (``off``) or N (``on``: every N-th version also evaluated while the trainer
 goes on). One fleet is started once, sized for the pinned version (``--max-loras``
-``max_staleness + 3``), and the runs alternate off, on per seed, so that a drift of the host's
-load hits both alike.
+``max_staleness + 3``), and each seed runs both, off first for the 1st, 3rd, ... seed and on
+first for the others, so that a drift of the host's load, or a warm-up, hits both alike.
 
 Columns: ``s/step`` (median ``perf/step_s``), ``steps/s`` (steps over the sum of their
 ``perf/step_s``: the training loop, the base and final evaluations excluded), ``step>=0.5`` and
@@ -80,8 +80,9 @@ async def measure(args: argparse.Namespace) -> list[tuple[str, int, dict[str, An
     rows = []
     async with launch_replicas(fleet) as replicas:
         urls = ",".join(r.url for r in replicas)
-        for seed in args.seeds:
-            for label, every in (("off", 0), ("on", args.every)):
+        for i, seed in enumerate(args.seeds):
+            order = [("off", 0), ("on", args.every)]
+            for label, every in order if i % 2 == 0 else order[::-1]:
                 name = f"{label}-s{seed}"
                 shutil.rmtree(out / "runs" / name, ignore_errors=True)
                 cfg = TrainingConfig.from_yaml(EXAMPLE, [
