@@ -133,7 +133,14 @@ async def test_evaluations_during_training_run_on_pinned_versions_beside_the_tra
                 await anyio.sleep(0.1)
             seen[version] = now
 
-    result = await run_training(cfg, on_step=on_step)
+    async def open_gate_at_last() -> None:  # a run that failed early must not hang on it
+        await anyio.sleep(120)
+        gate.touch()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(open_gate_at_last)
+        result = await run_training(cfg, on_step=on_step)
+        tg.cancel_scope.cancel()
     evals = read_evals(result.run_dir)
     versions = [int(e["eval/version"]) for e in evals]
     assert versions[:2] == [0, 2] and versions[-1] == result.final_version == 10
