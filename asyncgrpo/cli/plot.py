@@ -5,7 +5,9 @@ point), for ``asyncgrpo plot``.
 Panels: reward; ``ratio`` (trainer over vLLM on on-policy tokens: must stay ~1); step time;
 staleness of the trained samples; the share of tokens at each staleness (stacked); the
 importance weight pi_trainer / pi_vllm per staleness (mean, and the step's maximum); the share
-of tokens the off-policy correction truncated or masked.
+of tokens the off-policy correction truncated or masked. With evaluations
+(``eval_metrics.jsonl``), one more row against the version evaluated: the held-out reward (with
+its spread) and pass@1 / pass@k.
 """
 
 from __future__ import annotations
@@ -16,21 +18,25 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.evaluation.records import read_evals
 from asyncgrpo.run.metrics import METRICS_FILE, read_metrics
 
 PLOT_FILE = "plot.png"
 _PER_STALENESS = re.compile(r"^off_policy/staleness_(\d+)/tokens$")
+_PASS_AT = re.compile(r"^eval/pass@(\d+)$")
 
 # (title, [(metric key, label)], y reference line or None)
 Panel = tuple[str, list[tuple[str, str]], float | None]
 
 
-def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+def _series(
+    records: list[dict[str, Any]], key: str, x: str = "step"
+) -> tuple[list[float], list[float]]:
     xs, ys = [], []
     for r in records:
         v = r.get(key)
         if isinstance(v, int | float) and not math.isnan(v):
-            xs.append(float(r["step"]))
+            xs.append(float(r[x]))
             ys.append(float(v))
     return xs, ys
 
@@ -102,9 +108,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         {int(m.group(1)) for r in records for k in r if (m := _PER_STALENESS.match(k))}
     )
     panels = _panels(staleness)
-    fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(11, 2.6 * len(panels) // 2),
-                             sharex=True)  # fmt: skip
-    for ax, (title, keys, ref) in zip(axes.flat, panels, strict=True):
+    evals = read_evals(run_dir)
+    rows = len(panels) // 2 + (1 if evals else 0)
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 2.6 * rows), squeeze=False)
+    trained = axes.flat[: len(panels)]
+    for ax, (title, keys, ref) in zip(trained, panels, strict=True):
+        ax.sharex(trained[0])
         if title.startswith("tokens by staleness"):
             drawn = _stacked(ax, records, keys)
         else:
@@ -112,19 +121,50 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         if ref is not None and drawn:
             ax.axhline(ref, color="grey", linestyle="--", linewidth=0.8)
             _plain_ticks(ax)
-        if not drawn:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-        else:
-            ax.legend(fontsize=7)
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-    for ax in axes[-1]:
+        _finish_panel(ax, title, drawn)
+    for ax in trained[-2:]:
         ax.set_xlabel("optimizer step")
+    if evals:
+        _eval_panels(axes[-1], evals)
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
+
+
+def _finish_panel(ax: Any, title: str, drawn: bool) -> None:
+    if not drawn:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    else:
+        ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+
+
+def _eval_panels(axes: Any, evals: list[dict[str, Any]]) -> None:
+    """The held-out reward (± its spread over completions) and pass@1 / pass@k, against the
+    version evaluated."""
+    reward_ax, pass_ax = axes
+    xs, ys = _series(evals, "eval/reward", x="eval/version")
+    if xs:
+        reward_ax.plot(xs, ys, marker="o", linewidth=1.2, label="held-out reward")
+        _, sd = _series(evals, "eval/reward_std", x="eval/version")
+        if len(sd) == len(ys):
+            reward_ax.fill_between(xs, [y - d for y, d in zip(ys, sd, strict=True)],
+                                   [y + d for y, d in zip(ys, sd, strict=True)], alpha=0.2,
+                                   label="± std over completions")  # fmt: skip
+    _finish_panel(reward_ax, "held-out reward", bool(xs))
+    ks = sorted({int(m.group(1)) for r in evals for k in r if (m := _PASS_AT.match(k))})
+    drawn = False
+    for k in ks:
+        px, py = _series(evals, f"eval/pass@{k}", x="eval/version")
+        if px:
+            pass_ax.plot(px, py, marker="o", linewidth=1.2, label=f"pass@{k}")
+            drawn = True
+    _finish_panel(pass_ax, "held-out pass@k", drawn)
+    for ax in axes:
+        ax.set_xlabel("adapter version evaluated")
 
 
 def _plain_ticks(ax: Any) -> None:

@@ -181,6 +181,7 @@ class TrainingConfig:
             model=self.model,
             lora_rank=self.lora.r,
             max_staleness=self.trainer.max_staleness,
+            pinned_versions=self.eval.pinned_versions if self.eval is not None else 0,
         )
         if self.serve.replicas == 0 and not self.proxy.upstreams:
             raise ConfigError(

@@ -8,11 +8,15 @@ from typing import Any
 from asyncgrpo.config.coerce import check_fields
 from asyncgrpo.errors import ConfigError
 
+#: In-training evaluations in flight at once (each pins its version): one.
+MAX_PINNED = 1
+
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    """Held-out evaluation: the base model (version 0) before the first step and the final
-    version after the last, on the fleet, written to ``eval.jsonl`` / ``eval_metrics.jsonl``.
+    """Held-out evaluation: the base model (version 0) before the first step, every ``every``
+    published versions while training goes on, and the final version after the last step, on
+    the fleet, written to ``eval.jsonl`` / ``eval_metrics.jsonl``.
 
     Prompts come from exactly one of ``path``, ``prompts`` and ``holdout`` (rows of the training
     set kept out of training). Rows are read like the training set's (``dataset`` section).
@@ -47,6 +51,13 @@ class EvalConfig:
     """Most completions of the evaluation in flight at once: its bound on the fleet's time."""
     check_disjoint: bool = True
     """Refuse held-out prompts that also appear in the training set."""
+    every: int = 0
+    """Also evaluate every N-th published version while training goes on, on that version
+    (kept loaded until its evaluation ends); one at a time: a version falling due while one
+    runs is skipped. 0: only the base model and the final version."""
+    share_weight: float = 0.25
+    """The evaluation's weight as a proxy run of its own (``<run>-eval``) beside training's
+    rollout.share_weight, when the two saturate the replicas (0.001 to 1000)."""
 
     def __post_init__(self) -> None:
         given = [n for n in ("path", "prompts", "holdout") if getattr(self, n) is not None]
@@ -61,10 +72,17 @@ class EvalConfig:
             raise ConfigError(f"eval.holdout={self.holdout}: must be in (0, 0.5]")
         check_fields(
             self, "eval", ge={"num_generations": 1, "temperature": 0, "max_tokens": 1,
-                              "max_prompts": 1, "max_inflight": 1},
+                              "max_prompts": 1, "max_inflight": 1, "every": 0, "share_weight": 0.001},
+            le={"share_weight": 1000},
         )  # fmt: skip
         if self.max_inflight < self.num_generations:
             raise ConfigError(
                 f"eval.max_inflight={self.max_inflight} < eval.num_generations="
                 f"{self.num_generations}: a prompt's k completions are sent together"
             )
+
+    @property
+    def pinned_versions(self) -> int:
+        """Versions an evaluation keeps loaded past the training window at most: the one an
+        in-training evaluation runs on."""
+        return MAX_PINNED if self.every else 0

@@ -22,6 +22,7 @@ import anyio
 
 from asyncgrpo.errors import ConfigError, EpisodeError
 from asyncgrpo.evaluation.scores import Graded, summarize
+from asyncgrpo.proxy.http.headers import RUN_HEADER
 from asyncgrpo.rollout.config import DatasetConfig, GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import Prompt, PromptDataset, read_rows, split_rows
 from asyncgrpo.rollout.environment import group_rewards, load_environment
@@ -32,7 +33,13 @@ if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
     from asyncgrpo.evaluation.config import EvalConfig
 
-__all__ = ["EvalReport", "eval_prompts", "eval_rows", "evaluate"]
+__all__ = ["EvalReport", "eval_prompts", "eval_rows", "eval_run", "evaluate"]
+
+
+def eval_run(prefix: str) -> str:
+    """The proxy run an evaluation of run ``prefix`` counts for (``X-Asyncgrpo-Run``): one of
+    its own, with ``eval.share_weight``, though it generates under the run's adapter names."""
+    return f"{prefix}-eval"
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +134,10 @@ async def evaluate(
     version: int,
     prompts: Sequence[Prompt],
     tokenizer: Any,
+    run: str | None = None,
 ) -> EvalReport:
-    """Evaluate the served ``model`` (adapter ``version``) on ``prompts``."""
+    """Evaluate the served ``model`` (adapter ``version``) on ``prompts``; ``run``: the proxy
+    run its requests count for (:func:`eval_run`), else the run ``model`` names."""
     e = _section(cfg)
     gen, rollout = _sampling(cfg)
     environment = load_environment(
@@ -144,6 +153,8 @@ async def evaluate(
     rows: list[dict[str, Any]] = []
     limiter = anyio.CapacityLimiter(max(1, e.max_inflight // e.num_generations))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if run is not None:
+        headers[RUN_HEADER] = run
     t0 = time.perf_counter()
     async with aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=rollout.request_timeout_s), headers=headers

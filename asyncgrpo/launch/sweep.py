@@ -5,7 +5,8 @@ trainer.learning_rate=1e-5,3e-5,1e-4``; several entries give every combination).
 the config with its values applied, run name ``<run_name>-<i>`` and transport
 ``<transport>/<run_name>-<i>``: its documents, adapters and checkpoints apart from the others'.
 The fleet is sized for all of them at once: ``--max-loras`` the sum of their
-``max_staleness + 2`` (each run's window, load before unload), ``--max-lora-rank`` their largest
+``max_staleness + 2`` (each run's window, load before unload) and the versions their evaluations
+pin (``eval.every``), ``--max-lora-rank`` their largest
 ``lora.r``. What would change the fleet or a run's identity cannot be swept. Pure: no I/O.
 """
 
@@ -87,10 +88,10 @@ def sweep_points(cfg: TrainingConfig, transport_url: str | None) -> list[Point]:
 
 def fleet_config(cfg: TrainingConfig, points: list[Point]) -> TrainingConfig:
     """``cfg`` with the replicas sized for every point at once: the largest LoRA rank and
-    staleness, and LoRA slots for each run's window."""
+    staleness, and LoRA slots for each run's window and evaluation."""
     if len(points) < 2:
         return cfg
-    slots = sum(p.cfg.trainer.max_staleness + 2 for p in points)
+    slots = sum(p.cfg.trainer.max_staleness + 2 + p.cfg.serve.pinned_versions for p in points)
     return dataclasses.replace(
         cfg,
         lora=dataclasses.replace(cfg.lora, r=max(p.cfg.lora.r for p in points)),

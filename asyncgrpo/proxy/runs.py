@@ -4,7 +4,9 @@ each run's share of generation while the replicas are saturated.
 Pure, like the router beside it: no I/O, no clock reads (callers pass ``now``).
 
 - **Which run.** A request's run is its ``model`` less a trailing ``-v<N>`` (adapter versions
-  are named ``<run_name>-<run id>-v<N>``); any other model name is a run of its own.
+  are named ``<run_name>-<run id>-v<N>``); any other model name is a run of its own. A request
+  may name its run instead (the ``X-Asyncgrpo-Run`` header): an evaluation generates under a
+  training run's adapter names but takes its own share.
 - **LoRA slots.** A run registers how many versions it keeps loaded at most
   (``max_staleness + 2``: load before unload) and its weight. A registration that would take the
   runs past the replicas' ``--max-loras`` is refused, with the numbers; an adapter loaded
@@ -131,9 +133,9 @@ class Runs:
 
     # -- requests -------------------------------------------------------------------------
 
-    def run(self, model: str, now: float) -> Run:
-        """The run of a request for ``model`` (created if new)."""
-        name = run_of(model)
+    def run(self, model: str, now: float, *, named: str | None = None) -> Run:
+        """The run of a request for ``model``, or the run it ``named`` (created if new)."""
+        name = named or run_of(model)
         run = self.runs.get(name)
         if run is None:
             run = self._new(name, now)
@@ -286,7 +288,7 @@ class Runs:
         if used + slots > max_loras:
             others = ", ".join(f"{n} {k}" for n, k in sorted(held.items())) or "none"
             return (
-                f"run {name} needs {slots} LoRA slots (max_staleness + 2) but the replicas hold "
+                f"run {name} needs {slots} LoRA slots (the versions it keeps loaded) but the replicas hold "
                 f"--max-loras {max_loras}, {used} of them taken by the {len(held)} other run(s) "
                 f"sharing them ({others}): restart the replicas with --max-loras {used + slots} "
                 "or more (python -m asyncgrpo.serve --runs N sizes it), or lower max_staleness"

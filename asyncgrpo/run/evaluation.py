@@ -1,24 +1,39 @@
-"""A run's held-out evaluations (``eval`` section): the base model before the first step and
-the final version after the last, through the run's endpoint; and ``asyncgrpo eval``: any
-published version of a run, finished or running, on its fleet or on replicas started for it."""
+"""A run's held-out evaluations (``eval`` section): the base model before the first step, every
+``eval.every`` published versions while training goes on, and the final version after the
+last, through the run's endpoint; and ``asyncgrpo eval``: any published version of a run,
+finished or running, on its fleet or on replicas started for it.
+
+An evaluation during training runs beside the trainer, which never waits for it. It pins the
+version it names (:meth:`~asyncgrpo.run.sync.AdapterSync.pin`: loaded until the evaluation
+ends, even once it has left the staleness window; the run's eval booking on the proxy holds
+that slot) and its requests count for a proxy run of its own (:func:`eval_run`, with
+``eval.share_weight``), so the fair share bounds what it takes from training's generation.
+One runs at a time: a version that falls due while one runs is skipped, not queued, so at
+most one version is pinned and the fleet never falls behind on evaluations.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.evaluation.records import write_report
-from asyncgrpo.evaluation.runner import eval_prompts, evaluate
+from asyncgrpo.evaluation.runner import eval_prompts, eval_run, evaluate
 from asyncgrpo.rollout.dataset import Prompt, load_tokenizer
 
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
     from asyncgrpo.run.metrics import MetricsWriter
+    from asyncgrpo.run.sync import AdapterSync
 
-__all__ = ["RunEvaluator", "evaluate_published", "pick_versions"]
+__all__ = ["EvalsDuringTraining", "RunEvaluator", "evals_during_training", "evaluate_published",
+           "pick_versions"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +42,14 @@ class RunEvaluator:
     """Evaluates served versions of one run and keeps the results in its run directory."""
 
     def __init__(
-        self, cfg: TrainingConfig, *, base_url: str, api_key: str | None, writer: MetricsWriter
-    ) -> None:
+        self, cfg: TrainingConfig, *, base_url: str, api_key: str | None, writer: MetricsWriter,
+        prefix: str,
+    ) -> None:  # fmt: skip
         self.cfg = cfg
         self.base_url = base_url
         self.api_key = api_key
         self.writer = writer
+        self.run = eval_run(prefix)  #: the proxy run its requests count for
         self._tokenizer: Any = None
         self._prompts: list[Prompt] | None = None
 
@@ -50,7 +67,7 @@ class RunEvaluator:
         assert self._prompts is not None
         report = await evaluate(
             self.cfg, base_url=self.base_url, api_key=self.api_key, model=model,
-            version=version, prompts=self._prompts, tokenizer=self._tokenizer,
+            version=version, prompts=self._prompts, tokenizer=self._tokenizer, run=self.run,
         )  # fmt: skip
         await anyio.to_thread.run_sync(lambda: write_report(self.cfg.run_dir, report, step=step))
         self.writer.mirror(report.metrics, step=step)
@@ -61,6 +78,73 @@ class RunEvaluator:
             int(m["eval/prompts"]), m["eval/seconds"],
         )  # fmt: skip
         return report.metrics
+
+
+class EvalsDuringTraining:
+    """Starts an evaluation of every ``every``-th published version beside the trainer, one at
+    a time (a version falling due while one runs is skipped); then the final version's."""
+
+    def __init__(
+        self, evaluator: RunEvaluator | None, sync: AdapterSync, every: int, tg: Any
+    ) -> None:
+        self.evaluator = evaluator
+        self.sync = sync
+        self.every = every if evaluator is not None else 0
+        self._tg = tg
+        self._running: int | None = None
+        self._idle = anyio.Event()
+        self._idle.set()
+        self.evaluated: list[int] = []  #: versions evaluated during training, in order
+        self.skipped: list[int] = []  #: versions that fell due while another was evaluated
+        self.latest: dict[str, float] = {}  #: the last evaluation's metrics
+
+    def published(self, version: int, step: int) -> None:
+        """``version`` is loaded everywhere (call right after its sync, before the next one):
+        start its evaluation if it is due and none runs."""
+        if not self.every or version % self.every:
+            return
+        if self._running is not None:
+            self.skipped.append(version)
+            logger.info("eval of version %d skipped: version %d is still being evaluated",
+                        version, self._running)  # fmt: skip
+            return
+        name = self.sync.pin(version)  # now: the next sync may not retire it
+        self._running, self._idle = version, anyio.Event()
+        self._tg.start_soon(self._evaluate, name, version, step)
+
+    async def _evaluate(self, name: str, version: int, step: int) -> None:
+        assert self.evaluator is not None
+        try:
+            self.latest = await self.evaluator(name, version, step=step)
+            self.evaluated.append(version)
+        except Exception as exc:  # an evaluation never stops the trainer
+            logger.warning("eval of version %d failed (training goes on): %s", version, exc)
+        finally:
+            await self.sync.unpin(version)
+            self._running = None
+            self._idle.set()
+
+    def shown(self) -> dict[str, float]:
+        """The last evaluation, for the progress line: its version and reward."""
+        keys = ("eval/version", "eval/reward", "eval/pass@1")
+        return {k: v for k in keys if math.isfinite(v := self.latest.get(k, math.nan))}
+
+    async def finish(self, version: int, step: int) -> None:
+        """After the last step: wait for the evaluation in flight, then evaluate the final
+        ``version`` unless that was the one."""
+        await self._idle.wait()
+        if self.evaluator is not None and version not in self.evaluated:
+            self.latest = await self.evaluator(self.sync.name(version), version, step=step)
+
+
+@asynccontextmanager
+async def evals_during_training(
+    evaluator: RunEvaluator | None, sync: AdapterSync, every: int
+) -> AsyncIterator[EvalsDuringTraining]:
+    """The evaluations of a training loop; an error in the loop cancels the one in flight (its
+    version unpinned)."""
+    async with anyio.create_task_group() as tg:
+        yield EvalsDuringTraining(evaluator, sync, every, tg)
 
 
 def pick_versions(
@@ -121,8 +205,9 @@ async def evaluate_published(
             loader = ProxyLoader(client, fetching=fetching)
             with MetricsWriter(cfg.run_dir, jsonl=False) as writer:
                 evaluator = RunEvaluator(
-                    cfg, base_url=endpoint.url, api_key=endpoint.api_key, writer=writer
-                )
+                    cfg, base_url=endpoint.url, api_key=endpoint.api_key, writer=writer,
+                    prefix=prefix,
+                )  # fmt: skip
                 results = []
                 for v in chosen:
                     name = served_name(prefix, v)

@@ -77,8 +77,10 @@ class MetricsWriter:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
         self._trackers = list(trackers)
+        self._last_step = -1  #: the last step sent to the trackers
 
     def log(self, metrics: dict[str, Any], *, step: int) -> None:
+        self._last_step = max(self._last_step, step)
         record = {"step": step, "time": time.time()}
         record.update({k: _jsonable(v) for k, v in metrics.items()})
         if self._file is not None:
@@ -90,7 +92,12 @@ class MetricsWriter:
                 tracker.log(values, step=step)
 
     def mirror(self, metrics: dict[str, Any], *, step: int) -> None:
-        """Send ``metrics`` to the trackers only (an evaluation keeps its own file)."""
+        """Send ``metrics`` to the trackers only (an evaluation keeps its own file), at ``step``
+        or the last step logged if that is later: an evaluation during training ends steps
+        after the version it measures, and W&B drops a record whose step goes back (its
+        ``eval/*`` are plotted against ``eval/version``)."""
+        step = max(step, self._last_step)
+        self._last_step = step
         values = numeric(metrics)
         for tracker in self._trackers:
             tracker.log(values, step=step)

@@ -33,12 +33,15 @@ def _where(name: str) -> str:
     return f"local {path}" if path.exists() else "Hugging Face id, not fetched by --dry-run"
 
 
-def check_lora_capacity(info: Mapping[str, Any], *, lora_rank: int, max_staleness: int) -> int:
+def check_lora_capacity(
+    info: Mapping[str, Any], *, lora_rank: int, max_staleness: int, pinned: int = 0
+) -> int:
     """Validate a ``/server_info`` document for async GRPO; return the KV block size.
 
     Refuses, naming the flag to change, when LoRA is off, the rank is too small, or there are
-    fewer than ``max_staleness + 2`` slots (load-before-unload would make vLLM silently evict a
-    policy that still has rollouts in flight).
+    fewer than ``max_staleness + 2`` slots, plus ``pinned`` versions an evaluation keeps
+    (load-before-unload would make vLLM silently evict a policy that still has rollouts in
+    flight).
     """
     config = info.get("vllm_config", info)
     lora = config.get("lora_config")
@@ -49,12 +52,13 @@ def check_lora_capacity(info: Mapping[str, Any], *, lora_rank: int, max_stalenes
             f"vLLM --max-lora-rank is {lora['max_lora_rank']} but the adapter has r={lora_rank}: "
             "raise --max-lora-rank (allowed 1, 8, 16, 32, 64, 128, 256, 320, 512)"
         )
-    need = max_staleness + 2
+    need = max_staleness + 2 + pinned
     if lora["max_loras"] < need:
+        held = " and one for the version an evaluation runs on (eval.every)" if pinned else ""
         raise ConfigError(
             f"vLLM --max-loras is {lora['max_loras']} but max_staleness={max_staleness} needs "
-            f">= {need} (max_staleness + 2: load before unload); raise --max-loras or lower "
-            "max_staleness"
+            f">= {need} (max_staleness + 2: load before unload{held}); raise --max-loras or "
+            "lower max_staleness"
         )
     return int(config.get("cache_config", {}).get("block_size", 16))
 
@@ -148,12 +152,14 @@ def dry_run(cfg: TrainingConfig) -> list[str]:
         flags = {"max_lora_rank": int(_flag(argv, "--max-lora-rank") or 0),
                  "max_loras": int(_flag(argv, "--max-loras") or 0)}  # fmt: skip
         check_lora_capacity(
-            {"lora_config": flags}, lora_rank=cfg.lora.r, max_staleness=tr.max_staleness
-        )
+            {"lora_config": flags}, lora_rank=cfg.lora.r, max_staleness=tr.max_staleness,
+            pinned=cfg.serve.pinned_versions,
+        )  # fmt: skip
         lines.append(
             f"replicas: {cfg.serve.replicas} local, LoRA rank {cfg.lora.r} <= --max-lora-rank "
             f"{flags['max_lora_rank']}, {flags['max_loras']} LoRA slots >= max_staleness "
             f"{tr.max_staleness} + 2"
+            + (f" + {pins} pinned by eval.every" if (pins := cfg.serve.pinned_versions) else "")
         )
         lines.append("replica command: " + shlex.join(argv[1:]))
     if cfg.proxy.upstreams:
@@ -184,9 +190,15 @@ def _evaluation(cfg: TrainingConfig) -> list[str]:
     rows, _ = eval_rows(cfg)  # raises ConfigError naming the overlap
     shown = min(len(rows), e.max_prompts or len(rows))
     source = "held out of the training set" if e.holdout else "disjoint from the training set"
+    during = (
+        f", every {e.every} versions during training (one at a time, proxy run weight "
+        f"{e.share_weight:g})"
+        if e.every
+        else ""
+    )
     return [
         f"eval: {shown} prompts ({source}), k={e.num_generations}, temperature "
-        f"{e.temperature:g}: base model before step 1, final version after step "
+        f"{e.temperature:g}: base model before step 1{during}, final version after step "
         f"{cfg.trainer.max_steps}"
     ]
 
@@ -213,8 +225,9 @@ async def preflight_fleet(cfg: TrainingConfig, client: Any, transport_url: str) 
     themselves: ``serve.adapter_delivery``) no asyncgrpo vLLM plugin or no access to this
     run's transport. Returns whether the replicas fetch."""
     check_lora_capacity(
-        await client.server_info(), lora_rank=cfg.lora.r, max_staleness=cfg.trainer.max_staleness
-    )
+        await client.server_info(), lora_rank=cfg.lora.r,
+        max_staleness=cfg.trainer.max_staleness, pinned=cfg.serve.pinned_versions,
+    )  # fmt: skip
     fetching = cfg.serve.delivery(remote_replicas=bool(cfg.proxy.upstreams)) == "fetch"
     if fetching:
         check_adapter_fetching(await client.adapter_plugin_info(), transport_url)

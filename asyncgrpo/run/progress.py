@@ -36,6 +36,8 @@ _FIELDS = (
     ("sync_s", "perf/weight_sync_s"),
     ("step_s", "perf/step_s"),
     ("replicas", "fleet/in_rotation"),
+    ("eval_version", "eval/version"),  # the last held-out evaluation finished
+    ("eval_reward", "eval/reward"),
 )
 
 #: (field, label, format) of :func:`describe_progress`, in the order shown
@@ -47,6 +49,8 @@ _SHOWN = (
     ("sync_s", "sync", "{:.2f} s"),
     ("step_s", "step", "{:.2f} s"),
     ("replicas", "replicas", "{:.0f}"),
+    ("eval_version", "eval v", "{:.0f}"),
+    ("eval_reward", "eval reward", "{:.3f}"),
 )
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -90,8 +94,8 @@ def _fields(record: Mapping[str, Any]) -> list[str]:
 
 
 def describe_progress(record: Mapping[str, Any]) -> str:
-    """``step 3/40  reward 0.125  ratio 1.0000  staleness 0.50  v 2  sync 0.41 s  step 1.20 s``
-    (fields the step lacks omitted), after the run's name for a sweep's (``lr-1: step 3/40``)."""
+    """``step 3/40  reward 0.125  ratio 1.0000  staleness 0.50  v 2  sync 0.41 s  step 1.20 s
+    eval v 0  eval reward 0.062`` (fields the step lacks omitted), after the run's name for a sweep's (``lr-1: step 3/40``)."""
     head = f"step {record['step']}/{record.get('max_steps', '?')}"
     if "run" in record:
         head = f"{record['run']}: {head}"

@@ -12,7 +12,9 @@ The sequence (the trainer's clock, ``perf/weight_sync_s``):
    replicas keep serving: no ``/pause``, which would stop every run's generation on a shared
    fleet, and none is needed since a new version is a new name no request uses yet;
 4. switch the rollouts to the new name (``on_loaded``), then unload the version that fell out of
-   the staleness window.
+   the staleness window, unless an evaluation pinned it (:meth:`AdapterSync.pin`): a pinned
+   version stays loaded until its evaluation ends, and is unloaded then if it has left the
+   window meanwhile.
 
 So no request ever names an adapter that some replica lacks: the new name is used only once it
 is loaded everywhere, and the old one is retired only after the switch (unloading first races
@@ -27,6 +29,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Protocol
@@ -151,6 +154,9 @@ class AdapterSync:
         self.attempts = attempts
         self.retry_backoff_s = retry_backoff_s
         self.loaded: list[int] = []  #: versions this process loaded and has not unloaded
+        self.newest: int | None = None  #: the last version loaded everywhere
+        self._pins: Counter[int] = Counter()  #: versions kept loaded past the window
+        self._unloading = anyio.Lock()  #: the trainer's retire and an evaluation's end race
 
     def name(self, version: int) -> str:
         return served_name(self.prefix, version)
@@ -168,6 +174,29 @@ class AdapterSync:
             except ReplicaError as exc:
                 logger.warning("could not unload leftover adapter %s: %s", name, exc)
         return stale
+
+    def pin(self, version: int) -> str:
+        """Keep ``version`` (loaded by this sync) loaded, even once it leaves the staleness
+        window, until :meth:`unpin`; returns its name. Synchronous: pinned before any other
+        task can retire it."""
+        if version not in self.loaded:
+            raise SyncError(f"version {version} is not loaded by this run: it cannot be pinned")
+        self._pins[version] += 1
+        return self.name(version)
+
+    async def unpin(self, version: int) -> None:
+        """Release a :meth:`pin`; the version is unloaded now if it has left the window."""
+        self._pins[version] -= 1
+        if self._pins[version] > 0:
+            return
+        del self._pins[version]
+        if self.newest is not None:
+            with anyio.CancelScope(shield=True):
+                await self._retire(self.newest)
+
+    def pinned(self) -> list[int]:
+        """The versions kept loaded past the window now."""
+        return sorted(self._pins)
 
     async def unload_all(self, timeout_s: float = 30.0) -> None:
         """Unload every version this process loaded (on exit: the store keeps them all)."""
@@ -197,6 +226,7 @@ class AdapterSync:
         t2 = time.perf_counter()
         await self._load_everywhere(self.name(version), location)
         self.loaded.append(version)
+        self.newest = version
         if on_loaded is not None:
             await on_loaded(self.name(version), version)
         t3 = time.perf_counter()
@@ -233,24 +263,30 @@ class AdapterSync:
         ) from last
 
     async def _retire(self, newest: int) -> None:
+        """Unload the versions older than the window, except the pinned ones."""
         oldest_kept = newest - self.max_staleness
-        await self._unload([v for v in self.loaded if v < oldest_kept])
+        await self._unload([v for v in self.loaded if v < oldest_kept and v not in self._pins])
 
     async def _unload(self, versions: list[int]) -> None:
         """Unload each of ``versions``; never fatal. One whose unload failed (not one no replica
         knows: vLLM may have evicted it) stays in :attr:`loaded` and is tried again at the next
         retire and at exit: the replica that missed it would serve, and cache, it until it
         restarts, since the proxy replays no unload to a replica that stayed in rotation."""
-        for version in versions:
-            try:
-                await self.loader.unload(self.name(version))
-            except ReplicaError as exc:
-                if not (isinstance(exc, ReplicaHTTPError) and exc.status == 404):
-                    logger.warning("unloading %s failed (tried again later): %s",
-                                   self.name(version), exc)  # fmt: skip
-                    continue
-            self.loaded.remove(version)
-            await self.source.forget(self.prefix, version)
+        async with self._unloading:
+            for version in versions:
+                if version in self.loaded:  # another caller may have unloaded it meanwhile
+                    await self._unload_one(version)
+
+    async def _unload_one(self, version: int) -> None:
+        try:
+            await self.loader.unload(self.name(version))
+        except ReplicaError as exc:
+            if not (isinstance(exc, ReplicaHTTPError) and exc.status == 404):
+                logger.warning("unloading %s failed (tried again later): %s",
+                               self.name(version), exc)  # fmt: skip
+                return
+        self.loaded.remove(version)
+        await self.source.forget(self.prefix, version)
 
 
 def _permanent(exc: ReplicaError) -> bool:

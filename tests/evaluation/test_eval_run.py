@@ -85,3 +85,74 @@ async def test_a_run_evaluates_base_and_final_on_prompts_it_never_trains_on(
     assert len(rows) == 2 * 2 * 2
     assert {r["prompt"] for r in rows} == set(held)
     assert {r["version"] for r in rows} == {0, result.final_version}
+
+
+@pytest.mark.vllm
+@pytest.mark.anyio
+async def test_evaluations_during_training_run_on_pinned_versions_beside_the_trainer(
+    vllm_replicas, tiny_model, tmp_path, monkeypatch
+):
+    """``eval.every=2``: intermediate versions are evaluated, keyed by version, while the
+    trainer keeps stepping. The evaluation of version 2 is held in its reward function (a gate
+    file) until the trainer is at version 5: it stepped on meanwhile, version 4 fell due and
+    was skipped, and version 2 stayed loaded past the window (max_staleness 1); once the
+    evaluation ends, version 2 is unloaded while the run goes on."""
+    import aiohttp
+    import anyio
+
+    from asyncgrpo.run.training import run_training
+    from asyncgrpo.testing.rewards import GATE_ENV
+
+    gate = tmp_path / "gate"
+    gate.touch()  # open for the base model's evaluation
+    monkeypatch.setenv(GATE_ENV, str(gate))
+    cfg = _config(
+        tmp_path, tiny_model, [r.url for r in vllm_replicas], "trainer.max_steps=10",
+        "trainer.max_staleness=1", "trainer.samples_per_step=8", "generation.num_generations=4",
+        "generation.max_completion_length=8", "trainer.save_steps=0", "eval.holdout=0.25",
+        "eval.num_generations=2", "eval.every=2",
+        'eval.reward_funcs=["asyncgrpo.testing.rewards:gated_digit_fraction"]',
+    )  # fmt: skip
+    seen: dict[int, set[int]] = {}  # version trained on -> versions loaded on a replica
+
+    async def loaded() -> set[int]:
+        async with aiohttp.ClientSession() as s, s.get(vllm_replicas[0].url + "/v1/models") as r:
+            names = [m["id"] for m in (await r.json())["data"]]
+        return {int(n.rsplit("-v", 1)[1]) for n in names if n.startswith(f"{cfg.run_name}-")}
+
+    async def on_step(step, samples, version):
+        if step == 1:
+            gate.unlink()  # the base model is evaluated: hold the next evaluation
+        seen[version] = await loaded()
+        if version == 5:
+            gate.touch()
+        if version == 8:  # the held evaluation ended meanwhile: its version goes
+            for _ in range(300):
+                if 2 not in (now := await loaded()):
+                    break
+                await anyio.sleep(0.1)
+            seen[version] = now
+
+    async def open_gate_at_last() -> None:  # a run that failed early must not hang on it
+        await anyio.sleep(120)
+        gate.touch()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(open_gate_at_last)
+        result = await run_training(cfg, on_step=on_step)
+        tg.cancel_scope.cancel()
+    evals = read_evals(result.run_dir)
+    versions = [int(e["eval/version"]) for e in evals]
+    assert versions[:2] == [0, 2] and versions[-1] == result.final_version == 10
+    assert 4 not in versions and all(v % 2 == 0 for v in versions)
+    for e in evals:  # keyed by the version, with the step that published it
+        assert e["step"] == e["eval/version"] and e["eval/prompts"] == 2
+        assert "eval/rewards/gated_digit_fraction" in e
+    rows = [json.loads(line) for line in (result.run_dir / EVAL_FILE).read_text().splitlines()]
+    assert {r["version"] for r in rows} == set(versions)
+    # The trainer went from version 2 to 5 while version 2's evaluation was held, and version 2
+    # stayed loaded, past the window {v - 1, v}; then it was unloaded with steps to come.
+    assert all(2 in seen[v] for v in (2, 3, 4, 5)), seen
+    assert 2 not in seen[8] and seen[8] >= {7, 8}, seen
+    for v, held in seen.items():  # never more than the window and one pinned version
+        assert len(held - {v, v - 1}) <= 1, seen

@@ -36,6 +36,13 @@ def test_every_combination_is_a_run_of_its_own_with_storage_of_its_own() -> None
     assert fleet.run_name == "lr" and fleet.launch.sweep == cfg.launch.sweep
 
 
+def test_the_fleet_holds_the_version_each_points_evaluation_pins() -> None:
+    cfg = config("lora.r=1,16", eval={"prompts": ["q"], "every": 5})
+    points = sweep_points(cfg, None)
+    assert [p.cfg.serve.pinned_versions for p in points] == [1, 1]
+    assert fleet_config(cfg, points).serve.lora_slots == 2 * (4 + 2 + 1)
+
+
 def test_the_fleet_takes_the_largest_rank_and_a_storage_query_stays_at_the_end() -> None:
     points = sweep_points(config("lora.r=1,16"), None)
     assert [p.cfg.transport_url for p in points] == [None, None]

@@ -415,3 +415,51 @@ async def test_an_unload_one_replica_failed_is_tried_again_at_the_next_retire(
         await sync.unload_all()
     assert a.adapters == b.adapters == set()
     assert cached() == []
+
+
+async def test_a_pinned_version_stays_loaded_past_the_window_until_unpinned(
+    fleet: list[StandIn], tmp_path: Path
+) -> None:
+    """An evaluation pins the version it runs on: the trainer's retire passes over it, and
+    the unpin unloads it once it has left the window (and not a version still in it)."""
+    a, b = fleet
+    cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, lora_roots=(str(tmp_path),),
+                      **{**FAST, "health_interval_s": 3600})  # fmt: skip
+    store = AdapterStore(str(tmp_path / "store"))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 1, "lora_alpha": 2}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    async with serve_proxy(cfg) as base, VLLMClient(base) as client:
+        sync = AdapterSync(store=store, source=LocalCacheSource(store, tmp_path / "cache"),
+                           loader=ProxyLoader(client), prefix="run-x", max_staleness=0,
+                           attempts=1)  # fmt: skip
+        await sync.sync(0, adapter, step=0)
+        assert sync.pin(0) == "run-x-v0" and sync.pinned() == [0]
+        await sync.sync(1, adapter, step=1)
+        await sync.sync(2, adapter, step=2)
+        assert a.adapters == b.adapters == {"run-x-v0", "run-x-v2"}
+        await sync.unpin(0)
+        assert a.adapters == b.adapters == {"run-x-v2"} and sync.pinned() == []
+        sync.pin(2)
+        await sync.unpin(2)  # still the newest: it stays
+        assert a.adapters == b.adapters == {"run-x-v2"}
+        await sync.unload_all()
+
+
+async def test_a_request_naming_its_run_counts_for_that_run(fleet: list[StandIn]) -> None:
+    """``X-Asyncgrpo-Run``: an evaluation generates under a training run's adapter name but
+    is a run of its own in the proxy's book (its own share weight); a bad name is a 400."""
+    cfg = ProxyConfig(upstreams=tuple(r.url for r in fleet), port=0, **FAST)
+    async with serve_proxy(cfg) as base, aiohttp.ClientSession() as session:
+        assert (await Client(session, base).load("run-x-v3"))[0] == 200
+        body = {"model": "run-x-v3", "prompt": "hi"}
+        for headers in ({}, {"X-Asyncgrpo-Run": "run-x-eval"}, {"X-Asyncgrpo-Run": "run-x-eval"}):
+            async with session.post(base + "/v1/completions", json=body, headers=headers) as r:
+                assert r.status == 200
+        async with session.post(base + "/v1/completions", json=body,
+                                headers={"X-Asyncgrpo-Run": "a b"}) as r:  # fmt: skip
+            assert r.status == 400 and "X-Asyncgrpo-Run" in await r.text()
+        _, doc = await Client(session, base).get("/proxy/runs")
+    runs = doc["runs"]  # type: ignore[index]
+    assert runs["run-x"]["requests"] == 1 and runs["run-x-eval"]["requests"] == 2

@@ -89,6 +89,21 @@ def test_trackers_get_the_finite_numbers_of_each_record_and_finish_once(tmp_path
     assert recorder.finished == 1
 
 
+def test_an_evaluation_mirrored_late_never_sends_a_step_back(tmp_path):
+    """An evaluation of the version published at step 2 ends at step 5: the trackers get it at
+    step 5 (W&B drops a record whose step goes back), its version in ``eval/version``."""
+    recorder = _Recorder()
+    with MetricsWriter(tmp_path, jsonl=False, trackers=[recorder]) as w:
+        w.mirror({"eval/version": 0.0}, step=0)
+        for step in range(1, 6):
+            w.log({"reward": 0.5}, step=step)
+        w.mirror({"eval/version": 2.0}, step=2)
+        w.log({"reward": 0.5}, step=6)
+    steps = [s for s, _ in recorder.logged]
+    assert steps == [0, 1, 2, 3, 4, 5, 5, 6]
+    assert recorder.logged[6] == (5, {"eval/version": 2.0})
+
+
 def test_plot_run_writes_png(tmp_path):
     with MetricsWriter(tmp_path) as w:
         for step in range(1, 11):
@@ -113,6 +128,41 @@ def test_plot_run_writes_png(tmp_path):
     assert out == tmp_path / "plot.png"
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_the_plot_draws_held_out_reward_and_pass_at_k_against_the_version(tmp_path):
+    """With ``eval_metrics.jsonl``, one more row: reward and pass@1 / pass@k, x the version
+    evaluated (not the trainer's step: an evaluation of version 4 may end at step 6)."""
+    import json
+    import struct
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from asyncgrpo.cli.plot import _eval_panels
+    from asyncgrpo.evaluation.records import EVAL_METRICS_FILE, read_evals
+
+    with MetricsWriter(tmp_path) as w:
+        for step in range(1, 7):
+            w.log({"reward": step / 10}, step=step)
+    height = lambda png: struct.unpack(">II", png.read_bytes()[16:24])[1]  # noqa: E731
+    without = height(plot_run(tmp_path))
+    evals = [(0, 0, 0.1, 0.5), (4, 6, 0.3, 0.75), (6, 6, 0.4, 1.0)]  # version, step, r, pass@2
+    with (tmp_path / EVAL_METRICS_FILE).open("w") as f:
+        for version, step, reward, p2 in evals:
+            f.write(json.dumps({"step": step, "eval/version": version, "eval/reward": reward,
+                                "eval/reward_std": 0.1, "eval/pass@1": reward,
+                                "eval/pass@2": p2}) + "\n")  # fmt: skip
+    assert height(plot_run(tmp_path)) > without
+    fig, axes = plt.subplots(1, 2)
+    _eval_panels(axes, read_evals(tmp_path))
+    ((x, y),) = [line.get_data() for line in axes[0].get_lines()]
+    assert list(x) == [0, 4, 6] and list(y) == [0.1, 0.3, 0.4]
+    drawn = {line.get_label(): list(line.get_ydata()) for line in axes[1].get_lines()}
+    assert drawn == {"pass@1": [0.1, 0.3, 0.4], "pass@2": [0.5, 0.75, 1.0]}
+    plt.close(fig)
 
 
 def test_a_ratio_near_one_is_labelled_by_value_not_by_an_offset() -> None:

@@ -32,6 +32,14 @@ def test_round_trip_through_a_log_line() -> None:
     assert describe_progress({"step": 3, "max_steps": 40, "run": "lr-1"}) == "lr-1: step 3/40"
 
 
+def test_a_step_line_shows_the_last_evaluation() -> None:
+    metrics = {"reward": 0.5, "adapter_version": 7.0, "eval/version": 4.0, "eval/reward": 0.375}
+    line = progress_line(8, 10, metrics)
+    assert describe_progress(parse_progress(line) or {}) == (
+        "step 8/10  reward 0.500  v 7  eval v 4  eval reward 0.375"
+    )
+
+
 def test_other_lines_are_not_progress() -> None:
     for line in [
         "",

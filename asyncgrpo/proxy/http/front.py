@@ -29,7 +29,7 @@ import httptools
 from asyncgrpo.proxy.control import ROUTES
 from asyncgrpo.proxy.forward import FALLBACK_BLOCK_SIZE, Forward
 from asyncgrpo.proxy.http.h1 import Response
-from asyncgrpo.proxy.http.headers import DROP_RESPONSE_B, head_lines
+from asyncgrpo.proxy.http.headers import DROP_RESPONSE_B, RUN_HEADER, head_lines
 from asyncgrpo.proxy.http.inbound import (
     HEAD_LIMIT,
     TOO_LARGE,
@@ -41,6 +41,7 @@ from asyncgrpo.proxy.http.inbound import (
     refusal,
 )
 from asyncgrpo.proxy.intake import Intake, read_generation
+from asyncgrpo.proxy.runs import MAX_NAME, NAME
 from asyncgrpo.proxy.state import TICK_S, Proxy, error_answer
 
 __all__ = ["Clients", "Connection"]
@@ -325,8 +326,17 @@ class Connection(asyncio.Protocol):
         if intake.status:
             proxy.stats.rejected[intake.status] += 1
             return self.answer(error_answer(intake.status, intake.message))
+        if req.run is not None and not NAME.fullmatch(req.run):
+            proxy.stats.rejected[400] += 1
+            return self.answer(
+                error_answer(
+                    400,
+                    f"{RUN_HEADER} must be 1 to {MAX_NAME} "
+                    "printable ASCII characters without spaces",
+                )
+            )
         proxy.stats.route_seconds += intake.hash_s
-        run = proxy.runs.run(intake.model, proxy.now)
+        run = proxy.runs.run(intake.model, proxy.now, named=req.run)
         self.work = Forward(proxy, self, forward, intake.chains, stream=intake.stream, run=run,
                             cost=intake.cost, session=req.session)  # fmt: skip
         self.work.submit()  # now, or its run's turn while the replicas are saturated

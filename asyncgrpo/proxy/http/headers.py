@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from http import HTTPStatus
 
 __all__ = ["DROP_REQUEST_B", "DROP_RESPONSE_B", "REPLICA_HEADER", "REPLICA_HEADER_B",
-           "SESSION_HEADER", "head_lines"]  # fmt: skip
+           "RUN_HEADER", "SESSION_HEADER", "head_lines"]  # fmt: skip
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the framing the next hop recomputes.
 _HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
@@ -24,6 +24,10 @@ REPLICA_HEADER_B = REPLICA_HEADER.encode()
 #: to, the same value on all its turns: the proxy sends them where the session went before. The
 #: name session-affinity routers and verifiers' clients use.
 SESSION_HEADER = "X-Session-ID"
+#: Request header naming the run a generation request counts for in the proxy's fair share,
+#: instead of the run its ``model`` names: an evaluation generates under a training run's
+#: adapter names but is a run of its own, with its own share weight.
+RUN_HEADER = "X-Asyncgrpo-Run"
 
 _STATUS_LINES: dict[int, bytes] = {}
 

@@ -13,7 +13,7 @@ import hmac
 import httptools
 
 from asyncgrpo.proxy.config import ProxyConfig, is_loopback
-from asyncgrpo.proxy.http.headers import DROP_REQUEST_B, SESSION_HEADER
+from asyncgrpo.proxy.http.headers import DROP_REQUEST_B, RUN_HEADER, SESSION_HEADER
 
 __all__ = ["ADMIN_PATHS", "HEAD_LIMIT", "MAX_FIELDS", "RUNS_PATH", "TOO_LARGE", "Refused",
            "Request", "Rules", "check_head", "check_trailer", "refusal"]  # fmt: skip
@@ -31,7 +31,8 @@ ADMIN_PATHS = frozenset({b"/proxy/upstreams"})
 RUNS_PATH = b"/proxy/runs"
 _READ = frozenset({b"GET", b"HEAD"})
 _SESSION = SESSION_HEADER.lower().encode()
-_WATCH = frozenset({b"origin", b"content-type", _SESSION})
+_RUN = RUN_HEADER.lower().encode()
+_WATCH = frozenset({b"origin", b"content-type", _SESSION, _RUN})
 _ADMIN_OFF = (
     "admin routes are off: give the proxy an admin key (export ASYNCGRPO_PROXY_ADMIN_API_KEY, or "
     "--admin-api-key-env VAR; in a run's config proxy.admin_api_key) and send it as "
@@ -80,7 +81,7 @@ class Request:
 
     __slots__ = ("auth", "body", "content_type", "expect", "fields", "head_size", "headers",
                  "host", "hosts", "http11", "keep_alive", "length", "lines", "method", "origin",
-                 "session", "size", "target", "te")  # fmt: skip
+                 "run", "session", "size", "target", "te")  # fmt: skip
 
     def __init__(self) -> None:
         self.method = self.target = b""
@@ -91,6 +92,7 @@ class Request:
         self.te: list[bytes] = []
         self.auth = self.expect = self.host = self.origin = self.content_type = None
         self.session: int | None = None  # hash of X-Session-ID: a fixed size whatever its length
+        self.run: str | None = None  # X-Asyncgrpo-Run: the run it counts for, if not its model's
         self.length: int | None = None
         self.http11 = self.keep_alive = True
         self.body: list[bytes] = []
@@ -110,6 +112,8 @@ class Request:
                         self.origin = value
                     elif lower == _SESSION:
                         self.session = hash(value)
+                    elif lower == _RUN:
+                        self.run = value.decode("latin-1")
                     else:
                         self.content_type = value
             elif lower == b"host":
