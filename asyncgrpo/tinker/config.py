@@ -61,11 +61,19 @@ class TinkerConfig:
     sampler_keep: int = 2
     """Versions of each client's sampler weights kept loaded on the replicas; each client books
     sampler_keep + 1 LoRA slots (the replicas' --max-loras bounds the clients sampling at once)."""
+    session_timeout_s: float = 300.0
+    """A session with neither a heartbeat nor a request for this long expires: its training
+    clients end (adapters, optimizer state and LoRA slots released). The SDK heartbeats every
+    10 s and warns after 120 s of failed heartbeats, so the default outlasts its warning."""
+    max_training_clients: int = 16
+    """The most training clients alive at once (each holds an adapter and its AdamW state in
+    the trainer's memory); one more is refused naming this cap."""
 
     def __post_init__(self) -> None:
         check_fields(self, "tinker", ge={"max_lora_rank": 1, "max_context_length": 2, "port": 0,
-                                         "max_body_bytes": 1024, "sampler_keep": 1},
-                     le={"port": 65535}, gt={"lora_alpha": 0})  # fmt: skip
+                                         "max_body_bytes": 1024, "sampler_keep": 1,
+                                         "max_training_clients": 1},
+                     le={"port": 65535}, gt={"lora_alpha": 0, "session_timeout_s": 0})  # fmt: skip
         if not self.model:
             raise ConfigError("tinker.model is empty: give the base model's directory (--model)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

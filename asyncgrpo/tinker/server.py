@@ -38,7 +38,9 @@ async def serve_tinker(config: TinkerConfig) -> AsyncIterator[str]:
                 config.proxy_url, config.proxy_admin_key, AdapterStore(transport),
                 base_model=config.model, work_dir=work, keep=config.sampler_keep,
             ))  # fmt: skip
-        service = TinkerService(engine, StateStore(transport), sampler)
+        service = TinkerService(engine, StateStore(transport), sampler,
+                                session_timeout_s=config.session_timeout_s,
+                                max_clients=config.max_training_clients)  # fmt: skip
         async with _serving(config, service) as url:
             yield url
 
