@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from asyncgrpo.config.coerce import check_fields
+from asyncgrpo.config.redaction import redacted_repr
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.serve.config import is_loopback
 
@@ -53,9 +55,16 @@ class TinkerConfig:
     None: no sampling; save_weights_for_sampler and sample are refused."""
     proxy_admin_key: str | None = field(default=None, repr=False, metadata={"secret": True})
     """The proxy's admin key, which adapter loads and LoRA-slot bookings take. Never logged."""
-    store: str = ""
+    transport_url: str = field(default="", metadata={"flag": "--transport"})
     """Transport URL (a directory, s3://, gs://, ...) sampler weights and save_state
-    checkpoints are published to. Empty: ``work_dir``/store."""
+    checkpoints are published to, and replicas elsewhere fetch adapters from. Empty:
+    ``work_dir``/store."""
+    adapter_delivery: Literal["auto", "fetch", "path"] = "auto"
+    """How replicas get each sampler version. 'fetch': a reference into the transport that
+    every replica fetches and verifies itself (replicas anywhere; they run asyncgrpo's vLLM
+    plugin, `python -m asyncgrpo.serve --transport URL`); refused at start when a replica may
+    not. 'path': a copy on this host's disk (replicas share this filesystem). 'auto': fetch
+    when every replica may fetch from the transport, else path."""
     work_dir: str = "runs/tinker"
     """Directory for the service's own files (saved adapters, the replicas' local copies)."""
     sampler_keep: int = 2
@@ -69,6 +78,8 @@ class TinkerConfig:
     """The most training clients alive at once (each holds an adapter and its AdamW state in
     the trainer's memory); one more is refused naming this cap."""
 
+    __repr__ = redacted_repr  # the generated repr would print credentials in transport_url
+
     def __post_init__(self) -> None:
         check_fields(self, "tinker", ge={"max_lora_rank": 1, "max_context_length": 2, "port": 0,
                                          "max_body_bytes": 1024, "sampler_keep": 1,
@@ -80,6 +91,9 @@ class TinkerConfig:
             raise ConfigError(
                 f"tinker.dtype={self.dtype!r}: use auto, float32, bfloat16 or float16"
             )
+        if self.adapter_delivery not in ("auto", "fetch", "path"):
+            raise ConfigError(f"tinker.adapter_delivery={self.adapter_delivery!r}: use auto, "
+                              "fetch or path")  # fmt: skip
         if self.api_key is not None and not self.api_key.startswith(API_KEY_PREFIX):
             raise ConfigError(
                 f"{API_KEY_ENV} must start with {API_KEY_PREFIX!r} (the tinker SDK refuses "
