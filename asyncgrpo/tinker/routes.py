@@ -255,7 +255,11 @@ async def load_weights(request: web.Request) -> web.Response:
             if new and model.model_id not in service.models:
                 _check_rank(config, spec.rank)
                 service.add_model(dataclasses.replace(model, rank=spec.rank))
-                await _add_client(service, model, spec)
+                try:
+                    await _add_client(service, model, spec)
+                except BaseException:  # refused: it holds no place under the cap
+                    service.models.pop(model.model_id, None)
+                    raise
             await in_thread(lambda: service.engine.load_state(model.adapter, state,
                                                               optimizer=body.optimizer))()  # fmt: skip
         logger.info("training client %s: state %s loaded", model.model_id, body.path)

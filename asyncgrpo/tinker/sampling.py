@@ -27,6 +27,7 @@ from asyncgrpo.run.preflight import check_adapter_fetching
 from asyncgrpo.run.sync import AdapterSync, LocalCacheSource, ProxyLoader, TransportSource
 from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.tinker.wire import SampledSeq, SampleResult, WireError
+from asyncgrpo.vllm.api import parse_served_name
 
 __all__ = [
     "Sampler",
@@ -137,6 +138,12 @@ class Sampler:
         await self.client.register_run(model_id, lora_slots=self.keep + 1, token=token)
 
     async def release(self, model_id: str) -> None:
+        """The client's versions leave the replicas, its paths and sampling sessions this
+        service (a sample of one is then NotFound), its LoRA slots go back to the proxy."""
+        mine = {n for n in [*self.paths.values(), *self.sessions.values()]
+                if (parse_served_name(n) or ("", 0))[0] == model_id}  # fmt: skip
+        self.paths = {p: n for p, n in self.paths.items() if n not in mine}
+        self.sessions = {s: n for s, n in self.sessions.items() if n not in mine}
         sync = self._syncs.pop(model_id, None)
         if sync is not None:
             await sync.unload_all()

@@ -73,3 +73,21 @@ def test_an_expired_session_s_adapters_and_optimizers_leave_the_trainer(tiny_mod
             tg.cancel_scope.cancel()
 
     anyio.run(body)
+
+
+def test_a_released_client_s_paths_and_sampling_sessions_are_forgotten(tmp_path: Path) -> None:
+    import anyio
+
+    from asyncgrpo.tinker.sampling import Sampler, UnknownSampler
+
+    # Nothing was booked or published, so releasing asks nothing of the proxy.
+    sampler = Sampler(None, None, base_model="base", cache_dir=tmp_path, keep=1)  # type: ignore[arg-type]
+    sampler.paths = {"tinker://a/sampler_weights/x": "a-v1", "tinker://b/sampler_weights/y": "b-v2"}
+    gone, kept, base = (sampler.new_session(n) for n in ("a-v1", "b-v2", "base"))
+    anyio.run(sampler.release, "a")
+    with pytest.raises(UnknownSampler, match="no sampler weights"):
+        sampler.resolve(session=None, path="tinker://a/sampler_weights/x", base=None)
+    with pytest.raises(UnknownSampler, match="no sampling session"):
+        sampler.resolve(session=gone, path=None, base=None)
+    assert sampler.resolve(session=kept, path=None, base=None) == "b-v2"
+    assert sampler.resolve(session=base, path=None, base=None) == "base"
