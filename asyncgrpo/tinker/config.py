@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from asyncgrpo.config.coerce import check_fields
+from asyncgrpo.config.redaction import redacted_repr
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.serve.config import is_loopback
 
@@ -53,25 +55,45 @@ class TinkerConfig:
     None: no sampling; save_weights_for_sampler and sample are refused."""
     proxy_admin_key: str | None = field(default=None, repr=False, metadata={"secret": True})
     """The proxy's admin key, which adapter loads and LoRA-slot bookings take. Never logged."""
-    store: str = ""
+    transport_url: str = field(default="", metadata={"flag": "--transport"})
     """Transport URL (a directory, s3://, gs://, ...) sampler weights and save_state
-    checkpoints are published to. Empty: ``work_dir``/store."""
+    checkpoints are published to, and replicas elsewhere fetch adapters from. Empty:
+    ``work_dir``/store."""
+    adapter_delivery: Literal["auto", "fetch", "path"] = "auto"
+    """How replicas get each sampler version. 'fetch': a reference into the transport that
+    every replica fetches and verifies itself (replicas anywhere; they run asyncgrpo's vLLM
+    plugin, `python -m asyncgrpo.serve --transport URL`); refused at start when a replica may
+    not. 'path': a copy on this host's disk (replicas share this filesystem). 'auto': fetch
+    when every replica may fetch from the transport, else path."""
     work_dir: str = "runs/tinker"
     """Directory for the service's own files (saved adapters, the replicas' local copies)."""
     sampler_keep: int = 2
     """Versions of each client's sampler weights kept loaded on the replicas; each client books
     sampler_keep + 1 LoRA slots (the replicas' --max-loras bounds the clients sampling at once)."""
+    session_timeout_s: float = 300.0
+    """A session with neither a heartbeat nor a request for this long expires: its training
+    clients end (adapters, optimizer state and LoRA slots released). The SDK heartbeats every
+    10 s and warns after 120 s of failed heartbeats, so the default outlasts its warning."""
+    max_training_clients: int = 16
+    """The most training clients alive at once (each holds an adapter and its AdamW state in
+    the trainer's memory); one more is refused naming this cap."""
+
+    __repr__ = redacted_repr  # the generated repr would print credentials in transport_url
 
     def __post_init__(self) -> None:
         check_fields(self, "tinker", ge={"max_lora_rank": 1, "max_context_length": 2, "port": 0,
-                                         "max_body_bytes": 1024, "sampler_keep": 1},
-                     le={"port": 65535}, gt={"lora_alpha": 0})  # fmt: skip
+                                         "max_body_bytes": 1024, "sampler_keep": 1,
+                                         "max_training_clients": 1},
+                     le={"port": 65535}, gt={"lora_alpha": 0, "session_timeout_s": 0})  # fmt: skip
         if not self.model:
             raise ConfigError("tinker.model is empty: give the base model's directory (--model)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(
                 f"tinker.dtype={self.dtype!r}: use auto, float32, bfloat16 or float16"
             )
+        if self.adapter_delivery not in ("auto", "fetch", "path"):
+            raise ConfigError(f"tinker.adapter_delivery={self.adapter_delivery!r}: use auto, "
+                              "fetch or path")  # fmt: skip
         if self.api_key is not None and not self.api_key.startswith(API_KEY_PREFIX):
             raise ConfigError(
                 f"{API_KEY_ENV} must start with {API_KEY_PREFIX!r} (the tinker SDK refuses "

@@ -74,4 +74,5 @@ def training_model(service: TinkerService, model_id: str) -> TrainingModel:
     if found is None:
         raise refuse(web.HTTPNotFound, f"no training client {model_id!r} on this service: "
                       "create one with create_lora_training_client")  # fmt: skip
+    service.touch(found.session_id)  # a request is a sign of life as a heartbeat is
     return found

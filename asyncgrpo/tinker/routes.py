@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import secrets
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ from tinker import types
 from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.engine import AdamStep, LoraSpec
 from asyncgrpo.tinker.http import CONFIG, SERVICE, answer, read_body, refuse, training_model
-from asyncgrpo.tinker.service import Job, TinkerService, TrainingModel, in_thread
+from asyncgrpo.tinker.service import TinkerService, TrainingModel, in_thread
 from asyncgrpo.tinker.states import parse_state_path
 from asyncgrpo.tinker.wire import (
     PROTO_CONTENT_TYPE,
@@ -72,32 +71,13 @@ async def heartbeat(request: web.Request) -> web.Response:
     session = request.app[SERVICE].sessions.get(body.session_id)
     if session is None or session.finished:
         raise refuse(web.HTTPGone, f"session {body.session_id!r} is not open on this service")
-    session.last_heartbeat = time.monotonic()
+    request.app[SERVICE].touch(session.session_id)
     return answer(types.SessionHeartbeatResponse())
 
 
 async def finish_session(request: web.Request) -> web.Response:
-    service = request.app[SERVICE]
-    session = service.sessions.get(request.match_info["session_id"])
-    if session is not None and not session.finished:
-        session.finished = True
-        for model in [m for m in service.models.values() if m.session_id == session.session_id]:
-            del service.models[model.model_id]
-            service.submit(model.model_id, _remover(service, model))
+    request.app[SERVICE].end_session(request.match_info["session_id"], "finished")
     return answer({})
-
-
-def _remover(service: TinkerService, model: TrainingModel) -> Job:
-    """The job that ends a finished session's client, after its queued requests: its versions
-    leave the replicas, its LoRA slots go back, its adapter leaves the trainer."""
-
-    async def job() -> None:
-        if service.sampler is not None:
-            await service.sampler.release(model.adapter)
-        await in_thread(lambda: service.engine.remove(model.adapter))()
-        logger.info("training client %s ended with its session", model.model_id)
-
-    return job
 
 
 async def telemetry(request: web.Request) -> web.Response:
@@ -133,17 +113,22 @@ def _check_create(config: TinkerConfig, body: types.CreateModelRequest) -> LoraS
 async def create_model(request: web.Request) -> web.Response:
     service, config = request.app[SERVICE], request.app[CONFIG]
     body = await read_body(request, types.CreateModelRequest)
-    if body.session_id not in service.sessions:
+    if not service.is_open(body.session_id):
         raise refuse(web.HTTPNotFound, f"session {body.session_id!r} is not open on this "
                       "service: make a new ServiceClient")  # fmt: skip
     spec = _check_create(config, body)
     model_id = f"{body.session_id}_m{body.model_seq_id}"
     if model_id in service.models:  # the SDK retried: the same client
         return answer({"request_id": service.done({"model_id": model_id}), "model_id": model_id})
-    model = service.models[model_id] = TrainingModel(model_id, body.session_id, spec.rank)
+    model = TrainingModel(model_id, body.session_id, spec.rank)
+    service.add_model(model)
 
     async def job() -> dict[str, str]:
-        await _add_client(service, model, spec)
+        try:
+            await _add_client(service, model, spec)
+        except BaseException:  # refused (the fleet is full): it holds no place under the cap
+            service.models.pop(model_id, None)
+            raise
         return {"model_id": model_id, "type": "create_model"}
 
     return answer({"request_id": service.submit(model_id, job), "model_id": model_id})
@@ -251,7 +236,7 @@ async def load_weights(request: web.Request) -> web.Response:
         model, new = training_model(service, body.model_id), False
     elif body.session_id is not None and body.model_seq_id is not None:
         _check_base(config, body.base_model)
-        if body.session_id not in service.sessions:
+        if not service.is_open(body.session_id):
             raise refuse(web.HTTPNotFound, f"session {body.session_id!r} is not open on this "
                          "service: make a new ServiceClient")  # fmt: skip
         model_id = f"{body.session_id}:train:{body.model_seq_id}"  # the id the SDK derives
@@ -269,8 +254,12 @@ async def load_weights(request: web.Request) -> web.Response:
             state, spec = await service.states.fetch(body.path, Path(tmp))
             if new and model.model_id not in service.models:
                 _check_rank(config, spec.rank)
-                service.models[model.model_id] = dataclasses.replace(model, rank=spec.rank)
-                await _add_client(service, model, spec)
+                service.add_model(dataclasses.replace(model, rank=spec.rank))
+                try:
+                    await _add_client(service, model, spec)
+                except BaseException:  # refused: it holds no place under the cap
+                    service.models.pop(model.model_id, None)
+                    raise
             await in_thread(lambda: service.engine.load_state(model.adapter, state,
                                                               optimizer=body.optimizer))()  # fmt: skip
         logger.info("training client %s: state %s loaded", model.model_id, body.path)

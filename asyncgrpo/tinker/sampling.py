@@ -21,12 +21,22 @@ from typing import Any
 import anyio
 import numpy as np
 
+from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy.admin_client import ProxyClient
-from asyncgrpo.run.sync import AdapterSync, LocalCacheSource, ProxyLoader
+from asyncgrpo.run.preflight import check_adapter_fetching
+from asyncgrpo.run.sync import AdapterSync, LocalCacheSource, ProxyLoader, TransportSource
 from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.tinker.wire import SampledSeq, SampleResult, WireError
+from asyncgrpo.vllm.api import parse_served_name
 
-__all__ = ["Sampler", "UnknownSampler", "completions_body", "open_sampler", "sample_result"]
+__all__ = [
+    "Sampler",
+    "UnknownSampler",
+    "completions_body",
+    "open_sampler",
+    "replicas_fetch",
+    "sample_result",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +120,9 @@ class Sampler:
     """The fleet side of the service: the proxy, the adapter store and what names are served."""
 
     def __init__(self, client: ProxyClient, store: AdapterStore, *, base_model: str,
-                 cache_dir: Path, keep: int) -> None:  # fmt: skip
+                 cache_dir: Path, keep: int, fetching: bool = False) -> None:  # fmt: skip
         self.client = client
+        self.fetching = fetching  #: replicas fetch each version from the transport themselves
         self.store = store
         self.base_model = base_model
         self.cache_dir = cache_dir
@@ -127,6 +138,12 @@ class Sampler:
         await self.client.register_run(model_id, lora_slots=self.keep + 1, token=token)
 
     async def release(self, model_id: str) -> None:
+        """The client's versions leave the replicas, its paths and sampling sessions this
+        service (a sample of one is then NotFound), its LoRA slots go back to the proxy."""
+        mine = {n for n in [*self.paths.values(), *self.sessions.values()]
+                if (parse_served_name(n) or ("", 0))[0] == model_id}  # fmt: skip
+        self.paths = {p: n for p, n in self.paths.items() if n not in mine}
+        self.sessions = {s: n for s, n in self.sessions.items() if n not in mine}
         sync = self._syncs.pop(model_id, None)
         if sync is not None:
             await sync.unload_all()
@@ -145,10 +162,12 @@ class Sampler:
         """Publish ``local_dir`` as the client's next version, loaded everywhere; its name."""
         sync = self._syncs.get(model_id)
         if sync is None:
+            source = (TransportSource(self.store) if self.fetching
+                      else LocalCacheSource(self.store, self.cache_dir))  # fmt: skip
             sync = self._syncs[model_id] = AdapterSync(
-                store=self.store, source=LocalCacheSource(self.store, self.cache_dir),
-                loader=ProxyLoader(self.client), prefix=model_id, max_staleness=self.keep - 1,
-                base_model=self.base_model,
+                store=self.store, source=source,
+                loader=ProxyLoader(self.client, fetching=self.fetching), prefix=model_id,
+                max_staleness=self.keep - 1, base_model=self.base_model,
             )  # fmt: skip
         version = (await self.store.latest(model_id) or 0) + 1
         await sync.sync(version, local_dir, step=step)
@@ -190,16 +209,36 @@ class Sampler:
         return result
 
 
+async def replicas_fetch(client: ProxyClient, transport_url: str, delivery: str) -> bool:
+    """Whether the replicas behind the proxy fetch each version from ``transport_url``
+    themselves (``delivery`` 'fetch', or 'auto' when every replica's adapter plugin may);
+    'fetch' that a replica may not do is a ConfigError naming the replica and the fix."""
+    if delivery == "path":
+        return False
+    try:
+        check_adapter_fetching(await client.adapter_plugin_info(), transport_url)
+    except ConfigError as exc:
+        if delivery == "fetch":
+            raise
+        logger.info("replicas load sampler weights from this host's copies: %s", exc)
+        return False
+    return True
+
+
 @contextlib.asynccontextmanager
 async def open_sampler(
     proxy_url: str, admin_key: str | None, store: AdapterStore, *, base_model: str,
-    work_dir: Path, keep: int,
+    work_dir: Path, keep: int, delivery: str = "path",
 ) -> AsyncIterator[Sampler]:  # fmt: skip
-    """A :class:`Sampler` on the proxy at ``proxy_url``, publishing to ``store``; every
-    client's versions unloaded and slots given back at the end."""
+    """A :class:`Sampler` on the proxy at ``proxy_url``, publishing to ``store`` (replicas
+    fetching from it or loading this host's copies, by ``delivery``); every client's versions
+    unloaded and slots given back at the end."""
     async with ProxyClient(proxy_url, api_key=admin_key, timeout_s=600) as client:
+        fetching = await replicas_fetch(client, store.transport.url, delivery)
+        logger.info("replicas %s", "fetch sampler weights from " + store.transport.url
+                    if fetching else "load sampler weights from copies on this host")  # fmt: skip
         sampler = Sampler(client, store, base_model=base_model, cache_dir=work_dir / "cache",
-                          keep=keep)  # fmt: skip
+                          keep=keep, fetching=fetching)  # fmt: skip
         try:
             yield sampler
         finally:

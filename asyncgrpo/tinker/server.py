@@ -29,7 +29,7 @@ async def serve_tinker(config: TinkerConfig) -> AsyncIterator[str]:
         lambda: Engine(config.model, dtype=config.dtype, lora_alpha=config.lora_alpha)
     )
     work = Path(config.work_dir).resolve()
-    transport = open_transport(config.store or str(work / "store"))
+    transport = open_transport(config.transport_url or str(work / "store"))
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(transport.aclose)
         sampler = None
@@ -37,8 +37,11 @@ async def serve_tinker(config: TinkerConfig) -> AsyncIterator[str]:
             sampler = await stack.enter_async_context(open_sampler(
                 config.proxy_url, config.proxy_admin_key, AdapterStore(transport),
                 base_model=config.model, work_dir=work, keep=config.sampler_keep,
+                delivery=config.adapter_delivery,
             ))  # fmt: skip
-        service = TinkerService(engine, StateStore(transport), sampler)
+        service = TinkerService(engine, StateStore(transport), sampler,
+                                session_timeout_s=config.session_timeout_s,
+                                max_clients=config.max_training_clients)  # fmt: skip
         async with _serving(config, service) as url:
             yield url
 

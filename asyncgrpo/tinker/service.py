@@ -14,7 +14,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from asyncgrpo.tinker.losses import LossInputError
 from asyncgrpo.tinker.scheduling import FairQueue
 from asyncgrpo.tinker.wire import WireError
 
-__all__ = ["Job", "Session", "TinkerService", "TrainingModel", "in_thread"]
+__all__ = ["Job", "Session", "TinkerService", "TrainingModel", "expired_sessions", "in_thread"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +60,28 @@ class TrainingModel:
         return re.sub(r"[^A-Za-z0-9_-]", "-", self.model_id)
 
 
+def expired_sessions(sessions: Iterable[Session], now: float, timeout_s: float) -> list[str]:
+    """The open sessions whose last sign of life is more than ``timeout_s`` before ``now``."""
+    return [s.session_id for s in sessions
+            if not s.finished and now - s.last_heartbeat > timeout_s]  # fmt: skip
+
+
 def in_thread(fn: Callable[[], Any]) -> Job:
     """``fn`` as a job run in a worker thread (the event loop keeps serving meanwhile)."""
     return lambda: anyio.to_thread.run_sync(fn)
 
 
 class TinkerService:
-    def __init__(self, engine: Any, states: Any, sampler: Any = None) -> None:
+    """``session_timeout_s``: a session with no heartbeat (nor request) for that long ends as
+    if the SDK had finished it; ``max_clients``: the most training clients alive at once."""
+
+    def __init__(self, engine: Any, states: Any, sampler: Any = None, *,
+                 session_timeout_s: float = 300.0, max_clients: int = 16) -> None:  # fmt: skip
         self.engine = engine
         self.states = states
         self.sampler = sampler
+        self.session_timeout_s = session_timeout_s
+        self.max_clients = max_clients
         self.futures = FutureTable()
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TrainingModel] = {}
@@ -81,6 +93,58 @@ class TinkerService:
         session = Session(session_id=f"s{secrets.token_hex(6)}", last_heartbeat=time.monotonic())
         self.sessions[session.session_id] = session
         return session
+
+    def is_open(self, session_id: str) -> bool:
+        session = self.sessions.get(session_id)
+        return session is not None and not session.finished
+
+    def touch(self, session_id: str) -> None:
+        """A sign of life of the session (a heartbeat, or a request of one of its clients)."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            session.last_heartbeat = time.monotonic()
+
+    def add_model(self, model: TrainingModel) -> None:
+        """Count ``model`` among the live clients; WireError naming the cap when it is full."""
+        if model.model_id not in self.models and len(self.models) >= self.max_clients:
+            raise WireError(f"this service already holds {len(self.models)} training clients, "
+                            f"its max_training_clients (--max-training-clients): close a "
+                            "ServiceClient whose clients are done, or raise the cap")  # fmt: skip
+        self.models[model.model_id] = model
+
+    def end_session(self, session_id: str, why: str) -> None:
+        """End the session: each of its clients leaves after its queued requests (its versions
+        leave the replicas, its LoRA slots go back, its adapter and optimizer leave the
+        trainer). A heartbeat of it is answered 410 from then on."""
+        session = self.sessions.get(session_id)
+        if session is None or session.finished:
+            return
+        session.finished = True
+        ended = [m for m in self.models.values() if m.session_id == session_id]
+        logger.info("session %s %s: %d training clients end", session_id, why, len(ended))
+        for model in ended:
+            del self.models[model.model_id]
+            self.submit(model.model_id, self._remover(model))
+
+    def _remover(self, model: TrainingModel) -> Job:
+        async def job() -> None:
+            if self.sampler is not None:
+                await self.sampler.release(model.adapter)
+            await in_thread(lambda: self.engine.remove(model.adapter))()
+            logger.info("training client %s ended with its session", model.model_id)
+
+        return job
+
+    async def _expire(self) -> None:
+        """End every session that stopped showing signs of life, checking a few times per
+        timeout."""
+        while True:
+            await anyio.sleep(min(self.session_timeout_s / 4, 10.0))
+            stale = expired_sessions(self.sessions.values(), time.monotonic(),
+                                     self.session_timeout_s)  # fmt: skip
+            for session_id in stale:
+                self.end_session(session_id, f"expired ({self.session_timeout_s:g} s without "
+                                             "a heartbeat)")  # fmt: skip
 
     def submit(self, client: str, job: Job) -> str:
         """Queue ``job`` under ``client``; its request id, pending until the job ran."""
@@ -108,6 +172,7 @@ class TinkerService:
         """Run queued jobs one at a time and spawned ones beside them, forever (cancel to
         stop); ready once it can take jobs."""
         async with anyio.create_task_group() as self._tasks:
+            self._tasks.start_soon(self._expire)
             task_status.started()
             while True:
                 await self._waiting.acquire()

@@ -1,0 +1,93 @@
+"""Sessions whose heartbeats stop expire, releasing their clients; the cap on live clients."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+
+def test_expired_sessions_are_the_open_ones_past_the_timeout() -> None:
+    from asyncgrpo.tinker.service import Session, expired_sessions
+
+    sessions = [Session("old", 0.0), Session("new", 9.0), Session("done", 0.0, finished=True)]
+    assert expired_sessions(sessions, now=10.0, timeout_s=5.0) == ["old"]
+    assert expired_sessions(sessions, now=10.0, timeout_s=20.0) == []
+
+
+def test_an_abandoned_session_expires_and_frees_its_place_under_the_cap(
+    tiny_model: Path, start_service
+) -> None:
+    import tinker
+    from tinker import types
+
+    still = types.AdamParams(learning_rate=0.0)  # a request that changes nothing
+    # get_info() answers from the SDK's cache: optim_step is what reaches the service.
+    # The SDK heartbeats every 10 s, so with a 1.5 s timeout a session lives only while it
+    # makes requests: `abandoned` stops after its first, `alive` keeps asking.
+    with start_service(tiny_model, session_timeout_s=1.5, max_training_clients=2) as served:
+        abandoned, alive = (tinker.ServiceClient(base_url=served.url) for _ in range(2))
+        gone = abandoned.create_lora_training_client(base_model=served.model, rank=2).result()
+        kept = alive.create_lora_training_client(base_model=served.model, rank=2).result()
+        with pytest.raises(
+            tinker.BadRequestError, match=r"holds 2 training clients.*--max-training-clients"
+        ):
+            alive.create_lora_training_client(base_model=served.model, rank=2).result()
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline:
+            kept.optim_step(still).result()
+            time.sleep(0.3)
+        with pytest.raises(tinker.NotFoundError, match="no training client"):
+            gone.optim_step(still).result()
+        second = alive.create_lora_training_client(base_model=served.model, rank=1).result()
+        assert second.get_info().lora_rank == 1
+        kept.optim_step(still).result()
+        alive.close("success").result()
+
+
+def test_an_expired_session_s_adapters_and_optimizers_leave_the_trainer(tiny_model: Path) -> None:
+    import anyio
+
+    from asyncgrpo.tinker.engine import Engine, LoraSpec
+    from asyncgrpo.tinker.service import TinkerService, TrainingModel
+
+    engine = Engine(str(tiny_model), dtype="float32", lora_alpha=16.0)
+    service = TinkerService(engine, states=None, session_timeout_s=0.4)
+    spec = LoraSpec(rank=2, seed=0, train_mlp=True, train_attn=True)
+
+    async def body() -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(service.run)
+            gone, kept = service.new_session(), service.new_session()
+            models = [TrainingModel(f"{s.session_id}_m0", s.session_id, 2) for s in (gone, kept)]
+            for model in models:
+                service.add_model(model)
+                engine.create(model.adapter, spec)
+            for _ in range(15):
+                await anyio.sleep(0.1)
+                service.touch(kept.session_id)
+            assert not engine.has(models[0].adapter) and engine.has(models[1].adapter)
+            assert list(service.models) == [models[1].model_id]
+            assert not service.is_open(gone.session_id) and service.is_open(kept.session_id)
+            tg.cancel_scope.cancel()
+
+    anyio.run(body)
+
+
+def test_a_released_client_s_paths_and_sampling_sessions_are_forgotten(tmp_path: Path) -> None:
+    import anyio
+
+    from asyncgrpo.tinker.sampling import Sampler, UnknownSampler
+
+    # Nothing was booked or published, so releasing asks nothing of the proxy.
+    sampler = Sampler(None, None, base_model="base", cache_dir=tmp_path, keep=1)  # type: ignore[arg-type]
+    sampler.paths = {"tinker://a/sampler_weights/x": "a-v1", "tinker://b/sampler_weights/y": "b-v2"}
+    gone, kept, base = (sampler.new_session(n) for n in ("a-v1", "b-v2", "base"))
+    anyio.run(sampler.release, "a")
+    with pytest.raises(UnknownSampler, match="no sampler weights"):
+        sampler.resolve(session=None, path="tinker://a/sampler_weights/x", base=None)
+    with pytest.raises(UnknownSampler, match="no sampling session"):
+        sampler.resolve(session=gone, path=None, base=None)
+    assert sampler.resolve(session=kept, path=None, base=None) == "b-v2"
+    assert sampler.resolve(session=base, path=None, base=None) == "base"
