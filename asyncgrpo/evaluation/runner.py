@@ -41,6 +41,7 @@ def eval_run(prefix: str) -> str:
     its own, with ``eval.share_weight``, though it generates under the run's adapter names."""
     return f"{prefix}-eval"
 
+
 logger = logging.getLogger(__name__)
 
 
