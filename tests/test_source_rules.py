@@ -73,3 +73,14 @@ def test_the_rules_see_what_they_forbid() -> None:
     dropped = 'def f():\n    """Measured: 864 of 1216 samples dropped."""\n'
     assert docstring_figures(dropped) == ["Measured: 864 of 1216 samples dropped."]
     assert docstring_figures('"""A timeout of 30 s, then a retry."""\n') == []
+
+
+def test_test_modules_have_unique_basenames() -> None:
+    """The test folders are no packages, so pytest imports each test module by its basename: a
+    second ``test_cli.py`` elsewhere stops the whole collection ("import file mismatch")."""
+    tests = Path(__file__).resolve().parent
+    seen: dict[str, list[str]] = {}
+    for path in tests.rglob("*.py"):
+        if path.name not in ("conftest.py", "__init__.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert not {name: where for name, where in seen.items() if len(where) > 1}
