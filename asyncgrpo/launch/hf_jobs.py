@@ -24,23 +24,20 @@ both, and whoever holds the token can start and cancel the run's jobs anyway.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 import anyio.to_thread
 
 from asyncgrpo.config.sources import env_name
 from asyncgrpo.config.training import ENV_PREFIX, TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus, Stage
+from asyncgrpo.launch.log_follower import follow_in_thread
 from asyncgrpo.launch.plan import (
     ADMIN_KEY_ENV,
     in_image,
@@ -302,30 +299,15 @@ class HfJobsBackend:
         return None
 
     async def follow_logs(self, job: Job, on_line: Callable[[str], None]) -> None:
-        """Stream the job's log until it ends. The stream blocks inside httpx, so it runs in a
-        daemon thread: on cancellation it is left to end with the job, and never holds up the
-        launcher's exit."""
-        token = anyio.lowlevel.current_token()
-        ended = anyio.Event()
-        errors: list[BaseException] = []
+        """Stream the job's log until it ends (the stream blocks inside httpx)."""
 
-        def follow() -> None:
-            try:
-                for line in self.api.fetch_job_logs(
-                    job_id=job.id, namespace=self.namespace, follow=True
-                ):
-                    anyio.from_thread.run_sync(on_line, line, token=token)
-            except anyio.RunFinishedError:
-                return
-            except Exception as exc:
-                errors.append(exc)
-            with contextlib.suppress(anyio.RunFinishedError, RuntimeError):
-                anyio.from_thread.run_sync(ended.set, token=token)
+        def stream(emit: Callable[[str], None]) -> None:
+            for line in self.api.fetch_job_logs(
+                job_id=job.id, namespace=self.namespace, follow=True
+            ):
+                emit(line)
 
-        threading.Thread(target=follow, name=f"logs-{job.name}", daemon=True).start()
-        await ended.wait()
-        if errors:
-            logger.warning("log stream of %s ended: %s", job.name, errors[0])
+        await follow_in_thread(job, stream, on_line)
 
     async def cancel(self, job: Job) -> None:
         await self._call(self.api.cancel_job, job_id=job.id, namespace=self.namespace)

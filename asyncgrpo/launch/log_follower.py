@@ -7,13 +7,20 @@ job costs one write per :data:`FLUSH_S`, not one per line, and nothing is lost a
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
 from collections.abc import Callable
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 
 from asyncgrpo.launch.jobs import Backend, Job
 
-__all__ = ["FLUSH_S", "LogFollower"]
+__all__ = ["FLUSH_S", "LogFollower", "follow_in_thread"]
+
+logger = logging.getLogger(__name__)
 
 #: Seconds between two writes of the lines streamed meanwhile.
 FLUSH_S = 0.5
@@ -67,3 +74,34 @@ class LogFollower:
                     with anyio.CancelScope(shield=True):
                         await flush()
                     tg.cancel_scope.cancel()
+
+
+async def follow_in_thread(
+    job: Job, stream: Callable[[Callable[[str], None]], None], on_line: Callable[[str], None]
+) -> None:
+    """A backend's ``follow_logs`` over a blocking SDK call: ``stream(emit)`` hands each line of
+    ``job``'s log to ``emit`` and returns when the log ends; ``on_line`` gets each line on the
+    event loop. The call runs in a daemon thread, since the SDKs block inside their HTTP
+    clients: on cancellation it is left to end with the job, and never holds up the launcher's
+    exit. A stream that fails ends the follow with one warning."""
+    token = anyio.lowlevel.current_token()
+    ended = anyio.Event()
+    errors: list[BaseException] = []
+
+    def emit(line: str) -> None:
+        anyio.from_thread.run_sync(on_line, line, token=token)
+
+    def follow() -> None:
+        try:
+            stream(emit)
+        except anyio.RunFinishedError:
+            return
+        except Exception as exc:
+            errors.append(exc)
+        with contextlib.suppress(anyio.RunFinishedError, RuntimeError):
+            anyio.from_thread.run_sync(ended.set, token=token)
+
+    threading.Thread(target=follow, name=f"logs-{job.name}", daemon=True).start()
+    await ended.wait()
+    if errors:
+        logger.warning("log stream of %s ended: %s", job.name, errors[0])

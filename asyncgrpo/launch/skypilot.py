@@ -27,26 +27,22 @@ Secrets, given to SkyPilot as task secrets at launch (never in the task YAML or 
 
 from __future__ import annotations
 
-import contextlib
 import io
-import logging
 import os
 import re
 import secrets as secrets_lib
-import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 import anyio.to_thread
 
 from asyncgrpo.config.sources import env_name
 from asyncgrpo.config.training import ENV_PREFIX, TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus, Stage
+from asyncgrpo.launch.log_follower import follow_in_thread
 from asyncgrpo.launch.plan import (
     ADMIN_KEY_ENV,
     PROXY_ADMIN_KEY_ENV,
@@ -64,7 +60,6 @@ from asyncgrpo.launch.skypilot_tasks import any_host_origin, task_config, task_y
 
 __all__ = ["REPLICA_KEY_ENV", "SkyPilotBackend", "import_sky"]
 
-logger = logging.getLogger(__name__)
 
 #: The Hugging Face token, passed on to the jobs when set (model and dataset downloads).
 TOKEN_ENV = "HF_TOKEN"
@@ -346,32 +341,19 @@ class SkyPilotBackend:
         return None
 
     async def follow_logs(self, job: Job, on_line: Callable[[str], None]) -> None:
-        """Stream the job's log until it ends, in a daemon thread (the SDK blocks in
-        ``requests``): on cancellation it is left to end with the job."""
-        token = anyio.lowlevel.current_token()
-        ended = anyio.Event()
-        errors: list[BaseException] = []
+        """Stream the job's log until it ends (the SDK blocks in ``requests`` and writes the
+        log to a text stream)."""
 
-        class Lines(io.TextIOBase):
-            def write(self, text: str) -> int:
-                for line in text.splitlines():
-                    anyio.from_thread.run_sync(on_line, line, token=token)
-                return len(text)
+        def stream(emit: Callable[[str], None]) -> None:
+            class Lines(io.TextIOBase):
+                def write(self, text: str) -> int:
+                    for line in text.splitlines():
+                        emit(line)
+                    return len(text)
 
-        def follow() -> None:
-            try:
-                self.sky.jobs.tail_logs(job_id=int(job.id), follow=True, output_stream=Lines())
-            except anyio.RunFinishedError:
-                return
-            except Exception as exc:
-                errors.append(exc)
-            with contextlib.suppress(anyio.RunFinishedError, RuntimeError):
-                anyio.from_thread.run_sync(ended.set, token=token)
+            self.sky.jobs.tail_logs(job_id=int(job.id), follow=True, output_stream=Lines())
 
-        threading.Thread(target=follow, name=f"logs-{job.name}", daemon=True).start()
-        await ended.wait()
-        if errors:
-            logger.warning("log stream of %s ended: %s", job.name, errors[0])
+        await follow_in_thread(job, stream, on_line)
 
     async def cancel(self, job: Job) -> None:
         await self._call(self.sky.jobs.cancel, job_ids=[int(job.id)])

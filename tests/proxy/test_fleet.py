@@ -354,6 +354,22 @@ async def test_a_proxy_in_front_keeps_a_proxy_whose_fleet_lost_a_member(
             assert [s for s, _ in answers] == [200] * 4 and a.served == 4
 
 
+def stand_in_adapter(tmp_path: Path) -> Path:
+    """An adapter directory the stand-in replicas accept (they read no weights)."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 1, "lora_alpha": 2}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    return adapter
+
+
+def one_attempt_sync(store: AdapterStore, client: VLLMClient, cache: Path) -> AdapterSync:
+    """The trainer's sync of run ``run-x`` at ``max_staleness`` 0, loading by path, one try."""
+    return AdapterSync(store=store, source=LocalCacheSource(store, cache),
+                       loader=ProxyLoader(client), prefix="run-x", max_staleness=0,
+                       attempts=1)  # fmt: skip
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
 async def test_the_trainers_sync_goes_through_when_a_replica_dies_in_the_middle_of_it(
     fleet: list[StandIn], tmp_path: Path, when: str
@@ -365,15 +381,9 @@ async def test_the_trainers_sync_goes_through_when_a_replica_dies_in_the_middle_
     b.die_on_load = {"run-x-v1": when}
     cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, lora_roots=(str(tmp_path),),
                       **{**FAST, "health_interval_s": 3600})  # fmt: skip
-    store = AdapterStore(str(tmp_path / "store"))
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text('{"r": 1, "lora_alpha": 2}')
-    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    store, adapter = AdapterStore(str(tmp_path / "store")), stand_in_adapter(tmp_path)
     async with serve_proxy(cfg) as base, VLLMClient(base) as client:
-        sync = AdapterSync(store=store, source=LocalCacheSource(store, tmp_path / "cache"),
-                           loader=ProxyLoader(client), prefix="run-x", max_staleness=0,
-                           attempts=1)  # fmt: skip
+        sync = one_attempt_sync(store, client, tmp_path / "cache")
         switched: list[str] = []
 
         async def on_loaded(name: str, version: int) -> None:
@@ -395,15 +405,9 @@ async def test_an_unload_one_replica_failed_is_tried_again_at_the_next_retire(
     b.fail_unload = {"run-x-v0": 1}
     cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, lora_roots=(str(tmp_path),),
                       **{**FAST, "health_interval_s": 3600})  # fmt: skip
-    store = AdapterStore(str(tmp_path / "store"))
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text('{"r": 1, "lora_alpha": 2}')
-    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    store, adapter = AdapterStore(str(tmp_path / "store")), stand_in_adapter(tmp_path)
     async with serve_proxy(cfg) as base, VLLMClient(base) as client:
-        sync = AdapterSync(store=store, source=LocalCacheSource(store, tmp_path / "cache"),
-                           loader=ProxyLoader(client), prefix="run-x", max_staleness=0,
-                           attempts=1)  # fmt: skip
+        sync = one_attempt_sync(store, client, tmp_path / "cache")
         await sync.sync(0, adapter, step=0)
         await sync.sync(1, adapter, step=1)  # retiring v0 fails on b
         assert a.adapters == {"run-x-v1"} and b.adapters == {"run-x-v0", "run-x-v1"}
@@ -425,15 +429,9 @@ async def test_a_pinned_version_stays_loaded_past_the_window_until_unpinned(
     a, b = fleet
     cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, lora_roots=(str(tmp_path),),
                       **{**FAST, "health_interval_s": 3600})  # fmt: skip
-    store = AdapterStore(str(tmp_path / "store"))
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text('{"r": 1, "lora_alpha": 2}')
-    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    store, adapter = AdapterStore(str(tmp_path / "store")), stand_in_adapter(tmp_path)
     async with serve_proxy(cfg) as base, VLLMClient(base) as client:
-        sync = AdapterSync(store=store, source=LocalCacheSource(store, tmp_path / "cache"),
-                           loader=ProxyLoader(client), prefix="run-x", max_staleness=0,
-                           attempts=1)  # fmt: skip
+        sync = one_attempt_sync(store, client, tmp_path / "cache")
         await sync.sync(0, adapter, step=0)
         assert sync.pin(0) == "run-x-v0" and sync.pinned() == [0]
         await sync.sync(1, adapter, step=1)

@@ -1,19 +1,23 @@
 """A verifiers 0.4 environment trained end to end on CPU: real vLLM replicas behind the proxy,
 verifiers' own harness program, interception server and MCP tool server, asyncgrpo's
-token-exact model client, the trainer. Needs verifiers 0.4 and uv in the venv running the
-tests (docs/environments.md, "verifiers 0.4"); skipped beside verifiers 0.1.10."""
+token-exact model client, the trainer. Two ways, one test:
+
+- in process, where the venv running the tests holds verifiers 0.4 and uv (``make test-vf4``);
+- from a process and venv of its own (``rollout.environment.python``), where the trainer's venv
+  holds verifiers 0.1.10 and the environment runs in the verifiers 0.4 venv (``make
+  install-vf4``: .venv-vf4, or ASYNCGRPO_VF4_PYTHON); every model call comes back here and is
+  answered token-exactly through the proxy.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import anyio
 import pytest
 import yaml
-
-pytest.importorskip("verifiers.v1")
 
 from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.run.metrics import read_metrics
@@ -27,17 +31,45 @@ pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "vf_v1_calculator.yaml"
 PACKAGE = ROOT / "examples" / "envs" / "vf_v1_calculator"
+VF4_PYTHON = os.environ.get("ASYNCGRPO_VF4_PYTHON") or str(ROOT / ".venv-vf4" / "bin" / "python")
 
 
+def _has_v1() -> bool:
+    try:
+        return importlib.util.find_spec("verifiers.v1") is not None
+    except ModuleNotFoundError:  # no verifiers at all
+        return False
+
+
+HAS_V1 = _has_v1()
+WAYS = [
+    pytest.param(None, id="in-process", marks=pytest.mark.skipif(
+        not HAS_V1, reason="verifiers 0.4 is not in this venv: make test-vf4 runs it there")),
+    pytest.param(VF4_PYTHON, id="own-venv", marks=pytest.mark.skipif(
+        HAS_V1 or not os.access(VF4_PYTHON, os.X_OK),
+        reason="this venv holds verifiers 0.4 itself, or there is no verifiers 0.4 venv at "
+        f"{VF4_PYTHON} (make install-vf4)")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("python", WAYS)
 async def test_a_v1_tool_environment_trains_4_steps_token_exactly(
-    vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
+    python: str | None,
+    vllm_replicas: list[Replica],
+    tiny_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    sys.path.insert(0, str(PACKAGE))  # as `pip install -e` of the package would, here and
-    os.environ["PYTHONPATH"] = os.pathsep.join(  # in the tool servers verifiers starts
+    # the package, as `pip install -e` of it would: here, in the environment process and in
+    # the tool servers verifiers starts
+    monkeypatch.syspath_prepend(str(PACKAGE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         p for p in (str(PACKAGE), os.environ.get("PYTHONPATH")) if p
-    )
+    ))  # fmt: skip
     data = yaml.safe_load(EXAMPLE.read_text())
     data.update(model=str(tiny_model), output_dir=str(tmp_path), run_name="vf1")
+    if python is not None:
+        data["rollout"]["environment"]["python"] = python
     data["serve"] = {"replicas": 0}
     data["proxy"]["upstreams"] = [r.url for r in vllm_replicas]
     data["dataset"]["path"] = str(ROOT / "examples" / "calculator_tasks.jsonl")
@@ -65,5 +97,6 @@ async def test_a_v1_tool_environment_trains_4_steps_token_exactly(
     assert records[-1]["rollout/env_failures_total"] == 0
     turns = [sum(m and (i == 0 or not s.policy_mask()[i - 1]) for i, m in enumerate(s.policy_mask()))
              for s in samples]  # fmt: skip
-    print(f"v1 in process: max |logp error| {max(errors):.2e}, ratio "
+    way = "in process" if python is None else "in its own venv"
+    print(f"v1 {way}: max |logp error| {max(errors):.2e}, ratio "
           f"{[round(r['ratio'], 6) for r in records]}, model turns {sorted(turns)}")  # fmt: skip
