@@ -1,5 +1,6 @@
 """What evaluating during training costs the trainer: the demo recipe with and without
-``eval.every``, side by side in one invocation, on one fleet.
+``eval.every``, side by side in one invocation, on one fleet; with ``--curve``, the held-out
+reward by version at each ``max_staleness``.
 
 Every run is ``examples/tiny_cpu.yaml`` (the ``asyncgrpo demo`` recipe: the tiny model, two
 float32 vLLM replicas behind the proxy, 32 samples per step, a sync every step, 40 steps, its
@@ -231,7 +232,7 @@ def plot_curve(by: dict[int, dict[str, Any]], path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
     p.add_argument("--every", type=int, default=5, help="eval.every of the evaluated runs")
     p.add_argument("--seeds", type=ints, default=None,
