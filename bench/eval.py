@@ -53,7 +53,8 @@ def reached(rewards: list[float]) -> int | None:
     return None
 
 
-def figures(run_dir: Path, wall: float) -> dict[str, Any]:
+def figures(run_dir: Path, wall: float | None = None) -> dict[str, Any]:
+    """A run's figures from its directory (``wall``: the whole run's seconds, when timed)."""
     from asyncgrpo.evaluation.records import read_evals
     from asyncgrpo.run.metrics import read_metrics
 
@@ -62,8 +63,14 @@ def figures(run_dir: Path, wall: float) -> dict[str, Any]:
     step_s = [float(r["perf/step_s"]) for r in records]
     at = reached(rewards)
     evals = read_evals(run_dir)
+    curve = {int(e["eval/version"]): float(e["eval/reward"]) for e in evals}
+    # the training reward beside version v's held-out one: step v+1's, which trained on samples
+    # of version v (and, when max_staleness > 0, of up to that many older versions)
+    train = {v: rewards[v] for v in curve if v < len(rewards)}
     return {
-        "curve": {int(e["eval/version"]): float(e["eval/reward"]) for e in evals},
+        "curve": curve,
+        "train": train,
+        "gap": statistics.fmean(curve[v] - train[v] for v in train),
         "last5": statistics.fmean(rewards[-5:]),
         "s_step": statistics.median(step_s),
         "steps_per_s": len(step_s) / sum(step_s),
@@ -154,50 +161,54 @@ def report(rows: dict[str, dict[str, Any]], every: int) -> None:
         print(f"time to reward {THRESHOLD} on / off: {mean[1] / mean[0]:.3f}")
 
 
-def curves(rows: dict[str, dict[str, Any]], staleness: list[int]) -> dict[int, dict[str, Any]]:
-    """max_staleness -> {seed: {version: held-out reward}} of its runs."""
-    by: dict[int, dict[str, Any]] = {k: {} for k in staleness}
+def curves(rows: dict[str, dict[str, Any]], staleness: list[int], what: str) -> dict[int, Any]:
+    """max_staleness -> {seed: {version: row[what]'s value}} of its runs."""
+    by: dict[int, dict[int, dict[int, float]]] = {k: {} for k in staleness}
     for name, row in rows.items():
         k, seed = (int(part[1:]) for part in name.split("-"))
-        by[k][seed] = row["curve"]
+        if k in by:
+            by[k][seed] = row[what]
     return by
 
 
+def spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.fmean(values):.3f} [{min(values):.3f}, {max(values):.3f}] ({len(values)})"
+
+
 def report_curve(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
-    """Held-out reward by version per max_staleness (mean over seeds [min, max] n), then base ->
-    final per run, then the plot."""
-    by = curves(rows, args.staleness)
-    versions = sorted({v for seeds in by.values() for c in seeds.values() for v in c})
-    head = " | ".join(f"max_staleness {k}: mean [min, max] (seeds)" for k in args.staleness)
-    print(f"\n| version | {head} |\n|---|" + "---|" * len(args.staleness))
+    """Held-out reward by version per max_staleness (mean over seeds [min, max] n) beside the
+    training reward, then base -> final per run, then the plot."""
+    held, train = (curves(rows, args.staleness, what) for what in ("curve", "train"))
+    versions = sorted({v for seeds in held.values() for c in seeds.values() for v in c})
+    head = " | ".join(f"max_staleness {k}: held-out mean [min, max] (seeds) | training reward"
+                      for k in args.staleness)  # fmt: skip
+    print(f"\n| version | {head} |\n|---|" + "---|---|" * len(args.staleness))
     for v in versions:
         cells = []
         for k in args.staleness:
-            got = [c[v] for c in by[k].values() if v in c]
-            cells.append(f"{statistics.fmean(got):.3f} [{min(got):.3f}, {max(got):.3f}] "
-                         f"({len(got)})" if got else "-")  # fmt: skip
+            cells.append(spread([c[v] for c in held[k].values() if v in c]))
+            got = [c[v] for c in train[k].values() if v in c]
+            cells.append(f"{statistics.fmean(got):.3f}" if got else "-")
         print(f"| {v} | " + " | ".join(cells) + " |")
-    print(
-        "\n| max_staleness | seed | held-out base -> final | evals during training "
-        "| train reward, last 5 steps | step>=0.5 | wall s |\n|---|---|---|---|---|---|---|"
-    )
+    print("\n| max_staleness | seed | held-out base -> final | evals during training "
+          "| held-out - training reward | train reward, last 5 steps | step>=0.5 | s/step |"
+          "\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for k in args.staleness:
         for seed, name in sorted(
             (int(n.split("-s")[1]), n) for n in rows if n.startswith(f"k{k}-")
         ):
             row = rows[name]
             print(f"| {k} | {seed} | {row['held'][0]:.3f} -> {row['held'][1]:.3f} "
-                  f"| {row['evals']} | {row['last5']:.3f} | {row['step'] or '-'} "
-                  f"| {row['wall']:.0f} |")  # fmt: skip
+                  f"| {row['evals']} | {row['gap']:+.3f} | {row['last5']:.3f} "
+                  f"| {row['step'] or '-'} | {row['s_step']:.2f} |")  # fmt: skip
     for k in args.staleness:
-        finals = [row["held"][1] for n, row in rows.items() if n.startswith(f"k{k}-")]
-        gains = [row["held"][1] - row["held"][0] for n, row in rows.items()
-                 if n.startswith(f"k{k}-")]  # fmt: skip
-        print(
-            f"max_staleness {k}: final held-out reward mean {statistics.fmean(finals):.3f} "
-            f"(min {min(finals):.3f}), gain over base mean {statistics.fmean(gains):.3f}"
-        )
-    plot_curve(by, args.out / "curve.png")
+        mine = [row for n, row in rows.items() if n.startswith(f"k{k}-")]
+        if mine:
+            print(f"max_staleness {k}: final held-out {spread([r['held'][1] for r in mine])}, "
+                  f"held-out - training reward {spread([r['gap'] for r in mine])}")  # fmt: skip
+    plot_curve(held, args.out / "curve.png")
     print(f"plot: {args.out / 'curve.png'}")
 
 
@@ -245,12 +256,19 @@ def main() -> None:
     )
     p.add_argument("--staleness", type=ints, default=[0, 4],
                    help="with --curve: trainer.max_staleness values")  # fmt: skip
+    p.add_argument("--report", action="store_true",
+                   help="with --curve: only the table and plot of the runs in --out")  # fmt: skip
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
     args.seeds = args.seeds or ([0, 1, 2] if args.curve else [0])
     if args.curve:
         args.out = args.out / "curve"
-        report_curve(anyio.run(measure, args, curve_jobs(args)), args)
+        jobs = curve_jobs(args)
+        if not args.report:
+            anyio.run(measure, args, jobs)
+        runs = [args.out / "runs" / name for name, _ in jobs]
+        report_curve({r.name: figures(r) for r in runs if (r / "eval_metrics.jsonl").is_file()},
+                     args)  # fmt: skip
     else:
         report(anyio.run(measure, args, comparison(args)), args.every)
 
