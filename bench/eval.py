@@ -193,7 +193,7 @@ def report_curve(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> N
             cells.append(f"{statistics.fmean(got):.3f}" if got else "-")
         print(f"| {v} | " + " | ".join(cells) + " |")
     print("\n| max_staleness | seed | held-out base -> final | evals during training "
-          "| held-out - training reward | train reward, last 5 steps | step>=0.5 | s/step |"
+          "| held-out - training reward | training reward, last 5 steps | step>=0.5 | s/step |"
           "\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for k in args.staleness:
         for seed, name in sorted(
