@@ -84,7 +84,9 @@ def make_backend(
         from asyncgrpo.launch.skypilot import SkyPilotBackend
 
         return SkyPilotBackend(cfg, launch_dir, **options)
-    raise ConfigError(f"unknown launch backend {name!r}: use 'hf-jobs', 'local', 'ray' or 'skypilot'")
+    raise ConfigError(
+        f"unknown launch backend {name!r}: use 'hf-jobs', 'local', 'ray' or 'skypilot'"
+    )
 
 
 def plan(

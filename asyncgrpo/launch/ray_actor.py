@@ -10,8 +10,10 @@ its own vLLM engine. The command names the node's address and a port free there 
 
 The role's output goes to a file in its working directory on the node, not to the actor's
 stdout, so Ray's log forwarding carries none of it; the launcher reads it through
-:meth:`RoleActor.read`. Secrets are in the actor's environment (its ``runtime_env``), which the
-process inherits; they are never in its command.
+:meth:`RoleActor.read`. The environment and secrets come as an argument of
+:meth:`RoleActor.start`, never in the command; not in a ``runtime_env`` either, whose
+``env_vars`` Ray writes to its ``runtime_env_agent.log`` and shows in its state API
+(``serialized_runtime_env``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from anyio.abc import Process
 
 from asyncgrpo.processes import free_port, start_group, stop_group
 
-__all__ = ["NODE_IP", "PORT", "RoleActor", "node_argv"]
+__all__ = ["NODE_IP", "PORT", "RoleActor", "current_node_id", "node_address", "node_argv"]
 
 #: Stands in a command for the address of the node the actor runs on.
 NODE_IP = "<node-ip>"
@@ -49,6 +51,21 @@ def node_argv(argv: list[str], *, node_ip: str, port: int | None, python: str) -
     return out
 
 
+def current_node_id() -> str:
+    """The Ray node this process runs on (an actor's, or the driver's)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def node_address(node_id: str) -> str:
+    """The address node ``node_id`` registered with the cluster (``ray start
+    --node-ip-address``), the one the other nodes reach it at."""
+    import ray
+
+    return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+
+
 def _tail(path: Path, lines: int) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -66,13 +83,19 @@ class RoleActor:
         self._log: Path | None = None
 
     async def start(
-        self, argv: list[str], *, workdir: str, launcher_ip: str, fallback: str
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        *,
+        workdir: str,
+        launcher_ip: str | None,
+        fallback: str,
     ) -> dict[str, Any]:
-        """Start ``argv`` in ``workdir`` (the launcher's own directory when this node is on
-        the launcher's host; else ``<tmp>/asyncgrpo/<fallback>``); where it runs."""
-        import ray
-
-        node_ip = ray.util.get_node_ip_address()
+        """Start ``argv`` with ``env`` added to the actor's environment, in ``workdir`` (the
+        launcher's own directory when this node is on the launcher's host; else
+        ``<tmp>/asyncgrpo/<fallback>``); where it runs."""
+        node_id = current_node_id()
+        node_ip = node_address(node_id)
         port = free_port(node_ip) if any(PORT in a for a in argv) else None
         if node_ip != launcher_ip:
             workdir = str(Path(tempfile.gettempdir()) / "asyncgrpo" / fallback)
@@ -82,11 +105,11 @@ class RoleActor:
         command = node_argv(argv, node_ip=node_ip, port=port, python=sys.executable)
         with self._log.open("ab") as out:
             self._process = await start_group(command, stdout=out, stderr=out, cwd=cwd,
-                                              env=dict(os.environ))  # fmt: skip
+                                              env={**os.environ, **env})  # fmt: skip
         return {
             "node_ip": node_ip,
             "port": port,
-            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_id": node_id,
             "pid": self._process.pid,
             "workdir": str(cwd),
         }

@@ -21,9 +21,11 @@ addresses get the replicas' key (any host, those ports). The trainer's proxy lis
 node's address at a port free there, with its own key, through which the launcher adds
 replacements.
 
-Secrets reach each actor in its ``runtime_env`` ``env_vars``, which its process inherits; none
-is in a command line, and the role's output goes to a file on its node that the launcher
-streams into ``launch/<job>.log``, not through Ray's log forwarding (which the driver turns off).
+Secrets reach each actor as an argument of its ``start`` call, which adds them to its process's
+environment: none is in a command line, nor in a ``runtime_env`` (Ray logs its ``env_vars`` in
+``runtime_env_agent.log`` and shows them in its state API). The role's output goes to a file on
+its node that the launcher streams into ``launch/<job>.log``, not through Ray's log forwarding
+(which the driver turns off).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import dataclasses
 import logging
 import os
 import secrets as secrets_lib
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +62,14 @@ from asyncgrpo.launch.plan import (
     transport_credentials,
     transport_secret,
 )
-from asyncgrpo.launch.ray_actor import NODE_IP, PORT, PYTHON, RoleActor
+from asyncgrpo.launch.ray_actor import (
+    NODE_IP,
+    PORT,
+    PYTHON,
+    RoleActor,
+    current_node_id,
+    node_address,
+)
 from asyncgrpo.run.metrics import METRICS_FILE
 
 __all__ = [
@@ -99,6 +109,18 @@ def ray_address(lcfg: LaunchConfig, environ: Mapping[str, str]) -> str:
     return lcfg.ray_address or environ.get("RAY_ADDRESS") or "auto"
 
 
+def gcs_endpoint(address: str) -> tuple[str, int] | None:
+    """(host, port) that must answer for ``address`` (``HOST:PORT``, ``ray://HOST[:PORT]``);
+    None for ``auto`` (Ray looks for the cluster this machine belongs to)."""
+    if address in ("auto", "local"):
+        return None
+    client = address.startswith("ray://")
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        host, port = address.removeprefix("ray://"), "10001" if client else "6379"
+    return host.strip("[]"), int(port)
+
+
 def _kind(role: Role) -> str:
     """Whose resources a role's actor takes: a replica's, or the trainer's (a sweep's proxy
     runs with the trainers, without their GPUs)."""
@@ -119,8 +141,8 @@ def resources_of(role: Role, lcfg: LaunchConfig) -> dict[str, float]:
 
 
 def actor_options(spec: JobSpec, lcfg: LaunchConfig) -> dict[str, Any]:
-    """``RoleActor.options(...)`` for ``spec``: its resources, no restart by Ray (the launcher
-    replaces it), its environment and secrets as ``runtime_env`` ``env_vars``."""
+    """``RoleActor.options(...)`` for ``spec``: its name, its resources, no restart by Ray (the
+    launcher replaces it). No ``runtime_env``: the environment goes to ``RoleActor.start``."""
     kind = _kind(spec.role)
     accelerator = getattr(lcfg, f"{kind}_accelerator_type")
     options: dict[str, Any] = {
@@ -131,7 +153,6 @@ def actor_options(spec: JobSpec, lcfg: LaunchConfig) -> dict[str, Any]:
         "resources": dict(getattr(lcfg, f"{kind}_resources")),
         "max_restarts": 0,
         "max_task_retries": 0,
-        "runtime_env": {"env_vars": {**spec.env, **spec.secrets}},
     }
     if accelerator and spec.role != "proxy":
         options["accelerator_type"] = accelerator
@@ -166,19 +187,15 @@ def unmet_resources(
         have = float(cluster.get(name, 0.0))
         if total <= have + 1e-9:
             continue
+        kinds = sorted({"trainer" if role == "proxy" else role for role, _, _ in parts})
+        if name.startswith("accelerator_type:"):
+            fields = ", ".join(f"launch.{kind}_accelerator_type" for kind in kinds)
+            out.append(f"{name.split(':', 1)[1]} ({fields}): the cluster has no node with it")
+            continue
+        setting = _FIELDS.get(name, "resources")
+        fields = ", ".join(f"launch.{kind}_{setting}" for kind in kinds)
         who = " + ".join(f"{n} {role}{'s' if n > 1 else ''} x {amount:g}"
                          for role, n, amount in parts)  # fmt: skip
-        if name.startswith("accelerator_type:"):
-            setting = "_accelerator_type"
-            who = " and ".join(role for role, _, _ in parts)
-            out.append(f"{name.split(':', 1)[1]} (launch.{parts[0][0]}{setting}): the cluster "
-                       "has no node with it")  # fmt: skip
-            continue
-        setting = _FIELDS.get(name)
-        fields = ", ".join(
-            f"launch.{'trainer' if role == 'proxy' else role}_{setting or 'resources'}"
-            for role, _, _ in parts
-        )
         out.append(f"{name}: {total:g} asked ({who}; {fields}), the cluster has {have:g}")
     return out
 
@@ -311,7 +328,7 @@ class RayBackend:
         """``spec`` as every backend describes it, and its actor's resources."""
         opts = actor_options(spec, self.cfg.launch)
         shown = {k: v for k, v in opts.items()
-                 if k not in ("runtime_env", "name", "namespace") and v not in ({}, None)}  # fmt: skip
+                 if k not in ("name", "namespace") and v not in ({}, None)}  # fmt: skip
         text = spec.describe().replace(f"{spec.role} job", f"{spec.role} actor", 1)
         return text + "\n  ray:     " + ", ".join(f"{k}={v}" for k, v in shown.items())
 
@@ -324,19 +341,28 @@ class RayBackend:
         if self.missing:
             raise ConfigError(
                 f"set {', '.join(self.missing)} in the environment: the actors get "
-                f"{'it' if len(self.missing) == 1 else 'them'} in their runtime_env"
+                f"{'it' if len(self.missing) == 1 else 'them'} in their environment"
             )
         ray = self.ray
+        endpoint = gcs_endpoint(self.address)
+        if endpoint is not None:  # Ray retries an address nothing answers at for minutes
+            try:
+                socket.create_connection(endpoint, timeout=5).close()
+            except OSError as exc:
+                raise ConfigError(
+                    f"no Ray cluster at {self.address}: {exc.strerror or exc}; start one (ray "
+                    "start --head) or set launch.ray_address (or RAY_ADDRESS)"
+                ) from None
         try:
             ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False,
-                     logging_level=logging.WARNING)  # fmt: skip
+                     logging_level=logging.ERROR)  # fmt: skip
         except Exception as exc:  # ConnectionError, and Ray's own for a bad address
             raise ConfigError(
                 f"no Ray cluster at {self.address}: {_first_line(exc)}; start one (ray start "
                 "--head) or set launch.ray_address (or RAY_ADDRESS)"
             ) from None
         self._connected = True
-        self._launcher_ip = ray.util.get_node_ip_address()
+        self._launcher_ip = node_address(current_node_id())
         trainers = len(self.cfg.launch.sweep and _points(self.cfg)) or 1
         unmet = unmet_resources(role_requests(self.cfg.launch, trainers=trainers),
                                 ray.cluster_resources())  # fmt: skip
@@ -358,8 +384,9 @@ class RayBackend:
     async def prepare(self) -> None:
         pass
 
-    async def _get(self, ref: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
-        return await anyio.to_thread.run_sync(lambda: self.ray.get(ref, timeout=timeout))
+    async def _get(self, ref: Any, wait_s: float = CALL_TIMEOUT_S) -> Any:
+        """``ray.get(ref)`` in a worker thread, giving up after ``wait_s``."""
+        return await anyio.to_thread.run_sync(lambda: self.ray.get(ref, timeout=wait_s))
 
     async def start(self, spec: JobSpec) -> str:
         """Create the actor and ask it to start the command; returns at once (the actor may
@@ -369,7 +396,8 @@ class RayBackend:
         fallback = f"{self.cfg.run_name}/{workdir.name}"
         try:
             handle = self.ray.remote(RoleActor).options(**options).remote()
-            started = handle.start.remote(list(spec.command), workdir=str(workdir),
+            started = handle.start.remote(list(spec.command), {**spec.env, **spec.secrets},
+                                          workdir=str(workdir),
                                           launcher_ip=self._launcher_ip, fallback=fallback)  # fmt: skip
         except Exception as exc:  # a name still taken by a live actor, a bad option
             raise LaunchError(
@@ -444,7 +472,7 @@ class RayBackend:
         ray = self.ray
         offset, pending = 0, ""
         try:
-            while await self._info(actor) is None:
+            while await self._info(actor) is None:  # noqa: ASYNC110 (a poll of Ray, no event)
                 await anyio.sleep(0.5)
             while True:
                 chunk, ended = await self._get(actor.handle.read.remote(offset))
