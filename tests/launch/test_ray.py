@@ -121,6 +121,20 @@ def vllm_processes(model: Path) -> list[int]:
     return found
 
 
+def test_what_the_cluster_lacks_is_refused_in_one_line_before_any_actor(
+    cluster: Cluster, tiny_model: Path, tmp_path: Path
+) -> None:
+    cmd = launch_cmd(cluster, tiny_model, tmp_path, "launch.replica_resources={inference: 3}")
+    done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"asyncgrpo: error: the Ray cluster at {cluster.address} lacks what the launch asks for: "
+        "inference: 6 asked (2 replicas x 3; launch.replica_resources), the cluster has 4"
+    ]
+    assert cluster.actors() == [] and cluster.actors("DEAD") == []
+
+
 def test_tiny_run_on_two_nodes_a_replica_actor_killed_is_replaced(
     cluster: Cluster, tiny_model: Path, tmp_path: Path
 ) -> None:
