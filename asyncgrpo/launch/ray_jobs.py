@@ -429,6 +429,8 @@ class RayBackend:
             code = await self._get(actor.handle.returncode.remote())
         except self.ray.exceptions.GetTimeoutError:
             return JobStatus(job.stage, job.url, "its Ray actor did not answer in time")
+        except self.ray.exceptions.RayTaskError as exc:  # start raised on the node
+            return JobStatus(ended, None, f"its Ray actor failed: {_first_line(exc.cause)}")
         except self.ray.exceptions.RayError as exc:
             return JobStatus(ended, None, f"its Ray actor died: {_first_line(exc)}")
         port = job.spec.port or info["port"]  # a replica's is planned; else the node's pick
