@@ -7,7 +7,7 @@ STAMP := $(VENV)/.asyncgrpo-installed
 OUT ?= runs/demo
 EXTRAS ?= train,serve-cpu,s3,gcs,azure,hf,math,fast,envs,wandb,tinker,dev
 
-.PHONY: install demo test lint bench test-skypilot install-vf4 test-vf4
+.PHONY: install demo test lint bench test-skypilot test-ray install-vf4 test-vf4
 
 install: $(STAMP)
 
@@ -37,6 +37,18 @@ test-skypilot: install
 	$(PY) -c 'import os, sysconfig; print("import site; site.addsitedir(%r)" % os.path.abspath(sysconfig.get_paths()["purelib"]))' \
 		> "$$($(SKY_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-asyncgrpo-venv.pth"
 	$(SKY_PY) -m pytest -p no:cacheprovider -q tests/launch/test_skypilot.py
+
+# Ray (with its state API, ray[default]) in a virtualenv of its own layered on the main one, as
+# for SkyPilot: the main suite stays free of a Ray cluster (its Ray tests skip there). The live
+# test starts a two-node local cluster and real launches (about 8 minutes on 2 cores).
+RAY_VENV ?= .venv-ray
+RAY_PY := $(RAY_VENV)/bin/python
+test-ray: install
+	test -x $(RAY_PY) || $(PY) -m venv $(RAY_VENV)
+	$(RAY_PY) -m pip install -q 'ray[default]==2.60.0'
+	$(PY) -c 'import os, sysconfig; print("import site; site.addsitedir(%r)" % os.path.abspath(sysconfig.get_paths()["purelib"]))' \
+		> "$$($(RAY_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-asyncgrpo-venv.pth"
+	PATH="$(CURDIR)/$(RAY_VENV)/bin:$$PATH" $(RAY_PY) -m pytest -p no:cacheprovider -q tests/launch/test_ray_plan.py tests/launch/test_ray.py
 
 lint: install
 	$(VENV)/bin/ruff check asyncgrpo tests bench && $(VENV)/bin/ruff format --check asyncgrpo tests bench

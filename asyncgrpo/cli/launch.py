@@ -1,4 +1,4 @@
-"""``asyncgrpo launch CONFIG --backend hf-jobs|skypilot|local [--dry-run] [flags] [overrides...]``.
+"""``asyncgrpo launch CONFIG --backend hf-jobs|ray|skypilot|local [--dry-run] [flags] [overrides...]``.
 
 Every field of the ``launch`` section is also a flag (``--replicas 3`` is ``launch.replicas=3``;
 flags win over overrides); progress lines and failures go to the terminal, each job's log to
@@ -26,14 +26,14 @@ def add_parser(sub: Any) -> None:
     """The ``launch`` subcommand, on ``sub`` (the ``asyncgrpo`` command's subparsers)."""
     p = sub.add_parser(
         "launch",
-        help="start a run across machines (Hugging Face Jobs, SkyPilot) or local processes",
+        help="start a run across machines (Hugging Face Jobs, Ray, SkyPilot) or local processes",
         description=plain_help(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", default=[], help="section.field=value overrides")
-    p.add_argument("--backend", choices=("hf-jobs", "skypilot", "local"), required=True,
-                   help="hf-jobs: Hugging Face Jobs; skypilot: SkyPilot managed jobs (any "
+    p.add_argument("--backend", choices=("hf-jobs", "ray", "skypilot", "local"), required=True,
+                   help="hf-jobs: Hugging Face Jobs; ray: Ray actors on a Ray cluster; skypilot: SkyPilot managed jobs (any "
                         "cloud, Kubernetes, Slurm); local: separate process groups here")  # fmt: skip
     p.add_argument("--dry-run", action="store_true",
                    help="print every job spec (secret names only; skypilot: each task's YAML, "

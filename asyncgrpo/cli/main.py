@@ -6,7 +6,7 @@
   or a progress bar per step and a summary (``--quiet``: one line); ``--dry-run`` checks the recipe;
   ``torchrun --nproc-per-node N -m asyncgrpo train CONFIG`` trains data-parallel over N ranks
 - ``asyncgrpo rollout CONFIG [key=value ...]``: a rollout process for a split run
-- ``asyncgrpo launch CONFIG --backend hf-jobs|local [--dry-run]``: the run across machines
+- ``asyncgrpo launch CONFIG --backend hf-jobs|ray|skypilot|local [--dry-run]``: the run across machines
   (Hugging Face Jobs) or as separate local processes; Ctrl-C cancels every job
 - ``asyncgrpo eval CONFIG [--version N | --base | --all]``: held-out evaluation of published
   versions of a run (its ``eval`` section), on its fleet or on replicas it starts

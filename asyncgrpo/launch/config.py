@@ -103,7 +103,38 @@ class LaunchConfig:
     """--backend skypilot: times SkyPilot reruns a job whose command failed (not preempted);
     each rerun gets launch.timeout again."""
 
+    ray_address: str | None = None
+    """--backend ray: the Ray cluster to connect to (ray://HOST:10001, HOST:6379, or auto: the
+    one this machine belongs to); None: $RAY_ADDRESS, else auto."""
+    replica_num_gpus: float = 1.0
+    """--backend ray: GPUs each inference actor reserves (Ray sets CUDA_VISIBLE_DEVICES for its
+    vLLM server); 0 on CPU nodes."""
+    trainer_num_gpus: float = 1.0
+    """--backend ray: GPUs the trainer actor reserves."""
+    replica_num_cpus: float = 1.0
+    """--backend ray: CPUs each inference actor reserves."""
+    trainer_num_cpus: float = 1.0
+    """--backend ray: CPUs the trainer actor reserves."""
+    replica_resources: dict[str, float] = field(default_factory=dict)
+    """--backend ray: custom Ray resources each inference actor needs, e.g. {inference: 1}: it
+    then runs only on nodes started with that resource (ray start --resources)."""
+    trainer_resources: dict[str, float] = field(default_factory=dict)
+    """--backend ray: custom Ray resources the trainer actor needs, e.g. {trainer: 1}."""
+    replica_accelerator_type: str | None = None
+    """--backend ray: the accelerator each inference actor needs (Ray's accelerator_type, e.g.
+    A10G, H100); None: any."""
+    trainer_accelerator_type: str | None = None
+    """--backend ray: the accelerator the trainer actor needs; None: any."""
+
     def __post_init__(self) -> None:
+        for name in ("replica_num_gpus", "trainer_num_gpus", "replica_num_cpus",
+                     "trainer_num_cpus"):  # fmt: skip
+            if getattr(self, name) < 0:
+                raise ConfigError(f"launch.{name}={getattr(self, name)}: must be >= 0")
+        for name in ("replica_resources", "trainer_resources"):
+            for key, amount in getattr(self, name).items():
+                if not amount > 0:
+                    raise ConfigError(f"launch.{name}: {key}={amount}: each amount must be > 0")
         if self.replicas < 1:
             raise ConfigError(f"launch.replicas={self.replicas}: set it to 1 or more")
         if not _TIMEOUT.fullmatch(self.timeout):

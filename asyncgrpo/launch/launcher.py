@@ -59,7 +59,7 @@ __all__ = ["LaunchHandle", "dry_run", "launch", "make_backend", "plan", "restart
 
 logger = logging.getLogger(__name__)
 
-BackendName = Literal["hf-jobs", "local", "skypilot"]
+BackendName = Literal["hf-jobs", "local", "ray", "skypilot"]
 ProgressHook = Callable[[dict[str, Any]], None]
 #: Seconds the trainer's log may take to drain after its job completed.
 DRAIN_S = 15.0
@@ -76,11 +76,17 @@ def make_backend(
         from asyncgrpo.launch.local import LocalBackend
 
         return LocalBackend(cfg, launch_dir, **options)
+    if name == "ray":
+        from asyncgrpo.launch.ray_jobs import RayBackend
+
+        return RayBackend(cfg, launch_dir, **options)
     if name == "skypilot":
         from asyncgrpo.launch.skypilot import SkyPilotBackend
 
         return SkyPilotBackend(cfg, launch_dir, **options)
-    raise ConfigError(f"unknown launch backend {name!r}: use 'hf-jobs', 'local' or 'skypilot'")
+    raise ConfigError(
+        f"unknown launch backend {name!r}: use 'hf-jobs', 'local', 'ray' or 'skypilot'"
+    )
 
 
 def plan(

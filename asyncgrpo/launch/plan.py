@@ -143,12 +143,13 @@ def trainer_args(
     urls: list[str],
     *,
     proxy_host: str | None = None,
-    proxy_port: int | None = None,
+    proxy_port: int | str | None = None,
     key_urls: list[str] | None = None,
 ) -> list[str]:
     """``python -m asyncgrpo.run.job`` arguments: the replicas' URLs, no local replica;
     where its proxy listens when the launcher must reach it (to add replacement replicas), and
-    which replicas added later get its upstream token."""
+    which replicas added later get its upstream token. A host or port may be a placeholder the
+    job's machine fills in (``--backend ray``: its node's address, a port free there)."""
     if not urls:
         raise ConfigError("the trainer needs at least one replica URL")
     args = [
@@ -200,7 +201,7 @@ def proxy_args(
     urls: list[str],
     *,
     host: str,
-    port: int,
+    port: int | str,
     key_env: str | None = None,
     admin_key_env: str | None = None,
     key_urls: list[str] | None = None,

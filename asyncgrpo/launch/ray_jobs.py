@@ -1,0 +1,522 @@
+"""A Ray cluster as a launch backend: every job a Ray actor owning its role's process group.
+
+The launcher is the Ray driver (``ray.init`` to ``launch.ray_address``, ``$RAY_ADDRESS`` or
+``auto``: the same under ``ray job submit`` and on a KubeRay ``RayCluster``). Each job is one
+:class:`~asyncgrpo.launch.ray_actor.RoleActor` with the role's resources
+(:func:`actor_options`: CPUs, GPUs, custom resources such as ``{inference: 1}``, an accelerator
+type), running the command of the same plans as every backend (:mod:`.plan`). The transport is
+the only state the roles share: ``transport_url``, or without one a directory of the launch,
+which only a cluster whose nodes are all on this host can share.
+
+One recovery mechanism: the actors have ``max_restarts=0``, so an actor that dies (its node
+lost, OOM, ``ray.kill``) stays dead and the launcher's replacement (``launch.replica_restarts``)
+starts a new one; Ray restarting it too would be a second mechanism fighting the first. The
+actors are not detached: Ray kills them with the driver, so a launcher killed outright leaves
+none, and each actor's process group gets SIGTERM as the actor dies (``start_group``). Ctrl-C
+stops each process group, then kills each actor.
+
+Replica ``i`` listens on its node's address at ``launch.port + i`` with an API key made for the
+launch: a replacement's port is known in advance, so the trainer's proxy is told which
+addresses get the replicas' key (any host, those ports). The trainer's proxy listens on its
+node's address at a port free there, with its own key, through which the launcher adds
+replacements.
+
+Secrets reach each actor as an argument of its ``start`` call, which adds them to its process's
+environment: none is in a command line, nor in a ``runtime_env`` (Ray logs its ``env_vars`` in
+``runtime_env_agent.log`` and shows them in its state API). The role's output goes to a file on
+its node that the launcher streams into ``launch/<job>.log``, not through Ray's log forwarding
+(which the driver turns off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets as secrets_lib
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from asyncgrpo.config.redaction import redact_text
+from asyncgrpo.config.sources import env_name
+from asyncgrpo.config.training import ENV_PREFIX, TrainingConfig
+from asyncgrpo.errors import ConfigError, LaunchError
+from asyncgrpo.launch.config import LaunchConfig
+from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus, Role
+from asyncgrpo.launch.plan import (
+    ADMIN_KEY_ENV,
+    JOB_OUTPUT_DIR,
+    PROXY_ADMIN_KEY_ENV,
+    job_config,
+    job_secrets,
+    labels,
+    proxy_args,
+    replica_args,
+    trainer_args,
+    transport_credentials,
+    transport_secret,
+)
+from asyncgrpo.launch.ray_actor import (
+    NODE_IP,
+    PORT,
+    PYTHON,
+    RoleActor,
+    current_node_id,
+    node_address,
+)
+from asyncgrpo.run.metrics import METRICS_FILE
+
+__all__ = [
+    "NAMESPACE",
+    "RayBackend",
+    "actor_options",
+    "import_ray",
+    "ray_address",
+    "role_requests",
+    "unmet_resources",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The Ray namespace of a launch's actors (``ray list actors --filter namespace=asyncgrpo``).
+NAMESPACE = "asyncgrpo"
+#: The Hugging Face token, passed on to the actors when set (model and dataset downloads).
+TOKEN_ENV = "HF_TOKEN"
+#: The variable each replica reads its vLLM API key from.
+REPLICA_KEY_ENV = "ASYNCGRPO_REPLICA_API_KEY"
+STOP_GRACE_S = 30.0
+#: Seconds one call to an actor may take before the launcher treats it as not answering.
+CALL_TIMEOUT_S = 30.0
+
+
+def import_ray() -> Any:
+    """Ray, or one line saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--backend ray needs Ray: pip install 'asyncgrpo[ray]'") from None
+    return ray
+
+
+def ray_address(lcfg: LaunchConfig, environ: Mapping[str, str]) -> str:
+    """The cluster to connect to: ``launch.ray_address``, else ``$RAY_ADDRESS``, else auto."""
+    return lcfg.ray_address or environ.get("RAY_ADDRESS") or "auto"
+
+
+def gcs_endpoint(address: str) -> tuple[str, int] | None:
+    """(host, port) that must answer for ``address`` (``HOST:PORT``, ``ray://HOST[:PORT]``);
+    None for ``auto`` (Ray looks for the cluster this machine belongs to)."""
+    if address in ("auto", "local"):
+        return None
+    client = address.startswith("ray://")
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        host, port = address.removeprefix("ray://"), "10001" if client else "6379"
+    return host.strip("[]"), int(port)
+
+
+def _kind(role: Role) -> str:
+    """Whose resources a role's actor takes: a replica's, or the trainer's (a sweep's proxy
+    runs with the trainers, without their GPUs)."""
+    return "replica" if role == "replica" else "trainer"
+
+
+def resources_of(role: Role, lcfg: LaunchConfig) -> dict[str, float]:
+    """What one actor of ``role`` reserves, as Ray counts it in ``ray.cluster_resources()``
+    (an accelerator type is a resource ``accelerator_type:NAME`` Ray asks 0.001 of)."""
+    kind = _kind(role)
+    gpus = 0.0 if role == "proxy" else getattr(lcfg, f"{kind}_num_gpus")
+    out = {"CPU": getattr(lcfg, f"{kind}_num_cpus"), "GPU": gpus,
+           **getattr(lcfg, f"{kind}_resources")}  # fmt: skip
+    accelerator = getattr(lcfg, f"{kind}_accelerator_type")
+    if accelerator and role != "proxy":
+        out[f"accelerator_type:{accelerator}"] = 0.001
+    return {k: float(v) for k, v in out.items() if v}
+
+
+def actor_options(spec: JobSpec, lcfg: LaunchConfig) -> dict[str, Any]:
+    """``RoleActor.options(...)`` for ``spec``: its name, its resources, no restart by Ray (the
+    launcher replaces it). No ``runtime_env``: the environment goes to ``RoleActor.start``."""
+    kind = _kind(spec.role)
+    accelerator = getattr(lcfg, f"{kind}_accelerator_type")
+    options: dict[str, Any] = {
+        "name": spec.name,
+        "namespace": NAMESPACE,
+        "num_cpus": getattr(lcfg, f"{kind}_num_cpus"),
+        "num_gpus": 0 if spec.role == "proxy" else getattr(lcfg, f"{kind}_num_gpus"),
+        "resources": dict(getattr(lcfg, f"{kind}_resources")),
+        "max_restarts": 0,
+        "max_task_retries": 0,
+    }
+    if accelerator and spec.role != "proxy":
+        options["accelerator_type"] = accelerator
+    return options
+
+
+def role_requests(lcfg: LaunchConfig, *, trainers: int = 1) -> dict[str, tuple[int, dict]]:
+    """What the launch's actors reserve at once, by role: (how many, each one's resources).
+    A sweep (``trainers`` > 1) adds its proxy."""
+    out: dict[str, tuple[int, dict]] = {
+        "replica": (lcfg.replicas, resources_of("replica", lcfg)),
+        "trainer": (trainers, resources_of("trainer", lcfg)),
+    }
+    if lcfg.sweep:
+        out["proxy"] = (1, resources_of("proxy", lcfg))
+    return out
+
+
+_FIELDS = {"CPU": "num_cpus", "GPU": "num_gpus"}
+
+
+def unmet_resources(
+    requests: Mapping[str, tuple[int, Mapping[str, float]]], cluster: Mapping[str, float]
+) -> list[str]:
+    """Each resource the actors of ``requests`` ask more of, together, than ``cluster`` (Ray's
+    ``cluster_resources()``) has, in one phrase naming who asks and the field that sets it."""
+    out = []
+    names = sorted({name for _, asks in requests.values() for name in asks})
+    for name in names:
+        parts = [(role, n, asks[name]) for role, (n, asks) in requests.items() if name in asks]
+        total = sum(n * amount for _, n, amount in parts)
+        have = float(cluster.get(name, 0.0))
+        if total <= have + 1e-9:
+            continue
+        kinds = sorted({"trainer" if role == "proxy" else role for role, _, _ in parts})
+        if name.startswith("accelerator_type:"):
+            fields = ", ".join(f"launch.{kind}_accelerator_type" for kind in kinds)
+            out.append(f"{name.split(':', 1)[1]} ({fields}): the cluster has no node with it")
+            continue
+        setting = _FIELDS.get(name, "resources")
+        fields = ", ".join(f"launch.{kind}_{setting}" for kind in kinds)
+        who = " + ".join(f"{n} {role}{'s' if n > 1 else ''} x {amount:g}"
+                         for role, n, amount in parts)  # fmt: skip
+        out.append(f"{name}: {total:g} asked ({who}; {fields}), the cluster has {have:g}")
+    return out
+
+
+@dataclass
+class _Actor:
+    """A job's actor: its handle, the reference to its ``start`` call, and once started,
+    where it runs (``RoleActor.start``'s answer)."""
+
+    handle: Any
+    started: Any
+    workdir: Path
+    info: dict[str, Any] | None = None
+
+
+class RayBackend:
+    """Replicas, a sweep's proxy and the trainers as Ray actors on one cluster."""
+
+    name = "ray"
+    writes_own_logs = False
+
+    def __init__(
+        self,
+        cfg: TrainingConfig,
+        launch_dir: Path,
+        *,
+        environ: Mapping[str, str] | None = None,
+        ray: Any = None,
+    ) -> None:
+        self._ray = ray
+        self.cfg = cfg
+        self.launch_dir = launch_dir.resolve()
+        self.environ = dict(os.environ if environ is None else environ)
+        self.address = ray_address(cfg.launch, self.environ)
+        #: without transport_url: a directory of the launch (a one-host cluster shares it)
+        self.shared_dir = not cfg.transport_url
+        self.transport_url = cfg.transport_url or str(self.launch_dir / "store")
+        self.replica_key = secrets_lib.token_urlsafe(32)
+        elastic = cfg.launch.replica_restarts > 0
+        self._admin_key = secrets_lib.token_urlsafe(32) if elastic else None
+        self.env: dict[str, str] = {}
+        self.missing: list[str] = []
+        found: dict[str, str] = {}
+        if self.transport_url.startswith(("s3://", "hf://")):
+            found, self.env, self.missing = transport_credentials(self.transport_url, self.environ)
+        if self.environ.get(TOKEN_ENV):  # model and dataset downloads from the Hub
+            found = {TOKEN_ENV: self.environ[TOKEN_ENV], **found}
+        self.secrets = found
+        self._actors: dict[str, _Actor] = {}
+        self._launcher_ip: str | None = None
+        self._connected = False
+
+    @property
+    def ray(self) -> Any:
+        if self._ray is None:
+            self._ray = import_ray()
+        return self._ray
+
+    # -- specs (no request) ------------------------------------------------------------------
+
+    @property
+    def health_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.replica_key}"}
+
+    @property
+    def admin_key(self) -> str | None:
+        return self._admin_key
+
+    def replica_port(self, index: int) -> int:
+        return self.cfg.launch.port + index
+
+    def key_urls(self) -> list[str]:
+        """The addresses of every replica the launch may start (any node, its port)."""
+        lcfg = self.cfg.launch
+        return [f"http://*:{self.replica_port(i)}"
+                for i in range(lcfg.replicas + lcfg.replica_restarts)]  # fmt: skip
+
+    def replica_spec(self, index: int) -> JobSpec:
+        port = self.replica_port(index)
+        args = replica_args(self.cfg, host=NODE_IP, port=port, transport_url=self.transport_url,
+                            api_key_env=REPLICA_KEY_ENV)  # fmt: skip
+        args += ["--log-dir", ".", "--adapter-cache-dir", "adapters"]
+        secrets = {**self.secrets, REPLICA_KEY_ENV: self.replica_key}
+        return JobSpec(
+            role="replica",
+            name=f"{self.cfg.run_name}-replica-{index}",
+            command=(PYTHON, *args),
+            env=dict(self.env),
+            secrets={**secrets, **transport_secret("replica", self.transport_url)},
+            port=port,
+            labels=labels(self.cfg, "replica"),
+        )
+
+    def proxy_spec(self, urls: list[str]) -> JobSpec:
+        """A sweep's proxy: its clients' key is the replicas' (the points' trainers hold it)."""
+        admin = self._admin_key
+        args = proxy_args(urls, host=NODE_IP, port=PORT, key_env=REPLICA_KEY_ENV,
+                          admin_key_env=PROXY_ADMIN_KEY_ENV if admin else None,
+                          key_urls=self.key_urls() if admin else None)  # fmt: skip
+        secrets = {REPLICA_KEY_ENV: self.replica_key}
+        if admin is not None:
+            secrets[PROXY_ADMIN_KEY_ENV] = admin
+        return JobSpec(role="proxy", name=f"{self.cfg.run_name}-proxy", command=(PYTHON, *args),
+                       secrets=secrets, labels=labels(self.cfg, "proxy"))  # fmt: skip
+
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
+        # a sweep's point sends to the sweep's proxy, which the launcher adds replicas to
+        elastic = self._admin_key is not None and cfg is None
+        cfg = cfg or self.cfg
+        shipped = dataclasses.replace(cfg, transport_url=cfg.transport_url or self.transport_url)
+        args = trainer_args(urls, proxy_host=NODE_IP if elastic else None,
+                            proxy_port=PORT if elastic else None,
+                            key_urls=self.key_urls() if elastic else None)  # fmt: skip
+        secrets = {**job_secrets(shipped), **self.secrets}
+        secrets[env_name(ENV_PREFIX, "proxy.upstream_api_key")] = self.replica_key
+        if self._admin_key is not None:  # its proxy's admin routes; a point's LoRA booking
+            secrets[ADMIN_KEY_ENV] = self._admin_key
+            if elastic:  # it listens on its node's address
+                secrets[env_name(ENV_PREFIX, "proxy.api_key")] = self._admin_key
+        return JobSpec(
+            role="trainer",
+            name=f"{cfg.run_name}-trainer",
+            command=(PYTHON, *args),
+            env={**self.env, CONFIG_ENV: job_config(shipped)},
+            secrets=secrets,
+            labels=labels(cfg, "trainer"),
+        )
+
+    def dry_run_text(self, spec: JobSpec) -> str:
+        """``spec`` as every backend describes it, and its actor's resources."""
+        opts = actor_options(spec, self.cfg.launch)
+        shown = {k: v for k, v in opts.items()
+                 if k not in ("name", "namespace") and v not in ({}, None)}  # fmt: skip
+        text = spec.describe().replace(f"{spec.role} job", f"{spec.role} actor", 1)
+        return text + "\n  ray:     " + ", ".join(f"{k}={v}" for k, v in shown.items())
+
+    # -- the cluster -------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Connect to the cluster and refuse, before any actor starts, what the launch cannot
+        get there: secrets not set, resources the cluster lacks, a directory transport other
+        hosts cannot share."""
+        if self.missing:
+            raise ConfigError(
+                f"set {', '.join(self.missing)} in the environment: the actors get "
+                f"{'it' if len(self.missing) == 1 else 'them'} in their environment"
+            )
+        ray = self.ray
+        endpoint = gcs_endpoint(self.address)
+        if endpoint is not None:  # Ray retries an address nothing answers at for minutes
+            try:
+                socket.create_connection(endpoint, timeout=5).close()
+            except OSError as exc:
+                raise ConfigError(
+                    f"no Ray cluster at {self.address}: {exc.strerror or exc}; start one (ray "
+                    "start --head) or set launch.ray_address (or RAY_ADDRESS)"
+                ) from None
+        try:
+            ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False,
+                     logging_level=logging.ERROR)  # fmt: skip
+        except Exception as exc:  # ConnectionError, and Ray's own for a bad address
+            raise ConfigError(
+                f"no Ray cluster at {self.address}: {_first_line(exc)}; start one (ray start "
+                "--head) or set launch.ray_address (or RAY_ADDRESS)"
+            ) from None
+        self._connected = True
+        self._launcher_ip = node_address(current_node_id())
+        trainers = len(self.cfg.launch.sweep and _points(self.cfg)) or 1
+        unmet = unmet_resources(role_requests(self.cfg.launch, trainers=trainers),
+                                ray.cluster_resources())  # fmt: skip
+        if unmet:
+            raise ConfigError(f"the Ray cluster at {self.address} lacks what the launch asks "
+                              f"for: {'; '.join(unmet)}")  # fmt: skip
+        if self.shared_dir:
+            hosts = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")})
+            if hosts != [self._launcher_ip]:
+                raise ConfigError(
+                    f"transport_url is unset and the cluster's nodes are on other hosts "
+                    f"({', '.join(hosts)}): set transport_url=s3://... or hf://buckets/..., "
+                    "or a directory every node mounts at the same path"
+                )
+
+    def _workdir(self, spec: JobSpec) -> Path:
+        return self.launch_dir / spec.name.removeprefix(f"{self.cfg.run_name}-")
+
+    async def prepare(self) -> None:
+        pass
+
+    async def _get(self, ref: Any, wait_s: float = CALL_TIMEOUT_S) -> Any:
+        """``ray.get(ref)`` in a worker thread, giving up after ``wait_s``."""
+        return await anyio.to_thread.run_sync(lambda: self.ray.get(ref, timeout=wait_s))
+
+    async def start(self, spec: JobSpec) -> str:
+        """Create the actor and ask it to start the command; returns at once (the actor may
+        wait for resources: :meth:`status` says ``starting`` meanwhile)."""
+        options = actor_options(spec, self.cfg.launch)
+        workdir = self._workdir(spec)
+        fallback = f"{self.cfg.run_name}/{workdir.name}"
+        try:
+            handle = self.ray.remote(RoleActor).options(**options).remote()
+            started = handle.start.remote(list(spec.command), {**spec.env, **spec.secrets},
+                                          workdir=str(workdir),
+                                          launcher_ip=self._launcher_ip, fallback=fallback)  # fmt: skip
+        except Exception as exc:  # a name still taken by a live actor, a bad option
+            raise LaunchError(
+                f"could not start {spec.role} actor {spec.name}: {_first_line(exc)}"
+            ) from None
+        self._actors[spec.name] = _Actor(handle, started, workdir)
+        return spec.name
+
+    async def _info(self, actor: _Actor) -> dict[str, Any] | None:
+        """Where the actor's process runs, once it started; None before; raises the Ray
+        error if the actor died first."""
+        if actor.info is None:
+            ready, _ = await anyio.to_thread.run_sync(
+                lambda: self.ray.wait([actor.started], timeout=0)
+            )
+            if not ready:
+                return None
+            actor.info = await self._get(actor.started)
+            logger.debug("actor %s on node %s", actor.handle, actor.info["node_id"])
+        return actor.info
+
+    async def status(self, job: Job) -> JobStatus:
+        actor = self._actors[job.id]
+        ended = "canceled" if job.cancel_requested else "failed"
+        try:
+            info = await self._info(actor)
+            if info is None:
+                return JobStatus("starting", message="waiting for its Ray actor")
+            code = await self._get(actor.handle.returncode.remote())
+        except self.ray.exceptions.GetTimeoutError:
+            return JobStatus(job.stage, job.url, "its Ray actor did not answer in time")
+        except self.ray.exceptions.RayTaskError as exc:  # start raised on the node
+            return JobStatus(ended, None, f"its Ray actor failed: {_first_line(exc.cause)}")
+        except self.ray.exceptions.RayError as exc:
+            return JobStatus(ended, None, f"its Ray actor died: {_first_line(exc)}")
+        port = job.spec.port or info["port"]  # a replica's is planned; else the node's pick
+        url = f"http://{info['node_ip']}:{port}" if port else None
+        if code is None:
+            return JobStatus("running", url)
+        if job.cancel_requested:
+            return JobStatus("canceled", url)
+        return JobStatus("completed" if code == 0 else "failed", url,
+                         None if code == 0 else f"exit code {code}")  # fmt: skip
+
+    async def log_tail(self, job: Job, lines: int) -> str:
+        """From the actor; once it is gone, what the launcher streamed of it."""
+        actor = self._actors.get(job.id)
+        if actor is not None and actor.info is not None:
+            try:
+                return redact_text(await self._get(actor.handle.tail.remote(lines), 10))
+            except Exception:
+                pass
+        try:
+            text = await anyio.Path(job.log_path).read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def metrics_path(self, job: Job) -> Path | None:
+        """A trainer's ``metrics.jsonl`` when its node is on this host (its working directory
+        is the launch's); None when it ran elsewhere."""
+        if job.spec.role != "trainer":
+            return None
+        actor = self._actors.get(job.id)
+        if actor is not None and actor.info is not None:
+            if actor.info["node_ip"] != self._launcher_ip:
+                return None
+        run_name = job.name.removesuffix("-trainer")
+        return self._workdir(job.spec) / JOB_OUTPUT_DIR / run_name / METRICS_FILE
+
+    async def follow_logs(self, job: Job, on_line: Callable[[str], None]) -> None:
+        """Read the role's log from its actor until the process ended (or the actor died)."""
+        actor = self._actors[job.id]
+        ray = self.ray
+        offset, pending = 0, ""
+        try:
+            while await self._info(actor) is None:  # noqa: ASYNC110 (a poll of Ray, no event)
+                await anyio.sleep(0.5)
+            while True:
+                chunk, ended = await self._get(actor.handle.read.remote(offset))
+                offset += len(chunk)
+                pending += chunk.decode(errors="replace")
+                *lines, pending = pending.split("\n")
+                for line in lines:
+                    on_line(line)
+                if ended:
+                    break
+                if not chunk:
+                    await anyio.sleep(0.5)
+        except ray.exceptions.RayError as exc:
+            logger.debug("log of %s ended: %s", job.name, _first_line(exc))
+        if pending:
+            on_line(pending)
+
+    async def cancel(self, job: Job) -> None:
+        """Stop the actor's process group (SIGTERM, then SIGKILL after the grace), then kill
+        the actor."""
+        actor = self._actors[job.id]
+        ray = self.ray
+        try:
+            if actor.info is not None or await self._info(actor) is not None:
+                await self._get(actor.handle.stop.remote(STOP_GRACE_S, job.name),
+                                STOP_GRACE_S + 15)  # fmt: skip
+        except ray.exceptions.RayError:
+            pass  # dead already, or not answering: ray.kill ends it and its processes
+        await anyio.to_thread.run_sync(lambda: ray.kill(actor.handle, no_restart=True))
+
+    async def aclose(self) -> None:
+        if self._connected:
+            self._connected = False
+            await anyio.to_thread.run_sync(self.ray.shutdown)
+
+
+def _points(cfg: TrainingConfig) -> list[Any]:
+    from asyncgrpo.launch.sweep import sweep_points
+
+    return sweep_points(cfg, None)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

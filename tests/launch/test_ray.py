@@ -1,0 +1,232 @@
+"""``--backend ray`` on a real two-node Ray cluster started here: a head node with the resource
+``trainer`` and a second raylet with ``inference``, both on loopback. A real launch of
+``examples/tiny_cpu.yaml`` trains with real vLLM replicas in Ray actors; a replica actor killed
+mid-run is replaced by the launcher; Ctrl-C on a launcher leaves no actor and no vLLM process.
+
+One cluster for the module (``ray stop`` at the end). Runs under ``make test-ray`` (its own
+virtualenv with Ray); skipped where Ray is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray", reason="runs under make test-ray")
+from ray.util.state import list_actors, list_nodes  # noqa: E402
+
+from asyncgrpo.processes import free_port  # noqa: E402
+from asyncgrpo.run.progress import parse_progress  # noqa: E402
+from asyncgrpo.testing.rewards import GATE_ENV  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+#: A secret the launcher passes on to every actor (``HF_TOKEN``): nowhere in Ray's logs or state.
+TOKEN = "hf_rayTestSecretToken42"
+
+
+@dataclass
+class Cluster:
+    address: str  #: the head's GCS address
+    dashboard: str  #: the state API's
+    gate: Path  #: the reward gate every actor's environment names (GATE_ENV)
+    temp: Path  #: Ray's session directories, logs and all
+
+    def actors(self, state: str = "ALIVE") -> list:
+        return list_actors(address=self.dashboard, detail=True, raise_on_missing_output=False,
+                           filters=[("ray_namespace", "=", "asyncgrpo"), ("state", "=", state)])  # fmt: skip
+
+    def node_with(self, resource: str) -> str:
+        (node,) = [n for n in list_nodes(address=self.dashboard, detail=True)
+                   if resource in n.resources_total]  # fmt: skip
+        return node.node_id
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """Two raylets on loopback: the head (1 CPU, ``trainer``), a worker (2 CPUs, 4 x
+    ``inference``); their workers import this checkout."""
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths
+    gate = Path(temp) / "reward-gate"
+    gate.touch()
+    port, dash = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0",
+           GATE_ENV: str(gate)}  # fmt: skip
+    common = ["--node-ip-address", "127.0.0.1", "--object-store-memory", "100000000",
+              "--temp-dir", temp, "--disable-usage-stats"]  # fmt: skip
+    head = [RAY, "start", "--head", "--port", str(port), "--num-cpus", "1",
+            "--resources", '{"trainer": 1}', "--dashboard-host", "127.0.0.1",
+            "--dashboard-port", str(dash), *common]  # fmt: skip
+    worker = [RAY, "start", "--address", f"127.0.0.1:{port}", "--num-cpus", "2",
+              "--resources", '{"inference": 4}', *common]  # fmt: skip
+    try:
+        for argv in (head, worker):
+            subprocess.run(argv, env=env, check=True, capture_output=True, timeout=120)
+        found = Cluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", gate, Path(temp))
+        deadline = time.monotonic() + 60
+        while len(list_nodes(address=found.dashboard)) < 2:
+            assert time.monotonic() < deadline, "the second raylet did not join"
+            time.sleep(1)
+        yield found
+    finally:
+        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def launch_cmd(cluster: Cluster, model: Path, out: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "asyncgrpo.cli.main", "launch", str(EXAMPLE), "--backend", "ray",
+            f"model={model}", f"output_dir={out}", "--ray-address", cluster.address,
+            "--replica-num-gpus", "0", "--trainer-num-gpus", "0", "--replica-num-cpus", "1",
+            "launch.replica_resources={inference: 1}", "launch.trainer_resources={trainer: 1}",
+            "--port", str(free_port()), "--poll-s", "1", "--replica-restart-backoff-s", "0",
+            *overrides]  # fmt: skip
+
+
+def until(proc: subprocess.Popen, err: Path, what: str, done: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 600
+    while not done():
+        assert proc.poll() is None, f"the launch ended before {what}: {err.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what}: {err.read_text()[-3000:]}"
+        time.sleep(0.5)
+
+
+def progress(log: Path) -> list[dict]:
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [r for r in map(parse_progress, lines) if r is not None]
+
+
+def vllm_processes(model: Path) -> list[int]:
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(p.info["cmdline"] or [])
+        if str(model) in cmdline and ("vllm" in cmdline or "asyncgrpo.serve" in cmdline):
+            found.append(p.info["pid"])
+    return found
+
+
+def test_what_the_cluster_lacks_is_refused_in_one_line_before_any_actor(
+    cluster: Cluster, tiny_model: Path, tmp_path: Path
+) -> None:
+    cmd = launch_cmd(cluster, tiny_model, tmp_path, "launch.replica_resources={inference: 3}")
+    done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"asyncgrpo: error: the Ray cluster at {cluster.address} lacks what the launch asks for: "
+        "inference: 6 asked (2 replicas x 3; launch.replica_resources), the cluster has 4"
+    ]
+    assert cluster.actors() == [] and cluster.actors("DEAD") == []
+
+
+def test_tiny_run_on_two_nodes_a_replica_actor_killed_is_replaced(
+    cluster: Cluster, tiny_model: Path, tmp_path: Path
+) -> None:
+    """12 steps with two replica actors on the inference node and the trainer's on the head;
+    replica 1's actor is killed (``ray.kill``) at step 3 while scoring is held, the launcher's
+    replacement joins the trainer's proxy, and every step trains with ratio 1 and the served
+    logprobs audited equal to the trainer's."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_TOKEN": TOKEN}
+    cmd = launch_cmd(cluster, tiny_model, tmp_path, "trainer.max_steps=12",
+                     "rollout.reward_funcs=[asyncgrpo.testing.rewards:gated_digit_fraction]")  # fmt: skip
+    out, err = tmp_path / "launch.out", tmp_path / "launch.err"
+    launch_dir = tmp_path / "tiny-cpu" / "launch"
+    trainer_log = launch_dir / "tiny-cpu-trainer.log"
+    started = time.monotonic()
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr)
+    ray.init(address=cluster.address, namespace="asyncgrpo", log_to_driver=False)
+    try:
+        until(proc, err, "step 3", lambda: any(r["step"] >= 3 for r in progress(trainer_log)))
+        cluster.gate.unlink()  # hold scoring until the replacement is in
+        actors = {a.name: a for a in cluster.actors()}
+        inference, head = cluster.node_with("inference"), cluster.node_with("trainer")
+        assert actors["tiny-cpu-replica-0"].node_id == inference
+        assert actors["tiny-cpu-replica-1"].node_id == inference
+        assert actors["tiny-cpu-trainer"].node_id == head
+        assert all(a.class_name == "RoleActor" for a in actors.values())
+        assert TOKEN not in repr(actors)  # not in the state API (no runtime_env)
+        ray.kill(ray.get_actor("tiny-cpu-replica-1", namespace="asyncgrpo"))
+        until(proc, err, "the replacement in the trainer's proxy", lambda: (
+            "tiny-cpu-replica-2 (replacing tiny-cpu-replica-1) is in the trainer's proxy"
+            in err.read_text()))  # fmt: skip
+        cluster.gate.touch()
+        proc.wait(timeout=600)
+    finally:
+        cluster.gate.touch()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+        replacement = {a.name: a.node_id for a in cluster.actors("DEAD")}.get("tiny-cpu-replica-2")
+        ray.shutdown()
+    took = time.monotonic() - started
+    stderr_text = err.read_text()
+    assert proc.returncode == 0, out.read_text()[-3000:] + stderr_text[-3000:]
+    records = progress(trainer_log)
+    assert [r["step"] for r in records] == list(range(1, 13)), records
+    ratios = [r["ratio"] for r in records if "ratio" in r]
+    assert ratios and all(abs(x - 1) < 1e-3 for x in ratios), ratios
+    assert records[-1]["replicas"] == 2, records
+    assert replacement == cluster.node_with("inference")
+    assert "failed during the run (its Ray actor died" in stderr_text, stderr_text[-3000:]
+    # the served-policy audit: served logprobs equal the trainer's at each sample's version
+    metrics = [json.loads(line) for line in
+               (launch_dir / "trainer" / "runs" / "tiny-cpu" / "metrics.jsonl").open()]  # fmt: skip
+    audits = [m for m in metrics if "audit/mean_abs_logprob_diff" in m]
+    assert audits and all(m["audit/mean_abs_logprob_diff"] < 1e-3 for m in audits), audits
+    assert "step 12/12" in out.read_text() and "every job stopped" in out.read_text()
+    # the secret reached no log: not Ray's (its session directory), not the launcher's
+    logged = [p for p in [*cluster.temp.rglob("*"), *launch_dir.rglob("*.log"), out, err]
+              if p.is_file() and TOKEN.encode() in p.read_bytes()]  # fmt: skip
+    assert logged == []
+    # the launch's end left no actor alive and no vLLM process
+    assert cluster.actors() == []
+    deadline = time.monotonic() + 30
+    while vllm_processes(tiny_model) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert vllm_processes(tiny_model) == []
+    print(f"\nray launch: {len(records)} steps, ratios {min(ratios):.6f}..{max(ratios):.6f}, "
+          f"{len(audits)} audits (max mean diff "
+          f"{max(m['audit/mean_abs_logprob_diff'] for m in audits):.2e}), "
+          f"replicas on node {inference[:12]}, trainer on {head[:12]}, {took:.0f} s")  # fmt: skip
+
+
+def test_ctrl_c_on_the_launcher_leaves_no_actor_and_no_vllm_process(
+    cluster: Cluster, tiny_model: Path, tmp_path: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = launch_cmd(cluster, tiny_model, tmp_path, "trainer.max_steps=100", "--replicas", "1")
+    out, err = tmp_path / "launch.out", tmp_path / "launch.err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr)
+    try:
+        until(proc, err, "the trainer's start", lambda: "trainer started" in out.read_text())
+        assert {a.name for a in cluster.actors()} == {"tiny-cpu-replica-0", "tiny-cpu-trainer"}
+        assert vllm_processes(tiny_model)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "interrupted: every job of the launch was cancelled" in err.read_text()
+    assert cluster.actors() == []
+    deadline = time.monotonic() + 30
+    while vllm_processes(tiny_model) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert vllm_processes(tiny_model) == []
