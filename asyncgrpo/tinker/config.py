@@ -82,7 +82,9 @@ class TinkerConfig:
     """Directory for the service's own files (saved adapters, the replicas' local copies)."""
     sampler_keep: int = 2
     """Versions of each client's sampler weights kept loaded on the replicas; each client books
-    sampler_keep + 1 LoRA slots (the replicas' --max-loras bounds the clients sampling at once)."""
+    sampler_keep + 1 LoRA slots (the replicas' --max-loras bounds the clients sampling at once).
+    Sampling an older version loads it back from the transport into the spare slot, in place
+    of the one loaded back before."""
     session_timeout_s: float = 300.0
     """A session with neither a heartbeat nor a request for this long expires: its training
     clients end (adapters, optimizer state and LoRA slots released). The SDK heartbeats every
