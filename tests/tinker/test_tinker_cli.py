@@ -83,3 +83,15 @@ def test_replicas_started_by_the_service_sample_and_stop_with_it(
     _, alive = psutil.wait_procs(vllm, timeout=30)
     assert not alive, f"replicas outlived the service: {[p.pid for p in alive]}"
     assert (tmp_path / "work" / "replica-logs").is_dir()
+
+
+def test_replicas_beside_a_proxy_url_is_one_line_and_status_2() -> None:
+    r = subprocess.run([sys.executable, "-m", "asyncgrpo.tinker", "--model", "m", "--replicas",
+                        "1", "--proxy-url", "http://127.0.0.1:9"], capture_output=True,
+                       text=True)  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "python -m asyncgrpo.tinker: error: tinker.proxy_url and tinker.replicas/upstreams both "
+        "given: sample through the proxy at --proxy-url, or let the service start its own "
+        "(--replicas N, --upstream URL), not both"
+    ]
