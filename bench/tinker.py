@@ -18,7 +18,17 @@ proxy, started here): requests/s of the same ``sample`` calls (one prompt, ``n``
 ``--concurrency`` in flight) through the service and the SDK, and sent to the proxy directly as
 vLLM completions, interleaved in rounds.
 
-Run: ``python bench/tinker.py [--samples 32] [--rounds 5] [--sampling]``.
+``--loop`` adds the whole RL step: the native ``run_training`` loop on the demo's recipe
+(``examples/tiny_cpu.yaml``: digits reward, 4 prompts x 8 samples, lr 3e-2, rank 1) against
+the same recipe driven through the SDK (``examples/tinker_rl_loop.py``'s loop, timed part by
+part), one after the other on the same two vLLM replicas started here. Per step, median over
+the steps after the first: s/step and its parts: forward_backward (native ``perf/fwd_bwd_s``),
+optim_step (native ``perf/train_step_s`` minus that: packing and the update), publish+load
+(native ``perf/weight_sync_s``; SDK ``save_weights_and_get_sampling_client``), sample (native
+``perf/rollout_wait_s``, the wait for samples generated while it trained; SDK the ``sample``
+futures).
+
+Run: ``python bench/tinker.py [--samples 32] [--rounds 5] [--sampling] [--loop [--steps 20]]``.
 """
 
 from __future__ import annotations
@@ -32,10 +42,12 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
 import time
+from types import ModuleType
 
 import numpy as np
 from anyio.from_thread import start_blocking_portal
@@ -143,11 +155,122 @@ def sampling(model: Path, rounds: int, calls: int = 32, n: int = 4, concurrency:
         print(f"{name:<8} {statistics.median(rs[1:]):>13.1f} {max(rs[1:]):>10.1f}")
 
 
+def _example() -> ModuleType:
+    """``examples/tinker_rl_loop.py`` (its reward and datums), imported by path."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "tinker_rl_loop.py"
+    spec = importlib.util.spec_from_file_location("tinker_rl_loop", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _native(model: Path, urls: list[str], out: Path, steps: int) -> list[dict[str, float]]:
+    """The demo's recipe through ``run_training`` on the replicas at ``urls``; per-step parts."""
+    import anyio
+
+    from asyncgrpo.config.training import TrainingConfig
+    from asyncgrpo.run.metrics import read_metrics
+    from asyncgrpo.run.training import run_training
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "tiny_cpu.yaml"
+    cfg = TrainingConfig.from_yaml(example, [
+        f"model={model}", f"output_dir={out}", "run_name=native", f"trainer.max_steps={steps}",
+        "trainer.save_steps=0", "serve.replicas=0", f"proxy.upstreams=[{','.join(urls)}]",
+        "eval=null",
+    ])  # fmt: skip
+    result = anyio.run(run_training, cfg)
+    rows = []
+    for r in read_metrics(result.run_dir / "metrics.jsonl"):
+        if "perf/step_s" not in r:
+            continue
+        rows.append({"step": r["perf/step_s"], "forward_backward": r["perf/fwd_bwd_s"],
+                     "optim_step": r["perf/train_step_s"] - r["perf/fwd_bwd_s"],
+                     "publish+load": r.get("perf/weight_sync_s", math.nan),
+                     "sample": r["perf/rollout_wait_s"], "reward": r.get("reward", math.nan)})  # fmt: skip
+    return rows
+
+
+def _sdk(base_url: str, model: Path, steps: int) -> list[dict[str, float]]:
+    """The same recipe through the SDK (``examples/tinker_rl_loop.py``'s loop); per-step parts."""
+    import tinker
+    from tinker import types
+
+    ex = _example()
+    groups, group_size, max_tokens = 4, 8, 32  # the demo's 32 samples of up to 32 tokens
+    service = tinker.ServiceClient(base_url=base_url, api_key="tml-bench")
+    training = service.create_lora_training_client(base_model=str(model), rank=1, seed=0).result()
+    tokenizer = training.get_tokenizer()
+    adam = types.AdamParams(learning_rate=3e-2, beta1=0.0, beta2=0.95, eps=1e-8)
+    rows = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        sampler = training.save_weights_and_get_sampling_client().result()
+        t1 = time.perf_counter()
+        texts = [ex.PROMPTS[(step * groups + i) % len(ex.PROMPTS)] for i in range(groups)]
+        prompts = [tokenizer.encode(t) for t in texts]
+        params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=step)
+        futures = [sampler.sample(types.ModelInput.from_ints(p), group_size, params)
+                   for p in prompts]  # fmt: skip
+        results = [f.result().sequences for f in futures]
+        t2 = time.perf_counter()
+        data, rewards = [], []
+        for prompt, sequences in zip(prompts, results, strict=True):
+            group = [ex.digit_reward(tokenizer.decode(list(s.tokens))) for s in sequences]
+            rewards += group
+            if max(group) > min(group):
+                data += ex.group_data(prompt, sequences, group)
+        t3 = time.perf_counter()
+        if data:
+            training.forward_backward(data, "importance_sampling").result()
+        t4 = time.perf_counter()
+        if data:
+            training.optim_step(adam).result()
+        t5 = time.perf_counter()
+        rows.append({"step": t5 - t0, "forward_backward": t4 - t3, "optim_step": t5 - t4,
+                     "publish+load": t1 - t0, "sample": t2 - t1,
+                     "reward": sum(rewards) / len(rewards)})  # fmt: skip
+    service.close("success").result()
+    return rows
+
+
+def loop(model: Path, steps: int) -> None:
+    """The native loop and the SDK loop, one after the other on the same two replicas."""
+    import contextlib
+
+    from asyncgrpo.serve import launch_replicas
+    from asyncgrpo.testing import tiny_serve_config
+
+    out = Path(tempfile.mkdtemp())
+    with start_blocking_portal() as portal, contextlib.ExitStack() as stack:
+        serve = tiny_serve_config(model, replicas=2, max_staleness=4, runs=2,
+                                  transports=(str(out),), log_dir=str(out / "replica-logs"),
+                                  adapter_cache_dir=str(out / "replica-adapters"))  # fmt: skip
+        replicas = stack.enter_context(portal.wrap_async_context_manager(launch_replicas(serve)))
+        urls = [r.url for r in replicas]
+        native = _native(model, urls, out / "runs", steps)
+        config = TinkerConfig(model=str(model), port=0, dtype="float32", lora_alpha=2.0,
+                              upstreams=tuple(urls), work_dir=str(out / "tinker"),
+                              max_lora_rank=8)  # fmt: skip
+        url = stack.enter_context(portal.wrap_async_context_manager(serve_tinker(config)))
+        sdk = _sdk(url, model, steps)
+    parts = ["step", "forward_backward", "optim_step", "publish+load", "sample"]
+    print(f"\nRL step, demo recipe (32 samples), {steps} steps each, median s over steps 2-{steps}")
+    print(f"{'loop':<8}" + "".join(f"{p:>17}" for p in parts) + f"{'final reward':>14}")
+    for name, rows in (("native", native), ("sdk", sdk)):
+        cells = "".join(f"{statistics.median(r[p] for r in rows[1:]):>17.3f}" for p in parts)
+        print(f"{name:<8}{cells}{statistics.mean(r['reward'] for r in rows[-3:]):>14.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=SAMPLES)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--sampling", action="store_true", help="also the sampling side (vLLM)")
+    parser.add_argument("--loop", action="store_true", help="also the RL step, native vs SDK")
+    parser.add_argument("--steps", type=int, default=20, help="RL steps of each --loop loop")
     args = parser.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     import tinker
@@ -199,6 +322,8 @@ def main() -> None:
         print(f"{name:<8} {statistics.median(ts[1:]):>14.3f} {min(ts[1:]):>11.3f}")
     if args.sampling:
         sampling(model, args.rounds)
+    if args.loop:
+        loop(model, args.steps)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from asyncgrpo.config.training import run_transport_url
 from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.proxy.admin_client import ProxyClient
+from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.server import serve_proxy
 from asyncgrpo.serve import ServeConfig, launch_replicas
 
@@ -110,25 +111,36 @@ async def open_endpoint(
         say(f"using the asyncgrpo proxy at {given.url}")
         yield given
         return
-    key = upstream_key(cfg)
+    proxy = dataclasses.replace(
+        cfg.proxy,
+        upstream_api_key=upstream_key(cfg),
+        lora_roots=(*cfg.proxy.lora_roots, str(cache_dir)),
+    )
+    serve = replica_config(cfg, transport_url) if cfg.serve.replicas else None
+    if cfg.proxy.upstreams:
+        say(f"{len(cfg.proxy.upstreams)} remote replica(s) behind the run's proxy")
+    async with open_fleet(serve, proxy, phase=say) as url:
+        yield Endpoint(url=url, api_key=cfg.proxy.api_key)
+
+
+@asynccontextmanager
+async def open_fleet(
+    serve: ServeConfig | None, proxy: ProxyConfig, *, phase: Callable[[str], None]
+) -> AsyncIterator[str]:
+    """``serve.replicas`` local vLLM replicas (none when ``serve`` is None) and an in-process
+    proxy in front of them and ``proxy.upstreams``; yields the proxy's URL and stops both on
+    exit. The one starter of a fleet: a run's endpoint and the Tinker service's ``--replicas``."""
     async with AsyncExitStack() as stack:
-        urls = list(cfg.proxy.upstreams)
-        if cfg.serve.replicas:
-            serve = replica_config(cfg, transport_url)
-            n = cfg.serve.replicas
-            say(f"starting {n} vLLM replica{'s' if n != 1 else ''} (logs in {serve.log_dir})")
+        urls = list(proxy.upstreams)
+        if serve is not None and serve.replicas:
+            n = serve.replicas
+            phase(f"starting {n} vLLM replica{'s' if n != 1 else ''} (logs in {serve.log_dir})")
             started = time.monotonic()
             replicas = await stack.enter_async_context(launch_replicas(serve))
-            say(f"{n} replica{'s' if n != 1 else ''} healthy after "
-                f"{time.monotonic() - started:.0f} s")  # fmt: skip
+            phase(f"{n} replica{'s' if n != 1 else ''} healthy after "
+                  f"{time.monotonic() - started:.0f} s")  # fmt: skip
             urls = [r.url for r in replicas] + urls
-        if cfg.proxy.upstreams:
-            say(f"{len(cfg.proxy.upstreams)} remote replica(s) behind the run's proxy")
-        proxy = dataclasses.replace(
-            cfg.proxy,
-            upstreams=tuple(urls),
-            upstream_api_key=key,
-            lora_roots=(*cfg.proxy.lora_roots, str(cache_dir)),
+        url = await stack.enter_async_context(
+            serve_proxy(dataclasses.replace(proxy, upstreams=tuple(urls)))
         )
-        url = await stack.enter_async_context(serve_proxy(proxy))
-        yield Endpoint(url=url, api_key=cfg.proxy.api_key)
+        yield url

@@ -184,6 +184,16 @@ class AdapterSync:
         self._pins[version] += 1
         return self.name(version)
 
+    async def restore(self, version: int) -> str:
+        """Load ``version``, published earlier and since retired, back on every replica, pinned
+        until :meth:`unpin` (which retires it again); returns its name. A sampler of an old
+        version is served on demand without the window keeping every version loaded."""
+        if version not in self.loaded:
+            location = await self.source.locate(self.prefix, version)
+            await self._load_everywhere(self.name(version), location)
+            self.loaded = sorted({*self.loaded, version})
+        return self.pin(version)
+
     async def unpin(self, version: int) -> None:
         """Release a :meth:`pin`; the version is unloaded now if it has left the window."""
         self._pins[version] -= 1

@@ -33,7 +33,7 @@ class TinkerConfig:
     ``get_tokenizer()`` loads the tokenizer from that directory, offline."""
     dtype: str = "auto"
     """Trainer dtype: auto (bfloat16 on a CUDA device that has it, else float32), float32,
-    bfloat16 or float16."""
+    bfloat16 or float16; the replicas ``replicas`` starts serve at the dtype it resolves to."""
     max_lora_rank: int = 32
     """Largest LoRA rank a client may ask for; keep it at or below the replicas'
     ``--max-lora-rank`` so every adapter can be served."""
@@ -53,6 +53,19 @@ class TinkerConfig:
     proxy_url: str | None = None
     """The asyncgrpo proxy in front of the vLLM replicas that sample (they serve ``model``).
     None: no sampling; save_weights_for_sampler and sample are refused."""
+    replicas: int = 0
+    """vLLM replicas of ``model`` the service starts itself, behind a proxy of its own in this
+    process (the fleet starter ``asyncgrpo train`` uses); stopped when the service stops."""
+    upstreams: tuple[str, ...] = ()
+    """vLLM replicas elsewhere (``--upstream URL``, repeatable) behind the service's own proxy,
+    beside any it starts. Give these or ``replicas``, or ``proxy_url``, not both."""
+    kv_cache_gib: int | None = None
+    """The started replicas' CPU KV cache in whole GiB each. None: sized from free memory."""
+    max_model_len: int | None = None
+    """The started replicas' --max-model-len. None: the model's."""
+    max_loras: int | None = None
+    """The started replicas' LoRA slots. None: two sampling clients' worth,
+    2 x (sampler_keep + 1); a client beyond them is refused naming --max-loras."""
     proxy_admin_key: str | None = field(default=None, repr=False, metadata={"secret": True})
     """The proxy's admin key, which adapter loads and LoRA-slot bookings take. Never logged."""
     transport_url: str = field(default="", metadata={"flag": "--transport"})
@@ -69,7 +82,9 @@ class TinkerConfig:
     """Directory for the service's own files (saved adapters, the replicas' local copies)."""
     sampler_keep: int = 2
     """Versions of each client's sampler weights kept loaded on the replicas; each client books
-    sampler_keep + 1 LoRA slots (the replicas' --max-loras bounds the clients sampling at once)."""
+    sampler_keep + 1 LoRA slots (the replicas' --max-loras bounds the clients sampling at once).
+    Sampling an older version loads it back from the transport into the spare slot, in place
+    of the one loaded back before."""
     session_timeout_s: float = 300.0
     """A session with neither a heartbeat nor a request for this long expires: its training
     clients end (adapters, optimizer state and LoRA slots released). The SDK heartbeats every
@@ -83,7 +98,9 @@ class TinkerConfig:
     def __post_init__(self) -> None:
         check_fields(self, "tinker", ge={"max_lora_rank": 1, "max_context_length": 2, "port": 0,
                                          "max_body_bytes": 1024, "sampler_keep": 1,
-                                         "max_training_clients": 1},
+                                         "max_training_clients": 1,
+                                         "replicas": 0, "kv_cache_gib": 1, "max_model_len": 1,
+                                         "max_loras": 1},
                      le={"port": 65535}, gt={"lora_alpha": 0, "session_timeout_s": 0})  # fmt: skip
         if not self.model:
             raise ConfigError("tinker.model is empty: give the base model's directory (--model)")
@@ -94,6 +111,12 @@ class TinkerConfig:
         if self.adapter_delivery not in ("auto", "fetch", "path"):
             raise ConfigError(f"tinker.adapter_delivery={self.adapter_delivery!r}: use auto, "
                               "fetch or path")  # fmt: skip
+        if self.proxy_url and (self.replicas or self.upstreams):
+            raise ConfigError(
+                "tinker.proxy_url and tinker.replicas/upstreams both given: sample through the "
+                "proxy at --proxy-url, or let the service start its own (--replicas N, "
+                "--upstream URL), not both"
+            )
         if self.api_key is not None and not self.api_key.startswith(API_KEY_PREFIX):
             raise ConfigError(
                 f"{API_KEY_ENV} must start with {API_KEY_PREFIX!r} (the tinker SDK refuses "

@@ -90,6 +90,11 @@ class Engine:
         self.lora_alpha = lora_alpha
         self._clients: dict[str, _Client] = {}
 
+    @property
+    def dtype_name(self) -> str:
+        """The dtype ``auto`` resolved to (``float32``...), which replicas it starts serve at."""
+        return str(self.model.dtype).removeprefix("torch.")
+
     def create(self, model_id: str, spec: LoraSpec) -> None:
         """Add client ``model_id``'s adapter (seeded by ``spec.seed``) and its optimizer."""
         from peft import LoraConfig as PeftLoraConfig

@@ -66,8 +66,9 @@ LOSSES: dict[str, tuple[LossFn, tuple[str, ...], tuple[str, ...], tuple[str, ...
 }
 
 _WHY_NOT = {
-    "stable_reinforce": "it needs stability information recorded at sampling time, which vLLM "
-    "does not return",
+    "stable_reinforce": "Tinker has not published its objective, only that it reads stability "
+    "information recorded at sampling time (record_stability_info, Datum provenance), which "
+    "vLLM does not return",
     "custom": "send a custom loss with forward_backward_custom (it runs client-side)",
 }
 

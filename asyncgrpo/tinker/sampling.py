@@ -6,7 +6,9 @@ an adapter named by its model id through the :class:`~asyncgrpo.store.adapters.A
 and loads it on every replica through the proxy, all or nothing, with the run layer's own
 :class:`~asyncgrpo.run.sync.AdapterSync` (the newest ``keep`` versions stay loaded). Each
 client books ``keep + 1`` LoRA slots on the proxy as a run does, so clients share the fleet
-as a sweep's runs do. A sampling session is a name vLLM serves (a version, or the base model).
+as a sweep's runs do. A sampling session is a name vLLM serves (a version, or the base model);
+sampling a version that has left the replicas loads it back from the store into the client's
+spare slot (:meth:`Sampler.ensure_loaded`).
 """
 
 from __future__ import annotations
@@ -131,6 +133,9 @@ class Sampler:
         self.sessions: dict[str, str] = {}  #: sampling session id -> served name
         self._syncs: dict[str, AdapterSync] = {}
         self._tokens: dict[str, str] = {}
+        #: per client, the one version older than its newest ``keep`` loaded back on demand
+        self._restored: dict[str, int] = {}
+        self._locks: dict[str, anyio.Lock] = {}
 
     async def book(self, model_id: str) -> None:
         """Book ``keep + 1`` LoRA slots for the client (a refusal names ``--max-loras``)."""
@@ -145,6 +150,8 @@ class Sampler:
         self.paths = {p: n for p, n in self.paths.items() if n not in mine}
         self.sessions = {s: n for s, n in self.sessions.items() if n not in mine}
         sync = self._syncs.pop(model_id, None)
+        self._restored.pop(model_id, None)
+        self._locks.pop(model_id, None)
         if sync is not None:
             await sync.unload_all()
         if model_id in self._tokens:
@@ -169,9 +176,36 @@ class Sampler:
                 loader=ProxyLoader(self.client, fetching=self.fetching), prefix=model_id,
                 max_staleness=self.keep - 1, base_model=self.base_model,
             )  # fmt: skip
-        version = (await self.store.latest(model_id) or 0) + 1
-        await sync.sync(version, local_dir, step=step)
+        async with self._lock(model_id):
+            await self._drop_restored(model_id, sync)  # within the keep + 1 slots booked
+            version = (await self.store.latest(model_id) or 0) + 1
+            await sync.sync(version, local_dir, step=step)
         return sync.name(version)
+
+    def _lock(self, model_id: str) -> anyio.Lock:
+        return self._locks.setdefault(model_id, anyio.Lock())
+
+    async def _drop_restored(self, model_id: str, sync: AdapterSync) -> None:
+        version = self._restored.pop(model_id, None)
+        if version is not None:
+            await sync.unpin(version)  # retired: it is older than the window
+
+    async def ensure_loaded(self, served: str) -> None:
+        """Load a client's version that has left the replicas back from the transport, in place
+        of the one loaded back before (if any): a sampling client of any saved version keeps
+        working while the replicas hold each client's newest ``keep`` and one more."""
+        parsed = parse_served_name(served)
+        sync = self._syncs.get(parsed[0]) if parsed else None
+        if parsed is None or sync is None or parsed[1] in sync.loaded:
+            return
+        model_id, version = parsed
+        async with self._lock(model_id):
+            if version in sync.loaded:
+                return
+            await self._drop_restored(model_id, sync)
+            await sync.restore(version)
+            self._restored[model_id] = version
+            logger.info("loaded %s back on the replicas for a sampling client", served)
 
     def new_session(self, served: str) -> str:
         sid = f"samp-{secrets.token_hex(6)}"
@@ -198,6 +232,7 @@ class Sampler:
         return self.base_model
 
     async def sample(self, served: str, request: Any) -> SampleResult:
+        await self.ensure_loaded(served)
         prompt = request.prompt.to_ints()
         body = completions_body(served, prompt, request.num_samples, request.sampling_params,
                                 bool(request.prompt_logprobs))  # fmt: skip

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 from aiohttp import web
 
+from asyncgrpo.proxy.config import ProxyConfig
+from asyncgrpo.run.endpoint import open_fleet
+from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.tinker.app import build_app
 from asyncgrpo.tinker.config import TinkerConfig
@@ -18,7 +22,9 @@ from asyncgrpo.tinker.service import TinkerService
 from asyncgrpo.tinker.states import StateStore
 from asyncgrpo.transport.registry import open_transport
 
-__all__ = ["serve_tinker"]
+__all__ = ["replica_config", "serve_tinker"]
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.asynccontextmanager
@@ -33,9 +39,13 @@ async def serve_tinker(config: TinkerConfig) -> AsyncIterator[str]:
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(transport.aclose)
         sampler = None
-        if config.proxy_url:
+        proxy_url, admin_key = config.proxy_url, config.proxy_admin_key
+        if config.replicas or config.upstreams:
+            fleet = _own_fleet(config, engine.dtype_name, work, transport.url)
+            proxy_url, admin_key = await stack.enter_async_context(fleet), None
+        if proxy_url:
             sampler = await stack.enter_async_context(open_sampler(
-                config.proxy_url, config.proxy_admin_key, AdapterStore(transport),
+                proxy_url, admin_key, AdapterStore(transport),
                 base_model=config.model, work_dir=work, keep=config.sampler_keep,
                 delivery=config.adapter_delivery,
             ))  # fmt: skip
@@ -44,6 +54,31 @@ async def serve_tinker(config: TinkerConfig) -> AsyncIterator[str]:
                                 max_clients=config.max_training_clients)  # fmt: skip
         async with _serving(config, service) as url:
             yield url
+
+
+def replica_config(config: TinkerConfig, dtype: str, work: Path, transport_url: str) -> ServeConfig:
+    """The replicas ``--replicas`` starts: the service's model at the trainer's resolved dtype
+    (so the served policy is the trained one), its rank bound, slots for its sampler versions,
+    allowed to fetch from its transport."""
+    return ServeConfig(
+        model=config.model, replicas=config.replicas, lora_rank=config.max_lora_rank,
+        max_staleness=config.sampler_keep - 1, runs=2, max_loras=config.max_loras, dtype=dtype,
+        kv_cache_gib=config.kv_cache_gib, max_model_len=config.max_model_len,
+        log_dir=str(work / "replica-logs"), transports=(transport_url,),
+        adapter_cache_dir=str(work / "replica-adapters"),
+    )  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def _own_fleet(
+    config: TinkerConfig, dtype: str, work: Path, transport_url: str
+) -> AsyncIterator[str]:
+    """``--replicas N`` started here and ``--upstream`` URLs behind an in-process proxy, by the
+    same starter as a run's (:func:`asyncgrpo.run.endpoint.open_fleet`); yields its URL."""
+    serve = replica_config(config, dtype, work, transport_url) if config.replicas else None
+    proxy = ProxyConfig(upstreams=tuple(config.upstreams), port=0, lora_roots=(str(work),))
+    async with open_fleet(serve, proxy, phase=lambda text: logger.info("%s", text)) as url:
+        yield url
 
 
 @contextlib.asynccontextmanager

@@ -77,3 +77,44 @@ def test_saved_paths_and_unknown_ones(fleet, tiny_model: Path) -> None:
     with pytest.raises(tinker.NotFoundError, match="no sampler weights at"):
         service.create_sampling_client(model_path="tinker://nope/sampler_weights/x").result()
     service.close("success").result()
+
+
+def test_a_version_that_left_the_replicas_is_loaded_back_to_sample(
+    fleet, tiny_model: Path, vllm_replicas: list
+) -> None:
+    """``sampler_keep=1``: saving v2 retires v1 from the replicas; v1's sampling client then
+    loads it back from the transport and scores v1's own sample as v1 did (so the weights
+    served are v1's, not v2's), and saving v3 retires it again (the slots stay bounded)."""
+    import httpx
+    import tinker
+    from tinker import types
+
+    def served() -> set[str]:
+        names = set()
+        for replica in vllm_replicas:
+            names |= {m["id"] for m in httpx.get(f"{replica.url}/v1/models").json()["data"]}
+        return names
+
+    service = tinker.ServiceClient(base_url=fleet)
+    training = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    tokenizer = training.get_tokenizer()
+    _train(training, tokenizer, steps=2)
+    first = training.save_weights_and_get_sampling_client().result()
+    prompt = tokenizer.encode("12 + 7 =")
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+    seq = first.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
+    full = types.ModelInput.from_ints(prompt + list(seq.tokens))
+    before = np.asarray(first.compute_logprobs(full).result()[len(prompt) :])
+    v1 = {n for n in served() if n.endswith("-v1")}
+    assert len(v1) == 1 and np.abs(before - np.asarray(seq.logprobs)).max() <= 1e-4
+    _train(training, tokenizer, steps=2)
+    second = training.save_weights_and_get_sampling_client().result()
+    assert not v1 & served(), "v1 should have left the replicas (sampler_keep=1)"
+    after = np.asarray(first.compute_logprobs(full).result()[len(prompt) :])
+    assert v1 <= served()
+    assert np.abs(after - before).max() <= 1e-4, "v1 loaded back is not v1"
+    now = np.asarray(second.compute_logprobs(full).result()[len(prompt) :])
+    assert np.abs(now - before).max() > 1e-3  # v2 differs: the check above could fail
+    training.save_weights_for_sampler("v3").result()
+    assert not v1 & served(), "the version loaded back stays only until the next save"
+    service.close("success").result()
