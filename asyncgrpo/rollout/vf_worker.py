@@ -115,7 +115,7 @@ def refusals(env: Any) -> list[str]:
         if harness.NEEDS_CONTAINER:
             found.append(
                 f"agent {name!r}: harness {harness.config.id!r} needs a container (a "
-                "sandbox), which asyncgrpo does not run; use the null or bash harness"
+                "sandbox), which asyncgrpo does not run; use asyncgrpo-chat, null or bash"
             )
     task_cls = type(env.taskset).task_type()
     servers = [
@@ -204,7 +204,7 @@ async def run_chat_program(argv: list[str], workdir: Path | None) -> vf.ProgramR
             return super().parse_args(argv if args is None else args, namespace)
 
     ns: dict[str, Any] = {"__name__": "asyncgrpo_chat_program"}
-    exec(_chat_program(), ns)  # noqa: S102 - verifiers' own program text, as its harness runs it
+    exec(_chat_program(), ns)  # verifiers' own program text, as its harness runs it
     ns["argparse"] = argparse.Namespace(ArgumentParser=Parser, Namespace=argparse.Namespace)
     clients: list[Any] = []
     make_client = ns["AsyncOpenAI"]
