@@ -185,18 +185,19 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.parametrize("args", [LOCAL, HERE], ids=["null-program", "asyncgrpo-chat"])
 def test_an_environment_that_raises_or_hangs_costs_its_group(
-    tokenizer: Any, tmp_path: Path
+    tokenizer: Any, tmp_path: Path, args: dict[str, Any]
 ) -> None:
     (tmp_path / "vf_broken_env.py").write_text(textwrap.dedent(BROKEN))
     importable(tmp_path)
     row = {"prompt": [{"role": "user", "content": "hi"}], "mode": "raise"}
-    env = load(tokenizer, LOCAL, name="vf-broken-env", episode_timeout_s=20)
+    env = load(tokenizer, args, name="vf-broken-env", episode_timeout_s=20)
     with pytest.raises(EpisodeError, match="the judge is down"):
         anyio.run(play, env, task_of(row), Scripted(tokenizer, ["ok"]), 2)
 
     hang = '<tool_call>{"name": "tools_wait", "arguments": {}}</tool_call>'
-    env = load(tokenizer, LOCAL, name="vf-broken-env", episode_timeout_s=3)
+    env = load(tokenizer, args, name="vf-broken-env", episode_timeout_s=3)
     row["mode"] = "hang"
     with pytest.raises(EpisodeError, match="ran past episode_timeout_s=3"):
         anyio.run(play, env, task_of(row), Scripted(tokenizer, [hang]), 2)
