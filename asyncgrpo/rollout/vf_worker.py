@@ -249,7 +249,8 @@ class ChatHarness(NullHarness):
     """verifiers' null harness (a chat loop calling the task's MCP tools) played in this
     process: the same program text, run here instead of as a uv script per episode, whose
     start (a Python importing openai and mcp) is most of a local episode's time. Local
-    (subprocess) runtimes only, as for every environment asyncgrpo plays."""
+    (subprocess) runtimes only, as for every environment asyncgrpo plays; the harness's
+    ``env`` settings have no process to apply to (the chat loop reads none)."""
 
     async def setup(self, runtime: Any) -> None:
         """Nothing to install: the program runs on this process's packages."""
