@@ -124,7 +124,7 @@ async def test_a_single_turn_v1_environment_trains_with_its_rubric_reward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """examples/vf_v1_digits.yaml (the demo's task, its reward a v1 rubric) for 4 steps at
-    max_staleness 4: each sample one model turn, scored by the rubric on the text vLLM
+    max_staleness 2: each sample one model turn, scored by the rubric on the text vLLM
     sampled, the ratio ~1 at each token's version (the 40-step learning runs:
     docs/environments.md)."""
     from asyncgrpo.rollout.dataset import load_tokenizer
@@ -135,7 +135,8 @@ async def test_a_single_turn_v1_environment_trains_with_its_rubric_reward(
                   model=str(tiny_model), output_dir=str(tmp_path), run_name="digits")  # fmt: skip
     data["rollout"].update(max_inflight=16, queue_maxsize=32)
     data["generation"].update(num_generations=4, max_completion_length=8)
-    data["trainer"].update(samples_per_step=8, max_steps=4)
+    # asynchronous, as far as the session's replicas allow (--max-loras 4: max_staleness + 2)
+    data["trainer"].update(samples_per_step=8, max_steps=4, max_staleness=2)
     batches: list[list[Sample]] = []
     result = await run_training(
         TrainingConfig.from_dict(data), on_step=lambda step, s, v: batches.append(list(s))
