@@ -250,7 +250,7 @@ async def run_verifiers(urls: list[str], model: str, name: str, args: argparse.N
     return {
         "wall_s": wall,
         "first_group_s": t1 - t0,
-        "episodes_per_s": (len(samples) - args.g) / max(wall - (t1 - t0), 1e-9),
+        "episodes_per_s": max(len(samples) - args.g, 0) / max(wall - (t1 - t0), 1e-9),
         "hit_rate": (h1 - h0) / max(q1 - q0, 1.0),
         "turns": statistics.mean(turns) if turns else 0.0,
         "lost": stats.get("rollout/env_failures_total", 0.0),
