@@ -55,7 +55,7 @@ lint: install
 
 # verifiers 0.4 (verifiers.v1) cannot share .venv with the `envs` extra's verifiers 0.1.10 (one
 # distribution). .venv-vf4 holds verifiers 0.4, uv (it runs verifiers' harness programs) and the
-# example environment package, and reads everything else from .venv through a .pth file
+# example environment packages, and reads everything else from .venv through a .pth file
 # (site.addsitedir: .venv's own .pth files, asyncgrpo's editable install among them, apply
 # too), after its own packages (openai 2.54, mcp 2.0.0, verifiers 0.4). About a minute. Its
 # Python is what `rollout.environment.python` names to run a v1 environment from it.
@@ -65,10 +65,10 @@ VF4_STAMP := $(VF4)/.asyncgrpo-vf4-installed
 
 install-vf4: $(VF4_STAMP)
 
-$(VF4_STAMP): $(STAMP) examples/envs/vf_v1_calculator/pyproject.toml
+$(VF4_STAMP): $(STAMP) examples/envs/vf_v1_calculator/pyproject.toml examples/envs/vf_v1_digits/pyproject.toml
 	test -x $(VF4_PY) || $(PY) -m venv --without-pip $(VF4) && $(PY) -m pip --python $(VF4_PY) --version >/dev/null
 	$(PY) -m pip --python $(VF4_PY) install -q 'verifiers==0.4.0' uv
-	$(PY) -m pip --python $(VF4_PY) install -q --no-deps -e examples/envs/vf_v1_calculator
+	$(PY) -m pip --python $(VF4_PY) install -q --no-deps -e examples/envs/vf_v1_calculator -e examples/envs/vf_v1_digits
 	$(PY) -c 'import os, sysconfig; print("import site; site.addsitedir(%r)" % os.path.abspath(sysconfig.get_paths()["purelib"]))' \
 		> "$$($(VF4_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-asyncgrpo-base.pth"
 	touch $(VF4_STAMP)

@@ -12,7 +12,9 @@
     with ``run_training`` for each of ``--seeds``: reward over the first and last steps.
 (c) ``--part verifiers``: the calculator task as a verifiers 0.1.10 ``ToolEnv`` (in process,
     asyncgrpo.testing.vf_calculator) and as a verifiers 0.4 taskset (examples/envs/
-    vf_v1_calculator, in its own venv: ``--vf4-python``, .venv-vf4 by default), played through
+    vf_v1_calculator, in its own venv: ``--vf4-python``, .venv-vf4 by default), the latter under
+    verifiers' null harness played in process (asyncgrpo-chat) and as the null harness's
+    program started per episode, played through
     the proxy (affinity + sessions) under one adapter version: episodes/s after the first group
     (which pays for starting the environment process), vLLM's prefix-cache hit rate, model
     turns per episode, groups lost.
@@ -196,18 +198,22 @@ async def part_learn(args: argparse.Namespace) -> None:
 
 
 def verifiers_envs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """The two environments compared: the same task, rewards and turn bound."""
-    local = {"agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"},
-                       "max_turns": args.turns}}  # fmt: skip
+    """The environments compared: the same task, rewards and turn bound; the v1 taskset under
+    verifiers' null harness in process (asyncgrpo-chat) and as its program per episode."""
+
+    def v1(harness: str) -> dict[str, Any]:
+        local = {"agent": {"harness": {"id": harness}, "runtime": {"type": "subprocess"},
+                           "max_turns": args.turns}}  # fmt: skip
+        return {"verifiers": "vf-v1-calculator", "args": local, "python": args.vf4_python}
+
     return {
         "verifiers 0.1.10 ToolEnv, in process": {
             "verifiers": "asyncgrpo.testing.vf_calculator",
             "args": {"kind": "tool", "max_turns": args.turns},
         },
-        "verifiers 0.4 taskset, own venv": {
-            "verifiers": "vf-v1-calculator", "args": local, "python": args.vf4_python,
-        },
-    }  # fmt: skip
+        "verifiers 0.4 taskset, own venv, asyncgrpo-chat harness": v1("asyncgrpo-chat"),
+        "verifiers 0.4 taskset, own venv, null harness (a program per episode)": v1("null"),
+    }
 
 
 async def run_verifiers(urls: list[str], model: str, name: str, args: argparse.Namespace) -> dict:
@@ -244,7 +250,7 @@ async def run_verifiers(urls: list[str], model: str, name: str, args: argparse.N
     return {
         "wall_s": wall,
         "first_group_s": t1 - t0,
-        "episodes_per_s": (len(samples) - args.g) / max(wall - (t1 - t0), 1e-9),
+        "episodes_per_s": max(len(samples) - args.g, 0) / max(wall - (t1 - t0), 1e-9),
         "hit_rate": (h1 - h0) / max(q1 - q0, 1.0),
         "turns": statistics.mean(turns) if turns else 0.0,
         "lost": stats.get("rollout/env_failures_total", 0.0),

@@ -17,25 +17,38 @@ line with an ``op``, over its stdin (from the trainer) and stdout (to it):
   "...", "traces": [{"id": T, "rewards": {...}}]}``;
 * in ``{"op": "cancel", "id": E}``: stop that episode (its ``done`` carries the error).
 
+It also holds :class:`ChatHarness`, harness id ``asyncgrpo-chat``: verifiers' null harness (the
+same chat program, MCP tools included) run in this process instead of one process per episode.
+
 The trainer side (:mod:`asyncgrpo.rollout.verifiers_remote`) renders and samples every turn.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import functools
+import io
 import json
 import secrets
 import sys
+import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import verifiers.v1 as vf
 from verifiers.v1.clients.train import serialize_completion, tool_to_wire
 from verifiers.v1.dialects import ChatDialect
 from verifiers.v1.dialects.chat import message_to_wire
+from verifiers.v1.harnesses.null import NullHarness
+from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
 
-__all__ = ["install", "load", "outcome", "refusals", "registered", "response"]
+__all__ = ["ChatHarness", "install", "load", "outcome", "refusals", "registered", "response"]
+
+#: The harness id of :class:`ChatHarness` (verifiers imports it as the module ``asyncgrpo_chat``).
+CHAT_HARNESS_ID = "asyncgrpo-chat"
 
 SCHEME = "asyncgrpo://"
 _clients: dict[str, Any] = {}
@@ -77,6 +90,8 @@ def registered(client: Any) -> Iterator[Any]:
 
 def load(name: str, args: dict[str, Any] | None) -> Any:
     """The v1 environment of taskset ``name`` with the rest of the ``[env]`` block ``args``."""
+    # verifiers resolves a harness id by importing the module of that name
+    sys.modules.setdefault(CHAT_HARNESS_ID.replace("-", "_"), sys.modules[__name__])
     data = dict(args or {})
     taskset = {**dict(data.pop("taskset", None) or {}), "id": name}
     return vf.load_environment(vf.resolve_env_config({**data, "taskset": taskset}))
@@ -100,7 +115,7 @@ def refusals(env: Any) -> list[str]:
         if harness.NEEDS_CONTAINER:
             found.append(
                 f"agent {name!r}: harness {harness.config.id!r} needs a container (a "
-                "sandbox), which asyncgrpo does not run; use the null or bash harness"
+                "sandbox), which asyncgrpo does not run; use asyncgrpo-chat, null or bash"
             )
     task_cls = type(env.taskset).task_type()
     servers = [
@@ -165,6 +180,83 @@ def outcome(played: Any) -> dict[str, Any]:
         for t in played.traces
     ]
     return {"error": error, "traces": traces}
+
+
+# ---------------------------------------------------------------- the in-process chat harness
+
+
+@functools.cache
+def _chat_program() -> Any:
+    """verifiers' bundled chat program (the null harness's, with its MCP client), compiled."""
+    return compile(CHAT_PROGRAM_SOURCE, "<verifiers chat program>", "exec")
+
+
+async def run_chat_program(argv: list[str], workdir: Path | None) -> vf.ProgramResult:
+    """The null harness's program on ``argv``, run in this process: its own module namespace
+    (fresh per run, so concurrent episodes share nothing), its exit as a ``ProgramResult``."""
+    files = [a.split("=", 1) for a in argv if a.startswith("--initial-messages-file=")]
+    if files and workdir is not None:  # written into the runtime's folder, the program's cwd
+        argv = [a for a in argv if not a.startswith("--initial-messages-file=")]
+        argv.append(f"--initial-messages-file={workdir / files[-1][1]}")
+
+    class Parser(argparse.ArgumentParser):  # the program parses sys.argv; give it ours
+        def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+            return super().parse_args(argv if args is None else args, namespace)
+
+    ns: dict[str, Any] = {"__name__": "asyncgrpo_chat_program"}
+    exec(_chat_program(), ns)  # verifiers' own program text, as its harness runs it
+    ns["argparse"] = argparse.Namespace(ArgumentParser=Parser, Namespace=argparse.Namespace)
+    clients: list[Any] = []
+    make_client = ns["AsyncOpenAI"]
+
+    def client(*args: Any, **kwargs: Any) -> Any:  # closed below, as a process exit would
+        clients.append(made := make_client(*args, **kwargs))
+        return made
+
+    ns["AsyncOpenAI"] = client
+    err = io.StringIO()
+    try:
+        await ns["main"]()
+        code = 0
+    except SystemExit as exc:  # the program's own exit codes (97: the model connection)
+        code = exc.code if isinstance(exc.code, int) else 1
+    except Exception:
+        err.write(traceback.format_exc())
+        code = 1
+    finally:
+        for made in clients:
+            await made.close()
+    return vf.ProgramResult(exit_code=code, stdout="", stderr=err.getvalue())
+
+
+class _HereRuntime:
+    """The rollout's runtime, except that the chat program runs in this process."""
+
+    def __init__(self, runtime: Any) -> None:
+        self._runtime = runtime
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runtime, name)
+
+    async def prepare_uv_script(self, script: Any, env: Any = None, **_: Any) -> list[str]:
+        return ["asyncgrpo-chat"]
+
+    async def run_program(self, argv: list[str], env: dict[str, str]) -> vf.ProgramResult:
+        return await run_chat_program(argv[1:], getattr(self._runtime, "workdir", None))
+
+
+class ChatHarness(NullHarness):
+    """verifiers' null harness (a chat loop calling the task's MCP tools) played in this
+    process: the same program text, run here instead of as a uv script per episode, whose
+    start (a Python importing openai and mcp) is most of a local episode's time. Local
+    (subprocess) runtimes only, as for every environment asyncgrpo plays; the harness's
+    ``env`` settings have no process to apply to (the chat loop reads none)."""
+
+    async def setup(self, runtime: Any) -> None:
+        """Nothing to install: the program runs on this process's packages."""
+
+    async def launch(self, ctx: Any, trace: Any, runtime: Any, *args: Any, **kwargs: Any) -> Any:
+        return await super().launch(ctx, trace, _HereRuntime(runtime), *args, **kwargs)
 
 
 # ---------------------------------------------------------------- the environment process

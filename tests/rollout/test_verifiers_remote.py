@@ -29,6 +29,7 @@ from asyncgrpo.testing.envs import calculator_tasks
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = os.environ.get("ASYNCGRPO_VF4_PYTHON") or str(ROOT / ".venv-vf4" / "bin" / "python")
 LOCAL = {"agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}}
+HERE = {"agent": {"harness": {"id": "asyncgrpo-chat"}, "runtime": {"type": "subprocess"}}}
 
 pytestmark = pytest.mark.skipif(
     not os.access(PYTHON, os.X_OK), reason=f"no verifiers 0.4 venv at {PYTHON} (make install-vf4)"
@@ -100,12 +101,15 @@ def test_the_trainers_venv_cannot_hold_the_package() -> None:
     assert int(version("verifiers").split(".")[1]) < 4, "this venv has verifiers 0.4 itself"
 
 
-def test_a_tool_episode_from_its_own_venv_is_token_exact(tokenizer: Any, package: Path) -> None:
+@pytest.mark.parametrize("args", [LOCAL, HERE], ids=["null-program", "asyncgrpo-chat"])
+def test_a_tool_episode_from_its_own_venv_is_token_exact(
+    tokenizer: Any, package: Path, args: dict[str, Any]
+) -> None:
     row = calculator_tasks(1, seed=6)[0]
     a, b = row["a"], row["b"]
     call = f'<tool_call>{{"name": "calculator_tools_add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
     policy = Scripted(tokenizer, [call, f"it is {a + b}"])
-    env = remote(tokenizer, "vf-remote-calculator", LOCAL)
+    env = remote(tokenizer, "vf-remote-calculator", args)
     episodes = anyio.run(play, env, row, policy, 2)
     assert len(episodes) == 2 and len(policy.prompts) == 4
     said = [*tokenizer.encode(call, add_special_tokens=False), tokenizer.eos_token_id]

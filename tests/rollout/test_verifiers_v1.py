@@ -29,7 +29,9 @@ from asyncgrpo.rollout.policy import Turn
 from asyncgrpo.testing.envs import calculator_tasks
 
 PACKAGE = Path(__file__).resolve().parents[2] / "examples" / "envs" / "vf_v1_calculator"
+DIGITS = PACKAGE.parent / "vf_v1_digits"
 LOCAL = {"agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}}
+HERE = {"agent": {"harness": {"id": "asyncgrpo-chat"}, "runtime": {"type": "subprocess"}}}
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +90,17 @@ async def play(env: Any, task: Prompt, policy: Scripted, g: int) -> list:
         return await env.group(task, policy, g)
 
 
-def test_a_tool_episode_is_token_exact_and_scored_by_the_task(tokenizer: Any) -> None:
+@pytest.mark.parametrize("args", [LOCAL, HERE], ids=["null-program", "asyncgrpo-chat"])
+def test_a_tool_episode_is_token_exact_and_scored_by_the_task(
+    tokenizer: Any, args: dict[str, Any]
+) -> None:
+    """verifiers' null harness as its program per episode, and the same chat loop played in
+    process (asyncgrpo-chat): the same turns, tokens and rewards."""
     row = calculator_tasks(1, seed=6)[0]
     a, b = row["a"], row["b"]
     call = f'<tool_call>\n{{"name": "calculator_tools_add", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
     policy = Scripted(tokenizer, [call, f"it is {a + b}"])
-    env = load(tokenizer, LOCAL)
+    env = load(tokenizer, args)
     episodes = anyio.run(play, env, task_of(row), policy, 2)
 
     assert len(episodes) == 2 and len(policy.prompts) == 4
@@ -114,6 +121,27 @@ def test_a_tool_episode_is_token_exact_and_scored_by_the_task(tokenizer: Any) ->
         assert ep.reward == pytest.approx({"correct_sum": 1.0, "digits": 0.5 * 2 / 6})
         assert ep.completion[1]["content"] == str(a + b)  # the MCP tool server's answer
     assert len(policy.sessions) == 1  # one X-Session-ID for the group's turns
+
+
+def test_a_single_turn_episode_is_one_model_call_scored_by_the_rubric(tokenizer: Any) -> None:
+    """The demo's digits task as a v1 taskset (examples/envs/vf_v1_digits) under the in-process
+    harness: one model call on the prompt rendered once, the reward digit_fraction of the reply;
+    a group of 8 takes well under a second here (a program per episode: seconds each)."""
+    from asyncgrpo.testing.rewards import digit_fraction
+
+    importable(DIGITS)
+    policy = Scripted(tokenizer, ["12 ab 34"])
+    env = load(tokenizer, HERE, name="vf-v1-digits")
+    task = Prompt(index=0, epoch=0, prompt="pick a number", prompt_ids=[0], extra={})
+    episodes = anyio.run(play, env, task, policy, 8)
+
+    assert len(episodes) == 8 and len(policy.prompts) == 8
+    prompt = encode_prompt(tokenizer, [{"role": "user", "content": "pick a number"}])
+    said = [*tokenizer.encode("12 ab 34", add_special_tokens=False), tokenizer.eos_token_id]
+    for ep in episodes:
+        assert ep.prompt_ids == prompt and ep.completion_ids == said and ep.model_turns == 1
+        assert ep.completion_mask == [True] * len(said)
+        assert ep.reward == pytest.approx({"digits": digit_fraction([None], ["12 ab 34"])[0]})
 
 
 BROKEN = """
@@ -159,18 +187,19 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.parametrize("args", [LOCAL, HERE], ids=["null-program", "asyncgrpo-chat"])
 def test_an_environment_that_raises_or_hangs_costs_its_group(
-    tokenizer: Any, tmp_path: Path
+    tokenizer: Any, tmp_path: Path, args: dict[str, Any]
 ) -> None:
     (tmp_path / "vf_broken_env.py").write_text(textwrap.dedent(BROKEN))
     importable(tmp_path)
     row = {"prompt": [{"role": "user", "content": "hi"}], "mode": "raise"}
-    env = load(tokenizer, LOCAL, name="vf-broken-env", episode_timeout_s=20)
+    env = load(tokenizer, args, name="vf-broken-env", episode_timeout_s=20)
     with pytest.raises(EpisodeError, match="the judge is down"):
         anyio.run(play, env, task_of(row), Scripted(tokenizer, ["ok"]), 2)
 
     hang = '<tool_call>{"name": "tools_wait", "arguments": {}}</tool_call>'
-    env = load(tokenizer, LOCAL, name="vf-broken-env", episode_timeout_s=3)
+    env = load(tokenizer, args, name="vf-broken-env", episode_timeout_s=3)
     row["mode"] = "hang"
     with pytest.raises(EpisodeError, match="ran past episode_timeout_s=3"):
         anyio.run(play, env, task_of(row), Scripted(tokenizer, [hang]), 2)

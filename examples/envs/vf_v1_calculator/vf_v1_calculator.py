@@ -35,10 +35,6 @@ class CalculatorTools(vf.Toolset[vf.ToolsetConfig, vf.State]):
 
 
 class CalculatorTask(vf.Task[CalculatorData, vf.State, vf.TaskConfig]):
-    @classmethod
-    def toolsets(cls, config: vf.TaskConfig) -> list[vf.Toolset]:
-        return [CalculatorTools(vf.ToolsetConfig())]
-
     @vf.reward
     async def digits(self, trace: vf.Trace) -> float:
         """Half the share of digits among the last answer's non-blank characters."""
@@ -51,6 +47,12 @@ class CalculatorTask(vf.Task[CalculatorData, vf.State, vf.TaskConfig]):
 
 
 class CalculatorTaskset(vf.Taskset[CalculatorTask, vf.TasksetConfig]):
+    @classmethod
+    def toolsets(cls, config: vf.TasksetConfig) -> list[vf.Toolset]:
+        """The add tool keeps no state: one server for every episode (a task's own toolsets
+        would start one per episode, a Python importing verifiers, seconds each)."""
+        return [CalculatorTools(vf.ToolsetConfig())]
+
     def load(self) -> Iterable[CalculatorTask]:
         for row in calculator_tasks(64):
             data = CalculatorData(prompt=row["prompt"], answer=row["answer"])
