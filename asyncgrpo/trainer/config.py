@@ -17,6 +17,7 @@ ScaleRewards = Literal["group", "batch", "none"]
 LossType = Literal["dapo", "grpo", "dr_grpo"]
 CollapseAction = Literal["off", "warn", "stop", "rollback"]
 AuditAction = Literal["off", "warn", "stop"]
+UpdateKl = Literal["sampled", "vocab"]
 
 #: The audit's default tolerance (mean |trainer - vLLM| logprob per token, per replica and
 #: version) by the trainer's dtype: above how far two correct implementations drift apart at
@@ -109,6 +110,11 @@ class TrainerConfig:
     per token, importance-weighted from the sampler's tokens; metric collapse/update_kl); above
     this the update is shrunk towards the old weights by sqrt(max_update_kl / kl). None: off
     (no extra forward)."""
+    update_kl: UpdateKl = "sampled"
+    """How max_update_kl measures a step. 'sampled': k3 on the step's sampled tokens (one more
+    forward). 'vocab': KL(after || before) exactly over the vocabulary at each of the step's
+    positions, which also sees the probability a step gives to tokens the policy did not
+    sample (two more forwards, vocabulary-sized; docs/trainer.md)."""
     epsilon: float = 0.2
     """Lower clip range: the ratio is clipped at 1 - epsilon."""
     epsilon_high: float | None = None

@@ -59,10 +59,11 @@ from asyncgrpo.trainer.model import (
     load_adapter_weights,
     load_policy,
     row_logprobs,
+    row_vocab_logprobs,
 )
 from asyncgrpo.trainer.model import save_adapter as _save_adapter
 from asyncgrpo.trainer.packing import PackedRow, build_row, pack_samples
-from asyncgrpo.trainer.trust_region import global_norm, kl_scale, shrink, token_kl
+from asyncgrpo.trainer.trust_region import global_norm, kl_scale, shrink, token_kl, vocab_kl
 
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
@@ -571,7 +572,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         kl, scale = math.nan, 1.0
         if cfg.max_update_kl is not None:
-            kl = self._update_kl(batch)
+            kl = self._update_kl(batch, before)
             scale = kl_scale(kl, cfg.max_update_kl)
             shrink(self.params, before, scale)
         update_norm = global_norm(
@@ -582,22 +583,35 @@ class Trainer:
         return grad_norm, update_norm, param_norm, scale, kl
 
     @torch.no_grad()
-    def _update_kl(self, batch: _Batch) -> float:
-        """How far the step moved the policy: KL(before || after) estimated on the step's
-        tokens, each token's k3 weighted by pi_before / pi_sampler and the weights normalised
-        (self-normalised importance sampling: the tokens came from the sampler, and a token the
-        policy had all but ruled out would otherwise dominate). One forward per micro-step;
-        every rank's tokens."""
+    def _update_kl(self, batch: _Batch, before: Sequence[torch.Tensor]) -> float:
+        """How far the step moved the policy, over the step's tokens (``trainer.update_kl``):
+        per token the k3 of the sampled token, or the vocabulary KL(after || before) at its
+        position, weighted by pi_before / pi_sampler of the sampled token with the weights
+        normalised (self-normalised importance sampling: the tokens came from the sampler, and
+        a token the policy had all but ruled out would otherwise dominate). One forward per
+        micro-step (two with ``vocab``, the weights swapped for the second); every rank's
+        tokens."""
+        vocab = self.config.update_kl == "vocab"
         num = den = 0.0
         rows = batch.rows
         for i in range(batch.micro_steps):
             row = rows[i] if i < len(rows) else _padding_row(rows)
-            logp, _ = row_logprobs(self.model, row, with_entropy=False)
+            if vocab:
+                new = row_vocab_logprobs(self.model, row)
+                after = _swap(self.params, before)
+                old_vocab = row_vocab_logprobs(self.model, row)
+                _swap(self.params, after)
+            else:
+                logp, _ = row_logprobs(self.model, row, with_entropy=False)
             if i < len(rows):
                 old = batch.logps[i].double()
                 behaviour = row.behaviour_logprobs[row.completion_mask].to(old.device).double()
                 weight = torch.exp(old - behaviour)
-                num += float((weight * token_kl(logp.double(), old)).sum())
+                if vocab:
+                    kl = vocab_kl(old_vocab.double(), new.double())[1]
+                else:
+                    kl = token_kl(logp.double(), old)
+                num += float((weight * kl).sum())
                 den += float(weight.sum())
         if self.dp is not None:
             num, den = self.dp.sum([num, den])
@@ -731,6 +745,15 @@ class Trainer:
 def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
     """A deep copy of a ``state_dict`` without its RNG (a snapshot training cannot mutate)."""
     return copy.deepcopy({k: v for k, v in state.items() if k != "rng"})
+
+
+@torch.no_grad()
+def _swap(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy ``values`` into ``params`` in place; returns what they held."""
+    held = [p.detach().clone() for p in params]
+    for p, v in zip(params, values, strict=True):
+        p.copy_(v)
+    return held
 
 
 def _padding_row(rows: Sequence[PackedRow]) -> PackedRow:

@@ -102,3 +102,41 @@ def test_kl_of_stale_samples_is_weighted_towards_the_policys_own_tokens(tiny_mod
     metrics, moved, unweighted = _step(tiny_model_dir, stale=2.0, max_update_kl=1e9)
     assert metrics["collapse/update_kl"] == pytest.approx(moved, rel=1e-3)
     assert moved != pytest.approx(unweighted, rel=1e-2)  # the weights changed the estimate
+
+
+@torch.no_grad()
+def _vocab_logprobs(trainer: Trainer, samples) -> list[torch.Tensor]:
+    """Each sample alone, unpacked: the log next-token distribution at each completion token."""
+    out = []
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.completion_ids])
+        logits = trainer.model(input_ids=ids, use_cache=False).logits[0].double()
+        out.append(torch.log_softmax(logits[len(s.prompt_ids) - 1 : -1], dim=-1))
+    return out
+
+
+def test_vocabulary_kl_sees_what_the_sampled_tokens_do_not(tiny_model_dir):
+    """``update_kl: vocab``: the step's KL is KL(after || before) over the whole vocabulary at
+    each completion token's position (on-policy samples: the plain mean over tokens), as
+    computed naively per unpacked sample; it differs from the sampled tokens' k3."""
+    sampled, moved, _ = _step(tiny_model_dir, max_update_kl=1e9)
+    cfg = TrainerConfig(learning_rate=0.2, token_budget=64, dtype="float32", max_update_kl=1e9,
+                        update_kl="vocab")  # fmt: skip
+    trainer = Trainer(tiny_model_dir, lora=LoraConfig(r=2, alpha=4.0), trainer=cfg, device="cpu")
+    samples = make_samples(8, seed=1)
+    samples = [dataclasses.replace(s, logprobs=lp) for s, lp in zip(samples,
+               trainer.logprobs(samples), strict=True)]  # fmt: skip
+    before = _vocab_logprobs(trainer, samples)
+    metrics = trainer.step(samples)
+    after = _vocab_logprobs(trainer, samples)
+    per_token = torch.cat([(a.exp() * (a - b)).sum(-1) for a, b in zip(after, before, strict=True)])
+    want = float(per_token.mean())
+    assert metrics["collapse/update_kl"] == pytest.approx(want, rel=1e-4)
+    assert metrics["collapse/update_scale"] == 1.0
+    assert want != pytest.approx(moved, rel=0.1)  # not the sampled tokens' k3
+    assert sampled["loss"] == pytest.approx(metrics["loss"])  # the same step
+
+
+def test_bad_update_kl_names_the_field():
+    with pytest.raises(ConfigError, match=r"trainer\.update_kl"):
+        TrainerConfig(update_kl="full")  # type: ignore[arg-type]
