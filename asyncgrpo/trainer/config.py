@@ -115,6 +115,11 @@ class TrainerConfig:
     forward). 'vocab': KL(after || before) exactly over the vocabulary at each of the step's
     positions, which also sees the probability a step gives to tokens the policy did not
     sample (two more forwards, vocabulary-sized; docs/trainer.md)."""
+    update_kl_history: int = 0
+    """With max_update_kl, also measure each step on the rows of this many previous steps
+    (other prompts; two more forwards per row) and bound the largest of those KLs: a step can
+    move the policy on prompts it did not train on far more than on its own (docs/trainer.md).
+    0: the step's own rows only."""
     epsilon: float = 0.2
     """Lower clip range: the ratio is clipped at 1 - epsilon."""
     epsilon_high: float | None = None
@@ -215,7 +220,7 @@ class TrainerConfig:
             lt={"collapse_lr_factor": 1, "adam_beta1": 1, "adam_beta2": 1},
             ge={"warmup_steps": 0, "weight_decay": 0, "adam_beta1": 0, "adam_beta2": 0, "samples_per_step": 1, "token_budget": 1,
                 "gradient_accumulation_steps": 1, "max_steps": 1, "max_staleness": 0,
-                "weight_sync_steps": 1, "save_steps": 0, "beta": 0, "collapse_window": 1,
+                "weight_sync_steps": 1, "save_steps": 0, "update_kl_history": 0, "beta": 0, "collapse_window": 1,
                 "collapse_min_gain": 0},
             le={"collapse_drop": 1},
         )  # fmt: skip

@@ -35,7 +35,7 @@ import os
 import random
 import time
 import warnings
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -230,6 +230,10 @@ class Trainer:
         self._best_step = 0
         #: collapse_action=rollback: the state each recent published version was saved with
         self._snapshots: dict[int, tuple[int, dict[str, Any]]] = {}
+        #: max_update_kl's other prompts: the rows of the last update_kl_history steps
+        self._kl_history: deque[tuple[list[PackedRow], int]] = deque(
+            maxlen=trainer.update_kl_history
+        )
 
     @classmethod
     def from_config(
@@ -584,35 +588,54 @@ class Trainer:
 
     @torch.no_grad()
     def _update_kl(self, batch: _Batch, before: Sequence[torch.Tensor]) -> float:
-        """How far the step moved the policy, over the step's tokens (``trainer.update_kl``):
-        per token the k3 of the sampled token, or the vocabulary KL(after || before) at its
-        position, weighted by pi_before / pi_sampler of the sampled token with the weights
-        normalised (self-normalised importance sampling: the tokens came from the sampler, and
-        a token the policy had all but ruled out would otherwise dominate). One forward per
-        micro-step (two with ``vocab``, the weights swapped for the second); every rank's
-        tokens."""
+        """How far the step moved the policy: the KL on the step's own rows and, with
+        ``trainer.update_kl_history``, on those of the steps before it (prompts this step did
+        not train on), the largest of them."""
+        kl = self._rows_kl(batch.rows, batch.micro_steps, batch.logps, before)
+        for rows, micro_steps in self._kl_history:
+            kl = max(kl, self._rows_kl(rows, micro_steps, None, before))
+        if self._kl_history.maxlen:
+            self._kl_history.append((batch.rows, batch.micro_steps))
+        return kl
+
+    def _rows_kl(
+        self,
+        rows: Sequence[PackedRow],
+        micro_steps: int,
+        old_logps: Sequence[torch.Tensor] | None,
+        before: Sequence[torch.Tensor],
+    ) -> float:
+        """KL(before || after) over ``rows``' tokens (``trainer.update_kl``): per token the k3
+        of the sampled token, or the vocabulary KL(after || before) at its position, weighted
+        by pi_before / pi_sampler of the sampled token with the weights normalised
+        (self-normalised importance sampling: the tokens came from the sampler, and a token the
+        policy had all but ruled out would otherwise dominate). ``old_logps``: pi_before of the
+        sampled tokens when known (the step's own rows); otherwise a second forward at the old
+        weights gives them. Every rank's tokens."""
         vocab = self.config.update_kl == "vocab"
         num = den = 0.0
-        rows = batch.rows
-        for i in range(batch.micro_steps):
+        for i in range(micro_steps):
             row = rows[i] if i < len(rows) else _padding_row(rows)
-            if vocab:
-                new = row_vocab_logprobs(self.model, row)
+            measure = row_vocab_logprobs if vocab else _token_logprobs
+            new = measure(self.model, row)
+            if vocab or old_logps is None:
                 after = _swap(self.params, before)
-                old_vocab = row_vocab_logprobs(self.model, row)
+                old_measure = measure(self.model, row)
                 _swap(self.params, after)
+            if i >= len(rows):
+                continue
+            if vocab:
+                kl = vocab_kl(old_measure.double(), new.double())[1]
+                targets = row.input_ids[row.completion_mask].to(new.device)
+                old_tok = old_measure.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
             else:
-                logp, _ = row_logprobs(self.model, row, with_entropy=False)
-            if i < len(rows):
-                old = batch.logps[i].double()
-                behaviour = row.behaviour_logprobs[row.completion_mask].to(old.device).double()
-                weight = torch.exp(old - behaviour)
-                if vocab:
-                    kl = vocab_kl(old_vocab.double(), new.double())[1]
-                else:
-                    kl = token_kl(logp.double(), old)
-                num += float((weight * kl).sum())
-                den += float(weight.sum())
+                old_tok = old_measure if old_logps is None else old_logps[i]
+                kl = token_kl(new.double(), old_tok.double())
+            old_tok = old_logps[i] if old_logps is not None else old_tok
+            behaviour = row.behaviour_logprobs[row.completion_mask].to(new.device).double()
+            weight = torch.exp(old_tok.double() - behaviour)
+            num += float((weight * kl).sum())
+            den += float(weight.sum())
         if self.dp is not None:
             num, den = self.dp.sum([num, den])
         return num / den if den > 0 else 0.0
@@ -745,6 +768,10 @@ class Trainer:
 def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
     """A deep copy of a ``state_dict`` without its RNG (a snapshot training cannot mutate)."""
     return copy.deepcopy({k: v for k, v in state.items() if k != "rng"})
+
+
+def _token_logprobs(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
+    return row_logprobs(model, row, with_entropy=False)[0]
 
 
 @torch.no_grad()

@@ -140,3 +140,31 @@ def test_vocabulary_kl_sees_what_the_sampled_tokens_do_not(tiny_model_dir):
 def test_bad_update_kl_names_the_field():
     with pytest.raises(ConfigError, match=r"trainer\.update_kl"):
         TrainerConfig(update_kl="full")  # type: ignore[arg-type]
+
+
+def test_history_measures_the_step_on_the_prompts_before_it_too(tiny_model_dir):
+    """``update_kl_history: 1``: a step's KL is the larger of the KL on its own tokens and the
+    KL on the previous step's tokens (other prompts), each importance-weighted from its sampler;
+    the first step, with no history, is measured as without it."""
+
+    def run(history: int):
+        cfg = TrainerConfig(learning_rate=0.2, token_budget=64, dtype="float32",
+                            max_update_kl=1e9, update_kl_history=history)  # fmt: skip
+        trainer = Trainer(tiny_model_dir, lora=LoraConfig(r=2, alpha=4.0), trainer=cfg,
+                          device="cpu")  # fmt: skip
+        first, second = make_samples(8, seed=1), make_samples(8, seed=2)
+        m1 = trainer.step(first)
+        old = trainer.logprobs(first)
+        m2 = trainer.step(second)
+        new = trainer.logprobs(first)
+        flat = [torch.tensor([x for lp in lps for x in lp], dtype=torch.float64)
+                for lps in (old, new, [s.logprobs for s in first])]  # fmt: skip
+        weight = torch.exp(flat[0] - flat[2])
+        moved = float((weight * token_kl(flat[1], flat[0])).sum() / weight.sum())
+        return m1["collapse/update_kl"], m2["collapse/update_kl"], moved
+
+    own1, own2, _ = run(0)
+    hist1, hist2, moved_before = run(1)
+    assert hist1 == pytest.approx(own1)
+    assert hist2 == pytest.approx(max(own2, moved_before), rel=1e-4)
+    assert moved_before != pytest.approx(own2, rel=0.1)
