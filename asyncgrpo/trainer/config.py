@@ -120,6 +120,12 @@ class TrainerConfig:
     (other prompts; two more forwards per row) and bound the largest of those KLs: a step can
     move the policy on prompts it did not train on far more than on its own (docs/trainer.md).
     0: the step's own rows only."""
+    max_update_rms: float | None = None
+    """Bound the optimizer step's root-mean-square change per adapter coordinate, in units of
+    the learning rate (Adafactor's update clipping, StableAdamW's RMS bound): AdamW divides a
+    gradient spike by a second-moment estimate built from the smaller gradients before it, so
+    each coordinate moves up to sqrt((1 - beta2^t) / (1 - beta2)) learning rates at once; a
+    longer step is shrunk to this. None: off."""
     epsilon: float = 0.2
     """Lower clip range: the ratio is clipped at 1 - epsilon."""
     epsilon_high: float | None = None
@@ -215,7 +221,7 @@ class TrainerConfig:
             gt=dict.fromkeys(
                 ("learning_rate", "max_grad_norm", "epsilon", "epsilon_high", "dp_timeout_s",
                  "peak_flops", "collapse_drop", "collapse_lr_factor", "adam_epsilon",
-                 "max_update_kl"), 0
+                 "max_update_kl", "max_update_rms"), 0
             ),
             lt={"collapse_lr_factor": 1, "adam_beta1": 1, "adam_beta2": 1},
             ge={"warmup_steps": 0, "weight_decay": 0, "adam_beta1": 0, "adam_beta2": 0, "samples_per_step": 1, "token_budget": 1,

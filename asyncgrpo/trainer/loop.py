@@ -563,6 +563,7 @@ class Trainer:
             norms = [torch.linalg.vector_norm(p.grad) for p in self.params if p.grad is not None]
             grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
         before = [p.detach().clone() for p in self.params]
+        lr = self.optimizer.param_groups[0]["lr"]  # this step's (the schedule advances below)
         if math.isfinite(grad_norm):
             self.optimizer.step()
             self.scheduler.step()
@@ -575,10 +576,18 @@ class Trainer:
                 self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         kl, scale = math.nan, 1.0
+        if cfg.max_update_rms is not None and math.isfinite(grad_norm):
+            delta = [p.detach() - b for p, b in zip(self.params, before, strict=True)]
+            count = sum(d.numel() for d in delta)
+            rms = global_norm(delta) / math.sqrt(count) / lr if count and lr > 0 else 0.0
+            if rms > cfg.max_update_rms:
+                scale = cfg.max_update_rms / rms
+                shrink(self.params, before, scale)
         if cfg.max_update_kl is not None:
             kl = self._update_kl(batch, before)
-            scale = kl_scale(kl, cfg.max_update_kl)
-            shrink(self.params, before, scale)
+            kl_factor = kl_scale(kl, cfg.max_update_kl)
+            shrink(self.params, before, kl_factor)
+            scale *= kl_factor
         update_norm = global_norm(
             [p.detach() - b for p, b in zip(self.params, before, strict=True)]
         )
