@@ -168,3 +168,37 @@ def test_history_measures_the_step_on_the_prompts_before_it_too(tiny_model_dir):
     assert hist1 == pytest.approx(own1)
     assert hist2 == pytest.approx(max(own2, moved_before), rel=1e-4)
     assert moved_before != pytest.approx(own2, rel=0.1)
+
+
+def test_update_rms_bounds_each_coordinates_step_in_learning_rates(tiny_model_dir):
+    """``max_update_rms``: a step whose root-mean-square change per coordinate exceeds the
+    bound (in learning rates) is shrunk to it, in its own direction; within it nothing moves."""
+
+    def step(
+        bound: float | None,
+    ) -> tuple[dict[str, float], list[torch.Tensor], list[torch.Tensor]]:
+        cfg = TrainerConfig(learning_rate=0.2, token_budget=64, dtype="float32",
+                            max_update_rms=bound)  # fmt: skip
+        trainer = Trainer(tiny_model_dir, lora=LoraConfig(r=2, alpha=4.0), trainer=cfg,
+                          device="cpu")  # fmt: skip
+        before = [p.detach().clone() for p in trainer.params]
+        metrics = trainer.step(make_samples(8, seed=1))
+        return metrics, before, [p.detach().clone() for p in trainer.params]
+
+    free, before, after = step(None)
+    delta = [a - b for a, b in zip(after, before, strict=True)]
+    rms = global_norm(delta) / math.sqrt(sum(d.numel() for d in delta)) / 0.2
+    assert rms > 0.5 and free["collapse/update_scale"] == 1.0
+    loose, _, after_loose = step(rms * 1.01)
+    assert loose["collapse/update_scale"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(after, after_loose, strict=True))
+    tight, _, after_tight = step(rms / 4)
+    assert tight["collapse/update_scale"] == pytest.approx(0.25, rel=1e-5)
+    for a, b, d in zip(after_tight, before, delta, strict=True):
+        torch.testing.assert_close(a, b + d * 0.25)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan])
+def test_bad_max_update_rms_names_the_field(value):
+    with pytest.raises(ConfigError, match=r"trainer\.max_update_rms="):
+        TrainerConfig(max_update_rms=value)
