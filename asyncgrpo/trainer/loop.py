@@ -554,8 +554,9 @@ class Trainer:
 
     def _update(self, batch: _Batch) -> tuple[float, float, float, float, float]:
         """Clip, the optimizer step and schedule (a non-finite gradient skips the update), then
-        the trust region (``trainer.max_update_kl``): (gradient norm, update norm, adapter norm,
-        the trust region's scale, the step's KL before it)."""
+        the bound on the step's RMS per coordinate (``trainer.max_update_rms``) and the trust
+        region (``trainer.max_update_kl``): (gradient norm, update norm, adapter norm, the
+        factor the two shortened the step by, the step's KL before the trust region)."""
         cfg = self.config
         if cfg.max_grad_norm is not None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
