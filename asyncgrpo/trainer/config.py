@@ -17,6 +17,7 @@ ScaleRewards = Literal["group", "batch", "none"]
 LossType = Literal["dapo", "grpo", "dr_grpo"]
 CollapseAction = Literal["off", "warn", "stop", "rollback"]
 AuditAction = Literal["off", "warn", "stop"]
+UpdateKl = Literal["sampled", "vocab"]
 
 #: The audit's default tolerance (mean |trainer - vLLM| logprob per token, per replica and
 #: version) by the trainer's dtype: above how far two correct implementations drift apart at
@@ -109,6 +110,22 @@ class TrainerConfig:
     per token, importance-weighted from the sampler's tokens; metric collapse/update_kl); above
     this the update is shrunk towards the old weights by sqrt(max_update_kl / kl). None: off
     (no extra forward)."""
+    update_kl: UpdateKl = "sampled"
+    """How max_update_kl measures a step. 'sampled': k3 on the step's sampled tokens (one more
+    forward). 'vocab': KL(after || before) exactly over the vocabulary at each of the step's
+    positions, which also sees the probability a step gives to tokens the policy did not
+    sample (two more forwards, vocabulary-sized; docs/trainer.md)."""
+    update_kl_history: int = 0
+    """With max_update_kl, also measure each step on the rows of this many previous steps
+    (other prompts; two more forwards per row) and bound the largest of those KLs: a step can
+    move the policy on prompts it did not train on far more than on its own (docs/trainer.md).
+    0: the step's own rows only."""
+    max_update_rms: float | None = None
+    """Bound the optimizer step's root-mean-square change per adapter coordinate, in units of
+    the learning rate (Adafactor's update clipping, StableAdamW's RMS bound): AdamW divides a
+    gradient spike by a second-moment estimate built from the smaller gradients before it, so
+    each coordinate moves up to sqrt((1 - beta2^t) / (1 - beta2)) learning rates at once; a
+    longer step is shrunk to this. None: off."""
     epsilon: float = 0.2
     """Lower clip range: the ratio is clipped at 1 - epsilon."""
     epsilon_high: float | None = None
@@ -204,12 +221,12 @@ class TrainerConfig:
             gt=dict.fromkeys(
                 ("learning_rate", "max_grad_norm", "epsilon", "epsilon_high", "dp_timeout_s",
                  "peak_flops", "collapse_drop", "collapse_lr_factor", "adam_epsilon",
-                 "max_update_kl"), 0
+                 "max_update_kl", "max_update_rms"), 0
             ),
             lt={"collapse_lr_factor": 1, "adam_beta1": 1, "adam_beta2": 1},
             ge={"warmup_steps": 0, "weight_decay": 0, "adam_beta1": 0, "adam_beta2": 0, "samples_per_step": 1, "token_budget": 1,
                 "gradient_accumulation_steps": 1, "max_steps": 1, "max_staleness": 0,
-                "weight_sync_steps": 1, "save_steps": 0, "beta": 0, "collapse_window": 1,
+                "weight_sync_steps": 1, "save_steps": 0, "update_kl_history": 0, "beta": 0, "collapse_window": 1,
                 "collapse_min_gain": 0},
             le={"collapse_drop": 1},
         )  # fmt: skip

@@ -35,7 +35,7 @@ import os
 import random
 import time
 import warnings
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,10 +59,11 @@ from asyncgrpo.trainer.model import (
     load_adapter_weights,
     load_policy,
     row_logprobs,
+    row_vocab_logprobs,
 )
 from asyncgrpo.trainer.model import save_adapter as _save_adapter
 from asyncgrpo.trainer.packing import PackedRow, build_row, pack_samples
-from asyncgrpo.trainer.trust_region import global_norm, kl_scale, shrink, token_kl
+from asyncgrpo.trainer.trust_region import global_norm, kl_scale, shrink, token_kl, vocab_kl
 
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
@@ -229,6 +230,10 @@ class Trainer:
         self._best_step = 0
         #: collapse_action=rollback: the state each recent published version was saved with
         self._snapshots: dict[int, tuple[int, dict[str, Any]]] = {}
+        #: max_update_kl's other prompts: the rows of the last update_kl_history steps
+        self._kl_history: deque[tuple[list[PackedRow], int]] = deque(
+            maxlen=trainer.update_kl_history
+        )
 
     @classmethod
     def from_config(
@@ -549,8 +554,9 @@ class Trainer:
 
     def _update(self, batch: _Batch) -> tuple[float, float, float, float, float]:
         """Clip, the optimizer step and schedule (a non-finite gradient skips the update), then
-        the trust region (``trainer.max_update_kl``): (gradient norm, update norm, adapter norm,
-        the trust region's scale, the step's KL before it)."""
+        the bound on the step's RMS per coordinate (``trainer.max_update_rms``) and the trust
+        region (``trainer.max_update_kl``): (gradient norm, update norm, adapter norm, the
+        factor the two shortened the step by, the step's KL before the trust region)."""
         cfg = self.config
         if cfg.max_grad_norm is not None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
@@ -558,6 +564,7 @@ class Trainer:
             norms = [torch.linalg.vector_norm(p.grad) for p in self.params if p.grad is not None]
             grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
         before = [p.detach().clone() for p in self.params]
+        lr = self.optimizer.param_groups[0]["lr"]  # this step's (the schedule advances below)
         if math.isfinite(grad_norm):
             self.optimizer.step()
             self.scheduler.step()
@@ -570,10 +577,18 @@ class Trainer:
                 self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         kl, scale = math.nan, 1.0
+        if cfg.max_update_rms is not None and math.isfinite(grad_norm):
+            delta = [p.detach() - b for p, b in zip(self.params, before, strict=True)]
+            count = sum(d.numel() for d in delta)
+            rms = global_norm(delta) / math.sqrt(count) / lr if count and lr > 0 else 0.0
+            if rms > cfg.max_update_rms:
+                scale = cfg.max_update_rms / rms
+                shrink(self.params, before, scale)
         if cfg.max_update_kl is not None:
-            kl = self._update_kl(batch)
-            scale = kl_scale(kl, cfg.max_update_kl)
-            shrink(self.params, before, scale)
+            kl = self._update_kl(batch, before)
+            kl_factor = kl_scale(kl, cfg.max_update_kl)
+            shrink(self.params, before, kl_factor)
+            scale *= kl_factor
         update_norm = global_norm(
             [p.detach() - b for p, b in zip(self.params, before, strict=True)]
         )
@@ -582,23 +597,55 @@ class Trainer:
         return grad_norm, update_norm, param_norm, scale, kl
 
     @torch.no_grad()
-    def _update_kl(self, batch: _Batch) -> float:
-        """How far the step moved the policy: KL(before || after) estimated on the step's
-        tokens, each token's k3 weighted by pi_before / pi_sampler and the weights normalised
+    def _update_kl(self, batch: _Batch, before: Sequence[torch.Tensor]) -> float:
+        """How far the step moved the policy: the KL on the step's own rows and, with
+        ``trainer.update_kl_history``, on those of the steps before it (prompts this step did
+        not train on), the largest of them."""
+        kl = self._rows_kl(batch.rows, batch.micro_steps, batch.logps, before)
+        for rows, micro_steps in self._kl_history:
+            kl = max(kl, self._rows_kl(rows, micro_steps, None, before))
+        if self._kl_history.maxlen:
+            self._kl_history.append((batch.rows, batch.micro_steps))
+        return kl
+
+    def _rows_kl(
+        self,
+        rows: Sequence[PackedRow],
+        micro_steps: int,
+        old_logps: Sequence[torch.Tensor] | None,
+        before: Sequence[torch.Tensor],
+    ) -> float:
+        """KL(before || after) over ``rows``' tokens (``trainer.update_kl``): per token the k3
+        of the sampled token, or the vocabulary KL(after || before) at its position, weighted
+        by pi_before / pi_sampler of the sampled token with the weights normalised
         (self-normalised importance sampling: the tokens came from the sampler, and a token the
-        policy had all but ruled out would otherwise dominate). One forward per micro-step;
-        every rank's tokens."""
+        policy had all but ruled out would otherwise dominate). ``old_logps``: pi_before of the
+        sampled tokens when known (the step's own rows); otherwise a second forward at the old
+        weights gives them. Every rank's tokens."""
+        vocab = self.config.update_kl == "vocab"
         num = den = 0.0
-        rows = batch.rows
-        for i in range(batch.micro_steps):
+        for i in range(micro_steps):
             row = rows[i] if i < len(rows) else _padding_row(rows)
-            logp, _ = row_logprobs(self.model, row, with_entropy=False)
-            if i < len(rows):
-                old = batch.logps[i].double()
-                behaviour = row.behaviour_logprobs[row.completion_mask].to(old.device).double()
-                weight = torch.exp(old - behaviour)
-                num += float((weight * token_kl(logp.double(), old)).sum())
-                den += float(weight.sum())
+            measure = row_vocab_logprobs if vocab else _token_logprobs
+            new = measure(self.model, row)
+            if vocab or old_logps is None:
+                after = _swap(self.params, before)
+                old_measure = measure(self.model, row)
+                _swap(self.params, after)
+            if i >= len(rows):
+                continue
+            if vocab:
+                kl = vocab_kl(old_measure.double(), new.double())[1]
+                targets = row.input_ids[row.completion_mask].to(new.device)
+                old_tok = old_measure.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            else:
+                old_tok = old_measure if old_logps is None else old_logps[i]
+                kl = token_kl(new.double(), old_tok.double())
+            old_tok = old_logps[i] if old_logps is not None else old_tok
+            behaviour = row.behaviour_logprobs[row.completion_mask].to(new.device).double()
+            weight = torch.exp(old_tok.double() - behaviour)
+            num += float((weight * kl).sum())
+            den += float(weight.sum())
         if self.dp is not None:
             num, den = self.dp.sum([num, den])
         return num / den if den > 0 else 0.0
@@ -731,6 +778,19 @@ class Trainer:
 def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
     """A deep copy of a ``state_dict`` without its RNG (a snapshot training cannot mutate)."""
     return copy.deepcopy({k: v for k, v in state.items() if k != "rng"})
+
+
+def _token_logprobs(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
+    return row_logprobs(model, row, with_entropy=False)[0]
+
+
+@torch.no_grad()
+def _swap(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy ``values`` into ``params`` in place; returns what they held."""
+    held = [p.detach().clone() for p in params]
+    for p, v in zip(params, values, strict=True):
+        p.copy_(v)
+    return held
 
 
 def _padding_row(rows: Sequence[PackedRow]) -> PackedRow:

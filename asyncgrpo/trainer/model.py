@@ -161,21 +161,11 @@ def autocast(model: torch.nn.Module, device: torch.device) -> Any:
     return torch.autocast(device.type, dtype=dtype if half else torch.bfloat16, enabled=half)
 
 
-def row_logprobs(
-    model: torch.nn.Module, row: PackedRow, *, with_entropy: bool = True
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs (with grad) and entropies (without) of a row's completion tokens, in row order.
-
-    Token ``t``'s logprob is ``log_softmax(logits[t - 1] / temperature)[input_ids[t]]``, the same
-    quantity vLLM returns with ``processed_logprobs``. The LM head runs only on the positions
-    that predict completion tokens (``logits_to_keep``), so prompt tokens cost no vocab-sized
-    logits.
-    """
+def _row_scaled_logits(model: torch.nn.Module, row: PackedRow) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits / temperature`` (float32) at the positions that predict a row's completion
+    tokens, and those tokens."""
     device = model_device(model)
     targets_at = torch.nonzero(row.completion_mask, as_tuple=True)[0]
-    if targets_at.numel() == 0:
-        empty = torch.zeros(0, device=device)
-        return empty, (empty if with_entropy else None)
     if int(targets_at.min()) == 0:
         raise ValueError("a completion token at position 0 of a row has no preceding token")
     predict_from = (targets_at - 1).to(device)
@@ -188,8 +178,23 @@ def row_logprobs(
             **varlen_kwargs(row.seq_lens, device),
         )
     temps = row.temperatures.to(device)[targets_at.to(device)].unsqueeze(-1)
-    scaled = out.logits[0].float() / temps
-    targets = row.input_ids.to(device)[targets_at.to(device)]
+    return out.logits[0].float() / temps, row.input_ids.to(device)[targets_at.to(device)]
+
+
+def row_logprobs(
+    model: torch.nn.Module, row: PackedRow, *, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (with grad) and entropies (without) of a row's completion tokens, in row order.
+
+    Token ``t``'s logprob is ``log_softmax(logits[t - 1] / temperature)[input_ids[t]]``, the same
+    quantity vLLM returns with ``processed_logprobs``. The LM head runs only on the positions
+    that predict completion tokens (``logits_to_keep``), so prompt tokens cost no vocab-sized
+    logits.
+    """
+    if not bool(row.completion_mask.any()):
+        empty = torch.zeros(0, device=model_device(model))
+        return empty, (empty if with_entropy else None)
+    scaled, targets = _row_scaled_logits(model, row)
     # gather - logsumexp rather than log_softmax: autograd then keeps no second [tokens, vocab]
     # tensor alive (log_softmax saves its output for backward).
     lse = torch.logsumexp(scaled, dim=-1)
@@ -198,6 +203,16 @@ def row_logprobs(
     if with_entropy:
         entropy = _entropy(scaled.detach(), lse.detach())
     return logp, entropy
+
+
+@torch.no_grad()
+def row_vocab_logprobs(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
+    """The whole next-token distribution (log, ``[tokens, vocab]``, no grad) at each position
+    that predicts one of a row's completion tokens: the trust region's vocabulary KL."""
+    if not bool(row.completion_mask.any()):
+        return torch.zeros(0, 0, device=model_device(model))
+    scaled, _ = _row_scaled_logits(model, row)
+    return torch.log_softmax(scaled, dim=-1)
 
 
 @torch.no_grad()

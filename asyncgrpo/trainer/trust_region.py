@@ -50,3 +50,13 @@ def kl_scale(kl: float, max_kl: float | None) -> float:
     if max_kl is None or not math.isfinite(kl) or kl <= max_kl:
         return 1.0
     return math.sqrt(max_kl / kl)
+
+
+def vocab_kl(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position, exactly over the vocabulary, from log-distributions ``[positions, vocab]``:
+    (KL(old || new), KL(new || old)). The second is the one a step that spreads a sure policy
+    over tokens it had ruled out makes large (entropy rising: how a collapse starts), while
+    the sampled tokens, which that policy gave probability ~1, barely register it."""
+    p_old, p_new = old.exp(), new.exp()
+    diff = old - new
+    return (p_old * diff).sum(-1), (p_new * -diff).sum(-1)

@@ -25,9 +25,9 @@ from asyncgrpo.trainer.loop import Trainer
 DIGITS = 12  # token ids 0..11 earn reward
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 #: the optimisation settings of the demo recipe the simulation takes over (the rest is its own)
-RECIPE_FIELDS = ("learning_rate", "scale_rewards", "loss_type", "beta", "adam_beta1",
+RECIPE_FIELDS = ("learning_rate", "scale_rewards", "loss_type", "beta", "adam_beta1", "adam_epsilon",
                  "adam_beta2", "max_grad_norm", "off_policy", "importance_cap",
-                 "max_update_kl")  # fmt: skip
+                 "max_update_kl", "update_kl", "update_kl_history", "max_update_rms")  # fmt: skip
 
 
 def demo_recipe() -> dict[str, Any]:
