@@ -272,8 +272,8 @@ def role_sessions(model: Path) -> list[int]:
 def test_a_launcher_interrupted_or_killed_leaves_no_actor_and_no_vllm_process(
     cluster: Cluster, tiny_model: Path, tmp_path: Path, sig: signal.Signals
 ) -> None:
-    """The launcher gets ``sig`` as soon as its replica's vLLM engine runs (its serve process
-    has a child): on Ctrl-C it stops each process group and kills each actor itself; killed
+    """The launcher gets ``sig`` as soon as its replica's vLLM server runs (a second process in the
+    serve process's session): on Ctrl-C it stops each process group and kills each actor itself; killed
     outright, Ray kills its (non-detached) actors with the driver and each process group gets
     SIGTERM as its actor dies. Either way nothing of the launch is left within 30 s."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
