@@ -1,7 +1,9 @@
 """``--backend ray`` on a real two-node Ray cluster started here: a head node with the resource
 ``trainer`` and a second raylet with ``inference``, both on loopback. A real launch of
 ``examples/tiny_cpu.yaml`` trains with real vLLM replicas in Ray actors; a replica actor killed
-mid-run is replaced by the launcher; Ctrl-C on a launcher leaves no actor and no vLLM process.
+mid-run is replaced by the launcher; a launcher interrupted (Ctrl-C) or killed outright (SIGKILL)
+as its replica's vLLM starts leaves no actor and no vLLM process; the same launch submitted as a
+Ray job through the head's dashboard connects to the cluster from inside the job.
 
 One cluster for the module (``ray stop`` at the end). Runs under ``make test-ray`` (its own
 virtualenv with Ray); skipped where Ray is not installed.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -25,9 +28,10 @@ import psutil
 import pytest
 
 ray = pytest.importorskip("ray", reason="runs under make test-ray")
+from ray.job_submission import JobStatus, JobSubmissionClient  # noqa: E402
 from ray.util.state import list_actors, list_nodes  # noqa: E402
 
-from asyncgrpo.processes import free_port  # noqa: E402
+from asyncgrpo.processes import alive, free_port  # noqa: E402
 from asyncgrpo.run.progress import parse_progress  # noqa: E402
 from asyncgrpo.testing.rewards import GATE_ENV  # noqa: E402
 
@@ -90,9 +94,11 @@ def cluster() -> Iterator[Cluster]:
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def launch_cmd(cluster: Cluster, model: Path, out: Path, *overrides: str) -> list[str]:
+def launch_cmd(cluster: Cluster | None, model: Path, out: Path, *overrides: str) -> list[str]:
+    """The launch on ``cluster``; with None, on the cluster Ray finds (``$RAY_ADDRESS``)."""
+    address = [] if cluster is None else ["--ray-address", cluster.address]
     return [sys.executable, "-m", "asyncgrpo.cli.main", "launch", str(EXAMPLE), "--backend", "ray",
-            f"model={model}", f"output_dir={out}", "--ray-address", cluster.address,
+            f"model={model}", f"output_dir={out}", *address,
             "--replica-num-gpus", "0", "--trainer-num-gpus", "0", "--replica-num-cpus", "1",
             "launch.replica_resources={inference: 1}", "launch.trainer_resources={trainer: 1}",
             "--port", str(free_port()), "--poll-s", "1", "--replica-restart-backoff-s", "0",
@@ -112,6 +118,12 @@ def progress(log: Path) -> list[dict]:
     return [r for r in map(parse_progress, lines) if r is not None]
 
 
+def refusal(address: str) -> str:
+    """The one line a launch asking ``inference: 3`` per replica gets from the cluster."""
+    return (f"asyncgrpo: error: the Ray cluster at {address} lacks what the launch asks for: "
+            "inference: 6 asked (2 replicas x 3; launch.replica_resources), the cluster has 4")  # fmt: skip
+
+
 def vllm_processes(model: Path) -> list[int]:
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
@@ -128,10 +140,34 @@ def test_what_the_cluster_lacks_is_refused_in_one_line_before_any_actor(
     done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().splitlines() == [
-        f"asyncgrpo: error: the Ray cluster at {cluster.address} lacks what the launch asks for: "
-        "inference: 6 asked (2 replicas x 3; launch.replica_resources), the cluster has 4"
-    ]
+    assert done.stderr.strip().splitlines() == [refusal(cluster.address)]
+    assert cluster.actors() == [] and cluster.actors("DEAD") == []
+
+
+def test_submitted_as_a_ray_job_the_launch_connects_to_its_cluster_from_inside(
+    cluster: Cluster, tiny_model: Path, tmp_path: Path
+) -> None:
+    """``ray job submit -- asyncgrpo launch ...`` through the head's dashboard, with no address
+    given: the launch inside the job finds the cluster (``$RAY_ADDRESS``, which Ray sets for a
+    job's entrypoint), checks it and refuses in its one line, status 2, before any actor."""
+    assert "RAY_ADDRESS" not in os.environ  # the address can only come from the job's own
+    client = JobSubmissionClient(cluster.dashboard)
+    cmd = launch_cmd(None, tiny_model, tmp_path, "launch.replica_resources={inference: 3}")
+    job = client.submit_job(entrypoint=shlex.join(cmd),
+                            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (status := client.get_job_status(job)).is_terminal():
+        assert time.monotonic() < deadline, client.get_job_logs(job)[-3000:]
+        time.sleep(0.5)
+    logs, info = client.get_job_logs(job), client.get_job_info(job)
+    assert status == JobStatus.FAILED, logs[-3000:]
+    assert "exit code 2" in (info.message or ""), info.message
+    # the address Ray gave the job: the head's GCS port, on an address of this host
+    (line,) = [x for x in logs.splitlines() if x.startswith("asyncgrpo:")]
+    address = line.removeprefix("asyncgrpo: error: the Ray cluster at ").partition(" ")[0]
+    assert address.rpartition(":")[2] == cluster.address.rpartition(":")[2], line
+    assert line == refusal(address)
+    assert "Traceback" not in logs, logs[-3000:]
     assert cluster.actors() == [] and cluster.actors("DEAD") == []
 
 
@@ -207,26 +243,63 @@ def test_tiny_run_on_two_nodes_a_replica_actor_killed_is_replaced(
           f"replicas on node {inference[:12]}, trainer on {head[:12]}, {took:.0f} s")  # fmt: skip
 
 
-def test_ctrl_c_on_the_launcher_leaves_no_actor_and_no_vllm_process(
-    cluster: Cluster, tiny_model: Path, tmp_path: Path
+def session_of(pid: int) -> list[int]:
+    """The processes of the session ``pid`` leads (a role's process group, ``start_group``),
+    however deep, reparented or not."""
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getsid(p.info["pid"]) == pid:
+                found.append(p.info["pid"])
+        except OSError:
+            pass
+    return found
+
+
+def role_sessions(model: Path) -> list[int]:
+    """The replicas' serve processes: those of :func:`vllm_processes` that lead a session."""
+    found = []
+    for pid in vllm_processes(model):
+        try:
+            if os.getsid(pid) == pid:
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
+def test_a_launcher_interrupted_or_killed_leaves_no_actor_and_no_vllm_process(
+    cluster: Cluster, tiny_model: Path, tmp_path: Path, sig: signal.Signals
 ) -> None:
+    """The launcher gets ``sig`` as soon as its replica's vLLM server runs (a second process in the
+    serve process's session): on Ctrl-C it stops each process group and kills each actor itself; killed
+    outright, Ray kills its (non-detached) actors with the driver and each process group gets
+    SIGTERM as its actor dies. Either way nothing of the launch is left within 30 s."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = launch_cmd(cluster, tiny_model, tmp_path, "trainer.max_steps=100", "--replicas", "1")
     out, err = tmp_path / "launch.out", tmp_path / "launch.err"
     with out.open("w") as stdout, err.open("w") as stderr:
         proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr)
+    sessions: set[int] = set()
     try:
-        until(proc, err, "the trainer's start", lambda: "trainer started" in out.read_text())
-        assert {a.name for a in cluster.actors()} == {"tiny-cpu-replica-0", "tiny-cpu-trainer"}
-        assert vllm_processes(tiny_model)
-        proc.send_signal(signal.SIGINT)
+        until(proc, err, "a vLLM engine", lambda: any(
+            len(session_of(pid)) > 1 for pid in role_sessions(tiny_model)))  # fmt: skip
+        assert "tiny-cpu-replica-0" in {a.name for a in cluster.actors()}
+        sessions = set(role_sessions(tiny_model))
+        proc.send_signal(sig)
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert "interrupted: every job of the launch was cancelled" in err.read_text()
-    assert cluster.actors() == []
-    deadline = time.monotonic() + 30
-    while vllm_processes(tiny_model) and time.monotonic() < deadline:
+    if sig == signal.SIGINT:
+        assert "interrupted: every job of the launch was cancelled" in err.read_text()
+        assert cluster.actors() == []
+    started = time.monotonic()
+    left = lambda: (cluster.actors(), [p for s in sessions for p in alive(session_of(s))],  # noqa: E731
+                    vllm_processes(tiny_model))  # fmt: skip
+    while any(left()) and time.monotonic() - started < 30:
         time.sleep(0.5)
-    assert vllm_processes(tiny_model) == []
+    assert left() == ([], [], []), err.read_text()[-3000:]
+    print(f"\n{sig.name}: {len(sessions)} vLLM session(s) gone {time.monotonic() - started:.1f} s "
+          "after the launcher ended")  # fmt: skip
