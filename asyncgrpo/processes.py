@@ -148,3 +148,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of a process's log file; empty when it has none or is missing
+    (a failure message then says so rather than raising over a log that never came)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])

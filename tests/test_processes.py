@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.processes import alive, parent_death_argv, start_group, stop_group
+from asyncgrpo.processes import alive, log_tail, parent_death_argv, start_group, stop_group
 
 #: For a child interpreter that imports this copy of asyncgrpo.
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -130,3 +130,10 @@ def test_the_program_is_looked_up_on_the_childs_path_and_a_missing_one_is_refuse
 def test_elsewhere_than_linux_the_command_is_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "platform", "darwin")
     assert parent_death_argv(["true", "x"]) == ["true", "x"]
+
+
+def test_log_tail_is_the_last_lines_and_empty_for_a_log_that_never_came(tmp_path: Path) -> None:
+    log = tmp_path / "job.log"
+    log.write_text("one\ntwo\nthree\n")
+    assert log_tail(log, 2) == "two\nthree"
+    assert log_tail(tmp_path / "missing.log", 2) == ""

@@ -41,7 +41,7 @@ from asyncgrpo.launch.plan import (
     trainer_args,
     transport_secret,
 )
-from asyncgrpo.processes import free_port, start_group, stop_group
+from asyncgrpo.processes import free_port, log_tail, start_group, stop_group
 from asyncgrpo.run.metrics import METRICS_FILE
 
 logger = logging.getLogger(__name__)
@@ -57,15 +57,6 @@ _MOTO_ENV = {
     "AWS_SECRET_ACCESS_KEY": "testing",
     "AWS_REGION": "us-east-1",
 }
-
-
-def _tail(path: Path, lines: int) -> str:
-    """The last ``lines`` lines of ``path``; empty when it has none (or does not exist)."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
 
 
 class LocalBackend:
@@ -214,7 +205,7 @@ class LocalBackend:
                 if self._moto.returncode is not None or time.monotonic() > deadline:
                     raise LaunchError(
                         f"the S3 protocol server (moto) did not start: {exc}; log {log}, last "
-                        f"lines:\n{await anyio.to_thread.run_sync(_tail, log, 20) or '(none)'}"
+                        f"lines:\n{await anyio.to_thread.run_sync(log_tail, log, 20) or '(none)'}"
                     ) from exc
                 await anyio.sleep(0.2)
         logger.info("S3 protocol server at %s, transport %s", endpoint, self.transport_url)
@@ -239,7 +230,7 @@ class LocalBackend:
         return JobStatus("failed", url, f"exit code {code}")
 
     async def log_tail(self, job: Job, lines: int) -> str:
-        return await anyio.to_thread.run_sync(_tail, job.log_path, lines)
+        return await anyio.to_thread.run_sync(log_tail, job.log_path, lines)
 
     def metrics_path(self, job: Job) -> Path | None:
         """A trainer job's ``metrics.jsonl``: in its working directory, under the

@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 from anyio.abc import Process
 
-from asyncgrpo.processes import free_port, start_group, stop_group
+from asyncgrpo.processes import free_port, log_tail, start_group, stop_group
 
 __all__ = ["NODE_IP", "PORT", "RoleActor", "current_node_id", "node_address", "node_argv"]
 
@@ -64,14 +64,6 @@ def node_address(node_id: str) -> str:
     import ray
 
     return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
-
-
-def _tail(path: Path, lines: int) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
 
 
 class RoleActor:
@@ -130,7 +122,9 @@ class RoleActor:
         return chunk, ended and len(chunk) < READ_MAX
 
     async def tail(self, lines: int) -> str:
-        return "" if self._log is None else await anyio.to_thread.run_sync(_tail, self._log, lines)
+        return (
+            "" if self._log is None else await anyio.to_thread.run_sync(log_tail, self._log, lines)
+        )
 
     async def stop(self, grace_s: float, what: str) -> None:
         """SIGTERM the process group; SIGKILL what is left after ``grace_s``."""

@@ -24,7 +24,14 @@ from anyio.abc import Process
 
 from asyncgrpo.config.model_source import check_model
 from asyncgrpo.errors import ReplicaStartError
-from asyncgrpo.processes import free_port, kill_tree, process_tree, start_group, stop_group
+from asyncgrpo.processes import (
+    free_port,
+    kill_tree,
+    log_tail,
+    process_tree,
+    start_group,
+    stop_group,
+)
 from asyncgrpo.serve.config import ServeConfig, is_loopback
 from asyncgrpo.serve.memory import with_kv_cache_size
 from asyncgrpo.serve.vllm_support import check_plugin_support
@@ -71,11 +78,7 @@ class Replica:
         kill_tree(self.pid)
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self.log_path, lines) or "(no log)"
 
     def failure(self, what: str) -> ReplicaStartError:
         """A start failure quoting vLLM's root cause (else the log tail) and naming the log."""
