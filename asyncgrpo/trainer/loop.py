@@ -197,22 +197,7 @@ class Trainer:
             for p in self.params:  # the adapter is not FSDP's: move it ourselves
                 p.data = p.data.to(self.device)
         self.shape = ModelShape.from_config(self.model.config)
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=trainer.learning_rate,
-            weight_decay=trainer.weight_decay,
-            betas=(trainer.adam_beta1, trainer.adam_beta2),
-            eps=trainer.adam_epsilon,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda step: lr_factor(
-                step,
-                schedule=trainer.lr_schedule,
-                warmup_steps=trainer.warmup_steps,
-                max_steps=trainer.max_steps,
-            ),
-        )
+        self.optimizer, self.scheduler = _optimizer(self.params, trainer)
         self._base_lrs = list(self.scheduler.base_lrs)
         self.step_count = 0  # optimizer steps taken
         self.objective = Objective.from_config(trainer)
@@ -778,6 +763,29 @@ class Trainer:
 def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
     """A deep copy of a ``state_dict`` without its RNG (a snapshot training cannot mutate)."""
     return copy.deepcopy({k: v for k, v in state.items() if k != "rng"})
+
+
+def _optimizer(
+    params: list[torch.nn.Parameter], trainer: TrainerConfig
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the adapter and its learning-rate schedule, as ``trainer`` sets them."""
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=trainer.learning_rate,
+        weight_decay=trainer.weight_decay,
+        betas=(trainer.adam_beta1, trainer.adam_beta2),
+        eps=trainer.adam_epsilon,
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_factor(
+            step,
+            schedule=trainer.lr_schedule,
+            warmup_steps=trainer.warmup_steps,
+            max_steps=trainer.max_steps,
+        ),
+    )
+    return optimizer, schedule
 
 
 def _token_logprobs(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
