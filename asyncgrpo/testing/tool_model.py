@@ -4,10 +4,11 @@ The random tiny model never writes a tool call, so every episode of a tool envir
 end after one model turn. This copy is trained (full weights, CPU, a few hundred steps,
 deterministic for a seed) on each calculator task played out as the environment plays it: the
 prompt through the chat template with the tools, a first turn
-``<tool_call>{"name": "add", "arguments": {"a": A, "b": B}}</tool_call>`` (the form
+``<tool_call>{"name":"calculator_tools_add","arguments":{"a":A,"b":B}}</tool_call>`` (the form
 :func:`~asyncgrpo.rollout.verifiers_env.parse_tool_calls` reads) and the end-of-turn token, the
 tool's result as :class:`~asyncgrpo.rollout.environment.ChatContinuation` renders it, then the
-sum and the end-of-turn token. The loss is on the model's two turns only.
+sum and the end-of-turn token. The loss is on the model's two turns only. (The tiny model's
+chat template does not write the tools into the prompt: the call is learnt from the prompt.)
 
 CLI: ``python -m asyncgrpo.testing.tool_model BASE_DIR OUT_DIR [--steps N] [--seed N]``.
 """
@@ -20,11 +21,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+#: The name verifiers 0.4 serves examples/envs/vf_v1_calculator's ``add`` under (a toolset's
+#: tools are ``<toolset, snake case>_<tool>``: ``CalculatorTools.add``).
+TOOL_NAME = "calculator_tools_add"
 #: The calculator's tool as an OpenAI-style chat request offers it.
 ADD_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
-        "name": "add",
+        "name": TOOL_NAME,
         "description": "Add two integers.",
         "parameters": {
             "type": "object",
@@ -35,9 +39,9 @@ ADD_TOOL: dict[str, Any] = {
 }
 
 
-def tool_call_text(a: int, b: int) -> str:
+def tool_call_text(a: int, b: int, name: str = TOOL_NAME) -> str:
     """The first model turn's text for ``a + b``."""
-    return f'<tool_call>{{"name":"add","arguments":{{"a":{a},"b":{b}}}}}</tool_call>'
+    return f'<tool_call>{{"name":"{name}","arguments":{{"a":{a},"b":{b}}}}}</tool_call>'
 
 
 def _episode_ids(tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], list[bool]]:
@@ -70,7 +74,7 @@ def make_tool_model(
     out_dir: str | Path,
     rows: Sequence[dict[str, Any]] | None = None,
     *,
-    steps: int = 300,
+    steps: int = 200,
     learning_rate: float = 3e-3,
     seed: int = 0,
 ) -> Path:
@@ -125,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "base_dir", type=Path, help="the tiny model (python -m asyncgrpo.testing.tiny)"
     )
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     out = make_tool_model(args.base_dir, args.out_dir, steps=args.steps, seed=args.seed)
