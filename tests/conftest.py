@@ -43,6 +43,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tool_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model fine-tuned to call the calculator's add tool (its own weights: the
+    shared replicas cannot serve it)."""
+    from asyncgrpo.testing.tool_model import make_tool_model
+
+    return make_tool_model(tiny_model, tmp_path_factory.mktemp("tool") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
 def lora_adapter(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from asyncgrpo.testing import make_lora_adapter
 
