@@ -8,6 +8,7 @@ with :func:`asyncgrpo.testing.tiny_serve_config` + :func:`asyncgrpo.serve.launch
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,10 +106,12 @@ def leftovers() -> Iterator[list]:
 def _vllm_processes_under(root: str) -> list[int]:
     import psutil
 
+    # this process and those that started it (``flock /tmp/...vllm.lock pytest --basetemp``)
+    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if proc.info["pid"] != os.getpid() and "vllm" in cmdline and root in cmdline:
+        if proc.info["pid"] not in mine and "vllm" in cmdline and root in cmdline:
             found.append(proc.info["pid"])
     return found
 
@@ -125,5 +128,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     while (orphans := _vllm_processes_under(root)) and time.monotonic() < deadline:
         time.sleep(0.5)
     if orphans:
-        print(f"\nERROR: vLLM processes outlived the test session: {orphans}")
+        import psutil
+
+        def described(pid: int) -> str:
+            with contextlib.suppress(psutil.Error):
+                return f"{pid} ({' '.join(psutil.Process(pid).cmdline())[:300]})"
+            return f"{pid} (gone)"
+
+        print("\nERROR: vLLM processes outlived the test session: "
+              + "; ".join(map(described, orphans)))  # fmt: skip
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

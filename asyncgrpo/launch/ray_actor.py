@@ -5,7 +5,8 @@ the role's resources. It starts the role's command (``python -m asyncgrpo.serve`
 asyncgrpo.run.job``) with :func:`~asyncgrpo.processes.start_group` on the actor's event loop
 thread, so the process group gets SIGTERM when the actor's process dies however it dies
 (``ray.kill``, its node's OOM killer, the launcher's end taking its actors with it), and stops
-its own vLLM engine. The command names the node's address and a port free there as
+its own vLLM engine; Ray's SIGKILL of an actor's children, which would pre-empt that, is turned
+off in the actor's ``runtime_env`` (:data:`~asyncgrpo.launch.ray_jobs.ROLE_RUNTIME_ENV`). The command names the node's address and a port free there as
 :data:`NODE_IP` and :data:`PORT`, and its Python as ``python``: only the node knows them.
 
 The role's output goes to a file in its working directory on the node, not to the actor's

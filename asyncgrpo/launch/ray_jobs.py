@@ -12,8 +12,9 @@ One recovery mechanism: the actors have ``max_restarts=0``, so an actor that die
 lost, OOM, ``ray.kill``) stays dead and the launcher's replacement (``launch.replica_restarts``)
 starts a new one; Ray restarting it too would be a second mechanism fighting the first. The
 actors are not detached: Ray kills them with the driver, so a launcher killed outright leaves
-none, and each actor's process group gets SIGTERM as the actor dies (``start_group``). Ctrl-C
-stops each process group, then kills each actor.
+none, and each actor's process group gets SIGTERM as the actor dies (``start_group``), for
+which Ray's own cleanup is turned off (:data:`ROLE_RUNTIME_ENV`). Ctrl-C stops each process
+group, then kills each actor.
 
 Replica ``i`` listens on its node's address at ``launch.port + i`` with an API key made for the
 launch: a replacement's port is known in advance, so the trainer's proxy is told which
@@ -23,7 +24,8 @@ replacements.
 
 Secrets reach each actor as an argument of its ``start`` call, which adds them to its process's
 environment: none is in a command line, nor in a ``runtime_env`` (Ray logs its ``env_vars`` in
-``runtime_env_agent.log`` and shows them in its state API). The role's output goes to a file on
+``runtime_env_agent.log`` and shows them in its state API; the actors' holds one setting of
+Ray's, no secret). The role's output goes to a file on
 its node that the launcher streams into ``launch/<job>.log``, not through Ray's log forwarding
 (which the driver turns off).
 """
@@ -140,9 +142,22 @@ def resources_of(role: Role, lcfg: LaunchConfig) -> dict[str, float]:
     return {k: float(v) for k, v in out.items() if v}
 
 
+#: By default Ray SIGKILLs an actor worker's direct children as the worker exits
+#: (``RAY_kill_child_processes_on_worker_exit``): the role's process (``asyncgrpo.serve``) would
+#: die without its shutdown and leave what it started, a vLLM server that, still starting, can
+#: ignore the SIGTERM its own parent-death signal then sends. Without Ray's kill, the role's
+#: parent-death SIGTERM (:func:`~asyncgrpo.processes.start_group`) runs that shutdown, which
+#: stops its vLLM servers and SIGKILLs what ignores it. Ray merges a job's ``env_vars`` with an
+#: actor's, so a ``ray job submit --runtime-env`` keeps its own.
+ROLE_RUNTIME_ENV: Mapping[str, Any] = {
+    "env_vars": {"RAY_kill_child_processes_on_worker_exit": "false"}
+}
+
+
 def actor_options(spec: JobSpec, lcfg: LaunchConfig) -> dict[str, Any]:
     """``RoleActor.options(...)`` for ``spec``: its name, its resources, no restart by Ray (the
-    launcher replaces it). No ``runtime_env``: the environment goes to ``RoleActor.start``."""
+    launcher replaces it), Ray's kill of its children off (:data:`ROLE_RUNTIME_ENV`). No secret
+    in the ``runtime_env``: the environment goes to ``RoleActor.start``."""
     kind = _kind(spec.role)
     accelerator = getattr(lcfg, f"{kind}_accelerator_type")
     options: dict[str, Any] = {
@@ -153,6 +168,7 @@ def actor_options(spec: JobSpec, lcfg: LaunchConfig) -> dict[str, Any]:
         "resources": dict(getattr(lcfg, f"{kind}_resources")),
         "max_restarts": 0,
         "max_task_retries": 0,
+        "runtime_env": {"env_vars": dict(ROLE_RUNTIME_ENV["env_vars"])},
     }
     if accelerator and spec.role != "proxy":
         options["accelerator_type"] = accelerator

@@ -83,7 +83,8 @@ def cluster() -> Iterator[Cluster]:
               "--resources", '{"inference": 4}', *common]  # fmt: skip
     try:
         for argv in (head, worker):
-            subprocess.run(argv, env=env, check=True, capture_output=True, timeout=120)
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, f"{shlex.join(argv)}: {done.stderr[-2000:]}"
         found = Cluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", gate, Path(temp))
         deadline = time.monotonic() + 60
         while len(list_nodes(address=found.dashboard)) < 2:
@@ -269,17 +270,76 @@ def role_sessions(model: Path) -> list[int]:
     return found
 
 
-SIGKILL_LEAK = (
-    "known defect: a launcher killed outright while its replica's vLLM server is still starting "
-    "can leave that vLLM server running (its serve process gets SIGTERM through the actor's "
-    "death and ends, vLLM ignores the SIGTERM mid-start and nothing escalates); seen in two of "
-    "three runs on a loaded host"
-)
+#: A launcher (a Ray driver) with one role actor whose process records the signal it gets; the
+#: actor is made as the launcher makes it (``actor_options``).
+PROBE_DRIVER = """
+import sys, time, ray
+from asyncgrpo.launch.config import LaunchConfig
+from asyncgrpo.launch.jobs import JobSpec
+from asyncgrpo.launch.ray_actor import RoleActor
+from asyncgrpo.launch.ray_jobs import NAMESPACE, actor_options
+
+address, workdir, role = sys.argv[1:]
+ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+lcfg = LaunchConfig(replica_num_gpus=0, replica_resources={"inference": 1})
+spec = JobSpec(role="replica", name="signal-probe", command=())
+actor = ray.remote(RoleActor).options(**actor_options(spec, lcfg)).remote()
+ray.get(actor.start.remote([sys.executable, "-c", role], {}, workdir=workdir, launcher_ip=None,
+                           fallback="signal-probe"))
+print("started", flush=True)
+time.sleep(600)
+"""
+
+#: The role: records SIGTERM (its clean shutdown would run there) in ``got``, then exits.
+PROBE_ROLE = """
+import os, signal, sys, time
+def on_term(sig, frame):
+    with open("{got}", "w") as f:
+        f.write("SIGTERM")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+with open("{pid}", "w") as f:
+    f.write(str(os.getpid()))
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_role_gets_its_clean_shutdown_when_its_launcher_is_killed_outright(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """By default Ray SIGKILLs an actor worker's children as the worker exits, so a serve process
+    would die without stopping the vLLM server it started (which, still starting, can ignore the
+    SIGTERM its parent-death signal then sends). The role's process must get SIGTERM instead:
+    its own parent-death signal, Ray's kill turned off in the actor's runtime_env."""
+    got, pid = tmp_path / "got", tmp_path / "pid"
+    role = PROBE_ROLE.format(got=got, pid=pid)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", PROBE_DRIVER, cluster.address, str(tmp_path), role],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert driver.stdout is not None and driver.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 60  # the role runs (its parent-death signal is set)
+        while not pid.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pid.exists(), "the role did not start"
+        driver.kill()
+        driver.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while not got.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert got.exists() and got.read_text() == "SIGTERM", "the role was killed without SIGTERM"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        with contextlib.suppress(OSError, ValueError):  # a failure must leave no probe behind
+            os.kill(int(pid.read_text()), signal.SIGKILL)
 
 
 @pytest.mark.parametrize("sig", [
     pytest.param(signal.SIGINT, id="ctrl-c"),
-    pytest.param(signal.SIGKILL, id="sigkill", marks=pytest.mark.xfail(reason=SIGKILL_LEAK)),
+    pytest.param(signal.SIGKILL, id="sigkill"),
 ])  # fmt: skip
 def test_a_launcher_interrupted_or_killed_leaves_no_actor_and_no_vllm_process(
     cluster: Cluster, tiny_model: Path, tmp_path: Path, sig: signal.Signals

@@ -58,7 +58,7 @@ def backend(tmp_path: Path, **launch: object) -> RayBackend:
     return RayBackend(cfg, cfg.run_dir / "launch", environ=environ, ray=object())
 
 
-def test_each_actor_gets_its_roles_resources_no_ray_restarts_and_no_runtime_env(
+def test_each_actor_gets_its_roles_resources_no_ray_restarts_and_no_secret_in_its_runtime_env(
     tmp_path: Path,
 ) -> None:
     be = backend(tmp_path)
@@ -68,7 +68,11 @@ def test_each_actor_gets_its_roles_resources_no_ray_restarts_and_no_runtime_env(
     assert replica["resources"] == {"inference": 1} and replica["accelerator_type"] == "A10G"
     assert replica["max_restarts"] == 0 and replica["max_task_retries"] == 0
     assert (replica["name"], replica["namespace"]) == ("ray-run-replica-1", "asyncgrpo")
-    assert "runtime_env" not in replica  # Ray logs its env_vars: secrets go to RoleActor.start
+    # Ray logs a runtime_env's env_vars: secrets go to RoleActor.start, the env only turns off
+    # Ray's SIGKILL of the role's process (its own shutdown stops what it started)
+    assert replica["runtime_env"] == {
+        "env_vars": {"RAY_kill_child_processes_on_worker_exit": "false"}
+    }
     secrets = be.replica_spec(1).secrets
     assert secrets["AWS_SECRET_ACCESS_KEY"] == AWS_SECRET and secrets["ASYNCGRPO_REPLICA_API_KEY"]
     trainer = actor_options(be.trainer_spec(["http://10.0.0.1:18000"]), lcfg)
