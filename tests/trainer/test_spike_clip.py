@@ -107,3 +107,16 @@ def test_trainer_step_clips_a_spike_to_the_level_of_its_history(tiny_model_dir):
     assert clipped.state_dict()["spike_clip"]["mean"] == pytest.approx(
         0.97 * mirror.mean + 0.03 * level
     )
+
+
+def test_the_statistics_resume_from_a_checkpoint(tiny_model_dir, tmp_path):
+    """A resumed run judges the next spike by the norms it had seen, not from a fresh warm-up."""
+    trainer = _trainer(tiny_model_dir, spike_clip_z=2.0, spike_clip_warmup=2)
+    for seed in (1, 2, 3):
+        trainer.step(make_samples(8, seed=seed))
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    resumed = _trainer(tiny_model_dir, spike_clip_z=2.0, spike_clip_warmup=2)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert resumed.spike_clip is not None and trainer.spike_clip is not None
+    assert resumed.spike_clip.ready
+    assert resumed.spike_clip.state_dict() == trainer.spike_clip.state_dict()
