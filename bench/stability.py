@@ -83,7 +83,8 @@ def run_one(model: Path, recipe: dict[str, Any], staleness: int, steps: int, see
                              ("adv_abs_max", "advantages/abs_max"),
                              ("alarm", "collapse/alarm"),
                              ("update_scale", "collapse/update_scale"),
-                             ("update_kl", "collapse/update_kl"))
+                             ("update_kl", "collapse/update_kl"),
+                             ("spike_clip", "collapse/spike_clip"))
     }  # fmt: skip
     return {"settings": settings, "reward": rewards, "curves": curves,
             "wall_s": time.monotonic() - t0}  # fmt: skip

@@ -126,6 +126,17 @@ class TrainerConfig:
     gradient spike by a second-moment estimate built from the smaller gradients before it, so
     each coordinate moves up to sqrt((1 - beta2^t) / (1 - beta2)) learning rates at once; a
     longer step is shrunk to this. None: off."""
+    spike_clip_z: float | None = None
+    """Clip a gradient whose norm is more than this many standard deviations above the run's
+    recent norms (an EMA of their mean and variance) to that level, before max_grad_norm and
+    AdamW (ZClip's z-score clipping): a spike after converged steps becomes an ordinary step
+    instead of AdamW's largest. Steps with a zero gradient are skipped (not counted); metric
+    collapse/spike_clip, the factor the gradient was multiplied by. None: off."""
+    spike_clip_decay: float = 0.97
+    """With spike_clip_z: the EMA factor of the norms' mean and variance (the weight of the
+    past; about 1 / (1 - decay) steps remembered)."""
+    spike_clip_warmup: int = 5
+    """With spike_clip_z: non-zero steps whose norms only seed the statistics before it clips."""
     epsilon: float = 0.2
     """Lower clip range: the ratio is clipped at 1 - epsilon."""
     epsilon_high: float | None = None
@@ -221,12 +232,12 @@ class TrainerConfig:
             gt=dict.fromkeys(
                 ("learning_rate", "max_grad_norm", "epsilon", "epsilon_high", "dp_timeout_s",
                  "peak_flops", "collapse_drop", "collapse_lr_factor", "adam_epsilon",
-                 "max_update_kl", "max_update_rms"), 0
+                 "max_update_kl", "max_update_rms", "spike_clip_z", "spike_clip_decay"), 0
             ),
-            lt={"collapse_lr_factor": 1, "adam_beta1": 1, "adam_beta2": 1},
+            lt={"collapse_lr_factor": 1, "adam_beta1": 1, "adam_beta2": 1, "spike_clip_decay": 1},
             ge={"warmup_steps": 0, "weight_decay": 0, "adam_beta1": 0, "adam_beta2": 0, "samples_per_step": 1, "token_budget": 1,
                 "gradient_accumulation_steps": 1, "max_steps": 1, "max_staleness": 0,
-                "weight_sync_steps": 1, "save_steps": 0, "update_kl_history": 0, "beta": 0, "collapse_window": 1,
+                "weight_sync_steps": 1, "save_steps": 0, "update_kl_history": 0, "beta": 0, "collapse_window": 1, "spike_clip_warmup": 1,
                 "collapse_min_gain": 0},
             le={"collapse_drop": 1},
         )  # fmt: skip

@@ -63,6 +63,7 @@ from asyncgrpo.trainer.model import (
 )
 from asyncgrpo.trainer.model import save_adapter as _save_adapter
 from asyncgrpo.trainer.packing import PackedRow, build_row, pack_samples
+from asyncgrpo.trainer.spike_clip import SpikeClip
 from asyncgrpo.trainer.trust_region import global_norm, kl_scale, shrink, token_kl, vocab_kl
 
 if TYPE_CHECKING:
@@ -219,6 +220,15 @@ class Trainer:
         self._kl_history: deque[tuple[list[PackedRow], int]] = deque(
             maxlen=trainer.update_kl_history
         )
+        #: spike_clip_z's running statistics of the gradient norm (None: off)
+        self.spike_clip: SpikeClip | None = None
+        if trainer.spike_clip_z is not None:
+            self.spike_clip = SpikeClip(
+                trainer.spike_clip_z,
+                decay=trainer.spike_clip_decay,
+                warmup=trainer.spike_clip_warmup,
+            )
+        self._spike_factor = 1.0  # the last step's spike clip factor
 
     @classmethod
     def from_config(
@@ -396,6 +406,7 @@ class Trainer:
             "collapse/adapter_norm": param_norm,
             "collapse/update_scale": update_scale,
             "collapse/update_kl": update_kl,
+            **({} if self.spike_clip is None else {"collapse/spike_clip": self._spike_factor}),
             "batch/tokens": float(batch.total_tokens),
             "batch/completion_tokens": float(batch.num_tokens),
             "batch/microbatches_per_step": float(batch.num_rows),
@@ -543,11 +554,7 @@ class Trainer:
         region (``trainer.max_update_kl``): (gradient norm, update norm, adapter norm, the
         factor the two shortened the step by, the step's KL before the trust region)."""
         cfg = self.config
-        if cfg.max_grad_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
-        else:
-            norms = [torch.linalg.vector_norm(p.grad) for p in self.params if p.grad is not None]
-            grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+        grad_norm = self._clip()
         before = [p.detach().clone() for p in self.params]
         lr = self.optimizer.param_groups[0]["lr"]  # this step's (the schedule advances below)
         if math.isfinite(grad_norm):
@@ -580,6 +587,22 @@ class Trainer:
         param_norm = global_norm([p.detach() for p in self.params])
         self.step_count += 1
         return grad_norm, update_norm, param_norm, scale, kl
+
+    def _clip(self) -> float:
+        """Clip the gradient in place to ``trainer.max_grad_norm`` and, with
+        ``trainer.spike_clip_z``, to the level the run's recent norms allow; returns its norm
+        before clipping (the factor of the spike clip goes to ``_spike_factor``)."""
+        max_norm = self.config.max_grad_norm
+        grad_norm: float | None = None
+        if self.spike_clip is not None:
+            grad_norm = _grad_norm(self.params)
+            self._spike_factor = self.spike_clip.factor(grad_norm)
+            if self._spike_factor < 1.0:
+                level = grad_norm * self._spike_factor
+                max_norm = level if max_norm is None else min(max_norm, level)
+        if max_norm is not None:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        return _grad_norm(self.params) if grad_norm is None else grad_norm
 
     @torch.no_grad()
     def _update_kl(self, batch: _Batch, before: Sequence[torch.Tensor]) -> float:
@@ -699,8 +722,10 @@ class Trainer:
         rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
+        extra = {} if self.spike_clip is None else {"spike_clip": self.spike_clip.state_dict()}
         return {
             "format": _STATE_FORMAT,
+            **extra,
             "step": self.step_count,
             "adapter": {
                 name: p.detach().cpu().clone()
@@ -730,6 +755,8 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = int(state["step"])
+        if self.spike_clip is not None and "spike_clip" in state:
+            self.spike_clip.load_state_dict(state["spike_clip"])
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
@@ -758,6 +785,11 @@ class Trainer:
         state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
         self.load_state_dict(state)  # AdamW moves its state to the parameters' device
         return state.get("extra", {})
+
+
+def _grad_norm(params: Sequence[torch.Tensor]) -> float:
+    """The L2 norm of the parameters' gradients taken together (0 for none)."""
+    return global_norm([p.grad for p in params if p.grad is not None])
 
 
 def _copy_state(state: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,8 @@ DEMO = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 #: the optimisation settings of the demo recipe the simulation takes over (the rest is its own)
 RECIPE_FIELDS = ("learning_rate", "scale_rewards", "loss_type", "beta", "adam_beta1", "adam_epsilon",
                  "adam_beta2", "max_grad_norm", "off_policy", "importance_cap",
-                 "max_update_kl", "update_kl", "update_kl_history", "max_update_rms")  # fmt: skip
+                 "max_update_kl", "update_kl", "update_kl_history", "max_update_rms",
+                 "spike_clip_z", "spike_clip_decay", "spike_clip_warmup")  # fmt: skip
 
 
 def demo_recipe() -> dict[str, Any]:
