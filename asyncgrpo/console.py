@@ -138,23 +138,33 @@ def run_async(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
     import anyio
 
     interrupted = False
+    log = logging.getLogger(__name__)
 
     async def main() -> T | None:
         nonlocal interrupted
-        async with anyio.create_task_group() as tg:
+        # Open for the whole run, shutdown included: a second SIGTERM or Ctrl-C while children
+        # are being stopped is logged, not fatal (the default action would kill this process
+        # mid-shutdown and leave its children running). The shutdown is bounded by its grace.
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            work = anyio.CancelScope()
 
             async def watch() -> None:
                 nonlocal interrupted
-                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for _ in signals:
-                        interrupted = True
-                        tg.cancel_scope.cancel()
-                        return
+                async for signum in signals:
+                    name = signal.Signals(signum).name
+                    if interrupted:
+                        log.warning("%s received again: still stopping", name)
+                        continue
+                    log.info("%s received: stopping", name)  # a server's log says what stopped it
+                    interrupted = True
+                    work.cancel()
 
-            tg.start_soon(watch)
-            result = await fn(*args)
-            tg.cancel_scope.cancel()
-            return result
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                with work:
+                    result = await fn(*args)
+                tg.cancel_scope.cancel()
+            return None if interrupted else result
 
     result = anyio.run(main)
     if interrupted:

@@ -4,11 +4,17 @@ themselves are run in tests/test_exit_paths.py)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from asyncgrpo.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, error_lines, exit_status
 from asyncgrpo.errors import ConfigError, LaunchError, ReplicaStartError, SyncError, leaves
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_leaves_flattens_nested_groups_in_order() -> None:
@@ -62,3 +68,33 @@ def test_help_text_shows_what_a_user_types_not_rest_markup(capsys: pytest.Captur
             main(argv)
         out = capsys.readouterr().out
         assert "asyncgrpo" in out and "``" not in out and ":mod:" not in out
+
+
+def test_a_second_sigterm_during_the_shutdown_does_not_cut_it_short(tmp_path: Path) -> None:
+    """The shutdown (stopping a server's children) runs to its end through another SIGTERM:
+    with the signal's default action back in place, the second one would kill the process
+    mid-shutdown and leave its children running."""
+    done = tmp_path / "shutdown-done"
+    script = f"""
+import os, signal, anyio
+from asyncgrpo.console import run_async
+
+async def serve():
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        await anyio.sleep_forever()
+    finally:
+        with anyio.CancelScope(shield=True):
+            os.kill(os.getpid(), signal.SIGTERM)  # again, while stopping
+            await anyio.sleep(0.5)
+            open({str(done)!r}, "w").close()
+
+try:
+    run_async(serve)
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "interrupted" and done.exists()

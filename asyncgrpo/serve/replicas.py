@@ -263,6 +263,8 @@ async def launch_replicas(config: ServeConfig) -> AsyncIterator[list[Replica]]:
         yield replicas
     finally:
         with anyio.CancelScope(shield=True):
+            if replicas:
+                logger.info("stopping %d replica(s)", len(replicas))
             async with anyio.create_task_group() as tg:
                 for replica in replicas:
                     tg.start_soon(
