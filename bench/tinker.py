@@ -1,17 +1,20 @@
 """The cost of the Tinker API on the training side, side by side in one run.
 
-Three variants take one optimizer step over the same GRPO-shaped synthetic samples (groups
+Four variants take one optimizer step over the same GRPO-shaped synthetic samples (groups
 of G sharing a prompt) on the tiny model:
 
 - ``native``: ``Trainer.step`` (packed rows, the GRPO loss), as ``asyncgrpo train`` runs it;
-- ``engine``: the service's engine called directly (one forward per datum,
-  ``importance_sampling``, then AdamW), no HTTP;
+- ``engine``: the service's engine called directly (the request's datums packed into
+  token-budget rows, ``importance_sampling``, then AdamW), no HTTP;
+- ``per-datum``: the same engine sent one datum per request, so one forward per datum (what
+  every request cost before the engine packed), then AdamW;
 - ``sdk``: the same through the ``tinker`` SDK against the service on loopback
   (``forward_backward`` + ``optim_step``, protobuf bodies, futures polled).
 
-``sdk`` minus ``engine`` is what the API costs; ``engine`` minus ``native`` what per-datum
-forwards cost against packed rows. Variants are interleaved, one step each per round; the
-median (and min) of the rounds after a warm-up round.
+``sdk`` minus ``engine`` is what the API costs; ``engine`` minus ``native`` what the engine
+costs beside the trainer's step on the same packed rows; ``per-datum`` minus ``engine`` what
+packing saves. Variants are interleaved, one step each per round; the median (and min) of the
+rounds after a warm-up round.
 
 ``--sampling`` adds the sampling side (two float32 vLLM replicas of the tiny model behind the
 proxy, started here): requests/s of the same ``sample`` calls (one prompt, ``n`` samples each,
@@ -42,6 +45,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -288,6 +292,7 @@ def main() -> None:
             for i, t, q, a in map(arrays, samples)]  # fmt: skip
     request = FwdBwdRequest(model_id="bench", seq_id=1, loss_fn="importance_sampling",
                             loss_fn_config={}, forward_only=False, data=wire)  # fmt: skip
+    singles = [dataclasses.replace(request, data=[d]) for d in wire]
     step = AdamStep(learning_rate=LR, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
                     grad_clip_norm=0.0)  # fmt: skip
     data = [types.Datum(model_input=types.ModelInput.from_ints(i),
@@ -305,6 +310,8 @@ def main() -> None:
         variants = {
             "native": lambda: trainer.step(samples),
             "engine": lambda: (engine.forward_backward(request), engine.optim_step("bench", step)),
+            "per-datum": lambda: ([engine.forward_backward(r) for r in singles],
+                                  engine.optim_step("bench", step)),
             "sdk": lambda: (client.forward_backward(data, "importance_sampling").result(),
                             client.optim_step(adam).result()),
         }  # fmt: skip
@@ -317,9 +324,9 @@ def main() -> None:
         service.close("success").result()
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     print(f"\n{args.samples} samples, {tokens} tokens per step, {args.rounds} rounds")
-    print(f"{'variant':<8} {'median s/step':>14} {'min s/step':>11}")
+    print(f"{'variant':<10} {'median s/step':>14} {'min s/step':>11}")
     for name, ts in times.items():
-        print(f"{name:<8} {statistics.median(ts[1:]):>14.3f} {min(ts[1:]):>11.3f}")
+        print(f"{name:<10} {statistics.median(ts[1:]):>14.3f} {min(ts[1:]):>11.3f}")
     if args.sampling:
         sampling(model, args.rounds)
     if args.loop:

@@ -41,6 +41,11 @@ class TinkerConfig:
     """lora_alpha of every client's adapter (the update is scaled by alpha/rank)."""
     max_context_length: int = 4096
     """Longest ``Datum`` (tokens) accepted, reported in the server capabilities."""
+    token_budget: int = 4096
+    """Tokens per packed forward: forward_backward packs a request's Datums into rows of at
+    most this many tokens (a longer Datum gets a row of its own), one forward and backward per
+    row. It bounds the trainer's activations and logits; without flash-attention (CPU) a
+    row's attention costs the sum of its Datums' squares."""
     host: str = "127.0.0.1"
     """Interface to bind. Anything but loopback requires api_key."""
     port: int = 8000
@@ -97,6 +102,7 @@ class TinkerConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "tinker", ge={"max_lora_rank": 1, "max_context_length": 2, "port": 0,
+                                         "token_budget": 1,
                                          "max_body_bytes": 1024, "sampler_keep": 1,
                                          "max_training_clients": 1,
                                          "replicas": 0, "kv_cache_gib": 1, "max_model_len": 1,

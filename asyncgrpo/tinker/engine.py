@@ -12,6 +12,7 @@ Called from one worker thread at a time (the service's scheduler), never concurr
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from asyncgrpo.tinker.wire import FwdBwdRequest, FwdBwdResult, WireDatum
 from asyncgrpo.trainer.attention import varlen_kwargs
 from asyncgrpo.trainer.config import LoraConfig
 from asyncgrpo.trainer.model import autocast, load_policy, model_device
+from asyncgrpo.trainer.packing import plan_rows, restarting_positions
 
 __all__ = ["AdamStep", "Engine", "LoraSpec", "StateError"]
 
@@ -84,8 +86,12 @@ def target_modules(model: torch.nn.Module, *, mlp: bool, attn: bool) -> list[str
 
 
 class Engine:
-    def __init__(self, model_path: str | Path, *, dtype: str, lora_alpha: float) -> None:
+    def __init__(
+        self, model_path: str | Path, *, dtype: str, lora_alpha: float, token_budget: int = 4096
+    ) -> None:
         self.model: Any = load_policy(model_path, LoraConfig(r=1), dtype=dtype)
+        #: tokens per packed forward of ``forward_backward``: bounds its activations and logits
+        self.token_budget = token_budget
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.lora_alpha = lora_alpha
         self._clients: dict[str, _Client] = {}
@@ -140,40 +146,71 @@ class Engine:
                     raise LossInputError(f"datum {i}: {what} has a token id outside the "
                                          f"model's vocabulary [0, {self.vocab_size})")  # fmt: skip
 
-    def _logprobs(self, datum: WireDatum) -> torch.Tensor:
-        """Logprob of each ``target_tokens[i]`` given ``model_input[: i + 1]`` (with grad)."""
+    def _row_logprobs(self, data: Sequence[WireDatum]) -> list[torch.Tensor]:
+        """Each datum's logprob of every ``target_tokens[i]`` given ``model_input[: i + 1]``
+        (with grad), from one forward over the datums packed into one row: positions restart
+        at 0 for each and varlen attention keeps each datum to its own tokens, as the trainer's
+        packed rows do."""
         device = model_device(self.model)
-        ids = torch.as_tensor(datum.tokens, device=device)
-        targets = torch.as_tensor(datum.inputs["target_tokens"], device=device).long()
-        n = int(ids.numel())
+        lens = [int(d.tokens.size) for d in data]
+        ids = torch.as_tensor(np.concatenate([d.tokens for d in data]), device=device).long()
+        targets = np.concatenate([d.inputs["target_tokens"] for d in data])
+        targets_t = torch.as_tensor(targets, device=device).long()
         with autocast(self.model, device):
             out = self.model(input_ids=ids.unsqueeze(0),
-                             position_ids=torch.arange(n, device=device).unsqueeze(0),
-                             use_cache=False, **varlen_kwargs([n], device))  # fmt: skip
+                             position_ids=restarting_positions(lens).to(device).unsqueeze(0),
+                             use_cache=False, **varlen_kwargs(lens, device))  # fmt: skip
         logits = out.logits[0].float()
         lse = torch.logsumexp(logits, dim=-1)
-        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        logp = logits.gather(-1, targets_t.unsqueeze(-1)).squeeze(-1) - lse
+        return list(torch.split(logp, lens))
+
+    def _pass(
+        self, request: FwdBwdRequest, indices: Sequence[int], outputs: list[dict[str, np.ndarray]]
+    ) -> list[float]:
+        """One forward (and, unless ``forward_only``, one backward of the row's summed loss)
+        over the datums ``indices``; fills their ``outputs`` and returns their losses."""
+        data = [request.data[i] for i in indices]
+        logps = self._row_logprobs(data)
+        losses = []
+        for datum, logp in zip(data, logps, strict=True):
+            inputs = {k: torch.as_tensor(v, device=logp.device) for k, v in datum.inputs.items()}
+            losses.append(token_loss(request.loss_fn, logp, inputs, request.loss_fn_config))
+        sums = torch.stack([loss_t.sum() for loss_t in losses])
+        if not request.forward_only:
+            sums.sum().backward()
+        lens = [int(d.tokens.size) for d in data]
+        logp_np = torch.cat(logps).detach().cpu().numpy()
+        loss_np = torch.cat(losses).detach().cpu().numpy()
+        cuts = np.cumsum(lens)[:-1]
+        for i, lp, el in zip(
+            indices, np.split(logp_np, cuts), np.split(loss_np, cuts), strict=True
+        ):
+            outputs[i] = {"logprobs": lp, "elementwise_loss": el}
+        return [float(x) for x in sums.detach().cpu().tolist()]
 
     def forward_backward(self, request: FwdBwdRequest) -> FwdBwdResult:
         """The loss and logprobs of every datum; unless ``forward_only``, the gradient of the
-        summed loss is added to the client's adapter (all datums checked before any)."""
+        summed loss is added to the client's adapter (all datums checked before any).
+
+        The datums are packed into as few rows as ``token_budget`` allows (the trainer's
+        ``plan_rows``), one forward and one backward per row: a request of many short datums
+        costs a few forwards, not one per datum."""
         self.check(request)
         self._activate(request.model_id)
-        outputs: list[dict[str, np.ndarray]] = []
-        total = 0.0
+        lengths = [int(d.tokens.size) for d in request.data]
+        empty = {"logprobs": np.zeros(0, np.float32), "elementwise_loss": np.zeros(0, np.float32)}
+        outputs: list[dict[str, np.ndarray]] = [dict(empty) for _ in request.data]
+        losses = [0.0] * len(request.data)
+        nonempty = [i for i, n in enumerate(lengths) if n]  # nothing to forward for no tokens
+        rows = plan_rows([lengths[i] for i in nonempty], token_budget=self.token_budget,
+                         budget_setting="tinker.token_budget")  # fmt: skip
         with torch.set_grad_enabled(not request.forward_only):
-            for datum in request.data:
-                logp = self._logprobs(datum)
-                inputs = {k: torch.as_tensor(v, device=logp.device)
-                          for k, v in datum.inputs.items()}  # fmt: skip
-                loss_t = token_loss(request.loss_fn, logp, inputs, request.loss_fn_config)
-                loss = loss_t.sum()
-                if not request.forward_only:
-                    loss.backward()
-                total += float(loss.detach())
-                outputs.append({"logprobs": logp.detach().cpu().numpy(),
-                                "elementwise_loss": loss_t.detach().cpu().numpy()})  # fmt: skip
-        return FwdBwdResult(outputs=outputs, metrics={"loss:sum": total})
+            for row in rows:
+                indices = [nonempty[k] for k in row]
+                for i, loss in zip(indices, self._pass(request, indices, outputs), strict=True):
+                    losses[i] = loss
+        return FwdBwdResult(outputs=outputs, metrics={"loss:sum": sum(losses)})
 
     def optim_step(self, model_id: str, step: AdamStep) -> dict[str, float]:
         """One AdamW step of the client's accumulated gradient, which is then cleared."""

@@ -32,7 +32,12 @@ async def serve_tinker(config: TinkerConfig) -> AsyncIterator[str]:
     """Load the base model, listen on ``config.host:config.port`` and serve until the block
     ends; yields ``http://HOST:PORT`` (the bound port when ``port`` is 0)."""
     engine = await anyio.to_thread.run_sync(
-        lambda: Engine(config.model, dtype=config.dtype, lora_alpha=config.lora_alpha)
+        lambda: Engine(
+            config.model,
+            dtype=config.dtype,
+            lora_alpha=config.lora_alpha,
+            token_budget=config.token_budget,
+        )
     )
     work = Path(config.work_dir).resolve()
     transport = open_transport(config.transport_url or str(work / "store"))

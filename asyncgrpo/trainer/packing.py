@@ -74,14 +74,24 @@ class PackedRow:
         return out
 
 
+def restarting_positions(seq_lens: Sequence[int]) -> torch.Tensor:
+    """A packed row's ``position_ids``: ``0 .. n - 1`` for each of its sequences in turn."""
+    parts = [torch.arange(n, dtype=torch.long) for n in seq_lens]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
 def plan_rows(
-    lengths: Sequence[int], *, token_budget: int | None = None, num_rows: int | None = None
+    lengths: Sequence[int],
+    *,
+    token_budget: int | None = None,
+    num_rows: int | None = None,
+    budget_setting: str = "trainer.token_budget",
 ) -> list[list[int]]:
     """Assign sample indices to rows, each row's indices in ascending order.
 
     - ``token_budget``: first-fit decreasing; every row holds at most ``token_budget`` tokens,
-      except that a sample longer than the budget gets a row of its own (with a warning: it
-      cannot be split).
+      except that a sample longer than the budget gets a row of its own (with a warning naming
+      ``budget_setting``, the setting that raises it: the sample cannot be split).
     - ``num_rows`` (without a budget): longest-first onto the currently shortest row, giving
       ``min(num_rows, len(lengths))`` rows of similar size.
     - neither: one sample per row.
@@ -99,9 +109,10 @@ def plan_rows(
             if n > token_budget:
                 logger.warning(
                     "a sample of %d tokens exceeds token_budget=%d; it gets a row of its own "
-                    "(raise trainer.token_budget to bound memory)",
+                    "(raise %s to bound memory)",
                     n,
                     token_budget,
+                    budget_setting,
                 )
                 rows.append([i])
                 free.append(0)
@@ -129,7 +140,6 @@ def plan_rows(
 def build_row(samples: Sequence[Sample], indices: Sequence[int]) -> PackedRow:
     """Concatenate ``samples[i]`` for ``i`` in ``indices`` into one row."""
     ids: list[int] = []
-    pos: list[int] = []
     mask: list[bool] = []
     logps: list[float] = []
     advs: list[float] = []
@@ -146,7 +156,6 @@ def build_row(samples: Sequence[Sample], indices: Sequence[int]) -> PackedRow:
         p, c = len(s.prompt_ids), len(s.completion_ids)
         ids += s.prompt_ids
         ids += s.completion_ids
-        pos += range(p + c)
         policy = s.policy_mask()
         mask += [False] * p
         mask += policy
@@ -161,7 +170,7 @@ def build_row(samples: Sequence[Sample], indices: Sequence[int]) -> PackedRow:
         seq_lens.append(p + c)
     return PackedRow(
         input_ids=torch.tensor(ids, dtype=torch.long),
-        position_ids=torch.tensor(pos, dtype=torch.long),
+        position_ids=restarting_positions(seq_lens),
         completion_mask=torch.tensor(mask, dtype=torch.bool),
         behaviour_logprobs=torch.tensor(logps, dtype=torch.float32),
         advantages=torch.tensor(advs, dtype=torch.float32),

@@ -34,7 +34,9 @@ def test_cross_entropy_falls_over_twenty_steps(service_client, served) -> None:
     losses = []
     for _ in range(20):
         fwdbwd = training.forward_backward(data, "cross_entropy")
-        optim = training.optim_step(types.AdamParams(learning_rate=2e-2))
+        # 5e-3, not more: at 2e-2 the loss rebounds after a few steps and where it ends moves
+        # with float rounding (the same gradients summed in another order end 40 % apart)
+        optim = training.optim_step(types.AdamParams(learning_rate=5e-3))
         losses.append(fwdbwd.result().metrics["loss:sum"] / tokens)
         optim.result()
     assert losses[-1] < 0.3 * losses[0], losses
