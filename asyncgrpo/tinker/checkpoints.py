@@ -190,7 +190,10 @@ class CheckpointIndex:
     async def resolve(self, path: str) -> tuple[Run, Checkpoint]:
         """The run and live checkpoint ``path`` names; NotFound naming the fix if none."""
         run_id, kind, name = parse_path(path)
-        run = await self.run(run_id)
+        try:
+            run = await self.run(run_id)
+        except NotFound as exc:
+            raise NotFound(f"no checkpoint at {path!r}: {exc}") from None
         checkpoint = run.find(kind, name)
         if checkpoint is None:
             saver = "save_state" if kind == "training" else "save_weights_for_sampler"
