@@ -198,6 +198,8 @@ class Sampler:
         version = self._restored.pop(model_id, None)
         if version is not None:
             await sync.unpin(version)  # retired: it is older than the window
+            if sync.newest is None:  # an ended client's: no window retires it, so unload here
+                await sync.unload_all()
 
     async def ensure_loaded(self, served: str) -> None:
         """Load a client's version that has left the replicas back from the transport, in place
