@@ -172,5 +172,7 @@ def test_a_path_loads_after_the_service_restarts(
         assert rest.get_weights_info_by_tinker_path(path).result().lora_rank == 3
         loaded = service.create_training_client_from_state(path).result()
         assert loaded.get_info().lora_rank == 3
+        assert ":" in loaded.model_id  # the SDK's id of a loaded client; its run is found too
+        assert rest.get_training_run(loaded.model_id).result().lora_rank == 3
         assert _loss(loaded, datum) == pytest.approx(trained, rel=1e-6)
         service.close("success").result()
