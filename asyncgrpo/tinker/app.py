@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from asyncgrpo.tinker import routes, sampling_routes
+from asyncgrpo.tinker import checkpoint_routes, routes, sampling_routes
 from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.http import CONFIG, SERVICE, guard
 from asyncgrpo.tinker.service import TinkerService
@@ -46,4 +46,5 @@ def build_app(config: TinkerConfig, service: TinkerService) -> web.Application:
         ("asample", sampling_routes.asample),
     ):
         app.router.add_post(f"{api}/{path}", handler)
+    checkpoint_routes.add_routes(app, api)
     return app

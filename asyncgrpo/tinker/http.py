@@ -16,12 +16,22 @@ from typing import Any
 import pydantic
 from aiohttp import web
 
+from asyncgrpo.errors import NotFound
 from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.losses import LossInputError
 from asyncgrpo.tinker.service import TinkerService, TrainingModel
 from asyncgrpo.tinker.wire import WireError
 
-__all__ = ["CONFIG", "SERVICE", "answer", "guard", "read_body", "refuse", "training_model"]
+__all__ = [
+    "CONFIG",
+    "SERVICE",
+    "answer",
+    "guard",
+    "read_body",
+    "refuse",
+    "refuse_taken",
+    "training_model",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +60,8 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     except (WireError, LossInputError) as exc:
         logger.warning("%s refused: %s", request.path, exc)
         raise refuse(web.HTTPBadRequest, str(exc)) from None
+    except NotFound as exc:  # an unknown run or checkpoint path: the SDK's NotFoundError
+        raise refuse(web.HTTPNotFound, str(exc)) from None
 
 
 async def read_body(request: web.Request, model: type[pydantic.BaseModel]) -> Any:
@@ -76,3 +88,18 @@ def training_model(service: TinkerService, model_id: str) -> TrainingModel:
                       "create one with create_lora_training_client")  # fmt: skip
     service.touch(found.session_id)  # a request is a sign of life as a heartbeat is
     return found
+
+
+async def refuse_taken(service: TinkerService, path: str, overwrite: bool) -> None:
+    """A bad request if ``path`` is saved already and not to be overwritten (not 409: the SDK
+    retries a 409 as a lock timeout)."""
+    if overwrite:
+        return
+    try:
+        await service.states.index.resolve(path)
+    except NotFound:
+        return
+    raise WireError(
+        f"a checkpoint {path!r} exists: pass overwrite=True to replace it, or "
+        "save under another name"
+    )

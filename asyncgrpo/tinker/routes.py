@@ -12,11 +12,20 @@ from typing import Any
 from aiohttp import web
 from tinker import types
 
+from asyncgrpo.tinker.checkpoints import check_ttl
 from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.engine import AdamStep, LoraSpec
-from asyncgrpo.tinker.http import CONFIG, SERVICE, answer, read_body, refuse, training_model
+from asyncgrpo.tinker.http import (
+    CONFIG,
+    SERVICE,
+    answer,
+    read_body,
+    refuse,
+    refuse_taken,
+    training_model,
+)
 from asyncgrpo.tinker.service import TinkerService, TrainingModel, in_thread
-from asyncgrpo.tinker.states import parse_state_path
+from asyncgrpo.tinker.states import parse_state_path, state_path
 from asyncgrpo.tinker.wire import (
     PROTO_CONTENT_TYPE,
     FwdBwdResult,
@@ -138,6 +147,7 @@ async def _add_client(service: TinkerService, model: TrainingModel, spec: LoraSp
     if service.sampler is not None:  # refused, naming --max-loras, if the fleet is full
         await service.sampler.book(model.adapter)
     await in_thread(lambda: service.engine.create(model.adapter, spec))()
+    await service.states.start_run(model.adapter, spec)
     logger.info("training client %s: LoRA rank %d", model.model_id, spec.rank)
 
 
@@ -214,6 +224,8 @@ async def save_weights(request: web.Request) -> web.Response:
     body = await read_body(request, types.SaveWeightsRequest)
     model = training_model(service, body.model_id)
     name = body.path or f"state-{secrets.token_hex(4)}"
+    check_ttl(body.ttl_seconds)
+    await refuse_taken(service, state_path(model.adapter, name), body.overwrite)
     work = Path(config.work_dir) / "saved"
 
     async def job() -> dict[str, Any]:
@@ -221,7 +233,9 @@ async def save_weights(request: web.Request) -> web.Response:
         with tempfile.TemporaryDirectory(dir=work) as tmp:
             await in_thread(lambda: service.engine.save_state(model.adapter, Path(tmp)))()
             spec = service.engine.spec(model.adapter)
-            path = await service.states.save(model.adapter, name, Path(tmp), spec)
+            path = await service.states.save(model.adapter, name, Path(tmp), spec,
+                                             ttl_seconds=body.ttl_seconds,
+                                             user_metadata=body.user_metadata)  # fmt: skip
         logger.info("training client %s: state saved as %s", model.model_id, path)
         return {"path": path, "type": "save_weights"}
 
@@ -232,6 +246,7 @@ async def load_weights(request: web.Request) -> web.Response:
     service, config = request.app[SERVICE], request.app[CONFIG]
     body = await read_body(request, types.LoadWeightsRequest)
     parse_state_path(body.path)
+    await service.states.index.resolve(body.path)  # NotFoundError now for an unknown path
     if body.model_id is not None:
         model, new = training_model(service, body.model_id), False
     elif body.session_id is not None and body.model_seq_id is not None:

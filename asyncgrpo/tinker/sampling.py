@@ -136,6 +136,7 @@ class Sampler:
         #: per client, the one version older than its newest ``keep`` loaded back on demand
         self._restored: dict[str, int] = {}
         self._locks: dict[str, anyio.Lock] = {}
+        self._last: dict[str, int] = {}  #: per client, the newest version it published
 
     async def book(self, model_id: str) -> None:
         """Book ``keep + 1`` LoRA slots for the client (a refusal names ``--max-loras``)."""
@@ -165,8 +166,7 @@ class Sampler:
             except Exception as exc:  # the proxy lets bookings lapse; keep closing the others
                 logger.warning("could not release %s on the proxy: %s", model_id, exc)
 
-    async def publish(self, model_id: str, local_dir: Path, step: int) -> str:
-        """Publish ``local_dir`` as the client's next version, loaded everywhere; its name."""
+    def _sync(self, model_id: str) -> AdapterSync:
         sync = self._syncs.get(model_id)
         if sync is None:
             source = (TransportSource(self.store) if self.fetching
@@ -176,9 +176,18 @@ class Sampler:
                 loader=ProxyLoader(self.client, fetching=self.fetching), prefix=model_id,
                 max_staleness=self.keep - 1, base_model=self.base_model,
             )  # fmt: skip
+        return sync
+
+    async def publish(self, model_id: str, local_dir: Path, step: int) -> str:
+        """Publish ``local_dir`` as the client's next version, loaded everywhere; its name.
+        Never a version number used before in this service (one deleted from the store
+        included): vLLM and the replicas' caches key by the name."""
+        sync = self._sync(model_id)
         async with self._lock(model_id):
             await self._drop_restored(model_id, sync)  # within the keep + 1 slots booked
-            version = (await self.store.latest(model_id) or 0) + 1
+            version = max(await self.store.latest(model_id) or 0,
+                          self._last.get(model_id, 0)) + 1  # fmt: skip
+            self._last[model_id] = version
             await sync.sync(version, local_dir, step=step)
         return sync.name(version)
 
@@ -189,17 +198,27 @@ class Sampler:
         version = self._restored.pop(model_id, None)
         if version is not None:
             await sync.unpin(version)  # retired: it is older than the window
+            if sync.newest is None:  # an ended client's: no window retires it, so unload here
+                await sync.unload_all()
 
     async def ensure_loaded(self, served: str) -> None:
         """Load a client's version that has left the replicas back from the transport, in place
         of the one loaded back before (if any): a sampling client of any saved version keeps
-        working while the replicas hold each client's newest ``keep`` and one more."""
+        working while the replicas hold each client's newest ``keep`` and one more. A version
+        of a client no longer live here (it ended, or the service restarted since) is loaded
+        the same way, under a booking of ``keep + 1`` slots of its own, held until the
+        service stops."""
         parsed = parse_served_name(served)
-        sync = self._syncs.get(parsed[0]) if parsed else None
-        if parsed is None or sync is None or parsed[1] in sync.loaded:
+        if parsed is None:
             return
         model_id, version = parsed
+        sync = self._syncs.get(model_id)
+        if sync is not None and version in sync.loaded:
+            return
         async with self._lock(model_id):
+            if model_id not in self._syncs:
+                await self.book(model_id)  # refused naming --max-loras if the fleet is full
+            sync = self._sync(model_id)
             if version in sync.loaded:
                 return
             await self._drop_restored(model_id, sync)
@@ -226,8 +245,7 @@ class Sampler:
         if path is not None:
             if path not in self.paths:
                 raise UnknownSampler(f"no sampler weights at {path!r}: save them first with "
-                                     "save_weights_for_sampler (paths live as long as the "
-                                     "service)")  # fmt: skip
+                                     "save_weights_for_sampler")  # fmt: skip
             return self.paths[path]
         return self.base_model
 

@@ -5,16 +5,19 @@ from __future__ import annotations
 import logging
 import secrets
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from tinker import types
 
+from asyncgrpo.tinker.checkpoints import Checkpoint, check_ttl
 from asyncgrpo.tinker.http import CONFIG, SERVICE, answer, read_body, refuse, training_model
 from asyncgrpo.tinker.sampling import Sampler, UnknownSampler
 from asyncgrpo.tinker.service import TinkerService, in_thread
 from asyncgrpo.tinker.wire import WireError
+from asyncgrpo.vllm.api import parse_served_name, served_name
 
 __all__ = ["asample", "create_sampling_session", "get_sampler", "save_weights_for_sampler"]
 
@@ -28,9 +31,18 @@ def _sampler(service: TinkerService) -> Sampler:
     return service.sampler
 
 
-def _resolve(sampler: Sampler, **names: str | None) -> str:
+async def _resolve(service: TinkerService, **names: str | None) -> str:
+    """The served name a session, path or base model names; a path through the index (one
+    deleted or past its TTL is refused), then the sampler (it must serve the path's run)."""
+    sampler, path = _sampler(service), names.get("path")
+    if path is not None and names.get("session") is None:
+        run, checkpoint = await service.states.index.resolve(path)
+        if checkpoint.kind != "sampler":
+            raise WireError(f"{path!r} is a save_state checkpoint: sample a path "
+                            "save_weights_for_sampler returned (.../sampler_weights/<name>)")  # fmt: skip
+        sampler.paths.setdefault(path, served_name(run.run_id, checkpoint.where))
     try:
-        return sampler.resolve(session=names.get("session"), path=names.get("path"),
+        return sampler.resolve(session=names.get("session"), path=path,
                                base=names.get("base"))  # fmt: skip
     except UnknownSampler as exc:
         raise refuse(web.HTTPNotFound, str(exc)) from None
@@ -47,6 +59,7 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
     body = await read_body(request, types.SaveWeightsForSamplerRequest)
     model = training_model(service, body.model_id)
     sampler = _sampler(service)
+    check_ttl(body.ttl_seconds)
     work = Path(config.work_dir) / "saved"
 
     async def job() -> dict[str, Any]:
@@ -57,7 +70,7 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
             served = await sampler.publish(model.adapter, saved, step)
         logger.info("training client %s: sampler weights %s loaded", model.model_id, served)
         if body.path is not None:
-            path = f"tinker://{model.adapter}/sampler_weights/{body.path}"
+            path = await _index(service, model.adapter, body, served)
             sampler.paths[path] = served
             return {"path": path, "type": "save_weights_for_sampler"}
         return {"sampling_session_id": sampler.new_session(served),
@@ -66,12 +79,24 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
     return answer({"request_id": service.submit(model.model_id, job), "model_id": model.model_id})
 
 
+async def _index(service: TinkerService, run_id: str, body: Any, served: str) -> str:
+    """Record the sampler weights ``served`` under ``body.path`` in the index; their path."""
+    if "/" in body.path or not body.path:
+        raise WireError(f"save_weights_for_sampler name {body.path!r}: give a name without '/'")
+    version = (parse_served_name(served) or (run_id, 0))[1]
+    info = await service.sampler.store.info(run_id, version)
+    await service.states.start_run(run_id, service.engine.spec(run_id))
+    checkpoint = Checkpoint(kind="sampler", name=body.path, where=version, created=time.time(),
+                            size_bytes=info.size_bytes, user_metadata=body.user_metadata)  # fmt: skip
+    return await service.states.index.add(run_id, checkpoint, body.ttl_seconds)
+
+
 async def create_sampling_session(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     body = await read_body(request, types.CreateSamplingSessionRequest)
     sampler = _sampler(service)
     _check_base(request, body.base_model)
-    served = _resolve(sampler, path=body.model_path, base=body.base_model)
+    served = await _resolve(service, path=body.model_path, base=body.base_model)
     return answer(
         types.CreateSamplingSessionResponse(sampling_session_id=sampler.new_session(served))
     )
@@ -90,8 +115,8 @@ async def asample(request: web.Request) -> web.Response:
         raise WireError(f"sample: {', '.join(unsupported)} are not served here; leave them unset")
     if not 1 <= body.num_samples <= 1024:
         raise WireError(f"num_samples={body.num_samples}: give 1 to 1024")
-    served = _resolve(sampler, session=body.sampling_session_id, path=body.model_path,
-                      base=body.base_model)  # fmt: skip
+    served = await _resolve(service, session=body.sampling_session_id, path=body.model_path,
+                            base=body.base_model)  # fmt: skip
     ids = [f"seq-{secrets.token_hex(8)}" for _ in range(body.num_samples)]
     rid = service.spawn(lambda: sampler.sample(served, body))
     return answer({"request_id": rid, "sample_sequence_ids": ids})
@@ -100,6 +125,6 @@ async def asample(request: web.Request) -> web.Response:
 async def get_sampler(request: web.Request) -> web.Response:
     sampler = _sampler(request.app[SERVICE])
     sid = request.match_info["sampler_id"]
-    _resolve(sampler, session=sid)
+    await _resolve(request.app[SERVICE], session=sid)
     return answer(types.GetSamplerResponse(sampler_id=sid, base_model=request.app[CONFIG].served_name,
                                            model_path=sampler.path_of(sid)))  # fmt: skip

@@ -15,11 +15,12 @@ from asyncgrpo.run.endpoint import open_fleet
 from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.tinker.app import build_app
+from asyncgrpo.tinker.checkpoints import CheckpointIndex
 from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.engine import Engine
 from asyncgrpo.tinker.sampling import open_sampler
 from asyncgrpo.tinker.service import TinkerService
-from asyncgrpo.tinker.states import StateStore
+from asyncgrpo.tinker.states import StateStore, files_deleter
 from asyncgrpo.transport.registry import open_transport
 
 __all__ = ["replica_config", "serve_tinker"]
@@ -41,6 +42,9 @@ async def serve_tinker(config: TinkerConfig) -> AsyncIterator[str]:
     )
     work = Path(config.work_dir).resolve()
     transport = open_transport(config.transport_url or str(work / "store"))
+    adapters = AdapterStore(transport)
+    states = StateStore(transport, CheckpointIndex(transport, files_deleter(transport, adapters)),
+                        config.served_name)  # fmt: skip
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(transport.aclose)
         sampler = None
@@ -50,11 +54,11 @@ async def serve_tinker(config: TinkerConfig) -> AsyncIterator[str]:
             proxy_url, admin_key = await stack.enter_async_context(fleet), None
         if proxy_url:
             sampler = await stack.enter_async_context(open_sampler(
-                proxy_url, admin_key, AdapterStore(transport),
+                proxy_url, admin_key, adapters,
                 base_model=config.model, work_dir=work, keep=config.sampler_keep,
                 delivery=config.adapter_delivery,
             ))  # fmt: skip
-        service = TinkerService(engine, StateStore(transport), sampler,
+        service = TinkerService(engine, states, sampler,
                                 session_timeout_s=config.session_timeout_s,
                                 max_clients=config.max_training_clients)  # fmt: skip
         async with _serving(config, service) as url:

@@ -28,7 +28,15 @@ from asyncgrpo.tinker.losses import LossInputError
 from asyncgrpo.tinker.scheduling import FairQueue
 from asyncgrpo.tinker.wire import WireError
 
-__all__ = ["Job", "Session", "TinkerService", "TrainingModel", "expired_sessions", "in_thread"]
+__all__ = [
+    "Job",
+    "Session",
+    "TinkerService",
+    "TrainingModel",
+    "adapter_name",
+    "expired_sessions",
+    "in_thread",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +65,13 @@ class TrainingModel:
     def adapter(self) -> str:
         """Its adapter's name (in peft, the store, the proxy and vLLM): the model id with
         anything but letters, digits, '_' and '-' made '-' (the SDK's ids hold ':')."""
-        return re.sub(r"[^A-Za-z0-9_-]", "-", self.model_id)
+        return adapter_name(self.model_id)
+
+
+def adapter_name(model_id: str) -> str:
+    """The adapter (and training run) name of a model id: anything but letters, digits, '_'
+    and '-' made '-'."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", model_id)
 
 
 def expired_sessions(sessions: Iterable[Session], now: float, timeout_s: float) -> list[str]:

@@ -76,6 +76,8 @@ def test_an_expired_session_s_adapters_and_optimizers_leave_the_trainer(tiny_mod
 
 
 def test_a_released_client_s_paths_and_sampling_sessions_are_forgotten(tmp_path: Path) -> None:
+    """The sampler's own map forgets them (a path is resolved again through the checkpoint
+    index, and loaded back on demand: tests/tinker/test_orphan_paths.py)."""
     import anyio
 
     from asyncgrpo.tinker.sampling import Sampler, UnknownSampler

@@ -74,7 +74,7 @@ def test_saved_paths_and_unknown_ones(fleet, tiny_model: Path) -> None:
     params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=1)
     seqs = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 2, params).result().sequences
     assert [len(s.tokens) for s in seqs] == [len(s.logprobs) for s in seqs]
-    with pytest.raises(tinker.NotFoundError, match="no sampler weights at"):
+    with pytest.raises(tinker.NotFoundError, match=r"no checkpoint at .*no training run 'nope'"):
         service.create_sampling_client(model_path="tinker://nope/sampler_weights/x").result()
     service.close("success").result()
 
@@ -118,3 +118,57 @@ def test_a_version_that_left_the_replicas_is_loaded_back_to_sample(
     training.save_weights_for_sampler("v3").result()
     assert not v1 & served(), "the version loaded back stays only until the next save"
     service.close("success").result()
+
+
+def test_sampler_paths_are_listed_outlive_their_client_and_are_deleted(
+    fleet, tiny_model: Path, vllm_replicas: list, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A ``save_weights_for_sampler`` path is listed as a sampler checkpoint; after its training
+    client ended (as after a restart: no live client, only the index), a new sampling client of
+    it loads the version back and scores as before; deleted, it is refused and leaves the
+    store."""
+    import tinker
+    from tinker import types
+
+    service, rest = tinker.ServiceClient(base_url=fleet), tinker.RestClient(base_url=fleet)
+    training = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    tokenizer = training.get_tokenizer()
+    _train(training, tokenizer, steps=2)
+    path = training.save_weights_for_sampler("kept", ttl_seconds=3600).result().path
+    run_id = training.model_id
+    (listed,) = rest.list_checkpoints(run_id).result().checkpoints
+    assert (listed.checkpoint_type, listed.tinker_path) == ("sampler", path)
+    assert listed.expires_at is not None and listed.size_bytes > 0
+    assert rest.get_training_run(run_id).result().last_sampler_checkpoint.tinker_path == path
+    assert rest.get_weights_info_by_tinker_path(path).result().lora_rank == 4
+    full = types.ModelInput.from_ints(tokenizer.encode("12 + 7 = 19"))
+    first = service.create_sampling_client(model_path=path).result()
+    before = np.asarray(first.compute_logprobs(full).result()[1:])
+    service.close("success").result()  # the client ends: its versions leave the replicas
+    _wait_gone(vllm_replicas, f"{run_id}-v")
+    other = tinker.ServiceClient(base_url=fleet)
+    again = other.create_sampling_client(model_path=path).result()
+    after = np.asarray(again.compute_logprobs(full).result()[1:])
+    assert np.abs(after - before).max() <= 1e-4
+    base = tmp_path_factory.getbasetemp()
+    stored = sorted(base.glob(f"tinker-work*/store/adapters/{run_id}/v1/manifest.json"))
+    assert stored, f"no stored v1 of {run_id} under {base}"
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert not [p for p in stored if p.exists()], stored
+    with pytest.raises(tinker.NotFoundError, match="no checkpoint at"):
+        other.create_sampling_client(model_path=path).result()
+    other.close("success").result()
+
+
+def _wait_gone(replicas: list, prefix: str, timeout_s: float = 60.0) -> None:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        names = {m["id"] for r in replicas for m in httpx.get(f"{r.url}/v1/models").json()["data"]}
+        if not any(n.startswith(prefix) for n in names):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{prefix}* still served after {timeout_s:g} s")

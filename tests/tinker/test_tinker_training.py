@@ -145,7 +145,7 @@ def test_a_saved_state_makes_a_new_client_with_its_moments(service_client, serve
         pytest.raises(tinker.RequestFailedError, match=r"rank 2.* does not fit this client"),
     ):
         wrong.load_state(path).result()
-    with pytest.raises(tinker.RequestFailedError, match="no saved state at"):
+    with pytest.raises(tinker.NotFoundError, match=r"no checkpoint at .*list_checkpoints"):
         service_client.create_training_client_from_state(
             f"tinker://{one.model_id}/weights/never"
         ).result()
