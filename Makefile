@@ -5,6 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.asyncgrpo-installed
 OUT ?= runs/demo
+# Models the test sessions build once per checkout (the tool-calling model: minutes of CPU).
+TEST_CACHE ?= $(CURDIR)/.test-cache
 EXTRAS ?= train,serve-cpu,s3,gcs,azure,hf,math,fast,envs,wandb,tinker,dev
 
 .PHONY: install demo test lint bench test-skypilot test-ray install-vf4 test-vf4
@@ -25,7 +27,7 @@ demo: install
 	$(VENV)/bin/asyncgrpo demo --output-dir $(OUT)
 
 test: install
-	$(PY) -m pytest
+	ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) $(PY) -m pytest
 
 # SkyPilot's SDK pins click<8.2 and uvicorn<0.36, below what the main virtualenv has, so its
 # tests run in a virtualenv of their own that sees the main one's packages after its own.
@@ -74,4 +76,4 @@ $(VF4_STAMP): $(STAMP) examples/envs/vf_v1_calculator/pyproject.toml examples/en
 	touch $(VF4_STAMP)
 
 test-vf4: install-vf4
-	PATH="$(CURDIR)/$(VF4)/bin:$$PATH" $(VF4_PY) -m pytest tests/rollout/test_verifiers_v1.py tests/run/test_training_v1.py
+	ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) PATH="$(CURDIR)/$(VF4)/bin:$$PATH" $(VF4_PY) -m pytest tests/rollout/test_verifiers_v1.py tests/run/test_training_v1.py

@@ -46,10 +46,20 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tool_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model fine-tuned to call the calculator's add tool (its own weights: the
-    shared replicas cannot serve it)."""
-    from asyncgrpo.testing.tool_model import make_tool_model
+    shared replicas cannot serve it). Built once per checkout where ``ASYNCGRPO_TEST_CACHE``
+    names a cache directory (``make test`` and ``make test-vf4`` both need it), and copied
+    under the session's temporary directory: the replica serving it names the session there,
+    so the orphan check at the session's end still finds it."""
+    import shutil
 
-    return make_tool_model(tiny_model, tmp_path_factory.mktemp("tool") / "model", seed=0)
+    from asyncgrpo.testing.model_cache import DONE
+    from asyncgrpo.testing.tool_model import cached_tool_model, make_tool_model
+
+    out = tmp_path_factory.mktemp("tool") / "model"
+    if cache := os.environ.get("ASYNCGRPO_TEST_CACHE"):
+        built = cached_tool_model(tiny_model, cache, seed=0)
+        return Path(shutil.copytree(built, out, ignore=shutil.ignore_patterns(DONE)))
+    return make_tool_model(tiny_model, out, seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -281,12 +281,19 @@ def test_demo_with_a_vllm_the_plugin_does_not_support(tmp_path: Path, old_vllm: 
 
 @pytest.mark.vllm
 def test_serve_quotes_vllms_root_cause_in_one_line(tmp_path: Path, tiny_model: Path) -> None:
-    """The issue's command: vLLM fails allocating the KV cache; its worker's error is the line."""
+    """The issue's command: vLLM fails allocating the KV cache; its worker's error is the line.
+    vLLM's API server ends its log with "See root cause above": the line must carry the
+    worker's own line from far above, and the log it names must still exist afterwards."""
     p = run([*SERVE, "--model", str(tiny_model), "--replicas", "1", "--kv-cache-gib", "100000",
              "--log-dir", "logs"], tmp_path)  # fmt: skip
     line = check(p, 1, "vLLM replica 0", "root cause: (Worker pid=",
-                 "ValueError: Available memory on node", "full log: logs/replica-0.log")  # fmt: skip
+                 "ValueError: Available memory on node", "requested memory for kv (100000.0 GiB)",
+                 "full log: logs/replica-0.log")  # fmt: skip
     assert "See root cause above" not in line  # the engine's pointer adds nothing
+    log = tmp_path / "logs" / "replica-0.log"
+    assert log.is_file()
+    tail = log.read_text().splitlines()[-20:]
+    assert not any("requested memory for kv" in x and "ValueError" in x for x in tail)
 
 
 def test_check_serving_whose_replica_cannot_start(tmp_path: Path, old_vllm: str) -> None:

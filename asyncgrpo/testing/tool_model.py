@@ -119,6 +119,20 @@ def make_tool_model(
     return out
 
 
+def cached_tool_model(base_dir: str | Path, cache_root: str | Path, *, seed: int = 0) -> Path:
+    """:func:`make_tool_model` of ``base_dir`` with its defaults, built once under
+    ``cache_root`` for the same base model files, seed, asyncgrpo sources and torch and
+    transformers versions (pytest sessions of one checkout then share one build)."""
+    from importlib.metadata import version
+
+    from asyncgrpo.testing.model_cache import cache_key, cached_dir, tree_digest
+
+    package = Path(__file__).resolve().parents[1]
+    key = cache_key(("tool-model", tree_digest(base_dir), str(seed), tree_digest(package, "*.py"),
+                     version("torch"), version("transformers")))  # fmt: skip
+    return cached_dir(cache_root, key, lambda out: make_tool_model(base_dir, out, seed=seed))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     from asyncgrpo.console import plain_help
 

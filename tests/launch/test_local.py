@@ -552,19 +552,30 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
 
 
 @pytest.mark.vllm
-def test_a_two_point_sweep_end_to_end_shares_one_replica(tiny_model: Path, tmp_path: Path) -> None:
-    """`asyncgrpo launch examples/tiny_cpu.yaml --backend local --sweep trainer.learning_rate=..`:
-    one replica process sized for both points' adapter windows, the sweep's proxy process in front
-    of it, and a trainer process per point; each point books its LoRA slots on the proxy, trains
-    its steps with its own adapter names and storage, and the command prints a progress line per
-    run and step."""
-    out = launch_tiny(tiny_model, tmp_path, "--sweep", "trainer.learning_rate=1e-3,3e-3",
-                      "launch.replicas=1", "trainer.max_steps=3", "trainer.max_staleness=1")  # fmt: skip
+def test_the_docs_two_point_sweep_runs_as_typed_and_shares_one_replica(tmp_path: Path) -> None:
+    """docs/shared-fleet.md's local sweep, typed in a fresh directory: the tiny model built there
+    with the docs' command, then `asyncgrpo launch examples/tiny_cpu.yaml --backend local --sweep
+    trainer.learning_rate=1e-3,3e-3 launch.replicas=1 trainer.max_steps=3` (and max_staleness 1,
+    so that the numbers below are small). One replica process sized for both points' adapter
+    windows, the sweep's proxy process in front of it, and a trainer process per point; each
+    point books its LoRA slots on the proxy, trains its steps with its own adapter names and
+    storage, and the command prints a progress line per run and step. Each point's trainer job
+    runs in a directory of its own: the relative model path it was given (``runs/tiny-model``,
+    from the example config) must still name the directory built here, not one in the job's
+    directory (every trainer job used to exit 2 naming it)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    build = [sys.executable, "-m", "asyncgrpo.testing.tiny", "runs/tiny-model"]
+    subprocess.run(build, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300)
+    sweep = [sys.executable, "-m", "asyncgrpo", "launch", "examples/tiny_cpu.yaml",
+             "--backend", "local", "--sweep", "trainer.learning_rate=1e-3,3e-3",
+             "launch.replicas=1", "trainer.max_steps=3", "trainer.max_staleness=1",
+             f"launch.local_hide_trainer={HIDE}"]  # fmt: skip
+    out = subprocess.run(sweep, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for i in (0, 1):
         assert [f"tiny-cpu-{i}: step {s}/3" in out.stdout for s in (1, 2, 3)] == [True] * 3
     assert "every trainer completed" in out.stdout and "every job stopped" in out.stdout
-    launch_dir = tmp_path / "tiny-cpu" / "launch"
+    launch_dir = tmp_path / "runs" / "tiny-cpu" / "launch"
     # the replica holds both windows: 2 x (max_staleness 1 + 2) LoRA slots
     assert "'max_loras': 6," in (launch_dir / "replica-0" / "replica-0.log").read_text()
     proxy_log = (launch_dir / "tiny-cpu-proxy.log").read_text()
@@ -572,9 +583,9 @@ def test_a_two_point_sweep_end_to_end_shares_one_replica(tiny_model: Path, tmp_p
     for i in (0, 1):
         assert re.search(rf"run tiny-cpu-{i}-\w+ holds 3 LoRA slots", proxy_log), proxy_log[-3000:]
         assert re.search(rf"run tiny-cpu-{i}-\w+ released its LoRA slots", proxy_log)
-        records = [r for r in map(parse_progress, (
-            launch_dir / f"tiny-cpu-{i}-trainer.log").read_text().splitlines()) if r is not None]  # fmt: skip
-        assert [r["step"] for r in records] == [1, 2, 3]
+        log = (launch_dir / f"tiny-cpu-{i}-trainer.log").read_text()
+        records = [r for r in map(parse_progress, log.splitlines()) if r is not None]
+        assert [r["step"] for r in records] == [1, 2, 3], log[-3000:]
         # its versions, from its own storage, and none of the other point's
         mine = [(n, p) for n, p in loaded if n.startswith(f"tiny-cpu-{i}-")]
         assert len(mine) >= 4, loaded  # v0 and a version per step

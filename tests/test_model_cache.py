@@ -1,0 +1,38 @@
+"""The test-model cache: a build runs once per key, and only a complete build is reused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from asyncgrpo.testing.model_cache import DONE, cache_key, cached_dir, tree_digest
+
+
+def test_a_build_runs_once_per_key_and_an_incomplete_entry_is_rebuilt(tmp_path: Path) -> None:
+    builds: list[Path] = []
+
+    def build(out: Path) -> Path:
+        builds.append(out)
+        out.mkdir()
+        (out / "weights").write_text(f"build {len(builds)}")
+        return out
+
+    key = cache_key(["model", "seed 0"])
+    first = cached_dir(tmp_path, key, build)
+    again = cached_dir(tmp_path, key, build)
+    assert first == again == tmp_path / key and len(builds) == 1
+    assert (first / "weights").read_text() == "build 1" and (first / DONE).is_file()
+    assert cached_dir(tmp_path, cache_key(["model", "seed 1"]), build) != first
+    assert len(builds) == 2
+    (first / DONE).unlink()  # as a session killed mid-build leaves it
+    assert (cached_dir(tmp_path, key, build) / "weights").read_text() == "build 3"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging
+
+
+def test_the_digest_follows_names_and_bytes(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.pyc").write_bytes(b"\0")
+    before = tree_digest(tmp_path, "*.py")
+    (tmp_path / "b.pyc").write_bytes(b"\1")  # not matched: the same digest
+    assert tree_digest(tmp_path, "*.py") == before != tree_digest(tmp_path)
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert tree_digest(tmp_path, "*.py") != before
