@@ -27,7 +27,7 @@ demo: install
 	$(VENV)/bin/asyncgrpo demo --output-dir $(OUT)
 
 test: install
-	ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) $(PY) -m pytest
+	ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) $(PY) -m pytest --durations=25
 
 # SkyPilot's SDK pins click<8.2 and uvicorn<0.36, below what the main virtualenv has, so its
 # tests run in a virtualenv of their own that sees the main one's packages after its own.
