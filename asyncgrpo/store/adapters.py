@@ -283,6 +283,10 @@ class AdapterStore(BundleStore):
     def unpin(self, name: str, version: int) -> None:
         self.pinned.discard((name, version))
 
+    async def delete(self, name: str, version: int) -> None:
+        """Delete version ``version`` of ``name`` (its manifest first: gone at once)."""
+        await delete_bundle(self.transport, self._key(name, version))
+
     async def prune(
         self, name: str, *, keep_last: int, pinned: set[int] | None = None
     ) -> list[int]:
@@ -299,11 +303,11 @@ class AdapterStore(BundleStore):
         keep = set(published[-keep_last:]) | keep_pinned
         doomed = [v for v in published if v not in keep]
         for version in doomed:
-            await delete_bundle(self.transport, self._key(name, version))
+            await self.delete(name, version)
         newest = published[-1] if published else -1
         for version in _parse_versions(listing.unpublished):
             if version < newest:
-                await delete_bundle(self.transport, self._key(name, version))
+                await self.delete(name, version)
         if doomed:
             log.info("pruned %s versions %s", name, doomed)
         return doomed

@@ -170,6 +170,10 @@ class CheckpointStore(BundleStore):
             resumed,
         )
 
+    async def delete(self, step: int) -> None:
+        """Delete checkpoint ``step`` (its manifest first, so it stops existing at once)."""
+        await delete_bundle(self.transport, self._key(step))
+
     async def prune(self, *, keep_last: int) -> list[int]:
         """Delete all but the newest ``keep_last`` checkpoints (and older unfinished uploads)."""
         if keep_last < 1:
@@ -178,11 +182,11 @@ class CheckpointStore(BundleStore):
         steps = sorted(_parse_steps(listing.published))
         doomed = steps[:-keep_last]
         for step in doomed:
-            await delete_bundle(self.transport, self._key(step))
+            await self.delete(step)
         newest = steps[-1] if steps else -1
         for step in _parse_steps(listing.unpublished):
             if step < newest:
-                await delete_bundle(self.transport, self._key(step))
+                await self.delete(step)
         if doomed:
             log.info("pruned checkpoints %s", doomed)
         return doomed

@@ -15,12 +15,11 @@ import time
 from pathlib import Path
 
 from asyncgrpo.store.adapters import AdapterStore
-from asyncgrpo.store.bundle import delete_bundle
 from asyncgrpo.store.checkpoints import CheckpointStore
 from asyncgrpo.tinker.checkpoints import Checkpoint, CheckpointIndex, Deleter, parse_path
 from asyncgrpo.tinker.engine import LoraSpec
 from asyncgrpo.tinker.wire import WireError
-from asyncgrpo.transport.base import Transport, join_key
+from asyncgrpo.transport.base import Transport
 
 __all__ = ["StateStore", "files_deleter", "parse_state_path", "state_path"]
 
@@ -40,8 +39,9 @@ def parse_state_path(path: str) -> tuple[str, str]:
     return run_id, name
 
 
-def _step_key(run_id: str, step: int) -> str:
-    return join_key(STATES, run_id, f"step-{step:09d}")
+def _state_store(transport: Transport, run_id: str) -> CheckpointStore:
+    """The run's own checkpoint store, ``tinker-states/<run_id>``."""
+    return CheckpointStore(transport, prefix=f"{STATES}/{run_id}")
 
 
 def files_deleter(transport: Transport, adapters: AdapterStore) -> Deleter:
@@ -49,10 +49,9 @@ def files_deleter(transport: Transport, adapters: AdapterStore) -> Deleter:
 
     async def delete(run_id: str, checkpoint: Checkpoint) -> None:
         if checkpoint.kind == "training":
-            await delete_bundle(transport, _step_key(run_id, checkpoint.where))
+            await _state_store(transport, run_id).delete(checkpoint.where)
         else:
-            await delete_bundle(transport, join_key(adapters.prefix, run_id,
-                                                    f"v{checkpoint.where}"))  # fmt: skip
+            await adapters.delete(run_id, checkpoint.where)
 
     return delete
 
@@ -64,7 +63,7 @@ class StateStore:
         self.base_model = base_model
 
     def _store(self, model_id: str) -> CheckpointStore:
-        return CheckpointStore(self.transport, prefix=f"{STATES}/{model_id}")
+        return _state_store(self.transport, model_id)
 
     async def start_run(self, model_id: str, spec: LoraSpec) -> None:
         """Record the client's run in the index (listed from then on)."""
