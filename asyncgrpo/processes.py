@@ -4,10 +4,11 @@
 everything it forks share one process group that can be signalled at once, and (on Linux) with
 SIGTERM as its parent-death signal, so a child still gets its clean shutdown when this process
 dies without stopping it (SIGKILL, the OOM killer); that shutdown stops its own descendants (vLLM's
-API server stops its engine core). :func:`stop_group` is the one way they are stopped: SIGTERM to
-the group, a grace period for the process and every descendant to exit, then SIGKILL to the group
-and to the descendants that left it. Callers run it in a shielded scope, so cancellation and
-Ctrl-C still clean up.
+API server stops its engine core). A child that ignores that SIGTERM (vLLM's API server does while
+its engine starts) is SIGKILLed a grace later by a watchdog (:mod:`asyncgrpo.parent_death`).
+:func:`stop_group` is the one way they are stopped: SIGTERM to the group, a grace period for the
+process and every descendant to exit, then SIGKILL to the group and to the descendants that left
+it. Callers run it in a shielded scope, so cancellation and Ctrl-C still clean up.
 
 Elsewhere than Linux there is no parent-death signal: a child outlives a parent killed outright.
 """
@@ -29,14 +30,24 @@ from typing import IO, Any
 import anyio
 from anyio.abc import Process
 
+from asyncgrpo.parent_death import WATCHDOG_NAME
+
 logger = logging.getLogger(__name__)
 
-#: The program put in front of a child's command to set its parent-death signal.
+#: The program put in front of a child's command (:mod:`asyncgrpo.parent_death`).
 _PARENT_DEATH = str(Path(__file__).with_name("parent_death.py"))
+#: How long an orphaned child has between its SIGTERM and SIGKILL: a serve process's own
+#: shutdown (its vLLM servers' grace, then their SIGKILL) fits in it.
+ORPHAN_GRACE_S = 30.0
+#: The process name of the idle watchdog beside each child (``ps -o comm``, psutil's ``name()``).
+WATCHDOG = WATCHDOG_NAME.decode()
 
 
-def parent_death_argv(argv: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
-    """``argv`` run so that the program gets SIGTERM when the thread that starts it ends, however.
+def parent_death_argv(
+    argv: Sequence[str], env: Mapping[str, str] | None = None, *, grace_s: float = ORPHAN_GRACE_S
+) -> list[str]:
+    """``argv`` run so that the program gets SIGTERM when the thread that starts it ends, however,
+    and SIGKILL ``grace_s`` after this process exits if it is still there.
 
     The kernel ties the signal to that thread, not to its process: start children from a thread
     that lives as long as they should (the event loop's, as :func:`start_group` does), never from
@@ -54,7 +65,7 @@ def parent_death_argv(argv: Sequence[str], env: Mapping[str, str] | None = None)
     )
     if path is None:
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
-    return [sys.executable, "-I", "-S", _PARENT_DEATH, str(os.getpid()), path, *argv]
+    return [sys.executable, "-I", "-S", _PARENT_DEATH, str(os.getpid()), str(grace_s), path, *argv]
 
 
 async def start_group(

@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+import anyio
+import psutil
 import pytest
 
 from asyncgrpo.processes import alive, log_tail, parent_death_argv, start_group, stop_group
@@ -111,6 +113,59 @@ def test_the_program_runs_as_if_started_directly(tmp_path: Path) -> None:
     pid, *rest = out.splitlines()
     assert int(pid) == shimmed.pid
     assert rest == direct.stdout.splitlines()[1:] and rest[:2] == [str(tmp_path), "x a b c"]
+
+
+#: Ignores SIGTERM (as vLLM's API server does while its engine starts) and prints its pid.
+STUBBORN = [
+    sys.executable,
+    "-c",
+    "import os, signal, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print(os.getpid(), flush=True)\n"
+    "time.sleep(120)\n",
+]
+
+
+def test_a_child_that_ignores_sigterm_is_killed_a_grace_after_its_parent_dies() -> None:
+    """The parent is SIGKILLed and cannot escalate: the keeper does, ``grace_s`` after the
+    child's SIGTERM (without it the child would run on for its full two minutes)."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c",
+         "import subprocess, sys, time\n"
+         "from asyncgrpo.processes import parent_death_argv\n"
+         f"subprocess.Popen(parent_death_argv({STUBBORN!r}, grace_s=1.0), start_new_session=True)\n"
+         "time.sleep(120)\n"],
+        stdout=subprocess.PIPE, text=True, env=ENV,
+    )  # fmt: skip
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    try:
+        time.sleep(0.3)  # the child's handler is set
+        parent.kill()
+        parent.wait(timeout=10)
+        assert alive([child]), "the child must survive its SIGTERM: it ignores it"
+        assert _gone_within(child, 10), "the child outlived its parent"
+    finally:
+        if alive([child]):
+            os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.anyio
+async def test_the_watchdog_is_out_of_the_groups_way_and_ends_with_the_program() -> None:
+    """The watchdog is the program's child in a group of its own: the group's SIGTERM stops the
+    program alone, the program's status is its own, and the watchdog is gone with it."""
+    process = await start_group(SLEEP, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while not (watchdogs := psutil.Process(process.pid).children()):
+        assert time.monotonic() < deadline, "no watchdog"
+        await anyio.sleep(0.05)
+    (watchdog,) = watchdogs
+    assert watchdog.name() == "asyncgrpo-watch"
+    assert os.getpgid(watchdog.pid) == watchdog.pid != process.pid
+    assert os.getsid(watchdog.pid) == process.pid
+    await stop_group(process, 5, "the sleeper")
+    assert process.returncode == -signal.SIGTERM
+    assert _gone_within(watchdog.pid, 5)
 
 
 def test_the_program_is_looked_up_on_the_childs_path_and_a_missing_one_is_refused(
