@@ -142,7 +142,7 @@ class DataParallel:
         own (the Tinker service's operations, each rank's share of a request)."""
         out: list[Any] = [None]
         sent = list(objs) if self.is_main and objs is not None else None
-        self._collective("receiving rank 0's next operation",
+        self._collective("passing on rank 0's next operation",
                          lambda: dist.scatter_object_list(out, sent, src=0))  # fmt: skip
         return out[0]
 
