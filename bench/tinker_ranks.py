@@ -32,7 +32,9 @@ import numpy as np
 from asyncgrpo.testing import make_tiny_model
 
 
-def _start(model: Path, work: Path, ranks: int, threads: int | None) -> tuple[subprocess.Popen, str]:
+def _start(
+    model: Path, work: Path, ranks: int, threads: int | None
+) -> tuple[subprocess.Popen, str]:
     """The service on ``ranks`` ranks; the process and its URL once ready."""
     args = ["-m", "asyncgrpo.tinker", "--model", str(model), "--port", "0", "--dtype", "float32",
             "--max-lora-rank", "8", "--work-dir", str(work), "--log-level", "WARNING"]  # fmt: skip

@@ -100,8 +100,9 @@ def vocab(tiny_model: Path) -> int:
 
 @pytest.fixture(scope="module")
 def one_process(tiny_model: Path, vocab: int, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from asyncgrpo.tinker import TinkerConfig, serve_tinker
     from anyio.from_thread import start_blocking_portal
+
+    from asyncgrpo.tinker import TinkerConfig, serve_tinker
 
     work = tmp_path_factory.mktemp("one")
     config = TinkerConfig(model=str(tiny_model), port=0, max_lora_rank=8, dtype="float32",
