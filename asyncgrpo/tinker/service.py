@@ -6,6 +6,8 @@ and answer the request id at once; the worker runs one job at a time in a thread
 clients), and records its outcome in the :class:`~asyncgrpo.tinker.futures.FutureTable`. A job
 that fails is its own request's error (``user`` for a bad request, ``server`` otherwise, logged
 in one line); the worker goes on with every other client's requests.
+A :class:`~asyncgrpo.errors.RankError` (a data-parallel rank is gone) instead stops the
+service: the ranks' adapters can no longer be kept equal.
 """
 
 from __future__ import annotations
