@@ -3,7 +3,8 @@
 Every ``TinkerConfig`` field is a flag (``--help``) and an ``ASYNCGRPO_TINKER_<FIELD>``
 environment variable; the API key comes only from the environment (``TINKER_API_KEY``, the
 variable the SDK reads too, or the one ``--api-key-env`` names). Prints
-``tinker service ready: http://HOST:PORT`` once it answers.
+``tinker service ready: http://HOST:PORT`` once it answers. Under ``torchrun --nproc-per-node
+N`` rank 0 serves and every rank computes a share of each step (:mod:`asyncgrpo.tinker.ranks`).
 """
 
 from __future__ import annotations
@@ -44,14 +45,14 @@ def _parse(argv: Sequence[str] | None, prog: str) -> tuple[TinkerConfig, argpars
     return config, args
 
 
-async def _serve(config: TinkerConfig) -> None:
+async def _serve(config: TinkerConfig, dp: object = None) -> None:
     from asyncgrpo.tinker.server import serve_tinker
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with serve_tinker(config) as url:
+    async with serve_tinker(config, dp) as url:  # type: ignore[arg-type]
         print(f"tinker service ready: {url}", flush=True)
         await stop.wait()
     print("tinker service stopped", flush=True)
@@ -63,7 +64,30 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> None:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    run_command(lambda: asyncio.run(_serve(config)), prog, debug=args.debug)
+    run_command(lambda: _rank_main(config), prog, debug=args.debug)
+
+
+def _rank_main(config: TinkerConfig) -> None:
+    """One process: the service. Under torchrun rank 0 serves and the other ranks follow it,
+    ignoring SIGINT/SIGTERM: they exit when rank 0 tells them to or is gone."""
+    from asyncgrpo.trainer.distributed import DataParallel
+
+    dp = DataParallel.from_env(timeout_s=config.dp_timeout_s,
+                               timeout_setting="tinker.dp_timeout_s",
+                               aftermath="The service stops; start it again")  # fmt: skip
+    try:
+        if dp is None or dp.is_main:
+            asyncio.run(_serve(config, dp))
+            return
+        from asyncgrpo.tinker.ranks import follow
+        from asyncgrpo.tinker.server import load_engine
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        follow(load_engine(config, dp), dp)
+    finally:
+        if dp is not None:
+            dp.close()
 
 
 if __name__ == "__main__":

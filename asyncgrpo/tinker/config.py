@@ -97,6 +97,10 @@ class TinkerConfig:
     max_training_clients: int = 16
     """The most training clients alive at once (each holds an adapter and its AdamW state in
     the trainer's memory); one more is refused naming this cap."""
+    dp_timeout_s: float = 1800.0
+    """Under torchrun (several ranks): how long a rank waits for the others in one operation
+    before the service fails naming it (RankError). Rank 0 pings idle ranks every
+    min(60, dp_timeout_s / 4) s, so an idle service does not run out of it."""
 
     __repr__ = redacted_repr  # the generated repr would print credentials in transport_url
 
@@ -107,7 +111,8 @@ class TinkerConfig:
                                          "max_training_clients": 1,
                                          "replicas": 0, "kv_cache_gib": 1, "max_model_len": 1,
                                          "max_loras": 1},
-                     le={"port": 65535}, gt={"lora_alpha": 0, "session_timeout_s": 0})  # fmt: skip
+                     le={"port": 65535}, gt={"lora_alpha": 0, "session_timeout_s": 0,
+                                                      "dp_timeout_s": 0})  # fmt: skip
         if not self.model:
             raise ConfigError("tinker.model is empty: give the base model's directory (--model)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -27,7 +27,7 @@ from asyncgrpo.trainer.config import LoraConfig
 from asyncgrpo.trainer.model import autocast, load_policy, model_device
 from asyncgrpo.trainer.packing import plan_rows, restarting_positions
 
-__all__ = ["AdamStep", "Engine", "LoraSpec", "StateError"]
+__all__ = ["AdamStep", "Engine", "LoraSpec", "StateError", "read_state"]
 
 STATE_FILE = "tinker_state.pt"
 _STATE_FORMAT = "asyncgrpo-tinker-state-1"
@@ -68,6 +68,11 @@ class _Client:
     steps: int = 0
 
 
+def read_state(directory: Path) -> dict[str, Any]:
+    """The state :meth:`Engine.save_state` wrote into ``directory`` (tensors on the CPU)."""
+    return torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
+
+
 def target_modules(model: torch.nn.Module, *, mlp: bool, attn: bool) -> list[str]:
     """The names (last path component) of the base model's linear layers in its MLP and/or
     attention blocks; never the LM head (vLLM's runtime LoRA does not serve it)."""
@@ -86,10 +91,9 @@ def target_modules(model: torch.nn.Module, *, mlp: bool, attn: bool) -> list[str
 
 
 class Engine:
-    def __init__(
-        self, model_path: str | Path, *, dtype: str, lora_alpha: float, token_budget: int = 4096
-    ) -> None:
-        self.model: Any = load_policy(model_path, LoraConfig(r=1), dtype=dtype)
+    def __init__(self, model_path: str | Path, *, dtype: str, lora_alpha: float,
+                 token_budget: int = 4096, device: torch.device | None = None) -> None:  # fmt: skip
+        self.model: Any = load_policy(model_path, LoraConfig(r=1), dtype=dtype, device=device)
         #: tokens per packed forward of ``forward_backward``: bounds its activations and logits
         self.token_budget = token_budget
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
@@ -248,8 +252,12 @@ class Engine:
     def load_state(self, model_id: str, directory: Path, *, optimizer: bool) -> None:
         """Restore a :meth:`save_state` into the client (its AdamW state too if ``optimizer``,
         else a fresh AdamW); StateError if it was saved from another LoRA shape."""
+        self.apply_state(model_id, read_state(directory), optimizer=optimizer)
+
+    def apply_state(self, model_id: str, state: dict[str, Any], *, optimizer: bool) -> None:
+        """:meth:`load_state` of a state already read (:func:`read_state`): what data-parallel
+        ranks receive from rank 0, which alone reads the file."""
         client = self._clients[model_id]
-        state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
         names = [n.replace(f".{model_id}.", ".{adapter}.") for n, p in self.model.named_parameters()
                  if f".{model_id}." in n]  # fmt: skip
         saved = state.get("adapter", {})
@@ -269,6 +277,10 @@ class Engine:
         if optimizer:
             client.optimizer.load_state_dict(state["optimizer"])
             client.steps = int(state["steps"])
+
+    def params(self, model_id: str) -> list[torch.nn.Parameter]:
+        """The client's adapter parameters (what its AdamW steps)."""
+        return self._clients[model_id].params
 
     def spec(self, model_id: str) -> LoraSpec:
         return self._clients[model_id].spec

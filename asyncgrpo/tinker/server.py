@@ -6,6 +6,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 from aiohttp import web
@@ -18,28 +19,41 @@ from asyncgrpo.tinker.app import build_app
 from asyncgrpo.tinker.checkpoints import CheckpointIndex
 from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.engine import Engine
+from asyncgrpo.tinker.ranks import RankedEngine
 from asyncgrpo.tinker.sampling import open_sampler
 from asyncgrpo.tinker.service import TinkerService
 from asyncgrpo.tinker.states import StateStore, files_deleter
+from asyncgrpo.trainer.distributed import DataParallel
 from asyncgrpo.transport.registry import open_transport
 
-__all__ = ["replica_config", "serve_tinker"]
+__all__ = ["load_engine", "replica_config", "serve_tinker"]
 
 logger = logging.getLogger(__name__)
 
 
+def load_engine(config: TinkerConfig, dp: DataParallel | None = None) -> Engine:
+    """The service's engine on this rank's device (each rank loads the base model itself)."""
+    return Engine(config.model, dtype=config.dtype, lora_alpha=config.lora_alpha,
+                  token_budget=config.token_budget,
+                  device=dp.device() if dp is not None else None)  # fmt: skip
+
+
 @contextlib.asynccontextmanager
-async def serve_tinker(config: TinkerConfig) -> AsyncIterator[str]:
+async def serve_tinker(config: TinkerConfig, dp: DataParallel | None = None) -> AsyncIterator[str]:
     """Load the base model, listen on ``config.host:config.port`` and serve until the block
-    ends; yields ``http://HOST:PORT`` (the bound port when ``port`` is 0)."""
-    engine = await anyio.to_thread.run_sync(
-        lambda: Engine(
-            config.model,
-            dtype=config.dtype,
-            lora_alpha=config.lora_alpha,
-            token_budget=config.token_budget,
-        )
-    )
+    ends; yields ``http://HOST:PORT`` (the bound port when ``port`` is 0). ``dp``: rank 0 of
+    several (torchrun), whose weight operations every rank runs (:mod:`asyncgrpo.tinker.ranks`)."""
+    local = await anyio.to_thread.run_sync(lambda: load_engine(config, dp))
+    engine: Any = local if dp is None else RankedEngine(local, dp)
+    async with contextlib.AsyncExitStack() as ranks:
+        if dp is not None:  # the last thing to go: the other ranks exit once rank 0 is done
+            ranks.push_async_callback(anyio.to_thread.run_sync, engine.close)
+        async with _serve_engine(config, engine) as url:
+            yield url
+
+
+@contextlib.asynccontextmanager
+async def _serve_engine(config: TinkerConfig, engine: Any) -> AsyncIterator[str]:
     work = Path(config.work_dir).resolve()
     transport = open_transport(config.transport_url or str(work / "store"))
     adapters = AdapterStore(transport)

@@ -6,6 +6,8 @@ and answer the request id at once; the worker runs one job at a time in a thread
 clients), and records its outcome in the :class:`~asyncgrpo.tinker.futures.FutureTable`. A job
 that fails is its own request's error (``user`` for a bad request, ``server`` otherwise, logged
 in one line); the worker goes on with every other client's requests.
+A :class:`~asyncgrpo.errors.RankError` (a data-parallel rank is gone) instead stops the
+service: the ranks' adapters can no longer be kept equal.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from asyncgrpo.errors import ConfigError, NotFound
+from asyncgrpo.errors import ConfigError, NotFound, RankError
 from asyncgrpo.tinker.engine import StateError
 from asyncgrpo.tinker.futures import FutureTable, Outcome
 from asyncgrpo.tinker.losses import LossInputError
@@ -173,9 +175,6 @@ class TinkerService:
         self._tasks.start_soon(self._finish, "sampling", rid, job)
         return rid
 
-    async def _finish(self, client: str, rid: str, job: Job) -> None:
-        self.futures.finish(rid, await self._run_one(client, job))
-
     def done(self, value: Any) -> str:
         """A request id that is already finished with ``value`` (no work to queue)."""
         rid = self.futures.new()
@@ -187,6 +186,8 @@ class TinkerService:
         stop); ready once it can take jobs."""
         async with anyio.create_task_group() as self._tasks:
             self._tasks.start_soon(self._expire)
+            if getattr(self.engine, "keepalive_s", None):
+                self._tasks.start_soon(self._keepalive)
             task_status.started()
             while True:
                 await self._waiting.acquire()
@@ -196,9 +197,28 @@ class TinkerService:
                 client, (rid, job) = popped
                 await self._finish(client, rid, job)
 
+    async def _keepalive(self) -> None:
+        """Ping the data-parallel ranks when idle (a RankError here stops the service)."""
+        every = self.engine.keepalive_s
+        while True:
+            await anyio.sleep(max(every - self.engine.idle_s(), 0.1))
+            if self.engine.idle_s() >= every:
+                await in_thread(self.engine.ping)()
+
+    async def _finish(self, client: str, rid: str, job: Job) -> None:
+        try:
+            outcome = await self._run_one(client, job)
+        except RankError as exc:  # a data-parallel rank is gone: the service cannot go on
+            logger.error("request of %s failed: %s", client, exc)
+            self.futures.finish(rid, Outcome(error=f"the server failed: {exc}", category="server"))
+            raise
+        self.futures.finish(rid, outcome)
+
     async def _run_one(self, client: str, job: Job) -> Outcome:
         try:
             return Outcome(value=await job())
+        except RankError:
+            raise
         except USER_ERRORS as exc:
             logger.warning("request of %s refused: %s", client, exc)
             return Outcome(error=str(exc), category="user")

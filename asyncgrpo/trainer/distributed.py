@@ -66,16 +66,21 @@ class DataParallel:
     world_size: int
     local_rank: int = 0
     timeout_s: float = 1800.0
+    #: the setting a RankError names for the timeout, and what it says happens next
+    timeout_setting: str = "trainer.dp_timeout_s"
+    aftermath: str = "The job stops; start it again and it resumes from the latest checkpoint"
 
     @classmethod
-    def from_env(cls, *, timeout_s: float = 1800.0) -> DataParallel | None:
-        """Join the group torchrun describes in the environment; None for a single process."""
+    def from_env(cls, *, timeout_s: float = 1800.0, **wording: str) -> DataParallel | None:
+        """Join the group torchrun describes in the environment; None for a single process.
+        ``wording``: ``timeout_setting`` and ``aftermath`` for its RankErrors."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size <= 1:
             return None
         rank = int(os.environ["RANK"])
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        dp = cls(rank=rank, world_size=world_size, local_rank=local_rank, timeout_s=timeout_s)
+        dp = cls(rank=rank, world_size=world_size, local_rank=local_rank, timeout_s=timeout_s,
+                 **wording)  # fmt: skip
         if not dist.is_initialized():
             backend = "gloo"
             if torch.cuda.is_available():
@@ -101,8 +106,8 @@ class DataParallel:
         except (RuntimeError, dist.DistError) as exc:
             raise RankError(
                 f"rank {self.rank} of {self.world_size}: {what} failed, so another rank died or "
-                f"did not answer within trainer.dp_timeout_s={self.timeout_s:g} ({exc}). The job "
-                "stops; start it again and it resumes from the latest checkpoint"
+                f"did not answer within {self.timeout_setting}={self.timeout_s:g} ({exc}). "
+                f"{self.aftermath}"
             ) from exc
 
     # -- samples ------------------------------------------------------------------------------
@@ -131,6 +136,22 @@ class DataParallel:
         box = [obj]
         self._collective("broadcast from rank 0", lambda: dist.broadcast_object_list(box, src=0))
         return box[0]  # type: ignore[return-value]
+
+    def scatter_objects(self, objs: Sequence[Any] | None) -> Any:
+        """Rank 0 passes one picklable object per rank (others pass None); each rank gets its
+        own (the Tinker service's operations, each rank's share of a request)."""
+        out: list[Any] = [None]
+        sent = list(objs) if self.is_main and objs is not None else None
+        self._collective("passing on rank 0's next operation",
+                         lambda: dist.scatter_object_list(out, sent, src=0))  # fmt: skip
+        return out[0]
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0, in rank order (None on the other ranks)."""
+        box: list[Any] | None = [None] * self.world_size if self.is_main else None
+        self._collective("gathering results on rank 0",
+                         lambda: dist.gather_object(obj, box, dst=0))  # fmt: skip
+        return box
 
     # -- tensors ------------------------------------------------------------------------------
     def gather_counts(self, values: Sequence[float]) -> torch.Tensor:
