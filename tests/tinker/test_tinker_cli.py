@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 
@@ -50,39 +55,117 @@ def test_a_bad_flag_is_one_line_and_status_2() -> None:
     ]
 
 
-def test_replicas_started_by_the_service_sample_and_stop_with_it(
-    tiny_model: Path, tmp_path: Path, leftovers: list
-) -> None:
-    """``--replicas 1`` with the serve flags: the service starts a vLLM replica itself (the run's
-    fleet starter), samples the saved weights on it through the SDK, and leaves no process."""
+@dataclass
+class _Running:
+    """A service process started by the test, its URL and the vLLM replicas under it."""
+
+    proc: subprocess.Popen[str]
+    url: str
+    replicas: list
+    output: str = ""
+
+
+@contextlib.contextmanager
+def _running(args: list[str], leftovers: list) -> Iterator[_Running]:
+    """The service run as users run it (its own process), SIGTERMed at the end of the block."""
     import psutil
+
+    proc, url = _start(args)
+    leftovers.append(psutil.Process(proc.pid))
+    replicas = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                if "vllm" in " ".join(p.cmdline())]  # fmt: skip
+    running = _Running(proc, url, replicas)
+    try:
+        yield running
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        running.output = proc.communicate(timeout=120)[0]
+
+
+def _stopped_cleanly(running: _Running) -> None:
+    import psutil
+
+    assert running.proc.returncode == 0, running.output[-3000:]
+    assert "tinker service stopped" in running.output
+    _, alive = psutil.wait_procs(running.replicas, timeout=30)
+    assert not alive, f"replicas outlived the service: {[p.pid for p in alive]}"
+
+
+def _greedy(
+    sampler, prompt: list[int], scored: list[int]
+) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """Greedy tokens and their logprobs after ``prompt``, and the logprobs ``compute_logprobs``
+    gives the fixed sequence ``scored`` (position 0 has none)."""
+    from tinker import types
+
+    params = types.SamplingParams(max_tokens=6, temperature=0.0, seed=0)
+    seq = sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
+    fixed = sampler.compute_logprobs(types.ModelInput.from_ints(scored)).result()
+    assert fixed[0] is None
+    return list(seq.tokens), np.asarray(seq.logprobs), np.asarray(fixed[1:])
+
+
+def _train_and_save(url: str, model: Path) -> tuple[str, list[int], list[int]]:
+    """A client trained two steps and its ``save_weights_for_sampler`` path; the fixed prompt
+    and the fixed sequence to score."""
     import tinker
     from tinker import types
 
-    proc, url = _start(["-m", "asyncgrpo.tinker", "--model", str(tiny_model), "--port", "0",
-                        "--replicas", "1", "--dtype", "float32", "--kv-cache-gib", "1",
-                        "--max-model-len", "512", "--max-lora-rank", "8",
-                        "--work-dir", str(tmp_path / "work")])  # fmt: skip
-    leftovers.append(psutil.Process(proc.pid))
-    try:
-        vllm = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                if "vllm" in " ".join(p.cmdline())]  # fmt: skip
-        assert vllm, "no vLLM replica under the service"
-        service = tinker.ServiceClient(base_url=url)
-        training = service.create_lora_training_client(base_model=str(tiny_model), rank=8).result()
-        ids = training.get_tokenizer().encode("12 + 7 = 19")
-        sampler = training.save_weights_and_get_sampling_client().result()
-        out = sampler.sample(types.ModelInput.from_ints(ids), 2,
-                             types.SamplingParams(max_tokens=4, temperature=1.0)).result()  # fmt: skip
-        assert len(out.sequences) == 2 and all(s.logprobs for s in out.sequences)
+    service = tinker.ServiceClient(base_url=url)
+    training = service.create_lora_training_client(base_model=str(model), rank=8).result()
+    ids = training.get_tokenizer().encode("12 + 7 = 19")
+    datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                        loss_fn_inputs={"target_tokens": ids[1:]})  # fmt: skip
+    for _ in range(2):
+        training.forward_backward([datum], "cross_entropy")
+        training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    path = training.save_weights_for_sampler("before-restart").result().path
+    service.close("success").result()
+    return path, ids[:-2], ids
+
+
+@pytest.mark.vllm
+def test_a_sampler_path_samples_the_same_after_the_service_restarts(
+    tiny_model: Path, tmp_path: Path, leftovers: list
+) -> None:
+    """``--replicas 1``: the service starts a vLLM replica itself (the run's fleet starter) and
+    stops it with itself, leaving no process. A ``save_weights_for_sampler`` path sampled
+    before a SIGTERM samples the same greedy tokens and logprobs on a fresh service process and
+    replica on the same ``--transport``: the version came back from the transport, since no
+    process that held it is left, nor the service's local copy. A path never saved is the
+    SDK's ``NotFoundError`` naming it."""
+    import tinker
+
+    args = ["-m", "asyncgrpo.tinker", "--model", str(tiny_model), "--port", "0",
+            "--replicas", "1", "--dtype", "float32", "--kv-cache-gib", "1",
+            "--max-model-len", "512", "--max-lora-rank", "8", "--work-dir", str(tmp_path / "work"),
+            "--transport", str(tmp_path / "store")]  # fmt: skip
+    with _running(args, leftovers) as first:
+        assert first.replicas, "no vLLM replica under the service"
+        path, prompt, scored = _train_and_save(first.url, tiny_model)
+        service = tinker.ServiceClient(base_url=first.url)
+        before = _greedy(service.create_sampling_client(model_path=path).result(), prompt, scored)
+        base = _greedy(service.create_sampling_client(base_model=str(tiny_model)).result(),
+                       prompt, scored)  # fmt: skip
         service.close("success").result()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out_text = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 0, out_text[-3000:]
-    _, alive = psutil.wait_procs(vllm, timeout=30)
-    assert not alive, f"replicas outlived the service: {[p.pid for p in alive]}"
+    _stopped_cleanly(first)
     assert (tmp_path / "work" / "replica-logs").is_dir()
+    assert np.abs(before[2] - base[2]).max() > 1e-3  # the adapter, not the base model, serves
+    assert not list((tmp_path / "work" / "cache").glob("*")), "a local copy outlived the stop"
+    with _running(args, leftovers) as second:
+        service = tinker.ServiceClient(base_url=second.url)
+        after = _greedy(service.create_sampling_client(model_path=path).result(), prompt, scored)
+        run_id = path.split("/")[2]
+        for unknown in ("tinker://nope/sampler_weights/x", f"tinker://{run_id}/sampler_weights/x"):
+            with pytest.raises(
+                tinker.NotFoundError, match=re.escape(f"no checkpoint at '{unknown}'")
+            ):
+                service.create_sampling_client(model_path=unknown).result()
+        service.close("success").result()
+    _stopped_cleanly(second)
+    assert after[0] == before[0], (before[0], after[0])
+    assert np.abs(after[1] - before[1]).max() <= 1e-4, (before[1], after[1])
+    assert np.abs(after[2] - before[2]).max() <= 1e-4, (before[2], after[2])
 
 
 def test_replicas_beside_a_proxy_url_is_one_line_and_status_2() -> None:
