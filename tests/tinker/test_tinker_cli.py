@@ -132,7 +132,8 @@ def test_a_sampler_path_samples_the_same_after_the_service_restarts(
     stops it with itself, leaving no process. A ``save_weights_for_sampler`` path sampled
     before a SIGTERM samples the same greedy tokens and logprobs on a fresh service process and
     replica on the same ``--transport``: the version came back from the transport, since no
-    process that held it is left, nor the service's local copy. A path never saved is the
+    process that held it is left, nor a copy outside the transport (the service's
+    or the replica's cache). A path never saved is the
     SDK's ``NotFoundError`` naming it."""
     import tinker
 
@@ -151,7 +152,9 @@ def test_a_sampler_path_samples_the_same_after_the_service_restarts(
     _stopped_cleanly(first)
     assert (tmp_path / "work" / "replica-logs").is_dir()
     assert np.abs(before[2] - base[2]).max() > 1e-3  # the adapter, not the base model, serves
-    assert not list((tmp_path / "work" / "cache").glob("*")), "a local copy outlived the stop"
+    copies = [f for d in ("cache", "replica-adapters") for f in (tmp_path / "work" / d).rglob("*")
+              if f.is_file()]  # fmt: skip
+    assert not copies, f"copies outside the transport outlived the stop: {copies}"
     with _running(args, leftovers) as second:
         service = tinker.ServiceClient(base_url=second.url)
         after = _greedy(service.create_sampling_client(model_path=path).result(), prompt, scored)
