@@ -105,13 +105,11 @@ def _greedy(
     return list(seq.tokens), np.asarray(seq.logprobs), np.asarray(fixed[1:])
 
 
-def _train_and_save(url: str, model: Path) -> tuple[str, list[int], list[int]]:
-    """A client trained two steps and its ``save_weights_for_sampler`` path; the fixed prompt
-    and the fixed sequence to score."""
-    import tinker
+def _train_and_save(service, model: Path) -> tuple[str, list[int], list[int]]:
+    """A client of ``service`` trained two steps and its ``save_weights_for_sampler`` path
+    (the client stays live); the fixed prompt and the fixed sequence to score."""
     from tinker import types
 
-    service = tinker.ServiceClient(base_url=url)
     training = service.create_lora_training_client(base_model=str(model), rank=8).result()
     ids = training.get_tokenizer().encode("12 + 7 = 19")
     datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
@@ -120,7 +118,6 @@ def _train_and_save(url: str, model: Path) -> tuple[str, list[int], list[int]]:
         training.forward_backward([datum], "cross_entropy")
         training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     path = training.save_weights_for_sampler("before-restart").result().path
-    service.close("success").result()
     return path, ids[:-2], ids
 
 
@@ -133,8 +130,7 @@ def test_a_sampler_path_samples_the_same_after_the_service_restarts(
     before a SIGTERM samples the same greedy tokens and logprobs on a fresh service process and
     replica on the same ``--transport``: the version came back from the transport, since no
     process that held it is left, nor a copy outside the transport (the service's
-    or the replica's cache). A path never saved is the
-    SDK's ``NotFoundError`` naming it."""
+    or the replica's cache). A path never saved is the SDK's ``NotFoundError`` naming it."""
     import tinker
 
     args = ["-m", "asyncgrpo.tinker", "--model", str(tiny_model), "--port", "0",
@@ -143,8 +139,8 @@ def test_a_sampler_path_samples_the_same_after_the_service_restarts(
             "--transport", str(tmp_path / "store")]  # fmt: skip
     with _running(args, leftovers) as first:
         assert first.replicas, "no vLLM replica under the service"
-        path, prompt, scored = _train_and_save(first.url, tiny_model)
         service = tinker.ServiceClient(base_url=first.url)
+        path, prompt, scored = _train_and_save(service, tiny_model)  # sampled while live
         before = _greedy(service.create_sampling_client(model_path=path).result(), prompt, scored)
         base = _greedy(service.create_sampling_client(base_model=str(tiny_model)).result(),
                        prompt, scored)  # fmt: skip
