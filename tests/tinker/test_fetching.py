@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.vllm  # real vLLM replicas
+
 
 @contextlib.contextmanager
 def _fleet(replicas: list, model: Path, work: Path, **overrides: object) -> Iterator[str]:

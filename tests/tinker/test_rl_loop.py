@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.vllm  # real vLLM replicas
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tinker_rl_loop.py"
 STEPS = 40
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.vllm  # real vLLM replicas
+
 
 def _train(training, tokenizer, steps: int) -> None:
     from tinker import types
