@@ -177,7 +177,8 @@ def test_no_cluster_at_the_address_is_one_line_and_status_2(tmp_path: Path) -> N
 
 
 def test_ray_not_installed_is_one_line_naming_the_extra(tmp_path: Path) -> None:
-    shared = Path("/work/main/.venv/bin/python")  # a Python without Ray
+    # the main virtualenv has no Ray; ``make test-ray`` runs this from .venv-ray layered on it
+    shared = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"
     python = str(shared) if shared.exists() else sys.executable
     if subprocess.run([python, "-c", "import ray"], capture_output=True).returncode == 0:
         pytest.skip("no Python without Ray here")
