@@ -42,7 +42,7 @@ test-skypilot: install
 
 # Ray (with its state API, ray[default]) in a virtualenv of its own layered on the main one, as
 # for SkyPilot: the main suite stays free of a Ray cluster (its Ray tests skip there). The live
-# test starts a two-node local cluster and real launches (about 3.5 minutes of tests on 2 quiet cores, after its install).
+# test starts a two-node local cluster and real launches (about 3.5 minutes on 2 quiet cores).
 RAY_VENV ?= .venv-ray
 RAY_PY := $(RAY_VENV)/bin/python
 test-ray: install
