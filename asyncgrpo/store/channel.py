@@ -57,6 +57,7 @@ from typing import Any
 
 import anyio
 
+from asyncgrpo.bounded_json import JSONRefused, loads
 from asyncgrpo.errors import AlreadyExists, ConfigError, IntegrityError, NotFound, TransportError
 from asyncgrpo.sample import Sample
 from asyncgrpo.store.codec import decode_batch, encode_batch
@@ -86,9 +87,9 @@ def parse_cursor(raw: bytes) -> int:
     """The ``next`` of a cursor file's bytes; ``ValueError`` saying what is wrong unless they
     are a JSON object whose ``next`` is an integer >= 0 (not 1e9, null, true or a string)."""
     try:
-        doc = json.loads(raw)
-    except Exception as exc:  # RecursionError on deep nesting, UnicodeDecodeError, ...
-        raise ValueError(f"not JSON ({type(exc).__name__})") from None
+        doc = loads(raw, MAX_CURSOR_BYTES)
+    except JSONRefused as exc:  # too large, nested too deep, not JSON
+        raise ValueError(f"not a cursor ({exc})") from None
     if not isinstance(doc, dict) or "next" not in doc:
         raise ValueError('not a {"next": <batch number>} object')
     if not _is_count(doc["next"]):
