@@ -88,8 +88,14 @@ def _message(exc: BaseException) -> str | None:
 
 
 def error_lines(prog: str, exc: BaseException) -> list[str]:
-    """``prog: error: <cause>`` for each leaf of ``exc`` (none for an interruption)."""
-    return [f"{prog}: error: {m}" for e in _reported(exc) if (m := _message(e)) is not None]
+    """``prog: error: <cause>`` for each leaf of ``exc`` (none for an interruption), with the
+    credentials of every URL in it redacted (:func:`~asyncgrpo.config.redaction.redact_text`:
+    a message may quote a transport URL with its SAS token, from asyncgrpo or a library)."""
+    from asyncgrpo.config.redaction import redact_text
+
+    return [
+        redact_text(f"{prog}: error: {m}") for e in _reported(exc) if (m := _message(e)) is not None
+    ]
 
 
 def report(prog: str, exc: BaseException, *, debug: bool = False) -> int:

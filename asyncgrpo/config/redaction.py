@@ -45,12 +45,13 @@ _URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
 # RFC 3986, appendix B: splits any string, so a URL-like one is never hidden whole
 _URL_PARTS = re.compile(r"(([^:/?#]+):)?(//([^/?#]*))?([^?#]*)(\?([^#]*))?(#.*)?", re.DOTALL)
 # key=value credentials outside a URL (connection strings, headers, environment variables quoted
-# by an error): the name may carry a prefix (AWS_SECRET_ACCESS_KEY=, ASYNCGRPO_PROXY__API_KEY=)
+# by an error): the name may carry a prefix (AWS_SECRET_ACCESS_KEY=, ASYNCGRPO_PROXY__API_KEY=);
+# ``?``, ``&`` and ``=`` may be percent-encoded (``%3Fsig%3D...``: a URL quoted in another URL)
 _SECRET_PAIR = re.compile(
-    r"(?i)\b((?:[A-Za-z0-9]+_+)*(?:secret_access_key|session_token|secret|password|passwd|"
-    r"api_key|apikey|account_key|accountkey|access_token|hf_token|auth_token|sas_token)|sig|"
+    r"(?i)(?:\b|(?<=%3f)|(?<=%26))((?:[A-Za-z0-9]+_+)*(?:secret_access_key|session_token|"
+    r"secret|password|passwd|api_key|apikey|account_key|accountkey|access_token|hf_token|auth_token|sas_token)|sig|"
     r"signature|x-amz-signature|x-amz-credential|x-amz-security-token|x-goog-signature|"
-    r"x-goog-credential|sharedaccesssignature|token)=[^&;\s\"'<>]+"
+    r"x-goog-credential|sharedaccesssignature|token)(=|%3[dD])[^&;\s\"'<>]+"
 )
 # credentials recognisable on their own: an AWS access key id, a Hugging Face token
 _BARE = re.compile(r"\b(?:(?:AKIA|ASIA)[A-Z0-9]{16}|hf_[A-Za-z0-9]{30,})\b")
@@ -102,7 +103,7 @@ def redact_text(text: str) -> str:
     """``text`` with every URL redacted (:func:`redact_url`) and every ``key=value``
     credential and bearer token outside a URL replaced by ``REDACTED``."""
     text = _URL.sub(lambda m: redact_url(m.group(0)), text)
-    text = _SECRET_PAIR.sub(lambda m: f"{m.group(1)}={REDACTED}", text)
+    text = _SECRET_PAIR.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
     text = _BARE.sub(REDACTED, text)
     return _BEARER.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
 
