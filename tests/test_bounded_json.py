@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncgrpo.bounded_json import MAX_DEPTH, JSONRefused, loads, loads_object
+from asyncgrpo.config.bounded_json import MAX_DEPTH, JSONRefused, loads, loads_object
 from asyncgrpo.errors import IntegrityError
 from asyncgrpo.store.documents import field, parse_document
 

@@ -57,7 +57,7 @@ from typing import Any
 
 import anyio
 
-from asyncgrpo.bounded_json import JSONRefused, loads
+from asyncgrpo.config.bounded_json import JSONRefused, loads
 from asyncgrpo.errors import AlreadyExists, ConfigError, IntegrityError, NotFound, TransportError
 from asyncgrpo.sample import Sample
 from asyncgrpo.store.codec import decode_batch, encode_batch

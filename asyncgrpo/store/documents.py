@@ -5,7 +5,7 @@ consumer's cursor, a bundle's manifest, and any index a service keeps there). Re
 decoded unchecked, a document of gigabytes is a ``MemoryError``, one nested 100,000 deep a
 ``RecursionError``, one of the wrong shape a ``KeyError`` in the reader: a traceback in
 ``asyncgrpo export``, a rollout process that stops. :func:`read_document` reads no more than
-``max_bytes`` (the transport stops there), decodes with :mod:`asyncgrpo.bounded_json`'s depth
+``max_bytes`` (the transport stops there), decodes with :mod:`asyncgrpo.config.bounded_json`'s depth
 guard, and turns every way the bytes can be unusable into one
 :class:`~asyncgrpo.errors.IntegrityError` naming the document; :func:`field` reads one typed
 field the same way.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from asyncgrpo.bounded_json import JSONRefused, loads_object
+from asyncgrpo.config.bounded_json import JSONRefused, loads_object
 from asyncgrpo.errors import IntegrityError
 from asyncgrpo.transport.base import Transport
 
@@ -40,7 +40,7 @@ async def read_document(
 ) -> dict[str, Any]:
     """The JSON object at ``key``: :class:`~asyncgrpo.errors.NotFound` when missing,
     :class:`IntegrityError` naming it when it holds more than ``max_bytes`` (not read further),
-    nests deeper than :data:`~asyncgrpo.bounded_json.MAX_DEPTH` or is not a JSON object."""
+    nests deeper than :data:`~asyncgrpo.config.bounded_json.MAX_DEPTH` or is not a JSON object."""
     raw = await transport.get(key, max_bytes=max_bytes)  # IntegrityError if larger
     return parse_document(raw, f"{transport.url}/{key}", max_bytes)
 

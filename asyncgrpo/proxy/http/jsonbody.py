@@ -1,11 +1,11 @@
-"""JSON request bodies: :mod:`asyncgrpo.bounded_json`'s limits as HTTP statuses (size: 413,
+"""JSON request bodies: :mod:`asyncgrpo.config.bounded_json`'s limits as HTTP statuses (size: 413,
 nesting depth and the rest: 400)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from asyncgrpo.bounded_json import JSONRefused, loads_object
+from asyncgrpo.config.bounded_json import JSONRefused, loads_object
 
 __all__ = ["BodyError", "decode_object"]
 

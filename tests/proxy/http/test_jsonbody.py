@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncgrpo.bounded_json import MAX_DEPTH, too_deep
+from asyncgrpo.config.bounded_json import MAX_DEPTH, too_deep
 from asyncgrpo.proxy.http.jsonbody import BodyError, decode_object
 
 
