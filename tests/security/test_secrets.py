@@ -152,11 +152,17 @@ def test_a_wrongly_typed_secret_is_not_echoed() -> None:
 
 def test_launch_dry_run_errors_show_no_credential(tmp_path: Path) -> None:
     """A transport the backend cannot use was refused naming the URL whole, SAS token and
-    all, although --dry-run output and errors promise redaction."""
-    p = _cli("launch", str(EXAMPLE), "--backend", "hf-jobs", "--dry-run",
-             f"output_dir={tmp_path}", f"transport_url={SAS_URL}")  # fmt: skip
-    assert p.returncode == 2 and "share no disk" in p.stderr, p.stderr
-    assert "sig=REDACTED" in p.stderr and _leaks(p.stdout + p.stderr) == []
+    all (``asyncgrpo launch --backend hf-jobs --dry-run``), although dry-run output and errors
+    promise redaction. The command's path in-process: its config, its dry run, its error line."""
+    from asyncgrpo.console import error_lines
+    from asyncgrpo.launch.launcher import dry_run
+
+    cfg = TrainingConfig.from_yaml(EXAMPLE, overrides=[f"output_dir={tmp_path}"],
+                                   environ={"ASYNCGRPO_TRANSPORT_URL": SAS_URL})  # fmt: skip
+    with pytest.raises(ConfigError, match="share no disk") as info:
+        dry_run(cfg, "hf-jobs")
+    (line,) = error_lines("asyncgrpo", info.value)
+    assert "sig=REDACTED" in line and _leaks(line) == []
 
 
 @pytest.mark.parametrize(
