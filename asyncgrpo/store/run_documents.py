@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 
 from asyncgrpo.errors import AlreadyExists, ConfigError, IntegrityError, NotFound
-from asyncgrpo.store.documents import field, parse_document, read_document
+from asyncgrpo.store.documents import field, read_document
 from asyncgrpo.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -54,13 +54,9 @@ class RunResult:
     adapter_dir: Path | None = None
 
 
-def parse_policy(data: bytes, where: str = POLICY_KEY) -> tuple[str, int]:
-    """(adapter name, version) from a ``policy.json``'s bytes; :class:`IntegrityError` naming
-    ``where`` if they are not one."""
-    return _policy(parse_document(data, where), where)
-
-
 def _policy(doc: dict[str, Any], where: str) -> tuple[str, int]:
+    """(adapter name, version) of a ``policy.json``; :class:`IntegrityError` naming ``where``
+    unless they are a string and an integer >= 0."""
     version = field(doc, "version", int, where)
     if version < 0:
         raise IntegrityError(f"{where}: version {version} is negative")
