@@ -112,6 +112,8 @@ class Request:
             if isinstance(last, bytes):  # a second small piece: start growing a copy
                 last = body[-1] = bytearray(last)
             last += data
+            if len(last) >= PIECE_BYTES:  # full: exactly its size (a bytearray grows ahead)
+                body[-1] = bytes(last)
         else:
             body.append(data)
 
