@@ -141,7 +141,7 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
 
 
 #: Every integer setting fits in 64 bits: torch, vLLM, sockets and timers take no more (a
-#: ``seed`` of 2**70 was an ``OverflowError`` deep in the trainer, not a line naming it).
+#: ``seed`` of 2**70 was a ``ValueError`` from torch at the trainer's start, not a line naming it).
 _INT64 = (-(2**63), 2**63 - 1)
 
 

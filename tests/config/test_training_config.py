@@ -105,7 +105,7 @@ def test_round_trip_to_dict():
         ("rollout.max_inflight=4", "raise max_inflight to at least num_generations"),
         ("rollout.max_inflight_per_replica=3", "max_inflight_per_replica was removed: the proxy"),
         ("trainer.max_steps", "write it as section.field=value"),
-        # numbers fit what consumes them: a seed of 2**70 overflowed in torch, not here
+        # numbers fit what consumes them: a seed of 2**70 failed in torch, at the start
         ("seed=1180591620717411303424", "seed=1180591620717411303424: must fit in 64 bits"),
         ("proxy.max_connections=99999999999999999999", "max_connections=9999"),
         ("trainer.max_steps.x=1", "has no fields"),
