@@ -141,7 +141,8 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
 
 
 #: Every integer setting fits in 64 bits: torch, vLLM, sockets and timers take no more (a
-#: ``seed`` of 2**70 was a ``ValueError`` from torch at the trainer's start, not a line naming it).
+#: ``seed`` of 2**70 was a ``ValueError`` from torch at the trainer's start, not a line
+#: naming the setting).
 _INT64 = (-(2**63), 2**63 - 1)
 
 
