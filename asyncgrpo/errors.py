@@ -169,8 +169,8 @@ _URL_PARTS = re.compile(r"(([^:/?#]+):)?(//([^/?#]*))?([^?#]*)(\?([^#]*))?(#.*)?
 _SECRET_PAIR = re.compile(
     r"(?i)(?:\b|(?<=%3f)|(?<=%26))((?:[A-Za-z0-9]+_+)*(?:secret_access_key|session_token|"
     r"secret|password|passwd|api_key|apikey|account_key|accountkey|access_token|hf_token|"
-    r"auth_token|sas_token)|sig|signature|x-amz-signature|x-amz-credential|x-amz-security-token|x-goog-signature|"
-    r"x-goog-credential|sharedaccesssignature|token)(=|%3[dD])[^&;\s\"'<>]+"
+    r"auth_token|sas_token)|sig|signature|x-amz-signature|x-amz-credential|"
+    r"x-amz-security-token|x-goog-signature|x-goog-credential|sharedaccesssignature|token)(=|%3[dD])[^&;\s\"'<>]+"
 )
 # credentials recognisable on their own: an AWS access key id, a Hugging Face token
 _BARE = re.compile(r"\b(?:(?:AKIA|ASIA)[A-Z0-9]{16}|hf_[A-Za-z0-9]{30,})\b")

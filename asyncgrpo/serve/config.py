@@ -158,7 +158,8 @@ class ServeConfig:
         for url in self.transports:
             if not isinstance(url, str) or not url or "," in url:
                 raise ConfigError(
-                    f"serve.transports: {redact_text(repr(url))} must be a transport URL or path without ','"
+                    f"serve.transports: {redact_text(repr(url))} must be a transport URL or "
+                    "path without ','"
                 )
 
     def delivery(self, *, remote_replicas: bool) -> Literal["path", "fetch"]:

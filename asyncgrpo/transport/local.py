@@ -78,8 +78,8 @@ class LocalTransport(Transport):
             parts = urlsplit(url)
             if parts.netloc not in ("", "localhost"):
                 raise ConfigError(
-                    f"file URL {redact_url(url)!r} names host {parts.hostname!r}; use file:///abs/path "
-                    "(three slashes) or a plain path"
+                    f"file URL {redact_url(url)!r} names host {parts.hostname!r}; use "
+                    "file:///abs/path (three slashes) or a plain path"
                 )
             if parts.query or parts.fragment:
                 raise ConfigError(f"file URL {redact_url(url)!r} must not have a query or fragment")
