@@ -32,6 +32,7 @@ from asyncgrpo.proxy.http.h1 import Response
 from asyncgrpo.proxy.http.headers import DROP_RESPONSE_B, RUN_HEADER, head_lines
 from asyncgrpo.proxy.http.inbound import (
     HEAD_LIMIT,
+    PIECE_BYTES,
     TOO_LARGE,
     Refused,
     Request,
@@ -55,8 +56,9 @@ MAX_QUEUED = 16
 #: Longest one connection's input is parsed before the event loop serves the others: a body
 #: in 1-byte chunks costs a Python call per byte (a 256 KiB read held the loop 50-250 ms).
 FEED_BUDGET_S = 0.005
-#: Bytes handed to llhttp at once, between two looks at the clock.
-FEED_SLICE = 16 * 1024
+#: Bytes handed to llhttp at once, between two looks at the clock: a piece of body as large
+#: as a joined one, so that a plain body's pieces are kept as they came, never copied.
+FEED_SLICE = PIECE_BYTES
 
 _GENERATE = frozenset({b"/v1/completions", b"/v1/chat/completions"})
 _PASS_POST = frozenset({b"/tokenize", b"/detokenize"})
