@@ -28,7 +28,14 @@ import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
-from asyncgrpo.errors import DEBUG_ENV, AsyncGRPOError, ConfigError, UsageError, leaves
+from asyncgrpo.errors import (
+    DEBUG_ENV,
+    AsyncGRPOError,
+    ConfigError,
+    UsageError,
+    leaves,
+    redact_text,
+)
 from asyncgrpo.errors import DEBUG_HELP as DEBUG_HELP  # where the commands imported it from
 
 T = TypeVar("T")
@@ -88,8 +95,12 @@ def _message(exc: BaseException) -> str | None:
 
 
 def error_lines(prog: str, exc: BaseException) -> list[str]:
-    """``prog: error: <cause>`` for each leaf of ``exc`` (none for an interruption)."""
-    return [f"{prog}: error: {m}" for e in _reported(exc) if (m := _message(e)) is not None]
+    """``prog: error: <cause>`` for each leaf of ``exc`` (none for an interruption), with the
+    credentials of every URL in it redacted (:func:`~asyncgrpo.errors.redact_text`: a message
+    may quote a transport URL with its SAS token, from asyncgrpo or a library)."""
+    return [
+        redact_text(f"{prog}: error: {m}") for e in _reported(exc) if (m := _message(e)) is not None
+    ]
 
 
 def report(prog: str, exc: BaseException, *, debug: bool = False) -> int:

@@ -87,6 +87,41 @@ class Sample:
         return not math.isnan(self.reward)
 
 
+@dataclass(frozen=True, slots=True)
+class SampleBounds:
+    """What one model can train on: a sample whose token id is at or past its vocabulary
+    (an ``IndexError`` on CPU, a device-side assert on CUDA), whose prompt or completion is
+    empty, that is longer than its context, or whose logprobs are not finite would stop the
+    trainer (or poison its update) at every resume. Samples from another machine are checked
+    against it before training (:class:`~asyncgrpo.store.channel.RolloutChannel`)."""
+
+    vocab_size: int  #: token ids must be below this (the input embedding's rows)
+    max_tokens: int | None = None  #: prompt + completion at most this (None: unbounded)
+
+    def check(self, samples: Sequence[Sample]) -> None:
+        """``ValueError`` naming the first sample out of bounds, and the bound."""
+        for i, s in enumerate(samples):
+            where = f"sample {i} (group {s.group_id[:40]!r})"
+            if not s.prompt_ids or not s.completion_ids:
+                what = "prompt" if not s.prompt_ids else "completion"
+                raise ValueError(f"{where}: its {what} is empty")
+            if self.max_tokens is not None and s.num_tokens > self.max_tokens:
+                raise ValueError(
+                    f"{where}: {s.num_tokens} tokens, more than the model's context of "
+                    f"{self.max_tokens}"
+                )
+            low = min(min(s.prompt_ids), min(s.completion_ids))
+            high = max(max(s.prompt_ids), max(s.completion_ids))
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                raise ValueError(
+                    f"{where}: token id {bad} is outside the model's vocabulary of "
+                    f"{self.vocab_size}"
+                )
+            if not math.isfinite(sum(s.logprobs)):  # NaN and infinities carry through a sum
+                raise ValueError(f"{where}: a logprob is not a finite number")
+
+
 #: Two rewards closer than this count as equal: a group whose rewards are all equal carries no
 #: signal (every advantage would be 0 up to rounding), so its advantages are set to exactly 0.
 ZERO_STD_TOL = 1e-8

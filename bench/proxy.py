@@ -23,7 +23,9 @@
 (d) Stall: while one 32 MiB body (one-token prompts, or a chat of many messages) goes through
     the proxy, the latency of small requests sent one at a time by another client (p50, p99, max).
 (e) Floods: the proxy's resident memory after 48 MB of trailers on one chunked request and after
-    300 requests whose model names are 64 KB each, and the size of /metrics then.
+    300 requests whose model names are 64 KB each, and the size of /metrics then; its peak
+    memory and the slowest /health while one 8 MB body comes in 1-byte chunks (48 MB on the
+    wire).
 """
 
 from __future__ import annotations
@@ -318,6 +320,7 @@ async def part_overhead(baselines: list[str] | None = None) -> list[list[str]]:
 STALL_BODY_BYTES = 32 * 1024 * 1024 - 4096
 FLOOD_TRAILER_BYTES = 48 * 1000 * 1000
 FLOOD_NAMES, FLOOD_NAME_BYTES = 300, 64 * 1024
+FLOOD_CHUNKED_BYTES = 8 * 1000 * 1000
 
 
 def stall_bodies() -> dict[str, bytes]:
@@ -349,9 +352,9 @@ async def stall_one(url: str, big: bytes, small: bytes) -> tuple[float, list[flo
         return time.perf_counter() - t0, sorted(lat)
 
 
-def rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return 0.0
 
@@ -374,6 +377,34 @@ def trailer_flood(port: int) -> str:
         except OSError:
             answer = b""
     return answer.split(b" ")[1].decode() if answer.startswith(b"HTTP/") else "closed"
+
+
+def one_byte_chunks(port: int) -> str:
+    """A FLOOD_CHUNKED_BYTES generation body in chunks of one byte each; its status."""
+    body = b'{"model": "bench-v1", "prompt": "' + b"x" * (FLOOD_CHUNKED_BYTES - 34) + b'"}'
+    wire = bytearray(6 * len(body))
+    for i, part in enumerate((b"1", b"\r", b"\n", None, b"\r", b"\n")):
+        wire[i::6] = body if part is None else part * len(body)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Type: application/json\r\nConnection: close\r\n\r\n")  # fmt: skip
+    with socket.create_connection(("127.0.0.1", port), timeout=300) as sock:
+        sock.sendall(head + wire + b"0\r\n\r\n")
+        answer = sock.recv(64)
+    return answer.split(b" ")[1].decode() if answer.startswith(b"HTTP/") else "closed"
+
+
+async def chunk_flood(url: str, port: int, pid: int) -> tuple[str, float, float]:
+    """(status, peak RSS MiB, slowest /health ms) while :func:`one_byte_chunks` runs."""
+    sent = asyncio.create_task(asyncio.to_thread(one_byte_chunks, port))
+    slowest = 0.0
+    async with aiohttp.ClientSession() as s:
+        while not sent.done():
+            t = time.perf_counter()
+            async with s.get(url + "/health") as r:
+                await r.read()
+            slowest = max(slowest, time.perf_counter() - t)
+            await asyncio.sleep(0.02)
+    return await sent, rss_mib(pid, "VmHWM"), slowest * 1e3
 
 
 async def name_flood(url: str) -> tuple[dict[int, int], int]:
@@ -436,9 +467,16 @@ async def part_hostile(
                 after_trailers = rss_mib(proc.pid)
                 statuses, metrics = await name_flood(url)
                 after_names = rss_mib(proc.pid)
+            port = free_port()
+            with subprocess_server([*argv, str(port)], env, cwd) as proc:
+                url = f"http://127.0.0.1:{port}"
+                await wait_http(url + "/health")
+                await measure_small(url, small)
+                chunked, peak, slowest = await chunk_flood(url, port, proc.pid)
             flood_rows.append([name, f"{start:.0f}", status, f"{after_trailers:.0f}",
                                " ".join(f"{k}x{v}" for k, v in sorted(statuses.items())),
-                               f"{after_names:.0f}", f"{metrics / 2**20:.2f}"])  # fmt: skip
+                               f"{after_names:.0f}", f"{metrics / 2**20:.2f}", chunked,
+                               f"{peak:.0f}", f"{slowest:.0f}"])  # fmt: skip
     return stall_rows, flood_rows
 
 
@@ -615,9 +653,10 @@ async def main(args: argparse.Namespace) -> None:
         print(table(
             f"(e) floods: proxy RSS (MiB) at start, after {FLOOD_TRAILER_BYTES / 1e6:.0f} MB of "
             f"trailers on one request, after {FLOOD_NAMES} requests of {FLOOD_NAME_BYTES // 1024}"
-            " KB model names; size of /metrics then",
+            f" KB model names; size of /metrics then; a {FLOOD_CHUNKED_BYTES / 1e6:.0f} MB body "
+            "in 1-byte chunks: status, peak RSS, slowest /health meanwhile",
             ["path", "start MiB", "trailers: status", "MiB", "names: statuses", "MiB",
-             "/metrics MiB"], floods,
+             "/metrics MiB", "chunks: status", "peak MiB", "/health max ms"], floods,
         ), flush=True)  # fmt: skip
     if args.part in ("parse", "all"):
         print(table(

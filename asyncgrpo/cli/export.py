@@ -16,7 +16,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.config.flags import int_in
 from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound
+from asyncgrpo.vllm.api import MAX_VERSION
 
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://")
 
@@ -71,7 +73,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("export", help="write a published adapter version as a PEFT directory")
     p.add_argument("source", help="run directory (<output_dir>/<run_name>) or transport URL")
     p.add_argument("dest", help="directory to create (absent or empty)")
-    p.add_argument("--version", type=int, default=None, help="version (default: the newest)")
+    p.add_argument("--version", type=int_in(0, MAX_VERSION), default=None,
+                   help="version (default: the newest)")  # fmt: skip
     p.add_argument("--name", default=None, help="adapter name (default: the run's, policy.json)")
     p.set_defaults(func=_run)
 
@@ -79,6 +82,4 @@ def add_parser(sub: Any) -> None:
 def _run(args: argparse.Namespace) -> None:
     from asyncgrpo.console import run_async
 
-    if args.version is not None and args.version < 0:
-        raise ConfigError(f"--version {args.version}: must be 0 or more")
     print(run_async(lambda: export(args.source, args.dest, version=args.version, name=args.name)))

@@ -30,10 +30,10 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.config.flags import ConfigParser
+from asyncgrpo.config.flags import ConfigParser, int_in
 from asyncgrpo.console import parse_command_line, plain_help, run_async, run_command
 from asyncgrpo.errors import DEBUG_HELP, ConfigError
-from asyncgrpo.vllm.api import served_name
+from asyncgrpo.vllm.api import MAX_VERSION, served_name
 
 
 class CommandParser(ConfigParser):
@@ -146,16 +146,6 @@ def _check_serving(args: argparse.Namespace) -> None:
     run_async(run_serving_check, Path(args.output_dir), args.replicas)
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be 1 or more")
-    return value
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["tinker"]:  # its own parser: every TinkerConfig field is a flag
@@ -173,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     demo = sub.add_parser("demo", help="run the tiny CPU demo end to end")
     demo.add_argument("--output-dir", default="runs/demo", help="model, run directory, plot")
-    demo.add_argument("--max-steps", type=_at_least_one, default=None,
+    demo.add_argument("--max-steps", type=int_in(1, 100_000), default=None,
                       help="override the demo's steps")  # fmt: skip
     demo.set_defaults(func=_demo)
 
@@ -206,7 +196,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ev.add_argument("config", help="the run's YAML config (with an eval section)")
     ev.add_argument("overrides", nargs="*", help="section.field=value overrides")
     which = ev.add_mutually_exclusive_group()
-    which.add_argument("--version", type=int, default=None, help="this version (default: newest)")
+    which.add_argument("--version", type=int_in(0, MAX_VERSION), default=None,
+                       help="this version (default: newest)")  # fmt: skip
     which.add_argument("--base", action="store_true", help="version 0: the base model")
     which.add_argument("--all", action="store_true", help="every published version")
     ev.set_defaults(func=_eval)
@@ -221,7 +212,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     check = sub.add_parser("check-serving", help="served logprobs vs transformers + peft")
     check.add_argument("--output-dir", default="runs/check-serving")
-    check.add_argument("--replicas", type=_at_least_one, default=2, help="vLLM replicas to check")
+    check.add_argument("--replicas", type=int_in(1, 32), default=2,
+                       help="vLLM replicas to check (1 to 32)")  # fmt: skip
     check.set_defaults(func=_check_serving)
 
     sub.add_parser("tinker", help="serve the tinker SDK's API (asyncgrpo tinker --help)")

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import anyio
 from anyio.abc import TaskGroup
 
+from asyncgrpo.config.redaction import redact_text
 from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch.failure import job_failure, points_failure
@@ -122,7 +123,7 @@ def dry_run(cfg: TrainingConfig, backend: BackendName | str, **options: Any) -> 
         text = "\n".join(f"point {p.cfg.run_name}: {p.label}" for p in points) + "\n\n" + text
     if be.missing:
         text += f"\n\nnot set here, so a real launch would refuse: {', '.join(be.missing)}"
-    return text
+    return redact_text(text)  # each part redacts its own; this is the net under all of them
 
 
 async def launch(

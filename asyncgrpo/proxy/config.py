@@ -8,6 +8,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from asyncgrpo.config.coerce import check_fields
+from asyncgrpo.config.redaction import redact_url
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.serve.config import is_loopback
 
@@ -22,9 +23,11 @@ def split_url(url: str) -> tuple[str, str, int, str]:
     except ValueError:
         port = -1
     if not url.isascii() or u.scheme not in ("http", "https") or not u.hostname or port == -1:
-        raise ValueError(f"{url!r} is not an http(s)://HOST[:PORT] URL")
+        raise ValueError(f"{redact_url(url)!r} is not an http(s)://HOST[:PORT] URL")
     if u.username is not None or u.query or u.fragment:
-        raise ValueError(f"{url!r}: no credentials, query or fragment in a replica's URL")
+        raise ValueError(
+            f"{redact_url(url)!r}: no credentials, query or fragment in a replica's URL"
+        )
     return u.scheme, u.hostname, port or (443 if u.scheme == "https" else 80), u.path.rstrip("/")
 
 

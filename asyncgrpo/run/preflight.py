@@ -167,7 +167,9 @@ def dry_run(cfg: TrainingConfig) -> list[str]:
             f"{len(cfg.proxy.upstreams)} remote replica(s): their /server_info and adapter "
             "plugin are checked at start"
         )
-    return [*lines, _step_line(cfg), *_evaluation(cfg), *_trackers(cfg)]
+    # each line redacted: a replica command or a dataset may quote a URL with credentials
+    lines += [_step_line(cfg), *_evaluation(cfg), *_trackers(cfg)]
+    return [redact_text(line) for line in lines]
 
 
 def _step_line(cfg: TrainingConfig) -> str:

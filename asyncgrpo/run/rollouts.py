@@ -17,13 +17,13 @@ import anyio
 
 from asyncgrpo.config.model_source import check_model
 from asyncgrpo.config.training import run_transport_url
-from asyncgrpo.errors import ReplicaError
+from asyncgrpo.errors import IntegrityError, ReplicaError
 from asyncgrpo.rollout.client import RolloutClient
 from asyncgrpo.run.endpoint import open_endpoint
 from asyncgrpo.run.progress import RunProgress, as_progress
 from asyncgrpo.run.sources import rollout_client
 from asyncgrpo.store.channel import RolloutChannel
-from asyncgrpo.store.run_documents import RunStore
+from asyncgrpo.store.run_documents import RunStore, warn_once
 from asyncgrpo.transport import open_transport
 
 if TYPE_CHECKING:
@@ -80,13 +80,21 @@ async def _follow_policy(
     scope: anyio.CancelScope,
     report: RunProgress,
 ) -> None:
-    """Switch the client to each new policy the trainer writes; end the shipping at done."""
+    """Switch the client to each new policy the trainer writes; end the shipping at done. A
+    malformed ``policy.json`` is logged and the current policy kept (the trainer rewrites it at
+    its next sync)."""
+    seen = ""
     while True:
         await anyio.sleep(poll_interval_s)
         if await store.finished():
             scope.cancel()
             return
-        name, version = await store.read_policy()
+        try:
+            name, version = await store.read_policy()
+        except IntegrityError as exc:
+            seen = warn_once(seen, exc)
+            continue
+        seen = ""
         if version > client.policy[1]:
             client.set_policy(name, version)
             report.phase(f"generating under version {version}")

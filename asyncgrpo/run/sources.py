@@ -7,7 +7,7 @@ the trainer's own source and a remote rollout process (:mod:`asyncgrpo.run.rollo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -19,6 +19,7 @@ from asyncgrpo.store.channel import RolloutChannel
 
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
+    from asyncgrpo.transport import Transport
 
 
 class SampleSource(Protocol):
@@ -101,6 +102,14 @@ class LocalSource:
 
     def queue_size(self) -> int:
         return self.client.queue_size
+
+
+def trainer_channel(transport: Transport, trainer: Any, cfg: TrainingConfig) -> RolloutChannel:
+    """The trainer's end of the rollout channel: a batch is checked against the model it feeds
+    (vocabulary, context, non-empty prompt and completion) and quarantined if it fails, so
+    that no batch from storage can stop the trainer at every resume."""
+    bounds = trainer.sample_bounds(cfg.serve.max_model_len)
+    return RolloutChannel(transport, check=bounds.check)
 
 
 class ChannelSource:

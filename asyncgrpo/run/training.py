@@ -43,7 +43,13 @@ from asyncgrpo.run.follower import follow
 from asyncgrpo.run.metrics import MetricsWriter
 from asyncgrpo.run.preflight import preflight_fleet
 from asyncgrpo.run.progress import RunProgress, StepCallback, as_progress
-from asyncgrpo.run.sources import ChannelSource, LocalSource, SampleSource, rollout_client
+from asyncgrpo.run.sources import (
+    ChannelSource,
+    LocalSource,
+    SampleSource,
+    rollout_client,
+    trainer_channel,
+)
 from asyncgrpo.run.sync import (
     AdapterLoader,
     AdapterSource,
@@ -55,7 +61,6 @@ from asyncgrpo.run.sync import (
 from asyncgrpo.run.trackers import Tracker, TrackioTracker, WandbTracker
 from asyncgrpo.sample import Sample
 from asyncgrpo.store.adapters import AdapterStore
-from asyncgrpo.store.channel import RolloutChannel
 from asyncgrpo.store.checkpoints import CheckpointStore
 from asyncgrpo.store.run_documents import FINAL_ADAPTER_DIR, RunResult, RunStore
 from asyncgrpo.trainer.staleness import filter_stale, staleness_stats
@@ -382,7 +387,7 @@ async def _sample_source(
     cfg = run.cfg
     tcfg = cfg.trainer
     if rollout_source != "local":
-        channel = RolloutChannel(run.transport)
+        channel = trainer_channel(run.transport, start.trainer, cfg)
         if start.resumed_from is not None:
             await channel.seek(start.position)
         yield ChannelSource(channel)

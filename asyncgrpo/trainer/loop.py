@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.sample import Sample, group_stats, scale_advantages
+from asyncgrpo.sample import Sample, SampleBounds, group_stats, scale_advantages
 from asyncgrpo.trainer.collapse import CollapseDetector
 from asyncgrpo.trainer.flops import ModelShape, step_flops
 from asyncgrpo.trainer.loss import (
@@ -55,6 +55,7 @@ from asyncgrpo.trainer.loss import (
     token_normaliser,
 )
 from asyncgrpo.trainer.model import (
+    context_length,
     default_device,
     load_adapter_weights,
     load_policy,
@@ -247,6 +248,12 @@ class Trainer:
             dp=dp,
             max_completion_length=cfg.generation.max_completion_length,
         )
+
+    def sample_bounds(self, max_model_len: int | None = None) -> SampleBounds:
+        """What this model can train on: token ids below its input embedding's rows, samples
+        no longer than its context (``max_model_len``: the replicas' setting, if any)."""
+        vocab = self.model.get_input_embeddings().num_embeddings
+        return SampleBounds(vocab, context_length(self.model.config, max_model_len))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -16,6 +16,7 @@ import os
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from asyncgrpo.config.redaction import redact_url
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.transport.base import check_key
 from asyncgrpo.transport.objectstore import ObjectStoreTransport
@@ -82,12 +83,14 @@ class S3Transport(ObjectStoreTransport):
     def from_url(cls, url: str, **options: Any) -> S3Transport:
         parts = urlsplit(url)
         if parts.scheme != "s3" or not parts.netloc or parts.fragment:
-            raise ConfigError(f"malformed S3 URL {url!r}; expected s3://bucket[/prefix]")
+            raise ConfigError(
+                f"malformed S3 URL {redact_url(url)!r}; expected s3://bucket[/prefix]"
+            )
         query = dict(parse_qsl(parts.query, keep_blank_values=False))
         unknown = set(query) - _URL_OPTIONS
         if unknown:
             raise ConfigError(
-                f"unknown S3 URL option(s) {sorted(unknown)} in {url!r}; "
+                f"unknown S3 URL option(s) {sorted(unknown)} in {redact_url(url)!r}; "
                 f"accepted: {sorted(_URL_OPTIONS)}"
             )
         return cls(parts.netloc, parts.path.strip("/"), **{**query, **options})

@@ -48,6 +48,8 @@ PLUGIN_FIX = (
     "serve.adapter_delivery=path if the replicas share the trainer's filesystem"
 )
 
+#: The largest adapter version: at most 18 digits (< 2**63).
+MAX_VERSION = 10**18 - 1
 # At most 18 digits (< 2**63), no leading zero: parsing never runs an unbounded int() and a
 # parsed name is exactly the name served_name gives back.
 _SERVED = re.compile(r"(.+)-v(0|[1-9][0-9]{0,17})")
@@ -64,8 +66,8 @@ def served_name(prefix: str, version: int) -> str:
         raise ValueError(
             f"served_name needs a prefix and an int version, got {prefix!r}, {version!r}"
         )
-    if not 0 <= version < 10**18:
-        raise ValueError(f"adapter version must be 0 to 10**18 - 1, got {version}")
+    if not 0 <= version <= MAX_VERSION:
+        raise ValueError(f"adapter version must be 0 to {MAX_VERSION}, got {version}")
     return f"{prefix}-v{version}"
 
 
