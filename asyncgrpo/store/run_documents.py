@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anyio
-
 from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound
+from asyncgrpo.retry import poll_until
 from asyncgrpo.transport import Transport
 
 RUN_KEY = "run.json"
@@ -101,11 +100,16 @@ class RunStore:
 
     async def wait_for_policy(self, poll_interval_s: float) -> tuple[str, int]:
         """The current policy, once the trainer has written one."""
-        while True:
+
+        async def policy() -> tuple[str, int] | None:
             try:
                 return await self.read_policy()
             except NotFound:
-                await anyio.sleep(poll_interval_s)
+                return None
+
+        found = await poll_until(policy, every=poll_interval_s)
+        assert found is not None  # no deadline: only an answer ends the wait
+        return found
 
     async def finish(self, step: int, version: int) -> None:
         await self.transport.put(DONE_KEY, json.dumps({"step": step, "version": version}).encode())
