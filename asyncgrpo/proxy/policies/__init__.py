@@ -7,8 +7,6 @@ from asyncgrpo.lazy import lazy_exports
 
 _EXPORTS = {
     "Decision": "asyncgrpo.proxy.policies.base",
-    "PrefixAffinity": "asyncgrpo.proxy.policies.affinity",
-    "RoundRobin": "asyncgrpo.proxy.policies.round_robin",
     "RoutingPolicy": "asyncgrpo.proxy.policies.base",
 }
 
