@@ -61,7 +61,7 @@ class Backoff:
 
 class RetryNow(Exception):
     """Raised by an attempt of :func:`retry` whose failure is already dealt with: the next
-    attempt starts at once (it still counts as an attempt)."""
+    attempt starts at once (it still counts as an attempt; raised by the last, it propagates)."""
 
 
 class _Pacer:

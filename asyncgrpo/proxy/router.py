@@ -201,6 +201,8 @@ class Router:
         self.max_sessions = max_sessions
         self.policy = make_policy(policy, max_blocks=max_blocks)
         self._inflight: dict[str, int] = {}
+        #: requests in flight per replica, for the policy (the live map: read, never write)
+        self.inflight_counts = self._inflight
         self._available: dict[str, bool] = {}
         self._rr = 0
         self.decisions: dict[DecisionKind, int] = {
@@ -241,11 +243,6 @@ class Router:
 
     def inflight(self, name: str) -> int:
         return self._inflight.get(name, 0)
-
-    @property
-    def inflight_counts(self) -> dict[str, int]:
-        """Requests in flight per replica (the live map: read, never write)."""
-        return self._inflight
 
     @property
     def tracked_blocks(self) -> int:
