@@ -30,6 +30,10 @@ T = TypeVar("T")
 
 Sleep = Callable[[float], Awaitable[object]]
 
+#: Jitter's own random numbers: drawing from the global generator would shift the sequence that
+#: a seeded run's other users of ``random`` see.
+_JITTER = random.Random()
+
 
 @dataclass(frozen=True)
 class Backoff:
@@ -102,7 +106,7 @@ async def retry(
     on_retry: Callable[[int, Exception, float], object] | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Sleep | None = None,
-    draw: Callable[[], float] = random.random,
+    draw: Callable[[], float] = _JITTER.random,
 ) -> T:
     """``await attempt(n)`` for n = 1, 2, ... until one returns its result. An exception that
     ``retry_on`` names (exception types, or a predicate) is retried after ``backoff``'s wait
@@ -148,7 +152,7 @@ async def poll_until(
     timeout_s: float | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Sleep | None = None,
-    draw: Callable[[], float] = random.random,
+    draw: Callable[[], float] = _JITTER.random,
 ) -> T | None:
     """``await probe()`` until it returns something other than None, and return that; wait
     ``every`` seconds (or as that backoff says) between probes. None once ``timeout_s`` passed

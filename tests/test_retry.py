@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -203,3 +204,26 @@ async def test_the_default_sleep_is_real() -> None:
         return True if calls == 3 else None
 
     assert await poll_until(probe, every=0.01, timeout_s=5.0) is True
+
+
+async def test_jitter_leaves_the_global_random_sequence_alone() -> None:
+    """A seeded run's other users of ``random`` see the same numbers, retries or not."""
+    random.seed(7)
+    expected = random.random()
+    random.seed(7)
+    clock = FakeClock()
+
+    async def attempt(n: int) -> None:
+        raise OSError
+
+    with pytest.raises(OSError):
+        await retry(
+            attempt,
+            attempts=4,
+            backoff=Backoff(1.0, jitter=1.0),
+            retry_on=OSError,
+            clock=clock,
+            sleep=clock.sleep,
+        )
+    assert all(0 < s <= w for s, w in zip(clock.sleeps, (1, 2, 4), strict=True))
+    assert random.random() == expected
