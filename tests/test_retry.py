@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import pytest
 
 from asyncgrpo.retry import Backoff, RetryNow, poll_until, retry
+
+T = TypeVar("T")
 
 pytestmark = pytest.mark.anyio
 
@@ -55,6 +59,12 @@ class FakeClock:
         self.sleeps.append(seconds)
         self.now += seconds
 
+    async def retry(self, attempt: Callable[[int], Awaitable[T]], **kwargs: Any) -> T:
+        return await retry(attempt, clock=self, sleep=self.sleep, **kwargs)
+
+    async def poll(self, probe: Callable[[], Awaitable[T | None]], **kwargs: Any) -> T | None:
+        return await poll_until(probe, clock=self, sleep=self.sleep, **kwargs)
+
 
 async def test_retry_waits_the_schedule_then_raises_the_last_error() -> None:
     clock = FakeClock()
@@ -66,14 +76,12 @@ async def test_retry_waits_the_schedule_then_raises_the_last_error() -> None:
         raise ConnectionError(f"down {n}")
 
     with pytest.raises(ConnectionError, match="down 4"):
-        await retry(
+        await clock.retry(
             attempt,
             attempts=4,
             backoff=Backoff(0.5),
             retry_on=OSError,
             on_retry=lambda n, e, w: heard.append((n, str(e), w)),
-            clock=clock,
-            sleep=clock.sleep,
         )
     assert calls == [1, 2, 3, 4]
     assert clock.sleeps == [0.5, 1.0, 2.0]
@@ -88,28 +96,14 @@ async def test_retry_returns_what_succeeds_and_lets_other_errors_through() -> No
             raise TimeoutError
         return n * 10
 
-    got = await retry(
-        flaky,
-        attempts=None,
-        backoff=Backoff(1.0),
-        retry_on=TimeoutError,
-        clock=clock,
-        sleep=clock.sleep,
-    )
+    got = await clock.retry(flaky, attempts=None, backoff=Backoff(1.0), retry_on=TimeoutError)
     assert got == 30 and clock.sleeps == [1.0, 2.0]
 
     async def refused(n: int) -> int:
-        raise PermissionError("no")  # not retried, even though it is an OSError's sibling
+        raise PermissionError("no")  # not retried: an OSError, but not a TimeoutError
 
     with pytest.raises(PermissionError):
-        await retry(
-            refused,
-            attempts=5,
-            backoff=Backoff(1.0),
-            retry_on=TimeoutError,
-            clock=clock,
-            sleep=clock.sleep,
-        )
+        await clock.retry(refused, attempts=5, backoff=Backoff(1.0), retry_on=TimeoutError)
     assert clock.sleeps == [1.0, 2.0]
 
 
@@ -124,14 +118,7 @@ async def test_retry_now_skips_the_wait_but_counts() -> None:
         raise OSError("down")
 
     with pytest.raises(OSError, match="down"):
-        await retry(
-            attempt,
-            attempts=3,
-            backoff=Backoff(1.0),
-            retry_on=OSError,
-            clock=clock,
-            sleep=clock.sleep,
-        )
+        await clock.retry(attempt, attempts=3, backoff=Backoff(1.0), retry_on=OSError)
     assert calls == [1, 2, 3]
     assert clock.sleeps == [2.0]  # none after the RetryNow; retry 2's wait after attempt 2
 
@@ -144,14 +131,12 @@ async def test_retry_gives_up_at_the_deadline() -> None:
         raise OSError
 
     with pytest.raises(OSError):
-        await retry(
+        await clock.retry(
             attempt,
             attempts=None,
             backoff=Backoff(1.0),
             retry_on=OSError,
             timeout_s=5.0,
-            clock=clock,
-            sleep=clock.sleep,
         )
     # 0.25 | 1 | 0.25 | 2 | 0.25 | cut to 1.25 (the deadline) | 0.25: past it, no more
     assert clock.sleeps == [1.0, 2.0, 1.25]
@@ -165,7 +150,7 @@ async def test_poll_until_returns_the_first_answer() -> None:
     async def probe() -> object:
         return next(answers)
 
-    assert await poll_until(probe, every=2.0, clock=clock, sleep=clock.sleep) is False
+    assert await clock.poll(probe, every=2.0) is False
     assert clock.sleeps == [2.0, 2.0]
 
 
@@ -176,9 +161,7 @@ async def test_poll_until_gives_up_at_the_deadline_with_a_last_probe_there() -> 
     async def probe() -> None:
         probes.append(clock.now)
 
-    assert (
-        await poll_until(probe, every=3.0, timeout_s=10.0, clock=clock, sleep=clock.sleep) is None
-    )
+    assert await clock.poll(probe, every=3.0, timeout_s=10.0) is None
     assert probes == [100.0, 103.0, 106.0, 109.0, 110.0]
     assert math.fsum(clock.sleeps) == pytest.approx(10.0)
 
@@ -217,13 +200,6 @@ async def test_jitter_leaves_the_global_random_sequence_alone() -> None:
         raise OSError
 
     with pytest.raises(OSError):
-        await retry(
-            attempt,
-            attempts=4,
-            backoff=Backoff(1.0, jitter=1.0),
-            retry_on=OSError,
-            clock=clock,
-            sleep=clock.sleep,
-        )
+        await clock.retry(attempt, attempts=4, backoff=Backoff(1.0, jitter=1.0), retry_on=OSError)
     assert all(0 < s <= w for s, w in zip(clock.sleeps, (1, 2, 4), strict=True))
     assert random.random() == expected
