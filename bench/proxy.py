@@ -1,9 +1,10 @@
 """Proxy benchmark, side by side in one run.
 
 (a) Routing quality on real vLLM CPU replicas under a GRPO-shaped load (G rollouts per prompt,
-    one shared chat-template prefix, 128-256 own prompt tokens, many in flight): round-robin vs
-    our affinity router. Reports affinity / unmatched / spilled, the replicas' own prefix-cache hit
-    rate (vllm:prefix_cache_hits_total / queries_total deltas) and wall time.
+    one shared chat-template prefix, 128-256 own prompt tokens, many in flight): every routing
+    policy the proxy has, round-robin (the baseline) first. Reports affinity / unmatched /
+    spilled, the replicas' own prefix-cache hit rate (vllm:prefix_cache_hits_total /
+    queries_total deltas) and wall time.
 (b) Overhead against a canned local upstream (an aiohttp app returning a fixed completion):
     requests/s and p50/p99 latency direct vs through the proxy, 1 and 256 in flight. A third path,
     a zero-work TCP relay (asyncio protocol, bytes in -> bytes out, no parsing), shows what any
@@ -47,6 +48,8 @@ from pathlib import Path
 
 import aiohttp
 
+from asyncgrpo.proxy.config import ROUTING_POLICIES
+from asyncgrpo.proxy.router import make_policy
 from asyncgrpo.testing.vllm_metrics import prefix_cache
 
 # -- defaults -----------------------------------------------------------------------------------
@@ -524,7 +527,7 @@ async def routing_run(urls: list[str], routing: str, seed: int) -> list[str]:
         async with s.get(base + "/proxy/stats") as r:
             stats = await r.json()
     f = stats["fractions"]
-    if routing == "round_robin":
+    if not make_policy(routing).reads_prompt:  # it decides without the prompt
         a = u = sp = "-"
     else:
         a, u, sp = (f"{100 * f[k]:.1f} %" for k in ("affinity", "unmatched", "spill"))
@@ -542,9 +545,10 @@ async def part_routing(upstreams: list[str]) -> list[list[str]]:
                 body = {"model": model, "prompt": [11, 12], "max_tokens": 1}
                 async with s.post(url + "/v1/completions", json=body) as r:
                     await r.read()
+        # Every routing policy, the baseline first; each its own prompts (seed).
         return [
-            await routing_run(urls, "round_robin", seed=1),
-            await routing_run(urls, "affinity", seed=2),
+            await routing_run(urls, policy, seed=seed)
+            for seed, policy in enumerate(ROUTING_POLICIES, start=1)
         ]
 
     if upstreams:

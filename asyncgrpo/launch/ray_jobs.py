@@ -72,6 +72,7 @@ from asyncgrpo.launch.ray_actor import (
     current_node_id,
     node_address,
 )
+from asyncgrpo.retry import poll_until
 from asyncgrpo.run.metrics import METRICS_FILE
 
 __all__ = [
@@ -490,8 +491,7 @@ class RayBackend:
         ray = self.ray
         offset, pending = 0, ""
         try:
-            while await self._info(actor) is None:  # noqa: ASYNC110 (a poll of Ray, no event)
-                await anyio.sleep(0.5)
+            await poll_until(lambda: self._info(actor), every=0.5)  # a poll of Ray, no event
             while True:
                 chunk, ended = await self._get(actor.handle.read.remote(offset))
                 offset += len(chunk)

@@ -37,6 +37,7 @@ from typing import Protocol
 import anyio
 
 from asyncgrpo.errors import ReplicaError, ReplicaHTTPError, SyncError
+from asyncgrpo.retry import Backoff, retry
 from asyncgrpo.serve.adapter_fetch import adapter_uri
 from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.vllm.api import parse_served_name, served_name
@@ -251,26 +252,33 @@ class AdapterSync:
         }
 
     async def _load_everywhere(self, name: str, location: str) -> None:
-        last: Exception | None = None
-        for attempt in range(1, self.attempts + 1):
+        async def attempt(number: int) -> None:
             try:
                 await self.loader.load(name, location)
-                return
             except ReplicaError as exc:
-                last = exc
-                logger.warning("loading %s failed (attempt %d/%d): %s", name, attempt,
-                               self.attempts, exc)  # fmt: skip
+                logger.warning(
+                    "loading %s failed (attempt %d/%d): %s", name, number, self.attempts, exc
+                )
                 if _permanent(exc):
                     raise SyncError(
                         f"adapter {name} was refused and a retry cannot change that; training "
                         f"stops rather than train on a version the replicas lack: {exc}"
                     ) from exc
-                if attempt < self.attempts:
-                    await anyio.sleep(self.retry_backoff_s * attempt)
-        raise SyncError(
-            f"adapter {name} could not be loaded on every replica after {self.attempts} "
-            f"attempts; training stops rather than train on a version the replicas lack: {last}"
-        ) from last
+                raise
+
+        try:
+            await retry(
+                attempt,
+                attempts=self.attempts,
+                backoff=Backoff(self.retry_backoff_s),
+                retry_on=ReplicaError,
+            )
+        except ReplicaError as last:
+            raise SyncError(
+                f"adapter {name} could not be loaded on every replica after {self.attempts} "
+                "attempts; training stops rather than train on a version the replicas lack: "
+                f"{last}"
+            ) from last
 
     async def _retire(self, newest: int) -> None:
         """Unload the versions older than the window, except the pinned ones."""

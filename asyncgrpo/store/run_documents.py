@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anyio
-
 from asyncgrpo.errors import AlreadyExists, ConfigError, IntegrityError, NotFound
+from asyncgrpo.retry import poll_until
 from asyncgrpo.store.documents import field, read_document
 from asyncgrpo.transport import Transport
 
@@ -116,14 +115,20 @@ class RunStore:
         """The current policy, once the trainer has written one. A malformed one is logged
         (once per distinct fault) and waited past: the trainer rewrites it at every sync."""
         seen = ""
-        while True:
+
+        async def policy() -> tuple[str, int] | None:
+            nonlocal seen
             try:
                 return await self.read_policy()
             except NotFound:
-                pass
+                return None
             except IntegrityError as exc:
                 seen = warn_once(seen, exc)
-            await anyio.sleep(poll_interval_s)
+                return None
+
+        found = await poll_until(policy, every=poll_interval_s)
+        assert found is not None  # no deadline: only an answer ends the wait
+        return found
 
     async def finish(self, step: int, version: int) -> None:
         await self.transport.put(DONE_KEY, json.dumps({"step": step, "version": version}).encode())

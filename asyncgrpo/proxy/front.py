@@ -340,7 +340,7 @@ class Connection(asyncio.Protocol):
         method, path = req.method, req.target.partition(b"?")[0]
         if method == b"POST" and path in _GENERATE:
             block_size = None
-            if proxy.router.policy == "affinity":
+            if proxy.router.policy.reads_prompt:
                 block_size = proxy.pool.block_size or FALLBACK_BLOCK_SIZE
             if req.size > proxy.config.offload_body_bytes:  # off the event loop, unjoined
                 forward = (method, req.target, b"".join(req.lines), req.body)
