@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+#: What a request to the fleet may take on a host that started its replicas at a normal pace.
+REQUEST_TIMEOUT_S = 60.0
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """Where the run's clients send requests, and the key they send."""
@@ -45,6 +49,19 @@ class Endpoint:
     api_key: str | None
     #: a standalone asyncgrpo proxy given in ``proxy.upstreams``, not one of the run's own
     standalone: bool = False
+    #: how long the run's first requests (``/server_info``, the first loads) may take
+    request_timeout_s: float = REQUEST_TIMEOUT_S
+
+
+def request_timeout(started_s: float | None, startup_timeout_s: float) -> float:
+    """The first requests' time-out, scaled by what the host showed: replicas that took
+    ``started_s`` seconds to start on a loaded host answer their first requests slowly too
+    (vLLM gathers its environment report on the first ``/server_info``). Twice the start time,
+    at least :data:`REQUEST_TIMEOUT_S`, at most ``serve.startup_timeout_s``, the setting a
+    user raises."""
+    if started_s is None:
+        return min(REQUEST_TIMEOUT_S, startup_timeout_s)
+    return max(REQUEST_TIMEOUT_S, min(2 * started_s, startup_timeout_s))
 
 
 def replica_config(cfg: TrainingConfig, transport_url: str | None = None) -> ServeConfig:
@@ -119,8 +136,14 @@ async def open_endpoint(
     serve = replica_config(cfg, transport_url) if cfg.serve.replicas else None
     if cfg.proxy.upstreams:
         say(f"{len(cfg.proxy.upstreams)} remote replica(s) behind the run's proxy")
+    started = time.monotonic()
     async with open_fleet(serve, proxy, phase=say) as url:
-        yield Endpoint(url=url, api_key=cfg.proxy.api_key)
+        took = time.monotonic() - started if serve is not None else None
+        yield Endpoint(
+            url=url,
+            api_key=cfg.proxy.api_key,
+            request_timeout_s=request_timeout(took, cfg.serve.startup_timeout_s),
+        )
 
 
 @asynccontextmanager
