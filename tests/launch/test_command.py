@@ -117,6 +117,6 @@ def test_sigterm_cancels_every_started_job(
     assert len(hub.jobs) == jobs
     assert hub.cancelled() == set(hub.jobs)
     assert "cancelled" in stderr
-    logs = "".join(p.read_text() for p in (tmp_path / "runs" / "cli-run" / "launch").iterdir())
+    logs = "".join(p.read_text() for p in (tmp_path / "runs" / "cli-run-launch").iterdir())
     for value in (TOKEN, S3_KEY, S3_SECRET):
         assert value not in stdout + stderr + logs
