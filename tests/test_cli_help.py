@@ -21,9 +21,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from asyncgrpo.cli.help import help_examples
-
 ROOT = Path(__file__).resolve().parent.parent
+#: How an example line starts in a help text (``asyncgrpo.cli.help.EXAMPLE``).
+EXAMPLE = "  $ "
 #: Subcommands with examples (``tinker`` has its own parser: ``python -m asyncgrpo.tinker``).
 COMMANDS = ("demo", "train", "rollout", "launch", "eval", "export", "plot", "check-serving")
 #: Subcommands whose examples start replicas unless told --dry-run.
@@ -73,7 +73,7 @@ def test_every_subcommand_says_what_it_does_and_its_examples_run_as_typed(
     text = _help(command)
     description = text.split("\n\n", 1)[1].split("\npositional arguments:")[0]
     assert len(description.split()) >= 12, f"asyncgrpo {command} --help has no description"
-    examples = help_examples(text)
+    examples = [line[len(EXAMPLE) :] for line in text.splitlines() if line.startswith(EXAMPLE)]
     assert examples, f"asyncgrpo {command} --help shows no example"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     for example in examples:
