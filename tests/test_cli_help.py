@@ -94,8 +94,9 @@ def test_the_option_help_of_check_serving_says_what_output_dir_holds() -> None:
 
 def test_the_top_level_help_names_every_backend_of_launch() -> None:
     text = _help()
-    line = text[text.index("    launch ") :].split("\n    eval")[0]
-    assert all(name in line for name in ("Hugging Face Jobs", "Ray", "SkyPilot", "local")), line
+    for line in (text[text.index("- asyncgrpo launch ") :].split("\n- asyncgrpo eval")[0],
+                 text[text.index("    launch ") :].split("\n    eval")[0]):  # fmt: skip
+        assert all(name in line for name in ("Hugging Face Jobs", "Ray", "SkyPilot", "local")), line
 
 
 def test_the_readme_lists_every_command_and_every_docs_page() -> None:
