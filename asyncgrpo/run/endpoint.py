@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import anyio
+
 from asyncgrpo.config.training import run_transport_url
 from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.proxy.admin_client import ProxyClient
@@ -159,7 +161,10 @@ async def open_fleet(
             n = serve.replicas
             phase(f"starting {n} vLLM replica{'s' if n != 1 else ''} (logs in {serve.log_dir})")
             started = time.monotonic()
-            replicas = await stack.enter_async_context(launch_replicas(serve))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_still_starting, serve, started, phase)
+                replicas = await stack.enter_async_context(launch_replicas(serve))
+                tg.cancel_scope.cancel()
             phase(f"{n} replica{'s' if n != 1 else ''} healthy after "
                   f"{time.monotonic() - started:.0f} s")  # fmt: skip
             urls = [r.url for r in replicas] + urls
@@ -167,3 +172,27 @@ async def open_fleet(
             serve_proxy(dataclasses.replace(proxy, upstreams=tuple(urls)))
         )
         yield url
+
+
+#: Seconds between two lines saying the replicas are still starting.
+STILL_STARTING_EVERY_S = 30.0
+
+
+async def _still_starting(serve: ServeConfig, started: float, phase: Callable[[str], None]) -> None:
+    """While the replicas start, a line every :data:`STILL_STARTING_EVERY_S`: how long so far,
+    the bound (``serve.startup_timeout_s``, the setting to raise on a slow host) and the last
+    line of replica 0's log, so a slow start on a loaded host reads as progress, not a hang."""
+    from asyncgrpo.processes import log_tail
+
+    while True:
+        await anyio.sleep(STILL_STARTING_EVERY_S)
+        last = ""
+        if serve.log_dir:
+            tail = await anyio.to_thread.run_sync(
+                log_tail, Path(serve.log_dir) / "replica-0.log", 1
+            )
+            last = f"; replica 0's log: {tail.strip()[-120:]}" if tail.strip() else ""
+        phase(
+            f"replicas still starting after {time.monotonic() - started:.0f} s (at most "
+            f"serve.startup_timeout_s={serve.startup_timeout_s:g}){last}"
+        )
