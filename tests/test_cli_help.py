@@ -66,23 +66,49 @@ def scratch(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, lora_ada
     return root
 
 
+Ran = dict[str, tuple[str, list[tuple[list[str], subprocess.CompletedProcess]]]]
+
+
+@pytest.fixture(scope="module")
+def ran(scratch: Path) -> Ran:
+    """Every subcommand's help text, and each of its examples run in ``scratch`` (four at a
+    time: each is a Python start and its imports)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+    def run(words: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(words, cwd=scratch, env=env, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        texts = dict(zip(COMMANDS, pool.map(lambda c: _help(c), COMMANDS), strict=True))
+        planned: list[tuple[str, list[str]]] = []
+        for command, text in texts.items():
+            for example in (
+                ln[len(EXAMPLE) :] for ln in text.splitlines() if ln.startswith(EXAMPLE)
+            ):
+                words = shlex.split(example)
+                if command in STARTS_REPLICAS and "--dry-run" not in words:
+                    words.append("--dry-run")
+                planned.append((command, words))
+        done = list(pool.map(lambda plan: run(plan[1]), planned))
+    out: Ran = {command: (text, []) for command, text in texts.items()}
+    for (command, words), proc in zip(planned, done, strict=True):
+        out[command][1].append((words, proc))
+    return out
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_subcommand_says_what_it_does_and_its_examples_run_as_typed(
-    command: str, scratch: Path
+    command: str, ran: Ran
 ) -> None:
-    text = _help(command)
+    text, examples = ran[command]
     description = text.split("\n\n", 1)[1].split("\npositional arguments:")[0]
     assert len(description.split()) >= 12, f"asyncgrpo {command} --help has no description"
-    examples = [line[len(EXAMPLE) :] for line in text.splitlines() if line.startswith(EXAMPLE)]
     assert examples, f"asyncgrpo {command} --help shows no example"
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    for example in examples:
-        words = shlex.split(example)
-        assert words[:2] == ["asyncgrpo", command], example
-        if command in STARTS_REPLICAS and "--dry-run" not in words:
-            words.append("--dry-run")
-        done = subprocess.run(words, cwd=scratch, env=env, capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
+    for words, done in examples:
+        assert words[:2] == ["asyncgrpo", command], words
         assert done.returncode == 0, f"`{' '.join(words)}`: {done.stderr[-2000:]}"
         assert "Traceback" not in done.stderr
 
