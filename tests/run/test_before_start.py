@@ -207,3 +207,15 @@ def test_a_run_already_at_max_steps_says_so_at_once_and_publishes_nothing(
     assert _versions(store) == before == [0, 1, 2]
     assert not (tmp_path / "runs" / "tiny-cpu" / "replica-logs").exists()
     assert not (store / "done.json").exists()  # the run was not finished again
+
+
+def test_serve_refuses_a_log_directory_it_cannot_write_before_vllm_starts(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "asyncgrpo.serve", "--model", str(tiny_model),
+                           "--log-dir", "/proc/replica-logs"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    _one_line(done, "--log-dir /proc/replica-logs: cannot create or write /proc/replica-logs")
+    assert time.monotonic() - started < SECONDS
