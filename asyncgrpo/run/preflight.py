@@ -1,13 +1,17 @@
-"""Checks before a run starts: the replicas' LoRA capacity and adapter fetching, and
-``asyncgrpo train CONFIG --dry-run``, which checks a recipe without starting, loading or
-downloading.
+"""Checks before a run starts: ``asyncgrpo train CONFIG --dry-run``'s (:func:`dry_run`), which
+every command that trains, serves or launches makes first, and the checks of the replicas once
+they answer (:func:`preflight_fleet`).
 
-What a real start would find out minutes (and a model download) later is checked here in
-milliseconds: the config validates; the transport's scheme and form are known and a credential
-it needs is set; every reward function imports; the replicas' vLLM flags,
-derived exactly as a run derives them, pass the same LoRA capacity check a run applies to a live
-replica's ``/server_info``; prompt plus completion fit the replicas' context; a token budget
-below the longest sample is reported. Nothing is downloaded: model and dataset are only named.
+What a real start would find out minutes (and a model download) later is checked by the dry
+run in milliseconds: the config validates; the transport's scheme and form are known and a
+credential it needs is set; the run directory and the replicas' log and cache directories can
+be written; an inline or local dataset parses, every row with its prompt column; every reward
+function (the evaluation's too) imports and is callable; the held-out rows read; the replicas'
+vLLM flags, derived exactly as a run derives them, pass the same LoRA capacity check a run
+applies to a live replica's ``/server_info``; prompt plus completion fit the replicas' context;
+a token budget below the longest sample is reported. Nothing is downloaded: the model and a
+``datasets`` name are only named. Once the replicas answer, :func:`preflight_fleet` compares
+what they report with what the trainer will use (:func:`check_serving_agrees`).
 """
 
 from __future__ import annotations
