@@ -121,6 +121,12 @@ async def run_training(
 ) -> RunResult:
     """Train ``cfg`` to ``trainer.max_steps``; resumes from the latest checkpoint if any.
 
+    Before anything starts: every check of ``--dry-run`` (:func:`~asyncgrpo.run.preflight.
+    dry_run`), the run directory's lock (:func:`~asyncgrpo.run.lock.run_dir_lock`: a second run
+    there is refused), and a run whose newest checkpoint is at ``max_steps`` returns at once
+    (``RunResult.up_to_date``) with nothing started or published. An interruption ends with a
+    phase line saying which checkpoint a rerun resumes from.
+
     One line per phase; the exit stack undoes them in reverse (rollouts stop, adapters unload,
     proxy and replicas stop, the transport closes) on success, an error and cancellation alike.
     ``progress`` hears of the phases before the first step and of every step
