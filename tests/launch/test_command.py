@@ -66,6 +66,34 @@ def test_dry_run_prints_every_spec_and_sends_no_request(tmp_path: Path, hub: Fak
     assert hub.requests == []
 
 
+@pytest.mark.parametrize(
+    ("change", "refusal"),
+    [({"transport_url": None}, "transport_url is unset: jobs share no disk"),
+     ({"model": "LOCAL"}, "is a local path, which the jobs cannot read")],
+    ids=["no-transport", "local-model"],
+)  # fmt: skip
+def test_a_dry_run_refuses_what_the_launch_would(
+    tmp_path: Path, hub: FakeHub, change: dict, refusal: str
+) -> None:
+    """It prints the specs, then refuses in one line, status 2, what a real launch refuses
+    before its first request; it sends none either."""
+    config = write_config(tmp_path)
+    data = yaml.safe_load(config.read_text())
+    if change.get("model") == "LOCAL":
+        (tmp_path / "my-model").mkdir()
+        change = {"model": str(tmp_path / "my-model")}
+    data.update(change)
+    data = {k: v for k, v in data.items() if v is not None}
+    config.write_text(yaml.safe_dump(data))
+    out = subprocess.run(launch_cmd(config, "--dry-run"), env=env(hub, tmp_path),
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and refusal in lines[0], out.stderr
+    assert "trainer job cli-run-trainer" in out.stdout  # the specs came first
+    assert hub.requests == []
+
+
 def test_a_sweep_dry_run_shows_one_fleet_and_one_trainer_per_point(
     tmp_path: Path, hub: FakeHub
 ) -> None:
