@@ -100,6 +100,7 @@ class _Run:
     store: AdapterStore
     checkpoints: CheckpointStore
     cache_dir: Path  #: versions fetched here for replicas that share this disk
+    dp: Any = None  #: the data-parallel group (None in one process)
 
 
 @dataclass
@@ -302,6 +303,7 @@ async def _open_run(cfg: TrainingConfig, dp: Any) -> AsyncIterator[_Run]:
             store=AdapterStore(transport),
             checkpoints=CheckpointStore(transport, keep_last=KEEP_CHECKPOINTS),
             cache_dir=(cfg.run_dir / "adapter-cache").resolve(),
+            dp=dp,
         )
 
 
@@ -318,7 +320,11 @@ async def _adapter_sync(
         endpoint.url, api_key=endpoint.api_key, timeout_s=endpoint.request_timeout_s
     ) as client:
         fetching = await preflight_fleet(
-            cfg, client, run.transport.url, trainer_dtype=_trainer_dtype(cfg), say=report.phase
+            cfg,
+            client,
+            run.transport.url,
+            trainer_dtype=_trainer_dtype(cfg, run.dp),
+            say=report.phase,
         )
         source: AdapterSource
         if fetching:  # replicas fetch each version themselves: nothing of this disk is needed
@@ -366,12 +372,17 @@ async def _lora_slots(cfg: TrainingConfig, client: ProxyClient, prefix: str) -> 
         yield
 
 
-def _trainer_dtype(cfg: TrainingConfig) -> str:
+def _trainer_dtype(cfg: TrainingConfig, dp: Any) -> str | None:
     """The dtype the trainer will compute in (``trainer.dtype``, ``auto`` resolved as the
-    trainer resolves it), before it loads: what the replicas' dtype must match."""
+    trainer resolves it), before it loads: what the replicas' dtype must match. None (not
+    compared) with FSDP over several ranks, which loads the base model elsewhere first and
+    skips the served-policy audit."""
     from asyncgrpo.trainer.model import default_device, resolve_dtype
 
-    return str(resolve_dtype(cfg.trainer.dtype, default_device())).removeprefix("torch.")
+    if dp is not None and cfg.trainer.fsdp:
+        return None
+    device = dp.device() if dp is not None else default_device()
+    return str(resolve_dtype(cfg.trainer.dtype, device)).removeprefix("torch.")
 
 
 async def _release(client: ProxyClient, name: str, token: str) -> None:
