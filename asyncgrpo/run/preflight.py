@@ -40,7 +40,11 @@ def _flag(argv: list[str], name: str) -> str | None:
 
 def _where(name: str) -> str:
     path = Path(name).expanduser()
-    return f"local {path}" if path.exists() else "Hugging Face id, not fetched by --dry-run"
+    if path.exists():
+        return f"local {path}"
+    if path.is_absolute():  # a Hub id never is: a directory still to be made (the demo's model)
+        return "a local path, not there yet"
+    return "Hugging Face id, not fetched by --dry-run"
 
 
 def check_lora_capacity(
