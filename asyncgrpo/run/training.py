@@ -16,6 +16,7 @@ split run (:mod:`asyncgrpo.run.rollouts`), the run's documents in its transport
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -110,6 +111,8 @@ class _Start:
     trainer: Any
     resumed_from: int | None
     position: int
+    #: the checkpointed step's metrics line, for a run killed before it wrote it
+    metrics: dict[str, Any] | None = None
 
 
 async def run_training(
@@ -175,7 +178,7 @@ async def _run(
         state.step = state.checkpoint = start.resumed_from
         version = await _publish_first_version(run, sync, start.trainer, work)
         report.phase(f"version {version} ({sync.name(version)}) loaded on every replica")
-        writer = stack.enter_context(_metrics_writer(cfg, run.prefix, start.resumed_from or 0))
+        writer = stack.enter_context(_metrics_writer(cfg, run.prefix, start))
         source = await stack.enter_async_context(
             _sample_source(run, endpoint, rollout_source, (sync.name(version), version), start)
         )
@@ -455,7 +458,9 @@ async def _start_trainer(run: _Run, dp: Any, work: Path, report: RunProgress) ->
     await anyio.to_thread.run_sync(trainer.load_checkpoint, ckpt_dir)
     logger.info("resumed from checkpoint step %d (data position %d)", step, position)
     report.phase(f"resumed from the checkpoint of step {step}")
-    return _Start(trainer=trainer, resumed_from=step, position=position)
+    logged = meta.get("metrics")
+    return _Start(trainer=trainer, resumed_from=step, position=position,
+                  metrics=logged if isinstance(logged, dict) else None)  # fmt: skip
 
 
 async def _publish_first_version(run: _Run, sync: AdapterSync, trainer: Any, work: Path) -> int:
@@ -482,10 +487,11 @@ def _served_policy_audit(run: _Run, trainer: Any, work: Path) -> ServedPolicyAud
     return ServedPolicyAudit(run.cfg.trainer.audit, trainer, saved, prefix=run.prefix)
 
 
-def _metrics_writer(cfg: TrainingConfig, prefix: str, start: int | None = None) -> MetricsWriter:
+def _metrics_writer(cfg: TrainingConfig, prefix: str, start: _Start | None = None) -> MetricsWriter:
     """One metrics line per logged step, to ``metrics.jsonl`` and the trackers switched on;
-    the lines of steps after ``start`` (the checkpoint resumed from: they are trained again)
-    are dropped first, so each step appears once."""
+    the lines of steps after the checkpoint ``start`` resumed from (they are trained again)
+    are dropped first, and that step's own line is written from the checkpoint if a run killed
+    between the two never wrote it: each step appears once."""
     log = cfg.logging
     trackers: list[Tracker] = []
     if log.trackio:
@@ -503,7 +509,10 @@ def _metrics_writer(cfg: TrainingConfig, prefix: str, start: int | None = None) 
                 config=redacted(cfg),
             )
         )
-    return MetricsWriter(cfg.run_dir, jsonl=log.jsonl, trackers=trackers, after_step=start)
+    if start is None:
+        return MetricsWriter(cfg.run_dir, jsonl=log.jsonl, trackers=trackers)
+    return MetricsWriter(cfg.run_dir, jsonl=log.jsonl, trackers=trackers,
+                         after_step=start.resumed_from or 0, restore=start.metrics)  # fmt: skip
 
 
 @asynccontextmanager
@@ -596,7 +605,10 @@ async def _train(
 
         if tcfg.save_steps and (step % tcfg.save_steps == 0 or step == tcfg.max_steps):
             t_ckpt = time.perf_counter()
-            await _checkpoint(run, trainer, source, work / f"ckpt-{step}", step, version, state)
+            logged = step % run.cfg.logging.log_every == 0  # kept with the checkpoint: below
+            line = {**metrics, "perf/step_s": t_ckpt - t_step} if logged else None
+            await _checkpoint(run, trainer, source, work / f"ckpt-{step}", step, version, state,
+                              line)  # fmt: skip
             metrics["perf/checkpoint_s"] = time.perf_counter() - t_ckpt
 
         metrics["perf/step_s"] = time.perf_counter() - t_step
@@ -641,11 +653,17 @@ async def _take_fresh(
 
 async def _checkpoint(
     run: _Run, trainer: Any, source: SampleSource, directory: Path, step: int, version: int,
-    state: _Progress,
+    state: _Progress, line: dict[str, float] | None = None,
 ) -> None:  # fmt: skip
     """Trainer state plus the data position through the transport; then the channel may drop
-    what the checkpoint covers (a resumed run continues from that position)."""
-    meta = {"version": version, "position": source.position(), "run_id": run.run_id}
+    what the checkpoint covers (a resumed run continues from that position). ``line``: the
+    step's metrics so far, kept with it: a run killed after the checkpoint and before its
+    metrics line resumes after this step, and writes the line from here."""
+    meta: dict[str, Any] = {"version": version, "position": source.position(),
+                            "run_id": run.run_id}  # fmt: skip
+    if line is not None:
+        meta["metrics"] = {k: v for k, v in line.items()
+                           if isinstance(v, int | float) and math.isfinite(v)}  # fmt: skip
     ckpt = await anyio.to_thread.run_sync(lambda: trainer.save_checkpoint(directory, extra=meta))
     await run.checkpoints.save(step, ckpt, meta)
     state.checkpoint = step  # what a rerun resumes from, from now on

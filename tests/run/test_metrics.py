@@ -201,3 +201,25 @@ def test_a_resumed_writer_drops_the_lines_it_trains_again(tmp_path):
     with MetricsWriter(tmp_path, after_step=0):  # a fresh start over an old run's file
         pass
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_a_checkpointed_steps_line_a_killed_run_never_wrote_is_written_from_the_checkpoint(
+    tmp_path,
+):
+    """Killed between its checkpoint of step 6 and that step's line: the rerun resumes after
+    step 6, so it writes step 6's line from the checkpoint, once."""
+    with MetricsWriter(tmp_path) as writer:
+        for step in range(1, 6):
+            writer.log({"reward": 0.0}, step=step)
+    with MetricsWriter(tmp_path, after_step=6, restore={"reward": 0.5}) as writer:
+        for step in (7, 8):
+            writer.log({"reward": 1.0}, step=step)
+    with MetricsWriter(tmp_path, after_step=8, restore={"reward": 9.0}):  # it has step 8
+        pass
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["reward"]) for r in lines] == [
+        *((s, 0.0) for s in range(1, 6)),
+        (6, 0.5),
+        (7, 1.0),
+        (8, 1.0),
+    ]

@@ -400,8 +400,10 @@ async def test_training_continues_when_one_of_its_own_replicas_dies(
     result = await run_training(cfg, on_step=kill_at_step_3, progress=heard)
     # the replicas' start, with their count and how long it took, before the first version
     starting = next(i for i, t in enumerate(heard.said) if t.startswith("starting 2 vLLM replicas"))
-    assert re.fullmatch(r"2 replicas healthy after \d+ s", heard.said[starting + 1]), heard.said
-    assert any(t.startswith("version 0 (") for t in heard.said[starting + 2 :]), heard.said
+    waiting = [t for t in heard.said[starting + 1 :] if t.startswith("replicas still starting")]
+    healthy = starting + 1 + len(waiting)  # a line every 30 s while they start
+    assert re.fullmatch(r"2 replicas healthy after \d+ s", heard.said[healthy]), heard.said
+    assert any(t.startswith("version 0 (") for t in heard.said[healthy + 1 :]), heard.said
     assert killed == [3]
     assert result.steps == 8
     assert result.final_version == 8  # syncs after the death reached the surviving replica
