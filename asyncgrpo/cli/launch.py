@@ -98,11 +98,13 @@ def launch_summary(handle: Any, records: list[dict[str, Any]], wall_s: float) ->
 
     lines: list[str] = []
     many = len(handle.points) > 1
+    missing = False
     for point, job in zip(handle.points, handle.trainers, strict=False):
         run = point.cfg.run_name
         found = handle.results.get(run)
-        if found is None:
-            lines.append(f"{run}: its trainer job printed no result line")
+        if found is None:  # an asyncgrpo on the job's machine older than this launcher
+            lines.append(f"{run}: no summary (its trainer job printed no asyncgrpo-result line)")
+            missing = True
             continue
         result, evals = found
         here = handle.backend.metrics_path(job) is not None
@@ -116,7 +118,7 @@ def launch_summary(handle: Any, records: list[dict[str, Any]], wall_s: float) ->
                                 where="" if here else " (on the trainer job's machine)",
                                 max_steps=point.cfg.trainer.max_steps)  # fmt: skip
         lines += [f"{run}: {line}" for line in summary] if many else summary
-    if len(handle.points) > 1 or not any(handle.metrics.values()):
+    if missing or len(handle.points) > 1 or not any(handle.metrics.values()):
         lines += metrics_lines(handle.metrics, handle.launch_dir)
     else:
         lines.append(f"plot: asyncgrpo plot {_shown(handle.launch_dir)}")
