@@ -118,9 +118,9 @@ def launch_summary(handle: Any, records: list[dict[str, Any]], wall_s: float) ->
                                 where="" if here else " (on the trainer job's machine)",
                                 max_steps=point.cfg.trainer.max_steps)  # fmt: skip
         lines += [f"{run}: {line}" for line in summary] if many else summary
-    if missing or len(handle.points) > 1 or not any(handle.metrics.values()):
+    if missing or len(handle.points) > 1:
         lines += metrics_lines(handle.metrics, handle.launch_dir)
-    else:
+    elif any(handle.metrics.values()):  # the one run's metrics are here
         lines.append(f"plot: asyncgrpo plot {_shown(handle.launch_dir)}")
     return lines
 
