@@ -94,8 +94,9 @@ def _train(args: argparse.Namespace) -> None:
         final = served_name(result.adapter_prefix, result.final_version)
         did = "nothing to train (already at trainer.max_steps)" if result.up_to_date else (
             f"trained {result.steps} steps")  # fmt: skip
-        print(f"{did}; final adapter {final} in {result.transport_url} and, as a PEFT "
-              f"directory, in {result.adapter_dir}; metrics in {result.run_dir}")  # fmt: skip
+        peft = f" and, as a PEFT directory, in {result.adapter_dir}" if result.adapter_dir else ""
+        print(f"{did}; final adapter {final} in {result.transport_url}{peft}; metrics in "
+              f"{result.run_dir}")  # fmt: skip
         return
     wall = time.monotonic() - started
     print("\n".join(run_summary(result, wall, max_steps=cfg.trainer.max_steps)))
