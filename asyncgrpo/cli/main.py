@@ -208,21 +208,8 @@ def _at_least_one(text: str) -> int:
     return value
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["tinker"]:  # its own parser: every TinkerConfig field is a flag
-        from asyncgrpo.tinker.__main__ import main as tinker_main
-
-        tinker_main(argv[1:], prog="asyncgrpo tinker")
-    parser = ConfigParser(
-        prog="asyncgrpo",
-        description=plain_help(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
-
+def _add_demo(sub: Any) -> None:
+    """``asyncgrpo demo``."""
     demo = add_command(
         sub, "demo", help="run the tiny CPU demo end to end",
         description="Build a tiny Qwen2 model here (no Hub access), start two vLLM replicas on "
@@ -239,6 +226,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     _dry_run_flag(demo, "check the output directory and the demo's recipe, start nothing")
     demo.set_defaults(func=_demo)
 
+
+def _add_train(sub: Any) -> None:
+    """``asyncgrpo train``."""
     train = add_command(
         sub, "train", help="train from a YAML config",
         description="Train a LoRA adapter with async GRPO as one YAML config says: start the "
@@ -262,6 +252,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                        help="no phases, no progress: one line at the end (for scripts)")  # fmt: skip
     train.set_defaults(func=_train)
 
+
+def _add_rollout(sub: Any) -> None:
+    """``asyncgrpo rollout``."""
     rollout = add_command(
         sub, "rollout", help="run a rollout process for a split run",
         description="Generate rollouts for a run whose trainer takes them through the "
@@ -279,10 +272,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     _dry_run_flag(rollout, "check the config (rewards import, dataset parses, paths) and exit")
     rollout.set_defaults(func=_rollout)
 
-    from asyncgrpo.cli.launch import add_parser as add_launch_parser
 
-    add_launch_parser(sub)
-
+def _add_eval(sub: Any) -> None:
+    """``asyncgrpo eval``."""
     ev = add_command(
         sub, "eval", help="evaluate published versions of a run on held-out prompts",
         description="Evaluate published adapter versions of a run (finished or running) on the "
@@ -303,10 +295,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     _dry_run_flag(ev, "check the config and the held-out rows and exit")
     ev.set_defaults(func=_eval)
 
-    from asyncgrpo.cli.export import add_parser as add_export_parser
 
-    add_export_parser(sub)
-
+def _add_plot(sub: Any) -> None:
+    """``asyncgrpo plot``."""
     plot = add_command(
         sub, "plot", help="plot a run's metrics.jsonl to plot.png",
         description="Draw reward, ratio, step time, staleness and the held-out results of a "
@@ -317,6 +308,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     plot.add_argument("run_dir", help="a run directory, or a launch's (a sweep: every point)")
     plot.set_defaults(func=_plot)
 
+
+def _add_check(sub: Any) -> None:
+    """``asyncgrpo check-serving``."""
     check = add_command(
         sub, "check-serving", help="served logprobs vs transformers + peft",
         description="Build a tiny model and a LoRA adapter, serve them on vLLM replicas, and "
@@ -332,6 +326,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     _dry_run_flag(check, "check the output directory and exit")
     check.set_defaults(func=_check_serving)
 
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["tinker"]:  # its own parser: every TinkerConfig field is a flag
+        from asyncgrpo.tinker.__main__ import main as tinker_main
+
+        tinker_main(argv[1:], prog="asyncgrpo tinker")
+    parser = ConfigParser(
+        prog="asyncgrpo",
+        description=plain_help(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
+
+    for add in (_add_demo, _add_train, _add_rollout):
+        add(sub)
+    from asyncgrpo.cli.export import add_parser as add_export_parser
+    from asyncgrpo.cli.launch import add_parser as add_launch_parser
+
+    add_launch_parser(sub)
+    _add_eval(sub)
+    add_export_parser(sub)
+    _add_plot(sub)
+    _add_check(sub)
     sub.add_parser("tinker", help="serve the tinker SDK's API (asyncgrpo tinker --help)")
 
     args = parse_command_line(lambda: parser.parse_args(argv), parser.prog)

@@ -126,6 +126,18 @@ def _sampling(cfg: TrainingConfig) -> tuple[GenerationConfig, RolloutConfig]:
     return gen, rollout
 
 
+class _Counter:
+    """Counts the prompts graded (or given up on) and tells ``on_graded(done, total)``."""
+
+    def __init__(self, total: int, on_graded: Callable[[int, int], None] | None) -> None:
+        self.total, self.done, self.on_graded = total, 0, on_graded
+
+    def __call__(self) -> None:
+        self.done += 1
+        if self.on_graded is not None:
+            self.on_graded(self.done, self.total)
+
+
 async def evaluate(
     cfg: TrainingConfig,
     *,
@@ -167,13 +179,7 @@ async def evaluate(
             policy=lambda: (model, version),
         )  # fmt: skip
 
-        done = 0
-
-        def graded_one() -> None:
-            nonlocal done
-            done += 1
-            if on_graded is not None:
-                on_graded(done, len(prompts))
+        graded_one = _Counter(len(prompts), on_graded)
 
         async def one(prompt: Prompt) -> None:
             async with limiter:

@@ -116,10 +116,8 @@ def dry_run(cfg: TrainingConfig, *, here: bool = True) -> list[str]:
     from asyncgrpo.config.redaction import redact_text
     from asyncgrpo.config.training import run_transport_url
     from asyncgrpo.rollout.dataset import local_rows
-    from asyncgrpo.run.endpoint import replica_config
     from asyncgrpo.transport import check_transport_url
 
-    gen, tr = cfg.generation, cfg.trainer
     lines = [f"model: {cfg.model} ({_where(cfg.model)})"]
     transport = run_transport_url(cfg)
     try:
@@ -143,6 +141,19 @@ def dry_run(cfg: TrainingConfig, *, here: bool = True) -> list[str]:
         lines.append(f"dataset: {cfg.dataset.path} ({_where(cfg.dataset.path)})")
     lines += _code(cfg, here=here)
 
+    lines += _context(cfg) + _local_replicas(cfg)
+    if cfg.proxy.upstreams:
+        lines.append(
+            f"{len(cfg.proxy.upstreams)} remote replica(s): their /server_info and adapter "
+            "plugin are checked at start"
+        )
+    return [*lines, _step_line(cfg), *_evaluation(cfg), *_trackers(cfg)]
+
+
+def _context(cfg: TrainingConfig) -> list[str]:
+    """Prompt plus completion within ``serve.max_model_len``; a token budget below it."""
+    gen, tr = cfg.generation, cfg.trainer
+    lines: list[str] = []
     max_len = cfg.serve.max_model_len
     if max_len is not None:
         if gen.max_completion_length >= max_len:
@@ -167,7 +178,15 @@ def dry_run(cfg: TrainingConfig, *, here: bool = True) -> list[str]:
                 f"warning: trainer.token_budget={tr.token_budget} < max_model_len {max_len}: "
                 "a longer sample gets a row of its own (more memory than the budget)"
             )
+    return lines
 
+
+def _local_replicas(cfg: TrainingConfig) -> list[str]:
+    """The vLLM flags of the replicas the run starts, through the live LoRA capacity check."""
+    from asyncgrpo.run.endpoint import replica_config
+
+    tr = cfg.trainer
+    lines: list[str] = []
     if cfg.serve.replicas:
         serve = replica_config(cfg)
         argv = serve.command(port=8000)
@@ -184,12 +203,7 @@ def dry_run(cfg: TrainingConfig, *, here: bool = True) -> list[str]:
             + (f" + {pins} pinned by eval.every" if (pins := cfg.serve.pinned_versions) else "")
         )
         lines.append("replica command: " + shlex.join(argv[1:]))
-    if cfg.proxy.upstreams:
-        lines.append(
-            f"{len(cfg.proxy.upstreams)} remote replica(s): their /server_info and adapter "
-            "plugin are checked at start"
-        )
-    return [*lines, _step_line(cfg), *_evaluation(cfg), *_trackers(cfg)]
+    return lines
 
 
 def _code(cfg: TrainingConfig, *, here: bool) -> list[str]:
