@@ -142,10 +142,17 @@ def run_command(body: Callable[[], object], prog: str, *, debug: bool = False) -
     exit_process(EXIT_OK)
 
 
-def run_async(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+#: What the first Ctrl-C says when a command does not say more.
+STOPPING = (
+    "stopping what this command started (a few seconds; children that do not stop get killed)"
+)
+
+
+def run_async(fn: Callable[..., Awaitable[T]], *args: Any, stopping: str = STOPPING) -> T:
     """Run ``fn(*args)`` under anyio with SIGINT and SIGTERM turned into cancellation, so
     replicas, the proxy and the rollout client shut down cleanly (no orphan vLLM processes);
-    an interruption then raises ``KeyboardInterrupt``."""
+    an interruption then raises ``KeyboardInterrupt``. The first signal prints ``stopping``
+    (what the command does now) on stderr: the user sees their Ctrl-C was heard."""
     import anyio
 
     interrupted = False
@@ -164,9 +171,10 @@ def run_async(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
                 async for signum in signals:
                     name = signal.Signals(signum).name
                     if interrupted:
-                        log.warning("%s received again: still stopping", name)
+                        print(f"{name} again: still stopping", file=sys.stderr, flush=True)
                         continue
                     log.info("%s received: stopping", name)  # a server's log says what stopped it
+                    print(f"\n{name}: {stopping}", file=sys.stderr, flush=True)
                     interrupted = True
                     work.cancel()
 

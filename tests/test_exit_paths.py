@@ -210,7 +210,7 @@ def test_launch_refuses_an_unknown_transport_scheme_before_any_job(tmp_path: Pat
     p = run([*ASYNCGRPO, "launch", TINY_CONFIG, "--backend", "local", "transport_url=ftp://x"],
             tmp_path)  # fmt: skip
     check(p, 2, "transport_url: " + FTP)
-    assert not (tmp_path / "runs" / "tiny-cpu" / "launch").exists()
+    assert not (tmp_path / "runs" / "tiny-cpu-launch").exists()
 
 
 # -- a model directory that does not exist: status 2, before any replica starts -----------------
@@ -242,7 +242,7 @@ def test_rollout_names_the_missing_model(tmp_path: Path) -> None:
 def test_launch_names_the_missing_model(tmp_path: Path) -> None:
     p = run([*ASYNCGRPO, "launch", TINY_CONFIG, "--backend", "local"], tmp_path)
     check(p, 2, TINY_FIX)
-    assert not (tmp_path / "runs" / "tiny-cpu" / "launch" / "jobs.json").exists()
+    assert not (tmp_path / "runs" / "tiny-cpu-launch" / "jobs.json").exists()
 
 
 @pytest.mark.parametrize("env", [{}, DEBUG])
@@ -280,7 +280,7 @@ def test_launch_fails_with_the_replica_jobs_own_line_before_the_trainer_starts(
     line = check(p, 1, "replica job tiny-cpu-replica-", "failed before it was healthy",
                  *OLD_VLLM_CAUSE)  # fmt: skip
     assert "trainer" not in line
-    launch_dir = tmp_path / "runs" / "tiny-cpu" / "launch"
+    launch_dir = tmp_path / "runs" / "tiny-cpu-launch"
     assert not (launch_dir / "trainer").exists()  # the trainer job never started
 
 

@@ -171,7 +171,11 @@ class LocalBackend:
         )
 
     def check(self) -> None:
-        """Refuse, before any process starts, a model this host cannot serve."""
+        self.check_offline()
+
+    def check_offline(self) -> None:
+        """Refuse, before any process starts, a model this host cannot serve (``--dry-run``
+        too)."""
         check_model(self.cfg.model)
 
     def _workdir(self, spec: JobSpec) -> Path:

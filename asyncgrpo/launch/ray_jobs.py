@@ -351,15 +351,19 @@ class RayBackend:
 
     # -- the cluster -------------------------------------------------------------------------
 
-    def check(self) -> None:
-        """Connect to the cluster and refuse, before any actor starts, what the launch cannot
-        get there: secrets not set, resources the cluster lacks, a directory transport other
-        hosts cannot share."""
+    def check_offline(self) -> None:
+        """Refuse, without the cluster, what the launch would refuse: secrets not set."""
         if self.missing:
             raise ConfigError(
                 f"set {', '.join(self.missing)} in the environment: the actors get "
                 f"{'it' if len(self.missing) == 1 else 'them'} in their environment"
             )
+
+    def check(self) -> None:
+        """Connect to the cluster and refuse, before any actor starts, what the launch cannot
+        get there: secrets not set, resources the cluster lacks, a directory transport other
+        hosts cannot share."""
+        self.check_offline()
         ray = self.ray
         endpoint = gcs_endpoint(self.address)
         if endpoint is not None:  # Ray retries an address nothing answers at for minutes

@@ -63,21 +63,35 @@ def _jsonable(value: Any) -> Any:
 class MetricsWriter:
     """Appends one line per step to ``run_dir/metrics.jsonl`` and mirrors it to ``trackers``.
 
-    Appending (not truncating) lets a resumed run continue the same file; ``read_metrics``
-    keeps the last line of each step, so steps replayed after a crash are not counted twice.
+    Appending (not truncating) lets a resumed run continue the same file. ``after_step``: the
+    step the run resumes from (0: a fresh start); the lines of later steps, which it trains
+    again, are dropped first (and a torn last line), so each step appears once in the file;
+    ``restore``: that step's line, written when the file lacks it (a run killed between its
+    checkpoint and its line).
     """
 
     def __init__(
-        self, run_dir: str | Path, *, jsonl: bool = True, trackers: Sequence[Tracker] = ()
+        self,
+        run_dir: str | Path,
+        *,
+        jsonl: bool = True,
+        trackers: Sequence[Tracker] = (),
+        after_step: int | None = None,
+        restore: dict[str, Any] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_FILE
         self._file = None
+        last = None
         if jsonl:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            if after_step is not None:
+                last = trim_metrics(self.path, after_step)
             self._file = self.path.open("a", encoding="utf-8")
         self._trackers = list(trackers)
         self._last_step = -1  #: the last step sent to the trackers
+        if restore is not None and after_step and last != after_step:
+            self.log(restore, step=after_step)
 
     def log(self, metrics: dict[str, Any], *, step: int) -> None:
         self._last_step = max(self._last_step, step)
@@ -115,6 +129,31 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def trim_metrics(path: Path, after_step: int) -> int | None:
+    """Drop the lines of ``path`` for steps after ``after_step`` (and lines that do not parse:
+    a torn last line); the file is replaced whole. Returns the last step kept (None: none)."""
+    if not path.is_file():
+        return None
+    kept: list[str] = []
+    last = None
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for line in lines:
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int) and step <= after_step:
+            kept.append(line)
+            last = step if last is None else max(last, step)
+    dropped = len(lines) - len(kept)
+    if dropped:
+        tmp = path.with_name(f".{path.name}.trim")
+        tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        tmp.replace(path)
+        logger.info("%s: dropped %d lines after step %d (trained again)", path, dropped, after_step)
+    return last
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from asyncgrpo.config.training import run_transport_url
 from asyncgrpo.errors import IntegrityError, ReplicaError
 from asyncgrpo.rollout.client import RolloutClient
 from asyncgrpo.run.endpoint import open_endpoint
+from asyncgrpo.run.preflight import dry_run
 from asyncgrpo.run.progress import RunProgress, as_progress
 from asyncgrpo.run.sources import rollout_client
 from asyncgrpo.store.channel import RolloutChannel
@@ -38,6 +39,7 @@ async def run_rollouts(
     """Ship rollouts until the trainer finishes; returns the number of samples shipped.
     ``progress`` hears the phases: model, replicas, the trainer's policy and each new one."""
     report = as_progress(progress)
+    await anyio.to_thread.run_sync(dry_run, cfg)  # every check of --dry-run, before anything
     await anyio.to_thread.run_sync(check_model, cfg.model)
     report.phase(f"model {cfg.model}: found")
     transport = open_transport(run_transport_url(cfg))

@@ -19,10 +19,12 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 
 from asyncgrpo.config.flags import parse_args
+from asyncgrpo.config.paths import check_writable
 from asyncgrpo.console import parse_command_line, plain_help, run_async, run_command
 from asyncgrpo.errors import ConfigError, ReplicaError, UsageError
 from asyncgrpo.proxy.admin_client import update_proxy
@@ -84,6 +86,13 @@ def _parse(argv: Sequence[str] | None) -> tuple[ServeConfig, Registration | None
             check_transport_url(url)
     except ConfigError as exc:
         raise UsageError(f"--transport: {exc}", prog=PROG, debug=args.debug) from exc
+    try:
+        for flag, value in (("--log-dir", config.log_dir),
+                            ("--adapter-cache-dir", config.adapter_cache_dir)):  # fmt: skip
+            if value is not None:  # a directory vLLM could not write fails it minutes later
+                check_writable(Path(value), f"{flag} {value}")
+    except ConfigError as exc:
+        raise UsageError(str(exc), prog=PROG, debug=args.debug) from exc
     try:
         registration = _registration(config, args.register, args.register_key_env)
     except ConfigError as exc:

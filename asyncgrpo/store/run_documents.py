@@ -27,7 +27,7 @@ from typing import Any
 from asyncgrpo.errors import AlreadyExists, ConfigError, IntegrityError, NotFound
 from asyncgrpo.retry import poll_until
 from asyncgrpo.store.documents import field, read_document
-from asyncgrpo.transport import Transport
+from asyncgrpo.transport import Transport, open_transport
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,20 @@ class RunResult:
     rank: int = 0  #: data-parallel rank; on ranks > 0 ``final_version`` is -1 (not tracked)
     #: the final version as a plain PEFT directory, ``<run_dir>/adapter`` (rank 0 only)
     adapter_dir: Path | None = None
+    #: the run was already at ``trainer.max_steps``: nothing was started, trained or published
+    up_to_date: bool = False
+
+
+def open_run_transport(url: str) -> Transport | None:
+    """The transport of a run that may have started, to read: None when it is a directory
+    that does not exist (nothing has run there; reading must not create it)."""
+    local = "://" not in url or url.startswith("file://")
+    try:
+        return open_transport(url, **({"create": False} if local else {}))
+    except ConfigError:
+        if local:
+            return None
+        raise
 
 
 def _policy(doc: dict[str, Any], where: str) -> tuple[str, int]:

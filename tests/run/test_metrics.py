@@ -182,3 +182,44 @@ def test_a_ratio_near_one_is_labelled_by_value_not_by_an_offset() -> None:
     plt.close(fig)
     assert ax.yaxis.get_offset_text().get_text() == ""
     assert all(label.startswith(("0.9999", "1.0000")) for label in labels), labels
+
+
+def test_a_resumed_writer_drops_the_lines_it_trains_again(tmp_path):
+    """Stopped at step 14 with a checkpoint at step 10: the rerun trains 11-14 again, and the
+    file holds each step once (a torn last line dropped too)."""
+    with MetricsWriter(tmp_path) as writer:
+        for step in range(1, 15):
+            writer.log({"reward": 0.0}, step=step)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 15, "rew')  # killed mid-write
+    with MetricsWriter(tmp_path, after_step=10) as writer:
+        for step in range(11, 16):
+            writer.log({"reward": 1.0}, step=step)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 16))
+    assert [r["reward"] for r in lines] == [0.0] * 10 + [1.0] * 5
+    with MetricsWriter(tmp_path, after_step=0):  # a fresh start over an old run's file
+        pass
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_a_checkpointed_steps_line_a_killed_run_never_wrote_is_written_from_the_checkpoint(
+    tmp_path,
+):
+    """Killed between its checkpoint of step 6 and that step's line: the rerun resumes after
+    step 6, so it writes step 6's line from the checkpoint, once."""
+    with MetricsWriter(tmp_path) as writer:
+        for step in range(1, 6):
+            writer.log({"reward": 0.0}, step=step)
+    with MetricsWriter(tmp_path, after_step=6, restore={"reward": 0.5}) as writer:
+        for step in (7, 8):
+            writer.log({"reward": 1.0}, step=step)
+    with MetricsWriter(tmp_path, after_step=8, restore={"reward": 9.0}):  # it has step 8
+        pass
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["reward"]) for r in lines] == [
+        *((s, 0.0) for s in range(1, 6)),
+        (6, 0.5),
+        (7, 1.0),
+        (8, 1.0),
+    ]

@@ -105,8 +105,8 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     )  # fmt: skip
 
 
-def test_launch_dry_run_shows_no_credential(tmp_path: Path) -> None:
-    p = _cli("launch", str(EXAMPLE), "--backend", "local", "--dry-run",
+def test_launch_dry_run_shows_no_credential(tmp_path: Path, tiny_model: Path) -> None:
+    p = _cli("launch", str(EXAMPLE), "--backend", "local", "--dry-run", f"model={tiny_model}",
              f"output_dir={tmp_path}", env={"ASYNCGRPO_TRANSPORT_URL": SAS_URL})  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert "acct.blob.core.windows.net" in p.stdout or "ASYNCGRPO_SERVE_TRANSPORTS" in p.stdout
