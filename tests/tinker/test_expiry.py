@@ -85,7 +85,7 @@ def test_a_released_client_s_paths_and_sampling_sessions_are_forgotten(tmp_path:
     # Nothing was booked or published, so releasing asks nothing of the proxy.
     sampler = Sampler(None, None, base_model="base", cache_dir=tmp_path, keep=1)  # type: ignore[arg-type]
     sampler.paths = {"tinker://a/sampler_weights/x": "a-v1", "tinker://b/sampler_weights/y": "b-v2"}
-    gone, kept, base = (sampler.new_session(n) for n in ("a-v1", "b-v2", "base"))
+    gone, kept, base = (sampler.new_session(n, None) for n in ("a-v1", "b-v2", "base"))
     anyio.run(sampler.release, "a")
     with pytest.raises(UnknownSampler, match="no sampler weights"):
         sampler.resolve(session=None, path="tinker://a/sampler_weights/x", base=None)
