@@ -145,6 +145,8 @@ class TinkerService:
         self.records = StabilityRecords()
         #: per training client, the sampler-vs-trainer gap of its datums since its last step
         self.gaps: dict[str, SamplerGap] = {}
+        #: clients whose session ended and whose slots are on their way back
+        self._leaving: set[str] = set()
         self._queue: FairQueue[tuple[str, Job]] = FairQueue()
         self._waiting = anyio.Semaphore(0)
         self._tasks: TaskGroup
@@ -191,35 +193,38 @@ class TinkerService:
                 for rid, _ in self._queue.drop(model.model_id):
                     error = f"the session ended before this request ran: it {why}"
                     self.futures.finish(rid, Outcome(error=error, category="user"))
+            self._leaving.add(model.model_id)
             self.submit(model.model_id, self._remover(model))
 
-    def _quiet_holders(self, besides: str, now: float) -> list[str]:
-        """The open sessions but ``besides`` that hold training clients and have missed a
-        heartbeat: their slots come back when they expire, unless they speak again."""
+    def _unproven_holders(self, besides: str, since: float) -> list[str]:
+        """The open sessions but ``besides`` holding training clients that have shown no sign of
+        life since ``since``: each may be a program that ended without closing its
+        ServiceClient, whose slots come back when it expires."""
         holders = {m.session_id for m in self.models.values()} - {besides}
-        return [s for s in holders if self.is_open(s)
-                and now - self.sessions[s].last_heartbeat > 1.5 * SDK_HEARTBEAT_S]  # fmt: skip
+        return sorted(s for s in holders
+                      if self.is_open(s) and self.sessions[s].last_heartbeat < since)  # fmt: skip
 
     async def book_slots(self, model: TrainingModel) -> None:
-        """Book a new client's LoRA slots on the proxy. While the replicas' slots are taken and
-        a session holding some has gone quiet (its heartbeats stopped: a program that ended
-        without closing its ServiceClient), wait for it to expire, at most
-        ``session_timeout_s``, and try again; else refused naming this service's flags."""
-        deadline = time.monotonic() + self.session_timeout_s + 2 * SDK_HEARTBEAT_S
+        """Book a new client's LoRA slots on the proxy. While the replicas' slots are taken by
+        sessions not yet heard from since this call began (the SDK heartbeats every 10 s, so a
+        live one speaks within that), wait for them to speak or expire, at most
+        ``session_timeout_s`` and a heartbeat period; then refused, naming this service's
+        flags."""
+        started = time.monotonic()
+        deadline = started + self.session_timeout_s + 2 * SDK_HEARTBEAT_S
         waited = False
         while True:
             try:
                 await self.sampler.book(model.adapter)
                 return
             except SlotsFull:
-                now = time.monotonic()
-                quiet = self._quiet_holders(model.session_id, now)
-                if not quiet or now > deadline:
+                silent = self._unproven_holders(model.session_id, started)
+                if not (silent or self._leaving) or time.monotonic() > deadline:
                     raise
                 if not waited:
-                    logger.info("training client %s waits for the LoRA slots of quiet sessions "
-                                "%s (they expire %g s after their last heartbeat)",
-                                model.model_id, ", ".join(sorted(quiet)),
+                    logger.info("training client %s waits for LoRA slots: sessions %s hold them "
+                                "and have not spoken since it asked (they expire %g s after "
+                                "their last heartbeat)", model.model_id, ", ".join(silent),
                                 self.session_timeout_s)  # fmt: skip
                     waited = True
                 await anyio.sleep(0.5)
@@ -227,9 +232,12 @@ class TinkerService:
 
     def _remover(self, model: TrainingModel) -> Job:
         async def job() -> None:
-            if self.sampler is not None:
-                await self.sampler.release(model.adapter)
-            await in_thread(lambda: self.engine.remove(model.adapter))()
+            try:
+                if self.sampler is not None:
+                    await self.sampler.release(model.adapter)
+                await in_thread(lambda: self.engine.remove(model.adapter))()
+            finally:
+                self._leaving.discard(model.model_id)
             logger.info("training client %s ended with its session", model.model_id)
 
         return job
