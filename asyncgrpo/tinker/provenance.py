@@ -8,9 +8,11 @@ back). A training ``Datum`` names them with provenance spans tiling its ``target
 positions of a sequence's sampled tokens). Every loss accepts spans; they mark the sampled
 positions (the ones the policy is trained on). ``stable_reinforce`` also reads the record: its
 sampler logprobs are the recorded ones, not the datum's. Every span is checked against the
-record it names (its tokens must be the datum's), and records are kept per session, for a day
-after their last use, within a bound on the tokens held (oldest first out). Pure: no I/O; the
-caller passes the clock.
+record it names (its tokens must be the datum's), but for the prompt spans of
+``target_tokens``: tinker-cookbook's ``rl_loop`` pads those targets with 0 (they carry no
+loss), so they are not compared. Records are kept per session, for a day after their last
+use, within a bound on the tokens held (oldest first out). Pure: no I/O; the caller passes
+the clock.
 """
 
 from __future__ import annotations
@@ -148,11 +150,14 @@ class StabilityRecords:
         session_id: str,
         index: int,
         now: float,
+        *,
+        check_prompt: bool = True,
+        what: str = "target_tokens",
     ) -> np.ndarray:
-        """The sampler's recorded logprob of every target position the spans tile (0 on prompt
-        positions), after checking each span's tokens are the datum's; each record used is
-        kept for another day."""
-        check_tiling(spans, len(targets), "loss_fn_inputs", index)
+        """The sampler's recorded logprob of every position the spans tile (0 on prompt
+        positions), after checking each span's tokens are the datum's (a prompt span's only
+        with ``check_prompt``); each record used is kept for another day."""
+        check_tiling(spans, len(targets), what, index)
         out = np.zeros(len(targets), np.float32)
         at = 0
         for span in spans:
@@ -167,10 +172,11 @@ class StabilityRecords:
                 )
             mine = targets[at : at + span.length]
             theirs = source[span.offset : end]
-            if not np.array_equal(mine, theirs):
+            checked = check_prompt or span.kind == "sampled"
+            if checked and not np.array_equal(mine, theirs):
                 bad = int(np.flatnonzero(mine != theirs)[0])
                 raise ProvenanceError(
-                    f"datum {index}: target_tokens[{at + bad}] is {int(mine[bad])} but its span "
+                    f"datum {index}: {what}[{at + bad}] is {int(mine[bad])} but its span "
                     f"says it is {span.kind} token {span.offset + bad} of sequence "
                     f"{span.sequence_id!r}, which is {int(theirs[bad])}"
                 )

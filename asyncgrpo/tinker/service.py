@@ -107,9 +107,11 @@ def with_provenance(
         trained = sampled_mask(datum.target_spans)
         inputs = datum.inputs
         if spec.provenance:
-            records.resolve(datum.input_spans, datum.tokens, session_id, i, now)
+            records.resolve(datum.input_spans, datum.tokens, session_id, i, now, what="model_input")
             targets = datum.inputs["target_tokens"]
-            recorded = records.resolve(datum.target_spans, targets, session_id, i, now)
+            # prompt targets carry no loss; rl_loop pads them with 0, so they are not compared
+            recorded = records.resolve(datum.target_spans, targets, session_id, i, now,
+                                       check_prompt=False)  # fmt: skip
             off = np.flatnonzero((np.asarray(inputs["advantages"]) != 0) & (trained == 0))
             if off.size:
                 raise ProvenanceError(

@@ -90,3 +90,15 @@ def test_records_are_bounded_in_tokens_oldest_out() -> None:
         -0.25,
         -0.5,
     ]
+
+
+def test_padded_prompt_targets_are_not_compared_as_rl_loop_pads_them() -> None:
+    """tinker-cookbook's rl_loop gives prompt positions target 0 (no loss there) under spans
+    naming the prompt: taken; the sampled targets and every input token are still compared."""
+    datum = _datum([0.0, 0.0, 1.0, 1.0])
+    datum.inputs["target_tokens"][:2] = 0
+    (out,) = with_provenance(_request("stable_reinforce", datum), _records(), "sess", 1.0).data
+    assert out.inputs["logprobs"].tolist() == [0.0, 0.0, -0.25, -0.5]
+    datum.tokens[1] = 99
+    with pytest.raises(ProvenanceError, match=r"model_input\[1\] is 99 .* prompt token 1"):
+        with_provenance(_request("stable_reinforce", datum), _records(), "sess", 1.0)
