@@ -42,7 +42,14 @@ from asyncgrpo.tinker.wire import SampleResult, WireError
 from asyncgrpo.vllm import api
 from asyncgrpo.vllm.api import parse_served_name
 
-__all__ = ["Sampler", "SlotsFull", "UnknownSampler", "open_sampler", "replicas_fetch"]
+__all__ = [
+    "Sampler",
+    "SlotsFull",
+    "UnknownSampler",
+    "open_sampler",
+    "replica_refusal",
+    "replicas_fetch",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +252,7 @@ class Sampler:
             except ReplicaHTTPError as exc:
                 gone = exc.status == 404 and parse_served_name(served) is not None
                 if not gone or attempt:
-                    raise _refusal(exc) from None
+                    raise replica_refusal(exc) from None
         raise AssertionError("unreachable")
 
     async def _sample(self, served: str, ask: Ask) -> SampleResult:
@@ -265,7 +272,7 @@ class Sampler:
                             target=target_result(answers["targets"], ask))  # fmt: skip
 
 
-def _refusal(exc: ReplicaHTTPError) -> Exception:
+def replica_refusal(exc: ReplicaHTTPError) -> Exception:
     """What a client is told of a replica's error answer: the limit when vLLM found the request
     too long, else the status only (vLLM's text goes to this service's log, not the client)."""
     logger.warning("a replica refused a sample request: %s", exc)

@@ -132,3 +132,20 @@ def test_vllms_answer_becomes_the_samples_in_choice_order() -> None:
     assert [s.stop_reason for s in result.sequences] == ["stop", "length"]
     assert result.prompt_logprobs is not None
     assert math.isnan(result.prompt_logprobs[0]) and result.prompt_logprobs[1] == -4.0
+
+
+def test_a_replicas_error_text_stays_out_of_what_the_client_is_told() -> None:
+    from asyncgrpo.errors import ReplicaHTTPError
+    from asyncgrpo.tinker.sampling import replica_refusal
+
+    body = ('{"error": {"message": "This model\'s maximum context length is 1024 tokens. However, '
+            'you requested 1100 tokens", "type": "BadRequestError"}}')  # fmt: skip
+    long = replica_refusal(ReplicaHTTPError("x", url="u", status=400, body=body))
+    assert isinstance(long, WireError) and "--max-model-len" in str(long)
+    assert "1100" not in str(long) and "maximum context length" not in str(long)
+    other = replica_refusal(
+        ReplicaHTTPError("x", url="u", status=400, body='{"error": "secret detail"}')
+    )
+    assert isinstance(other, WireError) and "secret" not in str(other) and "(400)" in str(other)
+    failed = replica_refusal(ReplicaHTTPError("x", url="u", status=503, body="overloaded detail"))
+    assert not isinstance(failed, WireError) and "detail" not in str(failed)
