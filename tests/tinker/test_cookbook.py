@@ -33,6 +33,7 @@ else:
     pytest.importorskip("tinker_cookbook", reason="tinker-cookbook runs in make test-cookbook")
 
 KEY = "tml-cookbook-test"
+GSM8K = "tinker_cookbook.recipes.math_rl.math_env:Gsm8kDatasetBuilder"
 RECIPE_TIMEOUT_S = 300
 
 
@@ -123,8 +124,13 @@ def test_sl_loop_rl_loop_and_rl_basic_run_unchanged_one_after_another(
         # rl_loop's default loss, stable_reinforce: its sampling client records what it samples
         _recipe("rl_loop", workspace, tmp_path / "rl", *common, "batch_size=4", "group_size=4",
                 "max_tokens=12", "max_steps=3", "save_every=0", "learning_rate=1e-3"),
-        _recipe("rl_basic", workspace, tmp_path / "basic", *common, "dataset_builder.batch_size=4",
-                "dataset_builder.group_size=4", "max_tokens=12", "max_steps=2", "save_every=0"),
+        # rl_basic builds its dataset builder in code: naming the builder's class on the command
+        # line is how chz takes its fields (batch and group size) from there too
+        _recipe("rl_basic", workspace, tmp_path / "basic", *common, f"dataset_builder={GSM8K}",
+                "dataset_builder.batch_size=4", "dataset_builder.group_size=4",
+                f"dataset_builder.model_name_for_tokenizer={MODEL_NAME}",
+                "dataset_builder.renderer_name=qwen3_instruct", "max_tokens=12", "max_steps=2",
+                "save_every=0"),
     ]  # fmt: skip
     print(f"recipes started {[round(s - starts[0], 1) for s in starts]} s after the first")
 
