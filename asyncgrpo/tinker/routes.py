@@ -136,19 +136,25 @@ async def create_model(request: web.Request) -> web.Response:
 
     async def job() -> dict[str, str]:
         try:
-            await _add_client(service, model, spec)
+            await add_client(service, model, spec)
         except BaseException:  # refused (the fleet is full): it holds no place under the cap
             service.models.pop(model_id, None)
             raise
         return {"model_id": model_id, "type": "create_model"}
 
-    return answer({"request_id": service.submit(model_id, job), "model_id": model_id})
+    # beside the queue: booking slots may wait for another session's to come back, and the
+    # worker must meanwhile run that session's removal
+    return answer({"request_id": service.spawn(job, model_id), "model_id": model_id})
 
 
-async def _add_client(service: TinkerService, model: TrainingModel, spec: LoraSpec) -> None:
+async def add_client(service: TinkerService, model: TrainingModel, spec: LoraSpec) -> None:
+    """Book the new client's slots (waiting, beside the queue, for those of sessions that
+    stopped heartbeating), then add its adapter in its turn on the worker."""
     if service.sampler is not None:  # refused, naming --max-loras, if the fleet is full
         await service.book_slots(model)
-    await in_thread(lambda: service.engine.create(model.adapter, spec))()
+    await service.in_turn(
+        model.model_id, in_thread(lambda: service.engine.create(model.adapter, spec))
+    )
     await service.states.start_run(model.adapter, spec)
     logger.info("training client %s: LoRA rank %d", model.model_id, spec.rank)
 
@@ -286,13 +292,16 @@ async def load_weights(request: web.Request) -> web.Response:
                 _check_rank(config, spec.rank)
                 service.add_model(dataclasses.replace(model, rank=spec.rank))
                 try:
-                    await _add_client(service, model, spec)
+                    await add_client(service, model, spec)
                 except BaseException:  # refused: it holds no place under the cap
                     service.models.pop(model.model_id, None)
                     raise
-            await in_thread(lambda: service.engine.load_state(model.adapter, state,
-                                                              optimizer=body.optimizer))()  # fmt: skip
+            load = in_thread(lambda: service.engine.load_state(model.adapter, state,
+                                                               optimizer=body.optimizer))  # fmt: skip
+            await (service.in_turn(model.model_id, load) if new else load())
         logger.info("training client %s: state %s loaded", model.model_id, body.path)
         return {"path": body.path, "model_id": model.model_id, "type": "load_weights"}
 
-    return answer({"request_id": service.submit(model.model_id, job), "model_id": model.model_id})
+    # a new client's runs beside the queue as create_model's does; an existing one's in its turn
+    rid = service.spawn(job, model.model_id) if new else service.submit(model.model_id, job)
+    return answer({"request_id": rid, "model_id": model.model_id})

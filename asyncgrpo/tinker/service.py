@@ -266,10 +266,35 @@ class TinkerService:
         self._waiting.release()
         return rid
 
-    def spawn(self, job: Job) -> str:
-        """Run ``job`` now, beside the queue (sampling: it needs no trainer); its request id."""
+    async def in_turn(self, client: str, job: Job) -> Any:
+        """Run ``job`` in ``client``'s turn on the worker (after its queued requests, never beside
+        another job's torch work) and return its value or raise its error: for work spawned
+        beside the queue (:meth:`spawn`) that must wait without holding the worker, such as a
+        new client booking LoRA slots, and then touch the engine."""
+        done, box = anyio.Event(), {}
+
+        async def turn() -> None:
+            try:
+                box["value"] = await job()
+            except RankError:
+                done.set()
+                raise  # the service stops: the worker sees it
+            except Exception as exc:
+                box["error"] = exc
+            finally:
+                done.set()
+
+        self.submit(client, turn)
+        await done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def spawn(self, job: Job, label: str = "sampling") -> str:
+        """Run ``job`` now, beside the queue (sampling, which needs no trainer, or work that may
+        wait before it touches the trainer: :meth:`in_turn`); its request id."""
         rid = self.futures.new()
-        self._tasks.start_soon(self._finish, "sampling", rid, job)
+        self._tasks.start_soon(self._finish, label, rid, job)
         return rid
 
     def done(self, value: Any) -> str:

@@ -35,6 +35,7 @@ else:
 KEY = "tml-cookbook-test"
 GSM8K = "tinker_cookbook.recipes.math_rl.math_env:Gsm8kDatasetBuilder"
 RECIPE_TIMEOUT_S = 300
+SERVICE_LOG: list[Path] = []  # the service's log, shown when a recipe fails
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,7 @@ def service(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
     work = tmp_path_factory.mktemp("service")
     log = work / "service.log"
+    SERVICE_LOG[:] = [log]
     args = [sys.executable, "-m", "asyncgrpo.tinker", "--model", str(workspace / MODEL_NAME),
             "--model-name", MODEL_NAME, "--replicas", "1", "--dtype", "float32",
             "--kv-cache-gib", "1", "--max-lora-rank", "8", "--port", "0",
@@ -103,7 +105,11 @@ def _recipe(module: str, workspace: Path, log_dir: Path, *args: str) -> float:
     out = subprocess.run([sys.executable, "-m", f"tinker_cookbook.recipes.{module}", *args,
                           f"log_path={log_dir}"], cwd=workspace, env=_env(log_dir.parent),
                          capture_output=True, text=True, timeout=RECIPE_TIMEOUT_S)  # fmt: skip
-    assert out.returncode == 0, f"{module} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    if out.returncode:
+        service_log = [line for line in SERVICE_LOG[0].read_text().splitlines()
+                       if "/api/v1/" not in line and "aiohttp.access" not in line]  # fmt: skip
+        raise AssertionError(f"{module} failed:\n{out.stderr[-3000:]}\n--- the service's log:\n"
+                             + "\n".join(service_log[-60:]))  # fmt: skip
     return started
 
 

@@ -114,7 +114,15 @@ class _Slots:
 
 
 class _Engine:
+    def create(self, model_id: str, spec: object) -> None:
+        pass
+
     def remove(self, model_id: str) -> None:
+        pass
+
+
+class _States:
+    async def start_run(self, run_id: str, spec: object) -> None:
         pass
 
 
@@ -124,11 +132,14 @@ def test_a_client_that_does_not_fit_waits_for_a_quiet_session_to_expire() -> Non
     the third waits until it expires and gets its slots."""
     import anyio
 
+    from asyncgrpo.tinker.engine import LoraSpec
+    from asyncgrpo.tinker.routes import add_client
     from asyncgrpo.tinker.sampling import SlotsFull
     from asyncgrpo.tinker.service import TinkerService, TrainingModel
 
+    spec = LoraSpec(rank=1, seed=0, train_mlp=True, train_attn=True)
     slots = _Slots(capacity=2)
-    service = TinkerService(_Engine(), states=None, sampler=slots, session_timeout_s=1.0)
+    service = TinkerService(_Engine(), states=_States(), sampler=slots, session_timeout_s=1.0)
     speaking = {"gone": True}
 
     async def body() -> None:
@@ -155,7 +166,11 @@ def test_a_client_that_does_not_fit_waits_for_a_quiet_session_to_expire() -> Non
             assert time.monotonic() - start < 0.9
             speaking["gone"] = False
             start = time.monotonic()
-            await service.book_slots(models[2])
+            # as create_model does: beside the queue, so that the worker runs the quiet
+            # session's removal meanwhile (booking from the worker would wait on itself)
+            rid = service.spawn(lambda: add_client(service, models[2], spec), models[2].model_id)
+            outcome = await service.futures.wait(rid, 10.0)
+            assert outcome is not None and outcome.error is None, outcome
             waited = time.monotonic() - start
             assert 0.5 < waited < 3.0, waited
             assert slots.booked == {models[1].adapter, models[2].adapter}
