@@ -138,7 +138,10 @@ def test_sl_loop_rl_loop_and_rl_basic_run_unchanged_one_after_another(
                 "dataset_builder.renderer_name=qwen3_instruct", "max_tokens=12", "max_steps=2",
                 "save_every=0"),
     ]  # fmt: skip
-    print(f"recipes started {[round(s - starts[0], 1) for s in starts]} s after the first")
+    waits = [line for line in SERVICE_LOG[0].read_text().splitlines() if "waits for LoRA" in line]
+    rl_steps = [m["time/total"] for m in _metrics(tmp_path / "rl") if "time/total" in m]
+    print(f"recipes started {[round(s - starts[0], 1) for s in starts]} s after the first; "
+          f"rl_loop s/step {[round(t, 2) for t in rl_steps]}; slot waits: {waits or 'none'}")  # fmt: skip
 
     sl = _metrics(tmp_path / "sl")
     assert len(sl) == 3 and all(math.isfinite(m["train_mean_nll"]) for m in sl), sl
