@@ -5,7 +5,8 @@ ours, or the builtin each one also is::
 
     AsyncGRPOError
     ├── ConfigError              (also ValueError)   a setting is wrong; the message names the fix
-    │   └── UsageError                               a command line is wrong (prog: which command)
+    │   ├── UsageError                               a command line is wrong (prog: which command)
+    │   └── NoRoom                                   the proxy has no LoRA slots left for a run
     ├── TransportError                               storage failed
     │   ├── NotFound             (also FileNotFoundError)
     │   ├── AlreadyExists        (also FileExistsError)
@@ -54,6 +55,11 @@ class AsyncGRPOError(Exception):
 
 class ConfigError(AsyncGRPOError, ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
+
+
+class NoRoom(ConfigError):
+    """The proxy refused a run's LoRA-slot booking: the replicas' ``--max-loras`` are taken
+    (or its table of runs is full). The message names the numbers."""
 
 
 class UsageError(ConfigError):

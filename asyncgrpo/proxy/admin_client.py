@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from asyncgrpo.errors import ConfigError, ReplicaError, ReplicaHTTPError
+from asyncgrpo.errors import ConfigError, NoRoom, ReplicaError, ReplicaHTTPError
 from asyncgrpo.proxy.paths import RUNS_PATH, STATS_PATH, UPSTREAMS_PATH
 from asyncgrpo.retry import Backoff, retry
 from asyncgrpo.vllm.api import error_message
@@ -47,16 +47,18 @@ class ProxyClient(VLLMClient):
         """Book ``lora_slots`` of the replicas' LoRA slots for adapter prefix ``run``, with its
         share weight, on the asyncgrpo proxy behind this URL; ``token`` (16 to 256 printable
         characters, kept secret) is what re-registering or releasing the booking takes. False
-        when it keeps no such book (a vLLM server, an older proxy); ``ConfigError`` naming
+        when it keeps no such book (a vLLM server, an older proxy); ``NoRoom`` naming
         ``--max-loras`` and the numbers when the runs sharing the replicas would need more
-        slots than they have, or saying who holds the booking."""
+        slots than they have; ``ConfigError`` saying who holds the booking."""
         body: dict[str, Any] = {"run": run, "lora_slots": lora_slots, "weight": weight}
         if token is not None:
             body["token"] = token
         status, text = await self._request("POST", RUNS_PATH, json_body=body)
         if status == 404:
             return False
-        if status in (403, 409):
+        if status == 409:
+            raise NoRoom(error_message(text))
+        if status == 403:
             raise ConfigError(error_message(text))
         if status == 401:
             raise ConfigError(

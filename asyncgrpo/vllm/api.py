@@ -212,3 +212,19 @@ def lora_slots_of(info: Any) -> int | None:
 def max_num_seqs_of(info: Any) -> int | None:
     """The replica's ``--max-num-seqs``: sequences it runs at once; beyond, it queues them."""
     return _server_setting(info, "scheduler_config", "max_num_seqs")
+
+
+def max_model_len_of(info: Any) -> int | None:
+    """The replica's ``--max-model-len``: prompt plus generated tokens of one request."""
+    return _server_setting(info, "model_config", "max_model_len")
+
+
+def max_logprobs_of(info: Any) -> int | None:
+    """The replica's ``--max-logprobs``: the most top logprobs one position may return."""
+    return _server_setting(info, "model_config", "max_logprobs")
+
+
+def context_length_refusal(status: int, body: bytes | str) -> bool:
+    """vLLM refused a request for being longer than its ``--max-model-len`` (400)."""
+    text = body.decode(errors="replace") if isinstance(body, bytes) else body
+    return status == 400 and ("maximum context length" in text or "max_model_len" in text)
