@@ -20,6 +20,7 @@ from asyncgrpo.config.training import run_transport_url
 from asyncgrpo.errors import ReplicaError
 from asyncgrpo.rollout.client import RolloutClient
 from asyncgrpo.run.endpoint import open_endpoint
+from asyncgrpo.run.ledger import SHIPPED_FILE, Ledger
 from asyncgrpo.run.progress import RunProgress, as_progress
 from asyncgrpo.run.sources import rollout_client
 from asyncgrpo.store.channel import RolloutChannel
@@ -55,11 +56,12 @@ async def run_rollouts(
                 await rollout_client(cfg, endpoint.url, policy, 0, api_key=endpoint.api_key)
             )
             channel = RolloutChannel(transport)
+            ledger = Ledger(cfg.run_dir / SHIPPED_FILE, enabled=cfg.logging.jsonl)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_follow_policy, store, client, poll_interval_s, tg.cancel_scope,
                               report)  # fmt: skip
                 while samples := await client.get(cfg.generation.num_generations):
-                    await channel.append(samples)
+                    ledger.shipped(await channel.append(samples), samples)
                     shipped += len(samples)
                 tg.cancel_scope.cancel()
     except* ReplicaError:

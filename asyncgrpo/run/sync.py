@@ -38,7 +38,7 @@ import anyio
 
 from asyncgrpo.errors import ReplicaError, ReplicaHTTPError, SyncError
 from asyncgrpo.serve.adapter_fetch import adapter_uri
-from asyncgrpo.store.adapters import AdapterStore
+from asyncgrpo.store.adapters import AdapterStore, AdapterVersion
 from asyncgrpo.vllm.api import parse_served_name, served_name
 from asyncgrpo.vllm.client import VLLMClient
 
@@ -155,6 +155,7 @@ class AdapterSync:
         self.retry_backoff_s = retry_backoff_s
         self.loaded: list[int] = []  #: versions this process loaded and has not unloaded
         self.newest: int | None = None  #: the last version loaded everywhere
+        self.published: AdapterVersion | None = None  #: the last version this sync published
         self._pins: Counter[int] = Counter()  #: versions kept loaded past the window
         self._unloading = anyio.Lock()  #: the trainer's retire and an evaluation's end race
 
@@ -228,7 +229,7 @@ class AdapterSync:
         retired is the one rollouts were still requesting, so the switch must come first.
         """
         t0 = time.perf_counter()
-        await self.store.publish(
+        self.published = await self.store.publish(
             self.prefix, version, Path(local_dir), step=step, base_model=self.base_model
         )
         t1 = time.perf_counter()

@@ -40,6 +40,7 @@ from asyncgrpo.run.audit import ServedPolicyAudit
 from asyncgrpo.run.endpoint import Endpoint, open_endpoint
 from asyncgrpo.run.evaluation import EvalsDuringTraining, RunEvaluator, evals_during_training
 from asyncgrpo.run.follower import follow
+from asyncgrpo.run.ledger import TRAINED_FILE, Ledger
 from asyncgrpo.run.metrics import MetricsWriter
 from asyncgrpo.run.preflight import preflight_fleet
 from asyncgrpo.run.progress import RunProgress, StepCallback, as_progress
@@ -103,6 +104,7 @@ class _Start:
     trainer: Any
     resumed_from: int | None
     position: int
+    skip: int = 0  #: samples at ``position`` taken before the checkpoint (a batch in part)
 
 
 async def run_training(
@@ -137,7 +139,8 @@ async def run_training(
         sync = await stack.enter_async_context(_adapter_sync(run, endpoint, loader_factory))
         work = await _scratch_dir(stack, cfg.run_dir)
         start = await _start_trainer(run, dp, work, report)
-        version = await _publish_first_version(run, sync, start.trainer, work)
+        ledger = Ledger(cfg.run_dir / TRAINED_FILE, enabled=cfg.logging.jsonl)
+        version = await _publish_first_version(run, sync, start.trainer, work, ledger)
         report.phase(f"version {version} ({sync.name(version)}) loaded on every replica")
         writer = stack.enter_context(_metrics_writer(cfg, run.prefix))
         source = await stack.enter_async_context(
@@ -151,7 +154,7 @@ async def run_training(
         async with evals_during_training(evaluator, sync, every) as evals:
             evals.latest = base
             step, version = await _train(
-                run, start.trainer, sync, source, writer, work, version,
+                run, start.trainer, sync, source, writer, ledger, work, version,
                 on_step=on_step, progress=report, fleet=lambda: _fleet_metrics(proxy),
                 audit=_served_policy_audit(run, start.trainer, work), evals=evals,
             )  # fmt: skip
@@ -321,13 +324,18 @@ async def _start_trainer(run: _Run, dp: Any, work: Path, report: RunProgress) ->
         raise IntegrityError(
             f"checkpoint step {step}: its data position {str(position)[:40]} is not an integer >= 0"
         )
+    skip = meta.get("position_skip", 0)
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        raise IntegrityError(f"checkpoint step {step}: its position_skip is not an integer >= 0")
     await anyio.to_thread.run_sync(trainer.load_checkpoint, ckpt_dir)
     logger.info("resumed from checkpoint step %d (data position %d)", step, position)
     report.phase(f"resumed from the checkpoint of step {step}")
-    return _Start(trainer=trainer, resumed_from=step, position=position)
+    return _Start(trainer=trainer, resumed_from=step, position=position, skip=skip)
 
 
-async def _publish_first_version(run: _Run, sync: AdapterSync, trainer: Any, work: Path) -> int:
+async def _publish_first_version(
+    run: _Run, sync: AdapterSync, trainer: Any, work: Path, ledger: Ledger
+) -> int:
     """Publish the starting policy as a fresh version, load it everywhere and name it in
     ``policy.json``. Fresh even on resume: a name is never reused, even after a crash, so no
     replica can serve other weights under it. Returns the version."""
@@ -336,6 +344,7 @@ async def _publish_first_version(run: _Run, sync: AdapterSync, trainer: Any, wor
     await sync.retire_leftovers()
     step = trainer.step_count
     await sync.sync(version, await _save_adapter(trainer, work / f"v{version}", version), step=step)
+    ledger.published(sync.published)
     await run.documents.write_policy(sync.name(version), version)
     return version
 
@@ -378,14 +387,14 @@ async def _sample_source(
     run: _Run, endpoint: Endpoint, rollout_source: str, policy: tuple[str, int], start: _Start
 ) -> AsyncIterator[SampleSource]:
     """Where samples come from: this process's rollout client, or remote rollout processes
-    through the transport's channel (continued from the checkpoint's position on resume)."""
+    through the transport's channel, from the checkpoint's position (or the first batch: a
+    trainer that died before its first checkpoint took batches its successor must train)."""
     cfg = run.cfg
     tcfg = cfg.trainer
     if rollout_source != "local":
         channel = RolloutChannel(run.transport)
-        if start.resumed_from is not None:
-            await channel.seek(start.position)
-        yield ChannelSource(channel)
+        await channel.seek(start.position)
+        yield ChannelSource(channel, skip=start.skip)
         return
     # Start no rollout the trainer would drop as stale.
     window = AdmissionWindow(
@@ -405,6 +414,7 @@ async def _train(
     sync: AdapterSync,
     source: SampleSource,
     writer: MetricsWriter,
+    ledger: Ledger,
     work: Path,
     version: int,
     *,
@@ -433,7 +443,7 @@ async def _train(
         samples, dropped = await _take_fresh(
             source, tcfg.samples_per_step, version, tcfg.max_staleness
         )
-        dropped_total += dropped
+        dropped_total += len(dropped)
         wait_s = time.perf_counter() - t_step
         if not samples:
             logger.info("the dataset is exhausted after %d steps", step)
@@ -443,6 +453,7 @@ async def _train(
         audit.observe(samples)
         metrics = await anyio.to_thread.run_sync(trainer.step, samples)
         step = trainer.step_count
+        ledger.trained(step, version, samples, dropped)
         metrics.update(staleness_stats(samples, current_version=version))
         metrics.update(source.stats())
         metrics["perf/rollout_wait_s"] = wait_s
@@ -456,6 +467,7 @@ async def _train(
             metrics.update(
                 await sync.sync(version, adapter_dir, step=step, on_loaded=switch_policy)
             )
+            ledger.published(sync.published)
             metrics["adapter_version"] = float(version)
             metrics.update(await audit.after_sync())
             evals.published(version, step)
@@ -490,19 +502,20 @@ async def _fleet_metrics(proxy: ProxyClient) -> dict[str, float]:
 
 async def _take_fresh(
     source: SampleSource, n: int, version: int, max_staleness: int
-) -> tuple[list[Sample], int]:
+) -> tuple[list[Sample], list[Sample]]:
     """``n`` samples within ``max_staleness`` of ``version`` (fewer only when the source ends),
-    and how many staler ones were dropped on the way."""
+    and the staler ones dropped on the way."""
     samples: list[Sample] = []
-    dropped_total = 0
+    dropped: list[Sample] = []
     while len(samples) < n:
         got = await source.take(n - len(samples))
         if not got:
             break
-        fresh, dropped = filter_stale(got, current_version=version, max_staleness=max_staleness)
+        fresh, _ = filter_stale(got, current_version=version, max_staleness=max_staleness)
+        kept = {id(s) for s in fresh}
         samples += fresh
-        dropped_total += dropped
-    return samples, dropped_total
+        dropped += [s for s in got if id(s) not in kept]
+    return samples, dropped
 
 
 async def _checkpoint(
@@ -510,7 +523,8 @@ async def _checkpoint(
 ) -> None:
     """Trainer state plus the data position through the transport; then the channel may drop
     what the checkpoint covers (a resumed run continues from that position)."""
-    meta = {"version": version, "position": source.position(), "run_id": run.run_id}
+    meta = {"version": version, "position": source.position(),
+            "position_skip": source.skip(), "run_id": run.run_id}  # fmt: skip
     ckpt = await anyio.to_thread.run_sync(lambda: trainer.save_checkpoint(directory, extra=meta))
     await run.checkpoints.save(step, ckpt, meta)
     await source.committed()
