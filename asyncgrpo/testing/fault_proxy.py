@@ -94,8 +94,14 @@ class Faults:
         self.seen.clear()
 
     def stats(self) -> dict[str, Any]:
-        return {"mode": self.mode, "share": self.share, "requests": self.requests,
-                "failed": self.failed, "hung": self.hung, "dropped": self.dropped}  # fmt: skip
+        return {
+            "mode": self.mode,
+            "share": self.share,
+            "requests": self.requests,
+            "failed": self.failed,
+            "hung": self.hung,
+            "dropped": self.dropped,
+        }
 
     def _injected_status(self) -> int | None:
         if self._fail_next > 0:
@@ -189,14 +195,19 @@ def fault_app(upstream: str, faults: Faults, *, strip_prefix: str = "") -> web.A
 
 def _control_app(faults: Faults, on_mode: Any) -> web.Application:
     async def set_fault(request: web.Request) -> web.Response:
+        """Change the mode; answers the counters as they stood under the mode it ends."""
+        before = faults.stats()
         try:
             doc = json.loads(await request.read() or b"{}")
-            faults.set_mode(str(doc.get("mode", "pass")), share=float(doc.get("share", 0.0)),
-                            statuses=[int(s) for s in doc.get("statuses", (500, 503))])  # fmt: skip
+            faults.set_mode(
+                str(doc.get("mode", "pass")),
+                share=float(doc.get("share", 0.0)),
+                statuses=[int(s) for s in doc.get("statuses", (500, 503))],
+            )
         except (ValueError, TypeError) as exc:
             return web.json_response({"error": str(exc)}, status=400)
         await on_mode(faults.mode)
-        return web.json_response(faults.stats())
+        return web.json_response(before)
 
     async def stats(_: web.Request) -> web.Response:
         return web.json_response(faults.stats())
@@ -241,8 +252,9 @@ async def serve_fault_proxy(
     control = web.AppRunner(_control_app(faults, on_mode), access_log=None)
     await control.setup()
     await web.TCPSite(control, host, control_port).start()
-    print(f"fault proxy on http://{host}:{port} -> {upstream} (control :{control_port})",
-          flush=True)  # fmt: skip
+    print(
+        f"fault proxy on http://{host}:{port} -> {upstream} (control :{control_port})", flush=True
+    )
     try:
         await asyncio.Event().wait()
     finally:
