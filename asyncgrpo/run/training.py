@@ -471,6 +471,7 @@ async def _train(
             metrics["adapter_version"] = float(version)
             metrics.update(await audit.after_sync())
             evals.published(version, step)
+            await _remove(work / f"v{oldest_audited(version, tcfg) - 1}")
 
         if tcfg.save_steps and (step % tcfg.save_steps == 0 or step == tcfg.max_steps):
             t_ckpt = time.perf_counter()
@@ -527,7 +528,20 @@ async def _checkpoint(
             "position_skip": source.skip(), "run_id": run.run_id}  # fmt: skip
     ckpt = await anyio.to_thread.run_sync(lambda: trainer.save_checkpoint(directory, extra=meta))
     await run.checkpoints.save(step, ckpt, meta)
+    await _remove(Path(ckpt))  # in the transport now: the local copy would pile up
     await source.committed()
+
+
+def oldest_audited(version: int, tcfg: Any) -> int:
+    """The oldest version whose saved adapter the next audit may need: samples trained since
+    the last audit (``audit.every`` syncs ago) are at most ``max_staleness`` versions older
+    than the version then current. Older saved adapters are removed from the scratch
+    directory after each sync, so a long run's disk holds a window of them, not every one."""
+    return version - tcfg.audit.every - tcfg.max_staleness
+
+
+async def _remove(path: Path) -> None:
+    await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
 
 
 async def _finish(run: _Run, start: _Start, step: int, version: int) -> RunResult:
