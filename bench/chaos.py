@@ -267,7 +267,8 @@ class Run:
             **S3_ENV,
             "PYTHONUNBUFFERED": "1",
             "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.ports['faults']}",
-            "ASYNCGRPO_PROXY_ADMIN_API_KEY": self.admin_key,
+            "ASYNCGRPO_PROXY_ADMIN_API_KEY": self.admin_key,  # the proxy's; a replica joins with it
+            "ASYNCGRPO_PROXY__ADMIN_API_KEY": self.admin_key,  # a run's: its booking on the proxy
         }
         self.env.pop("VLLM_LOGGING_LEVEL", None)
         self.transport = f"s3://{BUCKET}/run?{TRANSPORT_QUERY}"
@@ -477,6 +478,8 @@ class Run:
             if code == 0:
                 role.down = True  # finished (the trainer, or the rollout process at done.json)
                 continue
+            if code == 2:  # a usage or configuration error: restarting cannot help
+                raise RuntimeError(f"{role.name} refused its command: {role.last_lines(5)}")
             during = [
                 f.kind
                 for f in self.faults
