@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncgrpo.run.metrics import append_whole
 from asyncgrpo.sample import Sample
 
 if TYPE_CHECKING:
@@ -63,8 +64,15 @@ class Ledger:
         were taken on the way and dropped as staler than ``trainer.max_staleness`` (each with
         the version that sampled it: how stale, and so why)."""
         stale = [[s.sample_id, s.version] for s in dropped]
-        self._write({"event": "trained", "step": step, "version": version,
-                     "trained": _ids(samples), "dropped_stale": stale})  # fmt: skip
+        self._write(
+            {
+                "event": "trained",
+                "step": step,
+                "version": version,
+                "trained": _ids(samples),
+                "dropped_stale": stale,
+            }
+        )
 
     def published(self, version: AdapterVersion | None) -> None:
         """This process published ``version`` (its manifest landed): its files' checksums, so
@@ -72,8 +80,15 @@ class Ledger:
         if version is None:
             return
         files = {str(f["path"]): str(f["sha256"]) for f in version.files}
-        self._write({"event": "published", "version": version.version, "name": version.name,
-                     "step": version.step, "files": files})  # fmt: skip
+        self._write(
+            {
+                "event": "published",
+                "version": version.version,
+                "name": version.name,
+                "step": version.step,
+                "files": files,
+            }
+        )
 
     def _write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -83,11 +98,11 @@ class Ledger:
         )
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a", encoding="utf-8") as f:
-                f.write("".join(f"{line}\n" for line in self._unwritten))
+            append_whole(self.path, "".join(f"{line}\n" for line in self._unwritten))
         except OSError as exc:
-            logger.warning("%s: %d lines kept for the next write: %s", self.path,
-                           len(self._unwritten), exc)  # fmt: skip
+            logger.warning(
+                "%s: %d lines kept for the next write: %s", self.path, len(self._unwritten), exc
+            )
             return
         self._unwritten.clear()
 
