@@ -24,14 +24,24 @@ SHIPPED = [{"event": "shipped", "seq": s, "life": "r1", "ids": ids} for s, ids i
 
 
 def step(n: int, trained: list[str], dropped: list[str] = (), life: str = "t1") -> dict:
-    return {"event": "trained", "step": n, "life": life, "version": n, "trained": list(trained),
-            "dropped_stale": [[i, 0] for i in dropped]}  # fmt: skip
+    return {
+        "event": "trained",
+        "step": n,
+        "life": life,
+        "version": n,
+        "trained": list(trained),
+        "dropped_stale": [[i, 0] for i in dropped],
+    }
 
 
 def clean_history() -> list[dict]:
     """Three steps of four samples, batch 3 read in part (left over at the end)."""
-    return [step(1, BATCHES[0]), step(2, BATCHES[1][:2], dropped=BATCHES[1][2:]),
-            step(3, BATCHES[2]), step(4, BATCHES[3][:1])]  # fmt: skip
+    return [
+        step(1, BATCHES[0]),
+        step(2, BATCHES[1][:2], dropped=BATCHES[1][2:]),
+        step(3, BATCHES[2]),
+        step(4, BATCHES[3][:1]),
+    ]
 
 
 def names(violations) -> set[str]:
@@ -80,8 +90,9 @@ def test_an_acknowledged_batch_missing_from_the_store_is_caught() -> None:
     violations = check_samples(batches, SHIPPED, clean_history()[:3]).violations
     assert "none lost" in names(violations) and "batch 3" in str(violations[0])
     # quarantined batches are accounted for
-    report = check_samples(BATCHES, SHIPPED, [*clean_history()[:2], step(3, BATCHES[3])],
-                           quarantined={2})  # fmt: skip
+    report = check_samples(
+        BATCHES, SHIPPED, [*clean_history()[:2], step(3, BATCHES[3])], quarantined={2}
+    )
     assert report.violations == [] and report.quarantined == 4
 
 
@@ -95,17 +106,23 @@ def test_a_sample_no_batch_holds_is_caught() -> None:
 
 def test_a_version_deleted_or_published_twice_is_caught() -> None:
     files = {v: {"adapter_model.safetensors": f"sha-{v}"} for v in range(3)}
-    published = [{"event": "published", "version": v, "life": "t1", "step": v, "files": files[v]}
-                 for v in range(3)]  # fmt: skip
+    published = [
+        {"event": "published", "version": v, "life": "t1", "step": v, "files": files[v]}
+        for v in range(3)
+    ]
     assert check_versions(published, files, {}) == ([], [])
     gone = {v: f for v, f in files.items() if v != 1}
     assert names(check_versions(published, gone, {})[0]) == {
-        "every published version in the store", "no hole in the version numbers"}  # fmt: skip
+        "every published version in the store",
+        "no hole in the version numbers",
+    }
     twice = [*published, {**published[2], "life": "t2"}]
     assert names(check_versions(twice, files, {})[0]) == {"no version name reused"}
     tampered = {**files, 2: {"adapter_model.safetensors": "sha-other"}}
     assert names(check_versions(published, tampered, {2: "sha256 mismatch"})[0]) == {
-        "every published version in the store", "every version verifies"}  # fmt: skip
+        "every published version in the store",
+        "every version verifies",
+    }
     # a version in the store that no line claims: its publisher died after the manifest landed
     assert check_versions(published[:2], files, {}) == ([], [2])
 
@@ -119,13 +136,17 @@ def test_a_duplicated_or_missing_metrics_row_is_caught() -> None:
 
 def test_an_audit_failure_outside_a_fault_window_is_caught() -> None:
     key = "audit/replica/127.0.0.1:8001/mean_abs_logprob_diff"
-    rows = [{"step": 1, "time": 100.0, key: 1e-6}, {"step": 2, "time": 200.0, key: 0.5},
-            {"step": 3, "time": 300.0}]  # fmt: skip
+    rows = [
+        {"step": 1, "time": 100.0, key: 1e-6},
+        {"step": 2, "time": 200.0, key: 0.5},
+        {"step": 3, "time": 300.0},
+    ]
     window = FaultWindow("kill replica 127.0.0.1:8001", 190.0, 195.0)
     inside = check_audits(rows, [window], 1e-3, grace_s=10)
     assert (inside.audits, inside.passed, inside.violations) == (2, 1, [])
     assert inside.explained == [
-        "step 2: replica 127.0.0.1:8001 off by 0.5 during kill replica 127.0.0.1:8001"]  # fmt: skip
+        "step 2: replica 127.0.0.1:8001 off by 0.5 during kill replica 127.0.0.1:8001"
+    ]
     outside = check_audits(rows, [FaultWindow("proxy", 10.0, 20.0)], 1e-3, grace_s=10)
     assert names(outside.violations) == {"the served-policy audit passes outside faults"}
 
@@ -133,7 +154,8 @@ def test_an_audit_failure_outside_a_fault_window_is_caught() -> None:
 def test_a_result_outside_the_clean_band_is_caught() -> None:
     assert check_band("reward", 0.95, [0.97, 0.99, 1.0], margin=0.05) == []
     assert names(check_band("reward", 0.80, [0.97, 0.99, 1.0], margin=0.05)) == {
-        "reward within the clean band"}  # fmt: skip
+        "reward within the clean band"
+    }
     assert check_band("reward", float("nan"), [1.0], margin=0.05)
 
 
@@ -149,6 +171,8 @@ def test_the_ledger_keeps_a_line_it_could_not_write(tmp_path: Path) -> None:
         f.write('{"event": "trained", "st')  # torn
     records = read_ledger(path)
     assert [(r["step"], r["trained"], r["dropped_stale"]) for r in records] == [
-        (1, ["a"], []), (2, ["b"], [["c", 0]])]  # fmt: skip
+        (1, ["a"], []),
+        (2, ["b"], [["c", 0]]),
+    ]
     assert {r["life"] for r in records} == {ledger.life}
     assert json.loads(path.read_text().splitlines()[0])["event"] == "trained"

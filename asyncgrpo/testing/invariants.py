@@ -102,11 +102,21 @@ def check_samples(
         if seq in quarantined:
             continue
         if seq not in batches:
-            v.append(Violation("none lost", f"batch {seq} was acknowledged to rollout process "
-                               f"{line.get('life')} and is not in the store"))  # fmt: skip
+            v.append(
+                Violation(
+                    "none lost",
+                    f"batch {seq} was acknowledged to rollout process "
+                    f"{line.get('life')} and is not in the store",
+                )
+            )
         elif list(batches[seq]) != ids:
-            v.append(Violation("none lost", f"batch {seq} in the store is not the one "
-                               f"acknowledged to rollout process {line.get('life')}"))  # fmt: skip
+            v.append(
+                Violation(
+                    "none lost",
+                    f"batch {seq} in the store is not the one "
+                    f"acknowledged to rollout process {line.get('life')}",
+                )
+            )
     kept, rolled_back = lineage(trained)
     report.rolled_back_steps = len(rolled_back)
     taken: dict[str, int] = {}  # sample id -> the step that took it (trained or dropped)
@@ -120,12 +130,21 @@ def check_samples(
                 continue
             if sample_id in taken:
                 verb = "trained at most once" if what == "trained" else "taken at most once"
-                v.append(Violation(verb, f"sample {sample_id} taken at step {taken[sample_id]} "
-                                   f"and {what} again at step {step}"))  # fmt: skip
+                v.append(
+                    Violation(
+                        verb,
+                        f"sample {sample_id} taken at step {taken[sample_id]} "
+                        f"and {what} again at step {step}",
+                    )
+                )
             taken[sample_id] = step
             if sample_id not in where:
-                v.append(Violation("only shipped samples trained", f"step {step} {what} sample "
-                                   f"{sample_id}, which no batch holds"))  # fmt: skip
+                v.append(
+                    Violation(
+                        "only shipped samples trained",
+                        f"step {step} {what} sample {sample_id}, which no batch holds",
+                    )
+                )
         report.trained += len(line["trained"])
         report.dropped_stale += len(line.get("dropped_stale", []))
     touched = [where[i] for i in taken if i in where]
@@ -141,8 +160,13 @@ def check_samples(
             report.left_over += len(missing)
         elif missing:
             shown = ", ".join(missing[:4]) + (f" (+{len(missing) - 4})" if len(missing) > 4 else "")
-            v.append(Violation("none lost", f"batch {seq}: {shown} shipped, acknowledged, and "
-                               "neither trained nor dropped by the final lineage"))  # fmt: skip
+            v.append(
+                Violation(
+                    "none lost",
+                    f"batch {seq}: {shown} shipped, acknowledged, and "
+                    "neither trained nor dropped by the final lineage",
+                )
+            )
     return report
 
 
@@ -161,20 +185,28 @@ def check_versions(
     for line in published:
         version = line["version"]
         if version in claimed:
-            violations.append(Violation(
-                "no version name reused",
-                f"version {version} published by life {claimed[version].get('life')} and again "
-                f"by life {line.get('life')}",
-            ))  # fmt: skip
+            violations.append(
+                Violation(
+                    "no version name reused",
+                    f"version {version} published by life {claimed[version].get('life')} and again "
+                    f"by life {line.get('life')}",
+                )
+            )
         claimed[version] = line
         if version not in store:
-            violations.append(Violation("every published version in the store",
-                                        f"version {version} (step {line.get('step')}) is gone"))  # fmt: skip
+            violations.append(
+                Violation(
+                    "every published version in the store",
+                    f"version {version} (step {line.get('step')}) is gone",
+                )
+            )
         elif dict(store[version]) != dict(line["files"]):
-            violations.append(Violation(
-                "every published version in the store",
-                f"version {version}'s files are not those life {line.get('life')} published",
-            ))  # fmt: skip
+            violations.append(
+                Violation(
+                    "every published version in the store",
+                    f"version {version}'s files are not those life {line.get('life')} published",
+                )
+            )
     for version, error in sorted(verify_errors.items()):
         violations.append(Violation("every version verifies", f"version {version}: {error}"))
     if store and sorted(store) != list(range(max(store) + 1)):
@@ -190,8 +222,11 @@ def check_metrics(rows: Sequence[Mapping[str, Any]], max_steps: int) -> list[Vio
     violations = []
     counts = Counter(steps)
     if dup := sorted(s for s, n in counts.items() if n > 1):
-        violations.append(Violation("one metrics row per step", f"steps {dup[:10]} appear "
-                                    f"{max(counts.values())} times"))  # fmt: skip
+        violations.append(
+            Violation(
+                "one metrics row per step", f"steps {dup[:10]} appear {max(counts.values())} times"
+            )
+        )
     if gaps := sorted(set(range(1, max_steps + 1)) - set(counts)):
         violations.append(Violation("no gap in the metrics", f"steps {gaps[:10]} have no row"))
     if extra := sorted(s for s in counts if s not in range(1, max_steps + 1)):
@@ -269,7 +304,11 @@ def check_band(
         return [Violation(f"{name} within the clean band", "no clean run to compare with")]
     low, high = min(clean) - margin, max(clean) + margin
     if value != value or not low <= value <= high:
-        return [Violation(f"{name} within the clean band",
-                          f"{value:.3f} outside [{low:.3f}, {high:.3f}] (clean runs "
-                          f"{', '.join(f'{c:.3f}' for c in clean)}, margin {margin})")]  # fmt: skip
+        return [
+            Violation(
+                f"{name} within the clean band",
+                f"{value:.3f} outside [{low:.3f}, {high:.3f}] (clean runs "
+                f"{', '.join(f'{c:.3f}' for c in clean)}, margin {margin})",
+            )
+        ]
     return []
