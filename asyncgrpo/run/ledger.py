@@ -131,17 +131,20 @@ def read_ledger(path: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def lineage(records: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def lineage(
+    records: Iterable[dict[str, Any]], *, event: str | None = "trained"
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The ``trained`` lines of a trainer ledger that the final weights descend from, in step
     order, and those that were rolled back (written by a life that died after them: the next
     life resumed from an earlier checkpoint and trained those steps again).
 
     A line for step N after lines of steps >= N means the writer of those lines died and its
-    successor resumed at N - 1 or before: they are rolled back."""
+    successor resumed at N - 1 or before: they are rolled back. ``event=None``: every record
+    has a ``step`` (the rows of a ``metrics.jsonl``, which a resumed trainer appends too)."""
     kept: list[dict[str, Any]] = []
     rolled_back: list[dict[str, Any]] = []
     for record in records:
-        if record.get("event") != "trained":
+        if event is not None and record.get("event") != event:
             continue
         step = record["step"]
         while kept and kept[-1]["step"] >= step:

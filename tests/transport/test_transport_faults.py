@@ -386,3 +386,41 @@ async def test_error_hang_and_down_windows_are_ridden_out_by_retries(moto_endpoi
         finally:
             await t.aclose()
             tg.cancel_scope.cancel()
+
+
+# ---- a rollout process through a storage outage ----------------------------------------------
+async def test_a_rollout_process_rides_out_a_storage_outage(transport_factory, proxy_of) -> None:
+    """Storage failing for a while (every request 503, the transport's retries spent) costs a
+    rollout process a pause, not its life: its policy poll polls on and switches to the version
+    written after the outage, and a batch whose append failed is shipped once, afterwards.
+    (Before, the first failed poll or append ended the process, and every rollout in flight.)"""
+    from types import SimpleNamespace
+
+    from asyncgrpo.run import rollouts
+    from asyncgrpo.store.channel import RolloutChannel
+    from asyncgrpo.store.run_documents import RunStore
+    from asyncgrpo.testing.samples import sample
+
+    t = transport_factory("s3-proxy", max_retries=1)
+    store, faults = RunStore(t), proxy_of("s3-proxy")
+    await store.write_policy("run-v0", 0)
+    switched: list[int] = []
+    moved = anyio.Event()
+    client = SimpleNamespace(policy=("run-v0", 0))
+    client.set_policy = lambda name, version: (moved.set(), switched.append(version),
+                                               setattr(client, "policy", (name, version)))  # fmt: skip
+    progress = SimpleNamespace(phase=lambda text: None)
+    channel = RolloutChannel(t)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(rollouts._follow_policy, store, client, 0.05, tg.cancel_scope, progress)
+        faults.fail_next(40, 503)  # a few seconds of every request failing
+        seq = await rollouts._append(channel, [sample("g", sample_id="x-0-0")])
+        assert faults.failed == 40
+        await store.write_policy("run-v1", 1)
+        with anyio.fail_after(10):
+            await moved.wait()
+        await t.put("done.json", b'{"step": 1, "version": 1}')
+    assert switched == [1] and seq == 0
+    batch = await RolloutChannel(t).receive(timeout_s=5)
+    assert [s.sample_id for s in batch.samples] == ["x-0-0"]
+    assert not await t.exists("rollouts/batches/000000000001.agrb")  # shipped once
