@@ -144,12 +144,15 @@ def make_schedule(
     gap = max(1, (hi - lo) // (len(kinds) + 1))
     slots = [lo + i * gap + rng.randint(0, max(0, gap - 1)) for i in range(len(kinds))]
     rng.shuffle(kinds)
+    if short:  # the replica first: its replacement needs a minute to start, and should join
+        kinds.remove("replica")
+        kinds.insert(0, "replica")
     faults, replica = [], 0
     for kind, at in zip(kinds, slots, strict=True):
         fault = Fault(kind=kind, at_step=at, duration_s=durations.get(kind, 0.0))
         if kind == "replica":
             fault.target, replica = replica, replica + 1
-            fault.duration_s = rng.uniform(3, 12)
+            fault.duration_s = rng.uniform(1, 3) if short else rng.uniform(3, 12)
         elif kind == "trainer":
             fault.mid_step = rng.uniform(0.2, 0.8)
         elif kind == "proxy":
