@@ -81,6 +81,8 @@ TRANSPORT_QUERY = (
     "timeout_s=5&connect_timeout_s=2&max_retries=12&backoff_max_s=4&retry_timeout_s=90"
 )
 TRAINER_TMPFS_MB = 64
+#: How long a replica's loss counts as in force when its replacement never joined.
+UNJOINED_S = 60.0
 
 
 # ---- the schedule -------------------------------------------------------------------------------
@@ -100,6 +102,15 @@ class Fault:
     step_before: int | None = None  #: last step completed when it started
     next_step_s: float | None = None  #: from its start to the next new step completed
     notes: list[str] = field(default_factory=list)
+
+    def window_end(self) -> float:
+        """When it stopped acting: a window's end, a restart, a replacement joining (or a
+        minute after a kill whose replacement never joined)."""
+        assert self.started is not None
+        return self.ended if self.ended is not None else self.started + UNJOINED_S
+
+    def active(self, t: float, *, grace_s: float) -> bool:
+        return self.started is not None and self.started <= t <= self.window_end() + grace_s
 
     def describe(self) -> str:
         what = {
@@ -478,11 +489,7 @@ class Run:
         for role in list(self.roles.values()):
             if role.alive() or role.down or role.proc is None:
                 continue
-            active = [
-                i
-                for i, f in enumerate(self.faults)
-                if f.started and (f.ended is None or time.time() - f.ended < 30)
-            ]
+            active = [i for i, f in enumerate(self.faults) if f.active(time.time(), grace_s=30)]
             role.ended(causes=active)
             code = role.proc.returncode
             if code == 0:
@@ -714,7 +721,7 @@ def fault_windows(run: Run) -> list[Any]:
     for f in run.faults:
         if f.started is None:
             continue
-        end = f.ended or time.time()
+        end = f.window_end()
         name = f.kind + (f" {f.target}" if f.kind == "replica" else "")
         out.append(FaultWindow(name, f.started, end))
     return out
