@@ -82,44 +82,90 @@ def check_samples(
     ``trained``: the trainer's ledger lines (all lives, in the order written);
     ``quarantined``: batch numbers the channel moved aside as malformed."""
     report = SampleReport()
-    v = report.violations
     quarantined = set(quarantined)
+    where = _batch_of(batches, report)
+    _acknowledged(batches, shipped, quarantined, report.violations)
+    kept, rolled_back = lineage(trained)
+    report.rolled_back_steps = len(rolled_back)
+    taken = _taken(kept, where, report)
+    last = max((where[i] for i in taken if i in where), default=-1)
+    for seq, ids in sorted(batches.items()):
+        if seq in quarantined:
+            report.quarantined += len(ids)
+            continue
+        missing = [i for i in ids if i is not None and i not in taken]
+        if seq > last:
+            report.unread += len(ids)
+        elif seq == last:
+            report.left_over += len(missing)
+        elif missing:
+            shown = ", ".join(missing[:4]) + (f" (+{len(missing) - 4})" if len(missing) > 4 else "")
+            report.violations.append(
+                Violation(
+                    "none lost",
+                    f"batch {seq}: {shown} shipped, acknowledged, and neither trained "
+                    "nor dropped by the final lineage",
+                )
+            )
+    return report
+
+
+def _batch_of(batches: Mapping[int, Sequence[str | None]], report: SampleReport) -> dict[str, int]:
+    """Sample id -> the batch holding it; counts the shipped samples."""
     where: dict[str, int] = {}
     for seq, ids in sorted(batches.items()):
         report.shipped += len(ids)
         if any(i is None for i in ids):
-            v.append(Violation("sample ids", f"batch {seq} holds samples without an id"))
+            report.violations.append(
+                Violation("sample ids", f"batch {seq} holds samples without an id")
+            )
         for i in ids:
             if i is None:
                 continue
             if i in where:
-                v.append(
+                report.violations.append(
                     Violation("shipped once", f"sample {i} is in batches {where[i]} and {seq}")
                 )
             where[i] = seq
+    return where
+
+
+def _acknowledged(
+    batches: Mapping[int, Sequence[str | None]],
+    shipped: Iterable[Mapping[str, Any]],
+    quarantined: set[int],
+    violations: list[Violation],
+) -> None:
+    """Every batch a rollout process was told it shipped is in the store, as shipped."""
     for line in shipped:
-        seq, ids = line["seq"], list(line["ids"])
+        seq, ids, life = line["seq"], list(line["ids"]), line.get("life")
         if seq in quarantined:
             continue
         if seq not in batches:
-            v.append(
+            violations.append(
                 Violation(
                     "none lost",
-                    f"batch {seq} was acknowledged to rollout process "
-                    f"{line.get('life')} and is not in the store",
+                    f"batch {seq} was acknowledged to rollout process {life} and is "
+                    "not in the store",
                 )
             )
         elif list(batches[seq]) != ids:
-            v.append(
+            violations.append(
                 Violation(
                     "none lost",
-                    f"batch {seq} in the store is not the one "
-                    f"acknowledged to rollout process {line.get('life')}",
+                    f"batch {seq} in the store is not the one acknowledged to rollout "
+                    f"process {life}",
                 )
             )
-    kept, rolled_back = lineage(trained)
-    report.rolled_back_steps = len(rolled_back)
-    taken: dict[str, int] = {}  # sample id -> the step that took it (trained or dropped)
+
+
+def _taken(
+    kept: Sequence[Mapping[str, Any]], where: Mapping[str, int], report: SampleReport
+) -> dict[str, int]:
+    """Sample id -> the step of the final lineage that took it (trained or dropped); a second
+    take, and a sample no batch holds, are violations."""
+    v = report.violations
+    taken: dict[str, int] = {}
     for line in kept:
         step = line["step"]
         entries = [(i, "trained") for i in line["trained"]]
@@ -147,27 +193,7 @@ def check_samples(
                 )
         report.trained += len(line["trained"])
         report.dropped_stale += len(line.get("dropped_stale", []))
-    touched = [where[i] for i in taken if i in where]
-    last = max(touched, default=-1)
-    for seq, ids in sorted(batches.items()):
-        if seq in quarantined:
-            report.quarantined += len(ids)
-            continue
-        missing = [i for i in ids if i is not None and i not in taken]
-        if seq > last:
-            report.unread += len(ids)
-        elif seq == last:
-            report.left_over += len(missing)
-        elif missing:
-            shown = ", ".join(missing[:4]) + (f" (+{len(missing) - 4})" if len(missing) > 4 else "")
-            v.append(
-                Violation(
-                    "none lost",
-                    f"batch {seq}: {shown} shipped, acknowledged, and "
-                    "neither trained nor dropped by the final lineage",
-                )
-            )
-    return report
+    return taken
 
 
 def check_versions(
