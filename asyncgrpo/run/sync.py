@@ -30,7 +30,7 @@ import logging
 import shutil
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -162,13 +162,22 @@ class AdapterSync:
     def name(self, version: int) -> str:
         return served_name(self.prefix, version)
 
-    async def retire_leftovers(self, keep: Iterable[int] = ()) -> list[str]:
-        """Unload this run's versions left on the replicas by an earlier (killed) process."""
-        keep_names = {self.name(v) for v in keep}
-        stale = [
-            m for m in await self.loader.loaded()
-            if (parsed := parse_served_name(m)) and parsed[0] == self.prefix and m not in keep_names
-        ]  # fmt: skip
+    async def retire_leftovers(self, newest: int) -> list[str]:
+        """Take over this run's versions an earlier (killed) process left on the replicas,
+        before ``newest`` is published: those within its staleness window stay loaded (rollout
+        processes request them until they see the new policy, and their samples are fresh
+        enough to train) and retire as they age out, like this process's own; older ones are
+        unloaded now, freeing their slots. Returns the names unloaded."""
+        oldest_kept = newest - self.max_staleness
+        stale: list[str] = []
+        for model in await self.loader.loaded():
+            parsed = parse_served_name(model)
+            if not parsed or parsed[0] != self.prefix or parsed[1] in self.loaded:
+                continue
+            if parsed[1] >= oldest_kept:
+                self.loaded = sorted({*self.loaded, parsed[1]})
+            else:
+                stale.append(model)
         for name in stale:
             try:
                 await self.loader.unload(name)

@@ -341,7 +341,10 @@ async def _publish_first_version(
     replica can serve other weights under it. Returns the version."""
     last = await run.store.latest(run.prefix)
     version = 0 if last is None else last + 1
-    await sync.retire_leftovers()
+    # A killed predecessor's versions: rollout processes still generate under its newest until
+    # they read the new policy.json (unloading those failed their requests); they stay loaded
+    # and retire as they age out, the older ones are unloaded before the load takes a slot.
+    await sync.retire_leftovers(version)
     step = trainer.step_count
     await sync.sync(version, await _save_adapter(trainer, work / f"v{version}", version), step=step)
     ledger.published(sync.published)
