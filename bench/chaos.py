@@ -990,6 +990,32 @@ def report(result: dict[str, Any], clean: list[dict[str, Any]]) -> None:
         print("every invariant held")
 
 
+BANDED = ("final reward", "held-out reward")
+
+
+def report_again(args: argparse.Namespace) -> int:
+    """The report of a run made earlier, its band taken from the clean runs in ``--out`` now."""
+    from asyncgrpo.testing.invariants import check_band
+
+    name = f"clean-seed{args.seed}" if args.clean else f"chaos-seed{args.seed}"
+    path = args.out / name / "result.json"
+    if not path.is_file():
+        print(f"no run at {path}: run it first (without --report)")
+        return 2
+    result = json.loads(path.read_text())
+    clean = [] if args.clean else _clean_results(args.out, result["steps"])
+    violations = [v for v in result["violations"] if not v.startswith(BANDED)]
+    if clean:
+        for label, key in zip(BANDED, ("final_reward", "held_out"), strict=True):
+            values = [c[key] for c in clean]
+            violations += map(str, check_band(label, result[key], values, margin=args.band_margin))
+    elif not args.clean:
+        print(f"no clean runs of {result['steps']} steps in {args.out}: the band is not checked")
+    result["violations"] = violations
+    report(result, clean)
+    return 1 if violations else 0
+
+
 def _clean_results(out: Path, steps: int) -> list[dict[str, Any]]:
     found = []
     for seed in CLEAN_SEEDS:
@@ -1011,11 +1037,16 @@ def main() -> None:
     parser.add_argument("--band-margin", type=float, default=0.05)
     parser.add_argument("--timeout-min", type=float, default=90)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--report", action="store_true",
+                        help="run nothing: the report of the run --seed already made, against "
+                        "the clean runs in --out now (for runs measured in chunks)")  # fmt: skip
     args = parser.parse_args()
     args.steps = args.steps or (24 if args.short else 150)
     args.replicas = args.replicas or (2 if args.short else 3)
     args.save_steps = args.save_steps or (5 if args.short else 10)
     args.out = args.out.resolve()
+    if args.report:
+        sys.exit(report_again(args))
     if os.geteuid() == 0 and os.environ.get(NAMESPACE_ENV) is None and shutil.which("unshare"):
         # Root: run in a private mount namespace, where the trainer's disk can be a small tmpfs
         # (the disk-full fault); it goes with the namespace, whatever happens to the bench.
