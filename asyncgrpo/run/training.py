@@ -32,7 +32,7 @@ import anyio
 from asyncgrpo.config.model_source import check_model
 from asyncgrpo.config.redaction import redacted
 from asyncgrpo.config.training import TrainingConfig, run_transport_url
-from asyncgrpo.errors import ConfigError, IntegrityError, ReplicaError
+from asyncgrpo.errors import ConfigError, IntegrityError, ReplicaError, TransportError
 from asyncgrpo.evaluation.runner import eval_run
 from asyncgrpo.proxy.admin_client import ProxyClient
 from asyncgrpo.rollout.window import AdmissionWindow
@@ -69,6 +69,9 @@ logger = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 2
 #: Seconds the proxy may take to say how its fleet is; a step does not wait longer.
 FLEET_TIMEOUT_S = 2.0
+#: Seconds the trainer's own disk may refuse a sync's adapter or a checkpoint (full) before the
+#: run stops: meanwhile each is put off to the next step (:class:`LocalDisk`).
+DISK_PATIENCE_S = 120.0
 
 #: Called before each optimizer step with (step, samples, adapter version), and awaited if it
 #: returns an awaitable: tests use it to check served logprobs against the trainer's, and to
@@ -441,6 +444,7 @@ async def _train(
 
     step = trainer.step_count
     dropped_total = 0
+    disk = LocalDisk()
     while step < tcfg.max_steps:
         t_step = time.perf_counter()
         samples, dropped = await _take_fresh(
@@ -464,21 +468,22 @@ async def _train(
         metrics["sample/rollout_queue_size"] = float(source.queue_size())
         metrics["adapter_version"] = float(version)
 
-        if step % tcfg.weight_sync_steps == 0:
-            version += 1
-            adapter_dir = await _save_adapter(trainer, work / f"v{version}", version)
-            metrics.update(
-                await sync.sync(version, adapter_dir, step=step, on_loaded=switch_policy)
-            )
-            ledger.published(sync.published)
-            metrics["adapter_version"] = float(version)
-            metrics.update(await audit.after_sync())
-            evals.published(version, step)
-            await _remove(work / f"v{oldest_audited(version, tcfg) - 1}")
+        if step % tcfg.weight_sync_steps == 0 or disk.owes("sync"):
+            new, synced = await _next_version(trainer, sync, work, version, step, disk,
+                                              tcfg, switch_policy)  # fmt: skip
+            if new != version:
+                version = new
+                metrics.update(synced)
+                ledger.published(sync.published)
+                metrics["adapter_version"] = float(version)
+                metrics.update(await audit.after_sync())
+                evals.published(version, step)
 
-        if tcfg.save_steps and (step % tcfg.save_steps == 0 or step == tcfg.max_steps):
+        if tcfg.save_steps and (
+            step % tcfg.save_steps == 0 or step == tcfg.max_steps or disk.owes("checkpoint")
+        ):
             t_ckpt = time.perf_counter()
-            await _checkpoint(run, trainer, source, work / f"ckpt-{step}", step, version)
+            await _checkpoint(run, trainer, source, work / f"ckpt-{step}", step, version, disk)
             metrics["perf/checkpoint_s"] = time.perf_counter() - t_ckpt
 
         metrics["perf/step_s"] = time.perf_counter() - t_step
@@ -489,6 +494,22 @@ async def _train(
         if getattr(trainer, "stop_requested", False):  # trainer.collapse_action=stop fired
             break
     return step, version
+
+
+async def _next_version(
+    trainer: Any, sync: AdapterSync, work: Path, version: int, step: int, disk: LocalDisk,
+    tcfg: Any, on_loaded: Callable[[str, int], Awaitable[None]],
+) -> tuple[int, dict[str, float]]:  # fmt: skip
+    """Save, publish and load the version after ``version``: the version in use then, and the
+    sync's metrics. Unchanged when the disk refused the adapter (put off to the next step)."""
+    adapter_dir = await disk.write(
+        "sync", work / f"v{version + 1}", lambda d: _save_adapter(trainer, d, version + 1)
+    )
+    if adapter_dir is None:
+        return version, {}
+    metrics = await sync.sync(version + 1, adapter_dir, step=step, on_loaded=on_loaded)
+    await _remove(work / f"v{oldest_audited(version + 1, tcfg) - 1}")
+    return version + 1, metrics
 
 
 async def _fleet_metrics(proxy: ProxyClient) -> dict[str, float]:
@@ -523,16 +544,58 @@ async def _take_fresh(
 
 
 async def _checkpoint(
-    run: _Run, trainer: Any, source: SampleSource, directory: Path, step: int, version: int
-) -> None:
+    run: _Run, trainer: Any, source: SampleSource, directory: Path, step: int, version: int,
+    disk: LocalDisk,
+) -> None:  # fmt: skip
     """Trainer state plus the data position through the transport; then the channel may drop
-    what the checkpoint covers (a resumed run continues from that position)."""
+    what the checkpoint covers (a resumed run continues from that position). A checkpoint the
+    local disk refuses is put off to the next step (:class:`LocalDisk`)."""
     meta = {"version": version, "position": source.position(),
             "position_skip": source.skip(), "run_id": run.run_id}  # fmt: skip
-    ckpt = await anyio.to_thread.run_sync(lambda: trainer.save_checkpoint(directory, extra=meta))
+
+    def save(path: Path) -> Path:
+        return trainer.save_checkpoint(path, extra=meta)
+
+    ckpt = await disk.write("checkpoint", directory, lambda d: anyio.to_thread.run_sync(save, d))
+    if ckpt is None:
+        return
     await run.checkpoints.save(step, ckpt, meta)
     await _remove(Path(ckpt))  # in the transport now: the local copy would pile up
     await source.committed()
+
+
+class LocalDisk:
+    """The trainer's writes to its own disk before a sync or a checkpoint, which a full disk
+    refuses: each is put off to the next step (training goes on under the version in use; the
+    last checkpoint stays the resume point), for ``DISK_PATIENCE_S`` at most, after which the
+    error stops the run (a trainer that never syncs again would train on ever staler samples)."""
+
+    def __init__(self, patience_s: float = DISK_PATIENCE_S) -> None:
+        self.patience_s = patience_s
+        self._failing: dict[str, float] = {}  #: what is put off -> since when
+
+    def owes(self, what: str) -> bool:
+        return what in self._failing
+
+    async def write(
+        self, what: str, directory: Path, save: Callable[[Path], Awaitable[Path]]
+    ) -> Path | None:
+        """``await save(directory)``, or None when the disk refused it (what it wrote is
+        removed, to give the room back)."""
+        try:
+            path = await save(directory)
+        except OSError as exc:
+            if isinstance(exc, TransportError):
+                raise
+            await _remove(directory)
+            since = self._failing.setdefault(what, time.monotonic())
+            if time.monotonic() - since > self.patience_s:
+                raise
+            logger.warning("the trainer's disk refused the %s of this step (%s): put off to the "
+                           "next step", what, exc)  # fmt: skip
+            return None
+        self._failing.pop(what, None)
+        return path
 
 
 def oldest_audited(version: int, tcfg: Any) -> int:
