@@ -66,3 +66,22 @@ async def test_an_unfinished_batch_is_not_committed(tmp_path: Path) -> None:
     await source.take(5)  # the rest of batch 1
     await source.committed()
     assert await RolloutChannel(transport)._load_cursor() == 2
+
+
+async def test_a_trainer_without_a_checkpoint_reads_from_the_first_batch(tmp_path: Path) -> None:
+    """A trainer killed before its first checkpoint had moved the channel's cursor; the next
+    one starts from step 0 and must read those batches again (they were trained by weights
+    that died), not skip them."""
+    from types import SimpleNamespace
+
+    from asyncgrpo.run.training import _sample_source, _Start
+
+    transport = await _filled(tmp_path / "store")
+    first = ChannelSource(RolloutChannel(transport, poll_interval_s=0.01))
+    await first.take(8)
+    await first.take(8)
+    await first.committed()  # the cursor is at batch 2; no checkpoint was saved
+    run = SimpleNamespace(cfg=SimpleNamespace(trainer=None), transport=transport)
+    fresh = _Start(trainer=None, resumed_from=None, position=0)
+    async with _sample_source(run, None, "channel", ("p-v0", 0), fresh) as source:  # type: ignore[arg-type]
+        assert [s.sample_id for s in await source.take(8)] == [f"b0-{j}" for j in range(8)]
