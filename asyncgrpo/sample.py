@@ -32,6 +32,11 @@ class Sample:
     ``replica`` names the replica that served the episode's model turns, as the proxy names it
     (``X-Asyncgrpo-Replica``; turns served by several are joined by ``+``; ``None`` without a
     proxy): the trainer's served-policy audit names the replica whose logprobs are wrong.
+
+    ``sample_id`` is the episode's name from the rollout side (``<producer>-<prompt
+    position>-<j>``, the producer a random name per rollout client), unique across every
+    rollout process and restart of a run: the trainer records the ids it trains and drops
+    (``samples.jsonl``), so "no sample trained twice, none lost" can be checked on the records.
     """
 
     prompt_ids: list[int]
@@ -47,6 +52,7 @@ class Sample:
     completion_mask: list[bool] | None = None
     versions: list[int] | None = None
     replica: str | None = None
+    sample_id: str | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

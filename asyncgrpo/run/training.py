@@ -33,7 +33,7 @@ import anyio
 from asyncgrpo.config.model_source import check_model
 from asyncgrpo.config.redaction import redacted
 from asyncgrpo.config.training import TrainingConfig, run_transport_url
-from asyncgrpo.errors import ConfigError, IntegrityError, ReplicaError
+from asyncgrpo.errors import ConfigError, IntegrityError, ReplicaError, TransportError
 from asyncgrpo.evaluation.runner import eval_run
 from asyncgrpo.proxy.admin_client import ProxyClient
 from asyncgrpo.rollout.window import AdmissionWindow
@@ -41,6 +41,7 @@ from asyncgrpo.run.audit import ServedPolicyAudit
 from asyncgrpo.run.endpoint import Endpoint, open_endpoint
 from asyncgrpo.run.evaluation import EvalsDuringTraining, RunEvaluator, evals_during_training
 from asyncgrpo.run.follower import follow
+from asyncgrpo.run.ledger import TRAINED_FILE, Ledger
 from asyncgrpo.run.lock import run_dir_lock
 from asyncgrpo.run.metrics import MetricsWriter
 from asyncgrpo.run.preflight import dry_run, preflight_fleet
@@ -80,6 +81,9 @@ logger = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 2
 #: Seconds the proxy may take to say how its fleet is; a step does not wait longer.
 FLEET_TIMEOUT_S = 2.0
+#: Seconds the trainer's own disk may refuse a sync's adapter or a checkpoint (full) before the
+#: run stops: meanwhile each is put off to the next step (:class:`LocalDisk`).
+DISK_PATIENCE_S = 120.0
 
 #: Called before each optimizer step with (step, samples, adapter version), and awaited if it
 #: returns an awaitable: tests use it to check served logprobs against the trainer's, and to
@@ -118,6 +122,7 @@ class _Start:
     position: int
     #: the checkpointed step's metrics line, for a run killed before it wrote it
     metrics: dict[str, Any] | None = None
+    skip: int = 0  #: samples at ``position`` taken before the checkpoint (a batch in part)
 
 
 async def run_training(
@@ -181,7 +186,8 @@ async def _run(
         work = await _scratch_dir(stack, cfg.run_dir)
         start = await _start_trainer(run, dp, work, report)
         state.step = state.checkpoint = start.resumed_from
-        version = await _publish_first_version(run, sync, start.trainer, work)
+        ledger = Ledger(cfg.run_dir / TRAINED_FILE, enabled=cfg.logging.jsonl)
+        version = await _publish_first_version(run, sync, start.trainer, work, ledger)
         report.phase(f"version {version} ({sync.name(version)}) loaded on every replica")
         writer = stack.enter_context(_metrics_writer(cfg, run.prefix, start))
         source = await stack.enter_async_context(
@@ -195,7 +201,7 @@ async def _run(
         async with evals_during_training(evaluator, sync, every) as evals:
             evals.latest = base
             step, version = await _train(
-                run, start.trainer, sync, source, writer, work, version,
+                run, start.trainer, sync, source, writer, ledger, work, version,
                 on_step=on_step, progress=report, fleet=lambda: _fleet_metrics(proxy),
                 audit=_served_policy_audit(run, start.trainer, work),
                 evals=evals, state=state,
@@ -460,23 +466,32 @@ async def _start_trainer(run: _Run, dp: Any, work: Path, report: RunProgress) ->
         raise IntegrityError(
             f"checkpoint step {step}: its data position {str(position)[:40]} is not an integer >= 0"
         )
+    skip = meta.get("position_skip", 0)
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        raise IntegrityError(f"checkpoint step {step}: its position_skip is not an integer >= 0")
     await anyio.to_thread.run_sync(trainer.load_checkpoint, ckpt_dir)
     logger.info("resumed from checkpoint step %d (data position %d)", step, position)
     report.phase(f"resumed from the checkpoint of step {step}")
     logged = meta.get("metrics")
-    return _Start(trainer=trainer, resumed_from=step, position=position,
+    return _Start(trainer=trainer, resumed_from=step, position=position, skip=skip,
                   metrics=logged if isinstance(logged, dict) else None)  # fmt: skip
 
 
-async def _publish_first_version(run: _Run, sync: AdapterSync, trainer: Any, work: Path) -> int:
+async def _publish_first_version(
+    run: _Run, sync: AdapterSync, trainer: Any, work: Path, ledger: Ledger
+) -> int:
     """Publish the starting policy as a fresh version, load it everywhere and name it in
     ``policy.json``. Fresh even on resume: a name is never reused, even after a crash, so no
     replica can serve other weights under it. Returns the version."""
     last = await run.store.latest(run.prefix)
     version = 0 if last is None else last + 1
-    await sync.retire_leftovers()
+    # A killed predecessor's versions: rollout processes still generate under its newest until
+    # they read the new policy.json (unloading those failed their requests); they stay loaded
+    # and retire as they age out, the older ones are unloaded before the load takes a slot.
+    await sync.retire_leftovers(version)
     step = trainer.step_count
     await sync.sync(version, await _save_adapter(trainer, work / f"v{version}", version), step=step)
+    ledger.published(sync.published)
     await run.documents.write_policy(sync.name(version), version)
     return version
 
@@ -525,14 +540,14 @@ async def _sample_source(
     run: _Run, endpoint: Endpoint, rollout_source: str, policy: tuple[str, int], start: _Start
 ) -> AsyncIterator[SampleSource]:
     """Where samples come from: this process's rollout client, or remote rollout processes
-    through the transport's channel (continued from the checkpoint's position on resume)."""
+    through the transport's channel, from the checkpoint's position (or the first batch: a
+    trainer that died before its first checkpoint took batches its successor must train)."""
     cfg = run.cfg
     tcfg = cfg.trainer
     if rollout_source != "local":
         channel = trainer_channel(run.transport, start.trainer, cfg)
-        if start.resumed_from is not None:
-            await channel.seek(start.position)
-        yield ChannelSource(channel)
+        await channel.seek(start.position)
+        yield ChannelSource(channel, skip=start.skip)
         return
     # Start no rollout the trainer would drop as stale.
     window = AdmissionWindow(
@@ -552,6 +567,7 @@ async def _train(
     sync: AdapterSync,
     source: SampleSource,
     writer: MetricsWriter,
+    ledger: Ledger,
     work: Path,
     version: int,
     *,
@@ -576,12 +592,13 @@ async def _train(
 
     step = trainer.step_count
     dropped_total = 0
+    disk = LocalDisk()
     while step < tcfg.max_steps:
         t_step = time.perf_counter()
         samples, dropped = await _take_fresh(
             source, tcfg.samples_per_step, version, tcfg.max_staleness
         )
-        dropped_total += dropped
+        dropped_total += len(dropped)
         wait_s = time.perf_counter() - t_step
         if not samples:
             logger.info("the dataset is exhausted after %d steps", step)
@@ -591,6 +608,7 @@ async def _train(
         audit.observe(samples)
         metrics = await anyio.to_thread.run_sync(trainer.step, samples)
         step = state.step = trainer.step_count
+        ledger.trained(step, version, samples, dropped)
         metrics.update(staleness_stats(samples, current_version=version))
         metrics.update(source.stats())
         metrics["perf/rollout_wait_s"] = wait_s
@@ -598,22 +616,25 @@ async def _train(
         metrics["sample/rollout_queue_size"] = float(source.queue_size())
         metrics["adapter_version"] = float(version)
 
-        if step % tcfg.weight_sync_steps == 0:
-            version += 1
-            adapter_dir = await _save_adapter(trainer, work / f"v{version}", version)
-            metrics.update(
-                await sync.sync(version, adapter_dir, step=step, on_loaded=switch_policy)
-            )
-            metrics["adapter_version"] = float(version)
-            metrics.update(await audit.after_sync())
-            evals.published(version, step)
+        if step % tcfg.weight_sync_steps == 0 or disk.owes("sync"):
+            new, synced = await _next_version(trainer, sync, work, version, step, disk,
+                                              tcfg, switch_policy)  # fmt: skip
+            if new != version:
+                version = new
+                metrics.update(synced)
+                ledger.published(sync.published)
+                metrics["adapter_version"] = float(version)
+                metrics.update(await audit.after_sync())
+                evals.published(version, step)
 
-        if tcfg.save_steps and (step % tcfg.save_steps == 0 or step == tcfg.max_steps):
+        if tcfg.save_steps and (
+            step % tcfg.save_steps == 0 or step == tcfg.max_steps or disk.owes("checkpoint")
+        ):
             t_ckpt = time.perf_counter()
             logged = step % run.cfg.logging.log_every == 0  # kept with the checkpoint: below
             line = {**metrics, "perf/step_s": t_ckpt - t_step} if logged else None
-            await _checkpoint(run, trainer, source, work / f"ckpt-{step}", step, version, state,
-                              line)  # fmt: skip
+            await _checkpoint(run, trainer, source, work / f"ckpt-{step}", step, version, disk,
+                              state, line)  # fmt: skip
             metrics["perf/checkpoint_s"] = time.perf_counter() - t_ckpt
 
         metrics["perf/step_s"] = time.perf_counter() - t_step
@@ -624,6 +645,22 @@ async def _train(
         if getattr(trainer, "stop_requested", False):  # trainer.collapse_action=stop fired
             break
     return step, version
+
+
+async def _next_version(
+    trainer: Any, sync: AdapterSync, work: Path, version: int, step: int, disk: LocalDisk,
+    tcfg: Any, on_loaded: Callable[[str, int], Awaitable[None]],
+) -> tuple[int, dict[str, float]]:  # fmt: skip
+    """Save, publish and load the version after ``version``: the version in use then, and the
+    sync's metrics. Unchanged when the disk refused the adapter (put off to the next step)."""
+    adapter_dir = await disk.write(
+        "sync", work / f"v{version + 1}", lambda d: _save_adapter(trainer, d, version + 1)
+    )
+    if adapter_dir is None:
+        return version, {}
+    metrics = await sync.sync(version + 1, adapter_dir, step=step, on_loaded=on_loaded)
+    await _remove(work / f"v{oldest_audited(version + 1, tcfg) - 1}")
+    return version + 1, metrics
 
 
 async def _fleet_metrics(proxy: ProxyClient) -> dict[str, float]:
@@ -641,39 +678,93 @@ async def _fleet_metrics(proxy: ProxyClient) -> dict[str, float]:
 
 async def _take_fresh(
     source: SampleSource, n: int, version: int, max_staleness: int
-) -> tuple[list[Sample], int]:
+) -> tuple[list[Sample], list[Sample]]:
     """``n`` samples within ``max_staleness`` of ``version`` (fewer only when the source ends),
-    and how many staler ones were dropped on the way."""
+    and the staler ones dropped on the way."""
     samples: list[Sample] = []
-    dropped_total = 0
+    dropped: list[Sample] = []
     while len(samples) < n:
         got = await source.take(n - len(samples))
         if not got:
             break
-        fresh, dropped = filter_stale(got, current_version=version, max_staleness=max_staleness)
+        fresh, _ = filter_stale(got, current_version=version, max_staleness=max_staleness)
+        kept = {id(s) for s in fresh}
         samples += fresh
-        dropped_total += dropped
-    return samples, dropped_total
+        dropped += [s for s in got if id(s) not in kept]
+    return samples, dropped
 
 
 async def _checkpoint(
     run: _Run, trainer: Any, source: SampleSource, directory: Path, step: int, version: int,
-    state: _Progress, line: dict[str, float] | None = None,
+    disk: LocalDisk, state: _Progress, line: dict[str, float] | None = None,
 ) -> None:  # fmt: skip
     """Trainer state plus the data position through the transport; then the channel may drop
-    what the checkpoint covers (a resumed run continues from that position). ``line``: the
-    step's metrics so far, kept with it: a run killed after the checkpoint and before its
-    metrics line resumes after this step, and writes the line from here."""
+    what the checkpoint covers (a resumed run continues from that position). A checkpoint the
+    local disk refuses is put off to the next step (:class:`LocalDisk`). ``line``: the step's
+    metrics so far, kept with it: a run killed after the checkpoint and before its metrics line
+    resumes after this step, and writes the line from here."""
     meta: dict[str, Any] = {"version": version, "position": source.position(),
-                            "run_id": run.run_id}  # fmt: skip
+                            "position_skip": source.skip(), "run_id": run.run_id}  # fmt: skip
     if line is not None:
         meta["metrics"] = {k: v for k, v in line.items()
                            if isinstance(v, int | float) and math.isfinite(v)}  # fmt: skip
-    ckpt = await anyio.to_thread.run_sync(lambda: trainer.save_checkpoint(directory, extra=meta))
+
+    def save(path: Path) -> Path:
+        return trainer.save_checkpoint(path, extra=meta)
+
+    ckpt = await disk.write("checkpoint", directory, lambda d: anyio.to_thread.run_sync(save, d))
+    if ckpt is None:
+        return
     await run.checkpoints.save(step, ckpt, meta)
     state.checkpoint = step  # what a rerun resumes from, from now on
-    await anyio.to_thread.run_sync(lambda: shutil.rmtree(directory, ignore_errors=True))
+    await _remove(Path(ckpt))  # in the transport now: the local copy would pile up
     await source.committed()
+
+
+class LocalDisk:
+    """The trainer's writes to its own disk before a sync or a checkpoint, which a full disk
+    refuses: each is put off to the next step (training goes on under the version in use; the
+    last checkpoint stays the resume point), for ``DISK_PATIENCE_S`` at most, after which the
+    error stops the run (a trainer that never syncs again would train on ever staler samples)."""
+
+    def __init__(self, patience_s: float = DISK_PATIENCE_S) -> None:
+        self.patience_s = patience_s
+        self._failing: dict[str, float] = {}  #: what is put off -> since when
+
+    def owes(self, what: str) -> bool:
+        return what in self._failing
+
+    async def write(
+        self, what: str, directory: Path, save: Callable[[Path], Awaitable[Path]]
+    ) -> Path | None:
+        """``await save(directory)``, or None when the disk refused it (what it wrote is
+        removed, to give the room back)."""
+        try:
+            path = await save(directory)
+        except OSError as exc:
+            if isinstance(exc, TransportError):
+                raise
+            await _remove(directory)
+            since = self._failing.setdefault(what, time.monotonic())
+            if time.monotonic() - since > self.patience_s:
+                raise
+            logger.warning("the trainer's disk refused the %s of this step (%s): put off to the "
+                           "next step", what, exc)  # fmt: skip
+            return None
+        self._failing.pop(what, None)
+        return path
+
+
+def oldest_audited(version: int, tcfg: Any) -> int:
+    """The oldest version whose saved adapter the next audit may need: samples trained since
+    the last audit (``audit.every`` syncs ago) are at most ``max_staleness`` versions older
+    than the version then current. Older saved adapters are removed from the scratch
+    directory after each sync, so a long run's disk holds a window of them, not every one."""
+    return version - tcfg.audit.every - tcfg.max_staleness
+
+
+async def _remove(path: Path) -> None:
+    await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
 
 
 async def _finish(run: _Run, start: _Start, step: int, version: int) -> RunResult:

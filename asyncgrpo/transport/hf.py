@@ -34,6 +34,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from asyncgrpo.config.redaction import redact_url
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.transport.objectstore import TUNING_OPTIONS, tuning_from_query
 from asyncgrpo.transport.s3 import S3Transport
 
 __all__ = ["DEFAULT_GATEWAY", "HFBucketTransport", "parse_hf_url"]
@@ -53,12 +54,14 @@ def parse_hf_url(url: str) -> tuple[str, str, str, dict[str, str]]:
             f"malformed Hugging Face bucket URL {redact_url(url)!r}; expected {FORM} "
             "(model, dataset and Space repos are not buckets)"
         )
-    query = dict(parse_qsl(parts.query))
-    unknown = set(query) - {"endpoint"}
+    query: dict[str, Any] = dict(parse_qsl(parts.query))
+    unknown = set(query) - {"endpoint"} - set(TUNING_OPTIONS)
     if unknown:
         raise ConfigError(
-            f"unknown option(s) {sorted(unknown)} in {redact_url(url)!r}; accepted: endpoint"
+            f"unknown option(s) {sorted(unknown)} in {redact_url(url)!r}; accepted: endpoint, "
+            f"{', '.join(TUNING_OPTIONS)}"
         )
+    query.update(tuning_from_query(query, url))
     return segments[1], segments[2], "/".join(segments[3:]), query
 
 
