@@ -48,9 +48,9 @@ from asyncgrpo.launch.plan import (
     proxy_args,
     replica_args,
     trainer_args,
-    transport_credentials,
     transport_secret,
 )
+from asyncgrpo.transport.registry import job_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def _local_path(value: str) -> bool:
 
 
 class HfJobsBackend:
-    """Replicas and trainer as Hugging Face Jobs; the transport an HF bucket or S3."""
+    """Replicas and trainer as Hugging Face Jobs; the transport an object store."""
 
     name = "hf-jobs"
     writes_own_logs = False
@@ -96,10 +96,11 @@ class HfJobsBackend:
         secrets: dict[str, str] = {}
         self.env: dict[str, str] = {}
         self.missing: list[str] = []
+        self._hint: str | None = None
         if self.transport_url:
-            secrets, self.env, self.missing = transport_credentials(
-                self.transport_url, self.environ
-            )
+            creds = job_credentials(self.transport_url, self.environ)
+            secrets, self.env, self.missing = creds.secrets, creds.plain, list(creds.missing)
+            self._hint = creds.hint
         if self.token:
             secrets = {TOKEN_ENV: self.token, **secrets}
         else:
@@ -208,14 +209,15 @@ class HfJobsBackend:
         if not self.transport_url:
             raise ConfigError(
                 "transport_url is unset: jobs share no disk; set transport_url="
-                "hf://buckets/<namespace>/<bucket>/<prefix> (created if missing) or s3://..."
+                "hf://buckets/<namespace>/<bucket>/<prefix> (created if missing), s3://..., "
+                "gs://... or az://..."
             )
         if self.missing:
+            hints = [f"{TOKEN_ENV}: a Hugging Face token with write access, or `hf auth login`"]
             raise ConfigError(
                 f"set {', '.join(self.missing)} in the environment: the jobs get "
                 f"{'it' if len(self.missing) == 1 else 'them'} as secrets "
-                f"({TOKEN_ENV}: a Hugging Face token with write access, or `hf auth login`; "
-                "HF_S3_*: the S3 key pair generated for that token)"
+                f"({'; '.join([*hints, *filter(None, [self._hint])])})"
             )
         if _local_path(self.cfg.model):
             raise ConfigError(

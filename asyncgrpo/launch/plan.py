@@ -12,14 +12,13 @@ environment like every other command: the variables :func:`job_secrets` names ar
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
 
 from asyncgrpo.config.fields import secret_keys
-from asyncgrpo.config.redaction import has_credentials, redact_url
+from asyncgrpo.config.redaction import has_credentials
 from asyncgrpo.config.sources import env_name
 from asyncgrpo.config.training import ENV_PREFIX, TrainingConfig, to_dict
 from asyncgrpo.errors import ConfigError
@@ -227,59 +226,3 @@ def proxy_args(
 
 def labels(cfg: TrainingConfig, role: Role) -> dict[str, str]:
     return {"asyncgrpo-run": cfg.run_name, "asyncgrpo-role": role}
-
-
-def pick_secrets(
-    names: tuple[str, ...],
-    environ: Mapping[str, str],
-    *,
-    fallbacks: Mapping[str, str] | None = None,
-) -> tuple[dict[str, str], list[str]]:
-    """``names`` from ``environ`` (or each one's fallback variable); the missing names too."""
-    fallbacks = fallbacks or {}
-    found: dict[str, str] = {}
-    missing: list[str] = []
-    for name in names:
-        value = environ.get(name) or environ.get(fallbacks.get(name, ""), "")
-        if value:
-            found[name] = value
-        else:
-            missing.append(name)
-    return found, missing
-
-
-def transport_credentials(
-    url: str, environ: Mapping[str, str]
-) -> tuple[dict[str, str], dict[str, str], list[str]]:
-    """(secrets, plain env, missing names) a job needs to open transport ``url``.
-
-    A job shares no disk with the launcher, so only object stores qualify.
-    """
-    plain_names: tuple[str, ...]
-    if url.startswith("hf://"):
-        secrets, missing = pick_secrets(
-            ("HF_S3_ACCESS_KEY_ID", "HF_S3_SECRET_ACCESS_KEY"),
-            environ,
-            fallbacks={
-                "HF_S3_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
-                "HF_S3_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
-            },
-        )
-        plain_names = ("HF_S3_ENDPOINT",)
-    elif url.startswith("s3://"):
-        secrets, missing = pick_secrets(("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"), environ)
-        if environ.get("AWS_SESSION_TOKEN"):
-            secrets["AWS_SESSION_TOKEN"] = environ["AWS_SESSION_TOKEN"]
-        plain_names = (
-            "AWS_REGION",
-            "AWS_DEFAULT_REGION",
-            "AWS_ENDPOINT_URL",
-            "AWS_ENDPOINT_URL_S3",
-        )
-    else:
-        raise ConfigError(
-            f"transport_url={redact_url(url)!r}: jobs on other machines share no disk; use "
-            "hf://buckets/<namespace>/<bucket>/<prefix> or s3://bucket/prefix"
-        )
-    plain = {k: environ[k] for k in plain_names if environ.get(k)}
-    return secrets, plain, missing

@@ -61,7 +61,6 @@ from asyncgrpo.launch.plan import (
     proxy_args,
     replica_args,
     trainer_args,
-    transport_credentials,
     transport_secret,
 )
 from asyncgrpo.launch.ray_actor import (
@@ -74,6 +73,7 @@ from asyncgrpo.launch.ray_actor import (
 )
 from asyncgrpo.retry import poll_until
 from asyncgrpo.run.metrics import METRICS_FILE
+from asyncgrpo.transport.registry import is_local, job_credentials
 
 __all__ = [
     "NAMESPACE",
@@ -256,8 +256,11 @@ class RayBackend:
         self.env: dict[str, str] = {}
         self.missing: list[str] = []
         found: dict[str, str] = {}
-        if self.transport_url.startswith(("s3://", "hf://")):
-            found, self.env, self.missing = transport_credentials(self.transport_url, self.environ)
+        self._hint: str | None = None
+        if not is_local(self.transport_url):  # a directory: the nodes share this host's
+            creds = job_credentials(self.transport_url, self.environ)
+            found, self.env, self.missing = creds.secrets, creds.plain, list(creds.missing)
+            self._hint = creds.hint
         if self.environ.get(TOKEN_ENV):  # model and dataset downloads from the Hub
             found = {TOKEN_ENV: self.environ[TOKEN_ENV], **found}
         self.secrets = found
@@ -357,6 +360,7 @@ class RayBackend:
             raise ConfigError(
                 f"set {', '.join(self.missing)} in the environment: the actors get "
                 f"{'it' if len(self.missing) == 1 else 'them'} in their environment"
+                + (f" ({self._hint})" if self._hint else "")
             )
 
     def check(self) -> None:

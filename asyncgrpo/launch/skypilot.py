@@ -53,10 +53,10 @@ from asyncgrpo.launch.plan import (
     proxy_args,
     replica_args,
     trainer_args,
-    transport_credentials,
     transport_secret,
 )
 from asyncgrpo.launch.skypilot_tasks import any_host_origin, task_config, task_yaml
+from asyncgrpo.transport.registry import job_credentials
 
 __all__ = ["REPLICA_KEY_ENV", "SkyPilotBackend", "import_sky"]
 
@@ -114,7 +114,7 @@ def record_url(record: Any, port: int) -> str | None:
 
 class SkyPilotBackend:
     """Replicas, a sweep's proxy and the trainers as SkyPilot managed jobs; the transport an
-    object store (S3 or an HF bucket)."""
+    object store (S3, GCS, Azure Blob or an HF bucket)."""
 
     name = "skypilot"
     writes_own_logs = False
@@ -137,9 +137,12 @@ class SkyPilotBackend:
         self._admin_key = secrets_lib.token_urlsafe(32) if elastic else None
         self.env: dict[str, str] = {}
         self.missing: list[str] = []
+        self._hint: str | None = None
         found: dict[str, str] = {}
         if self.transport_url:
-            found, self.env, self.missing = transport_credentials(self.transport_url, self.environ)
+            creds = job_credentials(self.transport_url, self.environ)
+            found, self.env, self.missing = creds.secrets, creds.plain, list(creds.missing)
+            self._hint = creds.hint
         if self.environ.get(TOKEN_ENV):  # model and dataset downloads from the Hub
             found = {TOKEN_ENV: self.environ[TOKEN_ENV], **found}
         self.secrets = found
@@ -264,13 +267,14 @@ class SkyPilotBackend:
         """Refuse, sending no request, what no job could use (``--dry-run`` too)."""
         if not self.transport_url:
             raise ConfigError(
-                "transport_url is unset: jobs share no disk; set transport_url=s3://... or "
-                "hf://buckets/<namespace>/<bucket>/<prefix>"
+                "transport_url is unset: jobs share no disk; set transport_url=s3://..., "
+                "gs://..., az://... or hf://buckets/<namespace>/<bucket>/<prefix>"
             )
         if self.missing:
             raise ConfigError(
                 f"set {', '.join(self.missing)} in the environment: the jobs get "
                 f"{'it' if len(self.missing) == 1 else 'them'} as SkyPilot secrets"
+                + (f" ({self._hint})" if self._hint else "")
             )
         for what, value in (("model", self.cfg.model), ("dataset.path", self.cfg.dataset.path)):
             if value is not None and os.path.exists(value):
