@@ -150,18 +150,6 @@ def gcs_credentials(url: str, environ: Mapping[str, str]) -> JobCredentials:
     )
 
 
-#: Azure variables that hold a credential (sent as secrets).
-_AZURE_SECRETS = (
-    "AZURE_STORAGE_CONNECTION_STRING",
-    "AZURE_STORAGE_ACCOUNT_KEY",
-    "AZURE_STORAGE_ACCESS_KEY",
-    "AZURE_STORAGE_MASTER_KEY",
-    "AZURE_STORAGE_SAS_KEY",
-    "AZURE_STORAGE_SAS_TOKEN",
-    "AZURE_STORAGE_TOKEN",
-    "AZURE_CLIENT_SECRET",
-    "AZURE_STORAGE_CLIENT_SECRET",
-)
 #: Azure variables that only say where and who (plain environment).
 _AZURE_PLAIN = (
     "AZURE_STORAGE_ACCOUNT_NAME",
@@ -180,10 +168,10 @@ def azure_credentials(url: str, environ: Mapping[str, str]) -> JobCredentials:
     the URL, the connection string or ``AZURE_STORAGE_ACCOUNT_NAME``). A SAS token in the URL
     travels with the URL itself. The Azure CLI's login, workload identity and a managed identity
     belong to the launcher's machine, not the job's."""
-    from asyncgrpo.transport.azure import parse_azure_url, parse_connection_string
+    from asyncgrpo.transport.azure import SECRET_ENV, parse_azure_url, parse_connection_string
 
     location = parse_azure_url(url)
-    secrets = _present(_AZURE_SECRETS, environ)
+    secrets = _present(("AZURE_STORAGE_CONNECTION_STRING", *SECRET_ENV), environ)
     plain = _present(_AZURE_PLAIN, environ)
     conn = secrets.get("AZURE_STORAGE_CONNECTION_STRING")
     fields = parse_connection_string(conn) if conn else {}
