@@ -1,6 +1,6 @@
 """A vLLM replica's start, side by side in one run: vLLM's default processes against the engine
-core running its model itself (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, what ``make test`` gives
-the replicas of tests that are not about a replica's processes).
+core running its model itself (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; docs/testing.md says why
+the tests do not set it yet).
 
 On CPU vLLM starts three Python processes per replica, each importing vLLM and torch: the API
 server, the engine core and its worker. With multiprocessing off for the engine's workers the

@@ -21,15 +21,6 @@ from asyncgrpo.serve import Replica, launch_replicas
 from asyncgrpo.serve.replicas import JOURNAL_ENV
 from asyncgrpo.testing import tiny_serve_config
 
-#: vLLM's engine core runs its model in a worker process of its own on CPU; with this it runs
-#: it in its own process instead (vLLM's switch: multiprocessing off for the engine's workers; the
-#: API server still starts the engine core apart). One Python process fewer importing vLLM per
-#: replica: 22 s from spawn to healthy instead of 33 on these cores, the same logprobs to the
-#: bit (docs/testing.md). Every replica the session starts inherits it; the tests whose subject
-#: is a replica's processes (signals, niceness, a worker's failure) take it out of their
-#: environment and start vLLM's default.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
 #: ``import trl`` sets ``VLLM_LOGGING_LEVEL=ERROR`` in this process's environment, and test
 #: modules that import trl are imported at collection, so every vLLM replica started afterwards
 #: would log errors only (tests read its INFO lines). Restore the variable once collection ends.
