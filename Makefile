@@ -26,8 +26,10 @@ $(STAMP): pyproject.toml Makefile
 demo: install
 	$(VENV)/bin/asyncgrpo demo --output-dir $(OUT)
 
+# Every test phase over 10 s is listed at the end with its time, then the vLLM replica starts
+# per module and test (docs/testing.md).
 test: install
-	ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) $(PY) -m pytest --durations=25
+	ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) $(PY) -m pytest --durations=0 --durations-min=10
 
 # SkyPilot's SDK pins click<8.2 and uvicorn<0.36, below what the main virtualenv has, so its
 # tests run in a virtualenv of their own that sees the main one's packages after its own.

@@ -9,13 +9,16 @@ with :func:`asyncgrpo.testing.tiny_serve_config` + :func:`asyncgrpo.serve.launch
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from asyncgrpo.serve import Replica, launch_replicas
+from asyncgrpo.serve.replicas import JOURNAL_ENV
 from asyncgrpo.testing import tiny_serve_config
 
 #: ``import trl`` sets ``VLLM_LOGGING_LEVEL=ERROR`` in this process's environment, and test
@@ -29,6 +32,105 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         os.environ.pop("VLLM_LOGGING_LEVEL", None)
     else:
         os.environ["VLLM_LOGGING_LEVEL"] = _VLLM_LOGGING_LEVEL
+
+
+class ReplicaStarts:
+    """Every vLLM replica the session starts, in its own process or a subprocess's, read from
+    the replica journal (``launch_replicas`` appends to the file :data:`JOURNAL_ENV` names)
+    after each test phase, so that each start is put down to the test (and phase: a fixture's
+    start is a ``setup`` one) during which it happened."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.spawned: dict[int, tuple[str, str]] = {}  # pid -> (test id, phase)
+        self.healthy_s: dict[int, float] = {}
+
+    def read(self, nodeid: str, phase: str) -> None:
+        try:
+            with self.path.open() as journal:
+                journal.seek(self.offset)
+                lines = journal.readlines()
+        except FileNotFoundError:
+            return
+        for line in lines:
+            if not line.endswith("\n"):  # still being written: read it next time
+                break
+            self.offset += len(line.encode())
+            entry = json.loads(line)
+            if entry["event"] == "spawn":
+                self.spawned[entry["pid"]] = (nodeid, phase)
+            elif entry["event"] == "healthy":
+                self.healthy_s[entry["pid"]] = entry["seconds"]
+
+    def report(self) -> list[str]:
+        by_module: Counter[str] = Counter()
+        in_setup: Counter[str] = Counter()
+        by_test: Counter[str] = Counter()
+        for nodeid, phase in self.spawned.values():
+            module = nodeid.split("::")[0]
+            by_module[module] += 1
+            if phase == "setup":
+                in_setup[module] += 1
+            else:
+                by_test[nodeid] += 1
+        total_s = sum(self.healthy_s.values())
+        lines = [f"vLLM replica starts: {len(self.spawned)} ({total_s:.0f} s from spawn to "
+                 f"healthy, summed; journal {self.path})"]  # fmt: skip
+        for module, count in sorted(by_module.items(), key=lambda kv: (-kv[1], kv[0])):
+            fixtures = f", {in_setup[module]} by fixtures" if in_setup[module] else ""
+            lines.append(f"  {count:3d}  {module}{fixtures}")
+        for nodeid, count in sorted(by_test.items(), key=lambda kv: (-kv[1], kv[0])):
+            lines.append(f"         {count:3d}  {nodeid}")
+        return lines
+
+
+_starts: ReplicaStarts | None = None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Journal every replica start of the session (the subprocesses' too: they inherit it)."""
+    global _starts
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is None or os.environ.get(JOURNAL_ENV):
+        return
+    path = factory.getbasetemp() / "replica-starts.jsonl"
+    os.environ[JOURNAL_ENV] = str(path)
+    _starts = ReplicaStarts(path)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    try:
+        return (yield)
+    finally:
+        if _starts is not None:
+            _starts.read(item.nodeid, "setup")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    try:
+        return (yield)
+    finally:
+        if _starts is not None:
+            _starts.read(item.nodeid, "call")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    try:
+        return (yield)
+    finally:
+        if _starts is not None:
+            _starts.read(item.nodeid, "teardown")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _starts is not None:
+        terminalreporter.section("vLLM replica starts")
+        for line in _starts.report():
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture

@@ -295,8 +295,10 @@ def test_serve_quotes_vllms_root_cause_in_one_line(tmp_path: Path, tiny_model: P
     """The issue's command: vLLM fails allocating the KV cache; its worker's error is the line.
     vLLM's API server ends its log with "See root cause above": the line must carry the
     worker's own line from far above, and the log it names must still exist afterwards."""
+    env = _env()
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the worker's own process
     p = run([*SERVE, "--model", str(tiny_model), "--replicas", "1", "--kv-cache-gib", "100000",
-             "--log-dir", "logs"], tmp_path)  # fmt: skip
+             "--log-dir", "logs"], tmp_path, env)  # fmt: skip
     line = check(p, 1, "vLLM replica 0", "root cause: (Worker pid=",
                  "ValueError: Available memory on node", "requested memory for kv (100000.0 GiB)",
                  "full log: logs/replica-0.log")  # fmt: skip

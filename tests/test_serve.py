@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,11 +14,11 @@ import anyio
 import psutil
 import pytest
 
-from asyncgrpo.errors import ConfigError, ReplicaHTTPError, ReplicaStartError
+from asyncgrpo.errors import ConfigError, ReplicaHTTPError
 from asyncgrpo.processes import WATCHDOG
 from asyncgrpo.run.preflight import check_lora_capacity
-from asyncgrpo.serve import Replica, ServeConfig, launch_replicas, round_lora_rank
-from asyncgrpo.testing import reference_logprobs, tiny_serve_config
+from asyncgrpo.serve import Replica, ServeConfig, round_lora_rank
+from asyncgrpo.testing import reference_logprobs
 from asyncgrpo.vllm.client import VLLMClient
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
@@ -55,17 +54,7 @@ def test_flags() -> None:
         ServeConfig(model="m", host="0.0.0.0")
 
 
-def test_replicas_run_at_lower_priority_session_and_all(vllm_replicas: list[Replica]) -> None:
-    """nice=10 (tiny_serve_config) reaches every process of a replica, and its scheduler
-    autogroup where the kernel has them (else CPU is shared per session whatever the nice)."""
-    for replica in vllm_replicas:
-        root = psutil.Process(replica.process.pid)
-        tree = [root, *(p for p in root.children(recursive=True) if p.name() != WATCHDOG)]
-        assert len(tree) >= 3  # API server, engine core, worker (the idle watchdog is not niced)
-        assert {p.nice() for p in tree} == {10}
-        autogroup = Path(f"/proc/{root.pid}/autogroup")
-        if autogroup.exists():
-            assert autogroup.read_text().split()[-1] == "10"
+def test_nice_is_0_to_19() -> None:
     with pytest.raises(ConfigError, match=r"serve\.nice=-1"):
         ServeConfig(model="m", nice=-1)
 
@@ -124,41 +113,13 @@ async def test_missing_adapter_path_is_a_clear_error_and_replica_keeps_serving(
         assert await client.health()
 
 
-async def test_bad_model_dir_fails_fast_quoting_vllm(tmp_path: Path) -> None:
-    bad = tmp_path / "broken-model"
-    bad.mkdir()
-    (bad / "config.json").write_text(json.dumps({"model_type": "not-a-model"}))
-    started = time.monotonic()
-    with pytest.raises(ReplicaStartError) as info:
-        async with launch_replicas(tiny_serve_config(bad, log_dir=str(tmp_path / "logs"))):
-            pytest.fail("a replica with a broken model must not become healthy")
-    message = str(info.value)
-    assert "exited with code" in message and "root cause:" in message
-    assert "not-a-model" in message  # vLLM's own complaint, quoted from the log
-    assert Path(message.rsplit("full log: ", 1)[1]).is_file()
-    assert time.monotonic() - started < 240
-
-
-async def test_cancelled_launch_leaves_no_process_behind(tiny_model: Path, tmp_path: Path) -> None:
-    pids: list[int] = []
-    with anyio.move_on_after(600) as scope:
-        async with launch_replicas(
-            tiny_serve_config(tiny_model, log_dir=str(tmp_path))
-        ) as replicas:
-            pids = replicas[0].descendants()
-            assert len(pids) >= 2  # API server + engine core
-            scope.cancel()
-            await anyio.sleep(1)
-    assert pids, "replica never became healthy"
-    assert _alive(pids) == []
-
-
 def test_cli_starts_two_replicas_without_memory_flags_and_sigint_stops_every_process(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     """docs/serving.md's command as typed: no KV size, so it is chosen from the memory available
     (vLLM's own default, 92 % of the NUMA node per replica, cannot start two)."""
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "asyncgrpo.serve", "--model", str(tiny_model), "--replicas", "2",
          "--log-dir", str(tmp_path)],
@@ -192,11 +153,14 @@ def test_cli_killed_outright_leaves_no_vllm_process(
 ) -> None:
     """SIGKILL (the OOM killer, ``kill -9``, a CI runner cancelling) gives the CLI no chance to
     stop its replicas, which run in sessions of their own: each replica's API server gets
-    SIGTERM as the CLI dies, and stops its engine core."""
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    SIGTERM as the CLI dies, and stops its engine core and worker. Before that: ``--nice 10``
+    reaches every process of the replica, and its scheduler autogroup where the kernel has
+    them (else CPU is shared per session whatever the nice)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "asyncgrpo.serve", "--model", str(tiny_model), "--log-dir",
-         str(tmp_path)],
+         str(tmp_path), "--nice", "10"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
     )  # fmt: skip
     leftovers.append(psutil.Process(proc.pid))
@@ -204,10 +168,73 @@ def test_cli_killed_outright_leaves_no_vllm_process(
     assert "ready: http://127.0.0.1:" in line, line
     tree = psutil.Process(proc.pid).children(recursive=True)
     leftovers += tree
-    assert len(tree) >= 2  # an API server and its engine core
+    api_server = int(line.split("(pid ")[1].split(",")[0])
+    root = psutil.Process(api_server)
+    replica = [root, *(p for p in root.children(recursive=True) if p.name() != WATCHDOG)]
+    assert len(replica) >= 3  # API server, engine core, worker (the idle watchdog is not niced)
+    assert {p.nice() for p in replica} == {10}
+    autogroup = Path(f"/proc/{root.pid}/autogroup")
+    if autogroup.exists():
+        assert autogroup.read_text().split()[-1] == "10"
     proc.kill()
     proc.wait()
     start = time.monotonic()
     _, alive = psutil.wait_procs(tree, timeout=30)
     assert alive == [], f"outlived the CLI: {alive}"
     print(f"the replica's processes exited {time.monotonic() - start:.1f} s after SIGKILL")
+
+
+async def test_serve_register_adds_each_replica_caught_up_and_removes_it_on_stop(
+    vllm_replicas: list[Replica], tiny_model: Path, lora_adapter: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """``python -m asyncgrpo.serve --register PROXY`` (its coroutine, on one of the session's
+    replicas instead of a new one): once healthy the replica is added to the running proxy,
+    which loads the adapter its fleet serves onto it before admitting it; when the command
+    stops, the replica leaves the proxy. (A replacement the launcher starts joins the same way:
+    tests/launch/test_local.py's end-to-end run.)"""
+    import contextlib
+
+    import aiohttp
+
+    from asyncgrpo.proxy import ProxyConfig, serve_proxy
+    from asyncgrpo.serve import __main__ as serve_cli
+
+    fleet, joiner = vllm_replicas
+    key = "register-admin-key-0123456789"
+    name = f"reg-{uuid.uuid4().hex[:8]}"
+
+    @contextlib.asynccontextmanager
+    async def the_joiner(config: ServeConfig):  # what launch_replicas would have started
+        yield [joiner]
+
+    monkeypatch.setattr(serve_cli, "launch_replicas", the_joiner)
+    cfg = ProxyConfig(upstreams=(fleet.url,), port=0, admin_api_key=key)
+    async with serve_proxy(cfg) as proxy, aiohttp.ClientSession() as http:
+
+        async def upstreams() -> list[str]:
+            async with http.get(proxy + "/proxy/upstreams") as r:
+                return [u["url"] for u in (await r.json())["upstreams"]]
+
+        body = {"lora_name": name, "lora_path": str(lora_adapter)}
+        async with http.post(proxy + "/v1/load_lora_adapter", json=body) as r:
+            assert r.status == 200, await r.text()
+        try:
+            async with anyio.create_task_group() as tg:
+                registration = serve_cli.Registration(proxy, key)
+                tg.start_soon(serve_cli._serve, ServeConfig(model=str(tiny_model)), registration)
+                with anyio.fail_after(120):
+                    while joiner.url not in await upstreams():  # noqa: ASYNC110 (the proxy's state)
+                        await anyio.sleep(0.1)
+                # admitted only once caught up: it serves the fleet's adapter already
+                async with VLLMClient(joiner.url) as client:
+                    assert name in await client.models()
+                tg.cancel_scope.cancel()
+            assert await upstreams() == [fleet.url]  # it left as the command stopped
+            out = capsys.readouterr().out
+            assert f"replica 1 ready: {joiner.url}" in out and f"joined the proxy at {proxy}" in out
+        finally:
+            for replica in vllm_replicas:  # the session's replicas: leave them as found
+                async with VLLMClient(replica.url) as client:
+                    if name in await client.models():
+                        await client.unload_lora_adapter(name)

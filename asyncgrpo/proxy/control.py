@@ -164,7 +164,10 @@ async def _load_fleet(proxy: Proxy, path: str, body: bytes, name: str) -> Respon
         stats.broadcasts["load", "ok"] += 1
         log.info("adapter %s loaded on %d replicas", name, len(ok))
         return 200, [(b"Content-Type", b"text/plain")], ok[0][2]
-    if ok:  # all or nothing: take it back from those that accepted
+    # all or nothing: take it back from those that accepted; a replica that could not be
+    # reached may still load it, and unloads it when it returns
+    pool.retire(name, path)
+    if ok:
         unload = json.dumps({"lora_name": name}).encode()
         await asyncio.gather(*(_call(proxy, up, api.unload_path(path), unload) for up, _, _ in ok))
     if rejected:

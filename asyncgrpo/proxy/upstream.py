@@ -176,11 +176,14 @@ class UpstreamPool:
         up.probe_inflight = False
         self.router.set_available(up.url, True)
 
-    def retire(self, name: str) -> None:
+    def retire(self, name: str, endpoint: str | None = None) -> None:
         """``name`` is being unloaded from the fleet: no longer replayed, unloaded from a
-        replica that catches up holding it."""
+        replica that catches up holding it. ``endpoint``: the load endpoint of a name that never
+        entered the fleet (a load taken back: a replica that missed the take-back may hold it)."""
         if (loaded := self.adapters.pop(name, None)) is not None:
-            self.retired[name] = loaded[0]
+            endpoint = loaded[0]
+        if endpoint is not None:
+            self.retired[name] = endpoint
             if len(self.retired) > RETIRED_KEPT:
                 del self.retired[next(iter(self.retired))]
 
@@ -338,6 +341,8 @@ class UpstreamPool:
         a replica that restarted holds nothing, one that was only unreachable what it had."""
         try:
             if ask:
+                if error := await self._settle(up):
+                    return error
                 status, data = await self.call(up, "GET", api.MODELS_PATH)
                 if status != 200:
                     return f"/v1/models: HTTP {status} {data[:200].decode(errors='replace')}"
@@ -372,6 +377,23 @@ class UpstreamPool:
         except (OSError, ValueError, AttributeError) as exc:  # unreachable, or not vLLM's JSON
             return f"{type(exc).__name__}: {exc}"
         return None
+
+    async def _settle(self, up: Upstream) -> str | None:
+        """Wait (``broadcast_timeout_s`` at most) until ``up``'s plugin has no adapter load in
+        progress; an error message, or None (also for a replica without the plugin).
+
+        A load this proxy stopped waiting for (its deadline) goes on on the replica: read what
+        it serves before that load lands, and a version retired meanwhile would land after the
+        catch-up, unnoticed, and stay loaded (and cached) for good.
+        """
+        deadline = time.monotonic() + self.config.broadcast_timeout_s
+        while True:
+            status, data = await self.call(up, "GET", api.PLUGIN_INFO_PATH)
+            if not (loading := api.loads_in_progress(up.url, status, data)):
+                return None
+            if time.monotonic() >= deadline:
+                return f"adapter loads {loading} still in progress"
+            await asyncio.sleep(0.2)
 
     async def settings(self) -> dict[str, int | None]:
         """What the proxy sizes itself by, from the fleet's ``/server_info``: ``block_size``,

@@ -9,6 +9,7 @@ the API server gets SIGTERM and stops its engine core (:func:`~asyncgrpo.process
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -42,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 40
 STOP_GRACE_S = 15.0
+#: A file each replica start is appended to (a JSON line when spawned, one when healthy), from
+#: whichever process starts it: a test suite or benchmark counts the vLLM starts it caused,
+#: its subprocesses' included (they inherit the variable).
+JOURNAL_ENV = "ASYNCGRPO_REPLICA_JOURNAL"
 
 
 @dataclass(eq=False)
@@ -196,6 +201,18 @@ def _log_paths(config: ServeConfig) -> list[Path]:
     return [log_dir / f"replica-{i}.log" for i in range(config.replicas)]
 
 
+def _journal(event: str, replica: Replica, **fields: object) -> None:
+    """Append ``event`` for ``replica`` to the file :data:`JOURNAL_ENV` names, if any."""
+    if not (path := os.environ.get(JOURNAL_ENV)):
+        return
+    line = json.dumps({"event": event, "pid": replica.pid, "port": replica.port, **fields})
+    try:
+        with open(path, "a") as journal:  # one short write: appends from processes don't mix
+            journal.write(line + "\n")
+    except OSError as exc:
+        logger.warning("cannot append to %s=%s: %s", JOURNAL_ENV, path, exc)
+
+
 def _lower_session_priority(pid: int, nice: int) -> None:
     """Give the replica's session (its own, :func:`start_group`) the nice value too.
 
@@ -233,6 +250,7 @@ async def launch_replicas(config: ServeConfig) -> AsyncIterator[list[Replica]]:
             if config.nice:
                 _lower_session_priority(process.pid, config.nice)
             replicas.append(Replica(i, config.host, port, log_path, process, time.monotonic()))
+            _journal("spawn", replicas[-1], model=config.model)
             logger.info("replica %d starting on port %d (log %s)", i, port, log_path)
 
         failures: list[ReplicaStartError] = []
@@ -248,6 +266,7 @@ async def launch_replicas(config: ServeConfig) -> AsyncIterator[list[Replica]]:
                 tg.cancel_scope.cancel()  # fail fast: no point waiting for the others
                 return
             replica.started_s = time.monotonic() - spawned
+            _journal("healthy", replica, seconds=round(replica.started_s, 2))
             logger.info(
                 "replica %d healthy at %s after %.1f s",
                 replica.index,

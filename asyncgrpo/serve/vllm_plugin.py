@@ -14,8 +14,9 @@ vLLM's ``--api-key`` guards them like its own:
     size or sha256 mismatch naming the file, or a version beyond the replica's fetch limits); 502
     ``AdapterFetchError`` (storage failed); vLLM's own error if the load fails.
 ``POST /v1/asyncgrpo/unload`` ``{"lora_name": N}``: vLLM's unload, then the cached copy goes.
-``GET /v1/asyncgrpo/info``    the allowed roots and cached versions: lets a trainer check each
-    replica before its first sync and name the fix.
+``GET /v1/asyncgrpo/info``    the allowed roots, cached versions and the loads in progress: lets
+    a trainer check each replica before its first sync and name the fix, and a proxy bringing
+    a returning replica up to date wait for the loads it gave up waiting for.
 
 **Every route needs the key.** vLLM's ``--api-key`` (``VLLM_API_KEY``) guards only paths under
 ``/v1``, ``/v2``, ``/inference`` and ``/cohere``; the development routes the sync needs
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -142,6 +144,9 @@ class AdapterRoutes:
 
     def __init__(self, internals: tuple[Any, Any, Any, Any] | str) -> None:
         self.internals = internals  #: vLLM's serving internals, or why they are missing
+        #: loads being fetched or loaded (a name may be asked twice): whoever gave up waiting
+        #: for one (a proxy's deadline) learns from ``info`` whether it may still land
+        self.loading: Counter[str] = Counter()
 
     def mount(self, app: Any) -> None:
         app.add_route(api.PLUGIN_LOAD_PATH, self.load, methods=["POST"])
@@ -156,8 +161,18 @@ class AdapterRoutes:
             return body
         if why := api.load_refusal(body):
             return _error(400, why, "BadRequestError")
+        name = body["lora_name"]
+        self.loading[name] += 1
+        try:
+            return await self._load(request, body, name)
+        finally:
+            self.loading[name] -= 1
+            if not self.loading[name]:
+                del self.loading[name]
+
+    async def _load(self, request: Request, body: dict[str, Any], name: str) -> Response:
         models, _, load_request, _ = self.internals
-        serving, name, uri = models(request), body["lora_name"], body.get("lora_uri")
+        serving, uri = models(request), body.get("lora_uri")
         if name in serving.lora_requests:
             # Before any fetch; the wording is vLLM's, which the proxy's replay recognises.
             return _error(
@@ -193,7 +208,8 @@ class AdapterRoutes:
         return self._answer(serving, _fetcher_of(request), result)
 
     async def info(self, request: Request) -> Response:
-        """The allowed roots and cached versions: what a trainer checks before its first sync."""
+        """The allowed roots, cached versions and loads in progress: what a trainer checks
+        before its first sync, and a proxy before it reads what a returning replica serves."""
         from starlette.responses import JSONResponse
 
         fetcher, missing = _fetcher_of(request), isinstance(self.internals, str)
@@ -204,6 +220,7 @@ class AdapterRoutes:
             "replica": request.app.state.asyncgrpo_replica,
             "transports": fetcher.roots,
             "cached": [p.name for p in fetcher.cached()],
+            "loading": sorted(self.loading),
         })  # fmt: skip
 
     async def _body(self, request: Request) -> dict[str, Any] | Response:

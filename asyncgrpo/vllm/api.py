@@ -183,6 +183,17 @@ def model_ids(body: bytes | str) -> list[str]:
     return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
 
 
+def loads_in_progress(url: str, status: int, body: bytes | str) -> list[str]:
+    """The adapter loads a replica's plugin (``GET /v1/asyncgrpo/info``, ``loading``), or the
+    replicas of a proxy, are still working on; none from a replica without the plugin."""
+    return sorted(
+        str(name)
+        for entry in plugin_answers(url, status, body)
+        if isinstance(info := entry.get("info"), dict) and isinstance(info.get("loading"), list)
+        for name in info["loading"]
+    )
+
+
 def plugin_answers(url: str, status: int, body: bytes | str) -> list[dict[str, Any]]:
     """Entries of a ``GET /v1/asyncgrpo/info`` answer from ``url``: ``url``, ``status`` and
     either ``info`` (the plugin's JSON) or ``body``; a proxy's answer lists its replicas'."""

@@ -31,7 +31,9 @@ from asyncgrpo.launch import launch
 from asyncgrpo.launch.jobs import JobSpec
 from asyncgrpo.launch.local import LocalBackend
 from asyncgrpo.processes import WATCHDOG
+from asyncgrpo.run.metrics import read_metrics
 from asyncgrpo.run.progress import parse_progress
+from asyncgrpo.trainer.audit import replica_key
 
 #: Answers /health on the port given as argv[1], after writing its cwd and a child's pid.
 REPLICA = textwrap.dedent("""
@@ -138,6 +140,54 @@ def test_roles_run_apart_share_only_the_s3_server_and_stop_with_the_launch(
             psutil.Process(int(log_field(logs[name], "child"))).status() == psutil.STATUS_ZOMBIE
         )
     assert backend._moto is None
+
+
+#: A trainer that counts its launches in the transport: what a resumed run's trainer relies on
+#: (its checkpoints are where the previous launch left them).
+RELAUNCHED_TRAINER = textwrap.dedent("""
+    import os, anyio
+    from asyncgrpo.run.progress import progress_line
+    from asyncgrpo.transport import open_transport
+    async def main():
+        t = open_transport(os.environ["TRANSPORT"])
+        before = int(await t.get("launches")) if await t.exists("launches") else 0
+        await t.put("launches", str(before + 1).encode())
+        await t.aclose()
+        print("launches before this one", before, flush=True)
+    anyio.run(main)
+    print(progress_line(1, 1, {"reward": 0.5}), flush=True)
+    os._exit(0)
+""")
+
+
+class RelaunchedRoles(ScriptedRoles):
+    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
+        return JobSpec(role="trainer", name=f"{self.cfg.run_name}-trainer",
+                       command=(sys.executable, "-c", RELAUNCHED_TRAINER),
+                       env={**self.transport_env, "TRANSPORT": self.transport_url})  # fmt: skip
+
+
+def test_a_second_launch_of_a_run_finds_what_the_first_left_in_its_transport(
+    tmp_path: Path,
+) -> None:
+    """``asyncgrpo launch`` of a run that ran before resumes it: the trainer finds its last
+    checkpoint in the run's transport, a directory under the launch's (``local_transport=dir``)
+    that no launch empties. The trainer's own resume from that checkpoint:
+    tests/run/test_training.py::test_killed_trainer_resumes_from_its_last_checkpoint."""
+    cfg = config(tmp_path)
+    launch_dir = cfg.run_dir / "launch"
+    environ = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
+    async def main() -> None:
+        backend = RelaunchedRoles(cfg, launch_dir, environ=environ)
+        async with await launch(cfg, backend) as handle:
+            await handle.wait()
+
+    for launches in (0, 1):
+        anyio.run(main)
+        log = (launch_dir / "local-run-trainer.log").read_text()
+        assert f"launches before this one {launches}" in log, log[-2000:]
+    assert (launch_dir / "store" / "launches").read_text() == "2"
 
 
 def test_a_replica_that_dies_fails_the_launch_with_its_log(tmp_path: Path) -> None:
@@ -497,33 +547,37 @@ def loaded_adapters(replica_dir: Path) -> list[tuple[str, str]]:
     return re.findall(r"Loaded new LoRA adapter: name '(\S+)', path '(\S+)'", log)
 
 
+#: Steps of the end-to-end run: the replacement joins after step 2, then serves the rest.
+E2E_STEPS = 10
+
+
 @pytest.mark.vllm
-def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
+def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_and_replaced(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     """`asyncgrpo launch examples/tiny_cpu.yaml --backend local`: two replica processes and a
     trainer process in their own directories, meeting only in the transport directory (as root,
     the trainer's directory is an empty tmpfs to the replicas, so every adapter version must
-    reach them through the transport). Replica 1's machine is lost at step 2: the
-    launcher starts a replacement, which joins the trainer's proxy and is brought up to date;
-    every step trains, ratio 1 where reported, reward rising. A second launch of the same run continues
-    from its last checkpoint."""
+    reach them through the transport). Replica 1's machine is lost at step 2: the launcher
+    starts a replacement, which joins the trainer's proxy and is brought up to date; every step
+    trains, ratio 1 where reported, no rollout request fails or is retried (the proxy sends it
+    to the survivor), and the served-policy audit finds every replica, the replacement too,
+    serving exactly the trainer's weights. The one test that loses a replica of a training run:
+    docs/testing.md names where the rest of what a lost replica touches is tested."""
     out = launch_tiny(tiny_model, tmp_path, "launch.replica_restart_backoff_s=0",
-                      kill_replica_at=2)  # the example's 40 steps  # fmt: skip
+                      f"trainer.max_steps={E2E_STEPS}", kill_replica_at=2)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     launch_dir = tmp_path / "tiny-cpu-launch"
     trainer_log = (launch_dir / "tiny-cpu-trainer.log").read_text()
     records = [r for r in map(parse_progress, trainer_log.splitlines()) if r is not None]
-    assert [r["step"] for r in records] == list(range(1, 41))
+    assert [r["step"] for r in records] == list(range(1, E2E_STEPS + 1))
     # the ratio is reported on steps that trained on tokens of the trainer's current weights
     ratios = [r["ratio"] for r in records if "ratio" in r]
     assert ratios and all(abs(x - 1) < 1e-3 for x in ratios), ratios
-    rewards = [r["reward"] for r in records]  # the demo measured 0.02 -> 0.99 over these steps
-    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
-    assert "step 40/40" in out.stdout and "every job stopped" in out.stdout
+    assert f"step {E2E_STEPS}/{E2E_STEPS}" in out.stdout and "every job stopped" in out.stdout
     # it ends with train's summary, naming the launched run's own directory
     run_dir = launch_dir / "trainer" / "runs" / "tiny-cpu"
-    summary = out.stdout[out.stdout.index("trained 40 steps in ") :]
+    summary = out.stdout[out.stdout.index(f"trained {E2E_STEPS} steps in ") :]
     assert re.search(r"\nreward \d\.\d+ -> \d\.\d+ \(mean of the first and last 5 steps", summary)
     assert "\nheld-out reward: " in summary and " (version 0) -> " in summary, summary
     assert re.search(r"\nfinal adapter: tiny-cpu-\w+-v\d+ in ", summary), summary
@@ -539,10 +593,25 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
     assert "tiny-cpu-replica-2 (replacing tiny-cpu-replica-1) is in the trainer's proxy" in (
         out.stderr
     ), out.stderr[-3000:]
+    # the trainer's metrics: the loss cost no rollout request, the replacement joined caught up
+    jobs = {j["name"]: j for j in json.loads((launch_dir / "jobs.json").read_text())["jobs"]}
+    metrics = read_metrics(launch_dir / jobs["tiny-cpu-trainer"]["metrics"])
+    assert [m["step"] for m in metrics] == list(range(1, E2E_STEPS + 1))
+    last = metrics[-1]
+    assert last["rollout/retries_total"] == 0, last
+    # (the lost replica leaves by the launcher's removal, or the proxy's failure count first)
+    assert last["fleet/joins_total"] == 1 and last["fleet/catch_up_failures_total"] == 0, last
+    assert last["fleet/in_rotation"] == 2 and last["fleet/replicas"] == 2, last
+    # the audit after every sync compared served logprobs with the trainer's, per replica: the
+    # survivor and the replacement both served exactly the trainer's weights
+    for name in ("tiny-cpu-replica-0", "tiny-cpu-replica-2"):
+        key = f"audit/replica/{replica_key(jobs[name]['url'])}/max_abs_logprob_diff"
+        audited = [m[key] for m in metrics if key in m]
+        assert audited and max(audited) < 1e-3, (name, audited)
     # the replicas worked in their own directories and never named a trainer's file
     trainer_dir = str(launch_dir / "trainer")
     loaded = {i: loaded_adapters(launch_dir / f"replica-{i}") for i in (0, 1, 2)}
-    assert len(loaded[0]) >= 40, loaded[0]  # a version per step (and v0)
+    assert len(loaded[0]) >= E2E_STEPS, loaded[0]  # a version per step (and v0)
     # the replacement got the current version replayed, then every later one, and generated
     assert len(loaded[2]) >= 2 and loaded[2][-1][0] == loaded[0][-1][0], loaded[2]
     stats = (launch_dir / "replica-2" / "replica-0.log").read_text()
@@ -553,13 +622,6 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
         assert trainer_dir not in (launch_dir / f"replica-{i}" / "replica-0.log").read_text()
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
-
-    # the resume is the trainer's: one replica serves it (a vLLM start fewer than two)
-    again = launch_tiny(tiny_model, tmp_path, "trainer.max_steps=42", "launch.replicas=1")
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    trainer_log = (launch_dir / "tiny-cpu-trainer.log").read_text()
-    assert "resumed from checkpoint step 40" in trainer_log
-    assert "step 42/42" in again.stdout and "step 1/42" not in again.stdout
 
 
 @pytest.mark.vllm

@@ -67,6 +67,7 @@ class StandIn:
         app.router.add_post("/pause", self.pause)
         app.router.add_post("/resume", self.resume)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/asyncgrpo/info", self.info)
         self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
@@ -111,6 +112,12 @@ class StandIn:
         self.adapters.add(name)
         self.dead = name in self.die_on_load
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def info(self, request: web.Request) -> web.Response:
+        """The plugin's answer, as far as the proxy reads it: the loads in progress."""
+        waiting = [n for n, gate in self.gates.items()
+                   if n in self.loading and self.loading[n].is_set() and not gate.is_set()]  # fmt: skip
+        return web.json_response({"plugin": "asyncgrpo", "ok": True, "loading": waiting})
 
     async def unload(self, request: web.Request) -> web.Response:
         name = (await request.json())["lora_name"]
@@ -295,6 +302,51 @@ async def test_a_replica_that_was_only_unreachable_unloads_what_was_retired_mean
         await b.start(forget=False)
         await c.wait_circuit(b.url, "half_open", "closed")
         assert a.adapters == b.adapters == {"v2"}
+
+
+async def test_a_load_that_lands_after_its_replica_left_is_unloaded_when_it_returns(
+    fleet: list[StandIn],
+) -> None:
+    """A load the proxy stopped waiting for (``broadcast_timeout_s``) goes on on the replica,
+    which left the fleet; the version is retired meanwhile. The replica's catch-up waits for
+    that load to land before it reads what the replica serves, so it unloads it: the replica
+    comes back holding what the fleet serves, nothing more (with fetching replicas, nothing
+    left in its cache either)."""
+    a, b = fleet
+    b.gates["v1"] = asyncio.Event()
+    cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, broadcast_timeout_s=0.5, **FAST)
+    async with serve_proxy(cfg) as base, aiohttp.ClientSession() as session:
+        c = Client(session, base)
+        assert (await c.load("v1"))[0] == 200  # a took it; b did not answer in time and left
+        assert (await c.upstream(b.url))["circuit"] == "open"
+        assert (await c.load("v2"))[0] == 200
+        assert (await c.post("/v1/unload_lora_adapter", {"lora_name": "v1"}))[0] == 200
+        await asyncio.sleep(1.0)  # b answers its health checks: not back while v1 is loading
+        assert (await c.upstream(b.url))["circuit"] == "open"
+        b.gates["v1"].set()
+        await c.wait_circuit(b.url, "half_open", "closed")
+        assert a.adapters == b.adapters == {"v2"}
+
+
+async def test_a_load_taken_back_is_unloaded_from_a_replica_that_missed_the_take_back(
+    fleet: list[StandIn],
+) -> None:
+    """All or nothing: a refuses v1, so the proxy takes it back from those that took it; b did
+    not answer in time, left the fleet, and loads v1 after all: it unloads it when it returns."""
+    a, b = fleet
+    a.refuse["v1"] = 422
+    b.gates["v1"] = asyncio.Event()
+    cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, broadcast_timeout_s=0.5, **FAST)
+    async with serve_proxy(cfg) as base, aiohttp.ClientSession() as session:
+        c = Client(session, base)
+        assert (await c.load("v1"))[0] == 422
+        b.gates["v1"].set()
+        for _ in range(100):  # the load lands on b after all
+            if "v1" in b.adapters:
+                break
+            await asyncio.sleep(0.05)
+        await c.wait_circuit(b.url, "half_open", "closed")
+        assert a.adapters == b.adapters == set()
 
 
 async def test_a_joiner_added_at_run_time_catches_up_then_serves(fleet: list[StandIn]) -> None:

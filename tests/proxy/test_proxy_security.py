@@ -321,8 +321,9 @@ async def test_a_served_name_cannot_be_swapped(replicas: list[Recorder]) -> None
         add = json.dumps({"url": joiner.url}).encode()
         headers = {**ADMIN, **json_type}
         assert (await _request(base, "POST", "/proxy/upstreams", add, headers))[0] == 200
-    # asked what it holds, then the good load replayed, nothing else
-    assert joiner.paths() == [b"/v1/models", b"/v1/asyncgrpo/load"]
+    # asked which loads are still running on it and what it holds, then the good load
+    # replayed, nothing else
+    assert joiner.paths() == [b"/v1/asyncgrpo/info", b"/v1/models", b"/v1/asyncgrpo/load"]
 
 
 async def test_connection_cap_and_head_timeout(replicas: list[Recorder]) -> None:

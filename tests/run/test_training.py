@@ -355,34 +355,32 @@ def test_split_mode_rollouts_ship_through_the_transport(
     assert {r["sample/staleness_max"] for r in records} <= {0, 1, 2}
 
 
-async def test_training_continues_when_one_of_its_own_replicas_dies(
+async def test_a_run_starts_its_own_replicas_trains_on_them_and_stops_them(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    """``serve.replicas: 2``: the run's own replicas behind its in-process proxy. One replica's
-    process group is SIGKILLed mid-run; every step still trains, on served logprobs equal to the
-    trainer's, and no rollout request fails (the proxy sends it to the survivor)."""
+    """``serve.replicas: 1`` (the demo's way, ``make demo``): the run starts its own replica
+    behind its in-process proxy, says so with the count and how long it took before the first
+    version, trains every step on served logprobs equal to the trainer's, and stops the replica
+    with itself. (A replica lost mid-run: tests/launch/test_local.py's end-to-end run and
+    tests/proxy/test_failover_vllm.py; the proxy is the same in-process one.)"""
     import psutil
 
     data = yaml.safe_load(EXAMPLE.read_text())
     data.update(model=str(tiny_model), output_dir=str(tmp_path), run_name="t")
-    cfg = TrainingConfig.from_dict(data, ["trainer.max_steps=8", "serve.replicas=2",
-                                          "proxy.health_interval_s=0.5"])  # fmt: skip
-    killed: list[int] = []
+    cfg = TrainingConfig.from_dict(data, ["trainer.max_steps=4", "serve.replicas=1"])
     batches: list[list[Sample]] = []
 
-    def servers() -> list[psutil.Process]:
+    def api_servers() -> list[psutil.Process]:
         return [p for p in psutil.Process().children()
                 if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]  # fmt: skip
 
-    others = {p.pid for p in servers()}  # the session's replicas, when other tests started them
+    others = {p.pid for p in api_servers()}  # the session's replicas, when other tests started them
+    servers: list[psutil.Process] = []
 
-    def kill_at_step_3(step: int, samples: Sequence[Sample], version: int) -> None:
+    def on_step(step: int, samples: Sequence[Sample], version: int) -> None:
         batches.append(list(samples))
-        if step == 3:
-            own = [p for p in servers() if p.pid not in others]
-            assert len(own) == 2, own
-            os.killpg(own[1].pid, signal.SIGKILL)  # its own session: the whole replica
-            killed.append(step)
+        if step == 1:
+            servers.extend(p for p in api_servers() if p.pid not in others)
 
     class Phases:
         """Hears the run's phases (a RunProgress); the steps are the hook's."""
@@ -397,16 +395,14 @@ async def test_training_continues_when_one_of_its_own_replicas_dies(
             pass
 
     heard = Phases()
-    result = await run_training(cfg, on_step=kill_at_step_3, progress=heard)
-    # the replicas' start, with their count and how long it took, before the first version
-    starting = next(i for i, t in enumerate(heard.said) if t.startswith("starting 2 vLLM replicas"))
+    result = await run_training(cfg, on_step=on_step, progress=heard)
+    # the replica's start, with its count and how long it took, before the first version
+    starting = next(i for i, t in enumerate(heard.said) if t.startswith("starting 1 vLLM replica "))
     waiting = [t for t in heard.said[starting + 1 :] if t.startswith("replicas still starting")]
-    healthy = starting + 1 + len(waiting)  # a line every 30 s while they start
-    assert re.fullmatch(r"2 replicas healthy after \d+ s", heard.said[healthy]), heard.said
+    healthy = starting + 1 + len(waiting)  # a line every 30 s while it starts
+    assert re.fullmatch(r"1 replica healthy after \d+ s", heard.said[healthy]), heard.said
     assert any(t.startswith("version 0 (") for t in heard.said[healthy + 1 :]), heard.said
-    assert killed == [3]
-    assert result.steps == 8
-    assert result.final_version == 8  # syncs after the death reached the surviving replica
+    assert result.steps == 4 and result.final_version == 4
     records = read_metrics(result.run_dir / "metrics.jsonl")
     # `ratio` covers the tokens sampled from the trainer's current weights (NaN on a step
     # without any; step 1 always has them): there it is the serving check
@@ -418,6 +414,10 @@ async def test_training_continues_when_one_of_its_own_replicas_dies(
         [s for batch in batches for s in batch], tmp_path / "check-cache",
     )  # fmt: skip
     assert max(diffs) < TOLERANCE, f"{sum(d >= TOLERANCE for d in diffs)} samples differ"
+    # its replica, a child of this process while the run trained, stopped with the run
+    assert len(servers) == 1, servers
+    _, alive = psutil.wait_procs(servers, timeout=10)
+    assert alive == []
 
 
 def _on_a_terminal(argv: list[str], timeout_s: float) -> tuple[int, str]:

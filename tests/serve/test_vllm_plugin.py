@@ -77,6 +77,9 @@ async def test_a_replica_fetches_verifies_and_serves_the_version_itself(
         try:
             assert f"{name}-v3" in await client.models()
             assert f"{name}-v3" in await _cached(url)
+            # no load in progress once answered (a returning replica's catch-up waits for any)
+            (entry,) = await client.adapter_plugin_info()
+            assert entry["info"]["loading"] == []
             error = await _served_logprob_error(url, f"{name}-v3", tiny_model, tmp_path / "src-3")
             assert error < 1e-4
             # A second load under the same name is refused before anything is fetched.

@@ -123,20 +123,22 @@ def _train_and_save(service, model: Path) -> tuple[str, list[int], list[int]]:
 
 @pytest.mark.vllm
 def test_a_sampler_path_samples_the_same_after_the_service_restarts(
-    tiny_model: Path, tmp_path: Path, leftovers: list
+    tiny_model: Path, tmp_path: Path, leftovers: list, vllm_replicas: list
 ) -> None:
     """``--replicas 1``: the service starts a vLLM replica itself (the run's fleet starter) and
     stops it with itself, leaving no process. A ``save_weights_for_sampler`` path sampled
-    before a SIGTERM samples the same greedy tokens and logprobs on a fresh service process and
-    replica on the same ``--transport``: the version came back from the transport, since no
-    process that held it is left, nor a copy outside the transport (the service's
-    or the replica's cache). A path never saved is the SDK's ``NotFoundError`` naming it."""
+    before a SIGTERM samples the same greedy tokens and logprobs on a fresh service process on
+    the same ``--transport``, in front of one of the session's replicas (``--upstream``), which
+    never held that version: it came back from the transport, since no process that held it is
+    left, nor a copy outside the transport (the service's or the replica's cache). A path never
+    saved is the SDK's ``NotFoundError`` naming it."""
     import tinker
 
-    args = ["-m", "asyncgrpo.tinker", "--model", str(tiny_model), "--port", "0",
-            "--replicas", "1", "--dtype", "float32", "--kv-cache-gib", "1",
-            "--max-model-len", "512", "--max-lora-rank", "8", "--work-dir", str(tmp_path / "work"),
-            "--transport", str(tmp_path / "store")]  # fmt: skip
+    common = ["-m", "asyncgrpo.tinker", "--model", str(tiny_model), "--port", "0",
+              "--max-lora-rank", "8", "--work-dir", str(tmp_path / "work"),
+              "--transport", str(tmp_path / "store")]  # fmt: skip
+    args = [*common, "--replicas", "1", "--dtype", "float32", "--kv-cache-gib", "1",
+            "--max-model-len", "512"]  # fmt: skip
     with _running(args, leftovers) as first:
         assert first.replicas, "no vLLM replica under the service"
         service = tinker.ServiceClient(base_url=first.url)
@@ -151,7 +153,7 @@ def test_a_sampler_path_samples_the_same_after_the_service_restarts(
     copies = [f for d in ("cache", "replica-adapters") for f in (tmp_path / "work" / d).rglob("*")
               if f.is_file()]  # fmt: skip
     assert not copies, f"copies outside the transport outlived the stop: {copies}"
-    with _running(args, leftovers) as second:
+    with _running([*common, "--upstream", vllm_replicas[0].url], leftovers) as second:
         service = tinker.ServiceClient(base_url=second.url)
         after = _greedy(service.create_sampling_client(model_path=path).result(), prompt, scored)
         run_id = path.split("/")[2]

@@ -11,8 +11,6 @@ runs, so it isolates what the off-policy correction is for.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import tempfile
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -203,17 +201,31 @@ def forced_spike(factor: float) -> Event:
     return event
 
 
-def noisy_rewards(trainer: Trainer, samples: list[Sample]) -> list[Sample]:
-    """A reward that misfires for one step: within each group, alternately one above and one
-    below the sample's true reward (each group's mean kept, so the step's reward reads as
-    before): full-size advantages in arbitrary directions, where a converged run's have been
-    near zero for steps (a gradient spike after convergence)."""
-    out, seen = [], collections.Counter()
-    for s in samples:
-        sign = 1 if seen[s.group_id] % 2 == 0 else -1
-        seen[s.group_id] += 1
-        out.append(dataclasses.replace(s, reward=s.reward + sign, advantage=float(sign)))
-    return out
+def random_spike(rms: float, seed: int = 0) -> Event:
+    """This step moves every adapter coordinate, on top of the optimizer's step, by Gaussian
+    noise of ``rms`` learning rates: what AdamW does to a gradient in directions with little
+    history after a converged run's steps of near-zero gradient (up to
+    sqrt((1 - beta2^t) / (1 - beta2)) learning rates a coordinate, 31.6 at adam_beta2 0.999),
+    in directions the reward never asked for. The step's bounds apply after the optimizer's
+    step, so they see it."""
+
+    def event(trainer: Trainer, samples: list[Sample]) -> list[Sample]:
+        optimizer_step = trainer.optimizer.step
+
+        def spiked(*args: Any, **kwargs: Any) -> Any:
+            out = optimizer_step(*args, **kwargs)
+            gen = torch.Generator().manual_seed(seed)
+            lr = trainer.optimizer.param_groups[0]["lr"]
+            with torch.no_grad():
+                for p in trainer.params:
+                    p.add_(torch.randn(p.shape, generator=gen) * rms * lr)
+            trainer.optimizer.step = optimizer_step  # this step only
+            return out
+
+        trainer.optimizer.step = spiked  # type: ignore[method-assign]
+        return samples
+
+    return event
 
 
 class When:
