@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,8 +74,17 @@ class PolicyClient:
         self._policy = policy
         self.inflight = 0
         self.tokens_total = 0
+        self._busy_total = 0.0
+        self._busy_since: float | None = None
         self.retries_total = 0
         self.bad_logprobs_total = 0
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds so far with at least one request in flight: the time generation took,
+        whatever ran beside it (against the trainer's step time it shows the overlap)."""
+        open_s = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
+        return self._busy_total + open_s
 
     @property
     def model(self) -> str:
@@ -131,6 +141,8 @@ class PolicyClient:
         attempt = 0
         while True:
             model, version = self._policy()
+            if not self.inflight:
+                self._busy_since = time.monotonic()
             self.inflight += n
             try:
                 body = self.body(
@@ -161,6 +173,9 @@ class PolicyClient:
                 return self._parse(prompt_ids, data, version, replica)
             finally:
                 self.inflight -= n
+                if not self.inflight and self._busy_since is not None:
+                    self._busy_total += time.monotonic() - self._busy_since
+                    self._busy_since = None
             attempt += 1
             if attempt > self.config.retries:
                 raise ReplicaError(
