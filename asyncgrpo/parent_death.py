@@ -45,9 +45,15 @@ def _set_parent_death_signal(libc: ctypes.CDLL, sig: int) -> None:
         sys.exit(f"asyncgrpo: prctl(PR_SET_PDEATHSIG): {os.strerror(ctypes.get_errno())}")
 
 
-def _watch(libc: ctypes.CDLL, parent: int, pidfd: int, grace_s: float, path: str) -> None:
-    """The watchdog: wait for ``parent`` to exit, give the program ``grace_s``, then SIGKILL it."""
-    program = os.getppid()
+def _watch(
+    libc: ctypes.CDLL, program: int, parent: int, pidfd: int, grace_s: float, path: str
+) -> None:
+    """The watchdog: wait for ``parent`` to exit, give the program ``grace_s``, then SIGKILL it.
+
+    ``program`` is the pid the fork came from, taken before the fork: read here with
+    ``getppid()``, it would be the reaper's pid if the program had already ended, and the
+    watchdog would then outlive it, holding its stderr open.
+    """
     try:
         os.setpgid(0, 0)
         _set_parent_death_signal(libc, signal.SIGKILL)  # the program gone: nothing to watch
@@ -85,8 +91,9 @@ def main(args: Sequence[str]) -> None:
         sys.exit(f"asyncgrpo: not starting {path}: the process that started it (pid {parent}) "
                  "has exited")  # fmt: skip
     if pidfd >= 0:
+        program = os.getpid()
         if os.fork() == 0:
-            _watch(libc, int(parent), pidfd, float(grace), path)
+            _watch(libc, program, int(parent), pidfd, float(grace), path)
         os.close(pidfd)
     # The interpreter ignores these and an ignored signal stays ignored across exec; subprocess
     # gives a program the defaults (restore_signals), so this does too.
