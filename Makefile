@@ -9,7 +9,7 @@ OUT ?= runs/demo
 TEST_CACHE ?= $(CURDIR)/.test-cache
 EXTRAS ?= train,serve-cpu,s3,gcs,azure,hf,math,fast,envs,wandb,tinker,dev
 
-.PHONY: install demo test lint bench test-skypilot test-ray install-vf4 test-vf4
+.PHONY: install demo test lint bench test-skypilot test-ray install-vf4 test-vf4 install-cookbook test-cookbook
 
 install: $(STAMP)
 
@@ -77,3 +77,29 @@ $(VF4_STAMP): $(STAMP) examples/envs/vf_v1_calculator/pyproject.toml examples/en
 
 test-vf4: install-vf4
 	ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) PATH="$(CURDIR)/$(VF4)/bin:$$PATH" $(VF4_PY) -m pytest tests/rollout/test_verifiers_v1.py tests/run/test_training_v1.py
+
+# tinker-cookbook 0.6.1 (Thinking Machines' recipes for the tinker SDK) in a virtualenv of its own
+# layered on .venv, as for verifiers 0.4: its recipes run unchanged against the Tinker-compatible
+# service. pip cannot resolve it from the index (it needs tml-renderers>=0.4.1, which the index
+# lacks), so it goes in with --no-deps beside the dependencies .venv lacks (tml-renderers 0.2.1
+# serves the Hugging Face tokenizers these recipes use) and the math-rl extra's pylatexenc.
+COOKBOOK ?= .venv-cookbook
+COOKBOOK_PY := $(COOKBOOK)/bin/python
+COOKBOOK_STAMP := $(COOKBOOK)/.asyncgrpo-cookbook-installed
+
+install-cookbook: $(COOKBOOK_STAMP)
+
+$(COOKBOOK_STAMP): $(STAMP)
+	test -x $(COOKBOOK_PY) || $(PY) -m venv --without-pip $(COOKBOOK) && $(PY) -m pip --python $(COOKBOOK_PY) --version >/dev/null
+	$(PY) -c 'import os, sysconfig; print("import site; site.addsitedir(%r)" % os.path.abspath(sysconfig.get_paths()["purelib"]))' \
+		> "$$($(COOKBOOK_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-asyncgrpo-base.pth"
+	$(PY) -m pip --python $(COOKBOOK_PY) install -q --no-deps 'tinker-cookbook==0.6.1' 'tml-renderers==0.2.1'
+	$(PY) -m pip --python $(COOKBOOK_PY) install -q 'chz>=0.4' 'blobfile>=3' 'pyrage>=1.4' 'termcolor>=2' 'pylatexenc>=2'
+	touch $(COOKBOOK_STAMP)
+
+# sl_loop, rl_loop (its default loss, stable_reinforce) and rl_basic, a few steps each, against
+# one service with one vLLM replica of the tiny model, offline: 1.6 min with .venv-cookbook
+# and the test model built (install-cookbook and the model build add about a minute).
+test-cookbook: install-cookbook
+	ASYNCGRPO_REQUIRE_COOKBOOK=1 ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) PATH="$(CURDIR)/$(COOKBOOK)/bin:$$PATH" \
+		$(COOKBOOK_PY) -m pytest -p no:cacheprovider -rP --durations=5 tests/tinker/test_cookbook.py

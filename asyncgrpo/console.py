@@ -28,7 +28,14 @@ import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
-from asyncgrpo.errors import DEBUG_ENV, AsyncGRPOError, ConfigError, UsageError, leaves
+from asyncgrpo.errors import (
+    DEBUG_ENV,
+    AsyncGRPOError,
+    ConfigError,
+    UsageError,
+    leaves,
+    redact_text,
+)
 from asyncgrpo.errors import DEBUG_HELP as DEBUG_HELP  # where the commands imported it from
 
 T = TypeVar("T")
@@ -88,8 +95,12 @@ def _message(exc: BaseException) -> str | None:
 
 
 def error_lines(prog: str, exc: BaseException) -> list[str]:
-    """``prog: error: <cause>`` for each leaf of ``exc`` (none for an interruption)."""
-    return [f"{prog}: error: {m}" for e in _reported(exc) if (m := _message(e)) is not None]
+    """``prog: error: <cause>`` for each leaf of ``exc`` (none for an interruption), with the
+    credentials of every URL in it redacted (:func:`~asyncgrpo.errors.redact_text`: a message
+    may quote a transport URL with its SAS token, from asyncgrpo or a library)."""
+    return [
+        redact_text(f"{prog}: error: {m}") for e in _reported(exc) if (m := _message(e)) is not None
+    ]
 
 
 def report(prog: str, exc: BaseException, *, debug: bool = False) -> int:
@@ -131,10 +142,17 @@ def run_command(body: Callable[[], object], prog: str, *, debug: bool = False) -
     exit_process(EXIT_OK)
 
 
-def run_async(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+#: What the first Ctrl-C says when a command does not say more.
+STOPPING = (
+    "stopping what this command started (a few seconds; children that do not stop get killed)"
+)
+
+
+def run_async(fn: Callable[..., Awaitable[T]], *args: Any, stopping: str = STOPPING) -> T:
     """Run ``fn(*args)`` under anyio with SIGINT and SIGTERM turned into cancellation, so
     replicas, the proxy and the rollout client shut down cleanly (no orphan vLLM processes);
-    an interruption then raises ``KeyboardInterrupt``."""
+    an interruption then raises ``KeyboardInterrupt``. The first signal prints ``stopping``
+    (what the command does now) on stderr: the user sees their Ctrl-C was heard."""
     import anyio
 
     interrupted = False
@@ -153,9 +171,10 @@ def run_async(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
                 async for signum in signals:
                     name = signal.Signals(signum).name
                     if interrupted:
-                        log.warning("%s received again: still stopping", name)
+                        print(f"{name} again: still stopping", file=sys.stderr, flush=True)
                         continue
                     log.info("%s received: stopping", name)  # a server's log says what stopped it
+                    print(f"\n{name}: {stopping}", file=sys.stderr, flush=True)
                     interrupted = True
                     work.cancel()
 

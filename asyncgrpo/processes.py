@@ -31,6 +31,7 @@ import anyio
 from anyio.abc import Process
 
 from asyncgrpo.parent_death import WATCHDOG_NAME
+from asyncgrpo.retry import poll_until
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +145,13 @@ async def stop_group(process: Process, grace_s: float, what: str) -> None:
 
 
 async def _gone(process: Process, pids: list[int], timeout_s: float) -> bool:
+    async def all_gone() -> bool | None:
+        return None if alive(pids) else True
+
     with anyio.move_on_after(timeout_s):
         await process.wait()
         # A child (vLLM's engine core) may outlive the leader by a moment; nothing to await.
-        while alive(pids):  # noqa: ASYNC110
-            await anyio.sleep(0.1)
+        await poll_until(all_gone, every=0.1)
         return True
     return False
 

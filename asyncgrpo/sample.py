@@ -32,6 +32,11 @@ class Sample:
     ``replica`` names the replica that served the episode's model turns, as the proxy names it
     (``X-Asyncgrpo-Replica``; turns served by several are joined by ``+``; ``None`` without a
     proxy): the trainer's served-policy audit names the replica whose logprobs are wrong.
+
+    ``sample_id`` is the episode's name from the rollout side (``<producer>-<prompt
+    position>-<j>``, the producer a random name per rollout client), unique across every
+    rollout process and restart of a run: the trainer records the ids it trains and drops
+    (``samples.jsonl``), so "no sample trained twice, none lost" can be checked on the records.
     """
 
     prompt_ids: list[int]
@@ -47,6 +52,7 @@ class Sample:
     completion_mask: list[bool] | None = None
     versions: list[int] | None = None
     replica: str | None = None
+    sample_id: str | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -85,6 +91,41 @@ class Sample:
     @property
     def reward_ok(self) -> bool:
         return not math.isnan(self.reward)
+
+
+@dataclass(frozen=True, slots=True)
+class SampleBounds:
+    """What one model can train on: a sample whose token id is at or past its vocabulary
+    (an ``IndexError`` on CPU, a device-side assert on CUDA), whose prompt or completion is
+    empty, that is longer than its context, or whose logprobs are not finite would stop the
+    trainer (or poison its update) at every resume. Samples from another machine are checked
+    against it before training (:class:`~asyncgrpo.store.channel.RolloutChannel`)."""
+
+    vocab_size: int  #: token ids must be below this (the input embedding's rows)
+    max_tokens: int | None = None  #: prompt + completion at most this (None: unbounded)
+
+    def check(self, samples: Sequence[Sample]) -> None:
+        """``ValueError`` naming the first sample out of bounds, and the bound."""
+        for i, s in enumerate(samples):
+            where = f"sample {i} (group {s.group_id[:40]!r})"
+            if not s.prompt_ids or not s.completion_ids:
+                what = "prompt" if not s.prompt_ids else "completion"
+                raise ValueError(f"{where}: its {what} is empty")
+            if self.max_tokens is not None and s.num_tokens > self.max_tokens:
+                raise ValueError(
+                    f"{where}: {s.num_tokens} tokens, more than the model's context of "
+                    f"{self.max_tokens}"
+                )
+            low = min(min(s.prompt_ids), min(s.completion_ids))
+            high = max(max(s.prompt_ids), max(s.completion_ids))
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                raise ValueError(
+                    f"{where}: token id {bad} is outside the model's vocabulary of "
+                    f"{self.vocab_size}"
+                )
+            if not math.isfinite(sum(s.logprobs)):  # NaN and infinities carry through a sum
+                raise ValueError(f"{where}: a logprob is not a finite number")
 
 
 #: Two rewards closer than this count as equal: a group whose rewards are all equal carries no

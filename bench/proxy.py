@@ -1,9 +1,10 @@
 """Proxy benchmark, side by side in one run.
 
 (a) Routing quality on real vLLM CPU replicas under a GRPO-shaped load (G rollouts per prompt,
-    one shared chat-template prefix, 128-256 own prompt tokens, many in flight): round-robin vs
-    our affinity router. Reports affinity / unmatched / spilled, the replicas' own prefix-cache hit
-    rate (vllm:prefix_cache_hits_total / queries_total deltas) and wall time.
+    one shared chat-template prefix, 128-256 own prompt tokens, many in flight): every routing
+    policy the proxy has, round-robin (the baseline) first. Reports affinity / unmatched /
+    spilled, the replicas' own prefix-cache hit rate (vllm:prefix_cache_hits_total /
+    queries_total deltas) and wall time.
 (b) Overhead against a canned local upstream (an aiohttp app returning a fixed completion):
     requests/s and p50/p99 latency direct vs through the proxy, 1 and 256 in flight. A third path,
     a zero-work TCP relay (asyncio protocol, bytes in -> bytes out, no parsing), shows what any
@@ -23,7 +24,9 @@
 (d) Stall: while one 32 MiB body (one-token prompts, or a chat of many messages) goes through
     the proxy, the latency of small requests sent one at a time by another client (p50, p99, max).
 (e) Floods: the proxy's resident memory after 48 MB of trailers on one chunked request and after
-    300 requests whose model names are 64 KB each, and the size of /metrics then.
+    300 requests whose model names are 64 KB each, and the size of /metrics then; its peak
+    memory and the slowest /health while one 8 MB body comes in 1-byte chunks (48 MB on the
+    wire).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from pathlib import Path
 
 import aiohttp
 
+from asyncgrpo.proxy.config import ROUTING_POLICIES
+from asyncgrpo.proxy.router import make_policy
 from asyncgrpo.testing.vllm_metrics import prefix_cache
 
 # -- defaults -----------------------------------------------------------------------------------
@@ -318,6 +323,7 @@ async def part_overhead(baselines: list[str] | None = None) -> list[list[str]]:
 STALL_BODY_BYTES = 32 * 1024 * 1024 - 4096
 FLOOD_TRAILER_BYTES = 48 * 1000 * 1000
 FLOOD_NAMES, FLOOD_NAME_BYTES = 300, 64 * 1024
+FLOOD_CHUNKED_BYTES = 8 * 1000 * 1000
 
 
 def stall_bodies() -> dict[str, bytes]:
@@ -349,9 +355,9 @@ async def stall_one(url: str, big: bytes, small: bytes) -> tuple[float, list[flo
         return time.perf_counter() - t0, sorted(lat)
 
 
-def rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return 0.0
 
@@ -374,6 +380,34 @@ def trailer_flood(port: int) -> str:
         except OSError:
             answer = b""
     return answer.split(b" ")[1].decode() if answer.startswith(b"HTTP/") else "closed"
+
+
+def one_byte_chunks(port: int) -> str:
+    """A FLOOD_CHUNKED_BYTES generation body in chunks of one byte each; its status."""
+    body = b'{"model": "bench-v1", "prompt": "' + b"x" * (FLOOD_CHUNKED_BYTES - 34) + b'"}'
+    wire = bytearray(6 * len(body))
+    for i, part in enumerate((b"1", b"\r", b"\n", None, b"\r", b"\n")):
+        wire[i::6] = body if part is None else part * len(body)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Type: application/json\r\nConnection: close\r\n\r\n")  # fmt: skip
+    with socket.create_connection(("127.0.0.1", port), timeout=300) as sock:
+        sock.sendall(head + wire + b"0\r\n\r\n")
+        answer = sock.recv(64)
+    return answer.split(b" ")[1].decode() if answer.startswith(b"HTTP/") else "closed"
+
+
+async def chunk_flood(url: str, port: int, pid: int) -> tuple[str, float, float]:
+    """(status, peak RSS MiB, slowest /health ms) while :func:`one_byte_chunks` runs."""
+    sent = asyncio.create_task(asyncio.to_thread(one_byte_chunks, port))
+    slowest = 0.0
+    async with aiohttp.ClientSession() as s:
+        while not sent.done():
+            t = time.perf_counter()
+            async with s.get(url + "/health") as r:
+                await r.read()
+            slowest = max(slowest, time.perf_counter() - t)
+            await asyncio.sleep(0.02)
+    return await sent, rss_mib(pid, "VmHWM"), slowest * 1e3
 
 
 async def name_flood(url: str) -> tuple[dict[int, int], int]:
@@ -436,9 +470,16 @@ async def part_hostile(
                 after_trailers = rss_mib(proc.pid)
                 statuses, metrics = await name_flood(url)
                 after_names = rss_mib(proc.pid)
+            port = free_port()
+            with subprocess_server([*argv, str(port)], env, cwd) as proc:
+                url = f"http://127.0.0.1:{port}"
+                await wait_http(url + "/health")
+                await measure_small(url, small)
+                chunked, peak, slowest = await chunk_flood(url, port, proc.pid)
             flood_rows.append([name, f"{start:.0f}", status, f"{after_trailers:.0f}",
                                " ".join(f"{k}x{v}" for k, v in sorted(statuses.items())),
-                               f"{after_names:.0f}", f"{metrics / 2**20:.2f}"])  # fmt: skip
+                               f"{after_names:.0f}", f"{metrics / 2**20:.2f}", chunked,
+                               f"{peak:.0f}", f"{slowest:.0f}"])  # fmt: skip
     return stall_rows, flood_rows
 
 
@@ -486,7 +527,7 @@ async def routing_run(urls: list[str], routing: str, seed: int) -> list[str]:
         async with s.get(base + "/proxy/stats") as r:
             stats = await r.json()
     f = stats["fractions"]
-    if routing == "round_robin":
+    if not make_policy(routing).reads_prompt:  # it decides without the prompt
         a = u = sp = "-"
     else:
         a, u, sp = (f"{100 * f[k]:.1f} %" for k in ("affinity", "unmatched", "spill"))
@@ -504,9 +545,10 @@ async def part_routing(upstreams: list[str]) -> list[list[str]]:
                 body = {"model": model, "prompt": [11, 12], "max_tokens": 1}
                 async with s.post(url + "/v1/completions", json=body) as r:
                     await r.read()
+        # Every routing policy, the baseline first; each its own prompts (seed).
         return [
-            await routing_run(urls, "round_robin", seed=1),
-            await routing_run(urls, "affinity", seed=2),
+            await routing_run(urls, policy, seed=seed)
+            for seed, policy in enumerate(ROUTING_POLICIES, start=1)
         ]
 
     if upstreams:
@@ -615,9 +657,10 @@ async def main(args: argparse.Namespace) -> None:
         print(table(
             f"(e) floods: proxy RSS (MiB) at start, after {FLOOD_TRAILER_BYTES / 1e6:.0f} MB of "
             f"trailers on one request, after {FLOOD_NAMES} requests of {FLOOD_NAME_BYTES // 1024}"
-            " KB model names; size of /metrics then",
+            f" KB model names; size of /metrics then; a {FLOOD_CHUNKED_BYTES / 1e6:.0f} MB body "
+            "in 1-byte chunks: status, peak RSS, slowest /health meanwhile",
             ["path", "start MiB", "trailers: status", "MiB", "names: statuses", "MiB",
-             "/metrics MiB"], floods,
+             "/metrics MiB", "chunks: status", "peak MiB", "/health max ms"], floods,
         ), flush=True)  # fmt: skip
     if args.part in ("parse", "all"):
         print(table(

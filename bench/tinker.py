@@ -23,8 +23,9 @@ vLLM completions, interleaved in rounds.
 
 ``--loop`` adds the whole RL step: the native ``run_training`` loop on the demo's recipe
 (``examples/tiny_cpu.yaml``: digits reward, 4 prompts x 8 samples, lr 3e-2, rank 1) against
-the same recipe driven through the SDK (``examples/tinker_rl_loop.py``'s loop, timed part by
-part), one after the other on the same two vLLM replicas started here. Per step, median over
+the same recipe driven through the SDK (``examples/tinker_rl_loop.py``'s loop: tinker-cookbook's
+``rl_loop`` shape with its default loss, ``stable_reinforce``, sampling with
+``record_stability_info`` and datums with provenance; timed part by part), one after the other on the same two vLLM replicas started here. Per step, median over
 the steps after the first: s/step and its parts: forward_backward (native ``perf/fwd_bwd_s``),
 optim_step (native ``perf/train_step_s`` minus that: packing and the update), publish+load
 (native ``perf/weight_sync_s``; SDK ``save_weights_and_get_sampling_client``), sample (native
@@ -198,7 +199,8 @@ def _native(model: Path, urls: list[str], out: Path, steps: int) -> list[dict[st
 
 
 def _sdk(base_url: str, model: Path, steps: int) -> list[dict[str, float]]:
-    """The same recipe through the SDK (``examples/tinker_rl_loop.py``'s loop); per-step parts."""
+    """The same recipe through the SDK (``examples/tinker_rl_loop.py``'s loop, with
+    ``rl_loop``'s default loss, ``stable_reinforce``); per-step parts."""
     import tinker
     from tinker import types
 
@@ -211,7 +213,7 @@ def _sdk(base_url: str, model: Path, steps: int) -> list[dict[str, float]]:
     rows = []
     for step in range(steps):
         t0 = time.perf_counter()
-        sampler = training.save_weights_and_get_sampling_client().result()
+        sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
         t1 = time.perf_counter()
         texts = [ex.PROMPTS[(step * groups + i) % len(ex.PROMPTS)] for i in range(groups)]
         prompts = [tokenizer.encode(t) for t in texts]
@@ -228,7 +230,7 @@ def _sdk(base_url: str, model: Path, steps: int) -> list[dict[str, float]]:
                 data += ex.group_data(prompt, sequences, group)
         t3 = time.perf_counter()
         if data:
-            training.forward_backward(data, "importance_sampling").result()
+            training.forward_backward(data, "stable_reinforce").result()
         t4 = time.perf_counter()
         if data:
             training.optim_step(adam).result()

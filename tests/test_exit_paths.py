@@ -117,8 +117,8 @@ def test_launch_config_error(tmp_path: Path, debug: bool) -> None:
 @pytest.mark.parametrize(
     ("command", "cause"),
     [
-        (["demo", "--max-steps", "0"], "--max-steps: 0: must be 1 or more"),
-        (["check-serving", "--replicas", "0"], "--replicas: 0: must be 1 or more"),
+        (["demo", "--max-steps", "0"], "--max-steps: 0: must be from 1 to 100000"),
+        (["check-serving", "--replicas", "0"], "--replicas: 0: must be from 1 to 32"),
     ],
 )
 def test_demo_and_check_serving_argument_errors(
@@ -126,6 +126,17 @@ def test_demo_and_check_serving_argument_errors(
 ) -> None:
     """Refused by the argument parser, before anything is built (no traceback exists)."""
     check(run([*ASYNCGRPO, *command], tmp_path), 2, cause)
+
+
+def test_export_of_a_version_too_long_for_an_adapter_name(tmp_path: Path) -> None:
+    """A 19-digit ``--version`` reached the adapter store and ended as an "unexpected
+    ValueError" (status 1); every number a command takes is range-checked by its parser."""
+    store = tmp_path / "run" / "store"
+    store.mkdir(parents=True)
+    (store / "run.json").write_text('{"run_name": "r", "run_id": "ab"}')
+    (store / "policy.json").write_text('{"adapter": "r-ab-v1", "version": 1}')
+    p = run([*ASYNCGRPO, "export", "run", "out", "--version", "1234567890123456789"], tmp_path)
+    check(p, 2, "--version: 1234567890123456789: must be from 0 to 999999999999999999")
 
 
 @pytest.mark.parametrize("command", ["demo", "check-serving"])
@@ -199,7 +210,7 @@ def test_launch_refuses_an_unknown_transport_scheme_before_any_job(tmp_path: Pat
     p = run([*ASYNCGRPO, "launch", TINY_CONFIG, "--backend", "local", "transport_url=ftp://x"],
             tmp_path)  # fmt: skip
     check(p, 2, "transport_url: " + FTP)
-    assert not (tmp_path / "runs" / "tiny-cpu" / "launch").exists()
+    assert not (tmp_path / "runs" / "tiny-cpu-launch").exists()
 
 
 # -- a model directory that does not exist: status 2, before any replica starts -----------------
@@ -241,7 +252,7 @@ def test_rollout_names_the_missing_model(tmp_path: Path) -> None:
 def test_launch_names_the_missing_model(tmp_path: Path) -> None:
     p = run([*ASYNCGRPO, "launch", TINY_CONFIG, "--backend", "local"], tmp_path)
     check(p, 2, TINY_FIX)
-    assert not (tmp_path / "runs" / "tiny-cpu" / "launch" / "jobs.json").exists()
+    assert not (tmp_path / "runs" / "tiny-cpu-launch" / "jobs.json").exists()
 
 
 @pytest.mark.parametrize("env", [{}, DEBUG])
@@ -279,7 +290,7 @@ def test_launch_fails_with_the_replica_jobs_own_line_before_the_trainer_starts(
     line = check(p, 1, "replica job tiny-cpu-replica-", "failed before it was healthy",
                  *OLD_VLLM_CAUSE)  # fmt: skip
     assert "trainer" not in line
-    launch_dir = tmp_path / "runs" / "tiny-cpu" / "launch"
+    launch_dir = tmp_path / "runs" / "tiny-cpu-launch"
     assert not (launch_dir / "trainer").exists()  # the trainer job never started
 
 

@@ -79,7 +79,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle() -> None:
     graph = import_graph()
-    assert graph["asyncgrpo.proxy.http.front"]  # the graph sees inside packages
+    assert graph["asyncgrpo.proxy.http.h1"]  # the graph sees inside packages
     assert cycles(graph) == []
 
 
@@ -91,7 +91,7 @@ def test_a_cycle_is_found() -> None:
 #: The package's layers, lowest first: a module may import only from its own layer or below
 #: (docs/architecture.md). Every ``asyncgrpo.<package>.config`` belongs to the config layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "lazy", "console", "processes", "parent_death", "sample"),
+    ("errors", "lazy", "console", "processes", "parent_death", "retry", "sample"),
     ("config",),
     ("vllm",),
     ("transport",),
@@ -103,7 +103,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("cli", "__main__"),
 ]
 #: Modules directly under ``asyncgrpo/`` (the package's ``__init__`` counts as ``asyncgrpo``).
-MAX_LOOSE = 8
+MAX_LOOSE = 9
 
 
 def layer_of(module: str) -> int:

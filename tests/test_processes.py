@@ -182,6 +182,29 @@ def test_the_program_is_looked_up_on_the_childs_path_and_a_missing_one_is_refuse
         parent_death_argv(["asyncgrpo-test-hello"])  # not on this process's PATH
 
 
+def test_a_program_that_ends_before_its_watchdog_starts_does_not_keep_it_waiting() -> None:
+    """The watchdog is scheduled late (a loaded host): the program, ``true``, has already ended.
+    The watchdog must see that and exit, not take the reaper for the program: it would wait on
+    the parent holding the program's stderr (``capture_output`` hangs), then SIGKILL the
+    reaper's process group (pid 1's, in a container)."""
+    import asyncgrpo.parent_death
+
+    late_watchdog = (
+        "import importlib.util, sys, time\n"
+        f"spec = importlib.util.spec_from_file_location('pd', {asyncgrpo.parent_death.__file__!r})\n"
+        "pd = importlib.util.module_from_spec(spec); spec.loader.exec_module(pd)\n"
+        "watch = pd._watch\n"
+        "pd._watch = lambda *args: (time.sleep(1.0), watch(*args))\n"
+        "pd.main([sys.argv[1], '30', '/bin/true', 'true'])\n"
+    )
+    started = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", late_watchdog, str(os.getpid())], capture_output=True, timeout=20
+    )
+    assert out.returncode == 0, out.stderr
+    assert time.monotonic() - started < 10, "the watchdog outlived the program"
+
+
 def test_elsewhere_than_linux_the_command_is_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "platform", "darwin")
     assert parent_death_argv(["true", "x"]) == ["true", "x"]

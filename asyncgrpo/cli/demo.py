@@ -13,6 +13,7 @@ import shutil
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -28,25 +29,33 @@ from asyncgrpo.testing import (
 from asyncgrpo.testing.verify import served_logprob_errors
 from asyncgrpo.vllm.client import VLLMClient
 
+if TYPE_CHECKING:
+    from asyncgrpo.config.training import TrainingConfig
+
 TOLERANCE = 1e-4
 #: In every directory a demo writes: the next demo may empty it (and nothing else).
 MARKER = ".asyncgrpo-demo"
 
 
-def prepare_output_dir(output_dir: Path, *, fresh: bool) -> Path:
+def prepare_output_dir(output_dir: Path, *, fresh: bool, dry_run: bool = False) -> Path:
     """``output_dir``, created, marked as a demo's, and emptied first when ``fresh``. A
     directory holding files no demo wrote is refused, not deleted: ``--output-dir ~`` must not
-    cost the user their home directory."""
+    cost the user their home directory. ``dry_run``: only checked (nothing made or emptied)."""
+    from asyncgrpo.config.paths import check_writable
+
     output_dir = output_dir.resolve()
     try:
         if output_dir.exists() and (output_dir / MARKER).exists():
-            if fresh:
+            if fresh and not dry_run:
                 shutil.rmtree(output_dir)
         elif output_dir.exists() and any(output_dir.iterdir()):
             raise ConfigError(
                 f"--output-dir {output_dir} holds files no demo wrote (or a demo's from before "
                 "demos marked their directory): give a new or empty directory"
             )
+        check_writable(output_dir, "--output-dir")
+        if dry_run:
+            return output_dir
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / MARKER).write_text("written by asyncgrpo's demos; the next one empties it\n")
     except OSError as exc:
@@ -107,6 +116,21 @@ async def run_serving_check(output_dir: Path, replicas: int = 2) -> None:
 EXAMPLE_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 
 
+def demo_config(output_dir: Path, max_steps: int | None = None) -> TrainingConfig:
+    """The demo's run: the example config, training the model built in ``output_dir/model``,
+    with ``output_dir`` as its run directory."""
+    from asyncgrpo.config.training import TrainingConfig
+
+    if not EXAMPLE_CONFIG.exists():
+        raise ConfigError(f"the demo config {EXAMPLE_CONFIG} is missing: run it from a checkout")
+    output_dir = output_dir.resolve()
+    overrides = [f"model={output_dir / 'model'}", f"output_dir={output_dir.parent}",
+                 f"run_name={output_dir.name}"]  # fmt: skip
+    if max_steps is not None:
+        overrides.append(f"trainer.max_steps={max_steps}")
+    return TrainingConfig.from_yaml(EXAMPLE_CONFIG, overrides=overrides)
+
+
 async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
     """Train the tiny model with async GRPO on 2 CPU replicas; leave metrics and a plot.
 
@@ -114,21 +138,15 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
     trainer, and the loss corrects for it (``trainer.off_policy``).
     """
     from asyncgrpo.cli.plot import plot_run
-    from asyncgrpo.config.training import TrainingConfig
     from asyncgrpo.run.metrics import read_metrics, summarize
     from asyncgrpo.run.progress import ConsoleProgress
     from asyncgrpo.run.training import run_training
 
-    if not EXAMPLE_CONFIG.exists():
-        raise SystemExit(f"the demo config {EXAMPLE_CONFIG} is missing: run it from a checkout")
     started = time.monotonic()
     output_dir = await anyio.to_thread.run_sync(lambda: prepare_output_dir(output_dir, fresh=True))
+    cfg = demo_config(output_dir, max_steps)  # a bad --max-steps fails before the model
     print(f"building a tiny Qwen2 model in {output_dir / 'model'}")
     model = await anyio.to_thread.run_sync(make_tiny_model, output_dir / "model")
-    overrides = [f"model={model}", f"output_dir={output_dir.parent}", f"run_name={output_dir.name}"]
-    if max_steps is not None:
-        overrides.append(f"trainer.max_steps={max_steps}")
-    cfg = TrainingConfig.from_yaml(EXAMPLE_CONFIG, overrides=overrides)
     print("vLLM replicas and the proxy take about 1-2 min to start on 2 cores")
 
     recent: list = []  # the samples of the last few steps, for the exactness check

@@ -9,6 +9,7 @@ common ones, so a field is validated the same way however it was set.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import typing
 from typing import Any, Literal, TypeVar
@@ -130,13 +131,37 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     if tp in _EXPECTED:
         ok = isinstance(value, tp) and (tp is bool or not isinstance(value, bool))
         if tp is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
+            ok, value = True, _float(value, where)
         if not ok:
             raise ConfigError(f"{where}={value!r}: expected {_EXPECTED[tp]}")
-        return value
+        return _in_range(value, where) if tp in (int, float) else value
     if isinstance(tp, type) and isinstance(value, tp):
         return value
     raise ConfigError(f"{where}={value!r}: expected {type_name(tp)}")
+
+
+#: Every integer setting fits in 64 bits: torch, vLLM, sockets and timers take no more (a
+#: ``seed`` of 2**70 was a ``ValueError`` from torch at the trainer's start, not a line
+#: naming the setting).
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _float(value: int, where: str) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        raise ConfigError(f"{where}={str(value)[:40]}...: too large for a number") from None
+
+
+def _in_range(value: float, where: str) -> float:
+    """A number every consumer of a setting can take: an integer in 64 bits, a finite float
+    (an infinite timeout or NaN weight is a mistake, not a setting: unset means no limit)."""
+    if isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]:
+        shown = str(value) if len(str(value)) <= 40 else str(value)[:40] + "..."
+        raise ConfigError(f"{where}={shown}: must fit in 64 bits ({_INT64[0]} to {_INT64[1]})")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}={value!r}: must be a finite number")
+    return value
 
 
 def _coerce_union(value: Any, tp: Any, where: str) -> Any:

@@ -35,6 +35,29 @@ from asyncgrpo.errors import DEBUG_HELP, ConfigError, UsageError
 T = TypeVar("T")
 
 
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse ``type`` for a command's own number: an integer from ``low`` to ``high``,
+    else argparse's one-line error naming the range (a value of more digits than ``high`` has
+    is refused before any ``int()``)."""
+
+    def parse(text: str) -> int:
+        digits = text.strip().lstrip("+-")
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        if digits.isascii() and digits.isdigit() and len(digits) > len(str(high)) + 1:
+            raise argparse.ArgumentTypeError(f"{shown}: must be from {low} to {high}")
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{shown!r}: expected an integer from {low} to {high}"
+            ) from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value}: must be from {low} to {high}")
+        return value
+
+    return parse
+
+
 class ConfigParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors raise :class:`UsageError` (one line, no usage dump)
     instead of exiting."""

@@ -14,11 +14,13 @@ from __future__ import annotations
 import copy
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from asyncgrpo.config.fields import init_fields
 from asyncgrpo.config.model_source import local_path
+from asyncgrpo.errors import ConfigError
 
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 #: (section or None for the top level, key): always a path on this host when set.
@@ -61,3 +63,37 @@ def _default(cls: type, key: str) -> str | None:
     unset is resolved too, so a config and its ``to_dict`` load back equal)."""
     default = init_fields(cls)[key].default
     return default if isinstance(default, str) and default else None
+
+
+def _unwritable(path: Path, setting: str, exc: OSError, where: Path) -> ConfigError:
+    return ConfigError(
+        f"{setting}: cannot create or write {path} (making a directory in {where}: "
+        f"{exc.strerror or exc}); choose a directory this user can write"
+    )
+
+
+def writable_dir(path: Path, setting: str) -> Path:
+    """``path``, created if missing; :class:`ConfigError` naming ``setting`` (``output_dir=
+    /proc/runs``) and the reason when it cannot be: no such parent, a read-only mount, no
+    permission, a file in the way."""
+    check_writable(path, setting)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=path))  # root passes os.access
+    except OSError as exc:
+        raise _unwritable(path, setting, exc, path) from None
+    return path
+
+
+def check_writable(path: Path, setting: str) -> None:
+    """That ``path`` could be created and written, without creating it: a directory made and
+    removed at once in its nearest existing ancestor (a dry run leaves nothing behind)."""
+    ancestor = path
+    while not ancestor.exists() and ancestor.parent != ancestor:
+        ancestor = ancestor.parent
+    try:
+        if not ancestor.is_dir():
+            raise NotADirectoryError(20, "Not a directory", str(ancestor))
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=ancestor))
+    except OSError as exc:
+        raise _unwritable(path, setting, exc, ancestor) from None

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +126,18 @@ def _sampling(cfg: TrainingConfig) -> tuple[GenerationConfig, RolloutConfig]:
     return gen, rollout
 
 
+class _Counter:
+    """Counts the prompts graded (or given up on) and tells ``on_graded(done, total)``."""
+
+    def __init__(self, total: int, on_graded: Callable[[int, int], None] | None) -> None:
+        self.total, self.done, self.on_graded = total, 0, on_graded
+
+    def __call__(self) -> None:
+        self.done += 1
+        if self.on_graded is not None:
+            self.on_graded(self.done, self.total)
+
+
 async def evaluate(
     cfg: TrainingConfig,
     *,
@@ -136,9 +148,11 @@ async def evaluate(
     prompts: Sequence[Prompt],
     tokenizer: Any,
     run: str | None = None,
+    on_graded: Callable[[int, int], None] | None = None,
 ) -> EvalReport:
     """Evaluate the served ``model`` (adapter ``version``) on ``prompts``; ``run``: the proxy
-    run its requests count for (:func:`eval_run`), else the run ``model`` names."""
+    run its requests count for (:func:`eval_run`), else the run ``model`` names.
+    ``on_graded(done, total)`` hears of each prompt graded (or given up on)."""
     e = _section(cfg)
     gen, rollout = _sampling(cfg)
     environment = load_environment(
@@ -165,14 +179,18 @@ async def evaluate(
             policy=lambda: (model, version),
         )  # fmt: skip
 
+        graded_one = _Counter(len(prompts), on_graded)
+
         async def one(prompt: Prompt) -> None:
             async with limiter:
                 try:
                     episodes = await environment.group(prompt, policy, e.num_generations)
                 except EpisodeError as exc:  # that prompt is not graded; the eval goes on
                     logger.warning("eval prompt %d: environment failed: %s", prompt.index, exc)
+                    graded_one()
                     return
                 scores = await group_rewards(scorer, prompt, episodes)
+            graded_one()
             graded.append(
                 Graded(
                     rewards=scores.rewards,

@@ -22,6 +22,7 @@ from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.launch.job_set import JobSet
 from asyncgrpo.launch.jobs import Job
 from asyncgrpo.proxy.admin_client import ProxyClient, update_proxy
+from asyncgrpo.retry import poll_until
 
 __all__ = ["ADMIN_WARN_S", "FrontProxy"]
 
@@ -82,18 +83,20 @@ class FrontProxy:
         those missing (a relaunched front starts with the upstreams its command names)."""
         front = self.job
         assert front is not None and front.url is not None
-        listed: list[str] | None = None
-        while listed is None:
-            try:
-                async with ProxyClient(front.url, api_key=self.admin_key, timeout_s=30) as c:
-                    listed = await c.proxy_upstreams()
+
+        async def upstreams() -> list[str] | None:
+            try:  # its URL as it is now: the backend may move it again
+                async with ProxyClient(str(front.url), api_key=self.admin_key, timeout_s=30) as c:
+                    return await c.proxy_upstreams()
             except ReplicaError:
-                pass
-            except ConfigError as exc:
-                logger.error("could not resync %s: %s", self.name, exc)
-                return
-            if listed is None:
-                await anyio.sleep(self.poll_s)
+                return None
+
+        try:
+            listed = await poll_until(upstreams, every=self.poll_s)
+        except ConfigError as exc:
+            logger.error("could not resync %s: %s", self.name, exc)
+            return
+        assert listed is not None  # no deadline: only an answer ends the wait
         want = serving()
         for url in listed:
             if url not in want:

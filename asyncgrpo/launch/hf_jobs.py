@@ -201,7 +201,10 @@ class HfJobsBackend:
         )
 
     def check(self) -> None:
-        """Refuse, before any request, what no job could use."""
+        self.check_offline()
+
+    def check_offline(self) -> None:
+        """Refuse, before any request, what no job could use (``--dry-run`` too)."""
         if not self.transport_url:
             raise ConfigError(
                 "transport_url is unset: jobs share no disk; set transport_url="

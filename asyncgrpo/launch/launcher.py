@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Literal
 
 import anyio
 from anyio.abc import TaskGroup
 
+from asyncgrpo.config.redaction import redact_text
 from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch.failure import job_failure, points_failure
@@ -52,10 +54,12 @@ from asyncgrpo.launch.log_follower import LogFollower
 from asyncgrpo.launch.replacement import ReplicaReplacer, restart_delay
 from asyncgrpo.launch.sweep import Point, fleet_config, sweep_points
 from asyncgrpo.launch.watch import WatchState, decide
-from asyncgrpo.run.progress import describe_progress, parse_progress
+from asyncgrpo.run.progress import describe_progress, parse_progress, parse_result
+from asyncgrpo.store.run_documents import RunResult
 from asyncgrpo.transport import check_transport_url
 
-__all__ = ["LaunchHandle", "dry_run", "launch", "make_backend", "plan", "restart_delay"]
+__all__ = ["LaunchHandle", "check_offline", "dry_run", "launch", "launch_dir", "make_backend",
+           "plan", "restart_delay"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +104,23 @@ def plan(
         except ConfigError as exc:
             raise ConfigError(f"transport_url: {exc}") from None
     points = sweep_points(cfg, None)
-    be = make_backend(backend, fleet_config(cfg, points), cfg.run_dir / "launch", **options)
+    be = make_backend(backend, fleet_config(cfg, points), launch_dir(cfg), **options)
     if cfg.launch.sweep:  # each point's storage under the backend's
         points = sweep_points(cfg, be.transport_url)
     return be, points
 
 
+def launch_dir(cfg: TrainingConfig) -> Path:
+    """A launch's own directory, ``<output_dir>/<run_name>-launch``: its jobs' logs and
+    ``jobs.json``, and with the local backend each role's working directory (the trainer's run
+    directory in it). Not ``<output_dir>/<run_name>``, which ``asyncgrpo train`` of the same
+    config owns: a launched run and a trained one never share a directory."""
+    return Path(cfg.output_dir) / f"{cfg.run_name}-launch"
+
+
 def dry_run(cfg: TrainingConfig, backend: BackendName | str, **options: Any) -> str:
-    """Every job spec the launch would start, as text; starts nothing and sends no request."""
+    """Every job spec the launch would start, as text; starts nothing and sends no request.
+    Then :func:`check_offline`: the text is returned only if the launch would start."""
     be, points = plan(cfg, backend, **options)
     urls = [f"<replica-{i} URL>" for i in range(cfg.launch.replicas)]
     specs = [be.replica_spec(i) for i in range(cfg.launch.replicas)]
@@ -120,9 +133,21 @@ def dry_run(cfg: TrainingConfig, backend: BackendName | str, **options: Any) -> 
     text = "\n\n".join(describe(spec) for spec in specs)
     if cfg.launch.sweep:
         text = "\n".join(f"point {p.cfg.run_name}: {p.label}" for p in points) + "\n\n" + text
-    if be.missing:
-        text += f"\n\nnot set here, so a real launch would refuse: {', '.join(be.missing)}"
-    return text
+    return redact_text(text)  # each part redacts its own; this is the net under all of them
+
+
+def check_offline(cfg: TrainingConfig, backend: BackendName | str, **options: Any) -> list[str]:
+    """Refuse, sending no request, what the launch would refuse before its first job: the
+    recipe's checks (:func:`asyncgrpo.run.preflight.dry_run`; for a backend whose trainer runs
+    elsewhere, what only that machine can tell is a warning) and the backend's own (an unset
+    ``transport_url``, a local model path remote jobs cannot read, a secret not set). Returns
+    the recipe's report lines."""
+    from asyncgrpo.run.preflight import dry_run as recipe_checks
+
+    be, _ = plan(cfg, backend, **options)
+    lines = recipe_checks(cfg, here=be.name == "local")
+    be.check_offline()
+    return lines
 
 
 async def launch(
@@ -139,15 +164,22 @@ async def launch(
     anything fails on the way, every job started so far is cancelled before the error
     (:class:`~asyncgrpo.errors.LaunchError` with the job's log tail) propagates.
     """
-    launch_dir = cfg.run_dir / "launch"
+    from asyncgrpo.run.lock import run_dir_lock
+    from asyncgrpo.run.preflight import dry_run as recipe_checks
+
     if isinstance(backend, str):
         be, points = plan(cfg, backend, **options)
     else:
         be, points = backend, sweep_points(cfg, backend.transport_url)
+    directory = Path(getattr(be, "launch_dir", launch_dir(cfg)))  # a backend given: its own
+    await anyio.to_thread.run_sync(lambda: recipe_checks(cfg, here=be.name == "local"))
     await anyio.to_thread.run_sync(be.check)
-    await anyio.Path(launch_dir).mkdir(parents=True, exist_ok=True)
-    handle = LaunchHandle(be, cfg, launch_dir, on_progress=on_progress, points=points)
+    handle = LaunchHandle(be, cfg, directory, on_progress=on_progress, points=points)
     try:
+        # one launch per directory: the second is refused at once, naming the first
+        handle._owner.enter_context(
+            run_dir_lock(directory, "asyncgrpo launch", setting=f"output_dir={cfg.output_dir}")
+        )
         await handle._start()
     except BaseException:
         with anyio.CancelScope(shield=True):
@@ -185,6 +217,9 @@ class LaunchHandle:
         self._front = FrontProxy(self._jobs, sweep=self.sweep, admin_key=backend.admin_key,
                                  poll_s=cfg.launch.poll_s)  # fmt: skip
         self._replacer = ReplicaReplacer(self._jobs, self._front, cfg.launch, self._follow)
+        self._owner = ExitStack()  #: the launch directory's lock, held until the launch ends
+        #: run name -> (its trainer's result, its first and last evaluation), from its log
+        self.results: dict[str, tuple[RunResult, list[dict[str, Any]]]] = {}
 
     # -- what it started ---------------------------------------------------------------------
 
@@ -272,6 +307,8 @@ class LaunchHandle:
     def _on_trainer_line(self, job: Job, line: str) -> None:
         record = parse_progress(line)
         if record is None:
+            if (result := parse_result(line)) is not None:
+                self.results[job.name.removesuffix("-trainer")] = result
             return
         if self.sweep:
             record["run"] = job.name.removesuffix("-trainer")
@@ -368,8 +405,12 @@ class LaunchHandle:
         return None
 
     async def cancel(self) -> None:
-        """Cancel every job of the launch that is not known to have ended. Idempotent."""
-        await self._jobs.cancel()
+        """Cancel every job of the launch that is not known to have ended, and give its
+        directory up. Idempotent."""
+        try:
+            await self._jobs.cancel()
+        finally:
+            self._owner.close()
 
     async def __aenter__(self) -> LaunchHandle:
         return self

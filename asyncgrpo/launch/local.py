@@ -18,7 +18,6 @@ import os
 import secrets
 import shlex
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -42,6 +41,7 @@ from asyncgrpo.launch.plan import (
     transport_secret,
 )
 from asyncgrpo.processes import free_port, log_tail, start_group, stop_group
+from asyncgrpo.retry import Backoff, retry
 from asyncgrpo.run.metrics import METRICS_FILE
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,11 @@ class LocalBackend:
         )
 
     def check(self) -> None:
-        """Refuse, before any process starts, a model this host cannot serve."""
+        self.check_offline()
+
+    def check_offline(self) -> None:
+        """Refuse, before any process starts, a model this host cannot serve (``--dry-run``
+        too)."""
         check_model(self.cfg.model)
 
     def _workdir(self, spec: JobSpec) -> Path:
@@ -196,18 +200,24 @@ class LocalBackend:
         argv = [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self._moto_port)]
         self._moto = await _start_logged(argv, log, cwd=workdir)
         endpoint = self.transport_env["AWS_ENDPOINT_URL"]
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                await anyio.to_thread.run_sync(_create_bucket, endpoint)
-                break
-            except OSError as exc:
-                if self._moto.returncode is not None or time.monotonic() > deadline:
-                    raise LaunchError(
-                        f"the S3 protocol server (moto) did not start: {exc}; log {log}, last "
-                        f"lines:\n{await anyio.to_thread.run_sync(log_tail, log, 20) or '(none)'}"
-                    ) from exc
-                await anyio.sleep(0.2)
+        moto = self._moto
+
+        async def create_bucket(attempt: int) -> None:
+            await anyio.to_thread.run_sync(_create_bucket, endpoint)
+
+        try:  # while the server is starting: not after it exited, at most a minute
+            await retry(
+                create_bucket,
+                attempts=None,
+                backoff=Backoff(0.2, factor=1.0),
+                retry_on=lambda exc: isinstance(exc, OSError) and moto.returncode is None,
+                timeout_s=60,
+            )
+        except OSError as exc:
+            raise LaunchError(
+                f"the S3 protocol server (moto) did not start: {exc}; log {log}, last "
+                f"lines:\n{await anyio.to_thread.run_sync(log_tail, log, 20) or '(none)'}"
+            ) from exc
         logger.info("S3 protocol server at %s, transport %s", endpoint, self.transport_url)
 
     async def start(self, spec: JobSpec) -> str:

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from asyncgrpo.config.fields import secret_keys
-from asyncgrpo.config.redaction import has_credentials
+from asyncgrpo.config.redaction import has_credentials, redact_url
 from asyncgrpo.config.sources import env_name
 from asyncgrpo.config.training import ENV_PREFIX, TrainingConfig, to_dict
 from asyncgrpo.errors import ConfigError
@@ -278,7 +278,7 @@ def transport_credentials(
         )
     else:
         raise ConfigError(
-            f"transport_url={url!r}: jobs on other machines share no disk; use "
+            f"transport_url={redact_url(url)!r}: jobs on other machines share no disk; use "
             "hf://buckets/<namespace>/<bucket>/<prefix> or s3://bucket/prefix"
         )
     plain = {k: environ[k] for k in plain_names if environ.get(k)}

@@ -72,6 +72,7 @@ from asyncgrpo.launch.ray_actor import (
     current_node_id,
     node_address,
 )
+from asyncgrpo.retry import poll_until
 from asyncgrpo.run.metrics import METRICS_FILE
 
 __all__ = [
@@ -350,15 +351,19 @@ class RayBackend:
 
     # -- the cluster -------------------------------------------------------------------------
 
-    def check(self) -> None:
-        """Connect to the cluster and refuse, before any actor starts, what the launch cannot
-        get there: secrets not set, resources the cluster lacks, a directory transport other
-        hosts cannot share."""
+    def check_offline(self) -> None:
+        """Refuse, without the cluster, what the launch would refuse: secrets not set."""
         if self.missing:
             raise ConfigError(
                 f"set {', '.join(self.missing)} in the environment: the actors get "
                 f"{'it' if len(self.missing) == 1 else 'them'} in their environment"
             )
+
+    def check(self) -> None:
+        """Connect to the cluster and refuse, before any actor starts, what the launch cannot
+        get there: secrets not set, resources the cluster lacks, a directory transport other
+        hosts cannot share."""
+        self.check_offline()
         ray = self.ray
         endpoint = gcs_endpoint(self.address)
         if endpoint is not None:  # Ray retries an address nothing answers at for minutes
@@ -490,8 +495,7 @@ class RayBackend:
         ray = self.ray
         offset, pending = 0, ""
         try:
-            while await self._info(actor) is None:  # noqa: ASYNC110 (a poll of Ray, no event)
-                await anyio.sleep(0.5)
+            await poll_until(lambda: self._info(actor), every=0.5)  # a poll of Ray, no event
             while True:
                 chunk, ended = await self._get(actor.handle.read.remote(offset))
                 offset += len(chunk)

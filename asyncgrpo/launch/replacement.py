@@ -27,6 +27,7 @@ from asyncgrpo.launch.front_proxy import FrontProxy
 from asyncgrpo.launch.health import not_healthy_in_time, wait_job_healthy
 from asyncgrpo.launch.job_set import JobSet
 from asyncgrpo.launch.jobs import TERMINAL, Job, JobSpec, JobStatus, Stage
+from asyncgrpo.retry import Backoff
 
 __all__ = ["MAX_RESTART_DELAY_S", "ReplicaReplacer", "restart_delay"]
 
@@ -39,7 +40,7 @@ MAX_RESTART_DELAY_S = 600.0
 def restart_delay(n: int, base_s: float) -> float:
     """Seconds before the ``n``-th replacement (from 1) starts: ``base_s``, doubled for each
     further one, at most :data:`MAX_RESTART_DELAY_S`."""
-    return min(base_s * 2 ** (n - 1), MAX_RESTART_DELAY_S)
+    return Backoff(base_s, max_s=MAX_RESTART_DELAY_S).delay(n)
 
 
 class ReplicaReplacer:

@@ -251,6 +251,17 @@ class SkyPilotBackend:
     def check(self) -> None:
         """Refuse, before any job, what no job could use; then ask SkyPilot which infra is
         enabled (one request)."""
+        self.check_offline()
+        try:
+            enabled = self._call_sync(self.sky.client.sdk.enabled_clouds)
+        except Exception as exc:  # no API server, a refused login: SkyPilot's own errors
+            raise ConfigError(
+                f"SkyPilot could not list its enabled infra: {_first_line(exc)}"
+            ) from None
+        self._check_infra(enabled)
+
+    def check_offline(self) -> None:
+        """Refuse, sending no request, what no job could use (``--dry-run`` too)."""
         if not self.transport_url:
             raise ConfigError(
                 "transport_url is unset: jobs share no disk; set transport_url=s3://... or "
@@ -266,13 +277,6 @@ class SkyPilotBackend:
                 raise ConfigError(f"{what}={value!r} is a local path, which the jobs cannot "
                                   "read: use a Hub id (or dataset.prompts)")  # fmt: skip
         self.task(self.replica_spec(0), with_secrets=False)  # an unknown infra, named
-        try:
-            enabled = self._call_sync(self.sky.client.sdk.enabled_clouds)
-        except Exception as exc:  # no API server, a refused login: SkyPilot's own errors
-            raise ConfigError(
-                f"SkyPilot could not list its enabled infra: {_first_line(exc)}"
-            ) from None
-        self._check_infra(enabled)
 
     def _check_infra(self, enabled: list[Any]) -> None:
         names = [str(c).lower() for c in enabled]

@@ -9,14 +9,12 @@ rather than failing. Used by the runs and launches above the proxy, never by the
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
-import anyio
-
-from asyncgrpo.errors import ConfigError, ReplicaError, ReplicaHTTPError
+from asyncgrpo.errors import ConfigError, NoRoom, ReplicaError, ReplicaHTTPError
 from asyncgrpo.proxy.paths import RUNS_PATH, STATS_PATH, UPSTREAMS_PATH
+from asyncgrpo.retry import Backoff, retry
 from asyncgrpo.vllm.api import error_message
 from asyncgrpo.vllm.client import VLLMClient
 
@@ -49,16 +47,18 @@ class ProxyClient(VLLMClient):
         """Book ``lora_slots`` of the replicas' LoRA slots for adapter prefix ``run``, with its
         share weight, on the asyncgrpo proxy behind this URL; ``token`` (16 to 256 printable
         characters, kept secret) is what re-registering or releasing the booking takes. False
-        when it keeps no such book (a vLLM server, an older proxy); ``ConfigError`` naming
+        when it keeps no such book (a vLLM server, an older proxy); ``NoRoom`` naming
         ``--max-loras`` and the numbers when the runs sharing the replicas would need more
-        slots than they have, or saying who holds the booking."""
+        slots than they have; ``ConfigError`` saying who holds the booking."""
         body: dict[str, Any] = {"run": run, "lora_slots": lora_slots, "weight": weight}
         if token is not None:
             body["token"] = token
         status, text = await self._request("POST", RUNS_PATH, json_body=body)
         if status == 404:
             return False
-        if status in (403, 409):
+        if status == 409:
+            raise NoRoom(error_message(text))
+        if status == 403:
             raise ConfigError(error_message(text))
         if status == 401:
             raise ConfigError(
@@ -130,28 +130,41 @@ async def update_proxy(
     retrying while the proxy cannot be reached or cannot take the replica in yet (a 5xx: it
     could not replay the adapters to it). Returns False if ``timeout_s`` passed first; a refused
     key (401, 403) raises :class:`ConfigError` at once. ``on_retry(error)`` before each retry."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     async with ProxyClient(proxy_url, api_key=admin_key, timeout_s=600) as proxy:
-        while True:
+
+        async def attempt(number: int) -> None:
             try:
                 if remove:
                     await proxy.remove_upstream(replica_url)
                 else:
                     await proxy.add_upstream(replica_url)
-                return True
             except ReplicaHTTPError as exc:
                 if exc.status in (401, 403):
                     raise ConfigError(
                         f"the proxy at {proxy_url} refused the admin key ({exc.status}): give "
                         "the key it was started with (its proxy.admin_api_key)"
                     ) from exc
-                if exc.status < 500:
-                    raise
-                error = str(exc)
-            except ReplicaError as exc:
-                error = str(exc)
-            if deadline is not None and time.monotonic() + interval_s > deadline:
-                return False
-            if on_retry is not None:
-                on_retry(error)
-            await anyio.sleep(interval_s)
+                raise
+
+        try:
+            await retry(
+                attempt,
+                attempts=None,
+                backoff=Backoff(interval_s, factor=1.0),
+                retry_on=_transient,
+                timeout_s=timeout_s,
+                on_retry=None if on_retry is None else lambda n, exc, wait_s: on_retry(str(exc)),
+            )
+        except ReplicaError as exc:
+            if _transient(exc):
+                return False  # timeout_s passed
+            raise
+        return True
+
+
+def _transient(exc: Exception) -> bool:
+    """The proxy could not be reached, or cannot take the replica in yet (a 5xx: it could not
+    replay the adapters to it)."""
+    if isinstance(exc, ReplicaHTTPError):
+        return exc.status >= 500
+    return isinstance(exc, ReplicaError)

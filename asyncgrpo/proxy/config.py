@@ -8,10 +8,21 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from asyncgrpo.config.coerce import check_fields
+from asyncgrpo.config.redaction import redact_url
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.serve.config import is_loopback
 
-__all__ = ["ProxyConfig", "is_loopback", "token_allowed"]
+__all__ = ["ROUTING_POLICIES", "ProxyConfig", "is_loopback", "token_allowed"]
+
+#: The routing policies by the name ``ProxyConfig.routing`` takes: the class that implements
+#: each, as ``module:Class`` (imported only by a proxy that uses it). A new policy is a module in
+#: ``asyncgrpo/proxy/policies/`` and an entry here. The baseline comes first: the routing
+#: benchmark runs them in this order.
+ROUTING_POLICIES = {
+    "round_robin": "asyncgrpo.proxy.policies.round_robin:RoundRobin",
+    "affinity": "asyncgrpo.proxy.policies.affinity:PrefixAffinity",
+}
+Routing = Literal[tuple(ROUTING_POLICIES)]  # type: ignore[valid-type]
 
 
 def split_url(url: str) -> tuple[str, str, int, str]:
@@ -22,9 +33,11 @@ def split_url(url: str) -> tuple[str, str, int, str]:
     except ValueError:
         port = -1
     if not url.isascii() or u.scheme not in ("http", "https") or not u.hostname or port == -1:
-        raise ValueError(f"{url!r} is not an http(s)://HOST[:PORT] URL")
+        raise ValueError(f"{redact_url(url)!r} is not an http(s)://HOST[:PORT] URL")
     if u.username is not None or u.query or u.fragment:
-        raise ValueError(f"{url!r}: no credentials, query or fragment in a replica's URL")
+        raise ValueError(
+            f"{redact_url(url)!r}: no credentials, query or fragment in a replica's URL"
+        )
     return u.scheme, u.hostname, port or (443 if u.scheme == "https" else 80), u.path.rstrip("/")
 
 
@@ -63,8 +76,9 @@ class ProxyConfig:
     absolute path without '..' (only sensible on loopback)."""
     max_body_bytes: int = 32 * 1024 * 1024
     """Largest request body accepted (413 above)."""
-    routing: Literal["affinity", "round_robin"] = "affinity"
-    """'affinity' (KV-prefix aware) or 'round_robin' (baseline)."""
+    routing: Routing = "affinity"
+    """The routing policy (ROUTING_POLICIES): 'affinity', KV-prefix aware; 'round_robin', the
+    baseline the routing benchmark compares against."""
     block_size: int | None = None
     """KV block size in tokens. None: read vllm_config.cache_config.block_size from the
     replicas' /server_info (16 on GPU, 128 on CPU)."""

@@ -32,6 +32,7 @@ from asyncgrpo.proxy.paths import RUNS_PATH, STATS_PATH, UPSTREAMS_PATH
 from asyncgrpo.proxy.runs import MAX_NAME, MAX_WEIGHT, MIN_WEIGHT, NAME, TOKEN, booking_refusal
 from asyncgrpo.proxy.state import Proxy, error_answer, json_answer
 from asyncgrpo.proxy.upstream import Circuit, Upstream
+from asyncgrpo.retry import poll_until
 from asyncgrpo.vllm import api
 
 __all__ = ["ROUTES", "check_lora_path"]
@@ -111,16 +112,24 @@ async def _load_one(
     """Load on one replica, waiting while storage lags: (ok, lagging, rejected or unreachable,
     its last status, its last answer)."""
     loop, cfg = proxy.loop, proxy.config
-    while True:
+    last = (0, b"")
+
+    async def attempt() -> tuple[str, int, bytes] | None:
+        nonlocal last
         timeout_s = min(cfg.broadcast_timeout_s, max(deadline - loop.time(), 1))
-        status, data = await _call(proxy, up, path, body, timeout_s)
+        last = status, data = await _call(proxy, up, path, body, timeout_s)
         if status in (0, 200):
             return ("ok" if status else "unreachable"), status, data
         if not api.adapter_not_there_yet(status, data):
             return "rejected", status, data
-        if loop.time() + cfg.load_retry_interval_s >= deadline:
-            return "lagging", status, data
-        await asyncio.sleep(cfg.load_retry_interval_s)
+        return None  # lagging: again, until the deadline
+
+    timeout_s = deadline - loop.time()
+    every = cfg.load_retry_interval_s
+    done = await poll_until(
+        attempt, every=every, timeout_s=timeout_s, clock=loop.time, sleep=asyncio.sleep
+    )
+    return done or ("lagging", *last)
 
 
 async def load(proxy: Proxy, method: str, target: str, body: bytes) -> Response:

@@ -66,7 +66,7 @@ class Forward(Exchange):
         self,
         proxy: Proxy,
         client: Client,
-        req: tuple[bytes, bytes, bytes, bytes | list[bytes]],
+        req: tuple[bytes, bytes, bytes, bytes | list[bytes | bytearray]],
         chains: Sequence[tuple[int, ...]] | None,
         *,
         stream: bool = False,

@@ -83,7 +83,9 @@ class Offload:
         self._killed: list[asyncio.subprocess.Process] = []  # to reap in :meth:`aclose`
         self._lock = asyncio.Lock()
 
-    async def read(self, body: list[bytes], max_bytes: int, block_size: int | None) -> Intake:
+    async def read(
+        self, body: list[bytes | bytearray], max_bytes: int, block_size: int | None
+    ) -> Intake:
         async with self._lock:
             try:
                 proc = self._proc or await self._start()

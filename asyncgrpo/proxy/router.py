@@ -1,22 +1,27 @@
-"""KV-prefix-affinity routing: pure, synchronous, deterministic (no I/O, no clock reads).
+"""Routing: pure, synchronous, deterministic (no I/O, no clock reads).
 
 The HTTP layer asks :func:`request_hashes` for a request's block-hash chains, :meth:`Router.route`
-for a replica, and reports the outcome with :meth:`Router.finish`. Why this design (block hashes
-seeded by adapter name, "common" blocks, the decision, claims at route time withdrawn on failure,
-scores reused for the G rollouts of a prompt, sessions): ``docs/proxy.md``, section "Routing".
+for a replica, and reports the outcome with :meth:`Router.finish`. The router keeps what every
+policy shares (replicas, requests in flight, rotation, sessions, the least-loaded fallback) and
+asks its policy (:mod:`asyncgrpo.proxy.policies`: KV-prefix affinity by default, round-robin)
+for the choice. Why this design (block hashes seeded by adapter name, "common" blocks, the
+decision, claims at route time withdrawn on failure, scores reused for the G rollouts of a
+prompt, sessions): ``docs/proxy.md``, section "Routing".
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from asyncgrpo.errors import NoHealthyReplica
+from asyncgrpo.proxy.config import ROUTING_POLICIES
+from asyncgrpo.proxy.policies.base import Decision, DecisionKind, RoutingPolicy
 
 __all__ = [
     "BYTES_PER_TOKEN",
@@ -24,13 +29,12 @@ __all__ = [
     "Decision",
     "Router",
     "chat_bytes",
+    "make_policy",
     "request_hashes",
 ]
 
 #: Bytes of rendered text that approximate one token when chunking strings and chat messages.
 BYTES_PER_TOKEN = 4
-
-DecisionKind = Literal["session", "affinity", "spill", "unmatched"]
 
 #: Sessions remembered (least recently routed forgotten first).
 MAX_SESSIONS = 65_536
@@ -146,47 +150,37 @@ def request_hashes(
     return chains
 
 
-#: Bound on the "recently recorded" prompts (cleared when reached).
-_RECENT_MAX = 4096
-
-
-class _Block:
-    __slots__ = ("common", "owners", "successor")
-
-    def __init__(self) -> None:
-        self.owners = 0
-        self.successor: int | None = None
-        self.common = False
-
-
-@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~4x more per request
-class Decision:
-    """Where a request goes and why; hand it back to :meth:`Router.finish`."""
-
-    replica: str
-    kind: DecisionKind
-    matched_blocks: int
-    chains: tuple[tuple[int, ...], ...]
-    claimed: tuple[int, ...]  # hashes whose ownership this request added
-    withdrawals: int  # the router's withdrawal count when routed
+def make_policy(name: str, *, max_blocks: int = 1_000_000) -> RoutingPolicy:
+    """The routing policy ``name`` (a key of ``ROUTING_POLICIES``), given the router's
+    settings."""
+    try:
+        module, _, cls = ROUTING_POLICIES[name].partition(":")
+    except KeyError:
+        raise ValueError(
+            f"unknown routing policy {name!r}: one of {', '.join(ROUTING_POLICIES)}"
+        ) from None
+    policy: type[RoutingPolicy] = getattr(importlib.import_module(module), cls)
+    return policy.create(max_blocks=max_blocks)
 
 
 class Router:
     """Routing state over a set of replicas, identified by name (their base URL in the proxy).
 
-    An owner may win while its in-flight count is at most ``imbalance`` above the least-loaded
-    available replica's, or at most ``imbalance_ratio`` times it (under heavy load a fixed gap of
-    a few requests would spill whole GRPO groups). ``max_blocks``: LRU cap on tracked blocks.
-    ``policy="round_robin"`` ignores prefixes (the baseline the benchmark compares against).
+    ``policy`` (a name of ``ROUTING_POLICIES``) chooses among the replicas in rotation; where it
+    leaves the choice, the least-loaded replica gets the request (round-robin on ties). A
+    preferred replica (the policy's, a session's home) may win while its in-flight count is at
+    most ``imbalance`` above the least-loaded available replica's, or at most
+    ``imbalance_ratio`` times it (under heavy load a fixed gap of a few requests would spill
+    whole GRPO groups). ``max_blocks``: LRU cap on the blocks a prefix policy tracks.
 
-    Sessions: a request that names its session (a multi-turn episode or group; the proxy passes
-    a hash of the client's ``X-Session-ID``) goes to the session's home, the replica its first
-    request went to, under the same load bound, before prefixes are looked at. A turn's prompt
-    is the previous turn's whole sequence, whose last block the previous prompt held only
-    partially, so prefix scoring alone takes the earlier blocks for a shared template. A request
-    over the bound (or retried elsewhere) is routed as if it had no session, and the home stays:
-    moving it would take the group's other episodes along. The home moves only when its replica
-    leaves rotation. ``max_sessions``: LRU cap.
+    Sessions (under a policy that follows them: affinity): a request that names its session (a
+    multi-turn episode or group; the proxy passes a hash of the client's ``X-Session-ID``) goes
+    to the session's home, the replica its first request went to, under the same load bound,
+    before the policy is asked. A turn's prompt is the previous turn's whole sequence, whose last
+    block the previous prompt held only partially, so prefix scoring alone takes the earlier
+    blocks for a shared template. A request over the bound (or retried elsewhere) is routed as
+    if it had no session, and the home stays: moving it would take the group's other episodes
+    along. The home moves only when its replica leaves rotation. ``max_sessions``: LRU cap.
     """
 
     def __init__(
@@ -196,7 +190,7 @@ class Router:
         imbalance_ratio: float = 1.5,
         max_blocks: int = 1_000_000,
         max_sessions: int = MAX_SESSIONS,
-        policy: Literal["affinity", "round_robin"] = "affinity",
+        policy: str = "affinity",
     ) -> None:
         if imbalance < 0 or imbalance_ratio < 1 or max_blocks < 1 or max_sessions < 0:
             raise ValueError(
@@ -204,24 +198,13 @@ class Router:
             )
         self.imbalance = imbalance
         self.imbalance_ratio = imbalance_ratio
-        self.max_blocks = max_blocks
         self.max_sessions = max_sessions
-        self.policy = policy
-        self._blocks: OrderedDict[int, _Block] = OrderedDict()
-        self._slot: dict[str, int] = {}  # replica -> bit index; a re-added replica gets a new one
-        self._next_slot = 0
+        self.policy = make_policy(policy, max_blocks=max_blocks)
         self._inflight: dict[str, int] = {}
+        #: requests in flight per replica, for the policy (the live map: read, never write)
+        self.inflight_counts = self._inflight
         self._available: dict[str, bool] = {}
         self._rr = 0
-        self.evictions = 0
-        self._withdrawals = 0  # failures that withdrew claims; success re-records only after one
-        # Prompt (last hash of each chain) -> replica it was last recorded for. The G rollouts of
-        # a prompt mostly repeat the same record; skip it while nothing could have undone it.
-        self._recent: dict[tuple[int, ...], str] = {}
-        # The G rollouts of a prompt also score the same way while no block, owner or replica
-        # changed: ``_epoch`` counts such changes; last hash of a chain -> (epoch, its scores).
-        self._epoch = 0
-        self._memo: dict[int, tuple[int, dict[str, int]]] = {}
         self.decisions: dict[DecisionKind, int] = {
             "session": 0, "affinity": 0, "spill": 0, "unmatched": 0
         }  # fmt: skip
@@ -232,33 +215,28 @@ class Router:
 
     @property
     def replicas(self) -> list[str]:
-        return list(self._slot)
+        return list(self._available)
 
     def add_replica(self, name: str, *, available: bool = True) -> None:
         """Register a replica; it owns nothing yet (a new process has an empty cache)."""
-        if name in self._slot:
+        if name in self._available:
             self.set_available(name, available)
             return
-        self._slot[name] = self._next_slot
-        self._next_slot += 1
-        self._recent.clear()
-        self._epoch += 1
         self._inflight[name] = 0
         self._available[name] = available
+        self.policy.added(name)
 
     def remove_replica(self, name: str) -> None:
-        """Forget a replica; its ownership bits become dead weight that is never matched again."""
-        self._slot.pop(name, None)
-        self._recent.clear()
-        self._epoch += 1
+        """Forget a replica (what a policy recorded for it is never matched again)."""
         self._inflight.pop(name, None)
         self._available.pop(name, None)
+        self.policy.removed(name)
 
     def set_available(self, name: str, available: bool) -> None:
         """Take a replica out of (or back into) rotation; it keeps what it owns."""
         if name in self._available and self._available[name] != available:
             self._available[name] = available
-            self._epoch += 1
+            self.policy.availability_changed(name)
 
     def is_available(self, name: str) -> bool:
         return self._available.get(name, False)
@@ -268,16 +246,31 @@ class Router:
 
     @property
     def tracked_blocks(self) -> int:
-        return len(self._blocks)
+        return self.policy.tracked_blocks
+
+    @property
+    def evictions(self) -> int:
+        return self.policy.evictions
+
+    @property
+    def tracked_sessions(self) -> int:
+        return len(self._sessions)
 
     # -- decisions --------------------------------------------------------------------------
 
-    def _least_loaded(self, candidates: list[str]) -> str:
-        low = min(self._inflight[r] for r in candidates)
-        tied = [r for r in candidates if self._inflight[r] == low]
-        choice = tied[self._rr % len(tied)]
+    def bound(self, low: int) -> float:
+        """The most requests in flight a preferred replica may have: ``low`` is the least."""
+        return max(low + self.imbalance, low * self.imbalance_ratio)
+
+    def next_in_turn(self, candidates: Sequence[str]) -> str:
+        """The next of ``candidates`` in the router's rotation."""
+        choice = candidates[self._rr % len(candidates)]
         self._rr += 1
         return choice
+
+    def _least_loaded(self, candidates: list[str]) -> str:
+        low = min(self._inflight[r] for r in candidates)
+        return self.next_in_turn([r for r in candidates if self._inflight[r] == low])
 
     def pick(self, *, exclude: Iterable[str] = ()) -> str:
         """A replica for a call that is not routed by prompt (``/tokenize``, a GET): round-robin
@@ -288,10 +281,6 @@ class Router:
             raise NoHealthyReplica("no replica in rotation")
         self._rr += 1
         return candidates[self._rr % len(candidates)]
-
-    @property
-    def tracked_sessions(self) -> int:
-        return len(self._sessions)
 
     def route(
         self,
@@ -315,36 +304,22 @@ class Router:
             raise NoHealthyReplica("no replica in rotation")
         frozen = tuple(map(tuple, chains))  # no copy when they are tuples already
         inflight = self._inflight
+        policy = self.policy
         kind: DecisionKind = "unmatched"
         matched = 0
         choice = None
-        if self.policy == "round_robin":
-            choice = candidates[self._rr % len(candidates)]
-            self._rr += 1
+        if not policy.follows_sessions:
             session = None
         elif session is not None and (home := self._sessions.get(session)) is not None:
             low = min([inflight[r] for r in candidates])
-            if home in candidates and inflight[home] <= self._bound(low):
+            if home in candidates and inflight[home] <= self.bound(low):
                 choice, kind = home, "session"
             else:
                 self.session_moves += 1
-        if choice is None and self.policy == "affinity" and frozen:
-            scores = self._memo_scores(frozen[0], candidates, memo=not exclude)
-            if scores:
-                bound = self._bound(min([inflight[r] for r in candidates]))
-                ranked = (
-                    sorted(scores, key=lambda r: (-scores[r], inflight[r]))
-                    if len(scores) > 1
-                    else scores
-                )
-                for r in ranked:
-                    if inflight[r] <= bound:
-                        choice, kind, matched = r, "affinity", scores[r]
-                        break
-                else:
-                    kind = "spill"
         if choice is None:
-            choice = self._least_loaded(candidates)
+            choice, kind, matched = policy.choose(self, frozen, candidates, memo=not exclude)
+            if choice is None:
+                choice = self._least_loaded(candidates)
         self.decisions[kind] += 1
         inflight[choice] += 1
         if session is not None and self.max_sessions:
@@ -354,126 +329,22 @@ class Router:
             sessions.move_to_end(session)
             if len(sessions) > self.max_sessions:
                 sessions.popitem(last=False)
-        claimed: tuple[int, ...] = ()
-        if self.policy == "affinity" and frozen:
-            key = tuple([c[-1] for c in frozen if c])
-            if self._recent.get(key) != choice:
-                claimed = self._record(frozen, choice)
-                if len(self._recent) >= _RECENT_MAX:
-                    self._recent.clear()
-                self._recent[key] = choice
-        return Decision(choice, kind, matched, frozen, claimed, self._withdrawals)
-
-    def _bound(self, low: int) -> float:
-        """The most requests in flight a preferred replica may have: ``low`` is the least."""
-        return max(low + self.imbalance, low * self.imbalance_ratio)
-
-    def _memo_scores(
-        self, chain: Sequence[int], candidates: list[str], *, memo: bool
-    ) -> dict[str, int]:
-        """:meth:`_scores`, reused while nothing changed (``memo``: candidates are all replicas
-        in rotation)."""
-        if not memo or not chain:
-            return self._scores(chain, candidates)
-        hit = self._memo.get(chain[-1])
-        if hit is not None and hit[0] == self._epoch:
-            return hit[1]
-        scores = self._scores(chain, candidates)
-        if len(self._memo) >= _RECENT_MAX:
-            self._memo.clear()
-        self._memo[chain[-1]] = (self._epoch, scores)
-        return scores
-
-    def _scores(self, chain: Sequence[int], candidates: list[str]) -> dict[str, int]:
-        get = self._blocks.get
-        owned: list[int] = []  # owner bitmasks of the prompt-specific matched blocks so far
-        last = len(chain) - 1
-        for i, h in enumerate(chain):
-            block = get(h)
-            if block is None:
-                break  # chained: nothing after a miss can match
-            successor = block.successor
-            if block.common or (i < last and successor is not None and successor != chain[i + 1]):
-                # Shared by several prompts (or about to be, by this one): it and every block
-                # before it identify no prompt.
-                owned.clear()
-                continue
-            owned.append(block.owners)
-        scores: dict[str, int] = {}
-        if not owned:
-            return scores
-        slot = self._slot
-        for r in candidates:
-            bit = 1 << slot[r]
-            n = len(owned) - [owners & bit for owners in owned].count(0)
-            if n:
-                scores[r] = n
-        return scores
-
-    def _record(self, chains: tuple[tuple[int, ...], ...], replica: str) -> tuple[int, ...]:
-        slot = self._slot.get(replica)
-        if slot is None:
-            return ()
-        bit = 1 << slot
-        blocks = self._blocks
-        claimed = []
-        changed = False
-        for chain in chains:
-            prev: _Block | None = None
-            for h in chain:
-                block = blocks.get(h)
-                if block is None:
-                    block = blocks[h] = _Block()
-                else:
-                    blocks.move_to_end(h)
-                if not block.owners & bit:
-                    block.owners |= bit
-                    claimed.append(h)
-                if prev is not None and not prev.common:
-                    if prev.successor is None:
-                        prev.successor = h
-                        changed = True
-                    elif prev.successor != h:
-                        prev.common = True
-                        changed = True
-                prev = block
-        while len(blocks) > self.max_blocks:
-            blocks.popitem(last=False)
-            self.evictions += 1
-            self._recent.clear()
-            changed = True
-        if changed or claimed:
-            self._epoch += 1
-        return tuple(claimed)
+        claimed, withdrawals = policy.routed(frozen, choice)
+        return Decision(choice, kind, matched, frozen, claimed, withdrawals)
 
     def finish(self, decision: Decision, *, ok: bool) -> None:
-        """Report the outcome: success confirms ownership, failure withdraws its claims."""
+        """Report the outcome: the policy hears it (affinity: success confirms ownership,
+        failure withdraws its claims)."""
         r = decision.replica
         if r in self._inflight and self._inflight[r] > 0:
             self._inflight[r] -= 1
-        if self.policy != "affinity":
-            return
-        if ok:
-            if decision.withdrawals != self._withdrawals:
-                self._record(decision.chains, r)  # a failure may have withdrawn what we rely on
-            return
-        self._withdrawals += 1
-        self._recent.clear()
-        self._epoch += 1
-        slot = self._slot.get(r)
-        if slot is None:
-            return
-        mask = ~(1 << slot)
-        for h in decision.claimed:
-            block = self._blocks.get(h)
-            if block is not None:
-                block.owners &= mask
+        self.policy.finished(decision, ok=ok)
 
     def stats(self) -> dict[str, Any]:
         return {
-            "policy": self.policy,
+            "policy": self.policy.name,
             "decisions": dict(self.decisions),
-            "tracked_blocks": len(self._blocks),
+            "tracked_blocks": self.tracked_blocks,
             "tracked_sessions": len(self._sessions),
             "session_moves": self.session_moves,
             "evictions": self.evictions,

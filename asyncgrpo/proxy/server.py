@@ -1,6 +1,6 @@
 """Start and stop the proxy: the open-file limit, the replicas' health checks, the listening socket.
 
-One HTTP server (:mod:`asyncgrpo.proxy.http.front`) answers every route in this event loop; calls to
+One HTTP server (:mod:`asyncgrpo.proxy.front`) answers every route in this event loop; calls to
 the replicas go through each one's pool (:mod:`asyncgrpo.proxy.http.h1`).
 """
 
@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy.config import ProxyConfig
-from asyncgrpo.proxy.http.front import Clients, Connection
+from asyncgrpo.proxy.front import Clients, Connection
 from asyncgrpo.proxy.state import TICK_S, Proxy
 
 __all__ = ["raise_open_files", "serve_proxy"]

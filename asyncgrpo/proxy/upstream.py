@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from asyncgrpo.proxy.config import ProxyConfig, token_allowed
 from asyncgrpo.proxy.http.h1 import ConnectFailed, H1Pool
 from asyncgrpo.proxy.router import Router
+from asyncgrpo.retry import Backoff
 from asyncgrpo.vllm import api
 
 __all__ = ["Circuit", "Inflight", "Upstream", "UpstreamPool", "failure_kind"]
@@ -123,6 +124,8 @@ class UpstreamPool:
     ) -> None:
         self.config = config
         self.router = router
+        #: how long a replica stays out of rotation after its n-th failure in a row
+        self.open_for = Backoff(config.circuit_open_s, max_s=_MAX_OPEN_S)
         self.upstreams: dict[str, Upstream] = {}
         self.block_size: int | None = config.block_size
         # Loaded through the proxy: name -> (load endpoint, request body), replayed to joiners.
@@ -229,7 +232,7 @@ class UpstreamPool:
         up.adapters.clear()  # unknown now (it may have restarted): its catch-up asks it
         up.paused = None
         up.consecutive_failures += 1
-        wait = min(self.config.circuit_open_s * 2 ** (up.consecutive_failures - 1), _MAX_OPEN_S)
+        wait = self.open_for.delay(up.consecutive_failures)
         up.open_until = time.monotonic() + wait
         up.circuit = Circuit.OPEN
         up.probe_inflight = False

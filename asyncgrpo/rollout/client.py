@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -161,6 +162,9 @@ class RolloutClient:
         self._score_send, self._score_recv = anyio.create_memory_object_stream[_Generated](0)
         self._pending: set[int] = set()
         self._next_position = start_position
+        #: this client's name in its samples' ids: a restarted rollout process (which starts
+        #: its dataset over) or a second one never repeats an id
+        self.producer = secrets.token_hex(4)
         self._session: aiohttp.ClientSession | None = None
         self._client: PolicyClient | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -413,6 +417,7 @@ class RolloutClient:
                 completion_mask=e.completion_mask,
                 versions=e.versions,
                 replica=e.served_by,
+                sample_id=f"{self.producer}-{prompt.index}-{j}",
             )
             try:
                 self._send.send_nowait(sample)

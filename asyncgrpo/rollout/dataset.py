@@ -96,6 +96,23 @@ def read_rows(config: DatasetConfig) -> list[Any]:
     return _read_rows(config)
 
 
+def local_rows(config: DatasetConfig) -> list[Any] | None:
+    """The rows of a dataset this host holds (inline prompts, a local .jsonl/.json file), each
+    checked for its prompt column: what a run would refuse minutes later, refused in
+    milliseconds. None for a `datasets` name, which only a real start loads (a download)."""
+    if config.prompts is None:
+        assert config.path is not None
+        path = Path(config.path).expanduser()
+        if not (path.is_file() and path.suffix in (".jsonl", ".json")):
+            return None
+    rows = _read_rows(config)
+    for i, row in enumerate(rows):
+        _normalise(row, config.prompt_column, i)
+    if not rows:
+        raise ConfigError(f"dataset {config.path}: no rows")
+    return rows
+
+
 def split_rows(rows: Sequence[Any], share: float, *, seed: int) -> tuple[list[Any], list[Any]]:
     """(training rows, held-out rows): ``ceil(share * len(rows))`` rows chosen by ``seed`` are
     held out (at least one, and at least one left to train on); both keep the rows' order, and

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import anyio
 
 from asyncgrpo.errors import ReplicaError
 from asyncgrpo.proxy.http.headers import REPLICA_HEADER, SESSION_HEADER
+from asyncgrpo.retry import Backoff, RetryNow, retry
 from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,10 @@ class Turn:
 
 class _Retryable(Exception):
     """A transport failure worth another attempt (connection, 5xx, 429, timeout)."""
+
+
+#: What a request retries after a wait: transport failures and the answers that say "later".
+_RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError, _Retryable)
 
 
 class PolicyClient:
@@ -138,8 +142,9 @@ class PolicyClient:
         Transport errors are retried with backoff, then raise :class:`ReplicaError`; a 4xx
         raises at once."""
         headers = {SESSION_HEADER: session} if session else None
-        attempt = 0
-        while True:
+        retries = self.config.retries
+
+        async def attempt(number: int) -> list[Turn]:
             model, version = self._policy()
             if not self.inflight:
                 self._busy_since = time.monotonic()
@@ -154,36 +159,38 @@ class PolicyClient:
                         raise _Retryable(f"HTTP {resp.status}: {text[:300]}")
                     if resp.status >= 400:
                         text = await resp.text()
-                        if self._policy()[0] != model and attempt < self.config.retries:
-                            # The adapter was swapped (and maybe unloaded) under this request.
-                            attempt += 1
-                            self.retries_total += 1
-                            continue
+                        if self._policy()[0] != model and number <= retries:
+                            raise RetryNow("the adapter was swapped (maybe unloaded) under it")
                         raise ReplicaError(
                             f"{self._url} answered HTTP {resp.status} for model {model!r}: "
                             f"{text[:500]}"
                         )
                     data = await resp.json()
                     replica = resp.headers.get(REPLICA_HEADER)
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
-                err: Exception = exc
-            except _Retryable as exc:
-                err = exc
-            else:
-                return self._parse(prompt_ids, data, version, replica)
             finally:
                 self.inflight -= n
                 if not self.inflight and self._busy_since is not None:
                     self._busy_total += time.monotonic() - self._busy_since
                     self._busy_since = None
-            attempt += 1
-            if attempt > self.config.retries:
-                raise ReplicaError(
-                    f"{self._url}: giving up after {attempt} attempts (rollout.retries="
-                    f"{self.config.retries}): {type(err).__name__}: {err}"
-                ) from err
-            delay = min(self.config.retry_backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
-            self.retries_total += 1
+            return self._parse(prompt_ids, data, version, replica)
+
+        try:
+            return await retry(
+                attempt,
+                attempts=retries + 1,
+                backoff=Backoff(self.config.retry_backoff_s, max_s=MAX_BACKOFF_S),
+                retry_on=_RETRYABLE,
+                on_retry=self._retrying,
+            )
+        except _RETRYABLE as err:
+            raise ReplicaError(
+                f"{self._url}: giving up after {retries + 1} attempts (rollout.retries="
+                f"{retries}): {type(err).__name__}: {err}"
+            ) from err
+
+    def _retrying(self, attempt: int, err: BaseException, wait_s: float) -> None:
+        self.retries_total += 1
+        if not isinstance(err, RetryNow):
             logger.warning(
                 "rollout request to %s failed (%s: %s); retry %d/%d in %.2f s",
                 self._url,
@@ -191,9 +198,8 @@ class PolicyClient:
                 err,
                 attempt,
                 self.config.retries,
-                delay,
+                wait_s,
             )
-            await anyio.sleep(delay)
 
     def _parse(
         self, prompt_ids: Sequence[int], data: dict[str, Any], version: int, replica: str | None

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import anyio
+
 from asyncgrpo.config.training import run_transport_url
 from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.proxy.admin_client import ProxyClient
@@ -37,6 +39,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+#: What a request to the fleet may take on a host that started its replicas at a normal pace.
+REQUEST_TIMEOUT_S = 60.0
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """Where the run's clients send requests, and the key they send."""
@@ -45,6 +51,19 @@ class Endpoint:
     api_key: str | None
     #: a standalone asyncgrpo proxy given in ``proxy.upstreams``, not one of the run's own
     standalone: bool = False
+    #: how long the run's first requests (``/server_info``, the first loads) may take
+    request_timeout_s: float = REQUEST_TIMEOUT_S
+
+
+def request_timeout(started_s: float | None, startup_timeout_s: float) -> float:
+    """The first requests' time-out, scaled by what the host showed: replicas that took
+    ``started_s`` seconds to start on a loaded host answer their first requests slowly too
+    (vLLM gathers its environment report on the first ``/server_info``). Twice the start time,
+    at least :data:`REQUEST_TIMEOUT_S`, at most ``serve.startup_timeout_s``, the setting a
+    user raises."""
+    if started_s is None:
+        return min(REQUEST_TIMEOUT_S, startup_timeout_s)
+    return max(REQUEST_TIMEOUT_S, min(2 * started_s, startup_timeout_s))
 
 
 def replica_config(cfg: TrainingConfig, transport_url: str | None = None) -> ServeConfig:
@@ -119,8 +138,14 @@ async def open_endpoint(
     serve = replica_config(cfg, transport_url) if cfg.serve.replicas else None
     if cfg.proxy.upstreams:
         say(f"{len(cfg.proxy.upstreams)} remote replica(s) behind the run's proxy")
+    started = time.monotonic()
     async with open_fleet(serve, proxy, phase=say) as url:
-        yield Endpoint(url=url, api_key=cfg.proxy.api_key)
+        took = time.monotonic() - started if serve is not None else None
+        yield Endpoint(
+            url=url,
+            api_key=cfg.proxy.api_key,
+            request_timeout_s=request_timeout(took, cfg.serve.startup_timeout_s),
+        )
 
 
 @asynccontextmanager
@@ -136,7 +161,10 @@ async def open_fleet(
             n = serve.replicas
             phase(f"starting {n} vLLM replica{'s' if n != 1 else ''} (logs in {serve.log_dir})")
             started = time.monotonic()
-            replicas = await stack.enter_async_context(launch_replicas(serve))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_still_starting, serve, started, phase)
+                replicas = await stack.enter_async_context(launch_replicas(serve))
+                tg.cancel_scope.cancel()
             phase(f"{n} replica{'s' if n != 1 else ''} healthy after "
                   f"{time.monotonic() - started:.0f} s")  # fmt: skip
             urls = [r.url for r in replicas] + urls
@@ -144,3 +172,27 @@ async def open_fleet(
             serve_proxy(dataclasses.replace(proxy, upstreams=tuple(urls)))
         )
         yield url
+
+
+#: Seconds between two lines saying the replicas are still starting.
+STILL_STARTING_EVERY_S = 30.0
+
+
+async def _still_starting(serve: ServeConfig, started: float, phase: Callable[[str], None]) -> None:
+    """While the replicas start, a line every :data:`STILL_STARTING_EVERY_S`: how long so far,
+    the bound (``serve.startup_timeout_s``, the setting to raise on a slow host) and the last
+    line of replica 0's log, so a slow start on a loaded host reads as progress, not a hang."""
+    from asyncgrpo.processes import log_tail
+
+    while True:
+        await anyio.sleep(STILL_STARTING_EVERY_S)
+        last = ""
+        if serve.log_dir:
+            tail = await anyio.to_thread.run_sync(
+                log_tail, Path(serve.log_dir) / "replica-0.log", 1
+            )
+            last = f"; replica 0's log: {tail.strip()[-120:]}" if tail.strip() else ""
+        phase(
+            f"replicas still starting after {time.monotonic() - started:.0f} s (at most "
+            f"serve.startup_timeout_s={serve.startup_timeout_s:g}){last}"
+        )

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ from asyncgrpo.rollout.dataset import Prompt, load_tokenizer
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
     from asyncgrpo.run.metrics import MetricsWriter
+    from asyncgrpo.run.progress import RunProgress
     from asyncgrpo.run.sync import AdapterSync
 
 __all__ = ["EvalsDuringTraining", "RunEvaluator", "evals_during_training", "evaluate_published",
@@ -61,13 +63,18 @@ class RunEvaluator:
             self._prompts = await anyio.to_thread.run_sync(eval_prompts, self.cfg, self._tokenizer)
         return len(self._prompts)
 
-    async def __call__(self, model: str, version: int, *, step: int) -> dict[str, float]:
-        """Evaluate ``model`` (adapter ``version``), record it, and return its metrics."""
+    async def __call__(
+        self, model: str, version: int, *, step: int,
+        on_graded: Callable[[int, int], None] | None = None,
+    ) -> dict[str, float]:  # fmt: skip
+        """Evaluate ``model`` (adapter ``version``), record it, and return its metrics;
+        ``on_graded(done, total)`` hears of each prompt graded."""
         await self.prepare()
         assert self._prompts is not None
         report = await evaluate(
             self.cfg, base_url=self.base_url, api_key=self.api_key, model=model,
             version=version, prompts=self._prompts, tokenizer=self._tokenizer, run=self.run,
+            on_graded=on_graded,
         )  # fmt: skip
         await anyio.to_thread.run_sync(lambda: write_report(self.cfg.run_dir, report, step=step))
         self.writer.mirror(report.metrics, step=step)
@@ -158,37 +165,48 @@ def pick_versions(
         return list(published)
     wanted = 0 if base else published[-1] if version is None else version
     if wanted not in published:
-        shown = ", ".join(map(str, published[-10:]))
-        raise ConfigError(f"version {wanted} is not published (published versions: {shown})")
+        from asyncgrpo.store.adapters import describe_versions
+
+        raise ConfigError(
+            f"version {wanted} is not published (published versions: "
+            f"{describe_versions(published)})"
+        )
     return [wanted]
 
 
 async def evaluate_published(
-    cfg: TrainingConfig, *, version: int | None = None, base: bool = False, every: bool = False
+    cfg: TrainingConfig,
+    *,
+    version: int | None = None,
+    base: bool = False,
+    every: bool = False,
+    progress: RunProgress | None = None,
 ) -> list[dict[str, float]]:
     """Evaluate published versions of ``cfg``'s run: each is loaded on the fleet unless it is
     served already (a running run's window), evaluated, and unloaded again if it was loaded
-    here; results go to the run directory like a run's own evaluations."""
+    here; results go to the run directory like a run's own evaluations. ``progress`` hears
+    the phases (replicas starting, each version loaded) and how many prompts are graded."""
     from asyncgrpo.config.training import run_transport_url
     from asyncgrpo.run.endpoint import open_endpoint
     from asyncgrpo.run.metrics import MetricsWriter
-    from asyncgrpo.run.preflight import preflight_fleet
+    from asyncgrpo.run.preflight import dry_run, preflight_fleet
+    from asyncgrpo.run.progress import Silent
     from asyncgrpo.run.sync import LocalCacheSource, ProxyLoader, TransportSource
     from asyncgrpo.store.adapters import AdapterStore
-    from asyncgrpo.store.run_documents import RunStore
-    from asyncgrpo.transport import open_transport
+    from asyncgrpo.store.run_documents import RunStore, open_run_transport
     from asyncgrpo.vllm.api import served_name
     from asyncgrpo.vllm.client import VLLMClient
 
+    report = progress or Silent()
+    await anyio.to_thread.run_sync(dry_run, cfg)  # the held-out rows, the rewards: first
     url = run_transport_url(cfg)
-    local = "://" not in url or url.startswith("file://")
-    try:  # a path is read, never made: evaluating a run that never started leaves no directory
-        transport = open_transport(url, **({"create": False} if local else {}))
-    except ConfigError:
+    # a path is read, never made: evaluating a run that never started leaves no directory
+    transport = open_run_transport(url)
+    if transport is None:
         raise ConfigError(
             f"no run has started in {url} (there is no such directory): train first, or give "
             "the config of the run to evaluate"
-        ) from None
+        )
     async with transport:
         prefix = f"{cfg.run_name}-{await RunStore(transport).existing_run_id(cfg.run_name)}"
         store = AdapterStore(transport)
@@ -197,8 +215,10 @@ async def evaluate_published(
         )
         cache = (cfg.run_dir / "adapter-cache").resolve()
         async with (
-            open_endpoint(cfg, cache, transport.url) as endpoint,
-            VLLMClient(endpoint.url, api_key=endpoint.api_key) as client,
+            open_endpoint(cfg, cache, transport.url, phase=report.phase) as endpoint,
+            VLLMClient(
+                endpoint.url, api_key=endpoint.api_key, timeout_s=endpoint.request_timeout_s
+            ) as client,
         ):
             fetching = await preflight_fleet(cfg, client, transport.url)
             source = TransportSource(store) if fetching else LocalCacheSource(store, cache)
@@ -214,10 +234,31 @@ async def evaluate_published(
                     loaded_here = name not in await loader.loaded()
                     if loaded_here:
                         await loader.load(name, await source.locate(prefix, v))
+                    report.phase(f"evaluating version {v} ({name})")
                     try:
-                        results.append(await evaluator(name, v, step=-1))
+                        results.append(
+                            await evaluator(name, v, step=-1, on_graded=_graded_lines(report, v))
+                        )
                     finally:
                         if loaded_here:
                             with anyio.CancelScope(shield=True):
                                 await loader.unload(name)
     return results
+
+
+#: Seconds between two progress lines of an evaluation.
+GRADED_EVERY_S = 5.0
+
+
+def _graded_lines(report: RunProgress, version: int) -> Callable[[int, int], None]:
+    """``on_graded`` for ``asyncgrpo eval``: a line at most every :data:`GRADED_EVERY_S`,
+    and the last."""
+    last = time.monotonic()
+
+    def on_graded(done: int, total: int) -> None:
+        nonlocal last
+        if done == total or time.monotonic() - last >= GRADED_EVERY_S:
+            last = time.monotonic()
+            report.phase(f"version {version}: {done}/{total} prompts graded")
+
+    return on_graded

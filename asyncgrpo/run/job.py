@@ -33,7 +33,8 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None):
 
 
 async def train(cfg) -> None:
-    from asyncgrpo.run.progress import JobLines
+    from asyncgrpo.evaluation.records import read_evals
+    from asyncgrpo.run.progress import JobLines, result_line
     from asyncgrpo.run.training import run_training
     from asyncgrpo.vllm.api import served_name
 
@@ -41,6 +42,8 @@ async def train(cfg) -> None:
     final = served_name(result.adapter_prefix, result.final_version)
     print(f"trained {result.steps} steps; final adapter {final} in {result.transport_url}",
           flush=True)  # fmt: skip
+    # the launcher's summary: the same as `asyncgrpo train`'s
+    print(result_line(result, read_evals(result.run_dir)), flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

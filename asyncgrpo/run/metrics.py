@@ -9,9 +9,11 @@ must not turn a whole step's mean into NaN).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -60,32 +62,65 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def append_whole(path: Path, text: str) -> None:
+    """Append ``text`` to ``path`` whole or not at all: a write that fails partway (a full disk)
+    is cut back off, so no torn line sits between two whole ones. Raises the ``OSError``."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        size = 0
+    try:
+        with path.open("a", encoding="utf-8") as f:
+            f.write(text)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.truncate(path, size)
+        raise
+
+
 class MetricsWriter:
     """Appends one line per step to ``run_dir/metrics.jsonl`` and mirrors it to ``trackers``.
 
-    Appending (not truncating) lets a resumed run continue the same file; ``read_metrics``
-    keeps the last line of each step, so steps replayed after a crash are not counted twice.
+    Appending (not truncating) lets a resumed run continue the same file. ``after_step``: the
+    step the run resumes from (0: a fresh start); the lines of later steps, which it trains
+    again, are dropped first (and a torn last line), so each step appears once in the file;
+    ``restore``: that step's line, written when the file lacks it (a run killed between its
+    checkpoint and its line).
+    A line that cannot be written (a full disk) is kept and written with the next one: late,
+    never torn or missing.
     """
 
     def __init__(
-        self, run_dir: str | Path, *, jsonl: bool = True, trackers: Sequence[Tracker] = ()
+        self,
+        run_dir: str | Path,
+        *,
+        jsonl: bool = True,
+        trackers: Sequence[Tracker] = (),
+        after_step: int | None = None,
+        restore: dict[str, Any] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_FILE
-        self._file = None
+        self._jsonl = jsonl
+        self._unwritten: list[str] = []
+        last = None
         if jsonl:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
+            if after_step is not None:
+                last = trim_metrics(self.path, after_step)
+            self.path.touch()
         self._trackers = list(trackers)
         self._last_step = -1  #: the last step sent to the trackers
+        if restore is not None and after_step and last != after_step:
+            self.log(restore, step=after_step)
 
     def log(self, metrics: dict[str, Any], *, step: int) -> None:
         self._last_step = max(self._last_step, step)
         record = {"step": step, "time": time.time()}
         record.update({k: _jsonable(v) for k, v in metrics.items()})
-        if self._file is not None:
-            self._file.write(json.dumps(record, sort_keys=False) + "\n")
-            self._file.flush()
+        if self._jsonl:
+            self._unwritten.append(json.dumps(record, sort_keys=False) + "\n")
+            self._write()
         if self._trackers:
             values = numeric(record)
             for tracker in self._trackers:
@@ -102,10 +137,18 @@ class MetricsWriter:
         for tracker in self._trackers:
             tracker.log(values, step=step)
 
+    def _write(self) -> None:
+        try:
+            append_whole(self.path, "".join(self._unwritten))
+        except OSError as exc:
+            logger.warning("%s: %d lines kept for the next write: %s", self.path,
+                           len(self._unwritten), exc)  # fmt: skip
+            return
+        self._unwritten.clear()
+
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._unwritten:
+            self._write()
         trackers, self._trackers = self._trackers, []
         for tracker in trackers:
             tracker.finish()
@@ -115,6 +158,31 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def trim_metrics(path: Path, after_step: int) -> int | None:
+    """Drop the lines of ``path`` for steps after ``after_step`` (and lines that do not parse:
+    a torn last line); the file is replaced whole. Returns the last step kept (None: none)."""
+    if not path.is_file():
+        return None
+    kept: list[str] = []
+    last = None
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for line in lines:
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int) and step <= after_step:
+            kept.append(line)
+            last = step if last is None else max(last, step)
+    dropped = len(lines) - len(kept)
+    if dropped:
+        tmp = path.with_name(f".{path.name}.trim")
+        tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        tmp.replace(path)
+        logger.info("%s: dropped %d lines after step %d (trained again)", path, dropped, after_step)
+    return last
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

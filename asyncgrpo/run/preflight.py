@@ -1,27 +1,37 @@
-"""Checks before a run starts: the replicas' LoRA capacity and adapter fetching, and
-``asyncgrpo train CONFIG --dry-run``, which checks a recipe without starting, loading or
-downloading.
+"""Checks before a run starts: ``asyncgrpo train CONFIG --dry-run``'s (:func:`dry_run`), which
+every command that trains, serves or launches makes first, and the checks of the replicas once
+they answer (:func:`preflight_fleet`).
 
-What a real start would find out minutes (and a model download) later is checked here in
-milliseconds: the config validates; the transport's scheme and form are known and a credential
-it needs is set; every reward function imports; the replicas' vLLM flags,
-derived exactly as a run derives them, pass the same LoRA capacity check a run applies to a live
-replica's ``/server_info``; prompt plus completion fit the replicas' context; a token budget
-below the longest sample is reported. Nothing is downloaded: model and dataset are only named.
+What a real start would find out minutes (and a model download) later is checked by the dry
+run in milliseconds: the config validates; the transport's scheme and form are known and a
+credential it needs is set; the run directory and the replicas' log and cache directories can
+be written; an inline or local dataset parses, every row with its prompt column; every reward
+function (the evaluation's too) imports and is callable; the held-out rows read; the replicas'
+vLLM flags, derived exactly as a run derives them, pass the same LoRA capacity check a run
+applies to a live replica's ``/server_info``; prompt plus completion fit the replicas' context;
+a token budget below the longest sample is reported. Nothing is downloaded: the model and a
+``datasets`` name are only named. Once the replicas answer, :func:`preflight_fleet` compares
+what they report with what the trainer will use (:func:`check_serving_agrees`).
 """
 
 from __future__ import annotations
 
+import json
 import shlex
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from asyncgrpo.errors import ConfigError
+import anyio
+
+from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.vllm.api import PLUGIN_FIX, PLUGIN_INFO_PATH
 
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
+
+
+T = TypeVar("T")
 
 
 def _flag(argv: list[str], name: str) -> str | None:
@@ -30,7 +40,11 @@ def _flag(argv: list[str], name: str) -> str | None:
 
 def _where(name: str) -> str:
     path = Path(name).expanduser()
-    return f"local {path}" if path.exists() else "Hugging Face id, not fetched by --dry-run"
+    if path.exists():
+        return f"local {path}"
+    if path.is_absolute():  # a Hub id never is: a directory still to be made (the demo's model)
+        return "a local path, not there yet"
+    return "Hugging Face id, not fetched by --dry-run"
 
 
 def check_lora_capacity(
@@ -90,16 +104,20 @@ def check_adapter_fetching(replicas: list[Mapping[str, Any]], transport_url: str
             )
 
 
-def dry_run(cfg: TrainingConfig) -> list[str]:
-    """Report lines for a valid recipe; raises ``ConfigError`` naming the field to fix."""
+def dry_run(cfg: TrainingConfig, *, here: bool = True) -> list[str]:
+    """Report lines for a valid recipe; raises ``ConfigError`` naming the field to fix.
+
+    The same checks run first in every command that trains, serves or launches, before anything
+    starts. ``here=False`` (a launch whose trainer runs on another machine): what only that
+    machine can tell (the reward functions import, the directories are writable, a local
+    dataset parses) is reported, not refused; the backend refuses local paths itself.
+    """
+    from asyncgrpo.config.paths import check_writable
     from asyncgrpo.config.redaction import redact_text
     from asyncgrpo.config.training import run_transport_url
-    from asyncgrpo.rollout.environment import environment_class
-    from asyncgrpo.rollout.rewards import load_reward_func
-    from asyncgrpo.run.endpoint import replica_config
+    from asyncgrpo.rollout.dataset import local_rows
     from asyncgrpo.transport import check_transport_url
 
-    gen, tr = cfg.generation, cfg.trainer
     lines = [f"model: {cfg.model} ({_where(cfg.model)})"]
     transport = run_transport_url(cfg)
     try:
@@ -107,20 +125,37 @@ def dry_run(cfg: TrainingConfig) -> list[str]:
     except ConfigError as exc:
         raise ConfigError(f"transport_url: {exc}") from None
     lines.append(f"transport: {redact_text(transport)} (not contacted by --dry-run)")
-    if cfg.dataset.path is not None:
+    rows = None
+    if here:
+        check_writable(cfg.run_dir, f"output_dir={cfg.output_dir}")
+        lines.append(f"run directory: {cfg.run_dir} (writable)")
+        if cfg.serve.replicas:
+            for setting in ("log_dir", "adapter_cache_dir"):
+                if (value := getattr(cfg.serve, setting)) is not None:
+                    check_writable(Path(value), f"serve.{setting}={value}")
+        rows = local_rows(cfg.dataset)
+        if rows is not None:
+            where = "inline" if cfg.dataset.path is None else f"{cfg.dataset.path}, parsed"
+            lines.append(f"dataset: {len(rows)} rows ({where})")
+    if cfg.dataset.path is not None and rows is None:
         lines.append(f"dataset: {cfg.dataset.path} ({_where(cfg.dataset.path)})")
-    for path in cfg.rollout.reward_funcs:
-        load_reward_func(path)  # raises ConfigError naming the path
-        lines.append(f"reward function {path}: imports")
-    if cfg.rollout.environment is not None:
-        env = environment_class(cfg.rollout.environment)  # raises ConfigError naming the path
-        if not cfg.rollout.reward_funcs and not env.provides_reward:
-            raise ConfigError(
-                f"rollout.environment={cfg.rollout.environment} does not score its episodes and "
-                "rollout.reward_funcs is empty: set at least one reward function"
-            )
-        lines.append(f"environment {cfg.rollout.environment}: imports")
+    lines += _code(cfg, here=here)
 
+    lines += _context(cfg) + _local_replicas(cfg)
+    if cfg.proxy.upstreams:
+        lines.append(
+            f"{len(cfg.proxy.upstreams)} remote replica(s): their /server_info and adapter "
+            "plugin are checked at start"
+        )
+    lines += [_step_line(cfg), *_evaluation(cfg), *_trackers(cfg)]
+    # each line redacted: a replica command or a dataset may quote a URL with credentials
+    return [redact_text(line) for line in lines]
+
+
+def _context(cfg: TrainingConfig) -> list[str]:
+    """Prompt plus completion within ``serve.max_model_len``; a token budget below it."""
+    gen, tr = cfg.generation, cfg.trainer
+    lines: list[str] = []
     max_len = cfg.serve.max_model_len
     if max_len is not None:
         if gen.max_completion_length >= max_len:
@@ -145,7 +180,15 @@ def dry_run(cfg: TrainingConfig) -> list[str]:
                 f"warning: trainer.token_budget={tr.token_budget} < max_model_len {max_len}: "
                 "a longer sample gets a row of its own (more memory than the budget)"
             )
+    return lines
 
+
+def _local_replicas(cfg: TrainingConfig) -> list[str]:
+    """The vLLM flags of the replicas the run starts, through the live LoRA capacity check."""
+    from asyncgrpo.run.endpoint import replica_config
+
+    tr = cfg.trainer
+    lines: list[str] = []
     if cfg.serve.replicas:
         serve = replica_config(cfg)
         argv = serve.command(port=8000)
@@ -162,12 +205,43 @@ def dry_run(cfg: TrainingConfig) -> list[str]:
             + (f" + {pins} pinned by eval.every" if (pins := cfg.serve.pinned_versions) else "")
         )
         lines.append("replica command: " + shlex.join(argv[1:]))
-    if cfg.proxy.upstreams:
-        lines.append(
-            f"{len(cfg.proxy.upstreams)} remote replica(s): their /server_info and adapter "
-            "plugin are checked at start"
-        )
-    return [*lines, _step_line(cfg), *_evaluation(cfg), *_trackers(cfg)]
+    return lines
+
+
+def _code(cfg: TrainingConfig, *, here: bool) -> list[str]:
+    """The reward functions (training's and the evaluation's) and the environment: each
+    imports and is callable. Not ``here``: a failure is a warning line (the trainer's machine
+    may have the module this one lacks)."""
+    from asyncgrpo.rollout.environment import environment_class
+    from asyncgrpo.rollout.rewards import load_reward_func
+
+    paths = list(cfg.rollout.reward_funcs)
+    if cfg.eval is not None and cfg.eval.reward_funcs is not None:
+        paths += [p for p in cfg.eval.reward_funcs if p not in paths]
+    lines = []
+    for path in paths:
+        try:
+            load_reward_func(path)  # raises ConfigError naming the path
+        except ConfigError as exc:
+            if here:
+                raise
+            lines.append(f"warning: {exc} (here; the trainer job must be able to)")
+            continue
+        lines.append(f"reward function {path}: imports")
+    if cfg.rollout.environment is not None:
+        try:
+            env = environment_class(cfg.rollout.environment)  # raises ConfigError naming it
+        except ConfigError as exc:
+            if here:
+                raise
+            return [*lines, f"warning: {exc} (here; the trainer job must be able to)"]
+        if not cfg.rollout.reward_funcs and not env.provides_reward:
+            raise ConfigError(
+                f"rollout.environment={cfg.rollout.environment} does not score its episodes and "
+                "rollout.reward_funcs is empty: set at least one reward function"
+            )
+        lines.append(f"environment {cfg.rollout.environment}: imports")
+    return lines
 
 
 def _step_line(cfg: TrainingConfig) -> str:
@@ -219,16 +293,152 @@ def _trackers(cfg: TrainingConfig) -> list[str]:
     return [f"trackers: {', '.join(names)}"] if names else []
 
 
-async def preflight_fleet(cfg: TrainingConfig, client: Any, transport_url: str) -> bool:
+#: What two models must share for one to serve the other's LoRA adapters.
+_SHAPE = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _served_shape(model_config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The served model's shape, from the text of its Hugging Face config in ``/server_info``
+    (``Qwen2Config {...json...}``); None when the document does not say."""
+    text = model_config.get("hf_config")
+    if isinstance(text, dict):
+        doc: Any = text
+    elif isinstance(text, str) and "{" in text:
+        try:
+            doc = json.loads(text[text.index("{") :])
+        except ValueError:
+            return None
+    else:
+        return None
+    return {k: doc.get(k) for k in _SHAPE} if isinstance(doc, dict) else None
+
+
+def _dtype_name(value: Any) -> str | None:
+    return str(value).removeprefix("torch.") if value not in (None, "", "auto") else None
+
+
+def check_serving_agrees(
+    info: Mapping[str, Any],
+    cfg: TrainingConfig,
+    *,
+    trainer_dtype: str | None,
+    trainer_shape: Callable[[], Mapping[str, Any] | None] = lambda: None,
+) -> list[str]:
+    """Compare what a replica reports in ``/server_info`` with what the trainer will use: the
+    model, its dtype and the context length (the LoRA rank and slots:
+    :func:`check_lora_capacity`). Refuses, naming the flag or setting to change, what would
+    fail later (the served-policy audit on other weights, a prompt that does not fit); returns
+    the lines saying what agreed, and warnings for what is allowed but worth knowing.
+    ``trainer_shape`` gives the trainer's model config (read only when the names differ)."""
+    config = info.get("vllm_config", info)
+    model_config = config.get("model_config") if isinstance(config, Mapping) else None
+    if not isinstance(model_config, Mapping):
+        return []  # an older vLLM, or a proxy that does not forward the document
+    lines = []
+    served = model_config.get("model")
+    if isinstance(served, str) and served != cfg.model:
+        ours, theirs = trainer_shape(), _served_shape(model_config)
+        if ours is not None and theirs is not None:
+            differ = [k for k in _SHAPE if ours.get(k) != theirs.get(k)]
+            if differ:
+                shown = ", ".join(f"{k} {theirs.get(k)} != {ours.get(k)}" for k in differ)
+                raise ConfigError(
+                    f"the replicas serve model {served}, not the trainer's model={cfg.model} "
+                    f"({shown}): start them with --model {cfg.model} (python -m asyncgrpo.serve), "
+                    f"or set model to the one they serve"
+                )
+        lines.append(f"served model: {served} (the trainer loads {cfg.model}; same shape)")
+    served_dtype = _dtype_name(model_config.get("dtype"))
+    if served_dtype and trainer_dtype and served_dtype != trainer_dtype:
+        mismatch = (
+            f"the replicas serve {served_dtype} (vLLM --dtype) but the trainer computes in "
+            f"{trainer_dtype} (trainer.dtype), so their logprobs differ by more than the "
+            "served-policy audit's tolerance"
+        )
+        fix = (
+            f"start the replicas with --dtype {trainer_dtype} (python -m asyncgrpo.serve, "
+            f"serve.dtype) or set trainer.dtype={served_dtype}"
+        )
+        if cfg.trainer.audit.action != "off":
+            raise ConfigError(f"{mismatch}: {fix} (or trainer.audit.action=off to train anyway)")
+        lines.append(f"warning: {mismatch}; {fix}")
+    elif served_dtype:
+        lines.append(f"dtype: {served_dtype} on the replicas and in the trainer")
+    context = model_config.get("max_model_len")
+    if isinstance(context, int) and not isinstance(context, bool) and context > 0:
+        completion = cfg.generation.max_completion_length
+        prompt = cfg.dataset.max_prompt_tokens
+        if completion >= context or (prompt is not None and prompt + completion > context):
+            need = f"{prompt} + " if prompt is not None else ""
+            raise ConfigError(
+                f"the replicas' context is {context} tokens (vLLM --max-model-len) but the run "
+                f"needs {need}generation.max_completion_length={completion}: start them with "
+                f"a larger --max-model-len (serve.max_model_len), or lower "
+                "generation.max_completion_length"
+                + (" or dataset.max_prompt_tokens" if prompt is not None else "")
+            )
+        lines.append(f"context: {context} tokens on the replicas >= completions of {completion}")
+    return lines
+
+
+async def preflight_fleet(
+    cfg: TrainingConfig,
+    client: Any,
+    transport_url: str,
+    *,
+    trainer_dtype: str | None = None,
+    say: Callable[[str], None] | None = None,
+) -> bool:
     """Refuse to start, before the trainer loads its model, when the served replicas cannot
-    hold the run: LoRA off, a rank or slot count too small, or (when replicas fetch adapters
-    themselves: ``serve.adapter_delivery``) no asyncgrpo vLLM plugin or no access to this
-    run's transport. Returns whether the replicas fetch."""
+    hold the run or do not agree with the trainer: LoRA off, a rank or slot count too small,
+    another model, dtype (``trainer_dtype``: a run's; None: not compared) or a context too
+    short (:func:`check_serving_agrees`), or (when replicas fetch adapters themselves:
+    ``serve.adapter_delivery``) no asyncgrpo vLLM plugin or no access to this run's
+    transport. ``say`` hears what agreed. Returns whether the replicas fetch."""
+    info = await _slow_named(client.server_info(), client, "GET /server_info")
     check_lora_capacity(
-        await client.server_info(), lora_rank=cfg.lora.r,
+        info, lora_rank=cfg.lora.r,
         max_staleness=cfg.trainer.max_staleness, pinned=cfg.serve.pinned_versions,
     )  # fmt: skip
+    agreed = await anyio.to_thread.run_sync(
+        lambda: check_serving_agrees(
+            info, cfg, trainer_dtype=trainer_dtype,
+            trainer_shape=lambda: _trainer_shape(cfg.model),
+        )
+    )  # fmt: skip
+    for line in agreed:
+        if say is not None:
+            say(line)
     fetching = cfg.serve.delivery(remote_replicas=bool(cfg.proxy.upstreams)) == "fetch"
     if fetching:
-        check_adapter_fetching(await client.adapter_plugin_info(), transport_url)
+        replicas = await _slow_named(client.adapter_plugin_info(), client, "the plugin check")
+        check_adapter_fetching(replicas, transport_url)
     return fetching
+
+
+async def _slow_named(call: Awaitable[T], client: Any, what: str) -> T:
+    """``await call``; a time-out becomes an error naming the setting that bounds it."""
+    try:
+        return await call
+    except ReplicaError as exc:
+        if not isinstance(exc.__cause__, TimeoutError):
+            raise
+        timeout = getattr(client, "timeout_s", None)
+        within = f" within {timeout:.0f} s" if timeout else ""
+        raise ReplicaError(
+            f"{what} through {client.base_url} got no answer{within}: the replicas are slow to "
+            "answer their first requests on a busy host (that time-out is twice their start "
+            "time, at most serve.startup_timeout_s); raise serve.startup_timeout_s, or free "
+            "the host"
+        ) from exc
+
+
+def _trainer_shape(model: str) -> dict[str, Any] | None:
+    """The shape of the model the trainer will load, from its config (a small file)."""
+    try:
+        from transformers import AutoConfig
+
+        doc = AutoConfig.from_pretrained(model).to_dict()
+    except Exception:  # not readable here yet: the trainer's own load says why
+        return None
+    return {k: doc.get(k) for k in _SHAPE}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -171,7 +172,7 @@ class ConsoleProgress:
     ) -> None:
         self.max_steps = max_steps
         self.stream = stream if stream is not None else sys.stdout
-        self.bar = bar if bar is not None else _is_terminal(self.stream)
+        self.bar = bar if bar is not None else _bar_fits(self.stream)
         self._started = time.monotonic()
         self._bar: Any = None
 
@@ -207,10 +208,15 @@ class ConsoleProgress:
             self._bar = None
 
 
-def _is_terminal(stream: TextIO) -> bool:
+def _bar_fits(stream: TextIO) -> bool:
+    """Whether a progress bar can be drawn on ``stream``: a terminal that reports a width. Some
+    CI and container pseudo-terminals report 0 columns, where a bar sized to the width draws
+    nothing at all: those get one line per step, as a pipe does."""
     try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # a closed or stand-in stream
+        if not stream.isatty():
+            return False
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, ValueError, OSError):  # a closed or stand-in stream
         return False
 
 
@@ -218,18 +224,63 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+def _held_out(evals: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The held-out result: the first evaluation and the last (base and final version)."""
+    if not evals:
+        return []
+    first, last = evals[0], evals[-1]
+
+    def at(record: Mapping[str, Any], key: str, fmt: str) -> str:
+        value = record.get(key)
+        ok = isinstance(value, int | float) and math.isfinite(value)
+        return fmt.format(value) if ok else "?"
+
+    prompts = at(last, "eval/prompts", "{:.0f}")
+    if first is last:
+        return [f"held-out reward: {at(last, 'eval/reward', '{:.3f}')} (version "
+                f"{at(last, 'eval/version', '{:.0f}')}, {prompts} prompts; pass@1 "
+                f"{at(last, 'eval/pass@1', '{:.2f}')})"]  # fmt: skip
+    return [
+        f"held-out reward: {at(first, 'eval/reward', '{:.3f}')} (version "
+        f"{at(first, 'eval/version', '{:.0f}')}) -> {at(last, 'eval/reward', '{:.3f}')} "
+        f"(version {at(last, 'eval/version', '{:.0f}')}) over {prompts} prompts the trainer never "
+        f"saw; pass@1 {at(first, 'eval/pass@1', '{:.2f}')} -> {at(last, 'eval/pass@1', '{:.2f}')}"
+    ]
+
+
 def summary_lines(
-    result: RunResult, records: Sequence[Mapping[str, Any]], wall_s: float, *, first: int = 5
+    result: RunResult,
+    records: Sequence[Mapping[str, Any]],
+    wall_s: float,
+    *,
+    first: int = 5,
+    evals: Sequence[Mapping[str, Any]] = (),
+    where: str = "",
+    max_steps: int | None = None,
 ) -> list[str]:
-    """What ``asyncgrpo train`` says at the end: steps this time and in all, where it resumed,
-    reward over this run's first and last ``first`` steps, wall time, where the outputs are."""
+    """What ``asyncgrpo train`` and ``asyncgrpo launch`` say at the end: steps this time and in
+    all, where it resumed, reward over this run's first and last ``first`` steps, the held-out
+    result (``evals``: its evaluations, base first), wall time, and where the outputs are: the
+    final adapter version and its transport, its PEFT directory, the metrics. ``where``: said
+    after the paths when they are on another machine (a launched trainer job's)."""
     resumed = result.resumed_from_step
     start = resumed or 0
-    trained = result.steps - start
-    head = f"trained {trained} step{'s' if trained != 1 else ''} in {wall_s:.0f} s"
-    if resumed is not None:
-        head += f" (resumed from the checkpoint of step {resumed}; {result.steps} steps in all)"
-    lines = [head]
+    if result.up_to_date:
+        limit = f" (trainer.max_steps={max_steps})" if max_steps is not None else ""
+        lines = [
+            f"nothing to train: the run's checkpoint is at step {result.steps}{limit}; raise "
+            "trainer.max_steps to train on (nothing was started or published)"
+        ]
+    else:
+        trained = result.steps - start
+        head = f"trained {_plural(trained, 'step')} in {wall_s:.0f} s"
+        if resumed is not None:
+            head += f" (resumed from the checkpoint of step {resumed}; {result.steps} steps in all)"
+        lines = [head]
     rewards = [
         float(r["reward"])
         for r in records
@@ -237,16 +288,71 @@ def summary_lines(
         and isinstance(r.get("reward"), int | float)
         and math.isfinite(r["reward"])
     ]
-    if rewards:
+    if rewards and not result.up_to_date:
         n = min(first, len(rewards))
         lines.append(
             f"reward {_mean(rewards[:n]):.3f} -> {_mean(rewards[-n:]):.3f} "
-            f"(mean of the first and last {n} step{'s' if n != 1 else ''} of this run)"
+            f"(mean of the first and last {_plural(n, 'step')} of this run)"
         )
-    lines.append(
-        f"final adapter: {result.adapter_prefix}-v{result.final_version} in {result.transport_url}"
-    )
+    lines += _held_out(evals)
+    if result.final_version >= 0:
+        lines.append(
+            f"final adapter: {result.adapter_prefix}-v{result.final_version} in "
+            f"{result.transport_url}"
+        )
+    if result.adapter_dir is not None:
+        lines.append(f"PEFT directory: {result.adapter_dir}{where}")
     metrics = result.run_dir / METRICS_FILE
-    if metrics.is_file():  # logging.jsonl may be off
-        lines += [f"metrics: {metrics}", f"plot: asyncgrpo plot {result.run_dir}"]
+    if where or metrics.is_file():  # logging.jsonl may be off
+        lines.append(f"metrics: {metrics}{where}")
+        if not where:
+            lines.append(f"plot: asyncgrpo plot {result.run_dir}")
     return lines
+
+
+def run_summary(result: RunResult, wall_s: float, *, max_steps: int | None = None) -> list[str]:
+    """:func:`summary_lines` of a run whose directory is on this host: its metrics and its
+    evaluations read from there."""
+    from asyncgrpo.evaluation.records import read_evals
+    from asyncgrpo.run.metrics import read_metrics
+
+    metrics = result.run_dir / METRICS_FILE
+    records = read_metrics(metrics) if metrics.is_file() else []
+    return summary_lines(result, records, wall_s, evals=read_evals(result.run_dir),
+                         max_steps=max_steps)  # fmt: skip
+
+
+#: How a launched trainer job reports its result to the launcher: one line at its end.
+RESULT_PREFIX = "asyncgrpo-result "
+
+
+def result_line(result: RunResult, evals: Sequence[Mapping[str, Any]]) -> str:
+    """The line a launched trainer job prints last: :data:`RESULT_PREFIX`, its result and its
+    first and last evaluation as JSON, for the launcher's summary (:func:`parse_result`)."""
+    doc = {k: str(v) if isinstance(v, os.PathLike) else v for k, v in vars(result).items()}
+    kept = [evals[0], evals[-1]] if len(evals) > 1 else list(evals)
+    doc["evals"] = [
+        {k: v for k, v in e.items() if isinstance(v, int | float) and math.isfinite(v)}
+        for e in kept
+    ]
+    return RESULT_PREFIX + json.dumps(doc)
+
+
+def parse_result(line: str) -> tuple[RunResult, list[dict[str, Any]]] | None:
+    """The (result, evaluations) of a :func:`result_line` anywhere in ``line``; else None."""
+    from pathlib import Path
+
+    from asyncgrpo.store.run_documents import RunResult
+
+    at = line.find(RESULT_PREFIX)
+    if at < 0:
+        return None
+    try:
+        doc = json.loads(line[at + len(RESULT_PREFIX) :])
+        evals = [e for e in doc.pop("evals", []) if isinstance(e, dict)]
+        doc["run_dir"] = Path(doc["run_dir"])
+        if doc.get("adapter_dir") is not None:
+            doc["adapter_dir"] = Path(doc["adapter_dir"])
+        return RunResult(**doc), evals
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None

@@ -10,6 +10,8 @@ writes ``done.json`` (:class:`~asyncgrpo.store.run_documents.RunStore`). Request
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING
 
@@ -17,19 +19,27 @@ import anyio
 
 from asyncgrpo.config.model_source import check_model
 from asyncgrpo.config.training import run_transport_url
-from asyncgrpo.errors import ReplicaError
+from asyncgrpo.errors import IntegrityError, ReplicaError, TransportError
 from asyncgrpo.rollout.client import RolloutClient
 from asyncgrpo.run.endpoint import open_endpoint
+from asyncgrpo.run.ledger import SHIPPED_FILE, Ledger
+from asyncgrpo.run.preflight import dry_run
 from asyncgrpo.run.progress import RunProgress, as_progress
 from asyncgrpo.run.sources import rollout_client
+from asyncgrpo.sample import Sample
 from asyncgrpo.store.channel import RolloutChannel
-from asyncgrpo.store.run_documents import RunStore
+from asyncgrpo.store.run_documents import RunStore, warn_once
 from asyncgrpo.transport import open_transport
 
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a rollout process keeps trying storage that fails (each try is the transport's own
+#: retries) before it gives up: an outage of a few minutes costs a pause, not the process,
+#: whose restart would drop every rollout in flight.
+STORAGE_PATIENCE_S = 300.0
 
 
 async def run_rollouts(
@@ -38,7 +48,8 @@ async def run_rollouts(
     """Ship rollouts until the trainer finishes; returns the number of samples shipped.
     ``progress`` hears the phases: model, replicas, the trainer's policy and each new one."""
     report = as_progress(progress)
-    await anyio.to_thread.run_sync(check_model, cfg.model)
+    await anyio.to_thread.run_sync(check_model, cfg.model)  # first, as run_training does
+    await anyio.to_thread.run_sync(dry_run, cfg)  # every check of --dry-run, before anything
     report.phase(f"model {cfg.model}: found")
     transport = open_transport(run_transport_url(cfg))
     store = RunStore(transport)
@@ -55,11 +66,12 @@ async def run_rollouts(
                 await rollout_client(cfg, endpoint.url, policy, 0, api_key=endpoint.api_key)
             )
             channel = RolloutChannel(transport)
+            ledger = Ledger(cfg.run_dir / SHIPPED_FILE, enabled=cfg.logging.jsonl)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_follow_policy, store, client, poll_interval_s, tg.cancel_scope,
                               report)  # fmt: skip
                 while samples := await client.get(cfg.generation.num_generations):
-                    await channel.append(samples)
+                    ledger.shipped(await _append(channel, samples), samples)
                     shipped += len(samples)
                 tg.cancel_scope.cancel()
     except* ReplicaError:
@@ -73,6 +85,20 @@ async def run_rollouts(
     return shipped
 
 
+async def _append(channel: RolloutChannel, samples: Sequence[Sample]) -> int:
+    """``channel.append``, tried again while storage fails, for ``STORAGE_PATIENCE_S`` (a retried
+    append is delivered once: the channel recognises a create that landed)."""
+    deadline = time.monotonic() + STORAGE_PATIENCE_S
+    while True:
+        try:
+            return await channel.append(samples)
+        except TransportError as exc:
+            if isinstance(exc, IntegrityError) or time.monotonic() > deadline:
+                raise
+            logger.warning("shipping a rollout batch failed (trying again): %s", exc)
+            await anyio.sleep(2.0)
+
+
 async def _follow_policy(
     store: RunStore,
     client: RolloutClient,
@@ -80,13 +106,33 @@ async def _follow_policy(
     scope: anyio.CancelScope,
     report: RunProgress,
 ) -> None:
-    """Switch the client to each new policy the trainer writes; end the shipping at done."""
+    """Switch the client to each new policy the trainer writes; end the shipping at done.
+    Storage that fails meanwhile is asked again at the next poll (for ``STORAGE_PATIENCE_S``):
+    the policy in use stays valid while the trainer cannot write a new one either. A malformed
+    ``policy.json`` is logged and the current policy kept (the trainer rewrites it at its next
+    sync)."""
+    failing_since: float | None = None
+    seen = ""
     while True:
         await anyio.sleep(poll_interval_s)
-        if await store.finished():
-            scope.cancel()
-            return
-        name, version = await store.read_policy()
+        try:
+            if await store.finished():
+                scope.cancel()
+                return
+            name, version = await store.read_policy()
+        except IntegrityError as exc:
+            seen = warn_once(seen, exc)
+            continue
+        except TransportError as exc:
+            now = time.monotonic()
+            if failing_since is None:
+                failing_since = now
+                logger.warning("reading the trainer's policy failed (polling on): %s", exc)
+            if now - failing_since > STORAGE_PATIENCE_S:
+                raise
+            continue
+        failing_since = None
+        seen = ""
         if version > client.policy[1]:
             client.set_policy(name, version)
             report.phase(f"generating under version {version}")

@@ -7,7 +7,7 @@ the trainer's own source and a remote rollout process (:mod:`asyncgrpo.run.rollo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -19,6 +19,7 @@ from asyncgrpo.store.channel import RolloutChannel
 
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig
+    from asyncgrpo.transport import Transport
 
 
 class SampleSource(Protocol):
@@ -34,6 +35,10 @@ class SampleSource(Protocol):
 
     def position(self) -> int:
         """Where a resumed run continues (dataset position, or channel sequence)."""
+        ...
+
+    def skip(self) -> int:
+        """Samples at :meth:`position` already taken (a channel batch taken in part)."""
         ...
 
     async def committed(self) -> None:
@@ -93,6 +98,9 @@ class LocalSource:
     def position(self) -> int:
         return self.client.position
 
+    def skip(self) -> int:
+        return 0
+
     async def committed(self) -> None:
         pass
 
@@ -103,29 +111,59 @@ class LocalSource:
         return self.client.queue_size
 
 
+def trainer_channel(transport: Transport, trainer: Any, cfg: TrainingConfig) -> RolloutChannel:
+    """The trainer's end of the rollout channel: a batch is checked against the model it feeds
+    (vocabulary, context, non-empty prompt and completion) and quarantined if it fails, so
+    that no batch from storage can stop the trainer at every resume."""
+    bounds = trainer.sample_bounds(cfg.serve.max_model_len)
+    return RolloutChannel(transport, check=bounds.check)
+
+
 class ChannelSource:
     """Samples shipped by remote rollout processes; the policy travels as ``policy.json``
-    (:class:`~asyncgrpo.store.run_documents.RunStore`), which the trainer writes and they poll."""
+    (:class:`~asyncgrpo.store.run_documents.RunStore`), which the trainer writes and they poll.
 
-    def __init__(self, channel: RolloutChannel) -> None:
+    A step takes ``samples_per_step`` samples, which need not be whole batches (stale samples
+    are dropped on the way), so where a checkpoint resumes is a batch and how many of its
+    samples were taken (:meth:`position`, :meth:`skip`): a restarted trainer takes each sample
+    after the last one it took, none twice. ``skip``: samples of the first batch received that
+    a checkpoint says were taken before it.
+    """
+
+    def __init__(self, channel: RolloutChannel, *, skip: int = 0) -> None:
         self.channel = channel
         self.buffer: list[Sample] = []
+        self._batch: int | None = None  #: the batch the buffer's samples come from
+        self._taken = 0  #: samples of that batch taken
+        self._skip = skip
 
     async def take(self, n: int) -> list[Sample]:
         while not self.buffer:
             batch = await self.channel.receive()
-            self.buffer = list(batch.samples)
+            skip, self._skip = self._skip, 0
+            self.buffer = list(batch.samples[skip:])
+            self._batch, self._taken = batch.seq, min(skip, len(batch.samples))
         out, self.buffer = self.buffer[:n], self.buffer[n:]
+        self._taken += len(out)
         return out
 
     def set_policy(self, name: str, version: int) -> None:
         pass  # the trainer writes policy.json; rollout processes poll it
 
     def position(self) -> int:
-        return self.channel.position or 0
+        """The first batch with a sample not taken (the one after the last batch taken whole)."""
+        if self._batch is None:
+            return self.channel.position or 0
+        return self._batch if self.buffer else self._batch + 1
+
+    def skip(self) -> int:
+        return self._taken if self.buffer else 0
 
     async def committed(self) -> None:
-        await self.channel.commit()
+        """Commit the channel's cursor, unless the last batch is only partly taken: the cursor
+        then stays on it (a compacting channel drops what the cursor passed)."""
+        if not self.buffer:
+            await self.channel.commit()
 
     def stats(self) -> dict[str, float]:
         return {"rollout/quarantined_batches": float(self.channel.quarantined)}

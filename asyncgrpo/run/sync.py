@@ -30,15 +30,16 @@ import logging
 import shutil
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
 
 import anyio
 
 from asyncgrpo.errors import ReplicaError, ReplicaHTTPError, SyncError
+from asyncgrpo.retry import Backoff, retry
 from asyncgrpo.serve.adapter_fetch import adapter_uri
-from asyncgrpo.store.adapters import AdapterStore
+from asyncgrpo.store.adapters import AdapterStore, AdapterVersion
 from asyncgrpo.vllm.api import parse_served_name, served_name
 from asyncgrpo.vllm.client import VLLMClient
 
@@ -155,19 +156,29 @@ class AdapterSync:
         self.retry_backoff_s = retry_backoff_s
         self.loaded: list[int] = []  #: versions this process loaded and has not unloaded
         self.newest: int | None = None  #: the last version loaded everywhere
+        self.published: AdapterVersion | None = None  #: the last version this sync published
         self._pins: Counter[int] = Counter()  #: versions kept loaded past the window
         self._unloading = anyio.Lock()  #: the trainer's retire and an evaluation's end race
 
     def name(self, version: int) -> str:
         return served_name(self.prefix, version)
 
-    async def retire_leftovers(self, keep: Iterable[int] = ()) -> list[str]:
-        """Unload this run's versions left on the replicas by an earlier (killed) process."""
-        keep_names = {self.name(v) for v in keep}
-        stale = [
-            m for m in await self.loader.loaded()
-            if (parsed := parse_served_name(m)) and parsed[0] == self.prefix and m not in keep_names
-        ]  # fmt: skip
+    async def retire_leftovers(self, newest: int) -> list[str]:
+        """Take over this run's versions an earlier (killed) process left on the replicas,
+        before ``newest`` is published: those within its staleness window stay loaded (rollout
+        processes request them until they see the new policy, and their samples are fresh
+        enough to train) and retire as they age out, like this process's own; older ones are
+        unloaded now, freeing their slots. Returns the names unloaded."""
+        oldest_kept = newest - self.max_staleness
+        stale: list[str] = []
+        for model in await self.loader.loaded():
+            parsed = parse_served_name(model)
+            if not parsed or parsed[0] != self.prefix or parsed[1] in self.loaded:
+                continue
+            if parsed[1] >= oldest_kept:
+                self.loaded = sorted({*self.loaded, parsed[1]})
+            else:
+                stale.append(model)
         for name in stale:
             try:
                 await self.loader.unload(name)
@@ -228,7 +239,7 @@ class AdapterSync:
         retired is the one rollouts were still requesting, so the switch must come first.
         """
         t0 = time.perf_counter()
-        await self.store.publish(
+        self.published = await self.store.publish(
             self.prefix, version, Path(local_dir), step=step, base_model=self.base_model
         )
         t1 = time.perf_counter()
@@ -251,26 +262,33 @@ class AdapterSync:
         }
 
     async def _load_everywhere(self, name: str, location: str) -> None:
-        last: Exception | None = None
-        for attempt in range(1, self.attempts + 1):
+        async def attempt(number: int) -> None:
             try:
                 await self.loader.load(name, location)
-                return
             except ReplicaError as exc:
-                last = exc
-                logger.warning("loading %s failed (attempt %d/%d): %s", name, attempt,
-                               self.attempts, exc)  # fmt: skip
+                logger.warning(
+                    "loading %s failed (attempt %d/%d): %s", name, number, self.attempts, exc
+                )
                 if _permanent(exc):
                     raise SyncError(
                         f"adapter {name} was refused and a retry cannot change that; training "
                         f"stops rather than train on a version the replicas lack: {exc}"
                     ) from exc
-                if attempt < self.attempts:
-                    await anyio.sleep(self.retry_backoff_s * attempt)
-        raise SyncError(
-            f"adapter {name} could not be loaded on every replica after {self.attempts} "
-            f"attempts; training stops rather than train on a version the replicas lack: {last}"
-        ) from last
+                raise
+
+        try:
+            await retry(
+                attempt,
+                attempts=self.attempts,
+                backoff=Backoff(self.retry_backoff_s),
+                retry_on=ReplicaError,
+            )
+        except ReplicaError as last:
+            raise SyncError(
+                f"adapter {name} could not be loaded on every replica after {self.attempts} "
+                "attempts; training stops rather than train on a version the replicas lack: "
+                f"{last}"
+            ) from last
 
     async def _retire(self, newest: int) -> None:
         """Unload the versions older than the window, except the pinned ones."""

@@ -16,13 +16,14 @@ split run (:mod:`asyncgrpo.run.rollouts`), the run's documents in its transport
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -32,7 +33,7 @@ import anyio
 from asyncgrpo.config.model_source import check_model
 from asyncgrpo.config.redaction import redacted
 from asyncgrpo.config.training import TrainingConfig, run_transport_url
-from asyncgrpo.errors import ConfigError, IntegrityError, ReplicaError
+from asyncgrpo.errors import ConfigError, IntegrityError, ReplicaError, TransportError
 from asyncgrpo.evaluation.runner import eval_run
 from asyncgrpo.proxy.admin_client import ProxyClient
 from asyncgrpo.rollout.window import AdmissionWindow
@@ -40,10 +41,18 @@ from asyncgrpo.run.audit import ServedPolicyAudit
 from asyncgrpo.run.endpoint import Endpoint, open_endpoint
 from asyncgrpo.run.evaluation import EvalsDuringTraining, RunEvaluator, evals_during_training
 from asyncgrpo.run.follower import follow
+from asyncgrpo.run.ledger import TRAINED_FILE, Ledger
+from asyncgrpo.run.lock import run_dir_lock
 from asyncgrpo.run.metrics import MetricsWriter
-from asyncgrpo.run.preflight import preflight_fleet
+from asyncgrpo.run.preflight import dry_run, preflight_fleet
 from asyncgrpo.run.progress import RunProgress, StepCallback, as_progress
-from asyncgrpo.run.sources import ChannelSource, LocalSource, SampleSource, rollout_client
+from asyncgrpo.run.sources import (
+    ChannelSource,
+    LocalSource,
+    SampleSource,
+    rollout_client,
+    trainer_channel,
+)
 from asyncgrpo.run.sync import (
     AdapterLoader,
     AdapterSource,
@@ -55,9 +64,13 @@ from asyncgrpo.run.sync import (
 from asyncgrpo.run.trackers import Tracker, TrackioTracker, WandbTracker
 from asyncgrpo.sample import Sample
 from asyncgrpo.store.adapters import AdapterStore
-from asyncgrpo.store.channel import RolloutChannel
 from asyncgrpo.store.checkpoints import CheckpointStore
-from asyncgrpo.store.run_documents import FINAL_ADAPTER_DIR, RunResult, RunStore
+from asyncgrpo.store.run_documents import (
+    FINAL_ADAPTER_DIR,
+    RunResult,
+    RunStore,
+    open_run_transport,
+)
 from asyncgrpo.trainer.staleness import filter_stale, staleness_stats
 from asyncgrpo.transport import Transport, open_transport
 
@@ -68,6 +81,9 @@ logger = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 2
 #: Seconds the proxy may take to say how its fleet is; a step does not wait longer.
 FLEET_TIMEOUT_S = 2.0
+#: Seconds the trainer's own disk may refuse a sync's adapter or a checkpoint (full) before the
+#: run stops: meanwhile each is put off to the next step (:class:`LocalDisk`).
+DISK_PATIENCE_S = 120.0
 
 #: Called before each optimizer step with (step, samples, adapter version), and awaited if it
 #: returns an awaitable: tests use it to check served logprobs against the trainer's, and to
@@ -94,6 +110,7 @@ class _Run:
     store: AdapterStore
     checkpoints: CheckpointStore
     cache_dir: Path  #: versions fetched here for replicas that share this disk
+    dp: Any = None  #: the data-parallel group (None in one process)
 
 
 @dataclass
@@ -103,6 +120,9 @@ class _Start:
     trainer: Any
     resumed_from: int | None
     position: int
+    #: the checkpointed step's metrics line, for a run killed before it wrote it
+    metrics: dict[str, Any] | None = None
+    skip: int = 0  #: samples at ``position`` taken before the checkpoint (a batch in part)
 
 
 async def run_training(
@@ -115,31 +135,63 @@ async def run_training(
 ) -> RunResult:
     """Train ``cfg`` to ``trainer.max_steps``; resumes from the latest checkpoint if any.
 
+    Before anything starts: every check of ``--dry-run`` (:func:`~asyncgrpo.run.preflight.
+    dry_run`), the run directory's lock (:func:`~asyncgrpo.run.lock.run_dir_lock`: a second run
+    there is refused), and a run whose newest checkpoint is at ``max_steps`` returns at once
+    (``RunResult.up_to_date``) with nothing started or published. An interruption ends with a
+    phase line saying which checkpoint a rerun resumes from.
+
     One line per phase; the exit stack undoes them in reverse (rollouts stop, adapters unload,
     proxy and replicas stop, the transport closes) on success, an error and cancellation alike.
     ``progress`` hears of the phases before the first step and of every step
     (:mod:`asyncgrpo.run.progress`); a plain callback hears of the steps only.
     """
-    from asyncgrpo.trainer.distributed import DataParallel
-
     report = as_progress(progress)
     _check_rollout_source(cfg, rollout_source)
+    # the model first (a recipe's data may live in the model's directory, as the arithmetic
+    # model's held-out set does: its build command is the fix), then every check of --dry-run,
+    # before anything starts: a misspelt reward costs milliseconds
     await anyio.to_thread.run_sync(check_model, cfg.model)
+    await anyio.to_thread.run_sync(dry_run, cfg)
     report.phase(f"model {cfg.model}: found")
-    dp = DataParallel.from_env(timeout_s=cfg.trainer.dp_timeout_s)  # None in one process
-    if dp is not None and not dp.is_main:
-        return await follow(cfg, dp)
+    main = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 owns the run directory
+    with run_dir_lock(cfg.run_dir, "asyncgrpo train") if main else nullcontext():
+        done = await _already_trained(cfg)
+        if done is not None:  # every rank sees it: none starts anything (RunResult.up_to_date)
+            logger.info("the checkpoint is at step %d >= trainer.max_steps=%d: nothing to train",
+                        done.steps, cfg.trainer.max_steps)  # fmt: skip
+            return done
+        from asyncgrpo.trainer.distributed import DataParallel
+
+        dp = DataParallel.from_env(timeout_s=cfg.trainer.dp_timeout_s)  # None in one process
+        if dp is not None and not dp.is_main:
+            return await follow(cfg, dp)
+        state = _Progress()
+        try:
+            return await _run(cfg, dp, rollout_source, on_step, loader_factory, report, state)
+        except anyio.get_cancelled_exc_class():
+            report.phase(state.interrupted(cfg))
+            raise
+
+
+async def _run(
+    cfg: TrainingConfig, dp: Any, rollout_source: str, on_step: StepHook | None,
+    loader_factory: LoaderFactory | None, report: RunProgress, state: _Progress,
+) -> RunResult:  # fmt: skip
+    """The run's phases on rank 0 (see the module docstring), on one exit stack."""
     async with AsyncExitStack() as stack:
         run = await stack.enter_async_context(_open_run(cfg, dp))
         endpoint = await stack.enter_async_context(
             open_endpoint(cfg, run.cache_dir, run.transport.url, phase=report.phase)
         )
-        sync = await stack.enter_async_context(_adapter_sync(run, endpoint, loader_factory))
+        sync = await stack.enter_async_context(_adapter_sync(run, endpoint, loader_factory, report))
         work = await _scratch_dir(stack, cfg.run_dir)
         start = await _start_trainer(run, dp, work, report)
-        version = await _publish_first_version(run, sync, start.trainer, work)
+        state.step = state.checkpoint = start.resumed_from
+        ledger = Ledger(cfg.run_dir / TRAINED_FILE, enabled=cfg.logging.jsonl)
+        version = await _publish_first_version(run, sync, start.trainer, work, ledger)
         report.phase(f"version {version} ({sync.name(version)}) loaded on every replica")
-        writer = stack.enter_context(_metrics_writer(cfg, run.prefix))
+        writer = stack.enter_context(_metrics_writer(cfg, run.prefix, start))
         source = await stack.enter_async_context(
             _sample_source(run, endpoint, rollout_source, (sync.name(version), version), start)
         )
@@ -151,12 +203,70 @@ async def run_training(
         async with evals_during_training(evaluator, sync, every) as evals:
             evals.latest = base
             step, version = await _train(
-                run, start.trainer, sync, source, writer, work, version,
+                run, start.trainer, sync, source, writer, ledger, work, version,
                 on_step=on_step, progress=report, fleet=lambda: _fleet_metrics(proxy),
-                audit=_served_policy_audit(run, start.trainer, work), evals=evals,
+                audit=_served_policy_audit(run, start.trainer, work),
+                evals=evals, state=state,
             )  # fmt: skip
             await evals.finish(version, step)  # the final version, after the last step
         return await _finish(run, start, step, version)
+
+
+@dataclass
+class _Progress:
+    """How far the run got: what an interruption reports (a rerun resumes from the last
+    checkpoint, and trains the steps after it again)."""
+
+    step: int | None = None  #: the last step trained (None: none yet)
+    checkpoint: int | None = None  #: the step of the newest checkpoint (None: none)
+
+    def interrupted(self, cfg: TrainingConfig) -> str:
+        at = f" at step {self.step}" if self.step else ""
+        if self.checkpoint is None:
+            every = cfg.trainer.save_steps
+            when = f"(trainer.save_steps={every})" if every else "(trainer.save_steps=0: off)"
+            return (
+                f"interrupted{at}, before the first checkpoint {when}: a rerun starts from step 0"
+            )
+        again = ""
+        if self.step is not None and self.step > self.checkpoint:
+            again = f"; steps {self.checkpoint + 1}-{self.step} are trained again"
+        return (
+            f"interrupted{at}: the checkpoint of step {self.checkpoint} is kept, and the same "
+            f"command resumes from it{again}"
+        )
+
+
+async def _already_trained(cfg: TrainingConfig) -> RunResult | None:
+    """The run's result when its newest checkpoint is at ``trainer.max_steps`` or beyond: a
+    rerun of a finished config (or one whose ``max_steps`` was lowered) starts nothing and
+    publishes nothing. Reads the transport only (a directory one that does not exist yet: no
+    run)."""
+    transport = open_run_transport(run_transport_url(cfg))
+    if transport is None:  # no such directory: nothing has run here
+        return None
+    async with transport:
+        step = await CheckpointStore(transport).latest_checkpoint()
+        if step is None or step < cfg.trainer.max_steps:
+            return None
+        try:
+            run_id = await RunStore(transport).existing_run_id(cfg.run_name)
+        except ConfigError:
+            return None  # another run's transport: the real start refuses it, naming it
+        prefix = f"{cfg.run_name}-{run_id}"
+        version = await AdapterStore(transport).latest(prefix)
+        final = cfg.run_dir / FINAL_ADAPTER_DIR
+        return RunResult(
+            run_dir=cfg.run_dir,
+            adapter_prefix=prefix,
+            steps=step,
+            final_version=-1 if version is None else version,
+            resumed_from_step=step,
+            transport_url=transport.url,
+            rank=int(os.environ.get("RANK", "0")),
+            adapter_dir=final if final.is_dir() else None,
+            up_to_date=True,
+        )
 
 
 async def _evaluator(
@@ -209,19 +319,29 @@ async def _open_run(cfg: TrainingConfig, dp: Any) -> AsyncIterator[_Run]:
             store=AdapterStore(transport),
             checkpoints=CheckpointStore(transport, keep_last=KEEP_CHECKPOINTS),
             cache_dir=(cfg.run_dir / "adapter-cache").resolve(),
+            dp=dp,
         )
 
 
 @asynccontextmanager
 async def _adapter_sync(
-    run: _Run, endpoint: Endpoint, loader_factory: LoaderFactory | None
+    run: _Run, endpoint: Endpoint, loader_factory: LoaderFactory | None, report: RunProgress
 ) -> AsyncIterator[AdapterSync]:
-    """The preflight checks and the run's LoRA slots booked on the proxy, then the sync that
-    publishes each version and loads it on every replica through the proxy; on exit it unloads
-    what it loaded (the store keeps them all) and gives the slots back."""
+    """The preflight checks (the replicas agree with the trainer) and the run's LoRA slots
+    booked on the proxy, then the sync that publishes each version and loads it on every
+    replica through the proxy; on exit it unloads what it loaded (the store keeps them all)
+    and gives the slots back."""
     cfg = run.cfg
-    async with ProxyClient(endpoint.url, api_key=endpoint.api_key) as client:
-        fetching = await preflight_fleet(cfg, client, run.transport.url)
+    async with ProxyClient(
+        endpoint.url, api_key=endpoint.api_key, timeout_s=endpoint.request_timeout_s
+    ) as client:
+        fetching = await preflight_fleet(
+            cfg,
+            client,
+            run.transport.url,
+            trainer_dtype=_trainer_dtype(cfg, run.dp),
+            say=report.phase,
+        )
         source: AdapterSource
         if fetching:  # replicas fetch each version themselves: nothing of this disk is needed
             source = TransportSource(run.store)
@@ -268,6 +388,19 @@ async def _lora_slots(cfg: TrainingConfig, client: ProxyClient, prefix: str) -> 
         yield
 
 
+def _trainer_dtype(cfg: TrainingConfig, dp: Any) -> str | None:
+    """The dtype the trainer will compute in (``trainer.dtype``, ``auto`` resolved as the
+    trainer resolves it), before it loads: what the replicas' dtype must match. None (not
+    compared) with FSDP over several ranks, which loads the base model elsewhere first and
+    skips the served-policy audit."""
+    from asyncgrpo.trainer.model import default_device, resolve_dtype
+
+    if dp is not None and cfg.trainer.fsdp:
+        return None
+    device = dp.device() if dp is not None else default_device()
+    return str(resolve_dtype(cfg.trainer.dtype, device)).removeprefix("torch.")
+
+
 async def _release(client: ProxyClient, name: str, token: str) -> None:
     with anyio.CancelScope(shield=True), anyio.move_on_after(10):
         try:
@@ -291,12 +424,26 @@ def _booking_token(run_dir: Path) -> str:
 
 async def _scratch_dir(stack: AsyncExitStack, run_dir: Path) -> Path:
     """A directory in the run directory for the files on their way to the transport (each
-    version's adapter, each checkpoint, a checkpoint being resumed); removed when the run ends.
-    Hidden: the run directory's listing shows the run's outputs, not its scratch files."""
-    work = Path(await anyio.to_thread.run_sync(
-        lambda: tempfile.mkdtemp(prefix=".scratch-", dir=run_dir)
-    ))  # fmt: skip
-    stack.push_async_callback(anyio.to_thread.run_sync, lambda: shutil.rmtree(work, True))
+    version's adapter, each checkpoint, a checkpoint being resumed); removed when the run ends,
+    however it ends. Hidden: the run directory's listing shows the run's outputs, not its
+    scratch files. One a run killed outright (SIGKILL) left is removed here: this run owns the
+    directory (:func:`~asyncgrpo.run.lock.run_dir_lock`), so no other run is using it."""
+
+    def make() -> Path:
+        for left in Path(run_dir).glob(".scratch-*"):
+            logger.info("removing %s, left by a run that was killed", left)
+            shutil.rmtree(left, ignore_errors=True)
+        return Path(tempfile.mkdtemp(prefix=".scratch-", dir=run_dir))
+
+    work = await anyio.to_thread.run_sync(make)
+
+    async def remove() -> None:
+        # shielded: on Ctrl-C the stack unwinds in a cancelled scope, where an unshielded
+        # await gives up before the thread runs (and left a .scratch-* per interruption)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(lambda: shutil.rmtree(work, True))
+
+    stack.push_async_callback(remove)
     return work
 
 
@@ -321,21 +468,32 @@ async def _start_trainer(run: _Run, dp: Any, work: Path, report: RunProgress) ->
         raise IntegrityError(
             f"checkpoint step {step}: its data position {str(position)[:40]} is not an integer >= 0"
         )
+    skip = meta.get("position_skip", 0)
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        raise IntegrityError(f"checkpoint step {step}: its position_skip is not an integer >= 0")
     await anyio.to_thread.run_sync(trainer.load_checkpoint, ckpt_dir)
     logger.info("resumed from checkpoint step %d (data position %d)", step, position)
     report.phase(f"resumed from the checkpoint of step {step}")
-    return _Start(trainer=trainer, resumed_from=step, position=position)
+    logged = meta.get("metrics")
+    return _Start(trainer=trainer, resumed_from=step, position=position, skip=skip,
+                  metrics=logged if isinstance(logged, dict) else None)  # fmt: skip
 
 
-async def _publish_first_version(run: _Run, sync: AdapterSync, trainer: Any, work: Path) -> int:
+async def _publish_first_version(
+    run: _Run, sync: AdapterSync, trainer: Any, work: Path, ledger: Ledger
+) -> int:
     """Publish the starting policy as a fresh version, load it everywhere and name it in
     ``policy.json``. Fresh even on resume: a name is never reused, even after a crash, so no
     replica can serve other weights under it. Returns the version."""
     last = await run.store.latest(run.prefix)
     version = 0 if last is None else last + 1
-    await sync.retire_leftovers()
+    # A killed predecessor's versions: rollout processes still generate under its newest until
+    # they read the new policy.json (unloading those failed their requests); they stay loaded
+    # and retire as they age out, the older ones are unloaded before the load takes a slot.
+    await sync.retire_leftovers(version)
     step = trainer.step_count
     await sync.sync(version, await _save_adapter(trainer, work / f"v{version}", version), step=step)
+    ledger.published(sync.published)
     await run.documents.write_policy(sync.name(version), version)
     return version
 
@@ -351,8 +509,11 @@ def _served_policy_audit(run: _Run, trainer: Any, work: Path) -> ServedPolicyAud
     return ServedPolicyAudit(run.cfg.trainer.audit, trainer, saved, prefix=run.prefix)
 
 
-def _metrics_writer(cfg: TrainingConfig, prefix: str) -> MetricsWriter:
-    """One metrics line per logged step, to ``metrics.jsonl`` and the trackers switched on."""
+def _metrics_writer(cfg: TrainingConfig, prefix: str, start: _Start | None = None) -> MetricsWriter:
+    """One metrics line per logged step, to ``metrics.jsonl`` and the trackers switched on;
+    the lines of steps after the checkpoint ``start`` resumed from (they are trained again)
+    are dropped first, and that step's own line is written from the checkpoint if a run killed
+    between the two never wrote it: each step appears once."""
     log = cfg.logging
     trackers: list[Tracker] = []
     if log.trackio:
@@ -370,7 +531,10 @@ def _metrics_writer(cfg: TrainingConfig, prefix: str) -> MetricsWriter:
                 config=redacted(cfg),
             )
         )
-    return MetricsWriter(cfg.run_dir, jsonl=log.jsonl, trackers=trackers)
+    if start is None:
+        return MetricsWriter(cfg.run_dir, jsonl=log.jsonl, trackers=trackers)
+    return MetricsWriter(cfg.run_dir, jsonl=log.jsonl, trackers=trackers,
+                         after_step=start.resumed_from or 0, restore=start.metrics)  # fmt: skip
 
 
 @asynccontextmanager
@@ -378,14 +542,14 @@ async def _sample_source(
     run: _Run, endpoint: Endpoint, rollout_source: str, policy: tuple[str, int], start: _Start
 ) -> AsyncIterator[SampleSource]:
     """Where samples come from: this process's rollout client, or remote rollout processes
-    through the transport's channel (continued from the checkpoint's position on resume)."""
+    through the transport's channel, from the checkpoint's position (or the first batch: a
+    trainer that died before its first checkpoint took batches its successor must train)."""
     cfg = run.cfg
     tcfg = cfg.trainer
     if rollout_source != "local":
-        channel = RolloutChannel(run.transport)
-        if start.resumed_from is not None:
-            await channel.seek(start.position)
-        yield ChannelSource(channel)
+        channel = trainer_channel(run.transport, start.trainer, cfg)
+        await channel.seek(start.position)
+        yield ChannelSource(channel, skip=start.skip)
         return
     # Start no rollout the trainer would drop as stale.
     window = AdmissionWindow(
@@ -405,6 +569,7 @@ async def _train(
     sync: AdapterSync,
     source: SampleSource,
     writer: MetricsWriter,
+    ledger: Ledger,
     work: Path,
     version: int,
     *,
@@ -413,6 +578,7 @@ async def _train(
     fleet: Callable[[], Awaitable[dict[str, float]]],
     audit: ServedPolicyAudit,
     evals: EvalsDuringTraining,
+    state: _Progress,
 ) -> tuple[int, int]:
     """The loop, until ``trainer.max_steps`` or the end of the dataset: fresh samples, one
     optimizer step; every ``weight_sync_steps`` publish and load a new version, switch the
@@ -428,12 +594,13 @@ async def _train(
 
     step = trainer.step_count
     dropped_total = 0
+    disk = LocalDisk()
     while step < tcfg.max_steps:
         t_step = time.perf_counter()
         samples, dropped = await _take_fresh(
             source, tcfg.samples_per_step, version, tcfg.max_staleness
         )
-        dropped_total += dropped
+        dropped_total += len(dropped)
         wait_s = time.perf_counter() - t_step
         if not samples:
             logger.info("the dataset is exhausted after %d steps", step)
@@ -442,7 +609,8 @@ async def _train(
             await hooked
         audit.observe(samples)
         metrics = await anyio.to_thread.run_sync(trainer.step, samples)
-        step = trainer.step_count
+        step = state.step = trainer.step_count
+        ledger.trained(step, version, samples, dropped)
         metrics.update(staleness_stats(samples, current_version=version))
         metrics.update(source.stats())
         metrics["perf/rollout_wait_s"] = wait_s
@@ -450,19 +618,25 @@ async def _train(
         metrics["sample/rollout_queue_size"] = float(source.queue_size())
         metrics["adapter_version"] = float(version)
 
-        if step % tcfg.weight_sync_steps == 0:
-            version += 1
-            adapter_dir = await _save_adapter(trainer, work / f"v{version}", version)
-            metrics.update(
-                await sync.sync(version, adapter_dir, step=step, on_loaded=switch_policy)
-            )
-            metrics["adapter_version"] = float(version)
-            metrics.update(await audit.after_sync())
-            evals.published(version, step)
+        if step % tcfg.weight_sync_steps == 0 or disk.owes("sync"):
+            new, synced = await _next_version(trainer, sync, work, version, step, disk,
+                                              tcfg, switch_policy)  # fmt: skip
+            if new != version:
+                version = new
+                metrics.update(synced)
+                ledger.published(sync.published)
+                metrics["adapter_version"] = float(version)
+                metrics.update(await audit.after_sync())
+                evals.published(version, step)
 
-        if tcfg.save_steps and (step % tcfg.save_steps == 0 or step == tcfg.max_steps):
+        if tcfg.save_steps and (
+            step % tcfg.save_steps == 0 or step == tcfg.max_steps or disk.owes("checkpoint")
+        ):
             t_ckpt = time.perf_counter()
-            await _checkpoint(run, trainer, source, work / f"ckpt-{step}", step, version)
+            logged = step % run.cfg.logging.log_every == 0  # kept with the checkpoint: below
+            line = {**metrics, "perf/step_s": t_ckpt - t_step} if logged else None
+            await _checkpoint(run, trainer, source, work / f"ckpt-{step}", step, version, disk,
+                              state, line)  # fmt: skip
             metrics["perf/checkpoint_s"] = time.perf_counter() - t_ckpt
 
         metrics["perf/step_s"] = time.perf_counter() - t_step
@@ -473,6 +647,22 @@ async def _train(
         if getattr(trainer, "stop_requested", False):  # trainer.collapse_action=stop fired
             break
     return step, version
+
+
+async def _next_version(
+    trainer: Any, sync: AdapterSync, work: Path, version: int, step: int, disk: LocalDisk,
+    tcfg: Any, on_loaded: Callable[[str, int], Awaitable[None]],
+) -> tuple[int, dict[str, float]]:  # fmt: skip
+    """Save, publish and load the version after ``version``: the version in use then, and the
+    sync's metrics. Unchanged when the disk refused the adapter (put off to the next step)."""
+    adapter_dir = await disk.write(
+        "sync", work / f"v{version + 1}", lambda d: _save_adapter(trainer, d, version + 1)
+    )
+    if adapter_dir is None:
+        return version, {}
+    metrics = await sync.sync(version + 1, adapter_dir, step=step, on_loaded=on_loaded)
+    await _remove(work / f"v{oldest_audited(version + 1, tcfg) - 1}")
+    return version + 1, metrics
 
 
 async def _fleet_metrics(proxy: ProxyClient) -> dict[str, float]:
@@ -490,30 +680,93 @@ async def _fleet_metrics(proxy: ProxyClient) -> dict[str, float]:
 
 async def _take_fresh(
     source: SampleSource, n: int, version: int, max_staleness: int
-) -> tuple[list[Sample], int]:
+) -> tuple[list[Sample], list[Sample]]:
     """``n`` samples within ``max_staleness`` of ``version`` (fewer only when the source ends),
-    and how many staler ones were dropped on the way."""
+    and the staler ones dropped on the way."""
     samples: list[Sample] = []
-    dropped_total = 0
+    dropped: list[Sample] = []
     while len(samples) < n:
         got = await source.take(n - len(samples))
         if not got:
             break
-        fresh, dropped = filter_stale(got, current_version=version, max_staleness=max_staleness)
+        fresh, _ = filter_stale(got, current_version=version, max_staleness=max_staleness)
+        kept = {id(s) for s in fresh}
         samples += fresh
-        dropped_total += dropped
-    return samples, dropped_total
+        dropped += [s for s in got if id(s) not in kept]
+    return samples, dropped
 
 
 async def _checkpoint(
-    run: _Run, trainer: Any, source: SampleSource, directory: Path, step: int, version: int
-) -> None:
+    run: _Run, trainer: Any, source: SampleSource, directory: Path, step: int, version: int,
+    disk: LocalDisk, state: _Progress, line: dict[str, float] | None = None,
+) -> None:  # fmt: skip
     """Trainer state plus the data position through the transport; then the channel may drop
-    what the checkpoint covers (a resumed run continues from that position)."""
-    meta = {"version": version, "position": source.position(), "run_id": run.run_id}
-    ckpt = await anyio.to_thread.run_sync(lambda: trainer.save_checkpoint(directory, extra=meta))
+    what the checkpoint covers (a resumed run continues from that position). A checkpoint the
+    local disk refuses is put off to the next step (:class:`LocalDisk`). ``line``: the step's
+    metrics so far, kept with it: a run killed after the checkpoint and before its metrics line
+    resumes after this step, and writes the line from here."""
+    meta: dict[str, Any] = {"version": version, "position": source.position(),
+                            "position_skip": source.skip(), "run_id": run.run_id}  # fmt: skip
+    if line is not None:
+        meta["metrics"] = {k: v for k, v in line.items()
+                           if isinstance(v, int | float) and math.isfinite(v)}  # fmt: skip
+
+    def save(path: Path) -> Path:
+        return trainer.save_checkpoint(path, extra=meta)
+
+    ckpt = await disk.write("checkpoint", directory, lambda d: anyio.to_thread.run_sync(save, d))
+    if ckpt is None:
+        return
     await run.checkpoints.save(step, ckpt, meta)
+    state.checkpoint = step  # what a rerun resumes from, from now on
+    await _remove(Path(ckpt))  # in the transport now: the local copy would pile up
     await source.committed()
+
+
+class LocalDisk:
+    """The trainer's writes to its own disk before a sync or a checkpoint, which a full disk
+    refuses: each is put off to the next step (training goes on under the version in use; the
+    last checkpoint stays the resume point), for ``DISK_PATIENCE_S`` at most, after which the
+    error stops the run (a trainer that never syncs again would train on ever staler samples)."""
+
+    def __init__(self, patience_s: float = DISK_PATIENCE_S) -> None:
+        self.patience_s = patience_s
+        self._failing: dict[str, float] = {}  #: what is put off -> since when
+
+    def owes(self, what: str) -> bool:
+        return what in self._failing
+
+    async def write(
+        self, what: str, directory: Path, save: Callable[[Path], Awaitable[Path]]
+    ) -> Path | None:
+        """``await save(directory)``, or None when the disk refused it (what it wrote is
+        removed, to give the room back)."""
+        try:
+            path = await save(directory)
+        except OSError as exc:
+            if isinstance(exc, TransportError):
+                raise
+            await _remove(directory)
+            since = self._failing.setdefault(what, time.monotonic())
+            if time.monotonic() - since > self.patience_s:
+                raise
+            logger.warning("the trainer's disk refused the %s of this step (%s): put off to the "
+                           "next step", what, exc)  # fmt: skip
+            return None
+        self._failing.pop(what, None)
+        return path
+
+
+def oldest_audited(version: int, tcfg: Any) -> int:
+    """The oldest version whose saved adapter the next audit may need: samples trained since
+    the last audit (``audit.every`` syncs ago) are at most ``max_staleness`` versions older
+    than the version then current. Older saved adapters are removed from the scratch
+    directory after each sync, so a long run's disk holds a window of them, not every one."""
+    return version - tcfg.audit.every - tcfg.max_staleness
+
+
+async def _remove(path: Path) -> None:
+    await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
 
 
 async def _finish(run: _Run, start: _Start, step: int, version: int) -> RunResult:

@@ -8,8 +8,10 @@ trees).
 ``--register http://PROXY`` adds each replica, once healthy, to a running asyncgrpo proxy
 (``POST /proxy/upstreams`` with the proxy's admin key, read from the environment variable
 ``--register-key-env`` names): a replacement for a lost replica, or more capacity. The proxy
-loads the adapter versions it serves onto the replica before the replica takes requests. On
-SIGINT or SIGTERM the replicas leave the proxy before they stop.
+loads the adapter versions it serves onto the replica before the replica takes requests. The
+replicas stay joined: a proxy restarted by its supervisor (with its command line, which names
+only the replicas it started with) has forgotten them, and each joins again within
+``REJOIN_INTERVAL_S``. On SIGINT or SIGTERM the replicas leave the proxy before they stop.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 
 from asyncgrpo.config.flags import parse_args
+from asyncgrpo.config.paths import check_writable
 from asyncgrpo.console import parse_command_line, plain_help, run_async, run_command
 from asyncgrpo.errors import ConfigError, ReplicaError, UsageError
-from asyncgrpo.proxy.admin_client import update_proxy
+from asyncgrpo.proxy.admin_client import ProxyClient, update_proxy
 from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.serve.replicas import Replica, launch_replicas
 from asyncgrpo.transport import check_transport_url
@@ -36,6 +40,8 @@ ENV_PREFIX = "ASYNCGRPO_SERVE_"
 REGISTER_KEY_ENV = "ASYNCGRPO_PROXY_ADMIN_API_KEY"
 #: Seconds a replica that is stopping may take to leave the proxy.
 LEAVE_TIMEOUT_S = 10.0
+#: Seconds between two looks at whether the proxy still lists the replicas.
+REJOIN_INTERVAL_S = 5.0
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +91,13 @@ def _parse(argv: Sequence[str] | None) -> tuple[ServeConfig, Registration | None
     except ConfigError as exc:
         raise UsageError(f"--transport: {exc}", prog=PROG, debug=args.debug) from exc
     try:
+        for flag, value in (("--log-dir", config.log_dir),
+                            ("--adapter-cache-dir", config.adapter_cache_dir)):  # fmt: skip
+            if value is not None:  # a directory vLLM could not write fails it minutes later
+                check_writable(Path(value), f"{flag} {value}")
+    except ConfigError as exc:
+        raise UsageError(str(exc), prog=PROG, debug=args.debug) from exc
+    try:
         registration = _registration(config, args.register, args.register_key_env)
     except ConfigError as exc:
         raise UsageError(str(exc), prog=PROG, debug=args.debug) from exc
@@ -120,13 +133,13 @@ async def _serve(config: ServeConfig, registration: Registration | None) -> None
             await anyio.sleep_forever()
         try:
             await _join(registration, replicas, config.startup_timeout_s)
-            await anyio.sleep_forever()
+            await stay_joined(registration, replicas, config.startup_timeout_s)
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(LEAVE_TIMEOUT_S):
                 await _leave(registration, replicas)
 
 
-async def _join(registration: Registration, replicas: list[Replica], timeout_s: float) -> None:
+async def _join(registration: Registration, replicas: Sequence[Replica], timeout_s: float) -> None:
     """Add every replica to the proxy; the proxy answers once each is up to date."""
 
     def on_retry(error: str) -> None:
@@ -141,6 +154,46 @@ async def _join(registration: Registration, replicas: list[Replica], timeout_s: 
                 f"within {timeout_s:.0f} s (serve.startup_timeout_s)"
             )
         print(f"replica {r.index} joined the proxy at {registration.proxy}", flush=True)
+
+
+async def stay_joined(
+    registration: Registration,
+    replicas: Sequence[Replica],
+    timeout_s: float,
+    *,
+    interval_s: float = REJOIN_INTERVAL_S,
+) -> None:
+    """Forever: every ``interval_s``, each replica the proxy no longer lists joins again (the
+    proxy brings it up to date, as at its first join). A proxy that does not answer, restarting,
+    is asked again at the next look; one that refuses the admin key for its list (a proxy with
+    a client key) is sent the join itself, which it takes as done for a replica it has."""
+    async with ProxyClient(registration.proxy, api_key=registration.key, timeout_s=10) as proxy:
+        while True:
+            await anyio.sleep(interval_s)
+            try:
+                listed = await proxy.proxy_upstreams()
+            except ReplicaError:
+                continue  # down or restarting: look again later
+            except ConfigError:
+                listed = None  # the list takes the client key: send the joins themselves
+            missing = [r for r in replicas if listed is None or r.url not in listed]
+            if listed is not None and missing:
+                logger.warning("the proxy at %s no longer lists %s (restarted?); joining again",
+                               registration.proxy, ", ".join(r.url for r in missing))  # fmt: skip
+            for r in missing:
+                try:
+                    joined = await update_proxy(registration.proxy, registration.key, r.url,
+                                                timeout_s=timeout_s)  # fmt: skip
+                except ReplicaError as exc:
+                    joined, error = False, str(exc)
+                else:
+                    error = f"not taken within {timeout_s:.0f} s"
+                if not joined:
+                    logger.warning("replica %d could not join %s again (%s); trying again",
+                                   r.index, registration.proxy, error)  # fmt: skip
+                elif listed is not None:
+                    print(f"replica {r.index} joined the proxy at {registration.proxy} again",
+                          flush=True)  # fmt: skip
 
 
 async def _leave(registration: Registration, replicas: list[Replica]) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from asyncgrpo.config.coerce import check_fields
-from asyncgrpo.config.redaction import redacted_repr
+from asyncgrpo.config.redaction import redact_text, redacted_repr
 from asyncgrpo.config.sources import env_name
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.store.config import FetchLimits
@@ -158,7 +158,8 @@ class ServeConfig:
         for url in self.transports:
             if not isinstance(url, str) or not url or "," in url:
                 raise ConfigError(
-                    f"serve.transports: {url!r} must be a transport URL or path without ','"
+                    f"serve.transports: {redact_text(repr(url))} must be a transport URL or "
+                    "path without ','"
                 )
 
     def delivery(self, *, remote_replicas: bool) -> Literal["path", "fetch"]:

@@ -42,7 +42,8 @@ from asyncgrpo.transport import Transport
 from asyncgrpo.transport.base import join_key
 from asyncgrpo.vllm.api import served_name
 
-__all__ = ["AdapterStore", "AdapterVersion", "check_adapter_name", "parse_version"]
+__all__ = ["AdapterStore", "AdapterVersion", "check_adapter_name", "describe_versions",
+           "parse_version"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,19 @@ def check_adapter_name(name: object) -> str:
             "starting with a letter or digit (it becomes a storage key and a vLLM model name)"
         )
     return name
+
+
+def describe_versions(versions: list[int]) -> str:
+    """Versions with their runs of three or more as ranges: ``0-93, 95, 96, 98-103`` (every
+    one counted, none cut), ``none`` if empty."""
+    runs: list[list[int]] = []
+    for v in sorted(set(versions)):
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    shown = [f"{a}-{b}" if b - a >= 2 else ", ".join(map(str, range(a, b + 1))) for a, b in runs]
+    return ", ".join(shown) or "none"
 
 
 def parse_version(segment: str) -> int | None:
@@ -269,8 +283,7 @@ class AdapterStore(BundleStore):
         return dest
 
     async def _missing(self, name: str, version: int) -> NotFound:
-        versions = await self.versions(name)
-        shown = ", ".join(map(str, versions[-10:])) or "none"
+        shown = describe_versions(await self.versions(name))
         return NotFound(
             f"adapter {name} version {version} is not published at {self.transport.url}/"
             f"{self._key(name)} (published versions: {shown})"

@@ -47,6 +47,7 @@ from asyncgrpo.errors import (
     leaves,
 )
 from asyncgrpo.store.config import FetchLimits
+from asyncgrpo.store.documents import read_document
 from asyncgrpo.transport.base import Transport, check_key, join_key
 from asyncgrpo.transport.registry import open_transport
 
@@ -225,12 +226,9 @@ async def read_manifest(
     :class:`IntegrityError` if it is not a manifest or holds more than ``max_bytes`` (default
     :attr:`FetchLimits.max_manifest_bytes`)."""
     key = join_key(check_key(prefix), MANIFEST)
-    raw = await transport.get(key, max_bytes=max_bytes or _DEFAULT_LIMITS.max_manifest_bytes)
-    try:
-        manifest = json.loads(raw)
-    except Exception as exc:  # also RecursionError: a manifest nested 100,000 deep
-        raise IntegrityError(f"{transport.url}/{key} is not valid JSON") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    limit = max_bytes or _DEFAULT_LIMITS.max_manifest_bytes
+    manifest = await read_document(transport, key, max_bytes=limit)
+    if manifest.get("format") != FORMAT:
         raise IntegrityError(f"{transport.url}/{key} is not an {FORMAT} manifest")
     return manifest
 

@@ -31,10 +31,15 @@ checked before it is used (:func:`parse_cursor`: a non-negative integer, at most
 batches the channel has held); one that is not raises an :class:`IntegrityError` naming the
 file, rather than reading from batch 1e9 or from 0 again.
 
-A batch that does not decode (a buggy or hostile writer) is **quarantined**: copied to
-``rollouts/quarantine/<seq>.agrb`` for inspection, replaced by a tombstone, counted
-(:attr:`RolloutChannel.quarantined`) and logged, and the consumer moves on. Leaving it in place
-would stop the trainer at the same batch on every resume. A batch of another **format version**
+A batch that does not decode (a buggy or hostile writer), or decodes to samples the consumer's
+model cannot train on (``check``: a token id past its vocabulary, an empty prompt or
+completion, a sample longer than its context; :class:`~asyncgrpo.sample.SampleBounds`), is
+**quarantined**: copied to ``rollouts/quarantine/<seq>.agrb`` for inspection, replaced by a
+tombstone, counted (:attr:`RolloutChannel.quarantined`) and logged, and the consumer moves on.
+Leaving it in place would stop the trainer at the same batch on every resume. A batch object
+larger than ``max_batch_bytes`` is not read at all (its size is checked first: reading several
+GB would fail for want of memory at every attempt): it is skipped, counted and logged, and left
+where it is, byte for byte; producers refuse to write one. A batch of another **format version**
 is not malformed but written by another asyncgrpo release: the consumer stops there with a
 ``ConfigError`` naming both versions (quarantining would skip every batch of a fleet that runs
 mixed releases), and the batch stays for a reader of its version.
@@ -46,12 +51,13 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
+from asyncgrpo.config.bounded_json import JSONRefused, loads
 from asyncgrpo.errors import AlreadyExists, ConfigError, IntegrityError, NotFound, TransportError
 from asyncgrpo.sample import Sample
 from asyncgrpo.store.codec import decode_batch, encode_batch
@@ -65,6 +71,9 @@ log = logging.getLogger(__name__)
 _BATCH_NAME = re.compile(r"([0-9]{1,18})\.agrb")  # fullmatch; ASCII digits only
 #: A cursor is ~50 bytes; a larger one was not written by a consumer.
 MAX_CURSOR_BYTES = 4096
+#: Largest batch object a consumer reads (a producer writes one group of samples per batch:
+#: 64 samples of 128k tokens are 110 MB); a larger one is skipped unread.
+MAX_BATCH_BYTES = 1024**3
 #: Times a create may report ``AlreadyExists`` with nothing readable at its key before append
 #: gives up (something that is not a batch sits there: a directory, a link).
 _EMPTY_CONFLICTS = 3
@@ -78,9 +87,9 @@ def parse_cursor(raw: bytes) -> int:
     """The ``next`` of a cursor file's bytes; ``ValueError`` saying what is wrong unless they
     are a JSON object whose ``next`` is an integer >= 0 (not 1e9, null, true or a string)."""
     try:
-        doc = json.loads(raw)
-    except Exception as exc:  # RecursionError on deep nesting, UnicodeDecodeError, ...
-        raise ValueError(f"not JSON ({type(exc).__name__})") from None
+        doc = loads(raw, MAX_CURSOR_BYTES)
+    except JSONRefused as exc:  # too large, nested too deep, not JSON
+        raise ValueError(f"not a cursor ({exc})") from None
     if not isinstance(doc, dict) or "next" not in doc:
         raise ValueError('not a {"next": <batch number>} object')
     if not _is_count(doc["next"]):
@@ -111,7 +120,11 @@ class RolloutChannel:
         consumer: str = "trainer",
         poll_interval_s: float = 0.2,
         compact: bool = False,
+        check: Callable[[Sequence[Sample]], None] | None = None,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
     ) -> None:
+        """``check``: raises ``ValueError`` for a batch the consumer cannot use (the trainer's
+        :meth:`~asyncgrpo.sample.SampleBounds.check`); such a batch is quarantined."""
         if poll_interval_s <= 0:
             raise ConfigError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         if not consumer or "/" in consumer:
@@ -121,6 +134,8 @@ class RolloutChannel:
         self.consumer = consumer
         self.poll_interval_s = poll_interval_s
         self.compact = compact
+        self.check = check
+        self.max_batch_bytes = max_batch_bytes
         self._next_write: int | None = None
         self._cursor: int | None = None  # next seq to hand out
         self._pending: int | None = None  # handed out, not yet committed
@@ -164,6 +179,11 @@ class RolloutChannel:
         """Write one batch; return its sequence number (see the module docstring: exactly once
         also when a create's answer is lost)."""
         data = encode_batch(samples)
+        if len(data) > self.max_batch_bytes:
+            raise ConfigError(
+                f"a rollout batch of {len(samples)} samples is {len(data)} bytes, more than "
+                f"consumers read ({self.max_batch_bytes}): ship fewer samples per batch"
+            )
         if self._next_write is None:
             self._next_write = await self._held()
         empty_conflicts = 0
@@ -274,9 +294,22 @@ class RolloutChannel:
             while True:
                 seq = self._cursor
                 try:
-                    data = await self.transport.get(self._batch_key(seq))
+                    data = await self.transport.get(
+                        self._batch_key(seq), max_bytes=self.max_batch_bytes
+                    )
                 except NotFound:
                     await anyio.sleep(self.poll_interval_s)
+                    continue
+                except IntegrityError as exc:  # too large to read: its size was checked first
+                    self.quarantined += 1
+                    log.error(
+                        "rollout batch %d is not read (%s): skipped and left in place (%d "
+                        "quarantined)",
+                        seq,
+                        exc,
+                        self.quarantined,
+                    )
+                    self._cursor = seq + 1
                     continue
                 if not data:  # compacted by another consumer group sharing this stream
                     log.warning(
@@ -286,7 +319,11 @@ class RolloutChannel:
                     continue
                 try:
                     samples = decode_batch(data)
-                except IntegrityError as exc:
+                    if self.check is not None:
+                        self.check(samples)
+                except ConfigError:  # another release's format: the batch is sound, stop
+                    raise
+                except (IntegrityError, ValueError) as exc:
                     await self._quarantine(seq, data, exc)
                     self._cursor = seq + 1
                     continue
@@ -294,14 +331,15 @@ class RolloutChannel:
                 self._cursor = seq + 1
                 return Batch(seq=seq, samples=samples)
 
-    async def _quarantine(self, seq: int, data: bytes, error: IntegrityError) -> None:
-        """Move a batch that does not decode aside (kept for inspection) and leave a tombstone,
-        so no consumer stops on it again and no producer reuses its number."""
+    async def _quarantine(self, seq: int, data: bytes, error: Exception) -> None:
+        """Move a batch that does not decode, or fails ``check``, aside (kept for inspection)
+        and leave a tombstone, so no consumer stops on it again and no producer reuses its
+        number."""
         await self.transport.put(self._quarantine_key(seq), data)
         await self.transport.put(self._batch_key(seq), b"")
         self.quarantined += 1
         log.error(
-            "rollout batch %d is malformed (%s): moved to %s/%s and skipped (%d quarantined)",
+            "rollout batch %d is unusable (%s): moved to %s/%s and skipped (%d quarantined)",
             seq,
             error,
             self.transport.url,

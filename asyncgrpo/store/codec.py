@@ -1,6 +1,7 @@
 """The rollout channel's batch encoding: ``AGRB``, a JSON header then packed arrays.
 
-Layout (format version 2: per-token versions and policy masks of multi-turn episodes)::
+Layout (format version 3: sample ids; 2 added per-token versions and policy masks of multi-turn
+episodes, and is still read)::
 
     b"AGRB" | format (u8) | header length (u32 LE) | header JSON
     | int32 token ids | float32 logprobs | int32 per-token versions | uint8 policy masks
@@ -28,11 +29,17 @@ from typing import Any
 from asyncgrpo.errors import ConfigError, IntegrityError
 from asyncgrpo.sample import Sample
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "check_format", "decode_batch", "encode_batch"]
+__all__ = ["FORMAT_VERSION", "MAGIC", "READABLE", "check_format", "decode_batch", "encode_batch"]
 
 MAGIC = b"AGRB"
-#: 2: per-token versions and policy masks (multi-turn episodes). A reader refuses any other.
-FORMAT_VERSION = 2
+#: 2: per-token versions and policy masks (multi-turn episodes); 3: sample ids (``"i"``). A
+#: reader of v2 would quarantine a v3 row for its unknown key, so v3 is a new number: an older
+#: trainer refuses the batch naming both releases instead of skipping it.
+FORMAT_VERSION = 3
+#: The versions this release reads (v2 batches simply have no sample ids).
+READABLE = frozenset({2, 3})
+#: Longest sample id (characters): ids are recorded per trained sample.
+MAX_SAMPLE_ID = 128
 _HEAD = struct.Struct("<4sBI")  # magic, format version, header JSON length
 _SCALARS = ("reward", "advantage", "version", "group_id", "temperature", "rewards", "finish_reason")
 _LITTLE = sys.byteorder == "little"
@@ -61,6 +68,8 @@ def encode_batch(samples: Sequence[Sample]) -> bytes:
             versions.extend(s.versions)
         if s.replica is not None:
             row["r"] = s.replica
+        if s.sample_id is not None:
+            row["i"] = s.sample_id
         if s.completion_mask is not None:
             row["m"] = 1
             masks.extend(map(bool, s.completion_mask))
@@ -84,9 +93,10 @@ def encode_batch(samples: Sequence[Sample]) -> bytes:
 def check_format(fmt: Any, where: str) -> None:
     """Refuse a batch written by another release: its samples would be misread. A
     :class:`ConfigError`, not an :class:`IntegrityError`: the batch is sound, the fleet is not."""
-    if fmt != FORMAT_VERSION:
+    if fmt not in READABLE:
         raise ConfigError(
-            f"{where} is rollout format v{fmt}, this asyncgrpo reads v{FORMAT_VERSION}: the "
+            f"{where} is rollout format v{fmt}, this asyncgrpo reads "
+            f"v{' and v'.join(map(str, sorted(READABLE)))}: the "
             "rollout processes and the trainer run different asyncgrpo releases; install the "
             "same release on both"
         )
@@ -145,6 +155,8 @@ def _decode(data: bytes) -> list[Sample]:
             v += n_c
         if "r" in row:
             extra["replica"] = row.pop("r")
+        if "i" in row:
+            extra["sample_id"] = row.pop("i")
         if row.pop("m", 0):
             extra["completion_mask"] = [bool(b) for b in masks[m : m + n_c]]
             m += n_c
@@ -188,8 +200,8 @@ _ROW_CHECKS: dict[str, tuple[str, Any]] = {
 
 #: Present (= 1) when the sample carries per-token versions ("v") / a policy mask ("m").
 _ROW_FLAGS = frozenset({"v", "m"})
-#: Present when known: the replica that served the sample ("r", a string).
-_ROW_OPTIONAL = frozenset({"r"})
+#: Present when known: the replica that served the sample ("r", a string), its id ("i").
+_ROW_OPTIONAL = frozenset({"r", "i"})
 _ROW_KEYS = _ROW_FLAGS | _ROW_OPTIONAL | set(_ROW_CHECKS)
 
 
@@ -209,3 +221,5 @@ def _check_header(header: Any) -> None:
                 raise ValueError(f"sample {i}: {key} is not 1")
         if "r" in row and not isinstance(row["r"], str):
             raise ValueError(f"sample {i}: r (its replica) is not a string")
+        if "i" in row and not (isinstance(row["i"], str) and 0 < len(row["i"]) <= MAX_SAMPLE_ID):
+            raise ValueError(f"sample {i}: i (its id) is not a string of 1-{MAX_SAMPLE_ID} chars")

@@ -70,7 +70,8 @@ class TinkerConfig:
     """The started replicas' --max-model-len. None: the model's."""
     max_loras: int | None = None
     """The started replicas' LoRA slots. None: two sampling clients' worth,
-    2 x (sampler_keep + 1); a client beyond them is refused naming --max-loras."""
+    2 x (sampler_keep + 1); a client beyond them waits for the slots of sessions that stopped
+    heartbeating, or is refused naming --max-loras."""
     proxy_admin_key: str | None = field(default=None, repr=False, metadata={"secret": True})
     """The proxy's admin key, which adapter loads and LoRA-slot bookings take. Never logged."""
     transport_url: str = field(default="", metadata={"flag": "--transport"})
@@ -90,10 +91,12 @@ class TinkerConfig:
     sampler_keep + 1 LoRA slots (the replicas' --max-loras bounds the clients sampling at once).
     Sampling an older version loads it back from the transport into the spare slot, in place
     of the one loaded back before."""
-    session_timeout_s: float = 300.0
+    session_timeout_s: float = 30.0
     """A session with neither a heartbeat nor a request for this long expires: its training
-    clients end (adapters, optimizer state and LoRA slots released). The SDK heartbeats every
-    10 s and warns after 120 s of failed heartbeats, so the default outlasts its warning."""
+    clients end (adapters, optimizer state, queued requests and LoRA slots released). The SDK
+    heartbeats every 10 s from a thread of its own, so 30 s is three missed heartbeats: a
+    program that ended without closing its ServiceClient frees its slots within about 30 s,
+    and a client that needs slots meanwhile waits for them. Raise it on a flaky network."""
     max_training_clients: int = 16
     """The most training clients alive at once (each holds an adapter and its AdamW state in
     the trainer's memory); one more is refused naming this cap."""

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from asyncgrpo.tinker.losses import LossInputError, check_inputs, check_loss, token_loss
+from asyncgrpo.tinker.provenance import check_tiling
 from asyncgrpo.tinker.wire import FwdBwdRequest, FwdBwdResult, WireDatum
 from asyncgrpo.trainer.attention import varlen_kwargs
 from asyncgrpo.trainer.config import LoraConfig
@@ -140,8 +141,10 @@ class Engine:
 
     def check(self, request: FwdBwdRequest) -> None:
         """Refuse a request whose loss, config or datums this model cannot take (no torch work:
-        safe to call from any thread)."""
-        check_loss(request.loss_fn, request.loss_fn_config)
+        safe to call from any thread). Provenance spans are accepted on every loss; they must
+        tile their fields, and a loss that reads the sampler's record needs them on every
+        datum."""
+        spec = check_loss(request.loss_fn, request.loss_fn_config)
         for i, datum in enumerate(request.data):
             check_inputs(request.loss_fn, int(datum.tokens.size), datum.inputs, i)
             for what, arr in (("model_input", datum.tokens),
@@ -149,6 +152,15 @@ class Engine:
                 if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
                     raise LossInputError(f"datum {i}: {what} has a token id outside the "
                                          f"model's vocabulary [0, {self.vocab_size})")  # fmt: skip
+            if datum.target_spans is not None and datum.input_spans is not None:
+                check_tiling(datum.input_spans, int(datum.tokens.size), "model_input", i)
+                check_tiling(datum.target_spans, int(datum.tokens.size), "loss_fn_inputs", i)
+            elif spec.provenance:
+                raise LossInputError(
+                    f"datum {i} has no provenance: loss {request.loss_fn} reads what the sampler "
+                    "recorded, so every datum must name its sampled sequences "
+                    "(Datum.with_provenance, with the sequence_id of each SampledSequence)"
+                )
 
     def _row_logprobs(self, data: Sequence[WireDatum]) -> list[torch.Tensor]:
         """Each datum's logprob of every ``target_tokens[i]`` given ``model_input[: i + 1]``
@@ -179,6 +191,8 @@ class Engine:
         losses = []
         for datum, logp in zip(data, logps, strict=True):
             inputs = {k: torch.as_tensor(v, device=logp.device) for k, v in datum.inputs.items()}
+            if datum.trained is not None:
+                inputs["trained"] = torch.as_tensor(datum.trained, device=logp.device)
             losses.append(token_loss(request.loss_fn, logp, inputs, request.loss_fn_config))
         sums = torch.stack([loss_t.sum() for loss_t in losses])
         if not request.forward_only:

@@ -19,6 +19,7 @@ from aiohttp import web
 from asyncgrpo.errors import NotFound
 from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.losses import LossInputError
+from asyncgrpo.tinker.provenance import ProvenanceError
 from asyncgrpo.tinker.service import TinkerService, TrainingModel
 from asyncgrpo.tinker.wire import WireError
 
@@ -57,7 +58,7 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
                           "to the key this service was started with")  # fmt: skip
     try:
         return await handler(request)
-    except (WireError, LossInputError) as exc:
+    except (WireError, LossInputError, ProvenanceError) as exc:
         logger.warning("%s refused: %s", request.path, exc)
         raise refuse(web.HTTPBadRequest, str(exc)) from None
     except NotFound as exc:  # an unknown run or checkpoint path: the SDK's NotFoundError

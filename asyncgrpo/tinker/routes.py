@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import secrets
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,8 @@ from asyncgrpo.tinker.http import (
     refuse_taken,
     training_model,
 )
-from asyncgrpo.tinker.service import TinkerService, TrainingModel, in_thread
+from asyncgrpo.tinker.losses import SamplerGap, sampler_gap
+from asyncgrpo.tinker.service import TinkerService, TrainingModel, in_thread, with_provenance
 from asyncgrpo.tinker.states import parse_state_path, state_path
 from asyncgrpo.tinker.wire import (
     PROTO_CONTENT_TYPE,
@@ -134,19 +136,25 @@ async def create_model(request: web.Request) -> web.Response:
 
     async def job() -> dict[str, str]:
         try:
-            await _add_client(service, model, spec)
+            await add_client(service, model, spec)
         except BaseException:  # refused (the fleet is full): it holds no place under the cap
             service.models.pop(model_id, None)
             raise
         return {"model_id": model_id, "type": "create_model"}
 
-    return answer({"request_id": service.submit(model_id, job), "model_id": model_id})
+    # beside the queue: booking slots may wait for another session's to come back, and the
+    # worker must meanwhile run that session's removal
+    return answer({"request_id": service.spawn(job, model_id), "model_id": model_id})
 
 
-async def _add_client(service: TinkerService, model: TrainingModel, spec: LoraSpec) -> None:
+async def add_client(service: TinkerService, model: TrainingModel, spec: LoraSpec) -> None:
+    """Book the new client's slots (waiting, beside the queue, for those of sessions that
+    stopped heartbeating), then add its adapter in its turn on the worker."""
     if service.sampler is not None:  # refused, naming --max-loras, if the fleet is full
-        await service.sampler.book(model.adapter)
-    await in_thread(lambda: service.engine.create(model.adapter, spec))()
+        await service.book_slots(model)
+    await service.in_turn(
+        model.model_id, in_thread(lambda: service.engine.create(model.adapter, spec))
+    )
     await service.states.start_run(model.adapter, spec)
     logger.info("training client %s: LoRA rank %d", model.model_id, spec.rank)
 
@@ -175,7 +183,19 @@ async def forward_backward(request: web.Request) -> web.Response:
         if datum.tokens.size > request.app[CONFIG].max_context_length:
             raise WireError(f"datum {i} has {datum.tokens.size} tokens, more than this "
                             f"service's max_context_length {request.app[CONFIG].max_context_length}")  # fmt: skip
-    rid = service.submit(model.model_id, in_thread(lambda: service.engine.forward_backward(fwdbwd)))
+    fwdbwd = with_provenance(fwdbwd, service.records, model.session_id, time.monotonic())
+
+    def job() -> FwdBwdResult:
+        result = service.engine.forward_backward(fwdbwd)
+        gap = sampler_gap(fwdbwd.loss_fn, [d.inputs for d in fwdbwd.data],
+                          [d.trained for d in fwdbwd.data],
+                          [o["logprobs"] for o in result.outputs])  # fmt: skip
+        if not fwdbwd.forward_only:
+            service.gaps.setdefault(model.model_id, SamplerGap()).add(gap)
+        result.metrics.update(gap.metrics())
+        return result
+
+    rid = service.submit(model.model_id, in_thread(job))
     return answer({"request_id": rid, "model_id": model.model_id})
 
 
@@ -191,7 +211,8 @@ async def optim_step(request: web.Request) -> web.Response:
                     grad_clip_norm=params.grad_clip_norm)  # fmt: skip
 
     def job() -> dict[str, Any]:
-        return {"metrics": service.engine.optim_step(model.adapter, step)}
+        metrics = service.engine.optim_step(model.adapter, step)
+        return {"metrics": {**metrics, **service.gaps.pop(model.model_id, SamplerGap()).metrics()}}
 
     rid = service.submit(body.model_id, in_thread(job))
     return answer({"request_id": rid, "model_id": body.model_id})
@@ -271,13 +292,16 @@ async def load_weights(request: web.Request) -> web.Response:
                 _check_rank(config, spec.rank)
                 service.add_model(dataclasses.replace(model, rank=spec.rank))
                 try:
-                    await _add_client(service, model, spec)
+                    await add_client(service, model, spec)
                 except BaseException:  # refused: it holds no place under the cap
                     service.models.pop(model.model_id, None)
                     raise
-            await in_thread(lambda: service.engine.load_state(model.adapter, state,
-                                                              optimizer=body.optimizer))()  # fmt: skip
+            load = in_thread(lambda: service.engine.load_state(model.adapter, state,
+                                                               optimizer=body.optimizer))  # fmt: skip
+            await (service.in_turn(model.model_id, load) if new else load())
         logger.info("training client %s: state %s loaded", model.model_id, body.path)
         return {"path": body.path, "model_id": model.model_id, "type": "load_weights"}
 
-    return answer({"request_id": service.submit(model.model_id, job), "model_id": model.model_id})
+    # a new client's runs beside the queue as create_model's does; an existing one's in its turn
+    rid = service.spawn(job, model.model_id) if new else service.submit(model.model_id, job)
+    return answer({"request_id": rid, "model_id": model.model_id})

@@ -1,5 +1,5 @@
 """Sampling through the asyncgrpo proxy: each training client's published adapter versions,
-sampling sessions, and ``SampleRequest`` as one vLLM completion of ``n`` samples.
+sampling sessions, LoRA-slot bookings, and a ``SampleRequest`` as vLLM completions.
 
 A training client's ``save_weights_for_sampler`` publishes its adapter as the next version of
 an adapter named by its model id through the :class:`~asyncgrpo.store.adapters.AdapterStore`
@@ -8,7 +8,9 @@ and loads it on every replica through the proxy, all or nothing, with the run la
 client books ``keep + 1`` LoRA slots on the proxy as a run does, so clients share the fleet
 as a sweep's runs do. A sampling session is a name vLLM serves (a version, or the base model);
 sampling a version that has left the replicas loads it back from the store into the client's
-spare slot (:meth:`Sampler.ensure_loaded`).
+spare slot (:meth:`Sampler.ensure_loaded`). A version of a client that has ended is loaded
+back under a booking of one slot of its own; such bookings are given back least recently
+used first whenever another booking finds the replicas' slots taken.
 """
 
 from __future__ import annotations
@@ -16,132 +18,122 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Mapping
+from collections import OrderedDict
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anyio
-import numpy as np
 
-from asyncgrpo.errors import ConfigError
+from asyncgrpo.errors import ConfigError, NoRoom, ReplicaHTTPError
 from asyncgrpo.proxy.admin_client import ProxyClient
 from asyncgrpo.run.preflight import check_adapter_fetching
 from asyncgrpo.run.sync import AdapterSync, LocalCacheSource, ProxyLoader, TransportSource
 from asyncgrpo.store.adapters import AdapterStore
-from asyncgrpo.tinker.wire import SampledSeq, SampleResult, WireError
+from asyncgrpo.tinker.completions import (
+    Ask,
+    Limits,
+    completions_body,
+    sample_result,
+    target_body,
+    target_result,
+)
+from asyncgrpo.tinker.wire import SampleResult, WireError
+from asyncgrpo.vllm import api
 from asyncgrpo.vllm.api import parse_served_name
 
 __all__ = [
     "Sampler",
+    "SlotsFull",
     "UnknownSampler",
-    "completions_body",
     "open_sampler",
+    "replica_refusal",
     "replicas_fetch",
-    "sample_result",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: The SDK's stop reasons for vLLM's finish reasons.
-_STOP_REASONS = {"stop": "stop", "length": "length", "abort": "length"}
 
 
 class UnknownSampler(LookupError):
     """A sampling session, path or model this service does not serve."""
 
 
-def completions_body(
-    model: str, prompt: list[int], num_samples: int, params: Any, prompt_logprobs: bool
-) -> dict[str, Any]:
-    """The vLLM ``/v1/completions`` body of one ``SampleRequest`` (``params``: its
-    ``SamplingParams``): ``n`` samples of token ids with their logprobs."""
-    if not prompt:
-        raise WireError("the prompt is empty: give at least one token")
-    body: dict[str, Any] = {
-        "model": model,
-        "prompt": prompt,
-        "n": num_samples,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "logprobs": 0,
-        "return_token_ids": True,
-    }
-    if params.max_tokens is not None:
-        body["max_tokens"] = params.max_tokens
-    if params.seed is not None:
-        body["seed"] = params.seed
-    stop = params.stop
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and len(stop) == 0:
-        body["ignore_eos"] = True
-    elif stop is not None and all(isinstance(s, int) for s in stop):
-        body["stop_token_ids"] = list(stop)
-    elif stop is not None:
-        body["stop"] = list(stop)
-    if prompt_logprobs:
-        body["prompt_logprobs"] = 0
-    return body
-
-
-def _prompt_logprobs(entries: list[Any], prompt: list[int]) -> np.ndarray:
-    """vLLM's per-position prompt logprobs (dicts by token id) as the SDK's array; position 0,
-    which has no context, is NaN as the SDK's ``None``."""
-    out = np.full(len(prompt), np.nan, dtype=np.float32)
-    for i, entry in enumerate(entries[: len(prompt)]):
-        if entry:
-            found = entry.get(str(prompt[i])) or next(iter(entry.values()))
-            out[i] = found["logprob"]
-    return out
-
-
-def sample_result(
-    data: Mapping[str, Any], prompt: list[int], prompt_logprobs: bool
-) -> SampleResult:
-    """The samples of a vLLM completion answer, in the order of its choices."""
-    sequences = []
-    choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
-    for choice in choices:
-        tokens = choice.get("token_ids") or []
-        logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
-        if len(logprobs) != len(tokens):
-            raise RuntimeError("the replica returned no logprob for some sampled tokens")
-        sequences.append(SampledSeq(tokens=np.asarray(tokens, dtype=np.int32),
-                                    logprobs=np.asarray(logprobs, dtype=np.float32),
-                                    stop_reason=_STOP_REASONS.get(choice.get("finish_reason"),
-                                                                  "length")))  # fmt: skip
-    prompt_lp = None
-    if prompt_logprobs:
-        entries = next((c["prompt_logprobs"] for c in choices if c.get("prompt_logprobs")), [])
-        prompt_lp = _prompt_logprobs(entries, prompt)
-    return SampleResult(sequences=sequences, prompt_logprobs=prompt_lp)
+class SlotsFull(WireError):
+    """No LoRA slots are left for a booking (after giving back the ended clients' ones)."""
 
 
 class Sampler:
     """The fleet side of the service: the proxy, the adapter store and what names are served."""
 
     def __init__(self, client: ProxyClient, store: AdapterStore, *, base_model: str,
-                 cache_dir: Path, keep: int, fetching: bool = False) -> None:  # fmt: skip
+                 cache_dir: Path, keep: int, fetching: bool = False,
+                 limits: Limits | None = None, max_loras: int | None = None) -> None:  # fmt: skip
         self.client = client
         self.fetching = fetching  #: replicas fetch each version from the transport themselves
         self.store = store
         self.base_model = base_model
         self.cache_dir = cache_dir
         self.keep = keep
+        #: what the replicas take (prompt and sampled tokens, top logprobs)
+        self.limits = limits or Limits()
+        self.max_loras = max_loras  #: the replicas' --max-loras, if they said
         self.paths: dict[str, str] = {}  #: tinker:// path -> served adapter name
         self.sessions: dict[str, str] = {}  #: sampling session id -> served name
+        #: sampling session id -> the session (ServiceClient) that made it
+        self.owners: dict[str, str | None] = {}
         self._syncs: dict[str, AdapterSync] = {}
         self._tokens: dict[str, str] = {}
+        #: ended clients whose versions are loaded back, least recently used first
+        self._orphans: OrderedDict[str, None] = OrderedDict()
         #: per client, the one version older than its newest ``keep`` loaded back on demand
         self._restored: dict[str, int] = {}
         self._locks: dict[str, anyio.Lock] = {}
         self._last: dict[str, int] = {}  #: per client, the newest version it published
 
-    async def book(self, model_id: str) -> None:
-        """Book ``keep + 1`` LoRA slots for the client (a refusal names ``--max-loras``)."""
+    async def book(self, model_id: str, *, orphan: bool = False) -> None:
+        """Book the client's LoRA slots: ``keep + 1`` for a live client, one for an ended
+        client's version loaded back. When the replicas' slots are taken, the ended clients'
+        bookings are given back (least recently used first) until this one fits; SlotsFull
+        naming this service's flags if it still does not."""
+        slots = 1 if orphan else self.keep + 1
         token = self._tokens.setdefault(model_id, secrets.token_hex(16))
-        await self.client.register_run(model_id, lora_slots=self.keep + 1, token=token)
+        while True:
+            try:
+                await self.client.register_run(model_id, lora_slots=slots, token=token)
+                break
+            except NoRoom as exc:
+                victim = next((m for m in self._orphans if m != model_id), None)
+                if victim is None:
+                    self._tokens.pop(model_id, None)
+                    raise SlotsFull(self._full(model_id, slots)) from exc
+                logger.info("giving back the slot of %s (an ended client's version, least "
+                            "recently sampled) for %s", victim, model_id)  # fmt: skip
+                await self._evict(victim)
+        if orphan:
+            self._orphans[model_id] = None
+
+    def _full(self, model_id: str, slots: int) -> str:
+        live = len([m for m in self._tokens if m not in self._orphans and m != model_id])
+        total = f"--max-loras {self.max_loras}" if self.max_loras else "--max-loras"
+        return (
+            f"no LoRA slots left on the replicas for {model_id}: it needs {slots} (--sampler-keep "
+            f"{self.keep} + 1) and the replicas' {total} are taken by {live} live training "
+            "client(s) of this service and whatever else shares the proxy. Start the service "
+            "with a larger --max-loras (with --replicas) or a smaller --sampler-keep, or end a "
+            "client: ServiceClient.close(), or its session ends --session-timeout-s after its "
+            "heartbeats stop"
+        )
+
+    async def _evict(self, model_id: str) -> None:
+        """Give back an ended client's booking: its loaded-back version leaves the replicas;
+        its sampling sessions stay, and load it again when next sampled."""
+        self._orphans.pop(model_id, None)
+        sync = self._syncs.pop(model_id, None)
+        self._restored.pop(model_id, None)
+        if sync is not None:
+            await sync.unload_all()
+        if model_id in self._tokens:
+            await self.client.release_run(model_id, token=self._tokens.pop(model_id))
 
     async def release(self, model_id: str) -> None:
         """The client's versions leave the replicas, its paths and sampling sessions this
@@ -150,13 +142,9 @@ class Sampler:
                 if (parse_served_name(n) or ("", 0))[0] == model_id}  # fmt: skip
         self.paths = {p: n for p, n in self.paths.items() if n not in mine}
         self.sessions = {s: n for s, n in self.sessions.items() if n not in mine}
-        sync = self._syncs.pop(model_id, None)
-        self._restored.pop(model_id, None)
+        self.owners = {s: o for s, o in self.owners.items() if s in self.sessions}
         self._locks.pop(model_id, None)
-        if sync is not None:
-            await sync.unload_all()
-        if model_id in self._tokens:
-            await self.client.release_run(model_id, token=self._tokens.pop(model_id))
+        await self._evict(model_id)
 
     async def close(self) -> None:
         """Unload every client's versions and give back their slots (at shutdown)."""
@@ -206,18 +194,20 @@ class Sampler:
         of the one loaded back before (if any): a sampling client of any saved version keeps
         working while the replicas hold each client's newest ``keep`` and one more. A version
         of a client no longer live here (it ended, or the service restarted since) is loaded
-        the same way, under a booking of ``keep + 1`` slots of its own, held until the
-        service stops."""
+        the same way, under a booking of one slot of its own, which is given back when a
+        booking finds the replicas' slots taken and it is the least recently sampled."""
         parsed = parse_served_name(served)
         if parsed is None:
             return
         model_id, version = parsed
+        if model_id in self._orphans:
+            self._orphans.move_to_end(model_id)
         sync = self._syncs.get(model_id)
         if sync is not None and version in sync.loaded:
             return
         async with self._lock(model_id):
-            if model_id not in self._syncs:
-                await self.book(model_id)  # refused naming --max-loras if the fleet is full
+            if model_id not in self._tokens:
+                await self.book(model_id, orphan=True)
             sync = self._sync(model_id)
             if version in sync.loaded:
                 return
@@ -226,9 +216,12 @@ class Sampler:
             self._restored[model_id] = version
             logger.info("loaded %s back on the replicas for a sampling client", served)
 
-    def new_session(self, served: str) -> str:
+    def new_session(self, served: str, owner: str | None) -> str:
+        """A sampling session of ``served``, made by session ``owner`` (records of its samples
+        belong to that session)."""
         sid = f"samp-{secrets.token_hex(6)}"
         self.sessions[sid] = served
+        self.owners[sid] = owner
         return sid
 
     def path_of(self, session: str) -> str | None:
@@ -249,17 +242,49 @@ class Sampler:
             return self.paths[path]
         return self.base_model
 
-    async def sample(self, served: str, request: Any) -> SampleResult:
-        await self.ensure_loaded(served)
-        prompt = request.prompt.to_ints()
-        body = completions_body(served, prompt, request.num_samples, request.sampling_params,
-                                bool(request.prompt_logprobs))  # fmt: skip
-        data = await self.client.completions(body)
-        result = sample_result(data, prompt, bool(request.prompt_logprobs))
-        last_n = request.prompt_logprobs_last_n
-        if result.prompt_logprobs is not None and last_n is not None:
-            result.prompt_logprobs[: len(prompt) - last_n] = np.nan  # scored: the last n only
-        return result
+    async def sample(self, served: str, ask: Ask) -> SampleResult:
+        """The samples (and prompt logprobs) ``ask`` wants of the version ``served``. A version
+        given back while this request was on its way is loaded again once."""
+        for attempt in range(2):
+            await self.ensure_loaded(served)
+            try:
+                return await self._sample(served, ask)
+            except ReplicaHTTPError as exc:
+                gone = exc.status == 404 and parse_served_name(served) is not None
+                if not gone or attempt:
+                    raise replica_refusal(exc) from None
+        raise AssertionError("unreachable")
+
+    async def _sample(self, served: str, ask: Ask) -> SampleResult:
+        if ask.targets is None:
+            return sample_result(await self.client.completions(completions_body(served, ask)), ask)
+        async with anyio.create_task_group() as tg:
+            answers: dict[str, Any] = {}
+
+            async def call(key: str, body: dict[str, Any]) -> None:
+                answers[key] = await self.client.completions(body)
+
+            tg.start_soon(call, "samples", completions_body(served, ask))
+            tg.start_soon(call, "targets", target_body(served, ask))
+        result = sample_result(answers["samples"], ask)
+        return SampleResult(sequences=result.sequences, prompt_logprobs=result.prompt_logprobs,
+                            topk_prompt=result.topk_prompt,
+                            target=target_result(answers["targets"], ask))  # fmt: skip
+
+
+def replica_refusal(exc: ReplicaHTTPError) -> Exception:
+    """What a client is told of a replica's error answer: the limit when vLLM found the request
+    too long, else the status only (vLLM's text goes to this service's log, not the client)."""
+    logger.warning("a replica refused a sample request: %s", exc)
+    if api.context_length_refusal(exc.status, exc.body):
+        return WireError("the prompt and max_tokens are more tokens than the replicas' "
+                         "--max-model-len: shorten the prompt, lower max_tokens, or start the "
+                         "service with a larger --max-model-len")  # fmt: skip
+    if 400 <= exc.status < 500:
+        return WireError(f"the replicas refused this sample request ({exc.status}); the "
+                         "service's log has their answer")  # fmt: skip
+    return RuntimeError(f"the replicas failed this sample request ({exc.status}); the "
+                        "service's log has their answer")  # fmt: skip
 
 
 async def replicas_fetch(client: ProxyClient, transport_url: str, delivery: str) -> bool:
@@ -278,6 +303,16 @@ async def replicas_fetch(client: ProxyClient, transport_url: str, delivery: str)
     return True
 
 
+async def _server_info(client: ProxyClient) -> Any:
+    """One replica's ``/server_info`` through the proxy (None if none says: the limits are
+    then left to the replicas, whose refusals are reworded)."""
+    try:
+        return await client.server_info()
+    except Exception as exc:  # an older replica, dev mode off: check nothing here
+        logger.info("the replicas did not say their limits (%s): not checked before sampling", exc)
+        return None
+
+
 @contextlib.asynccontextmanager
 async def open_sampler(
     proxy_url: str, admin_key: str | None, store: AdapterStore, *, base_model: str,
@@ -290,8 +325,12 @@ async def open_sampler(
         fetching = await replicas_fetch(client, store.transport.url, delivery)
         logger.info("replicas %s", "fetch sampler weights from " + store.transport.url
                     if fetching else "load sampler weights from copies on this host")  # fmt: skip
+        info = await _server_info(client)
+        limits = Limits(max_model_len=api.max_model_len_of(info),
+                        max_logprobs=api.max_logprobs_of(info))  # fmt: skip
         sampler = Sampler(client, store, base_model=base_model, cache_dir=work_dir / "cache",
-                          keep=keep, fetching=fetching)  # fmt: skip
+                          keep=keep, fetching=fetching, limits=limits,
+                          max_loras=api.lora_slots_of(info))  # fmt: skip
         try:
             yield sampler
         finally:

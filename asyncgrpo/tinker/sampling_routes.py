@@ -9,14 +9,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 from tinker import types
 
 from asyncgrpo.tinker.checkpoints import Checkpoint, check_ttl
+from asyncgrpo.tinker.completions import check_sample
 from asyncgrpo.tinker.http import CONFIG, SERVICE, answer, read_body, refuse, training_model
 from asyncgrpo.tinker.sampling import Sampler, UnknownSampler
 from asyncgrpo.tinker.service import TinkerService, in_thread
-from asyncgrpo.tinker.wire import WireError
+from asyncgrpo.tinker.wire import SampleResult, WireError
 from asyncgrpo.vllm.api import parse_served_name, served_name
 
 __all__ = ["asample", "create_sampling_session", "get_sampler", "save_weights_for_sampler"]
@@ -73,7 +75,7 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
             path = await _index(service, model.adapter, body, served)
             sampler.paths[path] = served
             return {"path": path, "type": "save_weights_for_sampler"}
-        return {"sampling_session_id": sampler.new_session(served),
+        return {"sampling_session_id": sampler.new_session(served, model.session_id),
                 "type": "save_weights_for_sampler"}  # fmt: skip
 
     return answer({"request_id": service.submit(model.model_id, job), "model_id": model.model_id})
@@ -97,9 +99,8 @@ async def create_sampling_session(request: web.Request) -> web.Response:
     sampler = _sampler(service)
     _check_base(request, body.base_model)
     served = await _resolve(service, path=body.model_path, base=body.base_model)
-    return answer(
-        types.CreateSamplingSessionResponse(sampling_session_id=sampler.new_session(served))
-    )
+    sid = sampler.new_session(served, body.session_id)
+    return answer(types.CreateSamplingSessionResponse(sampling_session_id=sid))
 
 
 async def asample(request: web.Request) -> web.Response:
@@ -107,18 +108,29 @@ async def asample(request: web.Request) -> web.Response:
     body = await read_body(request, types.SampleRequest)
     sampler = _sampler(service)
     _check_base(request, body.base_model)
-    unsupported = [name for name in ("topk_prompt_logprobs", "topk_sample_logprobs",
-                                     "prompt_alt_tokens_k") if getattr(body, name)]  # fmt: skip
-    if body.target_prompt_logprobs is not None or body.record_stability_info:
-        unsupported.append("target_prompt_logprobs/record_stability_info")
-    if unsupported:
-        raise WireError(f"sample: {', '.join(unsupported)} are not served here; leave them unset")
-    if not 1 <= body.num_samples <= 1024:
-        raise WireError(f"num_samples={body.num_samples}: give 1 to 1024")
+    ask = check_sample(body, sampler.limits, service.engine.vocab_size)
     served = await _resolve(service, session=body.sampling_session_id, path=body.model_path,
                             base=body.base_model)  # fmt: skip
+    owner = sampler.owners.get(body.sampling_session_id or "")
+    if body.record_stability_info and owner is None:
+        raise WireError("record_stability_info needs a sampling client of a ServiceClient's "
+                        "session (its records belong to that session): make it with "
+                        "save_weights_and_get_sampling_client or create_sampling_client")  # fmt: skip
+    if owner is not None:
+        service.touch(owner)  # sampling is a sign of life of the session too
     ids = [f"seq-{secrets.token_hex(8)}" for _ in range(body.num_samples)]
-    rid = service.spawn(lambda: sampler.sample(served, body))
+
+    async def job() -> SampleResult:
+        result = await sampler.sample(served, ask)
+        if body.record_stability_info and owner is not None and service.is_open(owner):
+            samples = [
+                (i, s.tokens, s.logprobs) for i, s in zip(ids, result.sequences, strict=True)
+            ]
+            service.records.record(owner, np.asarray(ask.prompt, np.int64), samples,
+                                   time.monotonic())  # fmt: skip
+        return result
+
+    rid = service.spawn(job)
     return answer({"request_id": rid, "sample_sequence_ids": ids})
 
 

@@ -12,6 +12,7 @@ service: the ranks' adapters can no longer be kept equal.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import secrets
@@ -21,14 +22,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import numpy as np
 from anyio.abc import TaskGroup, TaskStatus
 
 from asyncgrpo.errors import ConfigError, NotFound, RankError
 from asyncgrpo.tinker.engine import StateError
 from asyncgrpo.tinker.futures import FutureTable, Outcome
-from asyncgrpo.tinker.losses import LossInputError
+from asyncgrpo.tinker.losses import LOSSES, LossInputError, SamplerGap
+from asyncgrpo.tinker.provenance import ProvenanceError, StabilityRecords, sampled_mask
+from asyncgrpo.tinker.sampling import SlotsFull
 from asyncgrpo.tinker.scheduling import FairQueue
-from asyncgrpo.tinker.wire import WireError
+from asyncgrpo.tinker.wire import FwdBwdRequest, WireError
 
 __all__ = [
     "Job",
@@ -38,6 +42,7 @@ __all__ = [
     "adapter_name",
     "expired_sessions",
     "in_thread",
+    "with_provenance",
 ]
 
 logger = logging.getLogger(__name__)
@@ -45,7 +50,9 @@ logger = logging.getLogger(__name__)
 #: A queued request's work: a coroutine function (:func:`in_thread` wraps torch work).
 Job = Callable[[], Awaitable[Any]]
 #: Errors that are the request's fault; any other exception is the service's.
-USER_ERRORS = (LossInputError, WireError, StateError, NotFound, ConfigError)
+USER_ERRORS = (LossInputError, WireError, StateError, NotFound, ConfigError, ProvenanceError)
+#: The SDK heartbeats every this many seconds (``InternalClientHolder._session_heartbeat``).
+SDK_HEARTBEAT_S = 10.0
 
 
 @dataclass
@@ -82,6 +89,41 @@ def expired_sessions(sessions: Iterable[Session], now: float, timeout_s: float) 
             if not s.finished and now - s.last_heartbeat > timeout_s]  # fmt: skip
 
 
+def with_provenance(
+    request: FwdBwdRequest, records: StabilityRecords, session_id: str, now: float
+) -> FwdBwdRequest:
+    """``request`` (checked by the engine) with what its datums' provenance says: the sampled
+    positions each trains on and, for a loss that reads the sampler's record
+    (``stable_reinforce``), the recorded sampler logprobs in place of the datum's
+    ``logprobs``, each span checked against the record it names. A loss that does not read the
+    record uses no more than which positions were sampled, so its spans may name sequences
+    sampled without ``record_stability_info``."""
+    spec = LOSSES[request.loss_fn]
+    data = []
+    for i, datum in enumerate(request.data):
+        if datum.target_spans is None or datum.input_spans is None:
+            data.append(datum)
+            continue
+        trained = sampled_mask(datum.target_spans)
+        inputs = datum.inputs
+        if spec.provenance:
+            records.resolve(datum.input_spans, datum.tokens, session_id, i, now, what="model_input")
+            targets = datum.inputs["target_tokens"]
+            # prompt targets carry no loss; rl_loop pads them with 0, so they are not compared
+            recorded = records.resolve(datum.target_spans, targets, session_id, i, now,
+                                       check_prompt=False)  # fmt: skip
+            off = np.flatnonzero((np.asarray(inputs["advantages"]) != 0) & (trained == 0))
+            if off.size:
+                raise ProvenanceError(
+                    f"datum {i}: advantages[{int(off[0])}] is nonzero on a prompt position: "
+                    f"{request.loss_fn} trains only the sampled tokens, so give them zero "
+                    "advantage elsewhere"
+                )
+            inputs = {**inputs, "logprobs": recorded}
+        data.append(dataclasses.replace(datum, inputs=inputs, trained=trained))
+    return dataclasses.replace(request, data=data)
+
+
 def in_thread(fn: Callable[[], Any]) -> Job:
     """``fn`` as a job run in a worker thread (the event loop keeps serving meanwhile)."""
     return lambda: anyio.to_thread.run_sync(fn)
@@ -92,7 +134,7 @@ class TinkerService:
     if the SDK had finished it; ``max_clients``: the most training clients alive at once."""
 
     def __init__(self, engine: Any, states: Any, sampler: Any = None, *,
-                 session_timeout_s: float = 300.0, max_clients: int = 16) -> None:  # fmt: skip
+                 session_timeout_s: float = 30.0, max_clients: int = 16) -> None:  # fmt: skip
         self.engine = engine
         self.states = states
         self.sampler = sampler
@@ -101,6 +143,12 @@ class TinkerService:
         self.futures = FutureTable()
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TrainingModel] = {}
+        #: sequences sampled with record_stability_info, for the losses that read them
+        self.records = StabilityRecords()
+        #: per training client, the sampler-vs-trainer gap of its datums since its last step
+        self.gaps: dict[str, SamplerGap] = {}
+        #: clients whose session ended and whose slots are on their way back
+        self._leaving: set[str] = set()
         self._queue: FairQueue[tuple[str, Job]] = FairQueue()
         self._waiting = anyio.Semaphore(0)
         self._tasks: TaskGroup
@@ -128,25 +176,70 @@ class TinkerService:
                             "ServiceClient whose clients are done, or raise the cap")  # fmt: skip
         self.models[model.model_id] = model
 
-    def end_session(self, session_id: str, why: str) -> None:
-        """End the session: each of its clients leaves after its queued requests (its versions
-        leave the replicas, its LoRA slots go back, its adapter and optimizer leave the
-        trainer). A heartbeat of it is answered 410 from then on."""
+    def end_session(self, session_id: str, why: str, *, drop_queued: bool = False) -> None:
+        """End the session: each of its clients leaves after its queued requests, or at once
+        with ``drop_queued`` (they fail naming ``why``): its versions leave the replicas, its
+        LoRA slots go back, its adapter and optimizer leave the trainer. A heartbeat of it is
+        answered 410 from then on."""
         session = self.sessions.get(session_id)
         if session is None or session.finished:
             return
         session.finished = True
+        self.records.drop_session(session_id)
         ended = [m for m in self.models.values() if m.session_id == session_id]
         logger.info("session %s %s: %d training clients end", session_id, why, len(ended))
         for model in ended:
             del self.models[model.model_id]
+            self.gaps.pop(model.model_id, None)
+            if drop_queued:
+                for rid, _ in self._queue.drop(model.model_id):
+                    error = f"the session ended before this request ran: it {why}"
+                    self.futures.finish(rid, Outcome(error=error, category="user"))
+            self._leaving.add(model.model_id)
             self.submit(model.model_id, self._remover(model))
+
+    def _unproven_holders(self, besides: str, since: float) -> list[str]:
+        """The open sessions but ``besides`` holding training clients that have shown no sign of
+        life since ``since``: each may be a program that ended without closing its
+        ServiceClient, whose slots come back when it expires."""
+        holders = {m.session_id for m in self.models.values()} - {besides}
+        return sorted(s for s in holders
+                      if self.is_open(s) and self.sessions[s].last_heartbeat < since)  # fmt: skip
+
+    async def book_slots(self, model: TrainingModel) -> None:
+        """Book a new client's LoRA slots on the proxy. While the replicas' slots are taken by
+        sessions not yet heard from since this call began (the SDK heartbeats every 10 s, so a
+        live one speaks within that), wait for them to speak or expire, at most
+        ``session_timeout_s`` and a heartbeat period; then refused, naming this service's
+        flags."""
+        started = time.monotonic()
+        deadline = started + self.session_timeout_s + 2 * SDK_HEARTBEAT_S
+        waited = False
+        while True:
+            try:
+                await self.sampler.book(model.adapter)
+                return
+            except SlotsFull:
+                silent = self._unproven_holders(model.session_id, started)
+                if not (silent or self._leaving) or time.monotonic() > deadline:
+                    raise
+                if not waited:
+                    logger.info("training client %s waits for LoRA slots: sessions %s hold them "
+                                "and have not spoken since it asked (they expire %g s after "
+                                "their last heartbeat)", model.model_id, ", ".join(silent),
+                                self.session_timeout_s)  # fmt: skip
+                    waited = True
+                await anyio.sleep(0.5)
+                self.expire_now()
 
     def _remover(self, model: TrainingModel) -> Job:
         async def job() -> None:
-            if self.sampler is not None:
-                await self.sampler.release(model.adapter)
-            await in_thread(lambda: self.engine.remove(model.adapter))()
+            try:
+                if self.sampler is not None:
+                    await self.sampler.release(model.adapter)
+                await in_thread(lambda: self.engine.remove(model.adapter))()
+            finally:
+                self._leaving.discard(model.model_id)
             logger.info("training client %s ended with its session", model.model_id)
 
         return job
@@ -155,12 +248,16 @@ class TinkerService:
         """End every session that stopped showing signs of life, checking a few times per
         timeout."""
         while True:
-            await anyio.sleep(min(self.session_timeout_s / 4, 10.0))
-            stale = expired_sessions(self.sessions.values(), time.monotonic(),
-                                     self.session_timeout_s)  # fmt: skip
-            for session_id in stale:
-                self.end_session(session_id, f"expired ({self.session_timeout_s:g} s without "
-                                             "a heartbeat)")  # fmt: skip
+            await anyio.sleep(min(self.session_timeout_s / 4, 5.0))
+            self.expire_now()
+
+    def expire_now(self) -> None:
+        """End the sessions past ``session_timeout_s`` without a sign of life, dropping their
+        queued requests (nobody is left to read their answers)."""
+        stale = expired_sessions(self.sessions.values(), time.monotonic(), self.session_timeout_s)
+        for session_id in stale:
+            why = f"expired ({self.session_timeout_s:g} s without a heartbeat)"
+            self.end_session(session_id, why, drop_queued=True)
 
     def submit(self, client: str, job: Job) -> str:
         """Queue ``job`` under ``client``; its request id, pending until the job ran."""
@@ -169,10 +266,35 @@ class TinkerService:
         self._waiting.release()
         return rid
 
-    def spawn(self, job: Job) -> str:
-        """Run ``job`` now, beside the queue (sampling: it needs no trainer); its request id."""
+    async def in_turn(self, client: str, job: Job) -> Any:
+        """Run ``job`` in ``client``'s turn on the worker (after its queued requests, never beside
+        another job's torch work) and return its value or raise its error: for work spawned
+        beside the queue (:meth:`spawn`) that must wait without holding the worker, such as a
+        new client booking LoRA slots, and then touch the engine."""
+        done, box = anyio.Event(), {}
+
+        async def turn() -> None:
+            try:
+                box["value"] = await job()
+            except RankError:
+                done.set()
+                raise  # the service stops: the worker sees it
+            except Exception as exc:
+                box["error"] = exc
+            finally:
+                done.set()
+
+        self.submit(client, turn)
+        await done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def spawn(self, job: Job, label: str = "sampling") -> str:
+        """Run ``job`` now, beside the queue (sampling, which needs no trainer, or work that may
+        wait before it touches the trainer: :meth:`in_turn`); its request id."""
         rid = self.futures.new()
-        self._tasks.start_soon(self._finish, "sampling", rid, job)
+        self._tasks.start_soon(self._finish, label, rid, job)
         return rid
 
     def done(self, value: Any) -> str:

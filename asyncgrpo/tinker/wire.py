@@ -16,8 +16,11 @@ from typing import Any
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
-__all__ = ["FwdBwdRequest", "FwdBwdResult", "SampleResult", "SampledSeq", "WireDatum",
-           "WireError", "decode_fwdbwd", "encode_fwdbwd", "encode_sample", "fwdbwd_json"]  # fmt: skip
+from asyncgrpo.tinker.provenance import Span
+
+__all__ = ["FwdBwdRequest", "FwdBwdResult", "SampleResult", "SampledSeq", "TargetLogprobs",
+           "TopK", "WireDatum", "WireError", "decode_fwdbwd", "encode_fwdbwd", "encode_sample",
+           "fwdbwd_json"]  # fmt: skip
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
 
@@ -31,10 +34,16 @@ class WireError(ValueError):
 
 @dataclass(frozen=True)
 class WireDatum:
-    """One ``Datum``: its input tokens and its ``loss_fn_inputs``, each a 1-D or N-D array."""
+    """One ``Datum``: its input tokens and its ``loss_fn_inputs``, each a 1-D or N-D array;
+    its provenance spans (tiling ``model_input`` and ``target_tokens``) when it has them, and
+    ``trained``: 1.0 on the positions the policy term trains (None: those with a nonzero
+    advantage)."""
 
     tokens: np.ndarray
     inputs: dict[str, np.ndarray]
+    input_spans: tuple[Span, ...] | None = None
+    target_spans: tuple[Span, ...] | None = None
+    trained: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -56,10 +65,31 @@ class FwdBwdResult:
 
 
 @dataclass(frozen=True)
+class TopK:
+    """The k most likely tokens at each of n positions, best first: ``(n, k)`` ids and
+    logprobs, empty cells 0 and -99999.0 (the SDK's ``TopkLogprobs``)."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+
+
+@dataclass(frozen=True)
+class TargetLogprobs:
+    """A ``target_prompt_logprobs`` answer: float32 values of the asked tensor's shape, with
+    its CSR indices when it was sparse."""
+
+    values: np.ndarray
+    shape: tuple[int, int]
+    crow: np.ndarray | None = None
+    col: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
 class SampledSeq:
     tokens: np.ndarray
     logprobs: np.ndarray
     stop_reason: str
+    topk: TopK | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +98,8 @@ class SampleResult:
 
     sequences: list[SampledSeq]
     prompt_logprobs: np.ndarray | None = None
+    topk_prompt: TopK | None = None
+    target: TargetLogprobs | None = None
 
 
 def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
@@ -112,16 +144,50 @@ def decode_fwdbwd(body: bytes) -> FwdBwdRequest:
         config[key] = value.number
     data = []
     for i, datum in enumerate(msg.data):
-        if len(datum.model_input_spans) or len(datum.loss_fn_input_spans):
-            raise WireError(f"datum {i} carries provenance spans: they are not served here; "
-                            "send the datum without them")  # fmt: skip
         inputs = {k: _tensor(v, f"datum {i} loss_fn_inputs[{k!r}]")
                   for k, v in datum.loss_fn_inputs.items()}  # fmt: skip
-        data.append(WireDatum(tokens=_tokens(datum.model_input, i), inputs=inputs))
+        input_spans, target_spans = (
+            _spans(datum.model_input_spans),
+            _spans(datum.loss_fn_input_spans),
+        )
+        if (input_spans is None) != (target_spans is None):
+            raise WireError(
+                f"datum {i}: provenance comes as a pair: give both model_input and "
+                "loss_fn_inputs spans (Datum.with_provenance), or neither"
+            )
+        data.append(
+            WireDatum(
+                tokens=_tokens(datum.model_input, i),
+                inputs=inputs,
+                input_spans=input_spans,
+                target_spans=target_spans,
+            )
+        )
     if not data:
         raise WireError("forward_backward got no data: send at least one Datum")
     return FwdBwdRequest(model_id=msg.model_id, seq_id=msg.seq_id, loss_fn=msg.loss_fn,
                          loss_fn_config=config, forward_only=msg.forward_only, data=data)  # fmt: skip
+
+
+def _spans(msgs: Any) -> tuple[Span, ...] | None:
+    """The provenance spans of one datum field (None: the datum carries none)."""
+    if not len(msgs):
+        return None
+    spans = []
+    for msg in msgs:
+        kind = msg.WhichOneof("span")
+        if kind is None:
+            raise WireError("a provenance span names neither prompt nor sampled tokens")
+        arm = getattr(msg, kind)
+        spans.append(
+            Span(
+                "prompt" if kind == "prompt_tokens" else "sampled",
+                arm.sequence_id,
+                int(arm.offset),
+                int(arm.length),
+            )
+        )
+    return tuple(spans)
 
 
 def _batched(arrays: list[np.ndarray]) -> pb.BatchedTensor:
@@ -157,13 +223,42 @@ def fwdbwd_json(result: FwdBwdResult) -> dict[str, Any]:
 _STOP = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 
 
+def _topk_msg(topk: TopK) -> pb.TopkLogprobs:
+    n, k = topk.token_ids.shape
+    return pb.TopkLogprobs(
+        token_ids=np.ascontiguousarray(topk.token_ids, np.int32).tobytes(),
+        logprobs=np.ascontiguousarray(topk.logprobs, np.float32).tobytes(),
+        k=k,
+        length=n,
+    )
+
+
 def encode_sample(result: SampleResult) -> bytes:
     """The SDK's protobuf ``SampleResponse`` of ``result``."""
     msg = pb.SampleResponse()
     for seq in result.sequences:
-        msg.sequences.add(stop_reason=_STOP[seq.stop_reason],
-                          tokens=np.ascontiguousarray(seq.tokens, dtype=np.int32).tobytes(),
-                          logprobs=np.ascontiguousarray(seq.logprobs, dtype=np.float32).tobytes())  # fmt: skip
+        out = msg.sequences.add(stop_reason=_STOP[seq.stop_reason],
+                                tokens=np.ascontiguousarray(seq.tokens, dtype=np.int32).tobytes(),
+                                logprobs=np.ascontiguousarray(seq.logprobs, dtype=np.float32).tobytes())  # fmt: skip
+        if seq.topk is not None:
+            out.topk_sampled_logprobs.CopyFrom(_topk_msg(seq.topk))
     if result.prompt_logprobs is not None:
         msg.prompt_logprobs = np.ascontiguousarray(result.prompt_logprobs, np.float32).tobytes()
+    if result.topk_prompt is not None:
+        msg.topk_prompt_logprobs.CopyFrom(_topk_msg(result.topk_prompt))
+    if (target := result.target) is not None:
+        values = np.ascontiguousarray(target.values, np.float32).tobytes()
+        tensor = msg.target_prompt_logprobs
+        tensor.dtype = pb.DTYPE_FLOAT32
+        tensor.shape.extend(target.shape)
+        if target.crow is not None and target.col is not None:
+            tensor.sparse_csr.CopyFrom(
+                pb.SparseCsr(
+                    values=values,
+                    crow_indices=np.ascontiguousarray(target.crow, np.int64).tobytes(),
+                    col_indices=np.ascontiguousarray(target.col, np.int64).tobytes(),
+                )
+            )
+        else:
+            tensor.dense = values
     return msg.SerializeToString()

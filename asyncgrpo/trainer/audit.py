@@ -181,9 +181,14 @@ class AuditTally:
         others = len({n for _, (n, _) in failed} - {name})
         more = f"; {others} other replica(s) too" if others else ""
         precision = f" for {dtype}" if dtype else ""
+        theirs = f"{dtype} " if dtype else ""
         return (
             f"served-policy audit: replica {name} serves other weights than version {version} "
             f"({adapter}): its logprobs differ from the trainer's by {mean:.3g} on average over "
             f"{g.tokens} tokens (at most {g.max_diff:.3g}; tolerance {tolerance:g}{precision})"
-            f"{more}"
+            f"{more}. Compared: the logprobs it returned with {g.tokens} sampled tokens against "
+            f"the trainer's {theirs}logprobs of the same tokens, recomputed from the adapter "
+            f"saved when version {version} was published; a replica serving another dtype or "
+            "model than the trainer differs this way too (its GET /server_info model_config "
+            "against trainer.dtype and model)"
         )

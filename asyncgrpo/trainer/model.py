@@ -146,6 +146,31 @@ def load_policy(
     return model
 
 
+#: Where a transformers config states its context, under each architecture's name (vLLM reads
+#: the same keys for its default ``--max-model-len``).
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                 "model_max_length", "max_target_positions", "max_sequence_length",
+                 "max_seq_length", "seq_len")  # fmt: skip
+
+
+def context_length(config: Any, max_model_len: int | None = None) -> int | None:
+    """The longest sample a model's replicas can have served, generously: its largest stated
+    context times its RoPE scaling factor (vLLM's default ``--max-model-len`` is at most that),
+    or ``max_model_len`` (the replicas' setting) if larger; None when nothing states one."""
+    stated = [v for k in _CONTEXT_KEYS if isinstance(v := getattr(config, k, None), int)]
+    factors = [1.0]
+    for name in ("rope_scaling", "rope_parameters"):
+        rope = getattr(config, name, None)
+        if isinstance(rope, dict):  # one dict, or one per layer type
+            for part in (rope, *(v for v in rope.values() if isinstance(v, dict))):
+                if isinstance(factor := part.get("factor"), int | float):
+                    factors.append(float(factor))
+    length = int(max(stated) * max(factors)) if stated else None
+    if max_model_len is not None:
+        length = max(length or 0, max_model_len)
+    return length
+
+
 def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from asyncgrpo.config.redaction import redact_url
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.transport.base import check_key
 from asyncgrpo.transport.objectstore import ObjectStoreTransport
@@ -56,7 +57,7 @@ def parse_gcs_url(url: str) -> tuple[str, str]:
     try:
         prefix = check_key(parts.path.strip("/"), allow_empty=True)
     except ValueError as exc:
-        raise ConfigError(f"GCS URL {url!r}: prefix {exc}") from exc
+        raise ConfigError(f"GCS URL {redact_url(url)!r}: prefix {exc}") from exc
     return parts.netloc, prefix
 
 

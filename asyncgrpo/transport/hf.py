@@ -32,7 +32,9 @@ import os
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from asyncgrpo.config.redaction import redact_url
 from asyncgrpo.errors import ConfigError
+from asyncgrpo.transport.objectstore import TUNING_OPTIONS, tuning_from_query
 from asyncgrpo.transport.s3 import S3Transport
 
 __all__ = ["DEFAULT_GATEWAY", "HFBucketTransport", "parse_hf_url"]
@@ -45,17 +47,21 @@ def parse_hf_url(url: str) -> tuple[str, str, str, dict[str, str]]:
     """Split an ``hf://buckets/...`` URL into namespace, bucket, prefix and query options."""
     parts = urlsplit(url)
     if parts.scheme != "hf" or parts.fragment:
-        raise ConfigError(f"malformed Hugging Face bucket URL {url!r}; expected {FORM}")
+        raise ConfigError(f"malformed Hugging Face bucket URL {redact_url(url)!r}; expected {FORM}")
     segments = [s for s in (parts.netloc + parts.path).split("/") if s]
     if len(segments) < 3 or segments[0] != "buckets":
         raise ConfigError(
-            f"malformed Hugging Face bucket URL {url!r}; expected {FORM} "
+            f"malformed Hugging Face bucket URL {redact_url(url)!r}; expected {FORM} "
             "(model, dataset and Space repos are not buckets)"
         )
-    query = dict(parse_qsl(parts.query))
-    unknown = set(query) - {"endpoint"}
+    query: dict[str, Any] = dict(parse_qsl(parts.query))
+    unknown = set(query) - {"endpoint"} - set(TUNING_OPTIONS)
     if unknown:
-        raise ConfigError(f"unknown option(s) {sorted(unknown)} in {url!r}; accepted: endpoint")
+        raise ConfigError(
+            f"unknown option(s) {sorted(unknown)} in {redact_url(url)!r}; accepted: endpoint, "
+            f"{', '.join(TUNING_OPTIONS)}"
+        )
+    query.update(tuning_from_query(query, url))
     return segments[1], segments[2], "/".join(segments[3:]), query
 
 

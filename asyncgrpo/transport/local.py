@@ -36,6 +36,7 @@ from urllib.parse import unquote, urlsplit
 import anyio
 import anyio.to_thread
 
+from asyncgrpo.config.redaction import redact_url
 from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound, TransportError
 from asyncgrpo.transport.base import (
     CHUNK_BYTES,
@@ -77,14 +78,14 @@ class LocalTransport(Transport):
             parts = urlsplit(url)
             if parts.netloc not in ("", "localhost"):
                 raise ConfigError(
-                    f"file URL {url!r} names host {parts.netloc!r}; use file:///abs/path "
-                    "(three slashes) or a plain path"
+                    f"file URL {redact_url(url)!r} names host {parts.hostname!r}; use "
+                    "file:///abs/path (three slashes) or a plain path"
                 )
             if parts.query or parts.fragment:
-                raise ConfigError(f"file URL {url!r} must not have a query or fragment")
+                raise ConfigError(f"file URL {redact_url(url)!r} must not have a query or fragment")
             path = unquote(parts.path)
             if not path:
-                raise ConfigError(f"file URL {url!r} has no path; use file:///abs/path")
+                raise ConfigError(f"file URL {redact_url(url)!r} has no path; use file:///abs/path")
             return cls(path, **options)
         return cls(url, **options)
 

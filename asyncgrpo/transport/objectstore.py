@@ -16,13 +16,14 @@ reached the server but its answer was lost, the retry reports ``AlreadyExists`` 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.config.redaction import redact_text
+from asyncgrpo.config.redaction import redact_text, redact_url
 from asyncgrpo.errors import AlreadyExists, ConfigError, NotFound, TransportError
 from asyncgrpo.transport.base import (
     ObjectInfo,
@@ -33,7 +34,37 @@ from asyncgrpo.transport.base import (
     too_large,
 )
 
-__all__ = ["ObjectStoreTransport"]
+__all__ = ["TUNING_OPTIONS", "ObjectStoreTransport", "tuning_from_query"]
+
+#: The retry and time-out options a URL query may set (``s3://b/p?timeout_s=10&max_retries=8``),
+#: with their types: every process of a split run is given the same URL, so one place tunes
+#: them all (a replica's plugin, a rollout process and the trainer alike).
+TUNING_OPTIONS: dict[str, type] = {
+    "max_retries": int,
+    "retry_timeout_s": float,
+    "backoff_initial_s": float,
+    "backoff_max_s": float,
+    "timeout_s": float,
+    "connect_timeout_s": float,
+}
+
+
+def tuning_from_query(query: dict[str, str], url: str) -> dict[str, Any]:
+    """The :data:`TUNING_OPTIONS` among ``query``, converted; :class:`ConfigError` naming the
+    option for a value that is not a finite number > 0 (``max_retries``: an integer >= 0)."""
+    out: dict[str, Any] = {}
+    for key, kind in TUNING_OPTIONS.items():
+        if key not in query:
+            continue
+        try:
+            value = kind(query[key])
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < 0 or (kind is float and value == 0):
+            what = "an integer >= 0" if kind is int else "a number > 0"
+            raise ConfigError(f"{key}={query[key]!r} in {redact_url(url)!r}: write {what}")
+        out[key] = value
+    return out
 
 
 def _first_line(exc: BaseException) -> str:

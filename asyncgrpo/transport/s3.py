@@ -4,7 +4,8 @@ Create-only writes are S3's conditional ``If-None-Match: *`` PUT, so ``mode="cre
 exclusive create rather than check-then-write. Reads, writes, retries and error mapping are the
 shared :class:`~.objectstore.ObjectStoreTransport`; this module only sets up the store.
 
-Configuration, first match wins: keyword options, then the URL query (``?endpoint=&region=``),
+Configuration, first match wins: keyword options, then the URL query (``?endpoint=&region=``,
+and the retry and time-out options of :data:`~.objectstore.TUNING_OPTIONS`: ``?timeout_s=10``),
 then the usual environment variables obstore reads (``AWS_ENDPOINT_URL``, ``AWS_REGION``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ...). Plain ``http://``
 endpoints are allowed automatically (loopback test servers, MinIO).
@@ -16,9 +17,10 @@ import os
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from asyncgrpo.config.redaction import redact_url
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.transport.base import check_key
-from asyncgrpo.transport.objectstore import ObjectStoreTransport
+from asyncgrpo.transport.objectstore import TUNING_OPTIONS, ObjectStoreTransport, tuning_from_query
 
 __all__ = ["S3Transport"]
 
@@ -82,12 +84,15 @@ class S3Transport(ObjectStoreTransport):
     def from_url(cls, url: str, **options: Any) -> S3Transport:
         parts = urlsplit(url)
         if parts.scheme != "s3" or not parts.netloc or parts.fragment:
-            raise ConfigError(f"malformed S3 URL {url!r}; expected s3://bucket[/prefix]")
+            raise ConfigError(
+                f"malformed S3 URL {redact_url(url)!r}; expected s3://bucket[/prefix]"
+            )
         query = dict(parse_qsl(parts.query, keep_blank_values=False))
-        unknown = set(query) - _URL_OPTIONS
+        unknown = set(query) - _URL_OPTIONS - set(TUNING_OPTIONS)
         if unknown:
             raise ConfigError(
-                f"unknown S3 URL option(s) {sorted(unknown)} in {url!r}; "
-                f"accepted: {sorted(_URL_OPTIONS)}"
+                f"unknown S3 URL option(s) {sorted(unknown)} in {redact_url(url)!r}; "
+                f"accepted: {sorted(_URL_OPTIONS | set(TUNING_OPTIONS))}"
             )
+        query = {**query, **tuning_from_query(query, url)}
         return cls(parts.netloc, parts.path.strip("/"), **{**query, **options})

@@ -48,6 +48,8 @@ PLUGIN_FIX = (
     "serve.adapter_delivery=path if the replicas share the trainer's filesystem"
 )
 
+#: The largest adapter version: at most 18 digits (< 2**63).
+MAX_VERSION = 10**18 - 1
 # At most 18 digits (< 2**63), no leading zero: parsing never runs an unbounded int() and a
 # parsed name is exactly the name served_name gives back.
 _SERVED = re.compile(r"(.+)-v(0|[1-9][0-9]{0,17})")
@@ -64,8 +66,8 @@ def served_name(prefix: str, version: int) -> str:
         raise ValueError(
             f"served_name needs a prefix and an int version, got {prefix!r}, {version!r}"
         )
-    if not 0 <= version < 10**18:
-        raise ValueError(f"adapter version must be 0 to 10**18 - 1, got {version}")
+    if not 0 <= version <= MAX_VERSION:
+        raise ValueError(f"adapter version must be 0 to {MAX_VERSION}, got {version}")
     return f"{prefix}-v{version}"
 
 
@@ -210,3 +212,19 @@ def lora_slots_of(info: Any) -> int | None:
 def max_num_seqs_of(info: Any) -> int | None:
     """The replica's ``--max-num-seqs``: sequences it runs at once; beyond, it queues them."""
     return _server_setting(info, "scheduler_config", "max_num_seqs")
+
+
+def max_model_len_of(info: Any) -> int | None:
+    """The replica's ``--max-model-len``: prompt plus generated tokens of one request."""
+    return _server_setting(info, "model_config", "max_model_len")
+
+
+def max_logprobs_of(info: Any) -> int | None:
+    """The replica's ``--max-logprobs``: the most top logprobs one position may return."""
+    return _server_setting(info, "model_config", "max_logprobs")
+
+
+def context_length_refusal(status: int, body: bytes | str) -> bool:
+    """vLLM refused a request for being longer than its ``--max-model-len`` (400)."""
+    text = body.decode(errors="replace") if isinstance(body, bytes) else body
+    return status == 400 and ("maximum context length" in text or "max_model_len" in text)

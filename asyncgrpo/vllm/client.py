@@ -32,6 +32,7 @@ class VLLMClient:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session = session
         self._own_session = session is None
+        self.timeout_s = timeout_s  #: what one request may take
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def __aenter__(self) -> VLLMClient:

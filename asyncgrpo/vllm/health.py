@@ -3,12 +3,11 @@ launch's replica and proxy jobs."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable, Mapping
 
 import aiohttp
-import anyio
 
+from asyncgrpo.retry import poll_until
 from asyncgrpo.vllm.api import HEALTH_PATH
 
 
@@ -25,10 +24,10 @@ async def wait_healthy(
     ``base_url()`` is awaited before each probe: it returns the server's URL (None while it is
     not known yet), or raises to stop waiting (the process or job behind it has ended).
     """
-    deadline = time.monotonic() + timeout_s
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)
     async with aiohttp.ClientSession(headers=dict(headers or {})) as session:
-        while True:
+
+        async def healthy() -> bool | None:
             url = await base_url()
             if url is not None:
                 try:
@@ -37,6 +36,6 @@ async def wait_healthy(
                             return True
                 except (aiohttp.ClientError, TimeoutError):
                     pass
-            if time.monotonic() > deadline:
-                return False
-            await anyio.sleep(interval_s)
+            return None
+
+        return await poll_until(healthy, every=interval_s, timeout_s=timeout_s) is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,9 @@ def test_round_trip_to_dict():
         ("rollout.max_inflight=4", "raise max_inflight to at least num_generations"),
         ("rollout.max_inflight_per_replica=3", "max_inflight_per_replica was removed: the proxy"),
         ("trainer.max_steps", "write it as section.field=value"),
+        # numbers fit what consumes them: a seed of 2**70 failed in torch, at the start
+        ("seed=1180591620717411303424", "seed=1180591620717411303424: must fit in 64 bits"),
+        ("proxy.max_connections=99999999999999999999", "max_connections=9999"),
         ("trainer.max_steps.x=1", "has no fields"),
     ],
 )
@@ -199,3 +203,13 @@ def test_a_trailing_newline_is_no_valid_value():
         TrainingConfig.from_dict(base, ["launch.timeout=8h\n"])
     with pytest.raises(ConfigError, match="reward_funcs"):
         RolloutConfig(reward_funcs=["asyncgrpo.rollout.rewards:digit_fraction\n"])
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_a_number_setting_is_finite(value: float) -> None:
+    """YAML's ``.inf`` and ``.nan`` are floats: an infinite timeout or backoff waits forever,
+    a NaN passes every bound it is not compared against. Unset (None) is how a limit is off."""
+    with pytest.raises(ConfigError, match=r"rollout.retry_backoff_s=.*must be a finite number"):
+        TrainingConfig.from_dict(
+            {"model": "m", "dataset": {"prompts": ["p"]}, "rollout": {"retry_backoff_s": value}}
+        )

@@ -41,13 +41,24 @@ def test_held_out_prompts_must_not_be_training_prompts(tmp_path, tiny_model):
     assert len(eval_prompts(cfg, tokenizer)) == 1
 
 
+def test_a_version_not_published_is_refused_naming_every_published_one():
+    from asyncgrpo.run.evaluation import pick_versions
+
+    published = [*range(94), 95, 96, *range(98, 104)]
+    with pytest.raises(ConfigError) as refused:
+        pick_versions(published, version=999, base=False, every=False)
+    assert str(refused.value) == (
+        "version 999 is not published (published versions: 0-93, 95, 96, 98-103)"
+    )
+
+
 @pytest.mark.anyio
 async def test_evaluating_a_run_that_never_started_says_so_and_makes_no_directory(
     tmp_path, tiny_model
 ):
     from asyncgrpo.run.evaluation import evaluate_published
 
-    cfg = _config(tmp_path / "out", tiny_model, [], 'eval.prompts=["name a color"]')
+    cfg = _config(tmp_path / "out", tiny_model, [], 'eval.prompts=["what flies on a string"]')
     with pytest.raises(ConfigError, match=r"no run has started in .*: train first"):
         await evaluate_published(cfg)
     assert not (tmp_path / "out").exists()
@@ -85,6 +96,30 @@ async def test_a_run_evaluates_base_and_final_on_prompts_it_never_trains_on(
     assert len(rows) == 2 * 2 * 2
     assert {r["prompt"] for r in rows} == set(held)
     assert {r["version"] for r in rows} == {0, result.final_version}
+    # the summary `asyncgrpo train` prints ends with the held-out result
+    from asyncgrpo.run.progress import run_summary
+
+    summary = run_summary(result, 1.0)
+    assert any(line.startswith("held-out reward: ") and "(version 0) -> " in line
+               and f"(version {result.final_version}) over 2 prompts" in line
+               for line in summary), summary  # fmt: skip
+    # `asyncgrpo eval` shows what it does while it does it
+    from asyncgrpo.run.evaluation import evaluate_published
+
+    heard: list[str] = []
+
+    class Phases:
+        def phase(self, text: str) -> None:
+            heard.append(text)
+
+        def step(self, step: int, metrics: dict) -> None:
+            pass
+
+    final = result.final_version
+    (again,) = await evaluate_published(cfg, version=final, progress=Phases())
+    assert again["eval/version"] == final
+    assert f"evaluating version {final} ({result.adapter_prefix}-v{final})" in heard, heard
+    assert heard[-1] == f"version {final}: 2/2 prompts graded", heard
 
 
 @pytest.mark.vllm

@@ -66,6 +66,34 @@ def test_dry_run_prints_every_spec_and_sends_no_request(tmp_path: Path, hub: Fak
     assert hub.requests == []
 
 
+@pytest.mark.parametrize(
+    ("change", "refusal"),
+    [({"transport_url": None}, "transport_url is unset: jobs share no disk"),
+     ({"model": "LOCAL"}, "is a local path, which the jobs cannot read")],
+    ids=["no-transport", "local-model"],
+)  # fmt: skip
+def test_a_dry_run_refuses_what_the_launch_would(
+    tmp_path: Path, hub: FakeHub, change: dict, refusal: str
+) -> None:
+    """It prints the specs, then refuses in one line, status 2, what a real launch refuses
+    before its first request; it sends none either."""
+    config = write_config(tmp_path)
+    data = yaml.safe_load(config.read_text())
+    if change.get("model") == "LOCAL":
+        (tmp_path / "my-model").mkdir()
+        change = {"model": str(tmp_path / "my-model")}
+    data.update(change)
+    data = {k: v for k, v in data.items() if v is not None}
+    config.write_text(yaml.safe_dump(data))
+    out = subprocess.run(launch_cmd(config, "--dry-run"), env=env(hub, tmp_path),
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and refusal in lines[0], out.stderr
+    assert "trainer job cli-run-trainer" in out.stdout  # the specs came first
+    assert hub.requests == []
+
+
 def test_a_sweep_dry_run_shows_one_fleet_and_one_trainer_per_point(
     tmp_path: Path, hub: FakeHub
 ) -> None:
@@ -117,6 +145,39 @@ def test_sigterm_cancels_every_started_job(
     assert len(hub.jobs) == jobs
     assert hub.cancelled() == set(hub.jobs)
     assert "cancelled" in stderr
-    logs = "".join(p.read_text() for p in (tmp_path / "runs" / "cli-run" / "launch").iterdir())
+    logs = "".join(p.read_text() for p in (tmp_path / "runs" / "cli-run-launch").iterdir())
     for value in (TOKEN, S3_KEY, S3_SECRET):
         assert value not in stdout + stderr + logs
+
+
+def test_a_completed_launch_ends_with_trains_summary(tmp_path: Path, hub: FakeHub) -> None:
+    """The trainer job's progress lines and its last line (``asyncgrpo-result {...}``) give the
+    launcher the summary ``asyncgrpo train`` prints; its paths are on the job's machine."""
+    from asyncgrpo.run.progress import progress_line, result_line
+    from asyncgrpo.store.run_documents import RunResult
+
+    result = RunResult(run_dir=Path("/job/runs/cli-run"), adapter_prefix="cli-run-ab12", steps=3,
+                       final_version=3, resumed_from_step=None,
+                       transport_url="hf://buckets/testns/asyncgrpo-runs/cli-run",
+                       adapter_dir=Path("/job/runs/cli-run/adapter"))  # fmt: skip
+    evals = [{"eval/version": 0, "eval/reward": 0.1, "eval/pass@1": 0.1, "eval/prompts": 4},
+             {"eval/version": 3, "eval/reward": 0.4, "eval/pass@1": 0.3, "eval/prompts": 4}]  # fmt: skip
+    lines = [progress_line(s, 3, {"reward": s / 10}) for s in (1, 2, 3)]
+    hub.scripts["replica"] = lambda: {"healthy_after_s": 0.1}
+    hub.scripts["trainer"] = lambda: {"logs": [*lines, "trained 3 steps",
+                                               result_line(result, evals)],
+                                      "complete_after_s": 0.3}  # fmt: skip
+    cmd = launch_cmd(write_config(tmp_path), "--replicas", "1", "launch.poll_s=0.1")
+    done = subprocess.run(cmd, env=env(hub, tmp_path), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = done.stdout[done.stdout.index("trained 3 steps in ") :].splitlines()
+    where = " (on the trainer job's machine)"
+    assert summary[1:] == [
+        "reward 0.200 -> 0.200 (mean of the first and last 3 steps of this run)",
+        "held-out reward: 0.100 (version 0) -> 0.400 (version 3) over 4 prompts the trainer never "
+        "saw; pass@1 0.10 -> 0.30",
+        "final adapter: cli-run-ab12-v3 in hf://buckets/testns/asyncgrpo-runs/cli-run",
+        f"PEFT directory: /job/runs/cli-run/adapter{where}",
+        f"metrics: /job/runs/cli-run/metrics.jsonl{where}",
+    ], summary

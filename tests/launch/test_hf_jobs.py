@@ -14,6 +14,7 @@ from huggingface_hub import HfApi
 from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch import launch
+from asyncgrpo.launch.launcher import launch_dir as launch_dir_of
 from asyncgrpo.proxy.config import token_allowed
 from asyncgrpo.run.job import load_config
 from asyncgrpo.run.progress import progress_line
@@ -124,7 +125,7 @@ def test_launch_creates_replicas_then_trainer_and_follows_it_to_completion(
     # the trainer's progress, parsed from its log, and every job's log kept in the run dir
     assert [r["step"] for r in seen] == [1, 2, 3]
     assert seen[-1]["reward"] == pytest.approx(0.3) and seen[-1]["sync_s"] == 0.5
-    launch_dir = cfg.run_dir / "launch"
+    launch_dir = launch_dir_of(cfg)
     trainer_log = (launch_dir / "fake-run-trainer.log").read_text()
     assert "installing" in trainer_log
     for path in launch_dir.iterdir():
@@ -171,7 +172,7 @@ def test_a_replica_job_reported_failed_is_replaced_and_added_to_the_trainers_pro
     assert loaded.proxy.admin_api_key == loaded.proxy.api_key == TOKEN
     assert (loaded.proxy.host, loaded.proxy.port) == ("0.0.0.0", 8000)
     assert token_allowed(url[2], loaded.proxy) and loaded.proxy.upstream_api_key == TOKEN
-    manifest = json.loads((cfg.run_dir / "launch" / "jobs.json").read_text())
+    manifest = json.loads((launch_dir_of(cfg) / "jobs.json").read_text())
     names = {j["id"]: j["name"] for j in manifest["jobs"]}
     assert names[replicas[2].id] == "fake-run-replica-2"
     assert hub.cancelled() == {replicas[0].id, replicas[2].id}  # the failed one had ended
@@ -225,7 +226,7 @@ def test_a_replica_that_fails_to_start_surfaces_its_log_and_cancels_the_rest(
     replicas = hub.created("replica")
     assert len(replicas) == 2 and not hub.created("trainer")  # the trainer never started
     assert hub.cancelled() == {replicas[0].id}  # the healthy one; the failed one had ended
-    log = (cfg.run_dir / "launch" / "fake-run-replica-1.log").read_text()
+    log = (launch_dir_of(cfg) / "fake-run-replica-1.log").read_text()
     assert "CUDA out of memory" in log
 
 
@@ -342,7 +343,7 @@ def test_a_job_that_printed_nothing_fails_saying_its_log_is_empty_and_where(
     cfg = make_config(tmp_path)
     with pytest.raises(LaunchError) as info:
         run_launch(cfg, hub, lambda handle: handle.wait())
-    log = cfg.run_dir / "launch" / "fake-run-trainer.log"
+    log = launch_dir_of(cfg) / "fake-run-trainer.log"
     assert str(info.value).endswith(
         f"failed during the run (exit code 1); its log is empty (log file {log})"
     )
@@ -362,7 +363,7 @@ def test_a_sweep_whose_points_all_fail_shows_each_points_last_lines(
     text = str(info.value)
     assert text.startswith("2 of 2 sweep points failed:\n")
     for i in (0, 1):
-        log = cfg.run_dir / "launch" / f"fake-run-{i}-trainer.log"
+        log = launch_dir_of(cfg) / f"fake-run-{i}-trainer.log"
         assert re.search(
             rf"trainer job fake-run-{i}-trainer \(\w+\) failed during the run \(exit code 1\): "
             rf"point {i} broke; "

@@ -463,7 +463,7 @@ def launch_tiny(
         proc = subprocess.Popen(cmd, env=environ, stdout=stdout, stderr=stderr, text=True)
     try:
         if kill_replica_at is not None:
-            launch_dir = tmp_path / "tiny-cpu" / "launch"
+            launch_dir = tmp_path / "tiny-cpu-launch"
             trainer_log = launch_dir / "tiny-cpu-trainer.log"
 
             def until(what: str, done: Callable[[], bool]) -> None:
@@ -511,7 +511,7 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
     out = launch_tiny(tiny_model, tmp_path, "launch.replica_restart_backoff_s=0",
                       kill_replica_at=2)  # the example's 40 steps  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    launch_dir = tmp_path / "tiny-cpu" / "launch"
+    launch_dir = tmp_path / "tiny-cpu-launch"
     trainer_log = (launch_dir / "tiny-cpu-trainer.log").read_text()
     records = [r for r in map(parse_progress, trainer_log.splitlines()) if r is not None]
     assert [r["step"] for r in records] == list(range(1, 41))
@@ -521,6 +521,15 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_then_resumed(
     rewards = [r["reward"] for r in records]  # the demo measured 0.02 -> 0.99 over these steps
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
     assert "step 40/40" in out.stdout and "every job stopped" in out.stdout
+    # it ends with train's summary, naming the launched run's own directory
+    run_dir = launch_dir / "trainer" / "runs" / "tiny-cpu"
+    summary = out.stdout[out.stdout.index("trained 40 steps in ") :]
+    assert re.search(r"\nreward \d\.\d+ -> \d\.\d+ \(mean of the first and last 5 steps", summary)
+    assert "\nheld-out reward: " in summary and " (version 0) -> " in summary, summary
+    assert re.search(r"\nfinal adapter: tiny-cpu-\w+-v\d+ in ", summary), summary
+    assert f"\nPEFT directory: {run_dir / 'adapter'}\n" in summary, summary
+    assert f"\nmetrics: {run_dir / 'metrics.jsonl'}\n" in summary, summary
+    assert (run_dir / "adapter" / "adapter_config.json").is_file()
     # the trainer's proxy: two replicas, and two again once the replacement is in
     replicas = [r["replicas"] for r in records]
     assert replicas[:2] == [2, 2] and replicas[-1] == 2, replicas
@@ -577,7 +586,7 @@ def test_the_docs_two_point_sweep_runs_as_typed_and_shares_one_replica(tmp_path:
     for i in (0, 1):
         assert [f"tiny-cpu-{i}: step {s}/3" in out.stdout for s in (1, 2, 3)] == [True] * 3
     assert "every trainer completed" in out.stdout and "every job stopped" in out.stdout
-    launch_dir = tmp_path / "runs" / "tiny-cpu" / "launch"
+    launch_dir = tmp_path / "runs" / "tiny-cpu-launch"
     # the replica holds both windows: 2 x (max_staleness 1 + 2) LoRA slots
     assert "'max_loras': 6," in (launch_dir / "replica-0" / "replica-0.log").read_text()
     proxy_log = (launch_dir / "tiny-cpu-proxy.log").read_text()

@@ -184,7 +184,7 @@ def test_tiny_run_on_two_nodes_a_replica_actor_killed_is_replaced(
     cmd = launch_cmd(cluster, tiny_model, tmp_path, "trainer.max_steps=12",
                      "rollout.reward_funcs=[asyncgrpo.testing.rewards:gated_digit_fraction]")  # fmt: skip
     out, err = tmp_path / "launch.out", tmp_path / "launch.err"
-    launch_dir = tmp_path / "tiny-cpu" / "launch"
+    launch_dir = tmp_path / "tiny-cpu-launch"
     trainer_log = launch_dir / "tiny-cpu-trainer.log"
     started = time.monotonic()
     with out.open("w") as stdout, err.open("w") as stderr:

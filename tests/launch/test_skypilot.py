@@ -62,7 +62,7 @@ def test_dry_run_writes_tasks_that_skypilot_loads(tmp_path: Path, sweep: bool) -
     args = ["--dry-run", *(["--sweep", "trainer.learning_rate=1e-5,3e-5"] if sweep else [])]
     done = cli(tmp_path, *args)
     assert done.returncode == 0, done.stderr
-    task_dir = tmp_path / "runs" / "sky-run" / "launch" / "skypilot"
+    task_dir = tmp_path / "runs" / "sky-run-launch" / "skypilot"
     names = sorted(p.stem for p in task_dir.glob("*.yaml"))
     expected = ["sky-run-replica-0", "sky-run-replica-1"] + (
         ["sky-run-0-trainer", "sky-run-1-trainer", "sky-run-proxy"] if sweep

@@ -65,3 +65,38 @@ async def test_adding_or_removing_a_replica_ends(
                 await call
     finally:
         await server.close()
+
+
+@pytest.mark.anyio
+async def test_a_registered_replica_joins_a_restarted_proxy_again() -> None:
+    """A proxy restarted by its supervisor lists only the replicas of its command line: a
+    replica that joined later (``python -m asyncgrpo.serve --register``) joins again."""
+    from types import SimpleNamespace
+
+    import anyio
+
+    from asyncgrpo.serve.__main__ import Registration, stay_joined
+
+    replica = SimpleNamespace(index=0, url="http://127.0.0.1:9")
+    listed = [[replica.url], [replica.url], [], []]  # the proxy restarts after two looks
+    posts: list[dict] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        if request.method == "GET":
+            urls = listed.pop(0) if len(listed) > 1 else listed[0]
+            return web.json_response({"upstreams": [{"url": u} for u in urls]})
+        posts.append(await request.json())
+        listed[:] = [[replica.url]]  # joined: listed again
+        return web.json_response({"added": replica.url})
+
+    app = web.Application()
+    app.router.add_route("*", "/proxy/upstreams", handler)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        proxy = str(server.make_url("/")).rstrip("/")
+        with anyio.move_on_after(1.0):
+            await stay_joined(Registration(proxy, "adm"), [replica], 5, interval_s=0.02)
+    finally:
+        await server.close()
+    assert posts == [{"url": replica.url}]  # once: not while listed, once when forgotten

@@ -461,3 +461,40 @@ async def test_a_request_naming_its_run_counts_for_that_run(fleet: list[StandIn]
         _, doc = await Client(session, base).get("/proxy/runs")
     runs = doc["runs"]  # type: ignore[index]
     assert runs["run-x"]["requests"] == 1 and runs["run-x-eval"]["requests"] == 2
+
+
+async def test_a_restarted_trainer_keeps_its_predecessors_fresh_versions_loaded(
+    fleet: list[StandIn], tmp_path: Path
+) -> None:
+    """A trainer killed after version 5 (max_staleness 2: versions 3-5 loaded) and started
+    again: before it publishes version 6 it unloads what falls outside 6's window (3) and keeps
+    4 and 5, which rollout processes request until they read the new policy (unloading them at
+    once answered their requests 404 and ended them), retiring each as it ages out."""
+    cfg = ProxyConfig(upstreams=tuple(r.url for r in fleet), port=0,
+                      lora_roots=(str(tmp_path),), **FAST)  # fmt: skip
+    store, adapter = AdapterStore(str(tmp_path / "store")), stand_in_adapter(tmp_path)
+    names = {f"run-x-v{v}" for v in range(8)}
+
+    def loaded() -> set[str]:
+        assert fleet[0].adapters == fleet[1].adapters
+        return fleet[0].adapters & names
+
+    async with serve_proxy(cfg) as base, VLLMClient(base) as client:
+
+        def new_sync() -> AdapterSync:
+            return AdapterSync(store=store, source=LocalCacheSource(store, tmp_path / "cache"),
+                               loader=ProxyLoader(client), prefix="run-x", max_staleness=2)  # fmt: skip
+
+        killed = new_sync()
+        for v in range(6):
+            await killed.sync(v, adapter, step=v)
+        assert loaded() == {"run-x-v3", "run-x-v4", "run-x-v5"}
+        restarted = new_sync()  # the next process: it knows of nothing loaded
+        assert await restarted.retire_leftovers(6) == ["run-x-v3"]
+        assert loaded() == {"run-x-v4", "run-x-v5"}
+        await restarted.sync(6, adapter, step=6)
+        assert loaded() == {"run-x-v4", "run-x-v5", "run-x-v6"}
+        await restarted.sync(7, adapter, step=7)
+        assert loaded() == {"run-x-v5", "run-x-v6", "run-x-v7"}
+        await restarted.unload_all()
+        assert loaded() == set()

@@ -306,10 +306,10 @@ def test_memoized_scores_always_match_a_fresh_computation() -> None:
         op = rng.random()
         if op < 0.6:
             c = chains(rng.choice(prompts))
-            before = r._memo.get(c[0][-1])
-            hit = before is not None and before[0] == r._epoch
+            before = r.policy._memo.get(c[0][-1])
+            hit = before is not None and before[0] == r.policy._epoch
             candidates = [n for n, ok in r._available.items() if ok]
-            fresh = r._scores(tuple(c[0]), candidates)
+            fresh = r.policy._scores(tuple(c[0]), candidates)
             if candidates:
                 inflight.append(r.route(c))
             if hit:

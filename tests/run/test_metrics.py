@@ -182,3 +182,96 @@ def test_a_ratio_near_one_is_labelled_by_value_not_by_an_offset() -> None:
     plt.close(fig)
     assert ax.yaxis.get_offset_text().get_text() == ""
     assert all(label.startswith(("0.9999", "1.0000")) for label in labels), labels
+
+
+def test_a_resumed_writer_drops_the_lines_it_trains_again(tmp_path):
+    """Stopped at step 14 with a checkpoint at step 10: the rerun trains 11-14 again, and the
+    file holds each step once (a torn last line dropped too)."""
+    with MetricsWriter(tmp_path) as writer:
+        for step in range(1, 15):
+            writer.log({"reward": 0.0}, step=step)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 15, "rew')  # killed mid-write
+    with MetricsWriter(tmp_path, after_step=10) as writer:
+        for step in range(11, 16):
+            writer.log({"reward": 1.0}, step=step)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 16))
+    assert [r["reward"] for r in lines] == [0.0] * 10 + [1.0] * 5
+    with MetricsWriter(tmp_path, after_step=0):  # a fresh start over an old run's file
+        pass
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_a_checkpointed_steps_line_a_killed_run_never_wrote_is_written_from_the_checkpoint(
+    tmp_path,
+):
+    """Killed between its checkpoint of step 6 and that step's line: the rerun resumes after
+    step 6, so it writes step 6's line from the checkpoint, once."""
+    with MetricsWriter(tmp_path) as writer:
+        for step in range(1, 6):
+            writer.log({"reward": 0.0}, step=step)
+    with MetricsWriter(tmp_path, after_step=6, restore={"reward": 0.5}) as writer:
+        for step in (7, 8):
+            writer.log({"reward": 1.0}, step=step)
+    with MetricsWriter(tmp_path, after_step=8, restore={"reward": 9.0}):  # it has step 8
+        pass
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["reward"]) for r in lines] == [
+        *((s, 0.0) for s in range(1, 6)),
+        (6, 0.5),
+        (7, 1.0),
+        (8, 1.0),
+    ]
+
+
+FULL_DISK = r"""
+import os, sys
+from asyncgrpo.run.metrics import MetricsWriter
+from asyncgrpo.run.ledger import Ledger
+from asyncgrpo.testing.samples import sample
+run = sys.argv[1]
+w, ledger = MetricsWriter(run), Ledger(os.path.join(run, "samples.jsonl"))
+w.log({"reward": 0.1}, step=1)
+ledger.trained(1, 0, [sample("g", sample_id="a")], [])
+filler = open(os.path.join(run, "filler"), "wb", buffering=0)
+try:
+    while True:
+        filler.write(b"x" * 4096)
+
+except OSError:
+    pass
+for step in (2, 3):
+    w.log({"reward": 0.2, "pad": "y" * 3000}, step=step)
+    ledger.trained(step, 0, [sample("g", sample_id="b" * 100)] * 30, [])
+filler.close()
+os.unlink(os.path.join(run, "filler"))
+w.log({"reward": 0.4}, step=4)
+ledger.trained(4, 0, [sample("g", sample_id="c")], [])
+w.close()
+"""
+
+
+def test_a_full_disk_delays_rows_and_tears_none(tmp_path):
+    """A full disk (a real one: a 1 MiB tmpfs in a private mount namespace) under the metrics
+    and the sample ledger: the rows that meet it are written with the next ones once there is
+    room; none is missing, and no torn line sits between two whole ones."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("a tmpfs in a private mount namespace needs root")
+    run = tmp_path / "run"
+    run.mkdir()
+    script = (f"mount -t tmpfs -o size=1m full {run} && {sys.executable} -c "
+              f"'{FULL_DISK}' {run} && cp {run}/*.jsonl {tmp_path}/")  # fmt: skip
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "lines kept for the next write" in done.stderr
+    rows = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]

@@ -125,3 +125,72 @@ def test_a_launched_jobs_lines_are_read_back_by_the_launcher() -> None:
     phase, step = out.getvalue().splitlines()
     assert phase == "model m: found" and parse_progress(phase) is None
     assert parse_progress(step) == {"step": 2, "max_steps": 5, "reward": 0.5}
+
+
+def test_a_terminal_of_no_width_gets_one_line_per_step() -> None:
+    """Some CI and container pseudo-terminals report 0 columns: a bar sized to the width
+    would draw nothing there."""
+    import fcntl
+    import os
+    import struct
+    import termios
+
+    master, slave = os.openpty()
+    try:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+        with open(slave, "w", closefd=False) as stream, ConsoleProgress(2, stream=stream) as p:
+            assert stream.isatty() and os.get_terminal_size(slave).columns == 0
+            p.step(1, {"reward": 0.25})
+            p.step(2, {"reward": 0.5})
+        os.set_blocking(master, False)
+        shown = os.read(master, 65536).decode()
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert "step 1/2  reward 0.250" in shown and "step 2/2  reward 0.500" in shown, shown
+
+
+def test_the_summary_names_the_held_out_result_the_peft_directory_and_the_metrics(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "metrics.jsonl").write_text("")
+    result = RunResult(run_dir=tmp_path, adapter_prefix="tiny-ab12", steps=10, final_version=10,
+                       resumed_from_step=None, transport_url="file:///s",
+                       adapter_dir=tmp_path / "adapter")  # fmt: skip
+    records = [{"step": s, "reward": s / 10} for s in range(1, 11)]
+    evals = [{"eval/version": 0.0, "eval/reward": 0.125, "eval/pass@1": 0.1, "eval/prompts": 4.0},
+             {"eval/version": 10.0, "eval/reward": 0.5, "eval/pass@1": 0.4,
+              "eval/prompts": 4.0}]  # fmt: skip
+    lines = summary_lines(result, records, 42.0, evals=evals)
+    assert lines == [
+        "trained 10 steps in 42 s",
+        "reward 0.300 -> 0.800 (mean of the first and last 5 steps of this run)",
+        "held-out reward: 0.125 (version 0) -> 0.500 (version 10) over 4 prompts the trainer "
+        "never saw; pass@1 0.10 -> 0.40",
+        "final adapter: tiny-ab12-v10 in file:///s",
+        f"PEFT directory: {tmp_path / 'adapter'}",
+        f"metrics: {tmp_path / 'metrics.jsonl'}",
+        f"plot: asyncgrpo plot {tmp_path}",
+    ]
+
+
+def test_a_launched_jobs_result_line_gives_the_launcher_the_same_summary(tmp_path: Path) -> None:
+    from asyncgrpo.run.progress import parse_result, result_line
+
+    result = RunResult(run_dir=tmp_path / "run", adapter_prefix="tiny-ab12", steps=3,
+                       final_version=3, resumed_from_step=None, transport_url="s3://b/run",
+                       adapter_dir=tmp_path / "run" / "adapter")  # fmt: skip
+    evals = [{"eval/version": 0, "eval/reward": 0.25, "model": "tiny-ab12-v0"},
+             {"eval/version": 1, "eval/reward": 0.3}, {"eval/version": 3, "eval/reward": 0.5}]  # fmt: skip
+    line = "2026-01-01 12:00:00 INFO x: " + result_line(result, evals)
+    parsed = parse_result(line)
+    assert parsed == (result, [{"eval/version": 0, "eval/reward": 0.25},
+                               {"eval/version": 3, "eval/reward": 0.5}])  # fmt: skip
+    assert parse_result("trained 3 steps") is None
+    remote = summary_lines(
+        result, [], 1.0, evals=parsed[1], where=" (on the trainer job's machine)"
+    )
+    assert (
+        f"PEFT directory: {tmp_path / 'run' / 'adapter'} (on the trainer job's machine)" in remote
+    )
+    assert f"metrics: {tmp_path / 'run' / 'metrics.jsonl'} (on the trainer job's machine)" in remote

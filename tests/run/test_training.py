@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -232,29 +232,73 @@ def _adapter_prefix(store: Path) -> str:
     return f"{run['run_name']}-{run['run_id']}"
 
 
-def test_killed_trainer_resumes_from_its_last_checkpoint(
+def _until(trainer: subprocess.Popen, what: str, done: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 600
+    while not done():
+        assert trainer.poll() is None, f"the trainer exited before {what}"
+        assert time.monotonic() < deadline, f"no {what} within 10 minutes"
+        time.sleep(0.2)
+
+
+def test_interrupted_then_killed_trainer_resumes_each_step_once_and_leaves_no_scratch(
     vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
 ) -> None:
+    """Ctrl-C after a step beyond a checkpoint: the first signal says what the command does,
+    the last line where a rerun resumes; no scratch directory is left. The rerun is then killed
+    outright (SIGKILL: its scratch directory stays), and the next one resumes, trains to the
+    end, and leaves each step once in metrics.jsonl and no scratch directory."""
     config = _write_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
                            trainer={"max_steps": 10, "save_steps": 3, "weight_sync_steps": 2})  # fmt: skip
-    store = tmp_path / "t" / "store"
+    run_dir = tmp_path / "t"
+    store = run_dir / "store"
     checkpoints = CheckpointStore(str(store))
+
+    def logged() -> list[int]:
+        path = run_dir / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [json.loads(line)["step"] for line in lines if line.endswith("}")]
+
+    # 1. Ctrl-C once a step beyond the first checkpoint is logged
+    trainer = subprocess.Popen(_cli("train", str(config)), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        _until(trainer, "a step after a checkpoint", lambda: (
+            (ckpt := anyio.run(checkpoints.latest_checkpoint)) is not None
+            and max(logged(), default=0) > ckpt))  # fmt: skip
+        trainer.send_signal(signal.SIGINT)
+        out, err = trainer.communicate(timeout=120)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    assert trainer.returncode == 130, err[-3000:]
+    assert "SIGINT: stopping the run: rollouts end, adapters are unloaded" in err, err[-3000:]
+    kept = anyio.run(checkpoints.latest_checkpoint)
+    stopped = max(logged())
+    assert stopped > kept
+    said = re.search(r"interrupted at step (\d+): the checkpoint of step (\d+) is kept, and the "
+                     r"same command resumes from it(; steps (\d+)-(\d+) are trained again)?", out)  # fmt: skip
+    assert said is not None, out[-3000:]
+    at, ckpt = int(said[1]), int(said[2])
+    assert ckpt == kept and at == stopped
+    if at > ckpt:
+        assert (int(said[4]), int(said[5])) == (kept + 1, at), said[0]
+    assert not list(run_dir.glob(".scratch-*")), "Ctrl-C left a scratch directory"
+
+    # 2. the rerun resumes and is killed outright after its next checkpoint
     trainer = subprocess.Popen(_cli("train", str(config)), stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 600
-        while (anyio.run(checkpoints.latest_checkpoint) or 0) < 3:
-            assert trainer.poll() is None, "the trainer exited before its first checkpoint"
-            assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
-            time.sleep(0.5)
+        _until(trainer, "a checkpoint after the resume",
+               lambda: (anyio.run(checkpoints.latest_checkpoint) or 0) > kept)  # fmt: skip
     finally:
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
     prefix = _adapter_prefix(store)
     before = anyio.run(AdapterStore(str(store)).versions, prefix)
-    killed_at = max(r["step"] for r in read_metrics(tmp_path / "t" / "metrics.jsonl"))
     resumed = anyio.run(checkpoints.latest_checkpoint)
-    assert resumed is not None
+    assert resumed is not None and list(run_dir.glob(".scratch-*")), "SIGKILL leaves its scratch"
 
+    # 3. the next resumes from there and trains to the end
     done = subprocess.run(_cli("train", str(config)), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     # Under a pipe: the phases, one line per step trained this time, a summary that says so.
@@ -265,16 +309,18 @@ def test_killed_trainer_resumes_from_its_last_checkpoint(
     trained = f"{10 - resumed} step{'s' if 10 - resumed != 1 else ''}"
     assert (f"trained {trained} in " in done.stdout
             and f"(resumed from the checkpoint of step {resumed}; 10 steps in all)" in done.stdout)  # fmt: skip
+    assert f"PEFT directory: {run_dir / 'adapter'}" in done.stdout
     assert "\r" not in done.stdout  # no progress bar off a terminal
     after = anyio.run(AdapterStore(str(store)).versions, prefix)
     assert after == list(range(len(after))), "version numbers must be contiguous"
     assert set(before) < set(after), "a published version was lost"
     assert after[-1] > before[-1]
-    steps = [r["step"] for r in read_metrics(tmp_path / "t" / "metrics.jsonl")]
-    assert steps == list(range(1, 11))
-    # It resumed (from step 3 or 6), not from scratch: the restart's first line follows a checkpoint.
-    assert killed_at >= 3
+    # each step once in the file itself, not only as read_metrics dedups it
+    assert logged() == list(range(1, 11))
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(1, 11))
     assert anyio.run(checkpoints.steps)[-1] == 10
+    assert not list(run_dir.glob(".scratch-*")), "the killed run's scratch directory is left"
+    assert not (run_dir / "run.lock").exists()
 
 
 def test_split_mode_rollouts_ship_through_the_transport(
@@ -354,8 +400,10 @@ async def test_training_continues_when_one_of_its_own_replicas_dies(
     result = await run_training(cfg, on_step=kill_at_step_3, progress=heard)
     # the replicas' start, with their count and how long it took, before the first version
     starting = next(i for i, t in enumerate(heard.said) if t.startswith("starting 2 vLLM replicas"))
-    assert re.fullmatch(r"2 replicas healthy after \d+ s", heard.said[starting + 1]), heard.said
-    assert any(t.startswith("version 0 (") for t in heard.said[starting + 2 :]), heard.said
+    waiting = [t for t in heard.said[starting + 1 :] if t.startswith("replicas still starting")]
+    healthy = starting + 1 + len(waiting)  # a line every 30 s while they start
+    assert re.fullmatch(r"2 replicas healthy after \d+ s", heard.said[healthy]), heard.said
+    assert any(t.startswith("version 0 (") for t in heard.said[healthy + 1 :]), heard.said
     assert killed == [3]
     assert result.steps == 8
     assert result.final_version == 8  # syncs after the death reached the surviving replica
@@ -407,7 +455,7 @@ def _on_a_terminal(argv: list[str], timeout_s: float) -> tuple[int, str]:
 #: What a run directory may hold (docs/runs.md, "The run directory").
 RUN_DIR_ENTRIES = {"metrics.jsonl", "store", "adapter-cache", "replica-logs", "replica-adapters",
                    "resume", "plot.png", "adapter", "eval.jsonl", "eval_metrics.jsonl",
-                   "proxy-booking-token", "wandb"}  # fmt: skip
+                   "proxy-booking-token", "wandb", "run.lock"}  # fmt: skip
 
 
 def test_train_on_a_terminal_shows_phases_a_progress_bar_and_a_summary(
@@ -418,6 +466,7 @@ def test_train_on_a_terminal_shows_phases_a_progress_bar_and_a_summary(
     status, out = _on_a_terminal(_cli("train", str(config)), timeout_s=600)
     assert status == 0, out[-3000:]
     phases = [f"model {tiny_model}: found", "2 remote replica(s) behind the run's proxy",
+              "dtype: float32 on the replicas and in the trainer",  # what /server_info said
               "loading the trainer's model", "version 0 (", "loaded on every replica"]  # fmt: skip
     for phase in phases:
         assert phase in out, out[-3000:]

@@ -105,8 +105,8 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     )  # fmt: skip
 
 
-def test_launch_dry_run_shows_no_credential(tmp_path: Path) -> None:
-    p = _cli("launch", str(EXAMPLE), "--backend", "local", "--dry-run",
+def test_launch_dry_run_shows_no_credential(tmp_path: Path, tiny_model: Path) -> None:
+    p = _cli("launch", str(EXAMPLE), "--backend", "local", "--dry-run", f"model={tiny_model}",
              f"output_dir={tmp_path}", env={"ASYNCGRPO_TRANSPORT_URL": SAS_URL})  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert "acct.blob.core.windows.net" in p.stdout or "ASYNCGRPO_SERVE_TRANSPORTS" in p.stdout
@@ -148,3 +148,57 @@ def test_a_wrongly_typed_secret_is_not_echoed() -> None:
                 {"model": "m", "dataset": {"prompts": ["p"]}, section: {"api_key": 90817263}}
             )
         assert "90817263" not in str(info.value)
+
+
+def test_launch_dry_run_errors_show_no_credential(tmp_path: Path) -> None:
+    """A transport the backend cannot use was refused naming the URL whole, SAS token and
+    all (``asyncgrpo launch --backend hf-jobs --dry-run``), although dry-run output and errors
+    promise redaction. The command's path in-process: its config, its dry run, its error line."""
+    from asyncgrpo.console import error_lines
+    from asyncgrpo.launch.launcher import dry_run
+
+    cfg = TrainingConfig.from_yaml(EXAMPLE, overrides=[f"output_dir={tmp_path}"],
+                                   environ={"ASYNCGRPO_TRANSPORT_URL": SAS_URL})  # fmt: skip
+    with pytest.raises(ConfigError, match="share no disk") as info:
+        dry_run(cfg, "hf-jobs")
+    (line,) = error_lines("asyncgrpo", info.value)
+    assert "sig=REDACTED" in line and _leaks(line) == []
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"s3://bucket/run?X-Amz-Signature={SIG}&X-Amz-Credential=AKIAIOSFODNN7EXAMPLE",
+        f"s3://bucket/run#sig={SIG}",
+        f"hf://buckets/ns/b/run?token={SIG}",
+        f"hf://datasets/ns/d?sig={SIG}",
+        f"ftp://host/run?sig={SIG}",
+    ],
+)
+def test_a_transport_url_refused_is_shown_without_its_credentials(url: str) -> None:
+    from asyncgrpo.transport import check_transport_url
+
+    with pytest.raises(ConfigError) as info:
+        check_transport_url(url)
+    assert _leaks(str(info.value)) == [] and "REDACTED" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url", [f"http://user:{SIG}@replica:8000", f"http://replica:8000/?sig={SIG}"]
+)
+def test_a_replica_url_refused_is_shown_without_its_credentials(url: str) -> None:
+    from asyncgrpo.proxy.config import split_url
+
+    with pytest.raises(ValueError, match="no credentials") as info:
+        split_url(url)
+    assert _leaks(str(info.value)) == []
+
+
+def test_every_error_line_a_command_prints_is_redacted() -> None:
+    """An error asyncgrpo did not word itself (a library's, quoting the URL it was given)."""
+    from asyncgrpo.console import error_lines
+
+    for exc in (OSError(f"cannot reach {SAS_URL}"), ConfigError(f"bad {SAS_URL}"),
+                ValueError(f"signed url%3Fsig%3D{SIG}")):  # fmt: skip
+        (line,) = error_lines("asyncgrpo", exc)
+        assert _leaks(line) == [] and "REDACTED" in line, line

@@ -22,6 +22,7 @@ def test_binary_encoding_roundtrips_exactly() -> None:
             rewards={"math": 1.0, "fmt": 0.5},
             finish_reason="stop",
             replica="http://127.0.0.1:8001",
+            sample_id="3f2a9c01-17-4",
         ),
         sample("b", n=0, reward=-2.0, finish_reason=None),
         sample("c", n=3000, version=0),
@@ -50,12 +51,28 @@ def test_multi_turn_fields_roundtrip_and_old_formats_are_refused() -> None:
                         "temperature": 1.0, "rewards": {}, "finish_reason": None,
                         "np": 1, "nc": 1}]).encode()  # fmt: skip
     old = struct.pack("<4sBI", b"AGRB", 1, len(head)) + head + b"\0" * 12
-    with pytest.raises(ConfigError, match=r"format v1, this asyncgrpo reads v2.*same release"):
+    with pytest.raises(
+        ConfigError, match=r"format v1, this asyncgrpo reads v2 and v3.*same release"
+    ):
         decode_batch(old)
     newer = bytearray(encode_batch(batch))
-    newer[4] = 3
-    with pytest.raises(ConfigError, match="format v3"):
+    newer[4] = 4
+    with pytest.raises(ConfigError, match="format v4"):
         decode_batch(bytes(newer))
+
+
+def test_format_2_batches_are_still_read_and_ids_are_checked() -> None:
+    """v2 (before sample ids) differs from v3 only by the optional ``i``: still read."""
+    v2 = bytearray(encode_batch([sample("a"), sample("b", n=2)]))
+    v2[4] = 2
+    assert [s.sample_id for s in decode_batch(bytes(v2))] == [None, None]
+    for bad_id in ("", 7, "x" * 129):
+        head = json.dumps([{"reward": 1.0, "advantage": 0.0, "version": 0, "group_id": "x",
+                            "temperature": 1.0, "rewards": {}, "finish_reason": None,
+                            "np": 1, "nc": 1, "i": bad_id}]).encode()  # fmt: skip
+        data = struct.pack("<4sBI", b"AGRB", 3, len(head)) + head + b"\0" * 12
+        with pytest.raises(IntegrityError, match="its id"):
+            decode_batch(data)
 
 
 def test_a_negative_token_id_is_refused() -> None:

@@ -116,3 +116,29 @@ async def test_an_exported_version_loads_in_vllm_as_a_directory(
     served = choice["logprobs"]["token_logprobs"]
     reference = reference_logprobs(tiny_model, lora_adapter, prompt, choice["token_ids"])
     assert max(abs(a - b) for a, b in zip(served, reference, strict=True)) < 1e-4
+
+
+async def test_an_exported_adapter_names_its_base_model_portably(
+    tmp_path, tiny_model, lora_adapter
+):
+    """Not this machine's absolute path: the model's name by default, its path relative to the
+    export, the path as trained, or a value given."""
+    import json
+
+    await _published(tmp_path / "run", lora_adapter)
+    trained = json.loads((lora_adapter / "adapter_config.json").read_text())
+    assert trained["base_model_name_or_path"] == str(tiny_model)  # absolute, as trained
+
+    def base(dest: str, *flags: str) -> str:
+        done = _cli("run", dest, "--version", "1", *flags, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        config = json.loads((tmp_path / dest / "adapter_config.json").read_text())
+        assert f"its base model: {config['base_model_name_or_path']})" in done.stdout
+        return config["base_model_name_or_path"]
+
+    assert base("by-name") == tiny_model.name
+    relative = base("nested/by-path", "--base-model", "relative")
+    assert not Path(relative).is_absolute()
+    assert (tmp_path / "nested" / "by-path" / relative).resolve() == tiny_model.resolve()
+    assert base("as-trained", "--base-model", "as-trained") == str(tiny_model)
+    assert base("given", "--base-model", "Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"

@@ -85,7 +85,7 @@ def test_a_released_client_s_paths_and_sampling_sessions_are_forgotten(tmp_path:
     # Nothing was booked or published, so releasing asks nothing of the proxy.
     sampler = Sampler(None, None, base_model="base", cache_dir=tmp_path, keep=1)  # type: ignore[arg-type]
     sampler.paths = {"tinker://a/sampler_weights/x": "a-v1", "tinker://b/sampler_weights/y": "b-v2"}
-    gone, kept, base = (sampler.new_session(n) for n in ("a-v1", "b-v2", "base"))
+    gone, kept, base = (sampler.new_session(n, None) for n in ("a-v1", "b-v2", "base"))
     anyio.run(sampler.release, "a")
     with pytest.raises(UnknownSampler, match="no sampler weights"):
         sampler.resolve(session=None, path="tinker://a/sampler_weights/x", base=None)
@@ -93,3 +93,88 @@ def test_a_released_client_s_paths_and_sampling_sessions_are_forgotten(tmp_path:
         sampler.resolve(session=gone, path=None, base=None)
     assert sampler.resolve(session=kept, path=None, base=None) == "b-v2"
     assert sampler.resolve(session=base, path=None, base=None) == "base"
+
+
+class _Slots:
+    """A fleet of ``capacity`` clients' slots (the sampler's side of booking)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.booked: set[str] = set()
+
+    async def book(self, model_id: str) -> None:
+        from asyncgrpo.tinker.sampling import SlotsFull
+
+        if len(self.booked) >= self.capacity:
+            raise SlotsFull(f"no LoRA slots left for {model_id}")
+        self.booked.add(model_id)
+
+    async def release(self, model_id: str) -> None:
+        self.booked.discard(model_id)
+
+
+class _Engine:
+    def create(self, model_id: str, spec: object) -> None:
+        pass
+
+    def remove(self, model_id: str) -> None:
+        pass
+
+
+class _States:
+    async def start_run(self, run_id: str, spec: object) -> None:
+        pass
+
+
+def test_a_client_that_does_not_fit_waits_for_a_quiet_session_to_expire() -> None:
+    """Two sessions hold the fleet. While both heartbeat, a third client is refused as soon as
+    both have spoken; once one stops (a program that ended without closing its ServiceClient),
+    the third waits until it expires and gets its slots."""
+    import anyio
+
+    from asyncgrpo.tinker.engine import LoraSpec
+    from asyncgrpo.tinker.routes import add_client
+    from asyncgrpo.tinker.sampling import SlotsFull
+    from asyncgrpo.tinker.service import TinkerService, TrainingModel
+
+    spec = LoraSpec(rank=1, seed=0, train_mlp=True, train_attn=True)
+    slots = _Slots(capacity=2)
+    service = TinkerService(_Engine(), states=_States(), sampler=slots, session_timeout_s=1.0)
+    speaking = {"gone": True}
+
+    async def body() -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(service.run)
+            gone, alive, new = (service.new_session() for _ in range(3))
+            models = [TrainingModel(f"{s.session_id}_m0", s.session_id, 1)
+                      for s in (gone, alive, new)]  # fmt: skip
+
+            async def heartbeats() -> None:
+                while True:
+                    service.touch(alive.session_id)
+                    if speaking["gone"]:
+                        service.touch(gone.session_id)
+                    await anyio.sleep(0.1)
+
+            for model in models[:2]:
+                service.add_model(model)
+                await service.book_slots(model)
+            tg.start_soon(heartbeats)
+            start = time.monotonic()
+            with pytest.raises(SlotsFull):  # both holders speak: refused, not waited on
+                await service.book_slots(models[2])
+            assert time.monotonic() - start < 0.9
+            speaking["gone"] = False
+            start = time.monotonic()
+            # as create_model does: beside the queue, so that the worker runs the quiet
+            # session's removal meanwhile (booking from the worker would wait on itself)
+            rid = service.spawn(lambda: add_client(service, models[2], spec), models[2].model_id)
+            outcome = await service.futures.wait(rid, 10.0)
+            assert outcome is not None and outcome.error is None, outcome
+            waited = time.monotonic() - start
+            assert 0.5 < waited < 3.0, waited
+            assert slots.booked == {models[1].adapter, models[2].adapter}
+            assert not service.is_open(gone.session_id) and service.is_open(alive.session_id)
+            tg.cancel_scope.cancel()
+
+    anyio.run(body)

@@ -174,3 +174,129 @@ def _wait_gone(replicas: list, prefix: str, timeout_s: float = 60.0) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"{prefix}* still served after {timeout_s:g} s")
+
+
+def _rl_datum(prompt: list[int], seq, advantage: float):
+    """rl_loop's datum of one sample, with the provenance it attaches for stable_reinforce."""
+    from tinker import types
+
+    tokens = list(seq.tokens)
+    n_prompt = len(prompt)
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(prompt + tokens[:-1]),
+        loss_fn_inputs={"target_tokens": prompt[1:] + tokens,
+                        "logprobs": [0.0] * (n_prompt - 1) + list(seq.logprobs),
+                        "advantages": [0.0] * (n_prompt - 1) + [advantage] * len(tokens)},
+    )  # fmt: skip
+    return datum.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=n_prompt),
+                     types.SampledProvenanceSpan(sequence_id=seq.sequence_id,
+                                                 length=len(tokens) - 1)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1,
+                                                   length=n_prompt - 1),
+                        types.SampledProvenanceSpan(sequence_id=seq.sequence_id,
+                                                    length=len(tokens))],
+    )  # fmt: skip
+
+
+def test_stable_reinforce_trains_on_what_the_sampler_recorded(fleet, tiny_model: Path) -> None:
+    """Sampled with record_stability_info, trained with stable_reinforce: the loss is the
+    importance-corrected REINFORCE against the recorded logprobs (not the datum's), the
+    sampler-vs-trainer gap the step reports is float32 noise, and provenance that does not
+    match what was recorded, or names a sequence never recorded, is a BadRequestError."""
+    import dataclasses
+
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=fleet)
+    training = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    tokenizer = training.get_tokenizer()
+    recorder = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    prompt = tokenizer.encode("12 + 7 =")
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=4)
+    seqs = recorder.sample(types.ModelInput.from_ints(prompt), 4, params).result().sequences
+    assert len({s.sequence_id for s in seqs}) == 4
+    data = [_rl_datum(prompt, s, a) for s, a in zip(seqs, [1.0, -1.0, 0.5, -0.5], strict=True)]
+    # the datum's own logprobs are ignored: zeros here change nothing
+    blank = [dataclasses.replace(d, loss_fn_inputs={**d.loss_fn_inputs,
+                                                    "logprobs": [0.0] * d.model_input.length})
+             for d in data]  # fmt: skip
+    out = training.forward_backward(blank, "stable_reinforce").result()
+    expected = 0.0
+    for seq, datum, o in zip(seqs, data, out.loss_fn_outputs, strict=True):
+        logp = o["logprobs"].to_numpy()[len(prompt) - 1 :]
+        adv = datum.loss_fn_inputs["advantages"].to_numpy()[len(prompt) - 1 :]
+        expected -= float((np.exp(logp - np.asarray(seq.logprobs)) * adv).sum())
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    assert abs(out.metrics["kl_sample_train_v1:mean"]) < 1e-4
+    step = training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert step.metrics["kl_sample_train_v2:mean"] < 1e-6
+    bad = data[0].loss_fn_inputs["target_tokens"].to_numpy().copy()
+    bad[-1] = (bad[-1] + 1) % 300
+    tampered = dataclasses.replace(data[0], loss_fn_inputs={**data[0].loss_fn_inputs,
+                                                            "target_tokens": bad.tolist()})  # fmt: skip
+    with pytest.raises(tinker.BadRequestError, match=r"target_tokens\[\d+\] is .* sampled token"):
+        training.forward_backward([tampered], "stable_reinforce").result()
+    plain = training.save_weights_and_get_sampling_client().result()  # records nothing
+    other = plain.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
+    with pytest.raises(tinker.BadRequestError, match="record_stability_info=True"):
+        training.forward_backward([_rl_datum(prompt, other, 1.0)], "stable_reinforce").result()
+    # any other loss takes the same datum, spans and all (rl.train attaches them always)
+    training.forward_backward([_rl_datum(prompt, other, 1.0)], "importance_sampling").result()
+    service.close("success").result()
+
+
+def test_topk_and_target_prompt_logprobs_agree_with_the_prompt_logprobs(
+    fleet, tiny_model: Path
+) -> None:
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=fleet)
+    sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
+    tokenizer = service.create_lora_training_client(base_model=str(tiny_model), rank=1).result(
+    ).get_tokenizer()  # fmt: skip
+    prompt = tokenizer.encode("3 + 4 = 7")
+    n = len(prompt)
+    # ask, at every position, for the prompt's own token and for token 5
+    targets = np.stack([np.asarray(prompt[1:]), np.full(n - 1, 5)], axis=1).astype(np.int64)
+    out = sampler.sample(types.ModelInput.from_ints(prompt), 2,
+                         types.SamplingParams(max_tokens=3, seed=0), include_prompt_logprobs=True,
+                         topk_prompt_logprobs=3, topk_sample_logprobs=2,
+                         target_prompt_logprobs=tinker.TensorData.from_numpy(targets)).result()  # fmt: skip
+    own = np.asarray(out.prompt_logprobs[1:], dtype=np.float64)
+    scored = out.target_prompt_logprobs.to_numpy()
+    assert scored.shape == (n - 1, 2)
+    assert np.abs(scored[:, 0] - own).max() < 1e-4  # the two ways of scoring agree
+    for row, token, lp in zip(out.topk_prompt_logprobs[1:], prompt[1:], own, strict=True):
+        values = [v for _, v in row]
+        assert len(row) == 3 and values == sorted(values, reverse=True)
+        mine = [v for t, v in row if t == token]
+        assert mine == [pytest.approx(lp, abs=1e-4)] if mine else lp <= values[-1] + 1e-4
+    for seq in out.sequences:
+        assert len(seq.topk_logprobs) == len(seq.tokens)
+        for (token, lp), top in zip(zip(seq.tokens, seq.logprobs, strict=True), seq.topk_logprobs,
+                                    strict=True):  # fmt: skip
+            assert top[0][1] >= top[1][1] and top[0][1] >= lp - 1e-4
+            if token == top[0][0]:
+                assert top[0][1] == pytest.approx(lp, abs=1e-4)
+    service.close("success").result()
+
+
+def test_requests_past_the_replicas_limits_are_bad_requests_naming_them(
+    fleet, tiny_model: Path
+) -> None:
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=fleet)
+    sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    with pytest.raises(tinker.BadRequestError, match=r"max_tokens=5000 make 5003: .*--max-model-"
+                                                     r"len is 1024.*lower max_tokens"):  # fmt: skip
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=5000)).result()
+    with pytest.raises(tinker.BadRequestError, match=r"at most 20 top logprobs .*--max-logprobs"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), topk_prompt_logprobs=50,
+                       include_prompt_logprobs=True).result()  # fmt: skip
+    service.close("success").result()

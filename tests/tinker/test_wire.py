@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
-from asyncgrpo.tinker.sampling import completions_body, sample_result
 from asyncgrpo.tinker.wire import (
     FwdBwdResult,
     SampledSeq,
@@ -65,31 +62,31 @@ def test_a_forward_backward_request_round_trips_through_the_sdks_encoder() -> No
         decode_fwdbwd(b"\xff\xff\xff")
 
 
-def test_a_sample_request_becomes_one_completion_of_n() -> None:
+def test_provenance_spans_are_read_with_the_datum() -> None:
     from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
 
-    params = types.SamplingParams(max_tokens=5, temperature=0.7, top_k=20, seed=3, stop=[9])
-    body = completions_body("m-v2", [1, 2], 8, params, prompt_logprobs=True)
-    assert body == {"model": "m-v2", "prompt": [1, 2], "n": 8, "temperature": 0.7, "top_p": 1,
-                    "top_k": 20, "logprobs": 0, "return_token_ids": True, "max_tokens": 5,
-                    "seed": 3, "stop_token_ids": [9], "prompt_logprobs": 0}  # fmt: skip
-    text_stops = completions_body("m", [1], 1, types.SamplingParams(stop="\n"), False)
-    assert text_stops["stop"] == ["\n"]
-    assert completions_body("m", [1], 1, types.SamplingParams(stop=[]), False)["ignore_eos"]
-    with pytest.raises(WireError, match="prompt is empty"):
-        completions_body("m", [], 1, params, False)
+    from asyncgrpo.tinker.provenance import Span
 
-
-def test_vllms_answer_becomes_the_samples_in_choice_order() -> None:
-    answer = {"choices": [
-        {"index": 1, "token_ids": [8], "finish_reason": "length",
-         "logprobs": {"token_logprobs": [-0.1]}},
-        {"index": 0, "token_ids": [5, 6], "finish_reason": "stop",
-         "logprobs": {"token_logprobs": [-1.0, -2.0]},
-         "prompt_logprobs": [None, {"2": {"logprob": -4.0, "rank": 3}}]},
-    ]}  # fmt: skip
-    result = sample_result(answer, [1, 2], prompt_logprobs=True)
-    assert [s.tokens.tolist() for s in result.sequences] == [[5, 6], [8]]
-    assert [s.stop_reason for s in result.sequences] == ["stop", "length"]
-    assert result.prompt_logprobs is not None
-    assert math.isnan(result.prompt_logprobs[0]) and result.prompt_logprobs[1] == -4.0
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "advantages": [0.0, 0.0, 1.0, 1.0]},
+    ).with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id="s1", length=2),
+                     types.SampledProvenanceSpan(sequence_id="s1", length=2)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id="s1", offset=1, length=1),
+                        types.SampledProvenanceSpan(sequence_id="s1", length=3)],
+    )  # fmt: skip
+    plain = types.Datum(model_input=types.ModelInput.from_ints([1]),
+                        loss_fn_inputs={"target_tokens": [2], "advantages": [1.0]})  # fmt: skip
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(
+            data=[datum, plain], loss_fn="importance_sampling"
+        ),
+        model_id="m",
+        seq_id=1,
+    )
+    decoded = decode_fwdbwd(forward_backward_request_to_proto(request).SerializeToString())
+    assert decoded.data[0].input_spans == (Span("prompt", "s1", 0, 2), Span("sampled", "s1", 0, 2))
+    assert decoded.data[0].target_spans == (Span("prompt", "s1", 1, 1), Span("sampled", "s1", 0, 3))
+    assert decoded.data[1].input_spans is None and decoded.data[1].target_spans is None

@@ -11,8 +11,11 @@ runs, so it isolates what the off-policy correction is for.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import tempfile
 from collections import deque
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,9 @@ from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 from asyncgrpo.trainer.loop import Trainer
 
 DIGITS = 12  # token ids 0..11 earn reward
+#: Something done to the run at one step, just before ``Trainer.step`` (a forced spike, a broken
+#: adapter): it gets the trainer and the step's samples and returns the samples to train on.
+Event = Callable[[Trainer, list[Sample]], list[Sample]]
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 #: the optimisation settings of the demo recipe the simulation takes over (the rest is its own)
 RECIPE_FIELDS = ("learning_rate", "scale_rewards", "loss_type", "beta", "adam_beta1", "adam_epsilon",
@@ -69,17 +75,21 @@ def simulate(
     group: int = 8,
     length: int = 8,
     records: list[dict[str, float]] | None = None,
+    events: Mapping[int, Event] | None = None,
     **overrides: Any,
 ) -> list[float]:
-    """The mean reward of each step's samples; each step's metrics go to ``records`` if given.
-    ``overrides`` are further ``TrainerConfig`` fields. Runs on one thread: the same sums, so
-    the same trajectory for a seed, however many cores the machine has."""
+    """The mean reward of each step's samples; each step's metrics go to ``records`` if given;
+    ``events[i]`` happens at step ``i`` (0-based), before the trainer steps. ``overrides`` are
+    further ``TrainerConfig`` fields. Runs on one thread: the same sums, so the same trajectory
+    for a seed on one machine (float results differ between CPUs, and a run that learns
+    amplifies them: a test of a guard constructs the event it guards against with ``events``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return _simulate(model_dir, off_policy=off_policy, staleness=staleness, steps=steps,
                          seed=seed, learning_rate=learning_rate, prompts=prompts, group=group,
-                         length=length, records=records, **overrides)  # fmt: skip
+                         length=length, records=records, events=events or {},
+                         **overrides)  # fmt: skip
     finally:
         torch.set_num_threads(threads)
 
@@ -96,6 +106,7 @@ def _simulate(
     group: int,
     length: int,
     records: list[dict[str, float]] | None,
+    events: Mapping[int, Event],
     **overrides: Any,
 ) -> list[float]:
     trainer = Trainer(
@@ -145,8 +156,90 @@ def _simulate(
             with torch.no_grad():
                 for p, cur in zip(params, now, strict=True):
                     p.copy_(cur)
+            if step in events:
+                samples = events[step](trainer, samples)
             metrics = trainer.step(samples)
             rewards.append(metrics["reward"])
             if records is not None:
                 records.append(metrics)
     return rewards
+
+
+def broken_adapter(scale: float, seed: int = 0) -> Event:
+    """The adapter comes apart before this step (what a collapse leaves): Gaussian noise of
+    standard deviation ``scale`` on every LoRA weight, published as the next version."""
+
+    def event(trainer: Trainer, samples: list[Sample]) -> list[Sample]:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in trainer.params:
+                p.add_(torch.randn(p.shape, generator=gen) * scale)
+        return samples
+
+    return event
+
+
+def forced_spike(factor: float) -> Event:
+    """This step moves the adapter ``factor`` times as far as the optimizer says (what AdamW
+    does to a gradient in a direction with little history, up to 1/sqrt(1 - adam_beta2)): the
+    event the step's bounds (``max_update_rms``, ``max_update_kl``) exist for. They apply after
+    the optimizer's step, so they see the spike."""
+
+    def event(trainer: Trainer, samples: list[Sample]) -> list[Sample]:
+        optimizer_step = trainer.optimizer.step
+
+        def spiked(*args: Any, **kwargs: Any) -> Any:
+            before = [p.detach().clone() for p in trainer.params]
+            out = optimizer_step(*args, **kwargs)
+            with torch.no_grad():
+                for p, b in zip(trainer.params, before, strict=True):
+                    p.copy_(b + factor * (p - b))
+            trainer.optimizer.step = optimizer_step  # this step only
+            return out
+
+        trainer.optimizer.step = spiked  # type: ignore[method-assign]
+        return samples
+
+    return event
+
+
+def noisy_rewards(trainer: Trainer, samples: list[Sample]) -> list[Sample]:
+    """A reward that misfires for one step: within each group, alternately one above and one
+    below the sample's true reward (each group's mean kept, so the step's reward reads as
+    before): full-size advantages in arbitrary directions, where a converged run's have been
+    near zero for steps (a gradient spike after convergence)."""
+    out, seen = [], collections.Counter()
+    for s in samples:
+        sign = 1 if seen[s.group_id] % 2 == 0 else -1
+        seen[s.group_id] += 1
+        out.append(dataclasses.replace(s, reward=s.reward + sign, advantage=float(sign)))
+    return out
+
+
+class When:
+    """An event once the run reaches a reward: ``event`` at ``count`` consecutive steps, the first
+    ``after`` steps after the step whose samples' ``window``-step mean reward first reached
+    ``reach``. One ``When`` for every step (``dict.fromkeys(range(steps), when)``): where a run
+    takes off or converges differs between machines, the event is placed by what it did."""
+
+    def __init__(
+        self, event: Event, *, reach: float, window: int = 1, after: int = 0, count: int = 1
+    ) -> None:
+        self.event, self.reach, self.window, self.after, self.count = (
+            event, reach, window, after, count)  # fmt: skip
+        self.rewards: list[float] = []
+        self.steps: list[int] = []  #: the steps (0-based) it happened at
+        self.reached: int | None = None
+
+    def __call__(self, trainer: Trainer, samples: list[Sample]) -> list[Sample]:
+        step = len(self.rewards)
+        self.rewards.append(sum(s.reward for s in samples) / len(samples))
+        recent = self.rewards[-self.window :]
+        if self.reached is None and len(recent) == self.window:
+            if sum(recent) / self.window >= self.reach:
+                self.reached = step
+        start = None if self.reached is None else self.reached + self.after
+        if start is not None and start <= step < start + self.count:
+            self.steps.append(step)
+            return self.event(trainer, samples)
+        return samples

@@ -328,4 +328,4 @@ def test_rollback_restores_the_version_that_earned_the_best_reward(tiny_model_di
     after = _lora(trainer)
     assert all(torch.equal(after[k], published[1][k]) for k in after)
     assert not all(torch.equal(after[k], current[3][k]) for k in after)
-    assert len(trainer._snapshots) == 3  # max_staleness + 1 versions kept
+    assert len(trainer.collapse.snapshots) == 3  # max_staleness + 1 versions kept

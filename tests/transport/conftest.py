@@ -1,12 +1,12 @@
 """Real storage servers for the transport tests, all on 127.0.0.1.
 
 * ``moto_endpoint``: moto's ``ThreadedMotoServer``, a real S3 protocol server (one per session).
-* ``gateway``: a small aiohttp reverse proxy in front of moto, in its own thread and event loop.
-  It strips a leading ``/testns`` path segment, which is how the Hugging Face S3 gateway
-  addresses ``https://s3.hf.co/<namespace>/<bucket>/<key>``, and it injects faults: answer the
-  next N requests with a status (503 for transient, 403 for permanent) without forwarding them,
-  or forward the next request of a method whose path ends with a given suffix and answer 503
-  anyway (a write that landed but whose answer was lost).
+* ``gateway``: the fault-injecting proxy (:mod:`asyncgrpo.testing.fault_proxy`) in front of
+  moto, in its own thread and event loop. It strips a leading ``/testns`` path segment, which
+  is how the Hugging Face S3 gateway addresses ``https://s3.hf.co/<namespace>/<bucket>/<key>``,
+  and it injects faults: answer the next N requests with a status (503 for transient, 403 for
+  permanent) without forwarding them, or forward the next request of a method whose path ends
+  with a given suffix and answer 503 anyway (a write that landed but whose answer was lost).
 * ``azurite``: Microsoft's Azure Storage emulator (npm ``azurite``, installed on first use into
   ``.emulators/`` at the repository root), and ``fake_gcs``: fake-gcs-server; both from
   :mod:`asyncgrpo.testing.emulators`. ``azure_proxy`` / ``gcs_proxy`` put a fault-injecting
@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp import web
 from threaded_app import ThreadedApp
@@ -29,7 +28,6 @@ from threaded_app import ThreadedApp
 BUCKET = "asyncgrpo-test"
 NAMESPACE = "testns"
 EMULATORS = Path(__file__).resolve().parents[2] / ".emulators"  # git-ignored
-_HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-encoding", "host"}
 
 
 @pytest.fixture(scope="session")
@@ -49,85 +47,24 @@ def moto_endpoint() -> Iterator[str]:
 
 
 class FaultProxy(ThreadedApp):
-    """Forward every request to ``upstream``; fail the next ``n`` ones on demand."""
+    """:mod:`asyncgrpo.testing.fault_proxy` in front of ``upstream``, served from a thread;
+    its :class:`~asyncgrpo.testing.fault_proxy.Faults` is ``faults`` (``fail_next`` etc.)."""
 
     def __init__(self, upstream: str, strip_prefix: str) -> None:
+        from asyncgrpo.testing.fault_proxy import Faults
+
         super().__init__()
         self.upstream = upstream
         self.strip_prefix = strip_prefix
-        self.requests = 0
-        self.failed = 0
-        self.seen: list[tuple[str, str, dict[str, str]]] = []  # method, raw path, headers
-        self._fail_next = 0
-        self._fail_status = 503
-        self._lose_answer_to: tuple[str, str] | None = None
+        self.faults = Faults()
 
-    def fail_next(self, n: int, status: int = 503) -> None:
-        self._fail_next, self._fail_status = n, status
-
-    def lose_answer_to(self, method: str, suffix: str) -> None:
-        """Forward the next ``method`` request whose path ends with ``suffix``, then answer
-        503 (the request took effect; its answer is lost)."""
-        self._lose_answer_to = (method, suffix)
-
-    def reset(self) -> None:
-        self._fail_next, self.requests, self.failed = 0, 0, 0
-        self._lose_answer_to = None
-        self.seen.clear()
-
-    async def on_stop(self) -> None:
-        await self._session.close()
+    def __getattr__(self, name: str) -> Any:  # requests, failed, seen, fail_next, reset, ...
+        return getattr(self.faults, name)
 
     async def make_app(self) -> web.Application:
-        self._session = session = aiohttp.ClientSession(auto_decompress=False)
+        from asyncgrpo.testing.fault_proxy import fault_app
 
-        async def handle(request: web.Request) -> web.StreamResponse:
-            self.requests += 1
-            headers_seen = {k.lower(): v for k, v in request.headers.items()}
-            self.seen.append((request.method, request.rel_url.raw_path, headers_seen))
-            if self._fail_next > 0:
-                self._fail_next -= 1
-                self.failed += 1
-                await request.read()
-                body = f"<Error><Code>Injected{self._fail_status}</Code></Error>"
-                return web.Response(status=self._fail_status, text=body)
-            path = request.rel_url.raw_path
-            if path.startswith(self.strip_prefix + "/"):
-                path = path[len(self.strip_prefix) :]
-            query = request.rel_url.raw_query_string
-            target = self.upstream + path + (f"?{query}" if query else "")
-            headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-            data = await request.read()
-            # Forward the signed headers untouched: Azure's SharedKey signs Content-Type and
-            # Content-Length, so aiohttp must not add a Content-Type of its own.
-            async with session.request(
-                request.method,
-                target,
-                headers=headers,
-                data=data or None,
-                allow_redirects=False,
-                skip_auto_headers=["Content-Type"],
-            ) as up:
-                payload = await up.read()
-                if self._lose_answer_to is not None and (
-                    request.method == self._lose_answer_to[0]
-                    and path.endswith(self._lose_answer_to[1])
-                ):
-                    self._lose_answer_to = None
-                    self.failed += 1
-                    return web.Response(status=503, text="<Error><Code>AnswerLost</Code></Error>")
-                out_headers = {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS}
-                if request.method == "HEAD":
-                    resp = web.StreamResponse(status=up.status, headers=out_headers)
-                    await resp.prepare(request)
-                    await resp.write_eof()
-                    return resp
-                out_headers.pop("Content-Length", None)
-                return web.Response(status=up.status, headers=out_headers, body=payload)
-
-        app = web.Application(client_max_size=1 << 30)
-        app.router.add_route("*", "/{tail:.*}", handle)
-        return app
+        return fault_app(self.upstream, self.faults, strip_prefix=self.strip_prefix)
 
 
 @pytest.fixture(scope="session")

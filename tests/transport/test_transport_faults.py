@@ -343,3 +343,84 @@ async def test_a_conflict_that_wrote_nothing_leaves_no_gap(transport_factory, pr
     consumer = RolloutChannel(transport, poll_interval_s=0.02)
     got = [await consumer.receive(timeout_s=5) for _ in range(2)]
     assert [b.samples[0].group_id for b in got] == ["a", "b"]
+
+
+# ---- the fault proxy's windows, as the fault bench drives them ----------------------------------
+async def test_error_hang_and_down_windows_are_ridden_out_by_retries(moto_endpoint: str) -> None:
+    """``python -m asyncgrpo.testing.fault_proxy``'s modes, driven through its control port: a
+    share of 500/503 answers, requests that hang past the client's time-out and a closed port
+    each cost retries, and a transport tuned in its URL rides each window out."""
+    import json
+    import urllib.request
+
+    from asyncgrpo.processes import free_port
+    from asyncgrpo.testing.fault_proxy import serve_fault_proxy
+    from asyncgrpo.transport import open_transport
+
+    port, control = free_port(), free_port()
+
+    def set_mode(mode: str, share: float = 0.0) -> dict:
+        body = json.dumps({"mode": mode, "share": share}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{control}/fault", data=body, method="POST")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read())
+
+    url = (f"s3://asyncgrpo-test/fp-{os.getpid()}?endpoint=http://127.0.0.1:{port}"
+           "&timeout_s=1&connect_timeout_s=1&max_retries=20&backoff_max_s=0.5&retry_timeout_s=30")  # fmt: skip
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serve_fault_proxy, moto_endpoint, port, control)
+        await anyio.sleep(0.5)
+        t = open_transport(url, access_key_id="testing", secret_access_key="testing",
+                           region="us-east-1", backoff_initial_s=0.05)  # fmt: skip
+        try:
+            await t.put("a", b"1")
+            for mode, share in (("errors", 1.0), ("hang", 0.0), ("down", 0.0)):
+                await anyio.to_thread.run_sync(set_mode, mode, share)
+                async with anyio.create_task_group() as window:
+                    window.start_soon(t.put, f"during-{mode}", mode.encode())
+                    await anyio.sleep(2.5)  # longer than the client's 1 s time-out
+                    stats = await anyio.to_thread.run_sync(set_mode, "pass")
+                assert await t.get(f"during-{mode}") == mode.encode()
+                seen = {"errors": "failed", "hang": "hung", "down": "dropped"}[mode]
+                assert stats["mode"] == mode and (stats[seen] > 0 or mode == "down"), stats
+        finally:
+            await t.aclose()
+            tg.cancel_scope.cancel()
+
+
+# ---- a rollout process through a storage outage ----------------------------------------------
+async def test_a_rollout_process_rides_out_a_storage_outage(transport_factory, proxy_of) -> None:
+    """Storage failing for a while (every request 503, the transport's retries spent) costs a
+    rollout process a pause, not its life: its policy poll polls on and switches to the version
+    written after the outage, and a batch whose append failed is shipped once, afterwards.
+    (Before, the first failed poll or append ended the process, and every rollout in flight.)"""
+    from types import SimpleNamespace
+
+    from asyncgrpo.run import rollouts
+    from asyncgrpo.store.channel import RolloutChannel
+    from asyncgrpo.store.run_documents import RunStore
+    from asyncgrpo.testing.samples import sample
+
+    t = transport_factory("s3-proxy", max_retries=1)
+    store, faults = RunStore(t), proxy_of("s3-proxy")
+    await store.write_policy("run-v0", 0)
+    switched: list[int] = []
+    moved = anyio.Event()
+    client = SimpleNamespace(policy=("run-v0", 0))
+    client.set_policy = lambda name, version: (moved.set(), switched.append(version),
+                                               setattr(client, "policy", (name, version)))  # fmt: skip
+    progress = SimpleNamespace(phase=lambda text: None)
+    channel = RolloutChannel(t)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(rollouts._follow_policy, store, client, 0.05, tg.cancel_scope, progress)
+        faults.fail_next(40, 503)  # a few seconds of every request failing
+        seq = await rollouts._append(channel, [sample("g", sample_id="x-0-0")])
+        assert faults.failed == 40
+        await store.write_policy("run-v1", 1)
+        with anyio.fail_after(10):
+            await moved.wait()
+        await t.put("done.json", b'{"step": 1, "version": 1}')
+    assert switched == [1] and seq == 0
+    batch = await RolloutChannel(t).receive(timeout_s=5)
+    assert [s.sample_id for s in batch.samples] == ["x-0-0"]
+    assert not await t.exists("rollouts/batches/000000000001.agrb")  # shipped once

@@ -35,6 +35,22 @@ def test_s3_url_with_query_options() -> None:
     assert (t.bucket, t.prefix, t.url) == ("my-bucket", "some/prefix", "s3://my-bucket/some/prefix")
 
 
+def test_retry_and_time_out_options_in_the_url() -> None:
+    """Every process of a split run gets the same URL: one place tunes all their clients."""
+    url = "s3://b/p?endpoint=http://127.0.0.1:9&timeout_s=7.5&max_retries=9&connect_timeout_s=2"
+    t = open_transport(url, access_key_id="k", secret_access_key="s")
+    assert t._client_options["timeout"].total_seconds() == 7.5
+    assert t._client_options["connect_timeout"].total_seconds() == 2
+    assert t._retry_config["max_retries"] == 9 and t.url == "s3://b/p"
+    hf = open_transport(
+        "hf://buckets/a/b/p?retry_timeout_s=30", access_key_id="k", secret_access_key="s"
+    )
+    assert hf._retry_config["retry_timeout"].total_seconds() == 30
+    for bad in ("timeout_s=0", "timeout_s=soon", "max_retries=-1", "max_retries=2.5"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            open_transport(f"s3://b/p?{bad}")
+
+
 def test_hf_bucket_url() -> None:
     t = open_transport(
         "hf://buckets/alice/rl-run/adapters", access_key_id="k", secret_access_key="s"
@@ -167,9 +183,15 @@ def test_check_refuses_a_store_without_the_credential_it_needs(
 ) -> None:
     from asyncgrpo.transport import gcs
 
-    for name in ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST", "GOOGLE_BASE_URL",
-                 "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_CONNECTION_STRING",
-                 *gcs._CREDENTIAL_ENV, *gcs._ON_GCP_ENV):  # fmt: skip
+    for name in (
+        "GOOGLE_APPLICATION_CREDENTIALS",
+        "STORAGE_EMULATOR_HOST",
+        "GOOGLE_BASE_URL",
+        "AZURE_STORAGE_ACCOUNT_NAME",
+        "AZURE_STORAGE_CONNECTION_STRING",
+        *gcs._CREDENTIAL_ENV,
+        *gcs._ON_GCP_ENV,
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no gcloud credentials file either
     monkeypatch.setattr(gcs, "on_google_cloud", lambda: False)  # this host's DMI may say GCE

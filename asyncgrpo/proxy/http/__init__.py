@@ -1,5 +1,6 @@
-"""The proxy's HTTP/1.1 machinery on llhttp (httptools): the server protocol, per-request inbound
-state, header rules, JSON body scanning, and the keep-alive client to the replicas.
+"""The proxy's HTTP/1.1 wire code on llhttp (httptools): what a request may be (inbound), header
+rules, JSON body scanning, and the keep-alive client to the replicas. Nothing here imports the
+rest of the proxy: which request goes where is :mod:`asyncgrpo.proxy.front`'s.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ _JSON = b"Content-Type: application/json\r\n"
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
 #: A request as written: one piece, or its head and the body's pieces (never joined: a copy of
 #: a 32 MiB body holds the event loop for tens of milliseconds)
-Request = bytes | list[bytes]
+Request = bytes | list[bytes | bytearray]
 
 
 def _write(transport: asyncio.Transport, request: Request) -> None:
@@ -238,7 +238,11 @@ class H1Pool:
         self.idle: list[_Conn] = []
 
     def request(
-        self, method: bytes, path_qs: bytes, header_lines: bytes, body: bytes | list[bytes]
+        self,
+        method: bytes,
+        path_qs: bytes,
+        header_lines: bytes,
+        body: bytes | list[bytes | bytearray],
     ) -> Request:
         """One request: ``header_lines`` ("Name: value\\r\\n", validated) + Host, Authorization,
         Content-Length; ``body`` in pieces stays in pieces."""

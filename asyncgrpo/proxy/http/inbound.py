@@ -15,13 +15,15 @@ import httptools
 from asyncgrpo.proxy.config import ProxyConfig, is_loopback
 from asyncgrpo.proxy.http.headers import DROP_REQUEST_B, RUN_HEADER, SESSION_HEADER
 
-__all__ = ["ADMIN_PATHS", "HEAD_LIMIT", "MAX_FIELDS", "RUNS_PATH", "TOO_LARGE", "Refused",
-           "Request", "Rules", "check_head", "check_trailer", "refusal"]  # fmt: skip
+__all__ = ["ADMIN_PATHS", "HEAD_LIMIT", "MAX_FIELDS", "PIECE_BYTES", "RUNS_PATH", "TOO_LARGE",
+           "Refused", "Request", "Rules", "check_head", "check_trailer", "refusal"]  # fmt: skip
 
 #: Longest request head (request line and headers), trailers of a chunked body included.
 HEAD_LIMIT = 64 * 1024
 #: Most header fields in a request, trailers included: each costs a Python call and a tuple.
 MAX_FIELDS = 256
+#: Body pieces smaller than this are joined as they arrive (:meth:`Request.add`).
+PIECE_BYTES = 64 * 1024
 TOO_LARGE = f"request head over {HEAD_LIMIT} bytes"
 TOO_MANY = f"more than {MAX_FIELDS} header fields"
 #: Routes that change the replica set (but for reading it: GET, HEAD): the admin key, not the
@@ -95,7 +97,25 @@ class Request:
         self.run: str | None = None  # X-Asyncgrpo-Run: the run it counts for, if not its model's
         self.length: int | None = None
         self.http11 = self.keep_alive = True
-        self.body: list[bytes] = []
+        #: the body as it came, small pieces joined (:meth:`add`): ``size`` bytes in all
+        self.body: list[bytes | bytearray] = []
+
+    def add(self, data: bytes) -> None:
+        """A piece of the body: kept as it came when it is large, else joined to the small
+        piece before it, so that what the body holds is its size. llhttp hands over a chunked
+        body chunk by chunk: kept one object per chunk, a body in 1-byte chunks cost the proxy
+        about 100 bytes per byte (a 2 MB body grew it by 196 MB), and handing millions of pieces
+        on stalled the event loop for seconds. Joined, a body holds at most one
+        object per :data:`PIECE_BYTES`; a body that comes in one piece is never copied."""
+        body = self.body
+        if body and len(data) < PIECE_BYTES and len(last := body[-1]) < PIECE_BYTES:
+            if isinstance(last, bytes):  # a second small piece: start growing a copy
+                last = body[-1] = bytearray(last)
+            last += data
+            if len(last) >= PIECE_BYTES:  # full: exactly its size (a bytearray grows ahead)
+                body[-1] = bytes(last)
+        else:
+            body.append(data)
 
     def scan_headers(self) -> int:
         """Read what the rules need from the headers, and keep the forwardable ones as lines;

@@ -6,7 +6,7 @@ import httptools
 import pytest
 
 from asyncgrpo.proxy.config import ProxyConfig
-from asyncgrpo.proxy.http.inbound import Refused, Request, Rules, check_head, refusal
+from asyncgrpo.proxy.http.inbound import PIECE_BYTES, Refused, Request, Rules, check_head, refusal
 
 
 def _req(*headers: tuple[bytes, bytes], method: bytes = b"POST", target: bytes = b"/") -> Request:
@@ -126,3 +126,18 @@ def test_the_book_of_runs_takes_the_admin_key_for_writes_when_there_is_one() -> 
         check_head(_req(HOST, KEY, method=method, target=runs), "1.1", _rules(api_key="k"))
         check_head(_req(HOST, method=method, target=runs), "1.1", _rules())
     check_head(_req(HOST, KEY, method=b"GET", target=runs), "1.1", keyed)  # reading
+
+
+def test_a_body_in_small_pieces_is_held_in_few_objects() -> None:
+    """Pieces under PIECE_BYTES are joined as they arrive; a large one is kept as it came (not
+    copied), and a body in one piece stays that piece."""
+    req = Request()
+    pieces = [b"a"] * 200_000 + [b"B" * PIECE_BYTES] + [b"c"] * 10
+    for piece in pieces:
+        req.add(piece)
+    assert b"".join(req.body) == b"".join(pieces)
+    assert len(req.body) <= 6
+    assert any(p is pieces[200_000] for p in req.body)
+    one, whole = Request(), b"x" * 100
+    one.add(whole)
+    assert one.body == [whole] and one.body[0] is whole

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncgrpo.proxy.http.jsonbody import MAX_DEPTH, BodyError, decode_object, too_deep
+from asyncgrpo.config.bounded_json import MAX_DEPTH, too_deep
+from asyncgrpo.proxy.http.jsonbody import BodyError, decode_object
 
 
 def test_objects_decode_and_lenient_json_still_parses() -> None:

@@ -518,7 +518,7 @@ class _Transport:
 async def test_a_client_pipelining_without_reading_holds_at_most_two_bodies(upstream) -> None:
     """While one request is answered, queued requests and a partial one are read only up to
     ``max_body_bytes`` in all: a connection holds about twice that, however much is sent."""
-    from asyncgrpo.proxy.http.front import Clients, Connection
+    from asyncgrpo.proxy.front import Clients, Connection
     from asyncgrpo.proxy.state import Proxy
 
     url, state = upstream

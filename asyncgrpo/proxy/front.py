@@ -32,6 +32,7 @@ from asyncgrpo.proxy.http.h1 import Response
 from asyncgrpo.proxy.http.headers import DROP_RESPONSE_B, RUN_HEADER, head_lines
 from asyncgrpo.proxy.http.inbound import (
     HEAD_LIMIT,
+    PIECE_BYTES,
     TOO_LARGE,
     Refused,
     Request,
@@ -52,6 +53,12 @@ log = logging.getLogger(__name__)
 LINGER_S = 2.0
 #: Complete requests queued behind the one being answered before reading pauses.
 MAX_QUEUED = 16
+#: Longest one connection's input is parsed before the event loop serves the others: a body
+#: in 1-byte chunks costs a Python call per byte (a 256 KiB read held the loop 50-250 ms).
+FEED_BUDGET_S = 0.005
+#: Bytes handed to llhttp at once, between two looks at the clock: a piece of body as large
+#: as a joined one, so that a plain body's pieces are kept as they came, never copied.
+FEED_SLICE = PIECE_BYTES
 
 _GENERATE = frozenset({b"/v1/completions", b"/v1/chat/completions"})
 _PASS_POST = frozenset({b"/tokenize", b"/detokenize"})
@@ -128,6 +135,8 @@ class Connection(asyncio.Protocol):
         self.work: Forward | asyncio.Task[None] | None = None  # what answers ``current``
         self.eof = self.closed = self.reading_paused = self.writing_paused = False
         self.processing = self.served = False
+        #: input read but not parsed yet (the parse budget ran out); reading pauses meanwhile
+        self.backlog: memoryview | None = None
         self.deadline: float | None = self.loop.time() + clients.head_s
 
     # -- llhttp callbacks (raising Refused refuses the request) --------------------------------
@@ -167,7 +176,7 @@ class Connection(asyncio.Protocol):
         clients.buffered += len(data)
         self.held += len(data)
         req = self.req
-        req.body.append(data)
+        req.add(data)  # small pieces (1-byte chunks) joined: it holds what it counts
         req.size += len(data)
         if req.size > self.rules.max_body:  # chunked: no length said in advance
             raise Refused(413, f"request body too large: over {self.rules.max_body} bytes")
@@ -191,9 +200,46 @@ class Connection(asyncio.Protocol):
         self.clients.conns.add(self)
 
     def data_received(self, data: bytes) -> None:
-        parser = self.parser
-        if parser is None:
+        if self.parser is None:
             return  # refused: lingering until the client closes
+        if self.backlog is not None:  # read while paused (not expected): after the backlog
+            self.backlog = memoryview(bytes(self.backlog) + data)
+        elif len(data) <= FEED_SLICE:
+            self._parse(data)
+            self._process()
+        else:
+            self._feed(memoryview(data))
+
+    def _feed(self, data: memoryview) -> None:
+        """Parse ``data`` slice by slice for at most :data:`FEED_BUDGET_S`; what is left waits
+        for the next turn of the event loop (reading paused), so that other clients are
+        served between the slices of a costly input."""
+        deadline = time.perf_counter() + FEED_BUDGET_S
+        for start in range(0, len(data), FEED_SLICE):
+            if self.parser is None:
+                break
+            if start and time.perf_counter() > deadline:
+                self.backlog = data[start:]
+                if self.transport is not None and not self.reading_paused:
+                    self.reading_paused = True
+                    self.transport.pause_reading()
+                self.loop.call_soon(self._feed_backlog)
+                break
+            self._parse(data[start : start + FEED_SLICE])
+        self._process()
+
+    def _feed_backlog(self) -> None:
+        data, self.backlog = self.backlog, None
+        if data is None or self.closed:
+            return
+        if self.parser is not None:
+            self._feed(data)
+        else:  # refused meanwhile: read (and drop) again while lingering
+            self._process()
+
+    def _parse(self, data: bytes | memoryview) -> None:
+        """Feed llhttp; a refusal (llhttp's or ours) is queued, to be answered in turn."""
+        parser = cast(httptools.HttpRequestParser, self.parser)
         self.begun = False
         in_body, calls = self.in_message and not self.in_head, self.body_calls
         try:
@@ -221,14 +267,13 @@ class Connection(asyncio.Protocol):
         except Refused as exc:
             self.queue.append(exc)
             self.parser = None
-        self._process()
 
     def eof_received(self) -> bool:
         """The client shut down its sending side: answer what it sent, then close. A client
         gone altogether looks the same until written to: two interim ``100 Continue`` a moment
         apart make a gone client's connection fail, which drops its request."""
         self.eof = True
-        if self.current is None and not self.queue:
+        if self.current is None and not self.queue and self.backlog is None:
             self.close()
         elif self.current is not None and self.current.http11 and not self.started:
             self.write(_CONTINUE)
@@ -240,7 +285,7 @@ class Connection(asyncio.Protocol):
             self.write(_CONTINUE)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed, self.deadline = True, None
+        self.closed, self.deadline, self.backlog = True, None, None
         self.clients.conns.discard(self)
         self.clients.buffered -= self.held
         self.held = 0
@@ -275,10 +320,14 @@ class Connection(asyncio.Protocol):
                 self._dispatch(item)
             # A client pipelining without reading: bounded in number and in bytes.
             partial = self.req.size if self.in_message else 0
-            pause = (self.current is not None or bool(self.queue)) and (
-                len(self.queue) > MAX_QUEUED or self.queued_bytes + partial >= self.rules.max_body
+            pause = self.backlog is not None or (
+                (self.current is not None or bool(self.queue))
+                and (
+                    len(self.queue) > MAX_QUEUED
+                    or self.queued_bytes + partial >= self.rules.max_body
+                )
             )
-            if self.current is None and self.eof:
+            if self.current is None and self.eof and self.backlog is None:
                 self.close()
             elif self.transport is not None and pause != self.reading_paused:
                 self.reading_paused = pause
@@ -291,7 +340,7 @@ class Connection(asyncio.Protocol):
         method, path = req.method, req.target.partition(b"?")[0]
         if method == b"POST" and path in _GENERATE:
             block_size = None
-            if proxy.router.policy == "affinity":
+            if proxy.router.policy.reads_prompt:
                 block_size = proxy.pool.block_size or FALLBACK_BLOCK_SIZE
             if req.size > proxy.config.offload_body_bytes:  # off the event loop, unjoined
                 forward = (method, req.target, b"".join(req.lines), req.body)
@@ -318,7 +367,7 @@ class Connection(asyncio.Protocol):
         self.work.start()
 
     def _generate(
-        self, req: Request, forward: tuple[bytes, bytes, bytes, bytes | list[bytes]],
+        self, req: Request, forward: tuple[bytes, bytes, bytes, bytes | list[bytes | bytearray]],
         intake: Intake,
     ) -> None:  # fmt: skip
         """Relay a generation request (or answer why not) once its body is read."""
@@ -342,7 +391,7 @@ class Connection(asyncio.Protocol):
         self.work.submit()  # now, or its run's turn while the replicas are saturated
 
     async def _offloaded(
-        self, req: Request, forward: tuple[bytes, bytes, bytes, bytes | list[bytes]],
+        self, req: Request, forward: tuple[bytes, bytes, bytes, bytes | list[bytes | bytearray]],
         read: Awaitable[Intake],
     ) -> None:  # fmt: skip
         intake = await read
@@ -432,6 +481,9 @@ class Connection(asyncio.Protocol):
         elif not self.transport.is_closing():
             self.transport.write_eof()
             self.deadline = self.loop.time() + LINGER_S
+            if self.reading_paused:  # lingering reads (and drops) whatever comes
+                self.reading_paused = False
+                self.transport.resume_reading()
 
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.closed:
