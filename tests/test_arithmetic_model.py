@@ -6,22 +6,28 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import anyio
 import pytest
 
 from asyncgrpo.testing import arithmetic as A
+from asyncgrpo.testing.model_cache import DONE
 
 REDUCED = A.REDUCED
 
 
 @pytest.fixture(scope="module")
-def reduced_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return A.make_arithmetic_model(tmp_path_factory.mktemp("arith") / "model", REDUCED,
-                                   log=lambda _: None)  # fmt: skip
+def reduced_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache holding the reduced build, made once through the CLI's code path."""
+    cache = tmp_path_factory.mktemp("arith-cache")
+    A.cached_arithmetic_model(cache, REDUCED, log=lambda _: None)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def reduced_model(reduced_cache: Path) -> Path:
+    return A.cached_arithmetic_model(reduced_cache, REDUCED, log=lambda _: None)
 
 
 def test_held_out_problems_never_reach_training() -> None:
@@ -144,18 +150,23 @@ async def test_a_vllm_replica_serves_the_reduced_build_with_a_lora_adapter(
     assert max(abs(a - b) for a, b in zip(base, served, strict=True)) > 1e-3  # the adapter served
 
 
-def test_the_cli_builds_through_the_cache_and_copies(tmp_path: Path) -> None:
-    """``python -m asyncgrpo.testing.arithmetic DIR``: the second build of the same settings
-    is the cache's copy."""
-    cache, env = tmp_path / "cache", {"ASYNCGRPO_TEST_CACHE": str(tmp_path / "cache")}
-    import os
-
-    cmd = [sys.executable, "-m", "asyncgrpo.testing.arithmetic", "--reduced"]
-    for out in ("a", "b"):
-        p = subprocess.run([*cmd, str(tmp_path / out)], capture_output=True, text=True,
-                           env={**os.environ, **env}, timeout=300)  # fmt: skip
-        assert p.returncode == 0, p.stderr[-2000:]
-        assert json.loads(p.stdout.splitlines()[-1])["model"] == str(tmp_path / out)
-    assert len([d for d in cache.iterdir() if not d.name.startswith(".")]) == 1
-    a, b = ((tmp_path / d / "model.safetensors").read_bytes() for d in ("a", "b"))
-    assert a == b
+def test_the_cli_copies_the_checkout_s_cached_build(
+    reduced_cache: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``python -m asyncgrpo.testing.arithmetic --reduced DIR``: the build already in the cache
+    (the same settings and source) is copied, not made again; DIR is replaced whole."""
+    monkeypatch.setenv("ASYNCGRPO_TEST_CACHE", str(reduced_cache))
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "stale.txt").write_text("from an older build")
+    entries = sorted(reduced_cache.iterdir())
+    A.main(["--reduced", str(out)])
+    printed = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert printed["model"] == str(out) and 0 <= printed["heldout_t1"] <= 1
+    assert sorted(reduced_cache.iterdir()) == entries  # nothing built
+    (cached,) = (d for d in entries if not d.name.startswith("."))
+    assert (out / "model.safetensors").read_bytes() == (cached / "model.safetensors").read_bytes()
+    assert not (out / "stale.txt").exists() and not (out / DONE).exists()

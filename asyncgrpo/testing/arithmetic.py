@@ -184,12 +184,14 @@ class BuildSettings:
     intermediate_size: int = 512
     vocab_size: int = 320
     heldout_per_level: int = 40
+    t1_samples: int = 2
+    """Draws per held-out problem for build.json's pass@1 at temperature 1."""
     train_prompts: int = 4000
 
 
 #: The tests' build: every step of the full one (tokenizer, training, files, held-out
 #: accuracies) in seconds; its model has learnt next to nothing.
-REDUCED = BuildSettings(steps=4, batch_size=16, heldout_per_level=3, train_prompts=50)
+REDUCED = BuildSettings(steps=4, batch_size=16, heldout_per_level=3, t1_samples=1, train_prompts=50)
 
 
 def chat_prompt(question: str) -> str:
@@ -258,9 +260,12 @@ def _batch(tokenizer: Any, problems: Sequence[Problem], answers: Sequence[str],
     return torch.tensor(ids), torch.tensor(mask), torch.tensor(labels)
 
 
-def train_model(out: Path, settings: BuildSettings, log: Callable[[str], None] = print) -> Any:
+def train_model(out: Path, settings: BuildSettings, log: Callable[[str], None] = print,
+                eval_every: int = 0) -> Any:  # fmt: skip
     """Write the tokenizer and a model trained on the (noisy) corpus to ``out``; returns the
-    model, in eval mode."""
+    model, in eval mode. ``eval_every``: log greedy and temperature-1 accuracy on 20 held-out
+    problems per level every so many steps (how many steps a build needs; the training itself
+    is unchanged: it draws no random numbers from torch)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -303,6 +308,13 @@ def train_model(out: Path, settings: BuildSettings, log: Callable[[str], None] =
         if (step + 1) % max(1, s.steps // 10) == 0 or step + 1 == s.steps:
             log(f"step {step + 1}/{s.steps}  loss {loss.item():.3f}  "
                 f"{time.monotonic() - t0:.0f} s")  # fmt: skip
+        if eval_every and (step + 1) % eval_every == 0:
+            model.eval()
+            probe = heldout_rows(20)
+            greedy = accuracy(model, tokenizer, probe, temperature=0)
+            sampled = accuracy(model, tokenizer, probe, temperature=1.0)
+            log(f"step {step + 1}: greedy {_levels(greedy)} | t1 {_levels(sampled)}")
+            model.train()
     return model.eval()
 
 
@@ -338,12 +350,12 @@ def accuracy(model: Any, tokenizer: Any, rows: Sequence[dict[str, Any]], *, temp
 
 def make_arithmetic_model(
     path: str | Path, settings: BuildSettings | None = None, *,
-    log: Callable[[str], None] = print, measure: bool = True,
+    log: Callable[[str], None] = print, measure: bool = True, eval_every: int = 0,
 ) -> Path:  # fmt: skip
     """Train the model and write it, its tokenizer, ``train.jsonl``, ``heldout.jsonl`` and
     ``build.json`` to ``path``. Deterministic for a settings' seed (on one machine kind and
     thread count). ``measure``: also compute the held-out accuracies (greedy; sampled at
-    temperature 1, 4 draws per problem) for build.json."""
+    temperature 1, ``t1_samples`` draws per problem) for build.json."""
     import torch
 
     from asyncgrpo.trainer.model import no_progress_bars
@@ -355,7 +367,7 @@ def make_arithmetic_model(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    model = train_model(out, s, log)
+    model = train_model(out, s, log, eval_every)
     train_s = time.monotonic() - t0
     with no_progress_bars():
         model.save_pretrained(out, safe_serialization=True)
@@ -370,7 +382,8 @@ def make_arithmetic_model(
 
         tokenizer = AutoTokenizer.from_pretrained(out)
         report["heldout_greedy"] = accuracy(model, tokenizer, heldout, temperature=0)
-        report["heldout_t1"] = accuracy(model, tokenizer, heldout, temperature=1.0, samples=4)
+        report["heldout_t1"] = accuracy(model, tokenizer, heldout, temperature=1.0,
+                                        samples=s.t1_samples)  # fmt: skip
         log(f"held-out accuracy, greedy: {_levels(report['heldout_greedy'])}")
         log(f"held-out pass@1 at temperature 1: {_levels(report['heldout_t1'])}")
     report["build_s"] = round(time.monotonic() - t0, 1)
