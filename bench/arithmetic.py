@@ -154,10 +154,12 @@ def figures(row: dict[str, Any], times: list[float]) -> dict[str, Any]:
 
 
 # ---- measuring ---------------------------------------------------------------------------------
-def build_model(log: bool = True) -> Path:
+def build_model(given: Path | None = None) -> Path:
+    """``given`` (a directory ``python -m asyncgrpo.testing.arithmetic`` wrote), else the
+    checkout's cached build (made here if missing: minutes)."""
     from asyncgrpo.testing.arithmetic import cached_arithmetic_model, default_cache_root
 
-    model = cached_arithmetic_model(default_cache_root(), log=print if log else lambda _: None)
+    model = given or cached_arithmetic_model(default_cache_root())
     build = json.loads((model / "build.json").read_text())
     print(f"model {model}: held-out greedy {build['heldout_greedy']['all']:.3f}, "
           f"pass@1 at temperature 1 {build['heldout_t1']['all']:.3f}", flush=True)  # fmt: skip
@@ -165,7 +167,7 @@ def build_model(log: bool = True) -> Path:
 
 
 async def measure(args: argparse.Namespace, todo: list[tuple[str, int, int]]) -> None:
-    model = build_model()
+    model = build_model(args.model)
     data = [f"dataset.path={model / 'train.jsonl'}", f"eval.path={model / 'heldout.jsonl'}"]
     jobs: list[Job] = [(key(recipe, k, seed), [
         *data, f"seed={seed}", f"trainer.max_staleness={k}",
@@ -326,6 +328,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: recipe's)")
     p.add_argument("--times", type=lambda v: [float(x) for x in v.split(",")], default=TIMES,
                    help="wall times (s since the first step) for the table's columns")  # fmt: skip
+    p.add_argument("--model", type=Path, default=None,
+                   help="an arithmetic model directory already built (default: the checkout's "
+                        "cached build, made first if missing)")  # fmt: skip
     p.add_argument("--out", type=Path, default=OUT, help="results.jsonl, run directories")
     p.add_argument("--plot", type=Path, default=PLOT, help="where the PNG goes")
     p.add_argument("--max-minutes", type=float, default=None,
