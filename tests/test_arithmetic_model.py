@@ -39,6 +39,8 @@ def test_held_out_problems_never_reach_training() -> None:
         "".join(c if c.isdigit() or c in "+-*" else " " for c in r["prompt"][0]["content"]).split()
     )
     assert not {numbers(r) for r in held} & {numbers(r) for r in train}
+    swapped = {(b, op, a) for a, op, b in map(numbers, held)}  # 47 + 85 holds out 85 + 47
+    assert not swapped & {numbers(r) for r in train}
     assert len({numbers(r) for r in held}) == len(held)  # no problem twice
     rng = A.random.Random(0)
     corpus = A.draw_problems(rng, 5000, held_out=False)

@@ -15,9 +15,9 @@ them in ``build.json``). Reinforcement learning with an exact-answer reward has 
 sharpen (the slips it samples) and something to learn (the levels greedy decoding gets wrong).
 
 Held-out problems are disjoint from everything the model or an RL run trains on by
-construction: a problem (its operands and operation, whatever the wording) is held out when a
-hash of it falls in one bucket of :data:`HELD_OUT_BUCKETS`, and neither the training corpus nor
-``train.jsonl`` ever draws one.
+construction: a problem (its operands, in either order, and its operation, whatever the
+wording) is held out when a hash of it falls in one bucket of :data:`HELD_OUT_BUCKETS`, and
+neither the training corpus nor ``train.jsonl`` ever draws one.
 
 What it is not: a model anyone should use. It knows nothing but these problems in this one
 format, and its weights exist to give tests, benchmarks and examples
@@ -80,8 +80,10 @@ class Problem:
 
     @property
     def held_out(self) -> bool:
-        """Whether this computation belongs to the held-out set (whatever its wording)."""
-        digest = hashlib.sha256(f"{self.a}{self.op}{self.b}".encode()).digest()
+        """Whether this computation belongs to the held-out set, whatever its wording and the
+        order of its operands (47 + 85 and 85 + 47 work the same columns)."""
+        a, b = sorted((self.a, self.b))
+        digest = hashlib.sha256(f"{a}{self.op}{b}".encode()).digest()
         return digest[0] % HELD_OUT_BUCKETS == 0
 
     def text(self, template: int = 0) -> str:
