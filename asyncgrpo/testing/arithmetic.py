@@ -175,8 +175,11 @@ class BuildSettings:
     """Everything a build depends on besides the library versions (kept in build.json)."""
 
     seed: int = 0
-    steps: int = 1500
-    batch_size: int = 128
+    steps: int = 900
+    """900 steps of 64 (measured, seed 0, one core): held-out greedy 80 %, pass@1 at
+    temperature 1 34 %, built in 606 s. At batch 128 a step takes twice as long: after the
+    same ~600 s (440 steps) 73 % / 29 % on a 100-problem probe, where batch 64 had 80 % / 36 %."""
+    batch_size: int = 64
     learning_rate: float = 3e-3
     warmup_steps: int = 100
     slip: float = 0.2
