@@ -148,9 +148,7 @@ async def run_training(
     """
     report = as_progress(progress)
     _check_rollout_source(cfg, rollout_source)
-    # the model first (a recipe's data may live in the model's directory, as the arithmetic
-    # model's held-out set does: its build command is the fix), then every check of --dry-run,
-    # before anything starts: a misspelt reward costs milliseconds
+    # the model first (a recipe's data may live in its directory), then every check of --dry-run
     await anyio.to_thread.run_sync(check_model, cfg.model)
     await anyio.to_thread.run_sync(dry_run, cfg)
     report.phase(f"model {cfg.model}: found")
