@@ -89,7 +89,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     from asyncgrpo.evaluation.records import read_evals
     from asyncgrpo.run.metrics import read_metrics
 
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = read_metrics(run_dir)
     start = records[0]["time"] - records[0]["perf/step_s"]
     at = {int(r["step"]): r["time"] - start for r in records}
 

@@ -180,7 +180,7 @@ async def measure(args: argparse.Namespace, todo: list[tuple[str, int, str, int]
 
     def done(name: str, run_dir: Path, wall: float, load: list[float]) -> None:
         recipe, k, correction, seed = cells[name]
-        row = summarize(read_metrics(run_dir / "metrics.jsonl"))
+        row = summarize(read_metrics(run_dir))
         row.update(key=name, recipe=recipe, overrides=list(args.overrides[recipe]),
                    staleness=k, correction=correction, seed=seed, wall_s=wall, load=load,
                    time=time.time(), commit=args.commit)  # fmt: skip
