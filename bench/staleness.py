@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +78,13 @@ def key(recipe: str, k: int, correction: str, seed: int) -> str:
     return f"{prefix}k{k}-{correction.replace('@', '-cap')}-s{seed}"
 
 
-def parse_recipe(text: str) -> tuple[str, tuple[str, ...]]:
-    """``NAME:KEY=VALUE,KEY=VALUE`` (config overrides on top of the demo's) or ``demo``."""
+def parse_recipe(text: str, base: str = DEMO) -> tuple[str, tuple[str, ...]]:
+    """``NAME:KEY=VALUE,KEY=VALUE`` (config overrides on top of the example's) or ``base`` (the
+    example as it is)."""
     name, _, overrides = text.partition(":")
     pairs = tuple(o for o in overrides.split(",") if o)
-    if not name.replace("_", "").isalnum() or (name == DEMO) == bool(pairs):
-        raise argparse.ArgumentTypeError(f"{text!r}: give 'demo' or NAME:KEY=VALUE[,KEY=VALUE]")
+    if not name.replace("_", "").isalnum() or (name == base) == bool(pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: give {base!r} or NAME:KEY=VALUE[,KEY=VALUE]")
     if any("=" not in o for o in pairs):
         raise argparse.ArgumentTypeError(f"{text!r}: every override is KEY=VALUE")
     return name, pairs
@@ -108,20 +110,27 @@ def load(path: Path) -> dict[str, dict[str, Any]]:
 
 
 # ---- measuring ---------------------------------------------------------------------------------
-async def measure(args: argparse.Namespace, todo: list[tuple[str, int, str, int]]) -> None:
+Job = tuple[str, list[str]]  # run name, config overrides on top of the example's
+
+
+async def train_on_one_fleet(
+    example: Path, model: Path, out: Path, jobs: list[Job], *,
+    fleet_overrides: list[str], max_minutes: float | None,
+    done: Callable[[str, Path, float, list[float]], None],
+) -> None:  # fmt: skip
+    """Train each job of ``jobs`` in turn (``example`` with its overrides, ``model``, under
+    ``out/runs/NAME``, a fresh start) against one fleet of replicas started once from
+    ``example`` with ``fleet_overrides`` (size its LoRA slots: the widest max_staleness, the
+    eval section's pinned version); ``done(name, run_dir, wall_s, [load before, after])`` after
+    each. Starts no run after ``max_minutes``. Shared by the benches that compare recipes on
+    the same replicas (this one, ``bench/arithmetic.py``)."""
     import dataclasses
 
     from asyncgrpo.config.training import TrainingConfig
-    from asyncgrpo.run.metrics import read_metrics
     from asyncgrpo.run.training import run_training
     from asyncgrpo.serve import launch_replicas
-    from asyncgrpo.testing import make_tiny_model
 
-    out: Path = args.out
-    model = make_tiny_model(out / "model", seed=0)  # the demo's model
-    base = TrainingConfig.from_yaml(
-        EXAMPLE, [f"model={model}", f"trainer.max_staleness={max(k for _, k, _, _ in todo)}"]
-    )
+    base = TrainingConfig.from_yaml(example, [f"model={model}", *fleet_overrides])
     fleet = dataclasses.replace(
         base.serve,
         log_dir=str(out / "fleet-logs"),
@@ -133,37 +142,55 @@ async def measure(args: argparse.Namespace, todo: list[tuple[str, int, str, int]
     async with launch_replicas(fleet) as replicas:
         urls = [r.url for r in replicas]
         print(f"fleet up after {time.monotonic() - started:.0f} s: {', '.join(urls)}", flush=True)
-        for recipe, k, correction, seed in todo:
+        for name, overrides in jobs:
             spent = (time.monotonic() - started) / 60
-            if args.max_minutes is not None and spent > args.max_minutes:
-                print(f"--max-minutes {args.max_minutes:g} reached; run again to continue")
+            if max_minutes is not None and spent > max_minutes:
+                print(f"--max-minutes {max_minutes:g} reached; run again to continue")
                 return
-            name = key(recipe, k, correction, seed)
             run_dir = out / "runs" / name
             if run_dir.exists():  # an interrupted attempt: start fresh, never resume it
                 shutil.rmtree(run_dir)
-            off_policy, _, cap = correction.partition("@")
-            cfg = TrainingConfig.from_yaml(EXAMPLE, [
+            cfg = TrainingConfig.from_yaml(example, [
                 f"model={model}", f"output_dir={out / 'runs'}", f"run_name={name}",
-                f"seed={seed}", f"trainer.max_staleness={k}",
-                f"trainer.off_policy={'decoupled' if correction == SYNC else off_policy}",
-                *([f"trainer.importance_cap={cap}"] if cap else []),
-                "serve.replicas=0", f"proxy.upstreams=[{','.join(urls)}]",
-                *([f"trainer.max_steps={args.steps}"] if args.steps else []),
-                *args.overrides[recipe],
+                "serve.replicas=0", f"proxy.upstreams=[{','.join(urls)}]", *overrides,
             ])  # fmt: skip
             load_start = os.getloadavg()[0]
             t0 = time.monotonic()
             result = await run_training(cfg)
-            wall = time.monotonic() - t0
-            row = summarize(read_metrics(result.run_dir))
-            row.update(key=name, recipe=recipe, overrides=list(args.overrides[recipe]),
-                       staleness=k, correction=correction, seed=seed, wall_s=wall,
-                       load=[load_start, os.getloadavg()[0]], time=time.time(),
-                       commit=args.commit)  # fmt: skip
-            with (out / "results.jsonl").open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            print(line(row), flush=True)
+            done(name, result.run_dir, time.monotonic() - t0, [load_start, os.getloadavg()[0]])
+
+
+async def measure(args: argparse.Namespace, todo: list[tuple[str, int, str, int]]) -> None:
+    from asyncgrpo.run.metrics import read_metrics
+    from asyncgrpo.testing import make_tiny_model
+
+    out: Path = args.out
+    model = make_tiny_model(out / "model", seed=0)  # the demo's model
+    jobs: list[Job] = []
+    for recipe, k, correction, seed in todo:
+        off_policy, _, cap = correction.partition("@")
+        jobs.append((key(recipe, k, correction, seed), [
+            f"seed={seed}", f"trainer.max_staleness={k}",
+            f"trainer.off_policy={'decoupled' if correction == SYNC else off_policy}",
+            *([f"trainer.importance_cap={cap}"] if cap else []),
+            *([f"trainer.max_steps={args.steps}"] if args.steps else []),
+            *args.overrides[recipe],
+        ]))  # fmt: skip
+    cells = {key(*c): c for c in todo}
+
+    def done(name: str, run_dir: Path, wall: float, load: list[float]) -> None:
+        recipe, k, correction, seed = cells[name]
+        row = summarize(read_metrics(run_dir))
+        row.update(key=name, recipe=recipe, overrides=list(args.overrides[recipe]),
+                   staleness=k, correction=correction, seed=seed, wall_s=wall, load=load,
+                   time=time.time(), commit=args.commit)  # fmt: skip
+        with (out / "results.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(line(row), flush=True)
+
+    widest = max(k for _, k, _, _ in todo)
+    await train_on_one_fleet(EXAMPLE, model, out, jobs, max_minutes=args.max_minutes,
+                             fleet_overrides=[f"trainer.max_staleness={widest}"], done=done)  # fmt: skip
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

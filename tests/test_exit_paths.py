@@ -228,6 +228,16 @@ def test_train_in_a_fresh_directory_names_the_missing_model(tmp_path: Path, debu
     assert not (tmp_path / "runs" / "tiny-cpu" / "replica-logs").exists()  # nothing started
 
 
+def test_the_arithmetic_recipe_in_a_fresh_directory_names_its_build_command(
+    tmp_path: Path,
+) -> None:
+    p = run([*ASYNCGRPO, "train", str(REPO / "examples" / "arithmetic.yaml")], tmp_path)
+    check(p, 2, "model='runs/arithmetic-model': no such directory here",
+          "build the arithmetic test model there with "
+          "`python -m asyncgrpo.testing.arithmetic runs/arithmetic-model`")  # fmt: skip
+    assert not (tmp_path / "runs" / "arithmetic").exists()  # nothing started
+
+
 def test_a_missing_model_of_ones_own_is_not_offered_the_tiny_model(tmp_path: Path) -> None:
     p = run([*ASYNCGRPO, "train", TINY_CONFIG, "model=models/my-qwen"], tmp_path)
     line = check(p, 2, "model='models/my-qwen': no such directory here",

@@ -39,14 +39,17 @@ def check_model(model: str) -> None:
 
 
 def missing_model_fix(model: str) -> str:
-    """What to do about a missing ``model``. Building the tiny test model there is offered only
-    for a path named like one (the README's ``runs/tiny-model``): for any other path it would
-    put a toy model where the user expects theirs."""
+    """What to do about a missing ``model``. Building a test model there is offered only for a
+    path named like one (the README's ``runs/tiny-model``, the arithmetic recipe's
+    ``runs/arithmetic-model``): for any other path it would put a toy model where the user
+    expects theirs."""
     fix = "set model to an existing model directory or a Hugging Face id"
-    if "tiny" not in Path(model).name.lower():
-        return fix
-    build = f"python -m asyncgrpo.testing.tiny {shlex.quote(model)}"
-    return f"build the tiny test model there with `{build}`, or {fix}"
+    name = Path(model).name.lower()
+    for kind, module in (("tiny", "tiny"), ("arithmetic", "arithmetic")):
+        if kind in name:
+            build = f"python -m asyncgrpo.testing.{module} {shlex.quote(model)}"
+            return f"build the {kind} test model there with `{build}`, or {fix}"
+    return fix
 
 
 @functools.cache

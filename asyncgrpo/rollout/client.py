@@ -289,12 +289,14 @@ class RolloutClient:
         dt = max(now - self._last.get("t", now), 1e-9)
         client = self._client
         tokens = client.tokens_total if client else 0
+        busy = client.busy_s if client else 0.0
         out: dict[str, float] = {
             "rollout/inflight": float(client.inflight if client else 0),
             "rollout/admitted": float(self._slots.used),
             "rollout/backpressure_s": bp - self._last.get("bp", 0.0),
             "rollout/score_block_s": sb - self._last.get("sb", 0.0),
             "rollout/generated_tok_s": (tokens - self._last.get("tokens", 0.0)) / dt,
+            "rollout/busy_s": busy - self._last.get("busy", 0.0),
             "rollout/backpressure_total_s": bp,
             "rollout/score_block_total_s": sb,
             "rollout/generated_tokens_total": float(tokens),
@@ -313,7 +315,7 @@ class RolloutClient:
             if count:
                 out[f"rewards/{name}"] = total / count
         self._reward_sums = {}
-        self._last = {"t": now, "tokens": float(tokens), "bp": bp, "sb": sb}
+        self._last = {"t": now, "tokens": float(tokens), "bp": bp, "sb": sb, "busy": busy}
         return out
 
     # ----------------------------------------------------------------- pipeline

@@ -97,9 +97,18 @@ class PolicyClient:
         self._policy = policy
         self.inflight = 0
         self.tokens_total = 0
+        self._busy_total = 0.0
+        self._busy_since: float | None = None
         self.retries_total = 0
         self.bad_logprobs_total = 0
         self._not_served_warned = ""
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds so far with at least one request in flight: the time generation took,
+        whatever ran beside it (against the trainer's step time it shows the overlap)."""
+        open_s = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
+        return self._busy_total + open_s
 
     @property
     def model(self) -> str:
@@ -158,6 +167,8 @@ class PolicyClient:
 
         async def attempt(number: int) -> list[Turn]:
             model, version = self._policy()
+            if not self.inflight:
+                self._busy_since = time.monotonic()
             self.inflight += n
             try:
                 body = self.body(
@@ -182,6 +193,9 @@ class PolicyClient:
                     replica = resp.headers.get(REPLICA_HEADER)
             finally:
                 self.inflight -= n
+                if not self.inflight and self._busy_since is not None:
+                    self._busy_total += time.monotonic() - self._busy_since
+                    self._busy_since = None
             return self._parse(prompt_ids, data, version, replica)
 
         waiting_since: float | None = None

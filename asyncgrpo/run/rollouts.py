@@ -52,8 +52,8 @@ async def run_rollouts(
     """Ship rollouts until the trainer finishes; returns the number of samples shipped.
     ``progress`` hears the phases: model, replicas, the trainer's policy and each new one."""
     report = as_progress(progress)
+    await anyio.to_thread.run_sync(check_model, cfg.model)  # first, as run_training does
     await anyio.to_thread.run_sync(dry_run, cfg)  # every check of --dry-run, before anything
-    await anyio.to_thread.run_sync(check_model, cfg.model)
     report.phase(f"model {cfg.model}: found")
     transport = open_transport(run_transport_url(cfg))
     store = RunStore(transport)

@@ -148,9 +148,9 @@ async def run_training(
     """
     report = as_progress(progress)
     _check_rollout_source(cfg, rollout_source)
-    # every check of --dry-run, before anything starts: a misspelt reward costs milliseconds
-    await anyio.to_thread.run_sync(dry_run, cfg)
+    # the model first (a recipe's data may live in its directory), then every check of --dry-run
     await anyio.to_thread.run_sync(check_model, cfg.model)
+    await anyio.to_thread.run_sync(dry_run, cfg)
     report.phase(f"model {cfg.model}: found")
     main = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 owns the run directory
     with run_dir_lock(cfg.run_dir, "asyncgrpo train") if main else nullcontext():

@@ -143,11 +143,13 @@ async def test_groups_logprobs_and_version_tagging(served, tiny_model) -> None:
     # taken, at most groups 2 (queue), 3 (scorer) and 4 (generating) exist, so group 5 is
     # requested after the switch.
     rollout = {"queue_maxsize": 4, "max_inflight": 4, "score_concurrency": 1}
+    started = anyio.current_time()
     async with client_for(served, dataset, rollout=rollout, version=1) as client:
         first = await client.get(8)
         client.set_policy(served[1], 2)
         rest = await client.get(100)
         stats = client.stats()
+        elapsed = anyio.current_time() - started
         assert client.position == 6
     samples = first + rest
     assert len(first) == 8 and len(rest) == 16
@@ -173,6 +175,7 @@ async def test_groups_logprobs_and_version_tagging(served, tiny_model) -> None:
     assert stats["rollout/generated_tokens_total"] == sum(len(s.completion_ids) for s in samples)
     assert stats["rollout/samples_total"] == 24 and stats["rollout/groups_total"] == 6
     assert stats["rollout/generated_tok_s"] > 0
+    assert 0 < stats["rollout/busy_s"] <= elapsed  # time with a request in flight
 
 
 async def test_seed_gives_the_same_completions_in_both_request_modes(served, tiny_model) -> None:
