@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 from aiohttp import web
 from tinker import types
 
@@ -21,6 +22,7 @@ from asyncgrpo.tinker.http import (
     SERVICE,
     answer,
     read_body,
+    read_bytes,
     refuse,
     refuse_taken,
     training_model,
@@ -30,13 +32,16 @@ from asyncgrpo.tinker.service import TinkerService, TrainingModel, in_thread, wi
 from asyncgrpo.tinker.states import parse_state_path, state_path
 from asyncgrpo.tinker.wire import (
     PROTO_CONTENT_TYPE,
+    FwdBwdRequest,
     FwdBwdResult,
     SampleResult,
     WireError,
-    decode_fwdbwd,
     encode_fwdbwd,
     encode_sample,
     fwdbwd_json,
+    fwdbwd_shape,
+    parse_fwdbwd,
+    read_fwdbwd,
 )
 
 logger = logging.getLogger(__name__)
@@ -44,6 +49,8 @@ logger = logging.getLogger(__name__)
 #: How long ``retrieve_future`` waits for a pending request before answering ``try_again``
 #: (the SDK's own read timeout for the call is 45 s).
 POLL_S = 20.0
+#: The SDK's own bound on a forward_backward chunk (its estimate of the tensors' bytes).
+SDK_CHUNK_BYTES = 5_000_000
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -60,10 +67,15 @@ async def capabilities(request: web.Request) -> web.Response:
 
 
 async def client_config(request: web.Request) -> web.Response:
-    # API keys only (no JWT exchange), plain httpx, one fwd/bwd chunk at a time in order.
+    # API keys only (no JWT exchange), plain httpx, one fwd/bwd chunk at a time in order, each
+    # chunk within this service's limits on datums and bytes
+    config = request.app[CONFIG]
     return answer(types.ClientConfigResponse(pjwt_auth_enabled=False, use_pyqwest_transport=False,
                                             parallel_fwdbwd_chunks=False,
-                                            proto_compress_fwdbwd=False))  # fmt: skip
+                                            proto_compress_fwdbwd=False,
+                                            fwdbwd_max_chunk_len=config.max_datums,
+                                            fwdbwd_max_chunk_bytes_count=min(
+                                                SDK_CHUNK_BYTES, config.max_body_bytes // 4)))  # fmt: skip
 
 
 async def dynamic_config(request: web.Request) -> web.Response:
@@ -175,14 +187,24 @@ async def forward_backward(request: web.Request) -> web.Response:
         raise WireError(f"forward_backward takes a {PROTO_CONTENT_TYPE} body (the tinker SDK's)")
     if request.headers.get("Content-Encoding"):
         raise WireError("compressed bodies are not read here: send forward_backward unencoded")
-    fwdbwd = decode_fwdbwd(await request.read())
-    model = training_model(service, fwdbwd.model_id)
-    fwdbwd = dataclasses.replace(fwdbwd, model_id=model.adapter)
-    service.engine.check(fwdbwd)
-    for i, datum in enumerate(fwdbwd.data):
-        if datum.tokens.size > request.app[CONFIG].max_context_length:
-            raise WireError(f"datum {i} has {datum.tokens.size} tokens, more than this "
-                            f"service's max_context_length {request.app[CONFIG].max_context_length}")  # fmt: skip
+    config = request.app[CONFIG]
+    body = await read_bytes(request, config.max_body_bytes)
+    # its shape (client, datums, parts) first, then the client and the queue; only then parsed
+    # and read into arrays, and checked against the model: in a worker thread
+    model_id, _ = await anyio.to_thread.run_sync(
+        lambda: fwdbwd_shape(body, max_datums=config.max_datums)
+    )
+    model = training_model(service, model_id)
+    service.check_room(model.model_id)
+
+    def read() -> FwdBwdRequest:
+        fwdbwd = read_fwdbwd(parse_fwdbwd(body), max_datums=config.max_datums,
+                             max_tokens=config.max_context_length)  # fmt: skip
+        fwdbwd = dataclasses.replace(fwdbwd, model_id=model.adapter)
+        service.engine.check(fwdbwd)
+        return fwdbwd
+
+    fwdbwd = await anyio.to_thread.run_sync(read)
     fwdbwd = with_provenance(fwdbwd, service.records, model.session_id, time.monotonic())
 
     def job() -> FwdBwdResult:
@@ -195,7 +217,7 @@ async def forward_backward(request: web.Request) -> web.Response:
         result.metrics.update(gap.metrics())
         return result
 
-    rid = service.submit(model.model_id, in_thread(job))
+    rid = service.submit(model.model_id, in_thread(job), bounded=True)
     return answer({"request_id": rid, "model_id": model.model_id})
 
 
@@ -214,7 +236,7 @@ async def optim_step(request: web.Request) -> web.Response:
         metrics = service.engine.optim_step(model.adapter, step)
         return {"metrics": {**metrics, **service.gaps.pop(model.model_id, SamplerGap()).metrics()}}
 
-    rid = service.submit(body.model_id, in_thread(job))
+    rid = service.submit(body.model_id, in_thread(job), bounded=True)
     return answer({"request_id": rid, "model_id": body.model_id})
 
 
@@ -260,7 +282,12 @@ async def save_weights(request: web.Request) -> web.Response:
         logger.info("training client %s: state saved as %s", model.model_id, path)
         return {"path": path, "type": "save_weights"}
 
-    return answer({"request_id": service.submit(model.model_id, job), "model_id": model.model_id})
+    return answer(
+        {
+            "request_id": service.submit(model.model_id, job, bounded=True),
+            "model_id": model.model_id,
+        }
+    )
 
 
 async def load_weights(request: web.Request) -> web.Response:
@@ -303,5 +330,9 @@ async def load_weights(request: web.Request) -> web.Response:
         return {"path": body.path, "model_id": model.model_id, "type": "load_weights"}
 
     # a new client's runs beside the queue as create_model's does; an existing one's in its turn
-    rid = service.spawn(job, model.model_id) if new else service.submit(model.model_id, job)
+    rid = (
+        service.spawn(job, model.model_id)
+        if new
+        else service.submit(model.model_id, job, bounded=True)
+    )
     return answer({"request_id": rid, "model_id": model.model_id})

@@ -74,7 +74,8 @@ async def _serve_engine(config: TinkerConfig, engine: Any) -> AsyncIterator[str]
             ))  # fmt: skip
         service = TinkerService(engine, states, sampler,
                                 session_timeout_s=config.session_timeout_s,
-                                max_clients=config.max_training_clients)  # fmt: skip
+                                max_clients=config.max_training_clients,
+                                max_queued=config.max_queued_per_client)  # fmt: skip
         async with _serving(config, service) as url:
             yield url
 

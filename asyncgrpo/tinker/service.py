@@ -36,6 +36,7 @@ from asyncgrpo.tinker.wire import FwdBwdRequest, WireError
 
 __all__ = [
     "Job",
+    "QueueFull",
     "Session",
     "TinkerService",
     "TrainingModel",
@@ -53,6 +54,10 @@ Job = Callable[[], Awaitable[Any]]
 USER_ERRORS = (LossInputError, WireError, StateError, NotFound, ConfigError, ProvenanceError)
 #: The SDK heartbeats every this many seconds (``InternalClientHolder._session_heartbeat``).
 SDK_HEARTBEAT_S = 10.0
+
+
+class QueueFull(Exception):
+    """A client's request refused because the client has its most requests queued (429)."""
 
 
 @dataclass
@@ -131,15 +136,18 @@ def in_thread(fn: Callable[[], Any]) -> Job:
 
 class TinkerService:
     """``session_timeout_s``: a session with no heartbeat (nor request) for that long ends as
-    if the SDK had finished it; ``max_clients``: the most training clients alive at once."""
+    if the SDK had finished it; ``max_clients``: the most training clients alive at once;
+    ``max_queued``: the most requests one client has queued."""
 
     def __init__(self, engine: Any, states: Any, sampler: Any = None, *,
-                 session_timeout_s: float = 30.0, max_clients: int = 16) -> None:  # fmt: skip
+                 session_timeout_s: float = 30.0, max_clients: int = 16,
+                 max_queued: int = 64) -> None:  # fmt: skip
         self.engine = engine
         self.states = states
         self.sampler = sampler
         self.session_timeout_s = session_timeout_s
         self.max_clients = max_clients
+        self.max_queued = max_queued
         self.futures = FutureTable()
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TrainingModel] = {}
@@ -259,8 +267,18 @@ class TinkerService:
             why = f"expired ({self.session_timeout_s:g} s without a heartbeat)"
             self.end_session(session_id, why, drop_queued=True)
 
-    def submit(self, client: str, job: Job) -> str:
-        """Queue ``job`` under ``client``; its request id, pending until the job ran."""
+    def check_room(self, client: str) -> None:
+        """QueueFull when ``client`` has ``max_queued`` requests queued already."""
+        if self._queue.count(client) >= self.max_queued:
+            raise QueueFull(f"training client {client!r} has {self.max_queued} requests queued, "
+                            "this service's max_queued_per_client: wait for their results")  # fmt: skip
+
+    def submit(self, client: str, job: Job, *, bounded: bool = False) -> str:
+        """Queue ``job`` under ``client``; its request id, pending until the job ran.
+        ``bounded`` (a client's request): QueueFull when the client has ``max_queued`` jobs
+        queued already."""
+        if bounded:
+            self.check_room(client)
         rid = self.futures.new()
         self._queue.put(client, (rid, job))
         self._waiting.release()
