@@ -126,6 +126,8 @@ def _check_create(config: TinkerConfig, body: types.CreateModelRequest) -> LoraS
     if body.optimizer_config.type != "adamw":
         raise WireError(f"optimizer {body.optimizer_config.type!r} is not served here: use the "
                         "default AdamOptimizerConfig")  # fmt: skip
+    if lora.seed is not None and not 0 <= lora.seed < 2**64:  # torch's range
+        raise WireError(f"seed={lora.seed}: give a seed from 0 to 2**64 - 1")
     if not (lora.train_mlp or lora.train_attn):
         raise WireError("train_mlp and train_attn are both False: LoRA here trains the MLP "
                         "and/or attention layers (the LM head is never trained)")  # fmt: skip
@@ -147,11 +149,7 @@ async def create_model(request: web.Request) -> web.Response:
     service.add_model(model)
 
     async def job() -> dict[str, str]:
-        try:
-            await add_client(service, model, spec)
-        except BaseException:  # refused (the fleet is full): it holds no place under the cap
-            service.models.pop(model_id, None)
-            raise
+        await add_client(service, model, spec)  # refused: it holds nothing
         return {"model_id": model_id, "type": "create_model"}
 
     # beside the queue: booking slots may wait for another session's to come back, and the
@@ -161,13 +159,29 @@ async def create_model(request: web.Request) -> web.Response:
 
 async def add_client(service: TinkerService, model: TrainingModel, spec: LoraSpec) -> None:
     """Book the new client's slots (waiting, beside the queue, for those of sessions that
-    stopped heartbeating), then add its adapter in its turn on the worker."""
-    if service.sampler is not None:  # refused, naming --max-loras, if the fleet is full
-        await service.book_slots(model)
-    await service.in_turn(
-        model.model_id, in_thread(lambda: service.engine.create(model.adapter, spec))
-    )
-    await service.states.start_run(model.adapter, spec)
+    stopped heartbeating), then add its adapter in its turn on the worker. On any failure, or
+    if its session ends meanwhile, everything booked goes back (:meth:`TinkerService.discard`):
+    slots booked before a failed create (``seed=2**70``) stayed booked, and a client made
+    after its session ended was never removed."""
+
+    def check_live() -> None:
+        if not service.is_live(model):
+            raise WireError(f"the session of training client {model.model_id!r} ended while "
+                            "the client was being made: make a new ServiceClient")  # fmt: skip
+
+    try:
+        if service.sampler is not None:  # refused, naming --max-loras, if the fleet is full
+            await service.book_slots(model)
+        check_live()
+        await service.in_turn(
+            model.model_id, in_thread(lambda: service.engine.create(model.adapter, spec))
+        )
+        check_live()
+        await service.states.start_run(model.adapter, spec)
+        check_live()
+    except BaseException:
+        service.discard(model)
+        raise
     logger.info("training client %s: LoRA rank %d", model.model_id, spec.rank)
 
 
@@ -317,14 +331,17 @@ async def load_weights(request: web.Request) -> web.Response:
             state, spec = await service.states.fetch(body.path, Path(tmp))
             if new and model.model_id not in service.models:
                 _check_rank(config, spec.rank)
-                service.add_model(dataclasses.replace(model, rank=spec.rank))
-                try:
-                    await add_client(service, model, spec)
-                except BaseException:  # refused: it holds no place under the cap
-                    service.models.pop(model.model_id, None)
-                    raise
-            load = in_thread(lambda: service.engine.load_state(model.adapter, state,
-                                                               optimizer=body.optimizer))  # fmt: skip
+                made = dataclasses.replace(model, rank=spec.rank)
+                service.add_model(made)  # refused if the session ended meanwhile
+                await add_client(service, made, spec)  # refused: it holds nothing
+
+            def load_now() -> None:
+                if not service.engine.has(model.adapter):  # it ended while this waited
+                    raise WireError(f"training client {model.model_id!r} ended (its session "
+                                    "did) before its state was loaded")  # fmt: skip
+                service.engine.load_state(model.adapter, state, optimizer=body.optimizer)
+
+            load = in_thread(load_now)
             await (service.in_turn(model.model_id, load) if new else load())
         logger.info("training client %s: state %s loaded", model.model_id, body.path)
         return {"path": body.path, "model_id": model.model_id, "type": "load_weights"}

@@ -177,7 +177,12 @@ class TinkerService:
             session.last_heartbeat = time.monotonic()
 
     def add_model(self, model: TrainingModel) -> None:
-        """Count ``model`` among the live clients; WireError naming the cap when it is full."""
+        """Count ``model`` among the live clients; WireError naming the cap when it is full, or
+        when its session is no longer open (it ended while the request waited: nothing would
+        ever remove the client)."""
+        if not self.is_open(model.session_id):
+            raise WireError(f"session {model.session_id!r} ended before training client "
+                            f"{model.model_id!r} was made: make a new ServiceClient")  # fmt: skip
         if model.model_id not in self.models and len(self.models) >= self.max_clients:
             raise WireError(f"this service already holds {len(self.models)} training clients, "
                             f"its max_training_clients (--max-training-clients): close a "
@@ -205,6 +210,19 @@ class TinkerService:
                     self.futures.finish(rid, Outcome(error=error, category="user"))
             self._leaving.add(model.model_id)
             self.submit(model.model_id, self._remover(model))
+
+    def is_live(self, model: TrainingModel) -> bool:
+        """Whether ``model`` is still one of the live clients (its session did not end)."""
+        return model.model_id in self.models and self.is_open(model.session_id)
+
+    def discard(self, model: TrainingModel) -> None:
+        """Undo a client being made that failed or whose session ended meanwhile: it leaves the
+        live clients and everything it may have booked goes back, in its turn (releasing slots
+        and removing an adapter that were never taken is a no-op)."""
+        self.models.pop(model.model_id, None)
+        self.gaps.pop(model.model_id, None)
+        self._leaving.add(model.model_id)
+        self.submit(model.model_id, self._remover(model))
 
     def _unproven_holders(self, besides: str, since: float) -> list[str]:
         """The open sessions but ``besides`` holding training clients that have shown no sign of
@@ -243,9 +261,11 @@ class TinkerService:
     def _remover(self, model: TrainingModel) -> Job:
         async def job() -> None:
             try:
-                if self.sampler is not None:
-                    await self.sampler.release(model.adapter)
-                await in_thread(lambda: self.engine.remove(model.adapter))()
+                try:
+                    if self.sampler is not None:
+                        await self.sampler.release(model.adapter)
+                finally:  # the adapter leaves the trainer even if the proxy did not answer
+                    await in_thread(lambda: self.engine.remove(model.adapter))()
             finally:
                 self._leaving.discard(model.model_id)
             logger.info("training client %s ended with its session", model.model_id)
@@ -266,6 +286,13 @@ class TinkerService:
         for session_id in stale:
             why = f"expired ({self.session_timeout_s:g} s without a heartbeat)"
             self.end_session(session_id, why, drop_queued=True)
+        self.prune()
+
+    def prune(self) -> None:
+        """Forget the ended sessions (a heartbeat of an unknown one is answered 410 too), and
+        the sampler gaps of clients that are gone."""
+        self.sessions = {k: v for k, v in self.sessions.items() if not v.finished}
+        self.gaps = {k: v for k, v in self.gaps.items() if k in self.models}
 
     def check_room(self, client: str) -> None:
         """QueueFull when ``client`` has ``max_queued`` requests queued already."""
