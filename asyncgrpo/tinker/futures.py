@@ -20,7 +20,9 @@ from typing import Any
 import anyio
 import numpy as np
 
-__all__ = ["KEEP", "KEEP_BYTES", "FutureTable", "Outcome", "held_bytes"]
+from asyncgrpo.errors import redact_text
+
+__all__ = ["KEEP", "KEEP_BYTES", "FutureTable", "Outcome", "held_bytes", "server_failure"]
 
 
 @dataclass(frozen=True)
@@ -103,3 +105,12 @@ class FutureTable:
         with anyio.move_on_after(timeout_s):
             await event.wait()
         return self._done.get(rid)
+
+
+def server_failure(exc: BaseException, *, logged: bool = False) -> str:
+    """One line for a failure of the service itself: for its client, the exception's type
+    only (its text may name store paths); for the service's log, its text too, credentials
+    redacted."""
+    if logged:
+        return f"{type(exc).__name__}: {redact_text(str(exc))}"
+    return f"the server failed ({type(exc).__name__}); its log says why"

@@ -19,7 +19,10 @@ from aiohttp import web
 
 from asyncgrpo.config.bounded_json import JSONRefused, loads_object
 from asyncgrpo.errors import NotFound
+from asyncgrpo.http_policy import host_is_local
+from asyncgrpo.serve.config import is_loopback
 from asyncgrpo.tinker.config import TinkerConfig
+from asyncgrpo.tinker.futures import server_failure
 from asyncgrpo.tinker.losses import LossInputError
 from asyncgrpo.tinker.provenance import ProvenanceError
 from asyncgrpo.tinker.service import QueueFull, TinkerService, TrainingModel
@@ -65,13 +68,19 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     config = request.app[CONFIG]
     if request.headers.get("Origin") is not None:
         raise refuse(web.HTTPForbidden, "requests from web pages (an Origin header) are refused")
+    if is_loopback(config.host) and not host_is_local(request.host):
+        raise refuse(web.HTTPForbidden, "this service listens on loopback and answers only Host "
+                     "localhost or a loopback address (a guard against DNS rebinding)")  # fmt: skip
     if config.api_key:
-        given = request.headers.get("X-API-Key", "")
-        if not hmac.compare_digest(given.encode(), config.api_key.encode()):
+        # bytes as they came (aiohttp keeps undecodable ones as surrogates: a 500 before)
+        given = request.headers.get("X-API-Key", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, config.api_key.encode()):
             raise refuse(web.HTTPUnauthorized, "missing or wrong API key: set TINKER_API_KEY "
                           "to the key this service was started with")  # fmt: skip
     try:
         return await handler(request)
+    except web.HTTPException:
+        raise
     except (WireError, LossInputError, ProvenanceError) as exc:
         logger.warning("%s refused: %s", request.path, exc)
         raise refuse(web.HTTPBadRequest, str(exc)) from None
@@ -79,6 +88,9 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         raise refuse(web.HTTPNotFound, str(exc)) from None
     except QueueFull as exc:  # the SDK retries a 429 after a pause
         raise refuse(web.HTTPTooManyRequests, str(exc)) from None
+    except Exception as exc:  # the service's own failure: its log says what, the client why not
+        logger.error("%s failed: %s", request.path, server_failure(exc, logged=True))
+        raise refuse(web.HTTPInternalServerError, server_failure(exc)) from None
 
 
 async def read_bytes(request: web.Request, limit: int) -> bytes:

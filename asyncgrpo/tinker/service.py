@@ -27,7 +27,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from asyncgrpo.errors import ConfigError, NotFound, RankError
 from asyncgrpo.tinker.engine import StateError
-from asyncgrpo.tinker.futures import FutureTable, Outcome
+from asyncgrpo.tinker.futures import FutureTable, Outcome, server_failure
 from asyncgrpo.tinker.losses import LOSSES, LossInputError, SamplerGap
 from asyncgrpo.tinker.provenance import ProvenanceError, StabilityRecords, sampled_mask
 from asyncgrpo.tinker.sampling import SlotsFull
@@ -376,8 +376,8 @@ class TinkerService:
         try:
             outcome = await self._run_one(client, job)
         except RankError as exc:  # a data-parallel rank is gone: the service cannot go on
-            logger.error("request of %s failed: %s", client, exc)
-            self.futures.finish(rid, Outcome(error=f"the server failed: {exc}", category="server"))
+            logger.error("request of %s failed: %s", client, server_failure(exc, logged=True))
+            self.futures.finish(rid, Outcome(error=server_failure(exc), category="server"))
             raise
         self.futures.finish(rid, outcome)
 
@@ -390,6 +390,5 @@ class TinkerService:
             logger.warning("request of %s refused: %s", client, exc)
             return Outcome(error=str(exc), category="user")
         except Exception as exc:  # the service's own failure: one line, keep serving
-            logger.error("request of %s failed: %s: %s", client, type(exc).__name__, exc)
-            return Outcome(error=f"the server failed: {type(exc).__name__}: {exc}",
-                           category="server")  # fmt: skip
+            logger.error("request of %s failed: %s", client, server_failure(exc, logged=True))
+            return Outcome(error=server_failure(exc), category="server")

@@ -243,3 +243,57 @@ def test_a_forward_backward_body_over_its_limit_is_413(tiny_model: Path, start_s
         assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
         answer = _post(served.url, "forward_backward", body, "application/x-protobuf", chunked=True)
         assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+
+
+@pytest.mark.parametrize("host", [b"evil.example", b"evil.example:8000", b"10.0.0.1"])
+def test_a_loopback_service_answers_only_a_loopback_host(served, host: bytes) -> None:
+    answer = _request(
+        served.url,
+        b"GET /api/v1/training_runs HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % host,
+    )
+    assert answer.startswith(b"HTTP/1.1 403"), answer[:200]
+    assert b"DNS rebinding" in answer
+    ok = _request(
+        served.url,
+        b"GET /api/v1/healthz HTTP/1.1\r\nHost: localhost:1\r\nConnection: close\r\n\r\n",
+    )
+    assert ok.startswith(b"HTTP/1.1 200"), ok[:200]
+
+
+def test_an_api_key_that_is_not_utf8_is_a_401(tiny_model: Path, start_service) -> None:
+    with start_service(tiny_model, api_key="tml-the-key") as served:
+        answer = _request(
+            served.url,
+            b"GET /api/v1/healthz HTTP/1.1\r\nHost: localhost\r\nX-API-Key: \xff\xfe\r\n"
+            b"Connection: close\r\n\r\n",
+        )
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:300]
+
+
+def test_a_broken_run_entry_neither_stops_the_listing_nor_shows_a_path(
+    tiny_model: Path, start_service, tmp_path: Path
+) -> None:
+    """One malformed ``tinker-runs/*.json`` in storage made every listing 500; a failure of
+    the service named store paths in what its client saw."""
+    import httpx
+    import tinker
+
+    with start_service(tiny_model, work_dir=str(tmp_path)) as served:
+        client = tinker.ServiceClient(base_url=served.url)
+        training = client.create_lora_training_client(base_model=served.model, rank=1).result()
+        runs = tmp_path / "store" / "tinker-runs"
+        (runs / "broken.json").write_text("{not json")
+        (runs / "shaped.json").write_text('{"run_id": 3, "checkpoints": "x"}')
+        listed = httpx.get(f"{served.url}/api/v1/training_runs")
+        assert listed.status_code == 200, listed.text
+        ids = [r["training_run_id"] for r in listed.json()["training_runs"]]
+        assert ids == [training.model_id.replace(":", "-")] or len(ids) == 1, ids
+        one = httpx.get(f"{served.url}/api/v1/training_runs/shaped")
+        assert one.status_code == 500 and "\n" not in one.text.strip(), one.text
+        assert str(tmp_path) not in one.text and "tinker-runs" not in one.text, one.text
+        (tmp_path / "store" / "tinker-states").write_text("a file where a directory goes")
+        with pytest.raises(tinker.RequestFailedError) as failed:
+            training.save_state("x").result()
+        assert "the server failed (" in str(failed.value), failed.value
+        assert str(tmp_path) not in str(failed.value), failed.value
+        client.close("success").result()
