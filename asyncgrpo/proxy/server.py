@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.http_policy import connection_cap, raise_open_files
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.front import Clients, Connection
+from asyncgrpo.proxy.http.policy import connection_cap, raise_open_files
 from asyncgrpo.proxy.state import TICK_S, Proxy
 
 __all__ = ["raise_open_files", "serve_proxy"]

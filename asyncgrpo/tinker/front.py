@@ -27,7 +27,7 @@ import anyio
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from asyncgrpo.http_policy import connection_cap
+from asyncgrpo.proxy.http.policy import connection_cap
 
 __all__ = ["HEAD_FIELDS", "HEAD_LINE_BYTES", "Connections", "listen", "track"]
 

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from asyncgrpo.config.bounded_json import JSONRefused, loads_object
 from asyncgrpo.errors import NotFound
-from asyncgrpo.http_policy import host_is_local
+from asyncgrpo.proxy.http.policy import host_is_local
 from asyncgrpo.serve.config import is_loopback
 from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.futures import server_failure

@@ -12,9 +12,9 @@ import hmac
 
 import httptools
 
-from asyncgrpo.http_policy import host_is_local
 from asyncgrpo.proxy.config import ProxyConfig, is_loopback
 from asyncgrpo.proxy.http.headers import DROP_REQUEST_B, RUN_HEADER, SESSION_HEADER
+from asyncgrpo.proxy.http.policy import host_is_local
 
 __all__ = ["ADMIN_PATHS", "HEAD_LIMIT", "MAX_FIELDS", "PIECE_BYTES", "RUNS_PATH", "TOO_LARGE",
            "Refused", "Request", "Rules", "check_head", "check_trailer", "refusal"]  # fmt: skip

@@ -1,8 +1,8 @@
-"""What every HTTP server asyncgrpo runs (the proxy, the Tinker service) holds its clients to,
-where the rule is the same for both: how many connections fit this process's open-file limit,
-and which ``Host`` a server that listens on loopback answers (a guard against DNS rebinding: a
-web page whose name resolves to 127.0.0.1 sends its own name as ``Host``). Pure, but for
-:func:`raise_open_files`.
+"""What every HTTP server asyncgrpo runs holds its clients to where the rule is the same: the
+proxy's front and the Tinker service's (which imports it from here). How many connections fit
+this process's open-file limit, and which ``Host`` a server that listens on loopback answers (a
+guard against DNS rebinding: a web page whose name resolves to 127.0.0.1 sends its own name as
+``Host``). Pure, but for :func:`raise_open_files`.
 """
 
 from __future__ import annotations
