@@ -77,6 +77,31 @@ def test_idle_connections_beyond_the_cap_are_closed_and_healthz_answers(
                 s.close()
 
 
+def test_a_connection_past_the_cap_is_answered_503_when_every_open_one_is_busy(
+    tiny_model: Path, start_service
+) -> None:
+    with start_service(tiny_model, max_connections=64) as served:
+        busy = []  # each in a request, its body still coming: never closed to make room
+        for _ in range(64):
+            s = socket.create_connection(_addr(served.url))
+            s.sendall(
+                b"POST /api/v1/create_session HTTP/1.1\r\nHost: localhost\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+            )
+            busy.append(s)
+        try:
+            time.sleep(0.5)
+            answer = _request(
+                served.url, b"GET /api/v1/healthz HTTP/1.1\r\nHost: localhost\r\n\r\n"
+            )
+            assert answer.startswith(b"HTTP/1.1 503") and b"too many connections" in answer, answer
+            assert not any(_closed(s) for s in busy)
+        finally:
+            for s in busy:
+                s.close()
+        assert _healthz_s(served.url) < 1.0
+
+
 def test_a_head_sent_a_byte_at_a_time_is_cut_off(tiny_model: Path, start_service) -> None:
     with start_service(tiny_model, head_timeout_s=1.0) as served:
         with socket.create_connection(_addr(served.url)) as s:
