@@ -35,6 +35,7 @@ from asyncgrpo.tinker.scheduling import FairQueue
 from asyncgrpo.tinker.wire import FwdBwdRequest, WireError
 
 __all__ = [
+    "MAX_SAMPLING",
     "Job",
     "QueueFull",
     "Session",
@@ -52,6 +53,8 @@ logger = logging.getLogger(__name__)
 Job = Callable[[], Awaitable[Any]]
 #: Errors that are the request's fault; any other exception is the service's.
 USER_ERRORS = (LossInputError, WireError, StateError, NotFound, ConfigError, ProvenanceError)
+#: Sample requests in flight at once, all clients together (each holds its prompt meanwhile).
+MAX_SAMPLING = 1024
 #: The SDK heartbeats every this many seconds (``InternalClientHolder._session_heartbeat``).
 SDK_HEARTBEAT_S = 10.0
 
@@ -159,6 +162,7 @@ class TinkerService:
         self._leaving: set[str] = set()
         self._queue: FairQueue[tuple[str, Job]] = FairQueue()
         self._waiting = anyio.Semaphore(0)
+        self._sampling = 0  # sampling jobs in flight
         self._tasks: TaskGroup
 
     def new_session(self) -> Session:
@@ -337,7 +341,14 @@ class TinkerService:
 
     def spawn(self, job: Job, label: str = "sampling") -> str:
         """Run ``job`` now, beside the queue (sampling, which needs no trainer, or work that may
-        wait before it touches the trainer: :meth:`in_turn`); its request id."""
+        wait before it touches the trainer: :meth:`in_turn`); its request id. Sampling jobs are
+        at most :data:`MAX_SAMPLING` at once (QueueFull beyond): each holds its prompt until
+        the replicas answer."""
+        if label == "sampling":
+            if self._sampling >= MAX_SAMPLING:
+                raise QueueFull(f"this service has {MAX_SAMPLING} sample requests in flight: "
+                                "wait for their results")  # fmt: skip
+            self._sampling += 1
         rid = self.futures.new()
         self._tasks.start_soon(self._finish, label, rid, job)
         return rid
@@ -379,6 +390,9 @@ class TinkerService:
             logger.error("request of %s failed: %s", client, server_failure(exc, logged=True))
             self.futures.finish(rid, Outcome(error=server_failure(exc), category="server"))
             raise
+        finally:
+            if client == "sampling":
+                self._sampling -= 1
         self.futures.finish(rid, outcome)
 
     async def _run_one(self, client: str, job: Job) -> Outcome:

@@ -36,6 +36,33 @@ def test_a_client_s_queue_is_bounded_and_the_service_s_own_jobs_are_not() -> Non
     anyio.run(body)
 
 
+def test_sample_requests_in_flight_are_bounded(monkeypatch) -> None:
+    from asyncgrpo.tinker import service as module
+
+    monkeypatch.setattr(module, "MAX_SAMPLING", 4)
+
+    async def body() -> None:
+        service = TinkerService(engine=None, states=None)
+        gate = anyio.Event()
+
+        async def sample() -> str:
+            await gate.wait()
+            return "sampled"
+
+        async with anyio.create_task_group() as tg:
+            await tg.start(service.run)
+            rids = [service.spawn(sample) for _ in range(4)]
+            with pytest.raises(QueueFull, match="4 sample requests in flight"):
+                service.spawn(sample)
+            service.spawn(sample, "a-client")  # a client being made is not a sample
+            gate.set()
+            assert (await service.futures.wait(rids[0], 5.0)).value == "sampled"  # type: ignore[union-attr]
+            service.spawn(sample)  # room again
+            tg.cancel_scope.cancel()
+
+    anyio.run(body)
+
+
 def test_retained_outcomes_are_bounded_by_count_and_bytes() -> None:
     table = FutureTable(keep=100, keep_bytes=64 << 20)
     ids = []
