@@ -609,12 +609,7 @@ async def _train(
         metrics = await anyio.to_thread.run_sync(trainer.step, samples)
         step = state.step = trainer.step_count
         ledger.trained(step, version, samples, dropped)
-        metrics.update(staleness_stats(samples, current_version=version))
-        metrics.update(source.stats())
-        metrics["perf/rollout_wait_s"] = wait_s
-        metrics["sample/dropped_stale_total"] = float(dropped_total)
-        metrics["sample/rollout_queue_size"] = float(source.queue_size())
-        metrics["adapter_version"] = float(version)
+        metrics.update(_sample_metrics(samples, source, version, wait_s, dropped_total))
 
         if step % tcfg.weight_sync_steps == 0 or disk.owes("sync"):
             new, synced = await _next_version(trainer, sync, work, version, step, disk,
@@ -645,6 +640,20 @@ async def _train(
         if getattr(trainer, "stop_requested", False):  # trainer.collapse_action=stop fired
             break
     return step, version
+
+
+def _sample_metrics(
+    samples: list[Sample], source: SampleSource, version: int, wait_s: float, dropped_total: int
+) -> dict[str, float]:
+    """What a step's samples were: their staleness, the source's counters, the wait for them."""
+    return {
+        **staleness_stats(samples, current_version=version),
+        **source.stats(),
+        "perf/rollout_wait_s": wait_s,
+        "sample/dropped_stale_total": float(dropped_total),
+        "sample/rollout_queue_size": float(source.queue_size()),
+        "adapter_version": float(version),
+    }
 
 
 async def _next_version(

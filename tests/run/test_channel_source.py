@@ -81,7 +81,11 @@ async def test_a_trainer_without_a_checkpoint_reads_from_the_first_batch(tmp_pat
     await first.take(8)
     await first.take(8)
     await first.committed()  # the cursor is at batch 2; no checkpoint was saved
-    run = SimpleNamespace(cfg=SimpleNamespace(trainer=None), transport=transport)
-    fresh = _Start(trainer=None, resumed_from=None, position=0)
+    from asyncgrpo.sample import SampleBounds
+
+    cfg = SimpleNamespace(trainer=None, serve=SimpleNamespace(max_model_len=None))
+    run = SimpleNamespace(cfg=cfg, transport=transport)
+    trainer = SimpleNamespace(sample_bounds=lambda max_len: SampleBounds(vocab_size=152_000))
+    fresh = _Start(trainer=trainer, resumed_from=None, position=0)
     async with _sample_source(run, None, "channel", ("p-v0", 0), fresh) as source:  # type: ignore[arg-type]
         assert [s.sample_id for s in await source.take(8)] == [f"b0-{j}" for j in range(8)]

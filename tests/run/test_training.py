@@ -455,7 +455,7 @@ def _on_a_terminal(argv: list[str], timeout_s: float) -> tuple[int, str]:
 #: What a run directory may hold (docs/runs.md, "The run directory").
 RUN_DIR_ENTRIES = {"metrics.jsonl", "store", "adapter-cache", "replica-logs", "replica-adapters",
                    "resume", "plot.png", "adapter", "eval.jsonl", "eval_metrics.jsonl",
-                   "proxy-booking-token", "wandb", "run.lock"}  # fmt: skip
+                   "proxy-booking-token", "wandb", "run.lock", "samples.jsonl"}  # fmt: skip
 
 
 def test_train_on_a_terminal_shows_phases_a_progress_bar_and_a_summary(

@@ -365,8 +365,10 @@ async def test_error_hang_and_down_windows_are_ridden_out_by_retries(moto_endpoi
         with urllib.request.urlopen(req, timeout=5) as r:
             return json.loads(r.read())
 
+    # obstore's jittered backoff may wait as little as its initial 0.05 s between tries (20
+    # tries took 2.3 s once): 200 tries cannot end inside the 2.5 s window; retry_timeout_s bounds
     url = (f"s3://asyncgrpo-test/fp-{os.getpid()}?endpoint=http://127.0.0.1:{port}"
-           "&timeout_s=1&connect_timeout_s=1&max_retries=20&backoff_max_s=0.5&retry_timeout_s=30")  # fmt: skip
+           "&timeout_s=1&connect_timeout_s=1&max_retries=200&backoff_max_s=0.5&retry_timeout_s=30")  # fmt: skip
     async with anyio.create_task_group() as tg:
         tg.start_soon(serve_fault_proxy, moto_endpoint, port, control)
         await anyio.sleep(0.5)
