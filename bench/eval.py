@@ -58,7 +58,7 @@ def figures(run_dir: Path, wall: float | None = None) -> dict[str, Any]:
     from asyncgrpo.evaluation.records import read_evals
     from asyncgrpo.run.metrics import read_metrics
 
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = read_metrics(run_dir)
     rewards = [float(r["reward"]) for r in records]
     step_s = [float(r["perf/step_s"]) for r in records]
     at = reached(rewards)
@@ -266,9 +266,10 @@ def main() -> None:
         jobs = curve_jobs(args)
         if not args.report:
             anyio.run(measure, args, jobs)
+        from asyncgrpo.evaluation.records import EVAL_METRICS_FILE
+
         runs = [args.out / "runs" / name for name, _ in jobs]
-        report_curve({r.name: figures(r) for r in runs if (r / "eval_metrics.jsonl").is_file()},
-                     args)  # fmt: skip
+        report_curve({r.name: figures(r) for r in runs if (r / EVAL_METRICS_FILE).is_file()}, args)
     else:
         report(anyio.run(measure, args, comparison(args)), args.every)
 

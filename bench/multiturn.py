@@ -181,7 +181,7 @@ async def part_learn(args: argparse.Namespace) -> None:
                 cfg = TrainingConfig.from_yaml(EXAMPLE, overrides=overrides)
                 t0 = time.perf_counter()
                 result = await run_training(cfg)
-                records = read_metrics(result.run_dir / "metrics.jsonl")
+                records = read_metrics(result.run_dir)
                 first, last = summarize(records, "reward")
                 tool_first, tool_last = summarize(records, "rewards/tool_call")
                 ratios = [r["ratio"] for r in records if "ratio" in r]

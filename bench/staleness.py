@@ -156,7 +156,7 @@ async def measure(args: argparse.Namespace, todo: list[tuple[str, int, str, int]
             t0 = time.monotonic()
             result = await run_training(cfg)
             wall = time.monotonic() - t0
-            row = summarize(read_metrics(result.run_dir / "metrics.jsonl"))
+            row = summarize(read_metrics(result.run_dir))
             row.update(key=name, recipe=recipe, overrides=list(args.overrides[recipe]),
                        staleness=k, correction=correction, seed=seed, wall_s=wall,
                        load=[load_start, os.getloadavg()[0]], time=time.time(),

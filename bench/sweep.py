@@ -295,7 +295,7 @@ async def train_together(configs: list[Path], work: Path) -> list[list[dict]]:
         await proc.aclose()
         if code != 0:
             raise RuntimeError(f"{cfg.stem} failed: see {work / (cfg.stem + '.log')}")
-    return [read_metrics(work / "runs" / cfg.stem / "metrics.jsonl") for cfg in configs]
+    return [read_metrics(work / "runs" / cfg.stem) for cfg in configs]
 
 
 def _at(records: list[dict], t: float) -> float:

@@ -188,7 +188,7 @@ def _native(model: Path, urls: list[str], out: Path, steps: int) -> list[dict[st
     ])  # fmt: skip
     result = anyio.run(run_training, cfg)
     rows = []
-    for r in read_metrics(result.run_dir / "metrics.jsonl"):
+    for r in read_metrics(result.run_dir):
         if "perf/step_s" not in r:
             continue
         rows.append({"step": r["perf/step_s"], "forward_backward": r["perf/fwd_bwd_s"],

@@ -175,7 +175,7 @@ def run_asyncgrpo(
     t0 = time.perf_counter()
     result = anyio.run(run_training, cfg)
     wall = time.perf_counter() - t0
-    records = read_metrics(result.run_dir / "metrics.jsonl")
+    records = read_metrics(result.run_dir)
     step_s = [r["perf/step_s"] for r in records]
     row = summarize_run(
         f"asyncgrpo ({cfg.serve.replicas} vLLM replicas) s{seed}",

@@ -7,6 +7,7 @@ read from the source (``ast``), so a deferred import inside a function cannot hi
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,6 +150,133 @@ def test_an_upward_import_is_found() -> None:
         "asyncgrpo.config.training -> asyncgrpo.run.training",
         "asyncgrpo.proxy.config -> asyncgrpo.proxy.http.h1",
     ]
+
+
+DOC = ROOT.parent / "docs" / "architecture.md"
+
+
+def doc_layers() -> list[tuple[str, ...]]:
+    """The layer table of docs/architecture.md: each row's packages and base modules."""
+    rows = []
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].isdigit():
+            names = []
+            for token in re.findall(r"`([^`]+)`", cells[2]):
+                if "<" in token or token.endswith("config.py"):
+                    continue  # a config section: the config layer's by rule, not by name
+                names.append(token.removeprefix("asyncgrpo/").removesuffix(".py").rstrip("/"))
+            rows.append(tuple(names))
+    return rows
+
+
+def test_the_documented_layer_table_is_the_one_enforced() -> None:
+    """docs/architecture.md's table and :data:`LAYERS` name the same layers in the same order:
+    a package moved or added on one side only fails here."""
+    assert [set(names) for names in doc_layers()] == [set(names) for names in LAYERS]
+
+
+#: Imports from one component into another (layer 6), each with the reason docs/architecture.md
+#: gives (section 6 lists them); any other fails :func:`test_components_import_no_other_component`.
+COMPONENT_EXCEPTIONS = {
+    ("asyncgrpo.rollout.policy", "asyncgrpo.proxy.http.headers"): "the proxy's header names",
+    ("asyncgrpo.evaluation.runner", "asyncgrpo.proxy.http.headers"): "the run header",
+    ("asyncgrpo.evaluation.runner", "asyncgrpo.rollout.dataset"): "an evaluation is a rollout",
+    ("asyncgrpo.evaluation.runner", "asyncgrpo.rollout.environment"): "an evaluation is a rollout",
+    ("asyncgrpo.evaluation.runner", "asyncgrpo.rollout.policy"): "an evaluation is a rollout",
+    ("asyncgrpo.evaluation.runner", "asyncgrpo.rollout.rewards"): "an evaluation is a rollout",
+    ("asyncgrpo.serve.__main__", "asyncgrpo.proxy.admin_client"): "--register joins a proxy",
+}
+
+
+def component_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """Imports from one component (its config section aside) into another."""
+    components = set(LAYERS[5])
+
+    def component(module: str) -> str | None:
+        parts = module.split(".")
+        if (
+            len(parts) >= 2
+            and parts[1] in components
+            and not (len(parts) >= 3 and parts[2] == "config")
+        ):
+            return parts[1]
+        return None
+
+    return {
+        (a, b)
+        for a, targets in graph.items()
+        for b in targets
+        if component(a) and component(b) and component(a) != component(b)
+    }
+
+
+def test_components_import_no_other_component_but_the_documented_exceptions() -> None:
+    assert component_edges(import_graph()) == set(COMPONENT_EXCEPTIONS)
+    text = " ".join(DOC.read_text().split())
+    for a, b in COMPONENT_EXCEPTIONS:
+        for module in (a, b):
+            path = module.removeprefix("asyncgrpo.").replace(".", "/") + ".py"
+            assert f"`{path}` imports" in text or f"`{path}`" in text, f"{path} not in {DOC.name}"
+
+
+def test_an_import_between_components_is_found() -> None:
+    graph = {
+        "asyncgrpo.serve.replicas": {"asyncgrpo.trainer.loop", "asyncgrpo.serve.config"},
+        "asyncgrpo.rollout.config": {"asyncgrpo.trainer.config"},
+        "asyncgrpo.trainer.loop": {"asyncgrpo.store.adapters"},
+    }
+    assert component_edges(graph) == {("asyncgrpo.serve.replicas", "asyncgrpo.trainer.loop")}
+
+
+#: Where each heavy library may be imported (at module level or deferred): packages, or single
+#: modules (docs/architecture.md says the same).
+HEAVY_HOMES = {
+    "torch": {"asyncgrpo.trainer", "asyncgrpo.tinker", "asyncgrpo.testing"},
+    "peft": {"asyncgrpo.trainer", "asyncgrpo.tinker", "asyncgrpo.testing"},
+    "transformers": {
+        "asyncgrpo.trainer",
+        "asyncgrpo.testing",
+        "asyncgrpo.rollout.dataset",
+        "asyncgrpo.cli.demo",
+        "asyncgrpo.run.preflight",
+    },
+}
+
+
+def heavy_imports() -> dict[str, set[str]]:
+    """Heavy library -> the asyncgrpo modules that import it anywhere in their source."""
+    found: dict[str, set[str]] = {name: set() for name in HEAVY_HOMES}
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] in found:
+                    found[name.split(".")[0]].add(module)
+    return found
+
+
+def test_torch_peft_and_transformers_only_where_the_docs_say() -> None:
+    for library, modules in heavy_imports().items():
+        homes = HEAVY_HOMES[library]
+        stray = sorted(
+            m for m in modules if not any(m == h or m.startswith(h + ".") for h in homes)
+        )
+        assert stray == [], f"{library} imported outside {sorted(homes)}"
+        unused = sorted(
+            h for h in homes if not any(m == h or m.startswith(h + ".") for m in modules)
+        )
+        assert unused == [], f"{library}: docs/architecture.md names homes it has not: {unused}"
+    text = DOC.read_text()
+    for home in set().union(*HEAVY_HOMES.values()):
+        parts = home.split(".")[1:]
+        path = "/".join(parts) + ("/" if len(parts) == 1 else ".py")
+        assert f"`{path}`" in text, f"docs/architecture.md does not say {path} imports them"
 
 
 def test_few_loose_modules() -> None:

@@ -138,7 +138,7 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
     trainer, and the loss corrects for it (``trainer.off_policy``).
     """
     from asyncgrpo.cli.plot import plot_run
-    from asyncgrpo.run.metrics import read_metrics, summarize
+    from asyncgrpo.run.metrics import METRICS_FILE, read_metrics, summarize
     from asyncgrpo.run.progress import ConsoleProgress
     from asyncgrpo.run.training import run_training
 
@@ -162,7 +162,7 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
         served_logprob_errors, model, result.transport_url, result.adapter_prefix, samples,
         output_dir / "verify-cache",
     )  # fmt: skip
-    records = read_metrics(result.run_dir / "metrics.jsonl")
+    records = read_metrics(result.run_dir / METRICS_FILE)
     plot = await anyio.to_thread.run_sync(plot_run, result.run_dir)
     first, last = summarize(records, "reward")
     # the ratio exists on steps that trained on tokens of the trainer's current weights
@@ -188,7 +188,7 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
         print(f"held-out reward ({int(base['eval/prompts'])} prompts the trainer never saw, k={k}): "
               f"base {base['eval/reward']:.3f} -> final {final['eval/reward']:.3f} (pass@1 "
               f"{base.get('eval/pass@1', math.nan):.2f} -> {final.get('eval/pass@1', math.nan):.2f})")  # fmt: skip
-    print(f"metrics: {result.run_dir / 'metrics.jsonl'}\nplot:    {plot}")
+    print(f"metrics: {result.run_dir / METRICS_FILE}\nplot:    {plot}")
     if max(errors) > 1e-3:
         raise SystemExit("MISMATCH: a replica served something other than the trained policy")
 

@@ -23,7 +23,7 @@ import yaml
 
 from asyncgrpo.config.flags import add_fields
 from asyncgrpo.config.training import ENV_PREFIX
-from asyncgrpo.launch.config import LaunchConfig
+from asyncgrpo.launch.config import LAUNCH_BACKENDS, LaunchConfig
 
 
 def add_parser(sub: Any) -> None:
@@ -41,7 +41,7 @@ def add_parser(sub: Any) -> None:
     )  # fmt: skip
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", default=[], help="section.field=value overrides")
-    p.add_argument("--backend", choices=("hf-jobs", "ray", "skypilot", "local"), required=True,
+    p.add_argument("--backend", choices=tuple(LAUNCH_BACKENDS), required=True,
                    help="hf-jobs: Hugging Face Jobs; ray: Ray actors on a Ray cluster; skypilot: SkyPilot managed jobs (any "
                         "cloud, Kubernetes, Slurm); local: separate process groups here")  # fmt: skip
     p.add_argument("--dry-run", action="store_true",

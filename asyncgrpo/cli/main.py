@@ -137,7 +137,7 @@ def _eval(args: argparse.Namespace) -> None:
     if args.dry_run:
         _recipe_checked(cfg, "eval config")
         return
-    from asyncgrpo.evaluation.records import EVAL_METRICS_FILE
+    from asyncgrpo.evaluation.records import EVAL_FILE, EVAL_METRICS_FILE
     from asyncgrpo.run.evaluation import evaluate_published
     from asyncgrpo.run.progress import ConsoleProgress
 
@@ -153,7 +153,7 @@ def _eval(args: argparse.Namespace) -> None:
               f"{m.get('eval/pass@1', float('nan')):.3f}, pass@{k} "
               f"{m.get(f'eval/pass@{k}', float('nan')):.3f} over {int(m['eval/prompts'])} "
               "prompts")  # fmt: skip
-    print(f"in {cfg.run_dir / EVAL_METRICS_FILE} (completions in {cfg.run_dir / 'eval.jsonl'})")
+    print(f"in {cfg.run_dir / EVAL_METRICS_FILE} (completions in {cfg.run_dir / EVAL_FILE})")
 
 
 def _plot(args: argparse.Namespace) -> None:

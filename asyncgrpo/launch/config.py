@@ -16,6 +16,17 @@ _TIMEOUT = re.compile(r"[0-9]+(\.[0-9]+)?[smhd]?")
 SKY_RECOVERY = ("EAGER_NEXT_REGION", "FAILOVER")
 #: The trainer job's config (YAML, secrets emptied) travels in this environment variable.
 CONFIG_ENV = "ASYNCGRPO_CONFIG"
+#: The launch backends by the name ``asyncgrpo launch --backend`` takes: the class that
+#: implements each (the :class:`~asyncgrpo.launch.jobs.Backend` interface), as ``module:Class``,
+#: imported only by a launch that uses it. A new backend is a module in ``asyncgrpo/launch/``
+#: and an entry here; one whose jobs run on other machines builds on
+#: :class:`~asyncgrpo.launch.remote.RemoteBackend` (specs, secrets, refusals).
+LAUNCH_BACKENDS = {
+    "hf-jobs": "asyncgrpo.launch.hf_jobs:HfJobsBackend",
+    "ray": "asyncgrpo.launch.ray_jobs:RayBackend",
+    "skypilot": "asyncgrpo.launch.skypilot:SkyPilotBackend",
+    "local": "asyncgrpo.launch.local:LocalBackend",
+}
 #: Hugging Face Jobs' exposed-port URL, used when a job does not report its own.
 JOBS_URL_TEMPLATE = "https://{job_id}--{port}.hf.jobs"
 

@@ -33,28 +33,15 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from asyncgrpo.config.sources import env_name
-from asyncgrpo.config.training import ENV_PREFIX, TrainingConfig
-from asyncgrpo.errors import ConfigError, LaunchError
-from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus, Stage
+from asyncgrpo.config.training import TrainingConfig
+from asyncgrpo.errors import LaunchError
+from asyncgrpo.launch.jobs import Job, JobSpec, JobStatus, Role, Stage
 from asyncgrpo.launch.log_follower import follow_in_thread
-from asyncgrpo.launch.plan import (
-    ADMIN_KEY_ENV,
-    in_image,
-    job_config,
-    job_secrets,
-    key_origins,
-    labels,
-    proxy_args,
-    replica_args,
-    trainer_args,
-    transport_credentials,
-    transport_secret,
-)
+from asyncgrpo.launch.plan import key_origins
+from asyncgrpo.launch.remote import TOKEN_ENV, RemoteBackend
 
 logger = logging.getLogger(__name__)
 
-TOKEN_ENV = "HF_TOKEN"
 _STAGES: dict[str, Stage] = {
     "SCHEDULING": "starting",
     "RUNNING": "running",
@@ -65,15 +52,10 @@ _STAGES: dict[str, Stage] = {
 }
 
 
-def _local_path(value: str) -> bool:
-    return os.path.exists(value)
-
-
-class HfJobsBackend:
-    """Replicas and trainer as Hugging Face Jobs; the transport an HF bucket or S3."""
+class HfJobsBackend(RemoteBackend):
+    """Replicas and trainer as Hugging Face Jobs; the transport an object store."""
 
     name = "hf-jobs"
-    writes_own_logs = False
 
     def __init__(
         self,
@@ -86,148 +68,52 @@ class HfJobsBackend:
     ) -> None:
         from huggingface_hub import HfApi, get_token
 
-        self.cfg = cfg
-        self.launch_dir = launch_dir
-        self.environ = dict(os.environ if environ is None else environ)
-        self.token = token or self.environ.get(TOKEN_ENV) or get_token()
+        env = os.environ if environ is None else environ
+        self.token = token or env.get(TOKEN_ENV) or get_token()
+        super().__init__(
+            cfg, launch_dir, environ, transport_url=cfg.transport_url, hub_token=self.token
+        )
         self.api = api if api is not None else HfApi(token=self.token)
         self.namespace = cfg.launch.namespace
-        self.transport_url = cfg.transport_url
-        secrets: dict[str, str] = {}
-        self.env: dict[str, str] = {}
-        self.missing: list[str] = []
-        if self.transport_url:
-            secrets, self.env, self.missing = transport_credentials(
-                self.transport_url, self.environ
-            )
-        if self.token:
-            secrets = {TOKEN_ENV: self.token, **secrets}
-        else:
+        self._admin_key = None  # no key of its own: the token is (admin_key)
+        if not self.token:
             self.missing.insert(0, TOKEN_ENV)
-        self.secrets = secrets
 
-    # -- specs (no request) ------------------------------------------------------------------
+    # -- specs: the token is the replicas' key, the gateway's ----------------------------------
 
-    @property
-    def health_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+    key_env = TOKEN_ENV
+
+    def _key(self) -> str | None:
+        return self.token
 
     @property
     def admin_key(self) -> str | None:
+        """The token: the Jobs gateway passes only requests that carry it (module docstring)."""
         return self.token if self.cfg.launch.replica_restarts else None
 
-    def _transport(self) -> str:
-        return self.transport_url or "<transport_url>"
+    def _key_urls(self, urls: list[str]) -> list[str] | None:
+        # replacements, added at run time, pass the gateway only with the token
+        return key_origins(urls) if self.token else None
 
-    def replica_spec(self, index: int) -> JobSpec:
-        lcfg = self.cfg.launch
-        args = replica_args(
-            self.cfg,
-            host="0.0.0.0",
-            port=lcfg.port,
-            transport_url=self._transport(),
-            api_key_env=TOKEN_ENV,
-        )
-        command, env = in_image(args, lcfg.replica_install)
-        return JobSpec(
-            role="replica",
-            name=f"{self.cfg.run_name}-replica-{index}",
-            command=tuple(command),
-            env={**env, **self.env},
-            secrets={**self.secrets, **transport_secret("replica", self._transport())},
-            image=lcfg.image,
-            flavor=lcfg.replica_flavor,
-            timeout_s=lcfg.timeout_s,
-            port=lcfg.port,
-            labels=labels(self.cfg, "replica"),
-        )
+    def _proxy_admin_env(self) -> str | None:
+        return TOKEN_ENV if self.cfg.launch.replica_restarts > 0 else None
 
-    def proxy_spec(self, urls: list[str]) -> JobSpec:
-        """A sweep's proxy: behind the Jobs gateway too, so its clients' key is the token."""
-        lcfg = self.cfg.launch
-        elastic = lcfg.replica_restarts > 0
-        args = proxy_args(
-            urls,
-            host="0.0.0.0",
-            port=lcfg.port,
-            key_env=TOKEN_ENV,
-            admin_key_env=TOKEN_ENV if elastic else None,
-            key_urls=key_origins(urls) if elastic and self.token else None,
-        )
-        command, env = in_image(args, lcfg.replica_install)
-        return JobSpec(
-            role="proxy",
-            name=f"{self.cfg.run_name}-proxy",
-            command=tuple(command),
-            env=env,
-            secrets={TOKEN_ENV: self.token} if self.token else {},
-            image=lcfg.image,
-            flavor=lcfg.proxy_flavor,
-            timeout_s=lcfg.timeout_s,
-            port=lcfg.port,
-            labels=labels(self.cfg, "proxy"),
-        )
+    def _trainer_admin_key(self, elastic: bool) -> str | None:
+        return self.token if elastic else None
 
-    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
-        lcfg = self.cfg.launch
-        # a sweep's point sends to the sweep's proxy, which the launcher adds replacements to
-        elastic = lcfg.replica_restarts > 0 and cfg is None
-        cfg = cfg or self.cfg
-        args = trainer_args(
-            urls,
-            proxy_host="0.0.0.0" if elastic else None,
-            proxy_port=lcfg.port if elastic else None,
-            # replacements, added at run time, pass the gateway only with the token
-            key_urls=key_origins(urls) if elastic and self.token else None,
-        )
-        command, env = in_image(args, lcfg.trainer_install)
-        secrets = {**job_secrets(cfg), **self.secrets}
-        if self.token:  # the Jobs gateway in front of every replica demands the token
-            secrets[env_name(ENV_PREFIX, "proxy.upstream_api_key")] = self.token
-            if elastic:  # behind the gateway too: see the module docstring
-                secrets[env_name(ENV_PREFIX, "proxy.api_key")] = self.token
-                secrets[ADMIN_KEY_ENV] = self.token
-        return JobSpec(
-            role="trainer",
-            name=f"{cfg.run_name}-trainer",
-            command=tuple(command),
-            env={**env, **self.env, CONFIG_ENV: job_config(cfg)},
-            secrets=secrets,
-            image=lcfg.trainer_image or lcfg.image,
-            flavor=lcfg.trainer_flavor,
-            timeout_s=lcfg.timeout_s,
-            port=lcfg.port if elastic else None,
-            labels=labels(cfg, "trainer"),
-        )
+    def _placement(self, role: Role) -> dict[str, Any]:
+        return {**super()._placement(role), "flavor": getattr(self.cfg.launch, f"{role}_flavor")}
 
     def check(self) -> None:
         self.check_offline()
 
     def check_offline(self) -> None:
         """Refuse, before any request, what no job could use (``--dry-run`` too)."""
-        if not self.transport_url:
-            raise ConfigError(
-                "transport_url is unset: jobs share no disk; set transport_url="
-                "hf://buckets/<namespace>/<bucket>/<prefix> (created if missing) or s3://..."
-            )
-        if self.missing:
-            raise ConfigError(
-                f"set {', '.join(self.missing)} in the environment: the jobs get "
-                f"{'it' if len(self.missing) == 1 else 'them'} as secrets "
-                f"({TOKEN_ENV}: a Hugging Face token with write access, or `hf auth login`; "
-                "HF_S3_*: the S3 key pair generated for that token)"
-            )
-        if _local_path(self.cfg.model):
-            raise ConfigError(
-                f"model={self.cfg.model!r} is a local path, which the jobs cannot read: "
-                "upload it to the Hub and give its id"
-            )
-        path = self.cfg.dataset.path
-        if path is not None and _local_path(path):
-            raise ConfigError(
-                f"dataset.path={path!r} is a local file, which the jobs cannot read: use "
-                "dataset.prompts or a Hub dataset name"
-            )
+        self._refuse_unset_transport()
+        self._refuse_missing(
+            f"{TOKEN_ENV}: a Hugging Face token with write access, or `hf auth login`"
+        )
+        self._refuse_local_files()
 
     # -- calls -------------------------------------------------------------------------------
 

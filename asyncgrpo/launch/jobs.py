@@ -88,8 +88,8 @@ class JobStatus:
 
 
 class Backend(Protocol):
-    """Where jobs run. Implementations: :mod:`.hf_jobs`, :mod:`.ray_jobs`, :mod:`.skypilot`,
-    :mod:`.local`."""
+    """Where jobs run. Implementations: the classes :data:`~.config.LAUNCH_BACKENDS` names
+    (:mod:`.hf_jobs`, :mod:`.ray_jobs`, :mod:`.skypilot`, :mod:`.local`)."""
 
     name: str
     missing: list[str]  #: environment variables the launch needs and does not have

@@ -33,11 +33,12 @@ messages). :class:`LaunchHandle` composes them.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -45,6 +46,7 @@ from anyio.abc import TaskGroup
 from asyncgrpo.config.redaction import redact_text
 from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
+from asyncgrpo.launch.config import LAUNCH_BACKENDS
 from asyncgrpo.launch.failure import job_failure, points_failure
 from asyncgrpo.launch.front_proxy import FrontProxy
 from asyncgrpo.launch.health import wait_all_healthy, wait_job_healthy
@@ -63,39 +65,25 @@ __all__ = ["LaunchHandle", "check_offline", "dry_run", "launch", "launch_dir", "
 
 logger = logging.getLogger(__name__)
 
-BackendName = Literal["hf-jobs", "local", "ray", "skypilot"]
+#: A name of :data:`~asyncgrpo.launch.config.LAUNCH_BACKENDS`.
+BackendName = str
 ProgressHook = Callable[[dict[str, Any]], None]
 #: Seconds the trainer's log may take to drain after its job completed.
 DRAIN_S = 15.0
 
 
-def make_backend(
-    name: BackendName | str, cfg: TrainingConfig, launch_dir: Path, **options: Any
-) -> Backend:
-    if name == "hf-jobs":
-        from asyncgrpo.launch.hf_jobs import HfJobsBackend
-
-        return HfJobsBackend(cfg, launch_dir, **options)
-    if name == "local":
-        from asyncgrpo.launch.local import LocalBackend
-
-        return LocalBackend(cfg, launch_dir, **options)
-    if name == "ray":
-        from asyncgrpo.launch.ray_jobs import RayBackend
-
-        return RayBackend(cfg, launch_dir, **options)
-    if name == "skypilot":
-        from asyncgrpo.launch.skypilot import SkyPilotBackend
-
-        return SkyPilotBackend(cfg, launch_dir, **options)
-    raise ConfigError(
-        f"unknown launch backend {name!r}: use 'hf-jobs', 'local', 'ray' or 'skypilot'"
-    )
+def make_backend(name: str, cfg: TrainingConfig, launch_dir: Path, **options: Any) -> Backend:
+    """The backend ``name`` (:data:`~asyncgrpo.launch.config.LAUNCH_BACKENDS`) for ``cfg``."""
+    if name not in LAUNCH_BACKENDS:
+        names = [repr(n) for n in sorted(LAUNCH_BACKENDS)]
+        raise ConfigError(
+            f"unknown launch backend {name!r}: use {', '.join(names[:-1])} or {names[-1]}"
+        )
+    module, _, cls = LAUNCH_BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)(cfg, launch_dir, **options)
 
 
-def plan(
-    cfg: TrainingConfig, backend: BackendName | str, **options: Any
-) -> tuple[Backend, list[Point]]:
+def plan(cfg: TrainingConfig, backend: BackendName, **options: Any) -> tuple[Backend, list[Point]]:
     """The backend, with replicas sized for every point of a sweep, and the points (one
     without a sweep). A transport URL no job could open is refused here, before any job."""
     if cfg.transport_url:
@@ -118,7 +106,7 @@ def launch_dir(cfg: TrainingConfig) -> Path:
     return Path(cfg.output_dir) / f"{cfg.run_name}-launch"
 
 
-def dry_run(cfg: TrainingConfig, backend: BackendName | str, **options: Any) -> str:
+def dry_run(cfg: TrainingConfig, backend: BackendName, **options: Any) -> str:
     """Every job spec the launch would start, as text; starts nothing and sends no request.
     Then :func:`check_offline`: the text is returned only if the launch would start."""
     be, points = plan(cfg, backend, **options)
@@ -136,7 +124,7 @@ def dry_run(cfg: TrainingConfig, backend: BackendName | str, **options: Any) -> 
     return redact_text(text)  # each part redacts its own; this is the net under all of them
 
 
-def check_offline(cfg: TrainingConfig, backend: BackendName | str, **options: Any) -> list[str]:
+def check_offline(cfg: TrainingConfig, backend: BackendName, **options: Any) -> list[str]:
     """Refuse, sending no request, what the launch would refuse before its first job: the
     recipe's checks (:func:`asyncgrpo.run.preflight.dry_run`; for a backend whose trainer runs
     elsewhere, what only that machine can tell is a warning) and the backend's own (an unset
@@ -152,7 +140,7 @@ def check_offline(cfg: TrainingConfig, backend: BackendName | str, **options: An
 
 async def launch(
     cfg: TrainingConfig,
-    backend: BackendName | str | Backend = "hf-jobs",
+    backend: BackendName | Backend = "hf-jobs",
     *,
     on_progress: ProgressHook | None = None,
     **options: Any,

@@ -30,27 +30,25 @@ from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import LaunchError
 from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus
 from asyncgrpo.launch.plan import (
-    ADMIN_KEY_ENV,
+    JOB_OUTPUT_DIR,
     PROXY_ADMIN_KEY_ENV,
     job_config,
-    job_secrets,
-    labels,
+    job_spec,
     proxy_args,
     replica_args,
     trainer_args,
+    trainer_metrics_path,
+    trainer_secrets,
     transport_secret,
 )
 from asyncgrpo.processes import free_port, log_tail, start_group, stop_group
 from asyncgrpo.retry import Backoff, retry
-from asyncgrpo.run.metrics import METRICS_FILE
 
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 S3_BUCKET = "asyncgrpo"
 STOP_GRACE_S = 30.0
-#: A trainer job's ``output_dir``, inside its working directory: its run directory is there.
-JOB_OUTPUT_DIR = "runs"
 #: moto accepts any key pair; these only satisfy the S3 client.
 _MOTO_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -108,18 +106,18 @@ class LocalBackend:
 
     def replica_spec(self, index: int) -> JobSpec:
         port = self.port_of(index)
-        return JobSpec(
-            role="replica",
-            name=f"{self.cfg.run_name}-replica-{index}",
-            command=self._hidden(
-                sys.executable,
-                *replica_args(self.cfg, host=HOST, port=port, transport_url=self.transport_url),
-                *("--log-dir", ".", "--adapter-cache-dir", "adapters"),
-            ),
+        args = replica_args(self.cfg, host=HOST, port=port, transport_url=self.transport_url)
+        command = self._hidden(
+            sys.executable, *args, "--log-dir", ".", "--adapter-cache-dir", "adapters"
+        )
+        return job_spec(
+            self.cfg,
+            "replica",
+            f"replica-{index}",
+            command,
             env=dict(self.transport_env),
-            secrets=transport_secret("replica", self.transport_url),
             port=port,
-            labels=labels(self.cfg, "replica"),
+            secrets=transport_secret("replica", self.transport_url),
         )
 
     def _hidden(self, *argv: str) -> tuple[str, ...]:
@@ -138,15 +136,11 @@ class LocalBackend:
         launch's admin key."""
         port = free_port(HOST)
         admin = {PROXY_ADMIN_KEY_ENV: self._admin_key} if self._admin_key is not None else {}
-        args = proxy_args(urls, host=HOST, port=port,
-                          admin_key_env=PROXY_ADMIN_KEY_ENV if admin else None)  # fmt: skip
-        return JobSpec(
-            role="proxy",
-            name=f"{self.cfg.run_name}-proxy",
-            command=(sys.executable, *args),
-            secrets=admin,
-            port=port,
-            labels=labels(self.cfg, "proxy"),
+        args = proxy_args(
+            urls, host=HOST, port=port, admin_key_env=PROXY_ADMIN_KEY_ENV if admin else None
+        )
+        return job_spec(
+            self.cfg, "proxy", "proxy", (sys.executable, *args), secrets=admin, port=port
         )
 
     def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
@@ -156,18 +150,19 @@ class LocalBackend:
         cfg = cfg or self.cfg
         transport = cfg.transport_url or self.transport_url  # a sweep's point has its own
         shipped = dataclasses.replace(cfg, transport_url=transport, output_dir=JOB_OUTPUT_DIR)
-        secrets = job_secrets(shipped)
         port = None if point else self.proxy_port
-        if self._admin_key is not None:  # the proxy's book of LoRA slots is behind it too
-            secrets[ADMIN_KEY_ENV] = self._admin_key
-        return JobSpec(
-            role="trainer",
-            name=f"{cfg.run_name}-trainer",
-            command=(sys.executable, *trainer_args(urls, proxy_port=port)),
+        # the admin key: the proxy's book of LoRA slots is behind it too
+        secrets = trainer_secrets(
+            shipped, {}, upstream_key=None, admin_key=self._admin_key, listens=False
+        )
+        return job_spec(
+            cfg,
+            "trainer",
+            "trainer",
+            (sys.executable, *trainer_args(urls, proxy_port=port)),
             env={**self.transport_env, CONFIG_ENV: job_config(shipped)},
             secrets=secrets,
             port=port,
-            labels=labels(cfg, "trainer"),
         )
 
     def check(self) -> None:
@@ -247,8 +242,7 @@ class LocalBackend:
         ``output_dir`` it is shipped with (:data:`JOB_OUTPUT_DIR`)."""
         if job.spec.role != "trainer":
             return None
-        run_name = job.name.removesuffix("-trainer")
-        return self._workdir(job.spec) / JOB_OUTPUT_DIR / run_name / METRICS_FILE
+        return trainer_metrics_path(self._workdir(job.spec), job.name)
 
     async def follow_logs(self, job: Job, on_line: Callable[[str], None]) -> None:
         """The process writes its own log file (``job.log_path``); read new lines from it."""

@@ -12,18 +12,19 @@ environment like every other command: the variables :func:`job_secrets` names ar
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
 
 from asyncgrpo.config.fields import secret_keys
-from asyncgrpo.config.redaction import has_credentials, redact_url
+from asyncgrpo.config.redaction import has_credentials
 from asyncgrpo.config.sources import env_name
 from asyncgrpo.config.training import ENV_PREFIX, TrainingConfig, to_dict
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.launch.jobs import JobSpec, Role
+from asyncgrpo.run.metrics import METRICS_FILE
 
 __all__ = [
     "JobSpec",
@@ -63,6 +64,12 @@ def _secret_values(cfg: TrainingConfig) -> dict[str, Any]:
 
 #: Where a launched trainer job keeps its run directory, from its own working directory.
 JOB_OUTPUT_DIR = "runs"
+
+
+def trainer_metrics_path(workdir: Path, job_name: str) -> Path:
+    """The ``metrics.jsonl`` of trainer job ``job_name`` working in ``workdir``: under the
+    ``output_dir`` it is shipped with (:data:`JOB_OUTPUT_DIR`), in its run's directory."""
+    return workdir / JOB_OUTPUT_DIR / job_name.removesuffix("-trainer") / METRICS_FILE
 
 
 def job_config(cfg: TrainingConfig) -> str:
@@ -116,16 +123,24 @@ def replica_args(
     trainer's local replicas would be (LoRA rank, slots from max_staleness, dtype, length). A
     transport URL with credentials is not among them: see :func:`transport_secret`."""
     args = [
-        "-m", "asyncgrpo.serve",
-        "--model", cfg.model,
-        "--replicas", "1",
-        "--host", host,
-        "--port", str(port),
+        "-m",
+        "asyncgrpo.serve",
+        "--model",
+        cfg.model,
+        "--replicas",
+        "1",
+        "--host",
+        host,
+        "--port",
+        str(port),
         *(() if has_credentials(transport_url) else ("--transport", transport_url)),
-        "--lora-rank", str(cfg.lora.r),
-        "--max-staleness", str(cfg.trainer.max_staleness),
-        "--dtype", cfg.serve.dtype,
-    ]  # fmt: skip
+        "--lora-rank",
+        str(cfg.lora.r),
+        "--max-staleness",
+        str(cfg.trainer.max_staleness),
+        "--dtype",
+        cfg.serve.dtype,
+    ]
     if cfg.serve.max_model_len is not None:
         args += ["--max-model-len", str(cfg.serve.max_model_len)]
     if cfg.serve.max_loras is not None:  # a sweep's fleet: every run's window at once
@@ -229,57 +244,45 @@ def labels(cfg: TrainingConfig, role: Role) -> dict[str, str]:
     return {"asyncgrpo-run": cfg.run_name, "asyncgrpo-role": role}
 
 
-def pick_secrets(
-    names: tuple[str, ...],
-    environ: Mapping[str, str],
+def job_spec(
+    cfg: TrainingConfig,
+    role: Role,
+    suffix: str,
+    command: list[str] | tuple[str, ...],
+    **fields: Any,
+) -> JobSpec:
+    """The spec of ``cfg``'s job ``<run_name>-<suffix>``, labelled with its run and role."""
+    return JobSpec(
+        role=role,
+        name=f"{cfg.run_name}-{suffix}",
+        command=tuple(command),
+        labels=labels(cfg, role),
+        **fields,
+    )
+
+
+#: The variables the trainer job's config loader reads its proxy's keys from.
+UPSTREAM_KEY_ENV = env_name(ENV_PREFIX, "proxy.upstream_api_key")
+CLIENT_KEY_ENV = env_name(ENV_PREFIX, "proxy.api_key")
+
+
+def trainer_secrets(
+    cfg: TrainingConfig,
+    shared: dict[str, str],
     *,
-    fallbacks: Mapping[str, str] | None = None,
-) -> tuple[dict[str, str], list[str]]:
-    """``names`` from ``environ`` (or each one's fallback variable); the missing names too."""
-    fallbacks = fallbacks or {}
-    found: dict[str, str] = {}
-    missing: list[str] = []
-    for name in names:
-        value = environ.get(name) or environ.get(fallbacks.get(name, ""), "")
-        if value:
-            found[name] = value
-        else:
-            missing.append(name)
-    return found, missing
-
-
-def transport_credentials(
-    url: str, environ: Mapping[str, str]
-) -> tuple[dict[str, str], dict[str, str], list[str]]:
-    """(secrets, plain env, missing names) a job needs to open transport ``url``.
-
-    A job shares no disk with the launcher, so only object stores qualify.
-    """
-    plain_names: tuple[str, ...]
-    if url.startswith("hf://"):
-        secrets, missing = pick_secrets(
-            ("HF_S3_ACCESS_KEY_ID", "HF_S3_SECRET_ACCESS_KEY"),
-            environ,
-            fallbacks={
-                "HF_S3_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
-                "HF_S3_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
-            },
-        )
-        plain_names = ("HF_S3_ENDPOINT",)
-    elif url.startswith("s3://"):
-        secrets, missing = pick_secrets(("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"), environ)
-        if environ.get("AWS_SESSION_TOKEN"):
-            secrets["AWS_SESSION_TOKEN"] = environ["AWS_SESSION_TOKEN"]
-        plain_names = (
-            "AWS_REGION",
-            "AWS_DEFAULT_REGION",
-            "AWS_ENDPOINT_URL",
-            "AWS_ENDPOINT_URL_S3",
-        )
-    else:
-        raise ConfigError(
-            f"transport_url={redact_url(url)!r}: jobs on other machines share no disk; use "
-            "hf://buckets/<namespace>/<bucket>/<prefix> or s3://bucket/prefix"
-        )
-    plain = {k: environ[k] for k in plain_names if environ.get(k)}
-    return secrets, plain, missing
+    upstream_key: str | None,
+    admin_key: str | None,
+    listens: bool,
+) -> dict[str, str]:
+    """A trainer job's secrets: every secret of ``cfg`` and ``shared`` (the transport's, the
+    token); ``upstream_key``, what its proxy sends the replicas; ``admin_key``, its proxy's admin
+    key (the launcher adds replacements with it; a sweep's point books LoRA slots with it), also
+    its clients' key when its proxy ``listens`` beyond the job."""
+    secrets = {**job_secrets(cfg), **shared}
+    if upstream_key:
+        secrets[UPSTREAM_KEY_ENV] = upstream_key
+    if admin_key is not None:
+        secrets[ADMIN_KEY_ENV] = admin_key
+        if listens:
+            secrets[CLIENT_KEY_ENV] = admin_key
+    return secrets

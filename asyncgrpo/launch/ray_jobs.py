@@ -32,10 +32,7 @@ its node that the launcher streams into ``launch/<job>.log``, not through Ray's 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
-import secrets as secrets_lib
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -46,24 +43,11 @@ import anyio
 import anyio.to_thread
 
 from asyncgrpo.config.redaction import redact_text
-from asyncgrpo.config.sources import env_name
-from asyncgrpo.config.training import ENV_PREFIX, TrainingConfig
+from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch.config import LaunchConfig
-from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus, Role
-from asyncgrpo.launch.plan import (
-    ADMIN_KEY_ENV,
-    JOB_OUTPUT_DIR,
-    PROXY_ADMIN_KEY_ENV,
-    job_config,
-    job_secrets,
-    labels,
-    proxy_args,
-    replica_args,
-    trainer_args,
-    transport_credentials,
-    transport_secret,
-)
+from asyncgrpo.launch.jobs import Job, JobSpec, JobStatus, Role
+from asyncgrpo.launch.plan import trainer_metrics_path
 from asyncgrpo.launch.ray_actor import (
     NODE_IP,
     PORT,
@@ -72,8 +56,8 @@ from asyncgrpo.launch.ray_actor import (
     current_node_id,
     node_address,
 )
+from asyncgrpo.launch.remote import RemoteBackend, first_line
 from asyncgrpo.retry import poll_until
-from asyncgrpo.run.metrics import METRICS_FILE
 
 __all__ = [
     "NAMESPACE",
@@ -89,10 +73,6 @@ logger = logging.getLogger(__name__)
 
 #: The Ray namespace of a launch's actors (``ray list actors --filter namespace=asyncgrpo``).
 NAMESPACE = "asyncgrpo"
-#: The Hugging Face token, passed on to the actors when set (model and dataset downloads).
-TOKEN_ENV = "HF_TOKEN"
-#: The variable each replica reads its vLLM API key from.
-REPLICA_KEY_ENV = "ASYNCGRPO_REPLICA_API_KEY"
 STOP_GRACE_S = 30.0
 #: Seconds one call to an actor may take before the launcher treats it as not answering.
 CALL_TIMEOUT_S = 30.0
@@ -135,8 +115,11 @@ def resources_of(role: Role, lcfg: LaunchConfig) -> dict[str, float]:
     (an accelerator type is a resource ``accelerator_type:NAME`` Ray asks 0.001 of)."""
     kind = _kind(role)
     gpus = 0.0 if role == "proxy" else getattr(lcfg, f"{kind}_num_gpus")
-    out = {"CPU": getattr(lcfg, f"{kind}_num_cpus"), "GPU": gpus,
-           **getattr(lcfg, f"{kind}_resources")}  # fmt: skip
+    out = {
+        "CPU": getattr(lcfg, f"{kind}_num_cpus"),
+        "GPU": gpus,
+        **getattr(lcfg, f"{kind}_resources"),
+    }
     accelerator = getattr(lcfg, f"{kind}_accelerator_type")
     if accelerator and role != "proxy":
         out[f"accelerator_type:{accelerator}"] = 0.001
@@ -211,8 +194,9 @@ def unmet_resources(
             continue
         setting = _FIELDS.get(name, "resources")
         fields = ", ".join(f"launch.{kind}_{setting}" for kind in kinds)
-        who = " + ".join(f"{n} {role}{'s' if n > 1 else ''} x {amount:g}"
-                         for role, n, amount in parts)  # fmt: skip
+        who = " + ".join(
+            f"{n} {role}{'s' if n > 1 else ''} x {amount:g}" for role, n, amount in parts
+        )
         out.append(f"{name}: {total:g} asked ({who}; {fields}), the cluster has {have:g}")
     return out
 
@@ -228,11 +212,12 @@ class _Actor:
     info: dict[str, Any] | None = None
 
 
-class RayBackend:
+class RayBackend(RemoteBackend):
     """Replicas, a sweep's proxy and the trainers as Ray actors on one cluster."""
 
     name = "ray"
-    writes_own_logs = False
+    secrets_as = "in their environment"
+    shares_directories = True  # a directory every node mounts at the same path
 
     def __init__(
         self,
@@ -243,24 +228,12 @@ class RayBackend:
         ray: Any = None,
     ) -> None:
         self._ray = ray
-        self.cfg = cfg
-        self.launch_dir = launch_dir.resolve()
-        self.environ = dict(os.environ if environ is None else environ)
-        self.address = ray_address(cfg.launch, self.environ)
+        launch_dir = launch_dir.resolve()
         #: without transport_url: a directory of the launch (a one-host cluster shares it)
         self.shared_dir = not cfg.transport_url
-        self.transport_url = cfg.transport_url or str(self.launch_dir / "store")
-        self.replica_key = secrets_lib.token_urlsafe(32)
-        elastic = cfg.launch.replica_restarts > 0
-        self._admin_key = secrets_lib.token_urlsafe(32) if elastic else None
-        self.env: dict[str, str] = {}
-        self.missing: list[str] = []
-        found: dict[str, str] = {}
-        if self.transport_url.startswith(("s3://", "hf://")):
-            found, self.env, self.missing = transport_credentials(self.transport_url, self.environ)
-        if self.environ.get(TOKEN_ENV):  # model and dataset downloads from the Hub
-            found = {TOKEN_ENV: self.environ[TOKEN_ENV], **found}
-        self.secrets = found
+        transport = cfg.transport_url or str(launch_dir / "store")
+        super().__init__(cfg, launch_dir, environ, transport_url=transport)
+        self.address = ray_address(cfg.launch, self.environ)
         self._actors: dict[str, _Actor] = {}
         self._launcher_ip: str | None = None
         self._connected = False
@@ -271,81 +244,36 @@ class RayBackend:
             self._ray = import_ray()
         return self._ray
 
-    # -- specs (no request) ------------------------------------------------------------------
+    # -- specs: actors on the cluster's nodes, the node's Python --------------------------------
 
-    @property
-    def health_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.replica_key}"}
+    listen_host = NODE_IP
+    replica_extra = ("--log-dir", ".", "--adapter-cache-dir", "adapters")
 
-    @property
-    def admin_key(self) -> str | None:
-        return self._admin_key
-
-    def replica_port(self, index: int) -> int:
+    def _replica_port(self, index: int) -> int:
+        """A replacement's port is known in advance: the trainer's proxy gives it the key."""
         return self.cfg.launch.port + index
 
-    def key_urls(self) -> list[str]:
+    def _own_port(self) -> tuple[int | str, int | None]:
+        return PORT, None  # a port free on its node, which its actor reports
+
+    def _key_urls(self, urls: list[str]) -> list[str] | None:
         """The addresses of every replica the launch may start (any node, its port)."""
         lcfg = self.cfg.launch
-        return [f"http://*:{self.replica_port(i)}"
-                for i in range(lcfg.replicas + lcfg.replica_restarts)]  # fmt: skip
+        n = lcfg.replicas + lcfg.replica_restarts
+        return [f"http://*:{self._replica_port(i)}" for i in range(n)]
 
-    def replica_spec(self, index: int) -> JobSpec:
-        port = self.replica_port(index)
-        args = replica_args(self.cfg, host=NODE_IP, port=port, transport_url=self.transport_url,
-                            api_key_env=REPLICA_KEY_ENV)  # fmt: skip
-        args += ["--log-dir", ".", "--adapter-cache-dir", "adapters"]
-        secrets = {**self.secrets, REPLICA_KEY_ENV: self.replica_key}
-        return JobSpec(
-            role="replica",
-            name=f"{self.cfg.run_name}-replica-{index}",
-            command=(PYTHON, *args),
-            env=dict(self.env),
-            secrets={**secrets, **transport_secret("replica", self.transport_url)},
-            port=port,
-            labels=labels(self.cfg, "replica"),
-        )
+    def _command(self, role: Role, args: list[str]) -> tuple[list[str], dict[str, str]]:
+        return [PYTHON, *args], {}  # the node's Python, asyncgrpo installed there
 
-    def proxy_spec(self, urls: list[str]) -> JobSpec:
-        """A sweep's proxy: its clients' key is the replicas' (the points' trainers hold it)."""
-        admin = self._admin_key
-        args = proxy_args(urls, host=NODE_IP, port=PORT, key_env=REPLICA_KEY_ENV,
-                          admin_key_env=PROXY_ADMIN_KEY_ENV if admin else None,
-                          key_urls=self.key_urls() if admin else None)  # fmt: skip
-        secrets = {REPLICA_KEY_ENV: self.replica_key}
-        if admin is not None:
-            secrets[PROXY_ADMIN_KEY_ENV] = admin
-        return JobSpec(role="proxy", name=f"{self.cfg.run_name}-proxy", command=(PYTHON, *args),
-                       secrets=secrets, labels=labels(self.cfg, "proxy"))  # fmt: skip
-
-    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
-        # a sweep's point sends to the sweep's proxy, which the launcher adds replicas to
-        elastic = self._admin_key is not None and cfg is None
-        cfg = cfg or self.cfg
-        shipped = dataclasses.replace(cfg, transport_url=cfg.transport_url or self.transport_url)
-        args = trainer_args(urls, proxy_host=NODE_IP if elastic else None,
-                            proxy_port=PORT if elastic else None,
-                            key_urls=self.key_urls() if elastic else None)  # fmt: skip
-        secrets = {**job_secrets(shipped), **self.secrets}
-        secrets[env_name(ENV_PREFIX, "proxy.upstream_api_key")] = self.replica_key
-        if self._admin_key is not None:  # its proxy's admin routes; a point's LoRA booking
-            secrets[ADMIN_KEY_ENV] = self._admin_key
-            if elastic:  # it listens on its node's address
-                secrets[env_name(ENV_PREFIX, "proxy.api_key")] = self._admin_key
-        return JobSpec(
-            role="trainer",
-            name=f"{cfg.run_name}-trainer",
-            command=(PYTHON, *args),
-            env={**self.env, CONFIG_ENV: job_config(shipped)},
-            secrets=secrets,
-            labels=labels(cfg, "trainer"),
-        )
+    def _placement(self, role: Role) -> dict[str, Any]:
+        return {}  # the actor's resources: actor_options
 
     def dry_run_text(self, spec: JobSpec) -> str:
         """``spec`` as every backend describes it, and its actor's resources."""
         opts = actor_options(spec, self.cfg.launch)
-        shown = {k: v for k, v in opts.items()
-                 if k not in ("name", "namespace") and v not in ({}, None)}  # fmt: skip
+        shown = {
+            k: v for k, v in opts.items() if k not in ("name", "namespace") and v not in ({}, None)
+        }
         text = spec.describe().replace(f"{spec.role} job", f"{spec.role} actor", 1)
         return text + "\n  ray:     " + ", ".join(f"{k}={v}" for k, v in shown.items())
 
@@ -353,11 +281,7 @@ class RayBackend:
 
     def check_offline(self) -> None:
         """Refuse, without the cluster, what the launch would refuse: secrets not set."""
-        if self.missing:
-            raise ConfigError(
-                f"set {', '.join(self.missing)} in the environment: the actors get "
-                f"{'it' if len(self.missing) == 1 else 'them'} in their environment"
-            )
+        self._refuse_missing()
 
     def check(self) -> None:
         """Connect to the cluster and refuse, before any actor starts, what the launch cannot
@@ -375,21 +299,28 @@ class RayBackend:
                     "start --head) or set launch.ray_address (or RAY_ADDRESS)"
                 ) from None
         try:
-            ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False,
-                     logging_level=logging.ERROR)  # fmt: skip
+            ray.init(
+                address=self.address,
+                namespace=NAMESPACE,
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+            )
         except Exception as exc:  # ConnectionError, and Ray's own for a bad address
             raise ConfigError(
-                f"no Ray cluster at {self.address}: {_first_line(exc)}; start one (ray start "
+                f"no Ray cluster at {self.address}: {first_line(exc)}; start one (ray start "
                 "--head) or set launch.ray_address (or RAY_ADDRESS)"
             ) from None
         self._connected = True
         self._launcher_ip = node_address(current_node_id())
         trainers = len(self.cfg.launch.sweep and _points(self.cfg)) or 1
-        unmet = unmet_resources(role_requests(self.cfg.launch, trainers=trainers),
-                                ray.cluster_resources())  # fmt: skip
+        unmet = unmet_resources(
+            role_requests(self.cfg.launch, trainers=trainers), ray.cluster_resources()
+        )
         if unmet:
-            raise ConfigError(f"the Ray cluster at {self.address} lacks what the launch asks "
-                              f"for: {'; '.join(unmet)}")  # fmt: skip
+            raise ConfigError(
+                f"the Ray cluster at {self.address} lacks what the launch asks "
+                f"for: {'; '.join(unmet)}"
+            )
         if self.shared_dir:
             hosts = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")})
             if hosts != [self._launcher_ip]:
@@ -417,12 +348,16 @@ class RayBackend:
         fallback = f"{self.cfg.run_name}/{workdir.name}"
         try:
             handle = self.ray.remote(RoleActor).options(**options).remote()
-            started = handle.start.remote(list(spec.command), {**spec.env, **spec.secrets},
-                                          workdir=str(workdir),
-                                          launcher_ip=self._launcher_ip, fallback=fallback)  # fmt: skip
+            started = handle.start.remote(
+                list(spec.command),
+                {**spec.env, **spec.secrets},
+                workdir=str(workdir),
+                launcher_ip=self._launcher_ip,
+                fallback=fallback,
+            )
         except Exception as exc:  # a name still taken by a live actor, a bad option
             raise LaunchError(
-                f"could not start {spec.role} actor {spec.name}: {_first_line(exc)}"
+                f"could not start {spec.role} actor {spec.name}: {first_line(exc)}"
             ) from None
         self._actors[spec.name] = _Actor(handle, started, workdir)
         return spec.name
@@ -451,17 +386,18 @@ class RayBackend:
         except self.ray.exceptions.GetTimeoutError:
             return JobStatus(job.stage, job.url, "its Ray actor did not answer in time")
         except self.ray.exceptions.RayTaskError as exc:  # start raised on the node
-            return JobStatus(ended, None, f"its Ray actor failed: {_first_line(exc.cause)}")
+            return JobStatus(ended, None, f"its Ray actor failed: {first_line(exc.cause)}")
         except self.ray.exceptions.RayError as exc:
-            return JobStatus(ended, None, f"its Ray actor died: {_first_line(exc)}")
+            return JobStatus(ended, None, f"its Ray actor died: {first_line(exc)}")
         port = job.spec.port or info["port"]  # a replica's is planned; else the node's pick
         url = f"http://{info['node_ip']}:{port}" if port else None
         if code is None:
             return JobStatus("running", url)
         if job.cancel_requested:
             return JobStatus("canceled", url)
-        return JobStatus("completed" if code == 0 else "failed", url,
-                         None if code == 0 else f"exit code {code}")  # fmt: skip
+        return JobStatus(
+            "completed" if code == 0 else "failed", url, None if code == 0 else f"exit code {code}"
+        )
 
     async def log_tail(self, job: Job, lines: int) -> str:
         """From the actor; once it is gone, what the launcher streamed of it."""
@@ -486,8 +422,7 @@ class RayBackend:
         if actor is not None and actor.info is not None:
             if actor.info["node_ip"] != self._launcher_ip:
                 return None
-        run_name = job.name.removesuffix("-trainer")
-        return self._workdir(job.spec) / JOB_OUTPUT_DIR / run_name / METRICS_FILE
+        return trainer_metrics_path(self._workdir(job.spec), job.name)
 
     async def follow_logs(self, job: Job, on_line: Callable[[str], None]) -> None:
         """Read the role's log from its actor until the process ended (or the actor died)."""
@@ -508,7 +443,7 @@ class RayBackend:
                 if not chunk:
                     await anyio.sleep(0.5)
         except ray.exceptions.RayError as exc:
-            logger.debug("log of %s ended: %s", job.name, _first_line(exc))
+            logger.debug("log of %s ended: %s", job.name, first_line(exc))
         if pending:
             on_line(pending)
 
@@ -519,8 +454,7 @@ class RayBackend:
         ray = self.ray
         try:
             if actor.info is not None or await self._info(actor) is not None:
-                await self._get(actor.handle.stop.remote(STOP_GRACE_S, job.name),
-                                STOP_GRACE_S + 15)  # fmt: skip
+                await self._get(actor.handle.stop.remote(STOP_GRACE_S, job.name), STOP_GRACE_S + 15)
         except ray.exceptions.RayError:
             pass  # dead already, or not answering: ray.kill ends it and its processes
         await anyio.to_thread.run_sync(lambda: ray.kill(actor.handle, no_restart=True))
@@ -535,8 +469,3 @@ def _points(cfg: TrainingConfig) -> list[Any]:
     from asyncgrpo.launch.sweep import sweep_points
 
     return sweep_points(cfg, None)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

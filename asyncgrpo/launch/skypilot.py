@@ -28,9 +28,6 @@ Secrets, given to SkyPilot as task secrets at launch (never in the task YAML or 
 from __future__ import annotations
 
 import io
-import os
-import re
-import secrets as secrets_lib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,36 +35,26 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from asyncgrpo.config.sources import env_name
-from asyncgrpo.config.training import ENV_PREFIX, TrainingConfig
+from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
-from asyncgrpo.launch.jobs import CONFIG_ENV, Job, JobSpec, JobStatus, Stage
+from asyncgrpo.launch.jobs import Job, JobSpec, JobStatus, Stage
 from asyncgrpo.launch.log_follower import follow_in_thread
-from asyncgrpo.launch.plan import (
-    ADMIN_KEY_ENV,
-    PROXY_ADMIN_KEY_ENV,
-    in_image,
-    job_config,
-    job_secrets,
-    labels,
-    proxy_args,
-    replica_args,
-    trainer_args,
-    transport_credentials,
-    transport_secret,
-)
+from asyncgrpo.launch.remote import REPLICA_KEY_ENV, RemoteBackend, first_line
 from asyncgrpo.launch.skypilot_tasks import any_host_origin, task_config, task_yaml
 
 __all__ = ["REPLICA_KEY_ENV", "SkyPilotBackend", "import_sky"]
 
 
-#: The Hugging Face token, passed on to the jobs when set (model and dataset downloads).
-TOKEN_ENV = "HF_TOKEN"
-#: The variable each replica reads its vLLM API key from.
-REPLICA_KEY_ENV = "ASYNCGRPO_REPLICA_API_KEY"
 #: The managed-job fields a status poll asks for.
-FIELDS = ["job_id", "job_name", "status", "recovery_count", "failure_reason", "details",
-          "internal_external_ips"]  # fmt: skip
+FIELDS = [
+    "job_id",
+    "job_name",
+    "status",
+    "recovery_count",
+    "failure_reason",
+    "details",
+    "internal_external_ips",
+]
 _STAGES: dict[str, Stage] = {
     "PENDING": "starting",
     "SUBMITTED": "starting",
@@ -96,12 +83,6 @@ def stage_of(status: str) -> Stage:
     return _STAGES.get(status, "failed" if status.startswith("FAILED") else "running")
 
 
-def _first_line(exc: BaseException) -> str:
-    """An SDK error in one line (SkyPilot's carry colour codes and several lines)."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def record_url(record: Any, port: int) -> str | None:
     """``http://<external address>:<port>`` of a managed job's first node, once it has one."""
     ips = record.internal_external_ips or []
@@ -112,12 +93,12 @@ def record_url(record: Any, port: int) -> str | None:
     return f"http://{host}:{port}" if host else None
 
 
-class SkyPilotBackend:
+class SkyPilotBackend(RemoteBackend):
     """Replicas, a sweep's proxy and the trainers as SkyPilot managed jobs; the transport an
-    object store (S3 or an HF bucket)."""
+    object store (S3, GCS, Azure Blob or an HF bucket)."""
 
     name = "skypilot"
-    writes_own_logs = False
+    secrets_as = "as SkyPilot secrets"
 
     def __init__(
         self,
@@ -128,102 +109,10 @@ class SkyPilotBackend:
         sky: Any = None,
     ) -> None:
         self.sky = sky if sky is not None else import_sky()
-        self.cfg = cfg
-        self.launch_dir = launch_dir
-        self.environ = dict(os.environ if environ is None else environ)
-        self.transport_url = cfg.transport_url
-        self.replica_key = secrets_lib.token_urlsafe(32)
-        elastic = cfg.launch.replica_restarts > 0
-        self._admin_key = secrets_lib.token_urlsafe(32) if elastic else None
-        self.env: dict[str, str] = {}
-        self.missing: list[str] = []
-        found: dict[str, str] = {}
-        if self.transport_url:
-            found, self.env, self.missing = transport_credentials(self.transport_url, self.environ)
-        if self.environ.get(TOKEN_ENV):  # model and dataset downloads from the Hub
-            found = {TOKEN_ENV: self.environ[TOKEN_ENV], **found}
-        self.secrets = found
+        super().__init__(cfg, launch_dir, environ, transport_url=cfg.transport_url)
 
-    # -- specs (no request) ------------------------------------------------------------------
-
-    @property
-    def health_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.replica_key}"}
-
-    @property
-    def admin_key(self) -> str | None:
-        return self._admin_key
-
-    def _transport(self) -> str:
-        return self.transport_url or "<transport_url>"
-
-    def replica_spec(self, index: int) -> JobSpec:
-        lcfg = self.cfg.launch
-        args = replica_args(self.cfg, host="0.0.0.0", port=lcfg.port,
-                            transport_url=self._transport(), api_key_env=REPLICA_KEY_ENV)  # fmt: skip
-        command, env = in_image(args, lcfg.replica_install)
-        secrets = {**self.secrets, REPLICA_KEY_ENV: self.replica_key}
-        return JobSpec(
-            role="replica",
-            name=f"{self.cfg.run_name}-replica-{index}",
-            command=tuple(command),
-            env={**env, **self.env},
-            secrets={**secrets, **transport_secret("replica", self._transport())},
-            image=lcfg.image,
-            timeout_s=lcfg.timeout_s,
-            port=lcfg.port,
-            labels=labels(self.cfg, "replica"),
-        )
-
-    def proxy_spec(self, urls: list[str]) -> JobSpec:
-        """A sweep's proxy: its clients' key is the replicas' (the points' trainers hold it)."""
-        lcfg = self.cfg.launch
-        admin = self._admin_key
-        args = proxy_args(urls, host="0.0.0.0", port=lcfg.port, key_env=REPLICA_KEY_ENV,
-                          admin_key_env=PROXY_ADMIN_KEY_ENV if admin else None,
-                          key_urls=[any_host_origin(lcfg.port)] if admin else None)  # fmt: skip
-        command, env = in_image(args, lcfg.replica_install)
-        secrets = {REPLICA_KEY_ENV: self.replica_key}
-        if admin is not None:
-            secrets[PROXY_ADMIN_KEY_ENV] = admin
-        return JobSpec(
-            role="proxy",
-            name=f"{self.cfg.run_name}-proxy",
-            command=tuple(command),
-            env=env,
-            secrets=secrets,
-            image=lcfg.image,
-            timeout_s=lcfg.timeout_s,
-            port=lcfg.port,
-            labels=labels(self.cfg, "proxy"),
-        )
-
-    def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
-        lcfg = self.cfg.launch
-        # a sweep's point sends to the sweep's proxy, which the launcher adds replicas to
-        elastic = self._admin_key is not None and cfg is None
-        cfg = cfg or self.cfg
-        args = trainer_args(urls, proxy_host="0.0.0.0" if elastic else None,
-                            proxy_port=lcfg.port if elastic else None,
-                            key_urls=[any_host_origin(lcfg.port)] if elastic else None)  # fmt: skip
-        command, env = in_image(args, lcfg.trainer_install)
-        secrets = {**job_secrets(cfg), **self.secrets}
-        secrets[env_name(ENV_PREFIX, "proxy.upstream_api_key")] = self.replica_key
-        if self._admin_key is not None:  # its proxy's admin routes; a point's LoRA booking
-            secrets[ADMIN_KEY_ENV] = self._admin_key
-            if elastic:  # it listens on a public port
-                secrets[env_name(ENV_PREFIX, "proxy.api_key")] = self._admin_key
-        return JobSpec(
-            role="trainer",
-            name=f"{cfg.run_name}-trainer",
-            command=tuple(command),
-            env={**env, **self.env, CONFIG_ENV: job_config(cfg)},
-            secrets=secrets,
-            image=lcfg.trainer_image or lcfg.image,
-            timeout_s=lcfg.timeout_s,
-            port=lcfg.port if elastic else None,
-            labels=labels(cfg, "trainer"),
-        )
+    def _key_urls(self, urls: list[str]) -> list[str] | None:
+        return [any_host_origin(self.cfg.launch.port)]
 
     def task(self, spec: JobSpec, *, with_secrets: bool) -> Any:
         """``spec`` as a ``sky.Task``, loaded and validated by SkyPilot (resources and all);
@@ -235,7 +124,7 @@ class SkyPilotBackend:
             )
         except Exception as exc:  # SkyPilot's schema errors: ValueError and its own
             raise ConfigError(
-                f"SkyPilot refuses the {spec.role} task {spec.name}: {_first_line(exc)}"
+                f"SkyPilot refuses the {spec.role} task {spec.name}: {first_line(exc)}"
             ) from None
 
     def dry_run_text(self, spec: JobSpec) -> str:
@@ -256,40 +145,33 @@ class SkyPilotBackend:
             enabled = self._call_sync(self.sky.client.sdk.enabled_clouds)
         except Exception as exc:  # no API server, a refused login: SkyPilot's own errors
             raise ConfigError(
-                f"SkyPilot could not list its enabled infra: {_first_line(exc)}"
+                f"SkyPilot could not list its enabled infra: {first_line(exc)}"
             ) from None
         self._check_infra(enabled)
 
     def check_offline(self) -> None:
         """Refuse, sending no request, what no job could use (``--dry-run`` too)."""
-        if not self.transport_url:
-            raise ConfigError(
-                "transport_url is unset: jobs share no disk; set transport_url=s3://... or "
-                "hf://buckets/<namespace>/<bucket>/<prefix>"
-            )
-        if self.missing:
-            raise ConfigError(
-                f"set {', '.join(self.missing)} in the environment: the jobs get "
-                f"{'it' if len(self.missing) == 1 else 'them'} as SkyPilot secrets"
-            )
-        for what, value in (("model", self.cfg.model), ("dataset.path", self.cfg.dataset.path)):
-            if value is not None and os.path.exists(value):
-                raise ConfigError(f"{what}={value!r} is a local path, which the jobs cannot "
-                                  "read: use a Hub id (or dataset.prompts)")  # fmt: skip
+        self._refuse_unset_transport()
+        self._refuse_missing()
+        self._refuse_local_files()
         self.task(self.replica_spec(0), with_secrets=False)  # an unknown infra, named
 
     def _check_infra(self, enabled: list[Any]) -> None:
         names = [str(c).lower() for c in enabled]
         if not names:
-            raise ConfigError("SkyPilot has no enabled infra: run `sky check` and set up "
-                              "credentials for a cloud, Kubernetes or Slurm")  # fmt: skip
+            raise ConfigError(
+                "SkyPilot has no enabled infra: run `sky check` and set up "
+                "credentials for a cloud, Kubernetes or Slurm"
+            )
         infra = self.cfg.launch.infra
         if infra:
             cloud = infra.split("/")[0].lower()
             cloud = {"k8s": "kubernetes"}.get(cloud, cloud)
             if cloud not in names:
-                raise ConfigError(f"launch.infra={infra!r}: {cloud} is not enabled in SkyPilot "
-                                  f"(enabled: {', '.join(names)}; see `sky check`)")  # fmt: skip
+                raise ConfigError(
+                    f"launch.infra={infra!r}: {cloud} is not enabled in SkyPilot "
+                    f"(enabled: {', '.join(names)}; see `sky check`)"
+                )
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -315,8 +197,9 @@ class SkyPilotBackend:
 
     async def status(self, job: Job) -> JobStatus:
         try:
-            records, *_ = await self._call(self.sky.jobs.queue_v2, refresh=False,
-                                           job_ids=[int(job.id)], fields=FIELDS)  # fmt: skip
+            records, *_ = await self._call(
+                self.sky.jobs.queue_v2, refresh=False, job_ids=[int(job.id)], fields=FIELDS
+            )
         except Exception as exc:
             raise LaunchError(
                 f"could not get the status of {job.spec.role} job {job.name} ({job.id}): {exc}"

@@ -30,8 +30,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncgrpo.run.metrics import append_whole
 from asyncgrpo.sample import Sample
+from asyncgrpo.store.metrics_file import append_whole
 
 if TYPE_CHECKING:
     from asyncgrpo.store.adapters import AdapterVersion

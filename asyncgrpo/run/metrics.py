@@ -2,18 +2,16 @@
 run's trackers (:mod:`asyncgrpo.run.trackers`).
 
 Names follow TRL's async GRPO where the meaning matches (``perf/step_s``, ``ratio``,
-``clip_ratio/low_mean``, ``sample/staleness_mean``...). JSON has no NaN, so a non-finite value is
-written as ``null``; ``read_metrics`` gives NaN back. Means skip NaN (a failed reward is NaN and
-must not turn a whole step's mean into NaN).
+``clip_ratio/low_mean``, ``sample/staleness_mean``...). The file's format (``null`` for NaN, whole
+lines, the last row of a step wins) is :mod:`asyncgrpo.store.metrics_file`'s, shared with the
+evaluation files. Means skip NaN (a failed reward is NaN and must not turn a whole step's mean
+into NaN).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import math
-import os
 import statistics
 import time
 from collections import defaultdict
@@ -22,10 +20,26 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo.run.trackers import Tracker, numeric
+from asyncgrpo.store.metrics_file import (
+    METRICS_FILE,
+    append_whole,
+    parse_row,
+    read_rows,
+    row_lines,
+)
+
+__all__ = [
+    "METRICS_FILE",
+    "MetricsBuffer",
+    "MetricsWriter",
+    "append_whole",
+    "nanmean",
+    "read_metrics",
+    "summarize",
+    "trim_metrics",
+]
 
 logger = logging.getLogger(__name__)
-
-METRICS_FILE = "metrics.jsonl"
 
 
 def nanmean(values: Iterable[float]) -> float:
@@ -52,30 +66,6 @@ class MetricsBuffer:
 
     def clear(self) -> None:
         self._values.clear()
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if hasattr(value, "item"):  # numpy / torch scalars
-        return _jsonable(value.item())
-    return value
-
-
-def append_whole(path: Path, text: str) -> None:
-    """Append ``text`` to ``path`` whole or not at all: a write that fails partway (a full disk)
-    is cut back off, so no torn line sits between two whole ones. Raises the ``OSError``."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        size = 0
-    try:
-        with path.open("a", encoding="utf-8") as f:
-            f.write(text)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.truncate(path, size)
-        raise
 
 
 class MetricsWriter:
@@ -116,10 +106,9 @@ class MetricsWriter:
 
     def log(self, metrics: dict[str, Any], *, step: int) -> None:
         self._last_step = max(self._last_step, step)
-        record = {"step": step, "time": time.time()}
-        record.update({k: _jsonable(v) for k, v in metrics.items()})
+        record = {"step": step, "time": time.time(), **metrics}
         if self._jsonl:
-            self._unwritten.append(json.dumps(record, sort_keys=False) + "\n")
+            self._unwritten.append(row_lines([record]))
             self._write()
         if self._trackers:
             values = numeric(record)
@@ -169,10 +158,7 @@ def trim_metrics(path: Path, after_step: int) -> int | None:
     last = None
     lines = path.read_text(encoding="utf-8").splitlines()
     for line in lines:
-        try:
-            step = json.loads(line).get("step")
-        except (ValueError, AttributeError):
-            continue
+        step = (parse_row(line) or {}).get("step")
         if isinstance(step, int) and step <= after_step:
             kept.append(line)
             last = step if last is None else max(last, step)
@@ -189,26 +175,12 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Records of a ``metrics.jsonl`` (or of the run directory holding one), ordered by step.
 
     ``null`` becomes NaN; when a step appears more than once (a resumed run replayed it), the
-    last record wins. A torn last line (crash mid-write) is skipped.
+    last record wins. A line that does not parse (a crash's torn last line) is skipped.
     """
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
-    by_step: dict[Any, dict[str, Any]] = {}
-    lines = path.read_text(encoding="utf-8").splitlines()
-    for n, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if n == len(lines) - 1:
-                logger.warning("%s: skipping a torn last line", path)
-                continue
-            raise
-        record = {k: (math.nan if v is None else v) for k, v in record.items()}
-        by_step[record.get("step")] = record
-    return sorted(by_step.values(), key=lambda r: r.get("step", 0))
+    return read_rows(path, "step")
 
 
 def summarize(records: Sequence[dict[str, Any]], key: str, first: int = 5) -> tuple[float, float]:

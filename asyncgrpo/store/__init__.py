@@ -1,5 +1,6 @@
 """The documents a run keeps in its transport: adapter versions, checkpoints, the rollout channel,
-the run's own records, and the verified bundles the first two are made of.
+the run's own records, and the verified bundles the first two are made of; and the format of the
+metrics files a run directory keeps (:mod:`.metrics_file`).
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = (
     "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 )
-_CREDENTIAL_ENV = (
+#: The variables that hold a credential itself (a launched job gets them as secrets).
+SECRET_ENV = (
     "AZURE_STORAGE_ACCOUNT_KEY",
     "AZURE_STORAGE_ACCESS_KEY",
     "AZURE_STORAGE_MASTER_KEY",
@@ -64,6 +65,10 @@ _CREDENTIAL_ENV = (
     "AZURE_STORAGE_TOKEN",
     "AZURE_CLIENT_SECRET",
     "AZURE_STORAGE_CLIENT_SECRET",
+)
+#: ... and those that point at one on this machine (a token file, an identity endpoint).
+_CREDENTIAL_ENV = (
+    *SECRET_ENV,
     "AZURE_FEDERATED_TOKEN_FILE",
     "AZURE_MSI_ENDPOINT",
     "AZURE_IDENTITY_ENDPOINT",

@@ -5,25 +5,38 @@ Built in: ``file://`` and plain paths (:mod:`.local`), ``s3://`` (:mod:`.s3`), `
 ``hf://buckets/`` (:mod:`.hf`). Other packages add schemes without touching asyncgrpo, through the entry point
 group ``asyncgrpo.transports``: the entry point's name is the scheme and it loads a factory
 ``factory(url: str, **options) -> Transport``. :func:`register_scheme` does the same at runtime.
+
+:func:`job_credentials` says, per scheme, what a job on another machine needs to open a URL
+(:mod:`.credentials`): every launch backend asks it, so each accepts every object store here.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any
 from urllib.parse import urlsplit
 
-from asyncgrpo.config.redaction import redact_text
+from asyncgrpo.config.redaction import redact_text, redact_url
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.transport.base import Transport
+from asyncgrpo.transport.credentials import (
+    CredentialRule,
+    JobCredentials,
+    azure_credentials,
+    gcs_credentials,
+    hf_credentials,
+    s3_credentials,
+)
 
 __all__ = [
     "ACCEPTED_FORMS",
     "TransportFactory",
     "check_transport_url",
+    "is_local",
+    "job_credentials",
     "open_transport",
     "register_scheme",
 ]
@@ -45,6 +58,7 @@ ACCEPTED_FORMS = (
 
 _SCHEME_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 _registry: dict[str, TransportFactory] = {}
+_credential_rules: dict[str, CredentialRule] = {}
 
 
 def _local(url: str, **options: Any) -> Transport:
@@ -101,12 +115,35 @@ _BUILTIN: dict[str, TransportFactory] = {
 }
 
 
-def register_scheme(scheme: str, factory: TransportFactory, *, replace: bool = False) -> None:
-    """Make ``open_transport`` hand URLs of ``scheme://`` to ``factory``."""
+#: What a job on another machine needs for each built-in object store (:mod:`.credentials`).
+_BUILTIN_CREDENTIALS: dict[str, CredentialRule] = {
+    "s3": s3_credentials,
+    "gs": gcs_credentials,
+    "az": azure_credentials,
+    "abfs": azure_credentials,
+    "abfss": azure_credentials,
+    "https": azure_credentials,
+    "hf": hf_credentials,
+}
+
+
+def register_scheme(
+    scheme: str,
+    factory: TransportFactory,
+    *,
+    replace: bool = False,
+    credentials: CredentialRule | None = None,
+) -> None:
+    """Make ``open_transport`` hand URLs of ``scheme://`` to ``factory``; ``credentials``
+    says what a launched job needs to open them (without it, jobs get nothing: a store that
+    needs no credential, or one every job's machine already has)."""
     scheme = scheme.lower()
     if not replace and (scheme in _registry or scheme in _BUILTIN):
         raise ConfigError(f"transport scheme {scheme!r} is already registered; pass replace=True")
     _registry[scheme] = factory
+    _credential_rules.pop(scheme, None)
+    if credentials is not None:
+        _credential_rules[scheme] = credentials
 
 
 def _from_entry_points(scheme: str) -> TransportFactory | None:
@@ -172,6 +209,29 @@ def check_transport_url(url: str | Any) -> None:
             f"transport {scheme}:// needs the {_EXTRAS[scheme]!r} extra ({exc.name} is not "
             f"installed): pip install 'asyncgrpo[{_EXTRAS[scheme]}]'"
         ) from None
+
+
+def is_local(url: str | Any) -> bool:
+    """True for a directory (a path or ``file://``): storage only this host's processes share."""
+    _, scheme, _ = _factory(url)
+    return scheme is None or scheme == "file"
+
+
+def job_credentials(url: str, environ: Mapping[str, str]) -> JobCredentials:
+    """What a job on another machine needs to open ``url``, from the launcher's ``environ``:
+    secrets, plain variables, and the names still missing. :class:`ConfigError` for a directory
+    (jobs share no disk) or a scheme this process cannot open."""
+    url, scheme, _ = _factory(url)
+    if scheme is None or scheme == "file":
+        raise ConfigError(
+            f"transport_url={redact_url(url)!r}: jobs on other machines share no disk; use an "
+            "object store: "
+            + ", ".join(f for f in ACCEPTED_FORMS if "://" in f and "file" not in f)
+        )
+    rule = _credential_rules.get(scheme) or (
+        _BUILTIN_CREDENTIALS.get(scheme) if scheme not in _registry else None
+    )
+    return rule(url, environ) if rule is not None else JobCredentials()
 
 
 def _forms() -> str:

@@ -13,7 +13,6 @@ from asyncgrpo.launch.plan import (
     job_secrets,
     replica_args,
     trainer_args,
-    transport_credentials,
 )
 from asyncgrpo.run.job import load_config
 
@@ -64,20 +63,6 @@ def test_trainer_config_and_secrets_round_trip_through_the_trainer_entry_point()
         load_config([], {})
     with pytest.raises(ConfigError, match=r"\$ASYNCGRPO_CONFIG is not valid YAML"):
         load_config([], {"ASYNCGRPO_CONFIG": "a: [b"})
-
-
-def test_transport_credentials_per_scheme() -> None:
-    environ = {"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "eu-west-1"}
-    secrets, plain, missing = transport_credentials("s3://bucket/run", environ)
-    assert secrets == {"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s"}
-    assert plain == {"AWS_REGION": "eu-west-1"} and missing == []
-    # an HF bucket takes the AWS pair as a fallback, under the names the HF transport reads
-    secrets, _, missing = transport_credentials("hf://buckets/ns/b/run", environ)
-    assert secrets == {"HF_S3_ACCESS_KEY_ID": "a", "HF_S3_SECRET_ACCESS_KEY": "s"}
-    _, _, missing = transport_credentials("hf://buckets/ns/b/run", {})
-    assert missing == ["HF_S3_ACCESS_KEY_ID", "HF_S3_SECRET_ACCESS_KEY"]
-    with pytest.raises(ConfigError, match="share no disk"):
-        transport_credentials("/some/dir", environ)
 
 
 def test_describe_names_secrets_but_never_shows_their_values() -> None:

@@ -24,6 +24,7 @@ sky = pytest.importorskip(
     "sky", reason="SkyPilot's SDK is not here: these tests run under make test-skypilot"
 )
 import aiohttp  # noqa: E402
+import gcs_keys  # noqa: E402
 from aiohttp import web  # noqa: E402
 from fake_sky_api import FakeSkyApi  # noqa: E402
 
@@ -47,10 +48,12 @@ CONFIG = {
 }  # fmt: skip
 
 
-def cli(tmp_path: Path, *args: str, python: str = sys.executable) -> subprocess.CompletedProcess:
+def cli(
+    tmp_path: Path, *args: str, python: str = sys.executable, environ: dict | None = None
+) -> subprocess.CompletedProcess:
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({**CONFIG, "output_dir": str(tmp_path / "runs")}))
-    env = {**os.environ, **ENVIRON, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **ENVIRON, **(environ or {}), "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [python, "-m", "asyncgrpo", "launch", str(path), "--backend", "skypilot", *args],
         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
@@ -89,6 +92,35 @@ def test_dry_run_writes_tasks_that_skypilot_loads(tmp_path: Path, sweep: bool) -
             assert "ASYNCGRPO_REPLICA_API_KEY" in config["secrets"]
             assert "--api-key-env ASYNCGRPO_REPLICA_API_KEY" in config["run"]
             assert str(res.accelerators) == "{'A10G': 1}"
+
+
+AZURE_KEY = "ZmFrZS1henVyZS1hY2NvdW50LWtleQ=="
+
+
+@pytest.mark.parametrize("scheme", ["gs", "az"])
+def test_dry_run_on_gcs_and_azure_carries_their_credentials_by_name(
+    tmp_path: Path, scheme: str
+) -> None:
+    """Every object store the transports open works on SkyPilot: the jobs get the store's
+    credential as a SkyPilot secret (a GCS key file's JSON; an Azure connection string)."""
+    if scheme == "gs":
+        key = gcs_keys.key_file(tmp_path / "sa.json")
+        environ, secret = {"GOOGLE_APPLICATION_CREDENTIALS": str(key)}, "GOOGLE_SERVICE_ACCOUNT_KEY"
+        hidden = gcs_keys.private_key().splitlines()[1]
+    else:
+        conn = f"AccountName=acct;AccountKey={AZURE_KEY};EndpointSuffix=core.windows.net"
+        environ, secret = (
+            {"AZURE_STORAGE_CONNECTION_STRING": conn},
+            "AZURE_STORAGE_CONNECTION_STRING",
+        )
+        hidden = AZURE_KEY
+    done = cli(tmp_path, "--dry-run", f"transport_url={scheme}://runs/sky-run", environ=environ)
+    assert done.returncode == 0, done.stderr
+    assert hidden not in done.stdout + done.stderr
+    for path in (tmp_path / "runs" / "sky-run-launch" / "skypilot").glob("*.yaml"):
+        config = yaml.safe_load(path.read_text())
+        sky.Task.from_yaml_config(dict(config))
+        assert secret in config["secrets"] and config["secrets"][secret] is None
 
 
 def one_line_refusal(done: subprocess.CompletedProcess, *words: str) -> None:

@@ -153,12 +153,18 @@ def test_a_wrongly_typed_secret_is_not_echoed() -> None:
 def test_launch_dry_run_errors_show_no_credential(tmp_path: Path) -> None:
     """A transport the backend cannot use was refused naming the URL whole, SAS token and
     all (``asyncgrpo launch --backend hf-jobs --dry-run``), although dry-run output and errors
-    promise redaction. The command's path in-process: its config, its dry run, its error line."""
+    promise redaction. The command's path in-process: its config, its dry run, its error line.
+    An Azure SAS URL is now one the backend takes (its token travels as a secret): its dry run
+    shows no credential either."""
     from asyncgrpo.console import error_lines
     from asyncgrpo.launch.launcher import dry_run
 
     cfg = TrainingConfig.from_yaml(EXAMPLE, overrides=[f"output_dir={tmp_path}"],
                                    environ={"ASYNCGRPO_TRANSPORT_URL": SAS_URL})  # fmt: skip
+    assert _leaks(dry_run(cfg, "hf-jobs")) == []
+    local = f"file://{tmp_path}/store?sig={SIG}"
+    cfg = TrainingConfig.from_yaml(EXAMPLE, overrides=[f"output_dir={tmp_path}"],
+                                   environ={"ASYNCGRPO_TRANSPORT_URL": local})  # fmt: skip
     with pytest.raises(ConfigError, match="share no disk") as info:
         dry_run(cfg, "hf-jobs")
     (line,) = error_lines("asyncgrpo", info.value)
