@@ -733,7 +733,6 @@ def check(run: Run, clean: list[dict[str, Any]], margin: float) -> dict[str, Any
     """Every invariant on the run's records; the figures of the report."""
     import anyio
 
-    from asyncgrpo.run import metrics as metrics_module
     from asyncgrpo.run.ledger import lineage
     from asyncgrpo.testing.invariants import (
         check_audits,
@@ -753,16 +752,8 @@ def check(run: Run, clean: list[dict[str, Any]], margin: float) -> dict[str, Any
         for line in (run_dir / "metrics.jsonl").read_text().splitlines()
         if line.strip()
     ]
-    notes = []
-    if not hasattr(metrics_module, "trim_metrics"):
-        # This asyncgrpo appends a resumed trainer's rows after the dead life's rows of the
-        # steps it trains again (trimming them on resume is another change, not in this tree):
-        # check the rows a trim would leave, the latest of each step.
-        replayed = len(rows)
-        rows = lineage(rows, event=None)[0]
-        if replayed != len(rows):
-            notes.append(f"metrics.jsonl: {replayed - len(rows)} rows of steps trained again "
-                         "after a resume, dropped before the check (trim-on-resume absent)")  # fmt: skip
+    # as written: a resumed trainer drops the rows of the steps it trains again
+    # (asyncgrpo.run.metrics.trim_metrics), so any duplicate, gap or disorder is a violation
     violations = []
     samples = check_samples(store["batches"], shipped, trained, quarantined=store["quarantined"])
     violations += samples.violations
@@ -792,7 +783,6 @@ def check(run: Run, clean: list[dict[str, Any]], margin: float) -> dict[str, Any
         )
     kept, rolled_back = lineage(trained)
     return {
-        "notes": notes,
         "violations": [str(v) for v in violations],
         "samples": {k: v for k, v in asdict(samples).items() if k != "violations"},
         "versions": len(store["versions"]),
@@ -974,8 +964,6 @@ def report(result: dict[str, Any], clean: list[dict[str, Any]]) -> None:
         f"{result['versions']} versions; audits {result['audits']['passed']}/"
         f"{result['audits']['audits']} passed"
     )
-    for line in result.get("notes", []):
-        print(f"  note: {line}")
     for line in result["audits"]["explained"]:
         print(f"  audit failure explained: {line}")
     for line in result["restarts"]:

@@ -106,7 +106,9 @@ class RolloutClient:
     one ``rollout.environment`` names (single-turn when unset). ``position`` is the dataset position to checkpoint:
     every prompt below it has been pushed to the queue. Failures: transport errors are retried
     with backoff, then raise ``ReplicaError``; a 4xx answer raises ``ReplicaError`` at once
-    (unless the adapter name changed meanwhile: then it is resent under the new name).
+    (unless the adapter name changed meanwhile: then it is resent under the new name), but a
+    404 for an adapter no replica serves waits up to ``adapter_wait_s`` for it or the next
+    policy (:class:`~asyncgrpo.rollout.policy.PolicyClient`).
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class RolloutClient:
         api_key: str | None = None,
         window: AdmissionWindow | None = None,
         environment: Environment | None = None,
+        adapter_wait_s: float = 0.0,
     ) -> None:
         rollout.check_against(generation)
         if not isinstance(base_url, str) or not base_url:
@@ -155,6 +158,7 @@ class RolloutClient:
         self._advantage_eps = advantage_eps
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._policy = policy
+        self._adapter_wait_s = adapter_wait_s
         self._slots = _Slots(rollout.max_inflight)
         self._window = window
         self._window_moved = anyio.Event()
@@ -192,6 +196,7 @@ class RolloutClient:
             generation=self.generation,
             rollout=self.config,
             policy=lambda: self._policy,
+            adapter_wait_s=self._adapter_wait_s,
         )
         self._last = {"t": anyio.current_time(), "tokens": 0.0, "bp": 0.0, "sb": 0.0}
         self._tg = anyio.create_task_group()

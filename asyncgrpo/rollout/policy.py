@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,12 +22,16 @@ import aiohttp
 
 from asyncgrpo.errors import ReplicaError
 from asyncgrpo.proxy.http.headers import REPLICA_HEADER, SESSION_HEADER
-from asyncgrpo.retry import Backoff, RetryNow, retry
+from asyncgrpo.retry import Backoff, RetryNow, poll_until, retry
 from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
+from asyncgrpo.vllm.api import model_not_served
 
 logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
+#: How often a request for an adapter no replica serves is sent again (sooner when the policy
+#: changes meanwhile).
+ADAPTER_POLL_S = 1.0
 
 
 @dataclass(slots=True)
@@ -47,6 +52,14 @@ class _Retryable(Exception):
     """A transport failure worth another attempt (connection, 5xx, 429, timeout)."""
 
 
+class _NotServed(ReplicaError):
+    """A 404 for the adapter still current: no replica serves it (yet, or any longer)."""
+
+    def __init__(self, message: str, model: str) -> None:
+        super().__init__(message)
+        self.model = model
+
+
 #: What a request retries after a wait: transport failures and the answers that say "later".
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError, _Retryable)
 
@@ -56,7 +69,12 @@ class PolicyClient:
 
     ``policy`` returns the (adapter name, version) to request now; a request refused with a 4xx
     after the adapter changed under it is resent under the new name (its turn then carries the
-    new version). Counters (``tokens_total``, ``retries_total``, ``bad_logprobs_total``) are read
+    new version). ``adapter_wait_s``: how long a request refused because no replica serves the
+    current adapter (a 404) waits for it to be served or for the next policy, sending again
+    every ``ADAPTER_POLL_S``: a rollout process whose trainer restarts (it unloads its
+    adapters when it dies, and loads the next version once resumed) or whose replicas are
+    being replaced. 0 (the default, for a client the trainer itself keeps in step): raise at
+    once. Counters (``tokens_total``, ``retries_total``, ``bad_logprobs_total``) are read
     by the rollout client's metrics.
     """
 
@@ -68,8 +86,10 @@ class PolicyClient:
         generation: GenerationConfig,
         rollout: RolloutConfig,
         policy: Callable[[], tuple[str, int]],
+        adapter_wait_s: float = 0.0,
     ) -> None:
         self.generation = generation
+        self.adapter_wait_s = adapter_wait_s
         self.config = rollout
         self.base_url = base_url.rstrip("/")
         self._url = f"{self.base_url}/v1/completions"
@@ -79,6 +99,7 @@ class PolicyClient:
         self.tokens_total = 0
         self.retries_total = 0
         self.bad_logprobs_total = 0
+        self._not_served_warned = ""
 
     @property
     def model(self) -> str:
@@ -129,8 +150,9 @@ class PolicyClient:
         """``n`` sampled continuations of ``prompt_ids`` (fewer if some came back without
         usable logprobs: those are dropped and counted). ``max_tokens`` and ``stop`` default to
         the generation settings; ``session`` names the episode or group (sent as ``X-Session-ID``).
-        Transport errors are retried with backoff, then raise :class:`ReplicaError`; a 4xx
-        raises at once."""
+        Transport errors are retried with backoff, then raise :class:`ReplicaError`; a 404 for
+        an adapter not served is waited out for ``adapter_wait_s``; any other 4xx raises at
+        once."""
         headers = {SESSION_HEADER: session} if session else None
         retries = self.config.retries
 
@@ -149,29 +171,58 @@ class PolicyClient:
                         text = await resp.text()
                         if self._policy()[0] != model and number <= retries:
                             raise RetryNow("the adapter was swapped (maybe unloaded) under it")
-                        raise ReplicaError(
+                        error = (
                             f"{self._url} answered HTTP {resp.status} for model {model!r}: "
                             f"{text[:500]}"
                         )
+                        if model_not_served(resp.status, text):
+                            raise _NotServed(error, model)
+                        raise ReplicaError(error)
                     data = await resp.json()
                     replica = resp.headers.get(REPLICA_HEADER)
             finally:
                 self.inflight -= n
             return self._parse(prompt_ids, data, version, replica)
 
-        try:
-            return await retry(
-                attempt,
-                attempts=retries + 1,
-                backoff=Backoff(self.config.retry_backoff_s, max_s=MAX_BACKOFF_S),
-                retry_on=_RETRYABLE,
-                on_retry=self._retrying,
-            )
-        except _RETRYABLE as err:
-            raise ReplicaError(
-                f"{self._url}: giving up after {retries + 1} attempts (rollout.retries="
-                f"{retries}): {type(err).__name__}: {err}"
-            ) from err
+        waiting_since: float | None = None
+        while True:
+            try:
+                return await retry(
+                    attempt,
+                    attempts=retries + 1,
+                    backoff=Backoff(self.config.retry_backoff_s, max_s=MAX_BACKOFF_S),
+                    retry_on=_RETRYABLE,
+                    on_retry=self._retrying,
+                )
+            except _RETRYABLE as err:
+                raise ReplicaError(
+                    f"{self._url}: giving up after {retries + 1} attempts (rollout.retries="
+                    f"{retries}): {type(err).__name__}: {err}"
+                ) from err
+            except _NotServed as err:
+                now = time.monotonic()
+                waiting_since = now if waiting_since is None else waiting_since
+                if self.adapter_wait_s <= 0:
+                    raise
+                if now - waiting_since >= self.adapter_wait_s:
+                    raise ReplicaError(
+                        f"{err} (waited {now - waiting_since:.0f} s for it to be served or for "
+                        "the next policy)"
+                    ) from None
+                await self._await_adapter(err.model, str(err))
+
+    async def _await_adapter(self, model: str, error: str) -> None:
+        """Wait ``ADAPTER_POLL_S``, or less if the policy moves on from ``model``."""
+        self.retries_total += 1
+        if self._not_served_warned != model:
+            self._not_served_warned = model
+            logger.warning("%s; waiting up to %.0f s for it to be served or for the next "
+                           "policy", error, self.adapter_wait_s)  # fmt: skip
+
+        async def moved_on() -> bool | None:
+            return True if self._policy()[0] != model else None
+
+        await poll_until(moved_on, every=0.1, timeout_s=ADAPTER_POLL_S)
 
     def _retrying(self, attempt: int, err: BaseException, wait_s: float) -> None:
         self.retries_total += 1

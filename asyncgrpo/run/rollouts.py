@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 #: retries) before it gives up: an outage of a few minutes costs a pause, not the process,
 #: whose restart would drop every rollout in flight.
 STORAGE_PATIENCE_S = 300.0
+#: How long a request waits for an adapter no replica serves (or for the next policy): a
+#: trainer that dies unloads its adapters, and its restart (model load, resume) loads the next
+#: version; a rollout process that ended instead would drop every rollout in flight.
+TRAINER_PATIENCE_S = 300.0
 
 
 async def run_rollouts(
@@ -63,7 +67,14 @@ async def run_rollouts(
             policy = await store.wait_for_policy(poll_interval_s)
             report.phase(f"generating under {policy[0]} (version {policy[1]})")
             client = await stack.enter_async_context(
-                await rollout_client(cfg, endpoint.url, policy, 0, api_key=endpoint.api_key)
+                await rollout_client(
+                    cfg,
+                    endpoint.url,
+                    policy,
+                    0,
+                    api_key=endpoint.api_key,
+                    adapter_wait_s=TRAINER_PATIENCE_S,
+                )
             )
             channel = RolloutChannel(transport)
             ledger = Ledger(cfg.run_dir / SHIPPED_FILE, enabled=cfg.logging.jsonl)

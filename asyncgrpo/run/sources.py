@@ -62,11 +62,14 @@ async def rollout_client(
     *,
     api_key: str | None,
     window: AdmissionWindow | None = None,
+    adapter_wait_s: float = 0.0,
 ) -> RolloutClient:
     """The rollout client of a run: the dataset with the model's chat template, via ``base_url``.
 
     ``window``: in the trainer's process, start no rollout the trainer would drop as stale (a
     remote client cannot see what the trainer has read, and relies on the queue bound).
+    ``adapter_wait_s``: how long a request waits for an adapter no replica serves (a rollout
+    process outliving its trainer's restart); 0: fail at once.
     """
     tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
     return RolloutClient(
@@ -80,6 +83,7 @@ async def rollout_client(
         start_position=position,
         api_key=api_key,
         window=window,
+        adapter_wait_s=adapter_wait_s,
     )
 
 

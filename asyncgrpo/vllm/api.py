@@ -38,6 +38,9 @@ PLUGIN_INFO_PATH = "/v1/asyncgrpo/info"
 
 #: vLLM's words for a load whose path holds no adapter (yet: storage may lag).
 ADAPTER_NOT_FOUND = "No adapter found"
+#: vLLM's words for a request naming a model (an adapter) it does not serve: ``The model `x`
+#: does not exist.`` (an OpenAI ``NotFoundError``, status 404).
+MODEL_NOT_SERVED = "does not exist"
 #: Error type of a plugin load whose version is not (yet) published: worth retrying.
 ADAPTER_NOT_PUBLISHED = "AdapterNotPublished"
 #: What to do about a replica without the plugin (or one that may not fetch from the transport).
@@ -153,6 +156,12 @@ def lora_routes_off(status: int, body: str) -> bool:
 def plugin_missing(status: int, body: str) -> bool:
     """A 404 from the plugin's load route that is "no such route": the plugin is not loaded."""
     return status == 404 and ADAPTER_NOT_PUBLISHED not in body
+
+
+def model_not_served(status: int, body: str) -> bool:
+    """A generation refused because the replica does not serve that model (an adapter not
+    loaded yet, or unloaded), not a 404 of a wrong route."""
+    return status == 404 and MODEL_NOT_SERVED in error_message(body)
 
 
 def error_message(text: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import socket
 import urllib.request
 from collections import Counter
@@ -21,6 +22,7 @@ from aiohttp import web
 
 from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
+from asyncgrpo.retry import poll_until
 from asyncgrpo.rollout.client import RolloutClient
 from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import PromptDataset, load_tokenizer
@@ -61,6 +63,7 @@ def client_for(
     rollout: dict[str, Any] | None = None,
     scorer: RewardScorer | None = None,
     version: int = 0,
+    adapter_wait_s: float = 0.0,
 ) -> RolloutClient:
     return RolloutClient(
         base_url=url or served[0],
@@ -71,6 +74,7 @@ def client_for(
         rollout=RolloutConfig(**{"max_inflight": 16, "retry_backoff_s": 0.05, **(rollout or {})}),
         scorer=scorer or RewardScorer([length_reward]),
         policy=(served[1], version),
+        adapter_wait_s=adapter_wait_s,
     )
 
 
@@ -375,6 +379,67 @@ async def test_adapter_swapped_under_a_request_is_resent_under_the_new_name(
             assert client.stats()["rollout/retries_total"] == 1
     assert seen == ["rollout-test-unloaded-v1", served[1]]
     assert len(samples) == 4 and {s.version for s in samples} == {2}
+
+
+async def _after_refusals(proxy: PassThrough, n: int) -> None:
+    async def seen() -> bool | None:
+        return True if proxy.requests >= n else None
+
+    await poll_until(seen, every=0.05, timeout_s=60)
+
+
+async def test_an_adapter_no_replica_serves_is_waited_for(served, tiny_model, lora_adapter) -> None:
+    """A rollout process outlives its trainer's restart: the dead trainer's adapters are
+    unloaded, and the resumed one loads its next version. A 404 for the adapter in use is
+    sent again until a replica serves it, or under the next policy once it comes; past
+    ``adapter_wait_s`` it is an error that says how long it waited."""
+    name = "rollout-test-late-v1"
+    proxy = PassThrough(served[0])
+    async with aiohttp.ClientSession() as session, proxy.serve() as url:
+        # served again (a replacement replica catching up, a trainer reloading it)
+        client = client_for(served, make_dataset(tiny_model, 1), url=url, adapter_wait_s=60)
+        client.set_policy(name, 1)
+        async with client, anyio.create_task_group() as tg:
+
+            async def load_late() -> None:
+                await _after_refusals(proxy, 2)
+                body = {"lora_name": name, "lora_path": str(lora_adapter)}
+                async with session.post(f"{served[0]}/v1/load_lora_adapter", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+
+            tg.start_soon(load_late)
+            try:
+                samples = await client.get(4)
+            finally:
+                unload = {"lora_name": name}
+                await session.post(f"{served[0]}/v1/unload_lora_adapter", json=unload)
+        assert len(samples) == 4 and {s.version for s in samples} == {1}
+        assert client.stats()["rollout/retries_total"] >= 2
+
+        # never served again, but the trainer's next policy comes
+        proxy.requests = 0
+        client = client_for(served, make_dataset(tiny_model, 1), url=url, adapter_wait_s=60)
+        client.set_policy("rollout-test-gone-v3", 3)
+        async with client:
+
+            async def next_policy() -> None:
+                await _after_refusals(proxy, 2)
+                client.set_policy(served[1], 4)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(next_policy)
+                samples = await client.get(4)
+        assert len(samples) == 4 and {s.version for s in samples} == {4}
+
+        # neither: an error once adapter_wait_s has passed
+        client = client_for(served, make_dataset(tiny_model, 1), url=url, adapter_wait_s=1.5)
+        client.set_policy("rollout-test-gone-v5", 5)
+        with anyio.fail_after(30), pytest.raises(ReplicaError) as caught:
+            async with client:
+                await client.get(4)
+        assert "HTTP 404 for model 'rollout-test-gone-v5'" in str(caught.value)
+        assert re.search(r"waited \d+ s for it to be served or for the next policy",
+                         str(caught.value)), caught.value  # fmt: skip
 
 
 async def test_generates_under_a_loaded_lora_adapter(served, tiny_model, lora_adapter) -> None:
