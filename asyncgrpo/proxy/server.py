@@ -14,33 +14,12 @@ from contextlib import asynccontextmanager
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.front import Clients, Connection
+from asyncgrpo.proxy.http.policy import connection_cap, raise_open_files
 from asyncgrpo.proxy.state import TICK_S, Proxy
 
 __all__ = ["raise_open_files", "serve_proxy"]
 
 log = logging.getLogger(__name__)
-
-#: Descriptors left to the rest of the process (a trainer opens model shards, logs, datasets).
-_RESERVED_FILES = 512
-
-
-def raise_open_files() -> int:
-    """Raise this process's soft limit on open files to its hard limit (each request in flight
-    holds two sockets; the default soft limit is often 1024); returns the soft limit now."""
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - not on POSIX
-        return 1 << 16
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
-    if soft == resource.RLIM_INFINITY or soft >= want:
-        return soft if soft != resource.RLIM_INFINITY else 1 << 20
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    except (ValueError, OSError) as exc:
-        log.warning("cannot raise the open-file limit from %d to %d: %s", soft, want, exc)
-        return soft
-    return want
 
 
 async def _tick(proxy: Proxy, clients: Clients) -> None:
@@ -60,10 +39,7 @@ async def _tick(proxy: Proxy, clients: Clients) -> None:
 @asynccontextmanager
 async def serve_proxy(config: ProxyConfig) -> AsyncIterator[str]:
     """Run the proxy in this event loop; yields its base URL (``port=0`` picks a free port)."""
-    files = raise_open_files()
-    cap = min(config.max_connections, max(64, (files - _RESERVED_FILES) // 2))
-    if cap < config.max_connections:
-        log.warning("max_connections lowered to %d to fit the open-file limit %d", cap, files)
+    cap = connection_cap(config.max_connections)
     loop = asyncio.get_running_loop()
     proxy = Proxy(config, loop)
     clients: Clients | None = None

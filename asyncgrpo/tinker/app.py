@@ -14,6 +14,7 @@ from aiohttp import web
 
 from asyncgrpo.tinker import checkpoint_routes, routes, sampling_routes
 from asyncgrpo.tinker.config import TinkerConfig
+from asyncgrpo.tinker.front import track
 from asyncgrpo.tinker.http import CONFIG, SERVICE, guard
 from asyncgrpo.tinker.service import TinkerService
 
@@ -21,7 +22,7 @@ __all__ = ["build_app"]
 
 
 def build_app(config: TinkerConfig, service: TinkerService) -> web.Application:
-    app = web.Application(middlewares=[guard], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[track, guard], client_max_size=config.max_body_bytes)
     app[CONFIG], app[SERVICE] = config, service
     api = "/api/v1"
     app.router.add_get(f"{api}/healthz", routes.healthz)

@@ -16,7 +16,7 @@ from aiohttp import web
 from tinker import types
 
 from asyncgrpo.tinker.checkpoints import Checkpoint, Run
-from asyncgrpo.tinker.http import CONFIG, SERVICE, answer, read_body
+from asyncgrpo.tinker.http import CONFIG, SERVICE, answer, read_body, read_object
 from asyncgrpo.tinker.service import adapter_name
 from asyncgrpo.tinker.wire import WireError
 
@@ -104,8 +104,8 @@ async def delete_checkpoint(request: web.Request) -> web.Response:
 
 
 async def set_ttl(request: web.Request) -> web.Response:
-    body = await request.json()
-    ttl = body.get("ttl_seconds") if isinstance(body, dict) else None
+    body = await read_object(request)
+    ttl = body.get("ttl_seconds")
     if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int)):
         raise WireError(f"ttl_seconds={ttl!r}: give an integer number of seconds, or null")
     await request.app[SERVICE].states.index.set_ttl(_path(request), ttl)

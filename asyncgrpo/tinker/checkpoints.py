@@ -12,6 +12,7 @@ transport the first time the index meets it expired.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -20,7 +21,8 @@ from typing import Any, Literal
 
 import anyio
 
-from asyncgrpo.errors import NotFound
+from asyncgrpo.errors import IntegrityError, NotFound
+from asyncgrpo.store.documents import read_document
 from asyncgrpo.tinker.wire import WireError
 from asyncgrpo.transport.base import Transport, join_key
 
@@ -30,6 +32,7 @@ Kind = Literal["training", "sampler"]
 #: The path segment of each kind (``tinker://<run>/<segment>/<name>``).
 SEGMENTS: dict[str, Kind] = {"weights": "training", "sampler_weights": "sampler"}
 _PATH = re.compile(r"tinker://([A-Za-z0-9][A-Za-z0-9_.-]*)/([a-z_]+)/([^/]+)")
+logger = logging.getLogger(__name__)
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 #: The longest TTL accepted, as Tinker's (10 years).
 MAX_TTL_S = 10 * 365 * 24 * 3600
@@ -96,9 +99,27 @@ class Run:
         return max(mine, key=lambda c: c.created) if mine else None
 
 
-def _run_of(data: dict[str, Any]) -> Run:
-    checkpoints = [Checkpoint(**c) for c in data.pop("checkpoints", [])]
-    return Run(**data, checkpoints=checkpoints)
+#: The most a run's index entry (``tinker-runs/<run_id>.json``) may hold: about 12,000
+#: checkpoints.
+MAX_RUN_BYTES = 4 * 1024 * 1024
+
+
+def _run_of(data: dict[str, Any], where: str) -> Run:
+    """The run an index entry holds; IntegrityError naming it when it is not one (anyone who
+    can write the store chose its bytes)."""
+    try:
+        for name, kind in (("run_id", str), ("rank", int), ("created", float),
+                           ("last_request", float)):  # fmt: skip
+            if not isinstance(data.get(name), int | float if kind is float else kind):
+                raise TypeError(f"{name} is not a {kind.__name__}")
+        checkpoints = [Checkpoint(**c) for c in data.pop("checkpoints", [])]
+        for c in checkpoints:
+            if not (isinstance(c.name, str) and isinstance(c.where, int)
+                    and isinstance(c.created, int | float)):  # fmt: skip
+                raise TypeError(f"checkpoint {c.name!r} is malformed")
+        return Run(**data, checkpoints=checkpoints)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise IntegrityError(f"{where} is not a training run: {exc}") from None
 
 
 #: Deletes a checkpoint's files from the transport (given its run id and the checkpoint).
@@ -121,10 +142,12 @@ class CheckpointIndex:
     async def _read(self, run_id: str) -> Run | None:
         if not _RUN_ID.fullmatch(run_id):
             return None
+        key = self._key(run_id)
         try:
-            return _run_of(json.loads(await self.transport.get(self._key(run_id))))
+            data = await read_document(self.transport, key, max_bytes=MAX_RUN_BYTES)
         except NotFound:
             return None
+        return _run_of(data, f"{PREFIX}/{run_id}.json")
 
     async def _write(self, run: Run) -> None:
         await self.transport.put(self._key(run.run_id), json.dumps(asdict(run), indent=1).encode())
@@ -185,6 +208,8 @@ class CheckpointIndex:
                 runs.append(await self.run(run_id))
             except NotFound:  # deleted meanwhile
                 continue
+            except IntegrityError as exc:  # one broken entry made every listing fail
+                logger.warning("training run %s left out of the listing: %s", run_id, exc)
         return sorted(runs, key=lambda r: r.created, reverse=True)
 
     async def resolve(self, path: str) -> tuple[Run, Checkpoint]:

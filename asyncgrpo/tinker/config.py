@@ -53,8 +53,27 @@ class TinkerConfig:
     api_key: str | None = field(default=None, repr=False, metadata={"secret": True})
     """Key every request must carry (the SDK sends TINKER_API_KEY as X-API-Key); it must start
     with 'tml-', the SDK's own rule. Required unless host is loopback. Never logged."""
-    max_body_bytes: int = 256 * 1024 * 1024
-    """Largest request body accepted (a forward_backward of many long Datums is large)."""
+    max_body_bytes: int = 32 * 1024 * 1024
+    """Largest forward_backward body (the SDK's protobuf). The SDK splits a batch into
+    requests of at most max_datums Datums and about 5 MB (this service tells it so), so this
+    bounds only a request of a few very long Datums; every other route takes a small JSON
+    body (64 KiB; a sample request 64 KiB plus 16 bytes per token of max_context_length)."""
+    max_datums: int = 1024
+    """Most Datums in one forward_backward request (the SDK splits larger batches); a Datum
+    with no tokens is refused."""
+    max_queued_per_client: int = 64
+    """Requests of one training client queued at once; one more is answered 429, which the
+    SDK retries after a pause."""
+    max_connections: int = 1024
+    """Client connections open at once, at most (lowered to fit the open-file limit). At the
+    cap, a new connection closes the ones that waited longest without a request in progress
+    (those that never sent one first); if all are busy it is answered 503."""
+    head_timeout_s: float = 10.0
+    """A client must send a request's whole head within this many seconds of connecting or of
+    the request's first byte, else the connection is closed."""
+    client_idle_timeout_s: float = 75.0
+    """A connection idle this long between requests is closed, and a request whose body takes
+    longer than this to arrive is answered 408."""
     proxy_url: str | None = None
     """The asyncgrpo proxy in front of the vLLM replicas that sample (they serve ``model``).
     None: no sampling; save_weights_for_sampler and sample are refused."""
@@ -111,11 +130,13 @@ class TinkerConfig:
         check_fields(self, "tinker", ge={"max_lora_rank": 1, "max_context_length": 2, "port": 0,
                                          "token_budget": 1,
                                          "max_body_bytes": 1024, "sampler_keep": 1,
-                                         "max_training_clients": 1,
+                                         "max_training_clients": 1, "max_datums": 1,
+                                         "max_queued_per_client": 1, "max_connections": 1,
                                          "replicas": 0, "kv_cache_gib": 1, "max_model_len": 1,
                                          "max_loras": 1},
                      le={"port": 65535}, gt={"lora_alpha": 0, "session_timeout_s": 0,
-                                                      "dp_timeout_s": 0})  # fmt: skip
+                                                      "dp_timeout_s": 0, "head_timeout_s": 0,
+                                                      "client_idle_timeout_s": 0})  # fmt: skip
         if not self.model:
             raise ConfigError("tinker.model is empty: give the base model's directory (--model)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

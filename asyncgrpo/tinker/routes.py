@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 from aiohttp import web
 from tinker import types
 
@@ -21,6 +22,7 @@ from asyncgrpo.tinker.http import (
     SERVICE,
     answer,
     read_body,
+    read_bytes,
     refuse,
     refuse_taken,
     training_model,
@@ -30,13 +32,16 @@ from asyncgrpo.tinker.service import TinkerService, TrainingModel, in_thread, wi
 from asyncgrpo.tinker.states import parse_state_path, state_path
 from asyncgrpo.tinker.wire import (
     PROTO_CONTENT_TYPE,
+    FwdBwdRequest,
     FwdBwdResult,
     SampleResult,
     WireError,
-    decode_fwdbwd,
     encode_fwdbwd,
     encode_sample,
     fwdbwd_json,
+    fwdbwd_shape,
+    parse_fwdbwd,
+    read_fwdbwd,
 )
 
 logger = logging.getLogger(__name__)
@@ -44,6 +49,8 @@ logger = logging.getLogger(__name__)
 #: How long ``retrieve_future`` waits for a pending request before answering ``try_again``
 #: (the SDK's own read timeout for the call is 45 s).
 POLL_S = 20.0
+#: The SDK's own bound on a forward_backward chunk (its estimate of the tensors' bytes).
+SDK_CHUNK_BYTES = 5_000_000
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -60,10 +67,15 @@ async def capabilities(request: web.Request) -> web.Response:
 
 
 async def client_config(request: web.Request) -> web.Response:
-    # API keys only (no JWT exchange), plain httpx, one fwd/bwd chunk at a time in order.
+    # API keys only (no JWT exchange), plain httpx, one fwd/bwd chunk at a time in order, each
+    # chunk within this service's limits on datums and bytes
+    config = request.app[CONFIG]
     return answer(types.ClientConfigResponse(pjwt_auth_enabled=False, use_pyqwest_transport=False,
                                             parallel_fwdbwd_chunks=False,
-                                            proto_compress_fwdbwd=False))  # fmt: skip
+                                            proto_compress_fwdbwd=False,
+                                            fwdbwd_max_chunk_len=config.max_datums,
+                                            fwdbwd_max_chunk_bytes_count=min(
+                                                SDK_CHUNK_BYTES, config.max_body_bytes // 4)))  # fmt: skip
 
 
 async def dynamic_config(request: web.Request) -> web.Response:
@@ -114,6 +126,8 @@ def _check_create(config: TinkerConfig, body: types.CreateModelRequest) -> LoraS
     if body.optimizer_config.type != "adamw":
         raise WireError(f"optimizer {body.optimizer_config.type!r} is not served here: use the "
                         "default AdamOptimizerConfig")  # fmt: skip
+    if lora.seed is not None and not 0 <= lora.seed < 2**64:  # torch's range
+        raise WireError(f"seed={lora.seed}: give a seed from 0 to 2**64 - 1")
     if not (lora.train_mlp or lora.train_attn):
         raise WireError("train_mlp and train_attn are both False: LoRA here trains the MLP "
                         "and/or attention layers (the LM head is never trained)")  # fmt: skip
@@ -135,11 +149,7 @@ async def create_model(request: web.Request) -> web.Response:
     service.add_model(model)
 
     async def job() -> dict[str, str]:
-        try:
-            await add_client(service, model, spec)
-        except BaseException:  # refused (the fleet is full): it holds no place under the cap
-            service.models.pop(model_id, None)
-            raise
+        await add_client(service, model, spec)  # refused: it holds nothing
         return {"model_id": model_id, "type": "create_model"}
 
     # beside the queue: booking slots may wait for another session's to come back, and the
@@ -149,13 +159,29 @@ async def create_model(request: web.Request) -> web.Response:
 
 async def add_client(service: TinkerService, model: TrainingModel, spec: LoraSpec) -> None:
     """Book the new client's slots (waiting, beside the queue, for those of sessions that
-    stopped heartbeating), then add its adapter in its turn on the worker."""
-    if service.sampler is not None:  # refused, naming --max-loras, if the fleet is full
-        await service.book_slots(model)
-    await service.in_turn(
-        model.model_id, in_thread(lambda: service.engine.create(model.adapter, spec))
-    )
-    await service.states.start_run(model.adapter, spec)
+    stopped heartbeating), then add its adapter in its turn on the worker. On any failure, or
+    if its session ends meanwhile, everything booked goes back (:meth:`TinkerService.discard`):
+    slots booked before a failed create (``seed=2**70``) stayed booked, and a client made
+    after its session ended was never removed."""
+
+    def check_live() -> None:
+        if not service.is_live(model):
+            raise WireError(f"the session of training client {model.model_id!r} ended while "
+                            "the client was being made: make a new ServiceClient")  # fmt: skip
+
+    try:
+        if service.sampler is not None:  # refused, naming --max-loras, if the fleet is full
+            await service.book_slots(model)
+        check_live()
+        await service.in_turn(
+            model.model_id, in_thread(lambda: service.engine.create(model.adapter, spec))
+        )
+        check_live()
+        await service.states.start_run(model.adapter, spec)
+        check_live()
+    except BaseException:
+        service.discard(model)
+        raise
     logger.info("training client %s: LoRA rank %d", model.model_id, spec.rank)
 
 
@@ -175,14 +201,24 @@ async def forward_backward(request: web.Request) -> web.Response:
         raise WireError(f"forward_backward takes a {PROTO_CONTENT_TYPE} body (the tinker SDK's)")
     if request.headers.get("Content-Encoding"):
         raise WireError("compressed bodies are not read here: send forward_backward unencoded")
-    fwdbwd = decode_fwdbwd(await request.read())
-    model = training_model(service, fwdbwd.model_id)
-    fwdbwd = dataclasses.replace(fwdbwd, model_id=model.adapter)
-    service.engine.check(fwdbwd)
-    for i, datum in enumerate(fwdbwd.data):
-        if datum.tokens.size > request.app[CONFIG].max_context_length:
-            raise WireError(f"datum {i} has {datum.tokens.size} tokens, more than this "
-                            f"service's max_context_length {request.app[CONFIG].max_context_length}")  # fmt: skip
+    config = request.app[CONFIG]
+    body = await read_bytes(request, config.max_body_bytes)
+    # its shape (client, datums, parts) first, then the client and the queue; only then parsed
+    # and read into arrays, and checked against the model: in a worker thread
+    model_id, _ = await anyio.to_thread.run_sync(
+        lambda: fwdbwd_shape(body, max_datums=config.max_datums)
+    )
+    model = training_model(service, model_id)
+    service.check_room(model.model_id)
+
+    def read() -> FwdBwdRequest:
+        fwdbwd = read_fwdbwd(parse_fwdbwd(body), max_datums=config.max_datums,
+                             max_tokens=config.max_context_length)  # fmt: skip
+        fwdbwd = dataclasses.replace(fwdbwd, model_id=model.adapter)
+        service.engine.check(fwdbwd)
+        return fwdbwd
+
+    fwdbwd = await anyio.to_thread.run_sync(read)
     fwdbwd = with_provenance(fwdbwd, service.records, model.session_id, time.monotonic())
 
     def job() -> FwdBwdResult:
@@ -195,7 +231,7 @@ async def forward_backward(request: web.Request) -> web.Response:
         result.metrics.update(gap.metrics())
         return result
 
-    rid = service.submit(model.model_id, in_thread(job))
+    rid = service.submit(model.model_id, in_thread(job), bounded=True)
     return answer({"request_id": rid, "model_id": model.model_id})
 
 
@@ -214,7 +250,7 @@ async def optim_step(request: web.Request) -> web.Response:
         metrics = service.engine.optim_step(model.adapter, step)
         return {"metrics": {**metrics, **service.gaps.pop(model.model_id, SamplerGap()).metrics()}}
 
-    rid = service.submit(body.model_id, in_thread(job))
+    rid = service.submit(body.model_id, in_thread(job), bounded=True)
     return answer({"request_id": rid, "model_id": body.model_id})
 
 
@@ -260,7 +296,12 @@ async def save_weights(request: web.Request) -> web.Response:
         logger.info("training client %s: state saved as %s", model.model_id, path)
         return {"path": path, "type": "save_weights"}
 
-    return answer({"request_id": service.submit(model.model_id, job), "model_id": model.model_id})
+    return answer(
+        {
+            "request_id": service.submit(model.model_id, job, bounded=True),
+            "model_id": model.model_id,
+        }
+    )
 
 
 async def load_weights(request: web.Request) -> web.Response:
@@ -290,18 +331,25 @@ async def load_weights(request: web.Request) -> web.Response:
             state, spec = await service.states.fetch(body.path, Path(tmp))
             if new and model.model_id not in service.models:
                 _check_rank(config, spec.rank)
-                service.add_model(dataclasses.replace(model, rank=spec.rank))
-                try:
-                    await add_client(service, model, spec)
-                except BaseException:  # refused: it holds no place under the cap
-                    service.models.pop(model.model_id, None)
-                    raise
-            load = in_thread(lambda: service.engine.load_state(model.adapter, state,
-                                                               optimizer=body.optimizer))  # fmt: skip
+                made = dataclasses.replace(model, rank=spec.rank)
+                service.add_model(made)  # refused if the session ended meanwhile
+                await add_client(service, made, spec)  # refused: it holds nothing
+
+            def load_now() -> None:
+                if not service.engine.has(model.adapter):  # it ended while this waited
+                    raise WireError(f"training client {model.model_id!r} ended (its session "
+                                    "did) before its state was loaded")  # fmt: skip
+                service.engine.load_state(model.adapter, state, optimizer=body.optimizer)
+
+            load = in_thread(load_now)
             await (service.in_turn(model.model_id, load) if new else load())
         logger.info("training client %s: state %s loaded", model.model_id, body.path)
         return {"path": body.path, "model_id": model.model_id, "type": "load_weights"}
 
     # a new client's runs beside the queue as create_model's does; an existing one's in its turn
-    rid = service.spawn(job, model.model_id) if new else service.submit(model.model_id, job)
+    rid = (
+        service.spawn(job, model.model_id)
+        if new
+        else service.submit(model.model_id, job, bounded=True)
+    )
     return answer({"request_id": rid, "model_id": model.model_id})

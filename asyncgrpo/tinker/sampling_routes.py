@@ -15,7 +15,16 @@ from tinker import types
 
 from asyncgrpo.tinker.checkpoints import Checkpoint, check_ttl
 from asyncgrpo.tinker.completions import check_sample
-from asyncgrpo.tinker.http import CONFIG, SERVICE, answer, read_body, refuse, training_model
+from asyncgrpo.tinker.http import (
+    CONFIG,
+    CONTROL_BODY_BYTES,
+    SAMPLE_BYTES_PER_TOKEN,
+    SERVICE,
+    answer,
+    read_body,
+    refuse,
+    training_model,
+)
 from asyncgrpo.tinker.sampling import Sampler, UnknownSampler
 from asyncgrpo.tinker.service import TinkerService, in_thread
 from asyncgrpo.tinker.wire import SampleResult, WireError
@@ -78,7 +87,12 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
         return {"sampling_session_id": sampler.new_session(served, model.session_id),
                 "type": "save_weights_for_sampler"}  # fmt: skip
 
-    return answer({"request_id": service.submit(model.model_id, job), "model_id": model.model_id})
+    return answer(
+        {
+            "request_id": service.submit(model.model_id, job, bounded=True),
+            "model_id": model.model_id,
+        }
+    )
 
 
 async def _index(service: TinkerService, run_id: str, body: Any, served: str) -> str:
@@ -105,7 +119,8 @@ async def create_sampling_session(request: web.Request) -> web.Response:
 
 async def asample(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
-    body = await read_body(request, types.SampleRequest)
+    limit = CONTROL_BODY_BYTES + SAMPLE_BYTES_PER_TOKEN * request.app[CONFIG].max_context_length
+    body = await read_body(request, types.SampleRequest, limit)
     sampler = _sampler(service)
     _check_base(request, body.base_model)
     ask = check_sample(body, sampler.limits, service.engine.vocab_size)

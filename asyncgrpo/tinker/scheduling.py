@@ -42,5 +42,10 @@ class FairQueue(Generic[T]):
         """Forget ``client``, returning what it still had queued."""
         return list(self._queues.pop(client, ()))
 
+    def count(self, client: str) -> int:
+        """Items ``client`` has queued."""
+        queue = self._queues.get(client)
+        return len(queue) if queue is not None else 0
+
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from aiohttp import web
 
 from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.run.endpoint import open_fleet
@@ -19,6 +18,7 @@ from asyncgrpo.tinker.app import build_app
 from asyncgrpo.tinker.checkpoints import CheckpointIndex
 from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.engine import Engine
+from asyncgrpo.tinker.front import listen
 from asyncgrpo.tinker.ranks import RankedEngine
 from asyncgrpo.tinker.sampling import open_sampler
 from asyncgrpo.tinker.service import TinkerService
@@ -74,7 +74,8 @@ async def _serve_engine(config: TinkerConfig, engine: Any) -> AsyncIterator[str]
             ))  # fmt: skip
         service = TinkerService(engine, states, sampler,
                                 session_timeout_s=config.session_timeout_s,
-                                max_clients=config.max_training_clients)  # fmt: skip
+                                max_clients=config.max_training_clients,
+                                max_queued=config.max_queued_per_client)  # fmt: skip
         async with _serving(config, service) as url:
             yield url
 
@@ -108,15 +109,12 @@ async def _own_fleet(
 async def _serving(config: TinkerConfig, service: TinkerService) -> AsyncIterator[str]:
     async with anyio.create_task_group() as tg:
         await tg.start(service.run)
-        runner = web.AppRunner(build_app(config, service), access_log=None)
-        await runner.setup()
         try:
-            site = web.TCPSite(runner, config.host, config.port)
-            await site.start()
-            port = runner.addresses[0][1]
-            host = f"[{config.host}]" if ":" in config.host else config.host
-            yield f"http://{host}:{port}"
+            async with listen(build_app(config, service), config.host, config.port,
+                              max_connections=config.max_connections,
+                              head_timeout_s=config.head_timeout_s,
+                              idle_timeout_s=config.client_idle_timeout_s) as port:  # fmt: skip
+                host = f"[{config.host}]" if ":" in config.host else config.host
+                yield f"http://{host}:{port}"
         finally:
-            with anyio.CancelScope(shield=True):
-                await runner.cleanup()
             tg.cancel_scope.cancel()

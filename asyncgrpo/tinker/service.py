@@ -27,7 +27,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from asyncgrpo.errors import ConfigError, NotFound, RankError
 from asyncgrpo.tinker.engine import StateError
-from asyncgrpo.tinker.futures import FutureTable, Outcome
+from asyncgrpo.tinker.futures import FutureTable, Outcome, server_failure
 from asyncgrpo.tinker.losses import LOSSES, LossInputError, SamplerGap
 from asyncgrpo.tinker.provenance import ProvenanceError, StabilityRecords, sampled_mask
 from asyncgrpo.tinker.sampling import SlotsFull
@@ -35,7 +35,9 @@ from asyncgrpo.tinker.scheduling import FairQueue
 from asyncgrpo.tinker.wire import FwdBwdRequest, WireError
 
 __all__ = [
+    "MAX_SAMPLING",
     "Job",
+    "QueueFull",
     "Session",
     "TinkerService",
     "TrainingModel",
@@ -51,8 +53,14 @@ logger = logging.getLogger(__name__)
 Job = Callable[[], Awaitable[Any]]
 #: Errors that are the request's fault; any other exception is the service's.
 USER_ERRORS = (LossInputError, WireError, StateError, NotFound, ConfigError, ProvenanceError)
+#: Sample requests in flight at once, all clients together (each holds its prompt meanwhile).
+MAX_SAMPLING = 1024
 #: The SDK heartbeats every this many seconds (``InternalClientHolder._session_heartbeat``).
 SDK_HEARTBEAT_S = 10.0
+
+
+class QueueFull(Exception):
+    """A client's request refused because the client has its most requests queued (429)."""
 
 
 @dataclass
@@ -131,15 +139,18 @@ def in_thread(fn: Callable[[], Any]) -> Job:
 
 class TinkerService:
     """``session_timeout_s``: a session with no heartbeat (nor request) for that long ends as
-    if the SDK had finished it; ``max_clients``: the most training clients alive at once."""
+    if the SDK had finished it; ``max_clients``: the most training clients alive at once;
+    ``max_queued``: the most requests one client has queued."""
 
     def __init__(self, engine: Any, states: Any, sampler: Any = None, *,
-                 session_timeout_s: float = 30.0, max_clients: int = 16) -> None:  # fmt: skip
+                 session_timeout_s: float = 30.0, max_clients: int = 16,
+                 max_queued: int = 64) -> None:  # fmt: skip
         self.engine = engine
         self.states = states
         self.sampler = sampler
         self.session_timeout_s = session_timeout_s
         self.max_clients = max_clients
+        self.max_queued = max_queued
         self.futures = FutureTable()
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TrainingModel] = {}
@@ -151,6 +162,7 @@ class TinkerService:
         self._leaving: set[str] = set()
         self._queue: FairQueue[tuple[str, Job]] = FairQueue()
         self._waiting = anyio.Semaphore(0)
+        self._sampling = 0  # sampling jobs in flight
         self._tasks: TaskGroup
 
     def new_session(self) -> Session:
@@ -169,7 +181,12 @@ class TinkerService:
             session.last_heartbeat = time.monotonic()
 
     def add_model(self, model: TrainingModel) -> None:
-        """Count ``model`` among the live clients; WireError naming the cap when it is full."""
+        """Count ``model`` among the live clients; WireError naming the cap when it is full, or
+        when its session is no longer open (it ended while the request waited: nothing would
+        ever remove the client)."""
+        if not self.is_open(model.session_id):
+            raise WireError(f"session {model.session_id!r} ended before training client "
+                            f"{model.model_id!r} was made: make a new ServiceClient")  # fmt: skip
         if model.model_id not in self.models and len(self.models) >= self.max_clients:
             raise WireError(f"this service already holds {len(self.models)} training clients, "
                             f"its max_training_clients (--max-training-clients): close a "
@@ -197,6 +214,19 @@ class TinkerService:
                     self.futures.finish(rid, Outcome(error=error, category="user"))
             self._leaving.add(model.model_id)
             self.submit(model.model_id, self._remover(model))
+
+    def is_live(self, model: TrainingModel) -> bool:
+        """Whether ``model`` is still one of the live clients (its session did not end)."""
+        return model.model_id in self.models and self.is_open(model.session_id)
+
+    def discard(self, model: TrainingModel) -> None:
+        """Undo a client being made that failed or whose session ended meanwhile: it leaves the
+        live clients and everything it may have booked goes back, in its turn (releasing slots
+        and removing an adapter that were never taken is a no-op)."""
+        self.models.pop(model.model_id, None)
+        self.gaps.pop(model.model_id, None)
+        self._leaving.add(model.model_id)
+        self.submit(model.model_id, self._remover(model))
 
     def _unproven_holders(self, besides: str, since: float) -> list[str]:
         """The open sessions but ``besides`` holding training clients that have shown no sign of
@@ -235,9 +265,11 @@ class TinkerService:
     def _remover(self, model: TrainingModel) -> Job:
         async def job() -> None:
             try:
-                if self.sampler is not None:
-                    await self.sampler.release(model.adapter)
-                await in_thread(lambda: self.engine.remove(model.adapter))()
+                try:
+                    if self.sampler is not None:
+                        await self.sampler.release(model.adapter)
+                finally:  # the adapter leaves the trainer even if the proxy did not answer
+                    await in_thread(lambda: self.engine.remove(model.adapter))()
             finally:
                 self._leaving.discard(model.model_id)
             logger.info("training client %s ended with its session", model.model_id)
@@ -258,9 +290,26 @@ class TinkerService:
         for session_id in stale:
             why = f"expired ({self.session_timeout_s:g} s without a heartbeat)"
             self.end_session(session_id, why, drop_queued=True)
+        self.prune()
 
-    def submit(self, client: str, job: Job) -> str:
-        """Queue ``job`` under ``client``; its request id, pending until the job ran."""
+    def prune(self) -> None:
+        """Forget the ended sessions (a heartbeat of an unknown one is answered 410 too), and
+        the sampler gaps of clients that are gone."""
+        self.sessions = {k: v for k, v in self.sessions.items() if not v.finished}
+        self.gaps = {k: v for k, v in self.gaps.items() if k in self.models}
+
+    def check_room(self, client: str) -> None:
+        """QueueFull when ``client`` has ``max_queued`` requests queued already."""
+        if self._queue.count(client) >= self.max_queued:
+            raise QueueFull(f"training client {client!r} has {self.max_queued} requests queued, "
+                            "this service's max_queued_per_client: wait for their results")  # fmt: skip
+
+    def submit(self, client: str, job: Job, *, bounded: bool = False) -> str:
+        """Queue ``job`` under ``client``; its request id, pending until the job ran.
+        ``bounded`` (a client's request): QueueFull when the client has ``max_queued`` jobs
+        queued already."""
+        if bounded:
+            self.check_room(client)
         rid = self.futures.new()
         self._queue.put(client, (rid, job))
         self._waiting.release()
@@ -292,7 +341,14 @@ class TinkerService:
 
     def spawn(self, job: Job, label: str = "sampling") -> str:
         """Run ``job`` now, beside the queue (sampling, which needs no trainer, or work that may
-        wait before it touches the trainer: :meth:`in_turn`); its request id."""
+        wait before it touches the trainer: :meth:`in_turn`); its request id. Sampling jobs are
+        at most :data:`MAX_SAMPLING` at once (QueueFull beyond): each holds its prompt until
+        the replicas answer."""
+        if label == "sampling":
+            if self._sampling >= MAX_SAMPLING:
+                raise QueueFull(f"this service has {MAX_SAMPLING} sample requests in flight: "
+                                "wait for their results")  # fmt: skip
+            self._sampling += 1
         rid = self.futures.new()
         self._tasks.start_soon(self._finish, label, rid, job)
         return rid
@@ -331,9 +387,12 @@ class TinkerService:
         try:
             outcome = await self._run_one(client, job)
         except RankError as exc:  # a data-parallel rank is gone: the service cannot go on
-            logger.error("request of %s failed: %s", client, exc)
-            self.futures.finish(rid, Outcome(error=f"the server failed: {exc}", category="server"))
+            logger.error("request of %s failed: %s", client, server_failure(exc, logged=True))
+            self.futures.finish(rid, Outcome(error=server_failure(exc), category="server"))
             raise
+        finally:
+            if client == "sampling":
+                self._sampling -= 1
         self.futures.finish(rid, outcome)
 
     async def _run_one(self, client: str, job: Job) -> Outcome:
@@ -345,6 +404,5 @@ class TinkerService:
             logger.warning("request of %s refused: %s", client, exc)
             return Outcome(error=str(exc), category="user")
         except Exception as exc:  # the service's own failure: one line, keep serving
-            logger.error("request of %s failed: %s: %s", client, type(exc).__name__, exc)
-            return Outcome(error=f"the server failed: {type(exc).__name__}: {exc}",
-                           category="server")  # fmt: skip
+            logger.error("request of %s failed: %s", client, server_failure(exc, logged=True))
+            return Outcome(error=server_failure(exc), category="server")

@@ -20,7 +20,7 @@ from asyncgrpo.tinker.provenance import Span
 
 __all__ = ["FwdBwdRequest", "FwdBwdResult", "SampleResult", "SampledSeq", "TargetLogprobs",
            "TopK", "WireDatum", "WireError", "decode_fwdbwd", "encode_fwdbwd", "encode_sample",
-           "fwdbwd_json"]  # fmt: skip
+           "fwdbwd_json", "fwdbwd_shape", "parse_fwdbwd", "read_fwdbwd"]  # fmt: skip
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
 
@@ -118,25 +118,120 @@ def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
     return arr.reshape(shape)
 
 
-def _tokens(chunks: Any, index: int) -> np.ndarray:
+def _tokens(chunks: Any, index: int, max_tokens: int | None) -> np.ndarray:
     parts = []
     for chunk in chunks:
         if chunk.WhichOneof("chunk") != "encoded_text":
             raise WireError(f"datum {index}: only token chunks (EncodedTextChunk) are served "
                             "here; images and audio are not")  # fmt: skip
         parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
-    if not parts:
+    size = sum(p.size for p in parts)
+    if not size:  # a datum of no tokens trains nothing and cost a Python pass of its own
         raise WireError(f"datum {index} has no tokens: give model_input at least one token")
+    if max_tokens is not None and size > max_tokens:
+        raise WireError(f"datum {index} has {size} tokens, more than this service's "
+                        f"max_context_length {max_tokens}")  # fmt: skip
     return np.concatenate(parts).astype(np.int64)
 
 
-def decode_fwdbwd(body: bytes) -> FwdBwdRequest:
-    """Read a ``forward_backward`` body (the SDK's protobuf ``ForwardBackwardRequest``)."""
+#: Most fields of one ``Datum`` on the wire (token chunks, loss inputs, provenance spans).
+MAX_DATUM_PARTS = 4096
+#: Most ``Datum`` fields of all datums of one request, together.
+MAX_REQUEST_PARTS = 65536
+
+
+def _fields(buf: memoryview, limit: int, what: str) -> list[tuple[int, memoryview]]:
+    """The top-level fields of a protobuf message as ``(number, value)`` (a length-delimited
+    value as its bytes, any other as an empty view); WireError past ``limit`` fields or on a
+    malformed one. Why not protobuf's parser alone: it materialises every element of a
+    repeated field before anything can count them, about a hundred bytes each, so 2.8 MB of
+    empty datums grew the service by 470 MB before the request could be refused; this walk
+    stops at the limit and holds only views of the body."""
+    out, pos, end = [], 0, len(buf)
+    while pos < end:
+        if len(out) >= limit:
+            raise WireError(f"{what} has more than {limit} fields: send fewer per request")
+        key, pos = _varint(buf, pos)
+        number, kind = key >> 3, key & 7
+        if kind == 0:
+            _, pos = _varint(buf, pos)
+            value = buf[0:0]
+        elif kind == 2:
+            size, pos = _varint(buf, pos)
+            value, pos = buf[pos : pos + size], pos + size
+        elif kind in (1, 5):
+            value, pos = buf[0:0], pos + (8 if kind == 1 else 4)
+        else:
+            raise WireError(f"{what} is not a protobuf message (wire type {kind})")
+        if pos > end:
+            raise WireError(f"{what} is truncated")
+        out.append((number, value))
+    return out
+
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    for i in range(pos, min(pos + 10, len(buf))):
+        value |= (buf[i] & 0x7F) << shift
+        if buf[i] < 0x80:
+            return value, i + 1
+        shift += 7
+    raise WireError("the body is not a protobuf message (a malformed varint)")
+
+
+def fwdbwd_shape(body: bytes, *, max_datums: int) -> tuple[str, int]:
+    """The ``model_id`` and number of datums of a ``forward_backward`` body, read without
+    parsing it; WireError for more than ``max_datums`` datums or more parts (token chunks,
+    loss inputs, spans) than :data:`MAX_DATUM_PARTS` per datum and :data:`MAX_REQUEST_PARTS`
+    in all. Bounds what :func:`parse_fwdbwd` then allocates."""
+    view = memoryview(body)
+    model_id, datums, parts = b"", 0, 0
+    for number, value in _fields(view, max_datums + 256, f"the body (max_datums {max_datums})"):
+        if number == 1:
+            model_id = bytes(value)
+        elif number == 3:
+            if datums >= max_datums:
+                raise WireError(f"forward_backward has more than {max_datums} datums, this "
+                                "service's max_datums: send fewer per request")  # fmt: skip
+            n = len(_fields(value, MAX_DATUM_PARTS, f"datum {datums}"))
+            parts += n
+            if parts > MAX_REQUEST_PARTS:
+                raise WireError(f"forward_backward's datums have more than {MAX_REQUEST_PARTS} "
+                                "parts (token chunks, inputs, spans) in all: send fewer")  # fmt: skip
+            datums += 1
+    try:
+        return model_id.decode(), datums
+    except UnicodeDecodeError:
+        raise WireError("model_id is not UTF-8") from None
+
+
+def parse_fwdbwd(body: bytes) -> Any:
+    """The SDK's protobuf ``ForwardBackwardRequest`` of a ``forward_backward`` body, parsed
+    (in C) but not yet read: its ``model_id`` and number of datums can be checked before the
+    costlier :func:`read_fwdbwd`."""
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except Exception as exc:  # protobuf's DecodeError; the message is what matters
         raise WireError(f"the body is not a ForwardBackwardRequest protobuf: {exc}") from None
+    return msg
+
+
+def decode_fwdbwd(
+    body: bytes, *, max_datums: int | None = None, max_tokens: int | None = None
+) -> FwdBwdRequest:
+    """Read a ``forward_backward`` body (the SDK's protobuf ``ForwardBackwardRequest``)."""
+    return read_fwdbwd(parse_fwdbwd(body), max_datums=max_datums, max_tokens=max_tokens)
+
+
+def read_fwdbwd(
+    msg: Any, *, max_datums: int | None = None, max_tokens: int | None = None
+) -> FwdBwdRequest:
+    """A parsed request (:func:`parse_fwdbwd`) as plain arrays; WireError for more than
+    ``max_datums`` datums, a datum of no tokens or of more than ``max_tokens``."""
+    if max_datums is not None and len(msg.data) > max_datums:
+        raise WireError(f"forward_backward got {len(msg.data)} datums, more than this "
+                        f"service's max_datums {max_datums}: send fewer per request")  # fmt: skip
     config: dict[str, float] = dict(msg.loss_fn_config)
     for key, value in msg.loss_fn_config_v2.items():
         if value.WhichOneof("value") == "text":
@@ -157,7 +252,7 @@ def decode_fwdbwd(body: bytes) -> FwdBwdRequest:
             )
         data.append(
             WireDatum(
-                tokens=_tokens(datum.model_input, i),
+                tokens=_tokens(datum.model_input, i, max_tokens),
                 inputs=inputs,
                 input_spans=input_spans,
                 target_spans=target_spans,

@@ -26,6 +26,11 @@ REQUIRED = {
         "proxy.max_connections", "proxy.head_timeout_s", "proxy.client_idle_timeout_s",
         "proxy.max_queued_per_run", "proxy.queue_timeout_s", "proxy.max_runs",
     },
+    "tinker service": {
+        "tinker.max_connections", "tinker.head_timeout_s", "tinker.client_idle_timeout_s",
+        "tinker.max_body_bytes", "tinker.max_datums", "tinker.max_queued_per_client",
+        "tinker.max_context_length", "tinker.max_training_clients", "tinker.session_timeout_s",
+    },
     "replicas": {
         "serve.adapter_max_manifest_bytes", "serve.adapter_max_files",
         "serve.adapter_max_total_bytes",

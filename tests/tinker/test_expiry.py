@@ -150,8 +150,9 @@ def test_a_client_that_does_not_fit_waits_for_a_quiet_session_to_expire() -> Non
                       for s in (gone, alive, new)]  # fmt: skip
 
             async def heartbeats() -> None:
-                while True:
+                while True:  # the waiting client's session heartbeats too, as the SDK's does
                     service.touch(alive.session_id)
+                    service.touch(new.session_id)
                     if speaking["gone"]:
                         service.touch(gone.session_id)
                     await anyio.sleep(0.1)
@@ -166,8 +167,9 @@ def test_a_client_that_does_not_fit_waits_for_a_quiet_session_to_expire() -> Non
             assert time.monotonic() - start < 0.9
             speaking["gone"] = False
             start = time.monotonic()
-            # as create_model does: beside the queue, so that the worker runs the quiet
+            # as create_model does: counted, then made beside the queue, so that the worker runs the quiet
             # session's removal meanwhile (booking from the worker would wait on itself)
+            service.add_model(models[2])
             rid = service.spawn(lambda: add_client(service, models[2], spec), models[2].model_id)
             outcome = await service.futures.wait(rid, 10.0)
             assert outcome is not None and outcome.error is None, outcome

@@ -14,6 +14,7 @@ import httptools
 
 from asyncgrpo.proxy.config import ProxyConfig, is_loopback
 from asyncgrpo.proxy.http.headers import DROP_REQUEST_B, RUN_HEADER, SESSION_HEADER
+from asyncgrpo.proxy.http.policy import host_is_local
 
 __all__ = ["ADMIN_PATHS", "HEAD_LIMIT", "MAX_FIELDS", "PIECE_BYTES", "RUNS_PATH", "TOO_LARGE",
            "Refused", "Request", "Rules", "check_head", "check_trailer", "refusal"]  # fmt: skip
@@ -66,12 +67,7 @@ class Rules:
         """Whether a Host header names a loopback address (``localhost``, 127.x, ``[::1]``)."""
         if value in self.hosts:
             return True
-        host = value.decode("latin-1").lower()
-        if host.startswith("["):
-            host = host[1 : host.find("]")]
-        elif ":" in host:
-            host = host.rpartition(":")[0]
-        if not is_loopback(host):
+        if not host_is_local(value.decode("latin-1")):
             return False
         if len(self.hosts) < 64:
             self.hosts.add(value)
