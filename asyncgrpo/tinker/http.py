@@ -58,8 +58,15 @@ SERVICE = web.AppKey("service", TinkerService)
 CONFIG = web.AppKey("config", TinkerConfig)
 
 
+def one_line(text: str) -> str:
+    """``text`` with every character that is not printable escaped: a request path or a value
+    quoted back may carry line breaks (``\\x1e`` and ``\\u2028`` are ones too), and an answer
+    or a log entry is one line."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def refuse(status: type[web.HTTPException], message: str) -> web.HTTPException:
-    return status(text=message, content_type="text/plain")
+    return status(text=one_line(message), content_type="text/plain")
 
 
 @web.middleware
@@ -82,14 +89,15 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException:
         raise
     except (WireError, LossInputError, ProvenanceError) as exc:
-        logger.warning("%s refused: %s", request.path, exc)
+        logger.warning("%s refused: %s", one_line(request.path), exc)
         raise refuse(web.HTTPBadRequest, str(exc)) from None
     except NotFound as exc:  # an unknown run or checkpoint path: the SDK's NotFoundError
         raise refuse(web.HTTPNotFound, str(exc)) from None
     except QueueFull as exc:  # the SDK retries a 429 after a pause
         raise refuse(web.HTTPTooManyRequests, str(exc)) from None
     except Exception as exc:  # the service's own failure: its log says what, the client why not
-        logger.error("%s failed: %s", request.path, server_failure(exc, logged=True))
+        logger.error("%s failed: %s", one_line(request.path),
+                     server_failure(exc, logged=True))  # fmt: skip
         raise refuse(web.HTTPInternalServerError, server_failure(exc)) from None
 
 
@@ -116,7 +124,9 @@ async def read_bytes(request: web.Request, limit: int) -> bytes:
 
 
 def _too_large(request: web.Request, limit: int) -> web.HTTPException:
-    message = f"{request.path}: request body over {limit} bytes, the most this route takes"
+    message = one_line(
+        f"{request.path}: request body over {limit} bytes, the most this route takes"
+    )
     refused = web.HTTPRequestEntityTooLarge(
         max_size=limit, actual_size=request.content_length or limit + 1, text=message,
         content_type="text/plain",

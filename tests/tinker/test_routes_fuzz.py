@@ -181,3 +181,14 @@ def test_every_route_answers_malformed_input_with_one_line_below_500(http, reque
     if r.status_code >= 400:
         assert "Traceback" not in r.text and len(r.text.strip().splitlines()) <= 1, r.text[:300]
     assert http.get("/api/v1/healthz").status_code == 200
+
+
+def test_a_path_with_a_line_break_is_quoted_back_on_one_line(http) -> None:
+    """Found by the fuzz test above: a refusal quoting its request path answered two lines when
+    the path carried a record separator (``%1E``), which ``str.splitlines`` breaks at, as a
+    client's or a log's reader may. Every refusal escapes what is not printable."""
+    deep = b'{"x": ' + b"[" * 200 + b"]" * 200 + b"}"
+    for sep in ("%1E", "%0A", "%E2%80%A8"):
+        r = http.put(f"/api/v1/training_runs/0/checkpoints/0/{sep}/ttl", content=deep,
+                     headers={"Content-Type": "application/json"})  # fmt: skip
+        assert r.status_code == 400 and len(r.text.strip().splitlines()) == 1, r.text[:300]
