@@ -46,7 +46,9 @@ async def test_multi_turn_training_serves_every_token_at_its_version(
                        "epochs": None}  # fmt: skip
     data["rollout"] = {"environment": "asyncgrpo.testing.envs:ChatterEnv",
                        "environment_args": {"max_turns": 3, "max_episode_tokens": 512,
-                                            "reply_delay_s": 0.3},  # episodes straddle syncs
+                                            # an episode (two replies) outlasts a step and
+                                            # its sync even on a loaded machine: it straddles
+                                            "reply_delay_s": 1.5},
                        "max_inflight": 16, "queue_maxsize": 16}  # fmt: skip
     data["generation"].update(num_generations=4, max_completion_length=8)
     data["trainer"].update(samples_per_step=8, max_steps=5, max_staleness=1)
