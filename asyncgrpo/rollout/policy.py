@@ -115,6 +115,11 @@ class PolicyClient:
         """The adapter name new requests use (OpenAI's ``model`` field)."""
         return self._policy()[0]
 
+    @property
+    def version(self) -> int:
+        """The adapter version new requests use."""
+        return self._policy()[1]
+
     def body(
         self,
         prompt_ids: Sequence[int],

@@ -215,11 +215,13 @@ class _Progress:
     """How far the run got: what an interruption reports (a rerun resumes from the last
     checkpoint, and trains the steps after it again)."""
 
-    step: int | None = None  #: the last step trained (None: none yet)
+    step: int | None = None  #: the last step done, its metrics line written (None: none yet)
     checkpoint: int | None = None  #: the step of the newest checkpoint (None: none)
 
     def interrupted(self, cfg: TrainingConfig) -> str:
-        at = f" at step {self.step}" if self.step else ""
+        # A checkpoint saved before its step's metrics line holds that line (a resume writes it)
+        last = max(self.step or 0, self.checkpoint or 0)
+        at = f" at step {last}" if last else ""
         if self.checkpoint is None:
             every = cfg.trainer.save_steps
             when = f"(trainer.save_steps={every})" if every else "(trainer.save_steps=0: off)"
@@ -227,8 +229,8 @@ class _Progress:
                 f"interrupted{at}, before the first checkpoint {when}: a rerun starts from step 0"
             )
         again = ""
-        if self.step is not None and self.step > self.checkpoint:
-            again = f"; steps {self.checkpoint + 1}-{self.step} are trained again"
+        if last > self.checkpoint:
+            again = f"; steps {self.checkpoint + 1}-{last} are trained again"
         return (
             f"interrupted{at}: the checkpoint of step {self.checkpoint} is kept, and the same "
             f"command resumes from it{again}"
@@ -607,7 +609,7 @@ async def _train(
             await hooked
         audit.observe(samples)
         metrics = await anyio.to_thread.run_sync(trainer.step, samples)
-        step = state.step = trainer.step_count
+        step = trainer.step_count
         ledger.trained(step, version, samples, dropped)
         metrics.update(_sample_metrics(samples, source, version, wait_s, dropped_total))
 
@@ -637,6 +639,7 @@ async def _train(
         if step % run.cfg.logging.log_every == 0:
             writer.log(metrics, step=step)
         progress.step(step, {**metrics, **evals.shown()})
+        state.step = step  # done: in metrics.jsonl, what an interruption reports
         if getattr(trainer, "stop_requested", False):  # trainer.collapse_action=stop fired
             break
     return step, version

@@ -18,7 +18,8 @@ from typing import Any
 import anyio
 
 from asyncgrpo.rollout.dataset import Prompt
-from asyncgrpo.rollout.environment import Message, MultiTurnEnv
+from asyncgrpo.rollout.environment import Episode, Message, MultiTurnEnv
+from asyncgrpo.rollout.policy import PolicyClient
 
 _CALL = re.compile(r"\badd\b")
 
@@ -80,21 +81,37 @@ class CalculatorEnv(MultiTurnEnv):
 class ChatterEnv(MultiTurnEnv):
     """``max_turns`` model turns, each answered by the same user message: a fixed shape for
     tests of token masks, versions and logprobs over whole episodes. Rewards the share of digit
-    characters over the model's turns (so groups have variance to learn from)."""
+    characters over the model's turns (so groups have variance to learn from).
+
+    ``straddle_s``: episodes of odd-index prompts hold their first reply until the policy's
+    adapter version is newer than the one they started under (at most that many seconds), so
+    they straddle a weight sync whatever the machine's speed; even-index prompts answer at once,
+    so the run keeps training and publishing meanwhile."""
 
     provides_reward = True
 
-    def __init__(self, *, reply_delay_s: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, *, straddle_s: float = 0.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        #: how long the environment takes to answer (a slow tool): long enough, and an
-        #: episode's turns straddle a weight sync
-        self.reply_delay_s = reply_delay_s
+        self.straddle_s = straddle_s
+        self._policy: PolicyClient | None = None
+
+    async def group(self, task: Prompt, policy: PolicyClient, g: int) -> list[Episode]:
+        self._policy = policy  # one client serves all of a run's episodes
+        return await super().group(task, policy, g)
+
+    async def setup(self, task: Prompt) -> dict[str, Any]:
+        held = self.straddle_s > 0 and task.index % 2 == 1 and self._policy is not None
+        return {"started_at": self._policy.version if held else None}
 
     async def env_response(
         self, task: Prompt, messages: list[Message], state: dict[str, Any]
     ) -> list[Message] | None:
-        if self.reply_delay_s:
-            await anyio.sleep(self.reply_delay_s)
+        started, policy = state.pop("started_at", None), self._policy
+        if started is not None and policy is not None:
+            with anyio.move_on_after(self.straddle_s):
+                # the version is the trainer's callable's value: there is no event to wait on
+                while policy.version <= started:  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
         return [{"role": "user", "content": "go on"}]
 
     async def reward(self, task: Prompt, messages: list[Message], state: dict[str, Any]) -> float:

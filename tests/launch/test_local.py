@@ -547,8 +547,11 @@ def loaded_adapters(replica_dir: Path) -> list[tuple[str, str]]:
     return re.findall(r"Loaded new LoRA adapter: name '(\S+)', path '(\S+)'", log)
 
 
-#: Steps of the end-to-end run: the replacement joins after step 2, then serves the rest.
-E2E_STEPS = 10
+#: Steps of the end-to-end run. Replica 1 is lost at step 2 and the run's scoring is held until
+#: the replacement is in, by step 7 at the latest (a queue of 4 steps' samples and one step in
+#: flight are generated before it); at max_staleness 4 the samples of steps 13 and 14 are all
+#: generated after the join, by both replicas.
+E2E_STEPS = 14
 
 
 @pytest.mark.vllm

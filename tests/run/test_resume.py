@@ -37,3 +37,40 @@ async def test_the_trainer_resumes_from_the_newest_checkpoint_that_verifies(
         start = await _start_trainer(run, None, tmp_path / "work", Silent())  # type: ignore[arg-type]
     assert (start.resumed_from, start.position) == (4, 64)
     assert any("step 8 does not verify" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("step", "checkpoint", "said"),
+    [
+        (
+            4,
+            3,
+            "interrupted at step 4: the checkpoint of step 3 is kept, and the same command "
+            "resumes from it; steps 4-4 are trained again",
+        ),
+        # a checkpoint saved before its step's metrics line: that step is done (a resume writes
+        # the line from the checkpoint), nothing is trained again
+        (
+            5,
+            6,
+            "interrupted at step 6: the checkpoint of step 6 is kept, and the same command "
+            "resumes from it",
+        ),
+        (
+            None,
+            None,
+            "interrupted, before the first checkpoint (trainer.save_steps=3): a rerun "
+            "starts from step 0",
+        ),
+    ],
+)
+def test_an_interruption_reports_the_last_step_done_and_what_a_rerun_trains_again(
+    step: int | None, checkpoint: int | None, said: str, tmp_path: Path
+) -> None:
+    """The step reported is the last one in metrics.jsonl (a step trained but not yet logged is
+    not done: a rerun trains it), or the checkpoint's step if that is newer."""
+    from asyncgrpo.run.training import _Progress
+
+    data = {"model": "m", "dataset": {"prompts": ["p"]}, "trainer": {"save_steps": 3}}
+    cfg = TrainingConfig.from_dict({**data, "output_dir": str(tmp_path)})
+    assert _Progress(step=step, checkpoint=checkpoint).interrupted(cfg) == said

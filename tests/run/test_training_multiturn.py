@@ -45,10 +45,9 @@ async def test_multi_turn_training_serves_every_token_at_its_version(
     data["dataset"] = {"prompts": [[{"role": "user", "content": f"talk {i}"}] for i in range(8)],
                        "epochs": None}  # fmt: skip
     data["rollout"] = {"environment": "asyncgrpo.testing.envs:ChatterEnv",
+                       # odd prompts' episodes hold their first reply for the next version
                        "environment_args": {"max_turns": 3, "max_episode_tokens": 512,
-                                            # an episode (two replies) outlasts a step and
-                                            # its sync even on a loaded machine: it straddles
-                                            "reply_delay_s": 1.5},
+                                            "straddle_s": 60},
                        "max_inflight": 16, "queue_maxsize": 16}  # fmt: skip
     data["generation"].update(num_generations=4, max_completion_length=8)
     data["trainer"].update(samples_per_step=8, max_steps=5, max_staleness=1)
