@@ -191,6 +191,10 @@ class DataParallel:
         for p in params:
             self._collective("broadcasting the adapter", lambda p=p: dist.broadcast(p.data, src=0))
 
+    def barrier(self, what: str) -> None:
+        """Every rank has reached this point."""
+        self._collective(what, dist.barrier)
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -311,12 +311,16 @@ class Trainer:
         while (shard := self.dp.scatter(None)) is not None:
             self._step(shard[0], None, shard[1])
             steps += 1
+        self.dp.barrier("the end of training")
         return steps
 
     def release(self) -> None:
-        """Rank 0, at the end of training: let the other ranks' ``follow`` return."""
+        """Rank 0, at the end of training: let the other ranks' ``follow`` return. It returns
+        once every rank has taken the end: a process that exits while a peer is still inside a
+        collective can abort that peer (gloo closes the connection under it)."""
         if self.dp is not None and self.dp.is_main:
             self.dp.scatter(None)
+            self.dp.barrier("the end of training")
 
     # -----------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -84,8 +84,10 @@ def _assert_same(two: dict, one: dict) -> None:
     moved = [k for k in one["adapter"] if "lora_B" in k and one["adapter"][k].abs().max() > 1e-3]
     assert moved, "the adapter did not train: the comparison would prove nothing"
     for name, value in one["adapter"].items():
+        # float32 summation order: up to 1.03e-5 measured with FSDP (1 run in 13); a sharding
+        # or gradient-sum mistake moves an entry by about the learning rate, 5e-3
         diff = float((two["adapter"][name] - value).abs().max())
-        assert diff <= 1e-5, f"{name}: 2 ranks differ from 1 rank by {diff:.2e}"
+        assert diff <= 5e-5, f"{name}: 2 ranks differ from 1 rank by {diff:.2e}"
     for m2, m1 in zip(two["metrics"], one["metrics"], strict=True):
         for key in ("loss", "grad_norm", "ratio", "batch/completion_tokens", "batch/samples",
                     "batch/tokens", "reward", "off_policy/weight_mean", "off_policy/weight_max",
