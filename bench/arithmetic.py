@@ -44,20 +44,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from staleness import Job, load, parse_recipe, train_on_one_fleet  # noqa: E402  (bench/)
+from staleness import (  # noqa: E402  (bench/)
+    Job,
+    add_sweep_args,
+    parse_recipe,
+    run_sweep,
+    train_on_one_fleet,
+)
 
 EXAMPLE = ROOT / "examples" / "arithmetic.yaml"
 OUT = ROOT / "runs" / "bench-arithmetic"
@@ -331,38 +333,8 @@ def main() -> None:
     p.add_argument("--model", type=Path, default=None,
                    help="an arithmetic model directory already built (default: the checkout's "
                         "cached build, made first if missing)")  # fmt: skip
-    p.add_argument("--out", type=Path, default=OUT, help="results.jsonl, run directories")
-    p.add_argument("--plot", type=Path, default=PLOT, help="where the PNG goes")
-    p.add_argument("--max-minutes", type=float, default=None,
-                   help="start no run after this many minutes (continue later)")  # fmt: skip
-    p.add_argument("--rerun", action="store_true", help="measure runs already in results.jsonl")
-    p.add_argument("--report", action="store_true", help="only print the tables and the plot")
-    args = p.parse_args()
-    recipes = args.recipes or [(BASE, ())]
-    args.overrides = dict(recipes)
-    if len(args.overrides) < len(recipes):
-        p.error("--recipe: each NAME once")
-    args.recipes = list(args.overrides)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args.out = args.out.resolve()
-    args.commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                 capture_output=True, text=True).stdout.strip()  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    results = args.out / "results.jsonl"
-    if not args.report:
-        done = load(results)
-        todo = [c for c in grid(args) if args.rerun or key(*c) not in done]
-        print(f"{len(todo)} runs to measure ({len(done)} in {results}); load average "
-              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)  # fmt: skip
-        if todo:
-            import anyio
-
-            anyio.run(measure, args, todo)
-    rows = load(results)
-    wanted = {key(*c) for c in grid(args)}
-    report({k: v for k, v in rows.items() if k in wanted}, args)
+    add_sweep_args(p, OUT, PLOT)
+    run_sweep(p, BASE, grid=grid, key=key, measure=measure, report=report)
 
 
 if __name__ == "__main__":

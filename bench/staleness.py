@@ -431,14 +431,33 @@ def main() -> None:
     p.add_argument("--baseline", default=None,
                    help="a recipe name: compare every other recipe's time to 0.5 with it")  # fmt: skip
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo's)")
-    p.add_argument("--out", type=Path, default=OUT, help="results.jsonl, run directories")
-    p.add_argument("--plot", type=Path, default=PLOT, help="where the PNG goes")
+    add_sweep_args(p, OUT, PLOT)
+    run_sweep(p, DEMO, grid=grid, key=key, measure=measure, report=report)
+
+
+def add_sweep_args(p: argparse.ArgumentParser, out: Path, plot: Path) -> None:
+    """The options every sweep bench (this one, bench/arithmetic.py) shares."""
+    p.add_argument("--out", type=Path, default=out, help="results.jsonl, run directories")
+    p.add_argument("--plot", type=Path, default=plot, help="where the PNG goes")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="start no run after this many minutes (continue later)")  # fmt: skip
     p.add_argument("--rerun", action="store_true", help="measure runs already in results.jsonl")
-    p.add_argument("--report", action="store_true", help="only print the table and draw the plot")
+    p.add_argument("--report", action="store_true", help="only print the tables and the plot")
+
+
+def run_sweep(
+    p: argparse.ArgumentParser,
+    base: str,
+    *,
+    grid: Callable[[argparse.Namespace], list[tuple[Any, ...]]],
+    key: Callable[..., str],
+    measure: Callable[..., Any],
+    report: Callable[[dict[str, dict[str, Any]], argparse.Namespace], None],
+) -> None:
+    """A sweep bench's main after its options: measure the grid's runs missing from
+    ``--out``/results.jsonl (all of them with ``--rerun``), then report the grid's rows."""
     args = p.parse_args()
-    recipes = args.recipes or [(DEMO, ())]
+    recipes = args.recipes or [(base, ())]
     args.overrides = dict(recipes)
     if len(args.overrides) < len(recipes):
         p.error("--recipe: each NAME once")
