@@ -71,9 +71,14 @@ def eval_rows(cfg: TrainingConfig) -> tuple[list[Any], str]:
         _, rows = split_rows(read_rows(cfg.dataset), e.holdout, seed=cfg.dataset.seed)
         return rows, cfg.dataset.prompt_column
     source = DatasetConfig(
-        path=e.path, prompts=e.prompts, subset=e.subset, split=e.split,
-        prompt_column=e.prompt_column, epochs=1, shuffle=False,
-    )  # fmt: skip
+        path=e.path,
+        prompts=e.prompts,
+        subset=e.subset,
+        split=e.split,
+        prompt_column=e.prompt_column,
+        epochs=1,
+        shuffle=False,
+    )
     rows = read_rows(source)
     if e.check_disjoint:
         trained = {_key(_prompt_of(r, cfg.dataset.prompt_column)) for r in read_rows(cfg.dataset)}
@@ -91,9 +96,13 @@ def eval_prompts(cfg: TrainingConfig, tokenizer: Any) -> list[Prompt]:
     """The held-out prompts, tokenized, in their file's order (at most ``eval.max_prompts``)."""
     rows, column = eval_rows(cfg)
     dataset = PromptDataset(
-        rows, tokenizer=tokenizer, prompt_column=column, epochs=1, shuffle=False,
+        rows,
+        tokenizer=tokenizer,
+        prompt_column=column,
+        epochs=1,
+        shuffle=False,
         max_prompt_tokens=cfg.dataset.max_prompt_tokens,
-    )  # fmt: skip
+    )
     prompts = list(dataset.iter_from(0))
     limit = _section(cfg).max_prompts
     return prompts[:limit] if limit is not None else prompts
@@ -138,6 +147,25 @@ class _Counter:
             self.on_graded(self.done, self.total)
 
 
+def _rows(
+    version: int, prompt: Prompt, episodes: Sequence[Any], scores: Any
+) -> list[dict[str, Any]]:
+    """eval.jsonl's lines of one prompt's graded episodes."""
+    return [
+        {
+            "version": version,
+            "prompt_index": prompt.index,
+            "prompt": prompt.prompt,
+            "completion": ep.completion,
+            "reward": scores.rewards[j],
+            "rewards": {n: v[j] for n, v in scores.per_func.items()},
+            "completion_tokens": len(ep.completion_ids),
+            "finish_reason": ep.finish_reason,
+        }
+        for j, ep in enumerate(episodes)
+    ]
+
+
 async def evaluate(
     cfg: TrainingConfig,
     *,
@@ -161,9 +189,10 @@ async def evaluate(
     scorer = None
     if rollout.reward_funcs or not environment.provides_reward:
         scorer = RewardScorer(
-            rollout.reward_funcs, weights=rollout.reward_weights,
+            rollout.reward_funcs,
+            weights=rollout.reward_weights,
             max_threads=rollout.reward_max_threads,
-        )  # fmt: skip
+        )
     graded: list[Graded] = []
     rows: list[dict[str, Any]] = []
     limiter = anyio.CapacityLimiter(max(1, e.max_inflight // e.num_generations))
@@ -175,9 +204,12 @@ async def evaluate(
         timeout=aiohttp.ClientTimeout(total=rollout.request_timeout_s), headers=headers
     ) as session:
         policy = PolicyClient(
-            session=session, base_url=base_url, generation=gen, rollout=rollout,
+            session=session,
+            base_url=base_url,
+            generation=gen,
+            rollout=rollout,
             policy=lambda: (model, version),
-        )  # fmt: skip
+        )
 
         graded_one = _Counter(len(prompts), on_graded)
 
@@ -198,14 +230,7 @@ async def evaluate(
                     completion_tokens=[len(ep.completion_ids) for ep in episodes],
                 )
             )
-            for j, ep in enumerate(episodes):
-                rows.append({
-                    "version": version, "prompt_index": prompt.index, "prompt": prompt.prompt,
-                    "completion": ep.completion, "reward": scores.rewards[j],
-                    "rewards": {n: v[j] for n, v in scores.per_func.items()},
-                    "completion_tokens": len(ep.completion_ids),
-                    "finish_reason": ep.finish_reason,
-                })  # fmt: skip
+            rows.extend(_rows(version, prompt, episodes, scores))
 
         async with environment.running(), anyio.create_task_group() as tg:
             for prompt in prompts:

@@ -156,8 +156,11 @@ async def run_training(
     with run_dir_lock(cfg.run_dir, "asyncgrpo train") if main else nullcontext():
         done = await _already_trained(cfg)
         if done is not None:  # every rank sees it: none starts anything (RunResult.up_to_date)
-            logger.info("the checkpoint is at step %d >= trainer.max_steps=%d: nothing to train",
-                        done.steps, cfg.trainer.max_steps)  # fmt: skip
+            logger.info(
+                "the checkpoint is at step %d >= trainer.max_steps=%d: nothing to train",
+                done.steps,
+                cfg.trainer.max_steps,
+            )
             return done
         from asyncgrpo.trainer.distributed import DataParallel
 
@@ -173,9 +176,14 @@ async def run_training(
 
 
 async def _run(
-    cfg: TrainingConfig, dp: Any, rollout_source: str, on_step: StepHook | None,
-    loader_factory: LoaderFactory | None, report: RunProgress, state: _Progress,
-) -> RunResult:  # fmt: skip
+    cfg: TrainingConfig,
+    dp: Any,
+    rollout_source: str,
+    on_step: StepHook | None,
+    loader_factory: LoaderFactory | None,
+    report: RunProgress,
+    state: _Progress,
+) -> RunResult:
     """The run's phases on rank 0 (see the module docstring), on one exit stack."""
     async with AsyncExitStack() as stack:
         run = await stack.enter_async_context(_open_run(cfg, dp))
@@ -201,11 +209,21 @@ async def _run(
         async with evals_during_training(evaluator, sync, every) as evals:
             evals.latest = base
             step, version = await _train(
-                run, start.trainer, sync, source, writer, ledger, work, version,
-                on_step=on_step, progress=report, fleet=lambda: _fleet_metrics(proxy),
+                run,
+                start.trainer,
+                sync,
+                source,
+                writer,
+                ledger,
+                work,
+                version,
+                on_step=on_step,
+                progress=report,
+                fleet=lambda: _fleet_metrics(proxy),
                 audit=_served_policy_audit(run, start.trainer, work),
-                evals=evals, state=state,
-            )  # fmt: skip
+                evals=evals,
+                state=state,
+            )
             await evals.finish(version, step)  # the final version, after the last step
         return await _finish(run, start, step, version)
 
@@ -270,9 +288,13 @@ async def _already_trained(cfg: TrainingConfig) -> RunResult | None:
 
 
 async def _evaluator(
-    cfg: TrainingConfig, endpoint: Endpoint, writer: MetricsWriter, sync: AdapterSync,
-    start: _Start, prefix: str,
-) -> tuple[RunEvaluator | None, dict[str, float]]:  # fmt: skip
+    cfg: TrainingConfig,
+    endpoint: Endpoint,
+    writer: MetricsWriter,
+    sync: AdapterSync,
+    start: _Start,
+    prefix: str,
+) -> tuple[RunEvaluator | None, dict[str, float]]:
     """With an ``eval`` section: the held-out prompts read (a bad set fails before the first
     step), and the base model (version 0) evaluated unless the run resumed (its metrics)."""
     if cfg.eval is None:
@@ -475,8 +497,13 @@ async def _start_trainer(run: _Run, dp: Any, work: Path, report: RunProgress) ->
     logger.info("resumed from checkpoint step %d (data position %d)", step, position)
     report.phase(f"resumed from the checkpoint of step {step}")
     logged = meta.get("metrics")
-    return _Start(trainer=trainer, resumed_from=step, position=position, skip=skip,
-                  metrics=logged if isinstance(logged, dict) else None)  # fmt: skip
+    return _Start(
+        trainer=trainer,
+        resumed_from=step,
+        position=position,
+        skip=skip,
+        metrics=logged if isinstance(logged, dict) else None,
+    )
 
 
 async def _publish_first_version(
@@ -533,8 +560,13 @@ def _metrics_writer(cfg: TrainingConfig, prefix: str, start: _Start | None = Non
         )
     if start is None:
         return MetricsWriter(cfg.run_dir, jsonl=log.jsonl, trackers=trackers)
-    return MetricsWriter(cfg.run_dir, jsonl=log.jsonl, trackers=trackers,
-                         after_step=start.resumed_from or 0, restore=start.metrics)  # fmt: skip
+    return MetricsWriter(
+        cfg.run_dir,
+        jsonl=log.jsonl,
+        trackers=trackers,
+        after_step=start.resumed_from or 0,
+        restore=start.metrics,
+    )
 
 
 @asynccontextmanager
@@ -614,8 +646,9 @@ async def _train(
         metrics.update(_sample_metrics(samples, source, version, wait_s, dropped_total))
 
         if step % tcfg.weight_sync_steps == 0 or disk.owes("sync"):
-            new, synced = await _next_version(trainer, sync, work, version, step, disk,
-                                              tcfg, switch_policy)  # fmt: skip
+            new, synced = await _next_version(
+                trainer, sync, work, version, step, disk, tcfg, switch_policy
+            )
             if new != version:
                 version = new
                 metrics.update(synced)
@@ -624,16 +657,9 @@ async def _train(
                 metrics.update(await audit.after_sync())
                 evals.published(version, step)
 
-        if tcfg.save_steps and (
-            step % tcfg.save_steps == 0 or step == tcfg.max_steps or disk.owes("checkpoint")
-        ):
-            t_ckpt = time.perf_counter()
-            logged = step % run.cfg.logging.log_every == 0  # kept with the checkpoint: below
-            line = {**metrics, "perf/step_s": t_ckpt - t_step} if logged else None
-            await _checkpoint(run, trainer, source, work / f"ckpt-{step}", step, version, disk,
-                              state, line)  # fmt: skip
-            metrics["perf/checkpoint_s"] = time.perf_counter() - t_ckpt
-
+        await _checkpoint_if_due(
+            run, trainer, source, work, step, version, disk, state, metrics, t_step
+        )
         metrics["perf/step_s"] = time.perf_counter() - t_step
         metrics.update(await fleet())
         if step % run.cfg.logging.log_every == 0:
@@ -643,6 +669,32 @@ async def _train(
         if getattr(trainer, "stop_requested", False):  # trainer.collapse_action=stop fired
             break
     return step, version
+
+
+async def _checkpoint_if_due(
+    run: _Run,
+    trainer: Any,
+    source: SampleSource,
+    work: Path,
+    step: int,
+    version: int,
+    disk: LocalDisk,
+    state: _Progress,
+    metrics: dict[str, float],
+    t_step: float,
+) -> None:
+    """A checkpoint every ``save_steps``, at the last step, and when the local disk put one
+    off; it keeps the step's metrics line so far (``t_step``: when the step began)."""
+    every = run.cfg.trainer.save_steps
+    if not every or not (
+        step % every == 0 or step == run.cfg.trainer.max_steps or disk.owes("checkpoint")
+    ):
+        return
+    t_ckpt = time.perf_counter()
+    logged = step % run.cfg.logging.log_every == 0  # kept with the checkpoint: see _checkpoint
+    line = {**metrics, "perf/step_s": t_ckpt - t_step} if logged else None
+    await _checkpoint(run, trainer, source, work / f"ckpt-{step}", step, version, disk, state, line)
+    metrics["perf/checkpoint_s"] = time.perf_counter() - t_ckpt
 
 
 def _sample_metrics(
@@ -660,9 +712,15 @@ def _sample_metrics(
 
 
 async def _next_version(
-    trainer: Any, sync: AdapterSync, work: Path, version: int, step: int, disk: LocalDisk,
-    tcfg: Any, on_loaded: Callable[[str, int], Awaitable[None]],
-) -> tuple[int, dict[str, float]]:  # fmt: skip
+    trainer: Any,
+    sync: AdapterSync,
+    work: Path,
+    version: int,
+    step: int,
+    disk: LocalDisk,
+    tcfg: Any,
+    on_loaded: Callable[[str, int], Awaitable[None]],
+) -> tuple[int, dict[str, float]]:
     """Save, publish and load the version after ``version``: the version in use then, and the
     sync's metrics. Unchanged when the disk refused the adapter (put off to the next step)."""
     adapter_dir = await disk.write(
@@ -707,19 +765,31 @@ async def _take_fresh(
 
 
 async def _checkpoint(
-    run: _Run, trainer: Any, source: SampleSource, directory: Path, step: int, version: int,
-    disk: LocalDisk, state: _Progress, line: dict[str, float] | None = None,
-) -> None:  # fmt: skip
+    run: _Run,
+    trainer: Any,
+    source: SampleSource,
+    directory: Path,
+    step: int,
+    version: int,
+    disk: LocalDisk,
+    state: _Progress,
+    line: dict[str, float] | None = None,
+) -> None:
     """Trainer state plus the data position through the transport; then the channel may drop
     what the checkpoint covers (a resumed run continues from that position). A checkpoint the
     local disk refuses is put off to the next step (:class:`LocalDisk`). ``line``: the step's
     metrics so far, kept with it: a run killed after the checkpoint and before its metrics line
     resumes after this step, and writes the line from here."""
-    meta: dict[str, Any] = {"version": version, "position": source.position(),
-                            "position_skip": source.skip(), "run_id": run.run_id}  # fmt: skip
+    meta: dict[str, Any] = {
+        "version": version,
+        "position": source.position(),
+        "position_skip": source.skip(),
+        "run_id": run.run_id,
+    }
     if line is not None:
-        meta["metrics"] = {k: v for k, v in line.items()
-                           if isinstance(v, int | float) and math.isfinite(v)}  # fmt: skip
+        meta["metrics"] = {
+            k: v for k, v in line.items() if isinstance(v, int | float) and math.isfinite(v)
+        }
 
     def save(path: Path) -> Path:
         return trainer.save_checkpoint(path, extra=meta)
@@ -760,8 +830,11 @@ class LocalDisk:
             since = self._failing.setdefault(what, time.monotonic())
             if time.monotonic() - since > self.patience_s:
                 raise
-            logger.warning("the trainer's disk refused the %s of this step (%s): put off to the "
-                           "next step", what, exc)  # fmt: skip
+            logger.warning(
+                "the trainer's disk refused the %s of this step (%s): put off to the next step",
+                what,
+                exc,
+            )
             return None
         self._failing.pop(what, None)
         return path

@@ -55,12 +55,19 @@ class Cluster:
     temp: Path  #: Ray's session directories, logs and all
 
     def actors(self, state: str = "ALIVE") -> list:
-        return list_actors(address=self.dashboard, detail=True, raise_on_missing_output=False,
-                           filters=[("ray_namespace", "=", "asyncgrpo"), ("state", "=", state)])  # fmt: skip
+        return list_actors(
+            address=self.dashboard,
+            detail=True,
+            raise_on_missing_output=False,
+            filters=[("ray_namespace", "=", "asyncgrpo"), ("state", "=", state)],
+        )
 
     def node_with(self, resource: str) -> str:
-        (node,) = [n for n in list_nodes(address=self.dashboard, detail=True)
-                   if resource in n.resources_total]  # fmt: skip
+        (node,) = [
+            n
+            for n in list_nodes(address=self.dashboard, detail=True)
+            if resource in n.resources_total
+        ]
         return node.node_id
 
 
@@ -72,8 +79,12 @@ def cluster() -> Iterator[Cluster]:
     gate = Path(temp) / "reward-gate"
     gate.touch()
     port, dash = free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0",
-           GATE_ENV: str(gate)}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        GATE_ENV: str(gate),
+    }
     common = ["--node-ip-address", "127.0.0.1", "--object-store-memory", "100000000",
               "--temp-dir", temp, "--disable-usage-stats"]  # fmt: skip
     head = [RAY, "start", "--head", "--port", str(port), "--num-cpus", "1",
@@ -122,8 +133,10 @@ def progress(log: Path) -> list[dict]:
 
 def refusal(address: str) -> str:
     """The one line a launch asking ``inference: 3`` per replica gets from the cluster."""
-    return (f"asyncgrpo: error: the Ray cluster at {address} lacks what the launch asks for: "
-            "inference: 6 asked (2 replicas x 3; launch.replica_resources), the cluster has 4")  # fmt: skip
+    return (
+        f"asyncgrpo: error: the Ray cluster at {address} lacks what the launch asks for: "
+        "inference: 6 asked (2 replicas x 3; launch.replica_resources), the cluster has 4"
+    )
 
 
 def vllm_processes(model: Path) -> list[int]:
@@ -139,8 +152,13 @@ def test_what_the_cluster_lacks_is_refused_in_one_line_before_any_actor(
     cluster: Cluster, tiny_model: Path, tmp_path: Path
 ) -> None:
     cmd = launch_cmd(cluster, tiny_model, tmp_path, "launch.replica_resources={inference: 3}")
-    done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        cmd,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [refusal(cluster.address)]
     assert cluster.actors() == [] and cluster.actors("DEAD") == []
@@ -155,8 +173,9 @@ def test_submitted_as_a_ray_job_the_launch_connects_to_its_cluster_from_inside(
     assert "RAY_ADDRESS" not in os.environ  # the address can only come from the job's own
     client = JobSubmissionClient(cluster.dashboard)
     cmd = launch_cmd(None, tiny_model, tmp_path, "launch.replica_resources={inference: 3}")
-    job = client.submit_job(entrypoint=shlex.join(cmd),
-                            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})  # fmt: skip
+    job = client.submit_job(
+        entrypoint=shlex.join(cmd), runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}
+    )
     deadline = time.monotonic() + 120
     while not (status := client.get_job_status(job)).is_terminal():
         assert time.monotonic() < deadline, client.get_job_logs(job)[-3000:]
@@ -181,8 +200,13 @@ def test_tiny_run_on_two_nodes_a_replica_actor_killed_is_replaced(
     replacement joins the trainer's proxy, and every step trains with ratio 1 and the served
     logprobs audited equal to the trainer's."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_TOKEN": TOKEN}
-    cmd = launch_cmd(cluster, tiny_model, tmp_path, "trainer.max_steps=12",
-                     "rollout.reward_funcs=[asyncgrpo.testing.rewards:gated_digit_fraction]")  # fmt: skip
+    cmd = launch_cmd(
+        cluster,
+        tiny_model,
+        tmp_path,
+        "trainer.max_steps=12",
+        "rollout.reward_funcs=[asyncgrpo.testing.rewards:gated_digit_fraction]",
+    )
     out, err = tmp_path / "launch.out", tmp_path / "launch.err"
     launch_dir = tmp_path / "tiny-cpu-launch"
     trainer_log = launch_dir / "tiny-cpu-trainer.log"
@@ -201,9 +225,15 @@ def test_tiny_run_on_two_nodes_a_replica_actor_killed_is_replaced(
         assert all(a.class_name == "RoleActor" for a in actors.values())
         assert TOKEN not in repr(actors)  # not in the state API (no runtime_env)
         ray.kill(ray.get_actor("tiny-cpu-replica-1", namespace="asyncgrpo"))
-        until(proc, err, "the replacement in the trainer's proxy", lambda: (
-            "tiny-cpu-replica-2 (replacing tiny-cpu-replica-1) is in the trainer's proxy"
-            in err.read_text()))  # fmt: skip
+        until(
+            proc,
+            err,
+            "the replacement in the trainer's proxy",
+            lambda: (
+                "tiny-cpu-replica-2 (replacing tiny-cpu-replica-1) is in the trainer's proxy"
+                in err.read_text()
+            ),
+        )
         cluster.gate.touch()
         proc.wait(timeout=600)
     finally:
@@ -224,14 +254,19 @@ def test_tiny_run_on_two_nodes_a_replica_actor_killed_is_replaced(
     assert replacement == cluster.node_with("inference")
     assert "failed during the run (its Ray actor died" in stderr_text, stderr_text[-3000:]
     # the served-policy audit: served logprobs equal the trainer's at each sample's version
-    metrics = [json.loads(line) for line in
-               (launch_dir / "trainer" / "runs" / "tiny-cpu" / "metrics.jsonl").open()]  # fmt: skip
+    metrics = [
+        json.loads(line)
+        for line in (launch_dir / "trainer" / "runs" / "tiny-cpu" / "metrics.jsonl").open()
+    ]
     audits = [m for m in metrics if "audit/mean_abs_logprob_diff" in m]
     assert audits and all(m["audit/mean_abs_logprob_diff"] < 1e-3 for m in audits), audits
     assert "step 12/12" in out.read_text() and "every job stopped" in out.read_text()
     # the secret reached no log: not Ray's (its session directory), not the launcher's
-    logged = [p for p in [*cluster.temp.rglob("*"), *launch_dir.rglob("*.log"), out, err]
-              if p.is_file() and TOKEN.encode() in p.read_bytes()]  # fmt: skip
+    logged = [
+        p
+        for p in [*cluster.temp.rglob("*"), *launch_dir.rglob("*.log"), out, err]
+        if p.is_file() and TOKEN.encode() in p.read_bytes()
+    ]
     assert logged == []
     # the launch's end left no actor alive and no vLLM process
     assert cluster.actors() == []
@@ -239,10 +274,12 @@ def test_tiny_run_on_two_nodes_a_replica_actor_killed_is_replaced(
     while vllm_processes(tiny_model) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert vllm_processes(tiny_model) == []
-    print(f"\nray launch: {len(records)} steps, ratios {min(ratios):.6f}..{max(ratios):.6f}, "
-          f"{len(audits)} audits (max mean diff "
-          f"{max(m['audit/mean_abs_logprob_diff'] for m in audits):.2e}), "
-          f"replicas on node {inference[:12]}, trainer on {head[:12]}, {took:.0f} s")  # fmt: skip
+    print(
+        f"\nray launch: {len(records)} steps, ratios {min(ratios):.6f}..{max(ratios):.6f}, "
+        f"{len(audits)} audits (max mean diff "
+        f"{max(m['audit/mean_abs_logprob_diff'] for m in audits):.2e}), "
+        f"replicas on node {inference[:12]}, trainer on {head[:12]}, {took:.0f} s"
+    )
 
 
 def session_of(pid: int) -> list[int]:
@@ -326,8 +363,10 @@ def test_a_role_gets_its_clean_shutdown_when_its_launcher_is_killed_outright(
     role = PROBE_ROLE.format(got=got, pid=pid)
     driver = subprocess.Popen(
         [sys.executable, "-c", PROBE_DRIVER, cluster.address, str(tmp_path), role],
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert driver.stdout is not None and driver.stdout.readline().strip() == "started"
         deadline = time.monotonic() + 60  # the role runs (its parent-death signal is set)
@@ -347,10 +386,13 @@ def test_a_role_gets_its_clean_shutdown_when_its_launcher_is_killed_outright(
             os.kill(int(pid.read_text()), signal.SIGKILL)
 
 
-@pytest.mark.parametrize("sig", [
-    pytest.param(signal.SIGINT, id="ctrl-c"),
-    pytest.param(signal.SIGKILL, id="sigkill"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "sig",
+    [
+        pytest.param(signal.SIGINT, id="ctrl-c"),
+        pytest.param(signal.SIGKILL, id="sigkill"),
+    ],
+)
 def test_a_launcher_interrupted_or_killed_leaves_no_actor_and_no_vllm_process(
     cluster: Cluster, tiny_model: Path, tmp_path: Path, sig: signal.Signals
 ) -> None:
@@ -366,8 +408,12 @@ def test_a_launcher_interrupted_or_killed_leaves_no_actor_and_no_vllm_process(
         proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr)
     sessions: set[int] = set()
     try:
-        until(proc, err, "a vLLM engine", lambda: any(
-            len(working(session_of(pid))) > 1 for pid in role_sessions(tiny_model)))  # fmt: skip
+        until(
+            proc,
+            err,
+            "a vLLM engine",
+            lambda: any(len(working(session_of(pid))) > 1 for pid in role_sessions(tiny_model)),
+        )
         assert "tiny-cpu-replica-0" in {a.name for a in cluster.actors()}
         sessions = set(role_sessions(tiny_model))
         proc.send_signal(sig)
@@ -379,8 +425,14 @@ def test_a_launcher_interrupted_or_killed_leaves_no_actor_and_no_vllm_process(
         assert "interrupted: every job of the launch was cancelled" in err.read_text()
         assert cluster.actors() == []
     started = time.monotonic()
-    left = lambda: (cluster.actors(), [p for s in sessions for p in alive(session_of(s))],  # noqa: E731
-                    vllm_processes(tiny_model))  # fmt: skip
+
+    def left() -> tuple[list, list, list]:
+        return (
+            cluster.actors(),
+            [p for s in sessions for p in alive(session_of(s))],
+            vllm_processes(tiny_model),
+        )
+
     while any(left()) and time.monotonic() - started < 60:
         time.sleep(0.5)
     leftover = left()
@@ -388,5 +440,7 @@ def test_a_launcher_interrupted_or_killed_leaves_no_actor_and_no_vllm_process(
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert leftover == ([], [], []), err.read_text()[-3000:]
-    print(f"\n{sig.name}: {len(sessions)} vLLM session(s) gone {time.monotonic() - started:.1f} s "
-          "after the launcher ended")  # fmt: skip
+    print(
+        f"\n{sig.name}: {len(sessions)} vLLM session(s) gone {time.monotonic() - started:.1f} s "
+        "after the launcher ended"
+    )
