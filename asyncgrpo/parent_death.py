@@ -88,8 +88,9 @@ def main(args: Sequence[str]) -> None:
     except OSError:  # no pidfds (Linux < 5.3), or the parent is gone (checked next)
         pidfd = -1
     if os.getppid() != int(parent):
-        sys.exit(f"asyncgrpo: not starting {path}: the process that started it (pid {parent}) "
-                 "has exited")  # fmt: skip
+        sys.exit(
+            f"asyncgrpo: not starting {path}: the process that started it (pid {parent}) has exited"
+        )
     if pidfd >= 0:
         program = os.getpid()
         if os.fork() == 0:

@@ -98,9 +98,15 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     def series(name: str) -> list[float]:
         return [float(r.get(name, 0.0) or 0.0) for r in records]
 
-    evals = [{"version": int(e["eval/version"]), "t": at.get(int(e["step"]), 0.0),
-              "pass1": float(e["eval/pass@1"]), "reward": float(e["eval/reward"])}
-             for e in read_evals(run_dir)]  # fmt: skip
+    evals = [
+        {
+            "version": int(e["eval/version"]),
+            "t": at.get(int(e["step"]), 0.0),
+            "pass1": float(e["eval/pass@1"]),
+            "reward": float(e["eval/reward"]),
+        }
+        for e in read_evals(run_dir)
+    ]
     audits = [r["audit/mean_abs_logprob_diff"] for r in records if "audit/tokens" in r]
     sync, audit = series("perf/weight_sync_s"), series("perf/audit_s")
     stale = [float(r.get("sample/staleness_mean", math.nan)) for r in records]
@@ -163,39 +169,68 @@ def build_model(given: Path | None = None) -> Path:
 
     model = given or cached_arithmetic_model(default_cache_root())
     build = json.loads((model / "build.json").read_text())
-    print(f"model {model}: held-out greedy {build['heldout_greedy']['all']:.3f}, "
-          f"pass@1 at temperature 1 {build['heldout_t1']['all']:.3f}", flush=True)  # fmt: skip
+    print(
+        f"model {model}: held-out greedy {build['heldout_greedy']['all']:.3f}, "
+        f"pass@1 at temperature 1 {build['heldout_t1']['all']:.3f}",
+        flush=True,
+    )
     return model
 
 
 async def measure(args: argparse.Namespace, todo: list[tuple[str, int, int]]) -> None:
     model = build_model(args.model)
     data = [f"dataset.path={model / 'train.jsonl'}", f"eval.path={model / 'heldout.jsonl'}"]
-    jobs: list[Job] = [(key(recipe, k, seed), [
-        *data, f"seed={seed}", f"trainer.max_staleness={k}",
-        *([f"trainer.max_steps={args.steps}"] if args.steps else []), *args.overrides[recipe],
-    ]) for recipe, k, seed in todo]  # fmt: skip
+    jobs: list[Job] = [
+        (
+            key(recipe, k, seed),
+            [
+                *data,
+                f"seed={seed}",
+                f"trainer.max_staleness={k}",
+                *([f"trainer.max_steps={args.steps}"] if args.steps else []),
+                *args.overrides[recipe],
+            ],
+        )
+        for recipe, k, seed in todo
+    ]
     cells = {key(*c): c for c in todo}
 
     def done(name: str, run_dir: Path, wall: float, load_avg: list[float]) -> None:
         recipe, k, seed = cells[name]
         row = summarize(run_dir)
-        row.update(key=name, recipe=recipe, overrides=list(args.overrides[recipe]),
-                   staleness=k, seed=seed, wall_s=wall, load=load_avg, time=time.time(),
-                   commit=args.commit)  # fmt: skip
+        row.update(
+            key=name,
+            recipe=recipe,
+            overrides=list(args.overrides[recipe]),
+            staleness=k,
+            seed=seed,
+            wall_s=wall,
+            load=load_avg,
+            time=time.time(),
+            commit=args.commit,
+        )
         with (args.out / "results.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
         f_ = figures(row, args.times)
-        print(f"{name:<16} pass@1 {f_['base']:.3f} -> {f_['end']:.3f} (best {f_['best']:.3f})  "
-              f"t +20 {fmt_s(f_['target'])}  {f_['s_step']:.2f} s/step (wait {f_['wait']:.2f}, "
-              f"train {f_['train']:.2f}, sync {f_['sync']:.2f}; G {f_['G']:.2f})  stale "
-              f"{f_['stale']:.2f}  dip {f_['dip']}  audit {row['audits']} x <= "
-              f"{row['audit_max']:.1e}  wall {wall:.0f} s", flush=True)  # fmt: skip
+        print(
+            f"{name:<16} pass@1 {f_['base']:.3f} -> {f_['end']:.3f} (best {f_['best']:.3f})  "
+            f"t +20 {fmt_s(f_['target'])}  {f_['s_step']:.2f} s/step (wait {f_['wait']:.2f}, "
+            f"train {f_['train']:.2f}, sync {f_['sync']:.2f}; G {f_['G']:.2f})  stale "
+            f"{f_['stale']:.2f}  dip {f_['dip']}  audit {row['audits']} x <= "
+            f"{row['audit_max']:.1e}  wall {wall:.0f} s",
+            flush=True,
+        )
 
     widest = max(k for _, k, _ in todo)
-    await train_on_one_fleet(EXAMPLE, model, args.out, jobs, max_minutes=args.max_minutes,
-                             fleet_overrides=[*data, f"trainer.max_staleness={widest}"],
-                             done=done)  # fmt: skip
+    await train_on_one_fleet(
+        EXAMPLE,
+        model,
+        args.out,
+        jobs,
+        max_minutes=args.max_minutes,
+        fleet_overrides=[*data, f"trainer.max_staleness={widest}"],
+        done=done,
+    )
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -212,38 +247,48 @@ def med(values: list[float | None]) -> float | None:
 def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     times = args.times
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for row in sorted(rows.values(), key=lambda r: (args.recipes.index(r["recipe"]),
-                                                    r["staleness"], r["seed"])):  # fmt: skip
+    for row in sorted(
+        rows.values(), key=lambda r: (args.recipes.index(r["recipe"]), r["staleness"], r["seed"])
+    ):
         groups.setdefault((row["recipe"], row["staleness"]), []).append(row)
     at = " | ".join(f"@{t:g} s" for t in times)
-    print(f"\nheld-out pass@1 (temperature 1) and time per step, per run\n\n| recipe | "
-          f"max_staleness | seed | base | {at} | end | t +20 [s] | s/step | wait | train | sync "
-          f"| other | G | T | stale | dip | audit max |\n" + "|---" * (17 + len(times)) + "|")  # fmt: skip
+    print(
+        f"\nheld-out pass@1 (temperature 1) and time per step, per run\n\n| recipe | "
+        f"max_staleness | seed | base | {at} | end | t +20 [s] | s/step | wait | train | sync "
+        f"| other | G | T | stale | dip | audit max |\n" + "|---" * (17 + len(times)) + "|"
+    )
     for (recipe, k), members in groups.items():
         for row in members:
             f = figures(row, times)
             cells = " | ".join(f"{v:.3f}" for v in f["at"])
-            print(f"| {recipe} | {k} | {row['seed']} | {f['base']:.3f} | {cells} | "
-                  f"{f['end']:.3f} | {fmt_s(f['target'])} | {f['s_step']:.2f} | {f['wait']:.2f} "
-                  f"| {f['train']:.2f} | {f['sync']:.2f} | {f['other']:.2f} | {f['G']:.2f} | "
-                  f"{f['T']:.2f} | {f['stale']:.2f} | {f['dip']} | {row['audit_max']:.1e} |")  # fmt: skip
-    print(f"\nmedians over seeds\n\n| recipe | max_staleness | seeds | base | {at} | end | "
-          f"end - base (min) | t +20 [s] (reached) | s/step | wait | train | sync | G | T | "
-          f"stale | dip max |\n" + "|---" * (16 + len(times)) + "|")  # fmt: skip
+            print(
+                f"| {recipe} | {k} | {row['seed']} | {f['base']:.3f} | {cells} | "
+                f"{f['end']:.3f} | {fmt_s(f['target'])} | {f['s_step']:.2f} | {f['wait']:.2f} "
+                f"| {f['train']:.2f} | {f['sync']:.2f} | {f['other']:.2f} | {f['G']:.2f} | "
+                f"{f['T']:.2f} | {f['stale']:.2f} | {f['dip']} | {row['audit_max']:.1e} |"
+            )
+    print(
+        f"\nmedians over seeds\n\n| recipe | max_staleness | seeds | base | {at} | end | "
+        f"end - base (min) | t +20 [s] (reached) | s/step | wait | train | sync | G | T | "
+        f"stale | dip max |\n" + "|---" * (16 + len(times)) + "|"
+    )
     for (recipe, k), members in groups.items():
         fs = [figures(r, times) for r in members]
 
         def m(name: str, fs: list[dict[str, Any]] = fs) -> float:
             return statistics.median(f[name] for f in fs)
 
-        cells = " | ".join(f"{statistics.median(f['at'][i] for f in fs):.3f}"
-                           for i in range(len(times)))  # fmt: skip
+        cells = " | ".join(
+            f"{statistics.median(f['at'][i] for f in fs):.3f}" for i in range(len(times))
+        )
         gain = min(f["end"] - f["base"] for f in fs)
         reached = sum(f["target"] is not None for f in fs)
-        print(f"| {recipe} | {k} | {len(fs)} | {m('base'):.3f} | {cells} | {m('end'):.3f} | "
-              f"{gain:+.3f} | {fmt_s(med([f['target'] for f in fs]))} ({reached}/{len(fs)}) | "
-              f"{m('s_step'):.2f} | {m('wait'):.2f} | {m('train'):.2f} | {m('sync'):.2f} | "
-              f"{m('G'):.2f} | {m('T'):.2f} | {m('stale'):.2f} | {max(f['dip'] for f in fs)} |")  # fmt: skip
+        print(
+            f"| {recipe} | {k} | {len(fs)} | {m('base'):.3f} | {cells} | {m('end'):.3f} | "
+            f"{gain:+.3f} | {fmt_s(med([f['target'] for f in fs]))} ({reached}/{len(fs)}) | "
+            f"{m('s_step'):.2f} | {m('wait'):.2f} | {m('train'):.2f} | {m('sync'):.2f} | "
+            f"{m('G'):.2f} | {m('T'):.2f} | {m('stale'):.2f} | {max(f['dip'] for f in fs)} |"
+        )
     overlap(groups, times)
     if rows:
         plot(groups, args)
@@ -267,11 +312,13 @@ def overlap(groups: dict[tuple[str, int], list[dict[str, Any]]], times: list[flo
         ts, ta = med([f["target"] for f in s]), med([f["target"] for f in a])
         to_target = f"{ts / ta:.2f}x" if ts and ta else "-"
         ga, ta_ = (statistics.median(f[x] for f in a) for x in ("G", "T"))
-        print(f"\n{recipe} max_staleness {k}: overlap limit (G + T) / max(G, T) = ({g:.2f} + "
-              f"{t:.2f}) / {max(g, t):.2f} = {limit:.2f}x (synchronous G, T); measured "
-              f"{speed:.2f}x per step, {to_target} to +20 points; overlapped, G {ga:.2f} s "
-              f"({ga / g:.2f}x its synchronous value) and T {ta_:.2f} s ({ta_ / t:.2f}x), "
-              f"wait {statistics.median(f['wait'] for f in a):.2f} s per step")  # fmt: skip
+        print(
+            f"\n{recipe} max_staleness {k}: overlap limit (G + T) / max(G, T) = ({g:.2f} + "
+            f"{t:.2f}) / {max(g, t):.2f} = {limit:.2f}x (synchronous G, T); measured "
+            f"{speed:.2f}x per step, {to_target} to +20 points; overlapped, G {ga:.2f} s "
+            f"({ga / g:.2f}x its synchronous value) and T {ta_:.2f} s ({ta_ / t:.2f}x), "
+            f"wait {statistics.median(f['wait'] for f in a):.2f} s per step"
+        )
 
 
 def plot(groups: dict[tuple[str, int], list[dict[str, Any]]], args: argparse.Namespace) -> None:
@@ -291,20 +338,34 @@ def plot(groups: dict[tuple[str, int], list[dict[str, Any]]], args: argparse.Nam
                 continue
             end = min(r["evals"][-1]["t"] for r in members)
             grid_ = [end * i / 200 for i in range(201)]
-            curves = [[[e["pass1"] for e in r["evals"] if e["t"] <= t][-1] for t in grid_]
-                      for r in members]  # fmt: skip
+            curves = [
+                [[e["pass1"] for e in r["evals"] if e["t"] <= t][-1] for t in grid_]
+                for r in members
+            ]
             mid = [statistics.median(c[i] for c in curves) for i in range(len(grid_))]
             lo = [min(c[i] for c in curves) for i in range(len(grid_))]
             hi = [max(c[i] for c in curves) for i in range(len(grid_))]
             colour = colours.get(k, "grey")
             label = f"max_staleness {k}{' (sync)' if k == 0 else ''} ({len(members)} seeds)"
-            ax.plot(grid_, mid, color=colour, linewidth=1.5, label=label,
-                    linestyle="--" if k == 0 else "-")  # fmt: skip
+            ax.plot(
+                grid_,
+                mid,
+                color=colour,
+                linewidth=1.5,
+                label=label,
+                linestyle="--" if k == 0 else "-",
+            )
             ax.fill_between(grid_, lo, hi, color=colour, alpha=0.12, step=None)
-        base = statistics.median(r["evals"][0]["pass1"] for (rk, _), m in groups.items()
-                                 if rk == recipe for r in m)  # fmt: skip
-        ax.axhline(base + GAIN, color="grey", linewidth=0.8, linestyle=":",
-                   label=f"base + {GAIN * 100:.0f} points")  # fmt: skip
+        base = statistics.median(
+            r["evals"][0]["pass1"] for (rk, _), m in groups.items() if rk == recipe for r in m
+        )
+        ax.axhline(
+            base + GAIN,
+            color="grey",
+            linewidth=0.8,
+            linestyle=":",
+            label=f"base + {GAIN * 100:.0f} points",
+        )
         ax.set_title(f"{recipe}: held-out pass@1 by wall time (median, min-max over seeds)")
         ax.set_xlabel("seconds since the first optimizer step")
         ax.set_ylabel("held-out pass@1, temperature 1")
@@ -322,17 +383,29 @@ def main() -> None:
     ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
     p.add_argument("--staleness", type=ints, default=STALENESS, help="max_staleness values")
     p.add_argument("--seeds", type=ints, default=SEEDS, help="training seeds")
-    p.add_argument("--recipe", type=lambda v: parse_recipe(v, BASE), action="append",
-                   dest="recipes",
-                   help=f"'{BASE}' (examples/arithmetic.yaml as it is; the default) or "
-                        "NAME:KEY=VALUE[,KEY=VALUE]: the recipe with these overrides, for every "
-                        "max_staleness and seed alike; repeat to compare")  # fmt: skip
+    p.add_argument(
+        "--recipe",
+        type=lambda v: parse_recipe(v, BASE),
+        action="append",
+        dest="recipes",
+        help=f"'{BASE}' (examples/arithmetic.yaml as it is; the default) or "
+        "NAME:KEY=VALUE[,KEY=VALUE]: the recipe with these overrides, for every "
+        "max_staleness and seed alike; repeat to compare",
+    )
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: recipe's)")
-    p.add_argument("--times", type=lambda v: [float(x) for x in v.split(",")], default=TIMES,
-                   help="wall times (s since the first step) for the table's columns")  # fmt: skip
-    p.add_argument("--model", type=Path, default=None,
-                   help="an arithmetic model directory already built (default: the checkout's "
-                        "cached build, made first if missing)")  # fmt: skip
+    p.add_argument(
+        "--times",
+        type=lambda v: [float(x) for x in v.split(",")],
+        default=TIMES,
+        help="wall times (s since the first step) for the table's columns",
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="an arithmetic model directory already built (default: the checkout's "
+        "cached build, made first if missing)",
+    )
     add_sweep_args(p, OUT, PLOT)
     run_sweep(p, BASE, grid=grid, key=key, measure=measure, report=report)
 

@@ -63,23 +63,37 @@ def completions(trainer: Trainer, cfg: TrainingConfig, n: int, seed: int) -> lis
         for k in range(0, n, g):
             prompt = prompts[(k // g) % len(prompts)]
             ids = trainer.model.generate(
-                input_ids=torch.tensor([prompt]), do_sample=True, max_new_tokens=length,
-                num_return_sequences=min(g, n - k), pad_token_id=tok.pad_token_id, top_k=0,
-            )  # fmt: skip
+                input_ids=torch.tensor([prompt]),
+                do_sample=True,
+                max_new_tokens=length,
+                num_return_sequences=min(g, n - k),
+                pad_token_id=tok.pad_token_id,
+                top_k=0,
+            )
             for j, row in enumerate(ids[:, len(prompt) :].tolist()):
                 c = row if tok.pad_token_id not in row else row[: row.index(tok.pad_token_id)]
                 c = c or row[:1]
-                out.append(Sample(prompt_ids=prompt, completion_ids=c, logprobs=[0.0] * len(c),
-                                  reward=float(j % 2), advantage=(j % 2) - 0.5, version=0,
-                                  group_id=str(k // g)))  # fmt: skip
+                out.append(
+                    Sample(
+                        prompt_ids=prompt,
+                        completion_ids=c,
+                        logprobs=[0.0] * len(c),
+                        reward=float(j % 2),
+                        advantage=(j % 2) - 0.5,
+                        version=0,
+                        group_id=str(k // g),
+                    )
+                )
     trainer.model.train()
     return out
 
 
 def served(trainer: Trainer, samples: list[Sample], version: int, replica: str) -> list[Sample]:
     lps = trainer.logprobs(samples)
-    return [dataclasses.replace(s, logprobs=lp, version=version, replica=replica)
-            for s, lp in zip(samples, lps, strict=True)]  # fmt: skip
+    return [
+        dataclasses.replace(s, logprobs=lp, version=version, replica=replica)
+        for s, lp in zip(samples, lps, strict=True)
+    ]
 
 
 def cost(model: Path, rounds: int, k: int, work: Path) -> dict[str, Any]:
@@ -140,8 +154,10 @@ def main() -> None:
             model = make_tiny_model(Path(tmp) / "model", **MODELS[name])
             c = cost(model, args.rounds, args.samples, Path(tmp))
             med_s, med_a = statistics.median(c["step"]), statistics.median(c["audit"])
-            print(f"\n{name}: ms per step vs per audit ({args.samples} samples, {c['tokens']} "
-                  f"tokens), median (min) of {args.rounds} rounds")  # fmt: skip
+            print(
+                f"\n{name}: ms per step vs per audit ({args.samples} samples, {c['tokens']} "
+                f"tokens), median (min) of {args.rounds} rounds"
+            )
             print(f"  step  {med_s:8.1f} ({min(c['step']):.1f})")
             print(
                 f"  audit {med_a:8.1f} ({min(c['audit']):.1f})   {100 * med_a / med_s:.1f} % of a step"

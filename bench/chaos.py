@@ -833,8 +833,10 @@ def attribute(run: Run, result: dict[str, Any]) -> list[dict[str, Any]]:
         )
         why = []
         if resumed:
-            why.append(f"{resumed} read by a resumed trainer (its first version follows the "
-                       "dead one's last)")  # fmt: skip
+            why.append(
+                f"{resumed} read by a resumed trainer (its first version follows the "
+                "dead one's last)"
+            )
         if dropped - resumed:
             why.append(f"{dropped - resumed} generated ahead while the trainer was slowed")
         why = "; ".join(why) + (f" (lag {min(lags)}-{max(lags)} > 4)" if lags else "")
@@ -1025,9 +1027,12 @@ def main() -> None:
     parser.add_argument("--band-margin", type=float, default=0.05)
     parser.add_argument("--timeout-min", type=float, default=90)
     parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--report", action="store_true",
-                        help="run nothing: the report of the run --seed already made, against "
-                        "the clean runs in --out now (for runs measured in chunks)")  # fmt: skip
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: the report of the run --seed already made, against "
+        "the clean runs in --out now (for runs measured in chunks)",
+    )
     args = parser.parse_args()
     args.steps = args.steps or (24 if args.short else 150)
     args.replicas = args.replicas or (2 if args.short else 3)

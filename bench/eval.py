@@ -100,8 +100,12 @@ def curve_jobs(args: argparse.Namespace) -> list[Job]:
     jobs = []
     for i, seed in enumerate(args.seeds):
         for k in args.staleness if i % 2 == 0 else args.staleness[::-1]:
-            jobs.append((f"k{k}-s{seed}", [f"seed={seed}", f"eval.every={args.every}",
-                                           f"trainer.max_staleness={k}"]))  # fmt: skip
+            jobs.append(
+                (
+                    f"k{k}-s{seed}",
+                    [f"seed={seed}", f"eval.every={args.every}", f"trainer.max_staleness={k}"],
+                )
+            )
     return jobs
 
 
@@ -115,23 +119,38 @@ async def measure(args: argparse.Namespace, jobs: list[Job]) -> dict[str, dict[s
     out: Path = args.out
     model = make_tiny_model(out / "model", seed=0)
     widest = max([*args.staleness, 0]) if args.curve else None
-    base = TrainingConfig.from_yaml(EXAMPLE, [f"model={model}", f"eval.every={args.every}",
-                                              *([f"trainer.max_staleness={widest}"]
-                                                if widest is not None else [])])  # fmt: skip
-    fleet = dataclasses.replace(base.serve, log_dir=str(out / "fleet-logs"),
-                                transports=(str(out),),
-                                adapter_cache_dir=str(out / "fleet-adapters"))  # fmt: skip
+    base = TrainingConfig.from_yaml(
+        EXAMPLE,
+        [
+            f"model={model}",
+            f"eval.every={args.every}",
+            *([f"trainer.max_staleness={widest}"] if widest is not None else []),
+        ],
+    )
+    fleet = dataclasses.replace(
+        base.serve,
+        log_dir=str(out / "fleet-logs"),
+        transports=(str(out),),
+        adapter_cache_dir=str(out / "fleet-adapters"),
+    )
     print(f"starting {fleet.replicas} vLLM replicas (--max-loras {fleet.lora_slots})", flush=True)
     rows = {}
     async with launch_replicas(fleet) as replicas:
         urls = ",".join(r.url for r in replicas)
         for name, overrides in jobs:
             shutil.rmtree(out / "runs" / name, ignore_errors=True)
-            cfg = TrainingConfig.from_yaml(EXAMPLE, [
-                f"model={model}", f"output_dir={out / 'runs'}", f"run_name={name}",
-                "serve.replicas=0", f"proxy.upstreams=[{urls}]",
-                f"trainer.max_steps={args.steps}", *overrides,
-            ])  # fmt: skip
+            cfg = TrainingConfig.from_yaml(
+                EXAMPLE,
+                [
+                    f"model={model}",
+                    f"output_dir={out / 'runs'}",
+                    f"run_name={name}",
+                    "serve.replicas=0",
+                    f"proxy.upstreams=[{urls}]",
+                    f"trainer.max_steps={args.steps}",
+                    *overrides,
+                ],
+            )
             t0 = time.monotonic()
             result = await run_training(cfg)
             rows[name] = row = figures(result.run_dir, time.monotonic() - t0)
@@ -141,14 +160,18 @@ async def measure(args: argparse.Namespace, jobs: list[Job]) -> dict[str, dict[s
 
 def describe(row: dict[str, Any]) -> str:
     secs = f"{row['secs']:.0f}" if row["secs"] is not None else "-"
-    return (f"| {row['s_step']:.2f} | {row['steps_per_s']:.3f} | {row['step'] or '-'} | {secs} "
-            f"| {row['evals']} | {row['held'][0]:.3f} -> {row['held'][1]:.3f} "
-            f"| {row['wall']:.0f} |")  # fmt: skip
+    return (
+        f"| {row['s_step']:.2f} | {row['steps_per_s']:.3f} | {row['step'] or '-'} | {secs} "
+        f"| {row['evals']} | {row['held'][0]:.3f} -> {row['held'][1]:.3f} "
+        f"| {row['wall']:.0f} |"
+    )
 
 
 def report(rows: dict[str, dict[str, Any]], every: int) -> None:
-    print("\n| eval.every | seed | s/step | steps/s | step>=0.5 | s to 0.5 | evals | held-out "
-          "| wall s |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print(
+        "\n| eval.every | seed | s/step | steps/s | step>=0.5 | s to 0.5 | evals | held-out "
+        "| wall s |\n|---|---|---|---|---|---|---|---|---|"
+    )
     for name, row in rows.items():
         label, seed = name.split("-s")
         print(f"| {every if label == 'on' else 0} | {seed} {describe(row)}")
@@ -182,8 +205,10 @@ def report_curve(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> N
     training reward, then base -> final per run, then the plot."""
     held, train = (curves(rows, args.staleness, what) for what in ("curve", "train"))
     versions = sorted({v for seeds in held.values() for c in seeds.values() for v in c})
-    head = " | ".join(f"max_staleness {k}: held-out mean [min, max] (seeds) | training reward"
-                      for k in args.staleness)  # fmt: skip
+    head = " | ".join(
+        f"max_staleness {k}: held-out mean [min, max] (seeds) | training reward"
+        for k in args.staleness
+    )
     print(f"\n| version | {head} |\n|---|" + "---|---|" * len(args.staleness))
     for v in versions:
         cells = []
@@ -192,22 +217,28 @@ def report_curve(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> N
             got = [c[v] for c in train[k].values() if v in c]
             cells.append(f"{statistics.fmean(got):.3f}" if got else "-")
         print(f"| {v} | " + " | ".join(cells) + " |")
-    print("\n| max_staleness | seed | held-out base -> final | evals during training "
-          "| held-out - training reward | training reward, last 5 steps | step>=0.5 | s/step |"
-          "\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print(
+        "\n| max_staleness | seed | held-out base -> final | evals during training "
+        "| held-out - training reward | training reward, last 5 steps | step>=0.5 | s/step |"
+        "\n|---|---|---|---|---|---|---|---|"
+    )
     for k in args.staleness:
         for seed, name in sorted(
             (int(n.split("-s")[1]), n) for n in rows if n.startswith(f"k{k}-")
         ):
             row = rows[name]
-            print(f"| {k} | {seed} | {row['held'][0]:.3f} -> {row['held'][1]:.3f} "
-                  f"| {row['evals']} | {row['gap']:+.3f} | {row['last5']:.3f} "
-                  f"| {row['step'] or '-'} | {row['s_step']:.2f} |")  # fmt: skip
+            print(
+                f"| {k} | {seed} | {row['held'][0]:.3f} -> {row['held'][1]:.3f} "
+                f"| {row['evals']} | {row['gap']:+.3f} | {row['last5']:.3f} "
+                f"| {row['step'] or '-'} | {row['s_step']:.2f} |"
+            )
     for k in args.staleness:
         mine = [row for n, row in rows.items() if n.startswith(f"k{k}-")]
         if mine:
-            print(f"max_staleness {k}: final held-out {spread([r['held'][1] for r in mine])}, "
-                  f"held-out - training reward {spread([r['gap'] for r in mine])}")  # fmt: skip
+            print(
+                f"max_staleness {k}: final held-out {spread([r['held'][1] for r in mine])}, "
+                f"held-out - training reward {spread([r['gap'] for r in mine])}"
+            )
     plot_curve(held, args.out / "curve.png")
     print(f"plot: {args.out / 'curve.png'}")
 
@@ -221,15 +252,21 @@ def plot_curve(by: dict[int, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (k, seeds), colour in zip(by.items(), ("black", "tab:blue", "tab:red", "tab:green"),
-                                  strict=False):  # fmt: skip
+    for (k, seeds), colour in zip(
+        by.items(), ("black", "tab:blue", "tab:red", "tab:green"), strict=False
+    ):
         for c in seeds.values():
-            ax.plot(list(c), list(c.values()), color=colour, linewidth=0.7, alpha=0.5,
-                    marker=".")  # fmt: skip
+            ax.plot(list(c), list(c.values()), color=colour, linewidth=0.7, alpha=0.5, marker=".")
         versions = sorted({v for c in seeds.values() for v in c})
         mean = [statistics.fmean(c[v] for c in seeds.values() if v in c) for v in versions]
-        ax.plot(versions, mean, color=colour, linewidth=2.2, marker="o",
-                label=f"max_staleness {k}: mean of {len(seeds)} seeds (thin: each)")  # fmt: skip
+        ax.plot(
+            versions,
+            mean,
+            color=colour,
+            linewidth=2.2,
+            marker="o",
+            label=f"max_staleness {k}: mean of {len(seeds)} seeds (thin: each)",
+        )
     ax.set_xlabel("adapter version evaluated")
     ax.set_ylabel("held-out eval/reward")
     ax.set_ylim(0, 1.02)
@@ -246,18 +283,26 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
     p.add_argument("--every", type=int, default=5, help="eval.every of the evaluated runs")
-    p.add_argument("--seeds", type=ints, default=None,
-                   help="comma-separated seeds (default 0; with --curve 0,1,2)")  # fmt: skip
+    p.add_argument(
+        "--seeds",
+        type=ints,
+        default=None,
+        help="comma-separated seeds (default 0; with --curve 0,1,2)",
+    )
     p.add_argument("--steps", type=int, default=40, help="trainer.max_steps")
     p.add_argument(
         "--curve",
         action="store_true",
         help="held-out reward by version at each --staleness, not the cost of eval",
     )
-    p.add_argument("--staleness", type=ints, default=[0, 4],
-                   help="with --curve: trainer.max_staleness values")  # fmt: skip
-    p.add_argument("--report", action="store_true",
-                   help="with --curve: only the table and plot of the runs in --out")  # fmt: skip
+    p.add_argument(
+        "--staleness", type=ints, default=[0, 4], help="with --curve: trainer.max_staleness values"
+    )
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="with --curve: only the table and plot of the runs in --out",
+    )
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
     args.seeds = args.seeds or ([0, 1, 2] if args.curve else [0])

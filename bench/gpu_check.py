@@ -168,9 +168,15 @@ async def served_ratio(model_dir: Path, trainer: Trainer, work: Path, n: int) ->
         for _ in range(n):
             prompt = [rng.randrange(1000) for _ in range(64)]
             body = await client.completions(
-                {"model": "gpu-check-v1", "prompt": prompt, "max_tokens": 128,
-                 "temperature": 1.0, "logprobs": 0, "return_token_ids": True}
-            )  # fmt: skip
+                {
+                    "model": "gpu-check-v1",
+                    "prompt": prompt,
+                    "max_tokens": 128,
+                    "temperature": 1.0,
+                    "logprobs": 0,
+                    "return_token_ids": True,
+                }
+            )
             choice = body["choices"][0]
             samples.append(
                 Sample(
@@ -210,8 +216,13 @@ def main() -> None:
     p.add_argument("--reduced", action="store_true", help="small CPU run (default without CUDA)")
     args = p.parse_args()
     args.reduced = args.reduced or not torch.cuda.is_available()
-    full = {"steps": STEPS, "samples": SAMPLES, "prompt": PROMPT, "completion": COMPLETION,
-            "budget": BUDGET}  # fmt: skip
+    full = {
+        "steps": STEPS,
+        "samples": SAMPLES,
+        "prompt": PROMPT,
+        "completion": COMPLETION,
+        "budget": BUDGET,
+    }
     for key, value in (REDUCED_RUN if args.reduced else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

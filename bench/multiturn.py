@@ -82,8 +82,11 @@ def prompts(n: int) -> list[list[dict[str, str]]]:
 
 
 #: The routings compared: the proxy's policy, and whether episodes send ``X-Session-ID``.
-ROUTINGS = {"round_robin": ("round_robin", True), "prefix only": ("affinity", False),
-            "affinity + session": ("affinity", True)}  # fmt: skip
+ROUTINGS = {
+    "round_robin": ("round_robin", True),
+    "prefix only": ("affinity", False),
+    "affinity + session": ("affinity", True),
+}
 
 
 async def run_cache(urls: list[str], model: str, routing: str, args: argparse.Namespace) -> dict:
@@ -92,8 +95,13 @@ async def run_cache(urls: list[str], model: str, routing: str, args: argparse.Na
     policy, sessions = ROUTINGS[routing]
     tok = load_tokenizer(model)
     gen = GenerationConfig(num_generations=args.g, max_completion_length=args.tokens)
-    env = _Tracked(tokenizer=tok, generation=gen, max_turns=args.turns, max_episode_tokens=1024,
-                   sessions=sessions)  # fmt: skip
+    env = _Tracked(
+        tokenizer=tok,
+        generation=gen,
+        max_turns=args.turns,
+        max_episode_tokens=1024,
+        sessions=sessions,
+    )
     async with aiohttp.ClientSession() as s:
         for url in urls:
             async with s.post(url + "/reset_prefix_cache") as r:
@@ -147,15 +155,19 @@ async def part_cache(args: argparse.Namespace) -> None:
         f"(<= {args.tokens} tokens each), max_inflight {args.inflight}, median of "
         f"{args.rounds} rounds\n"
     )
-    print("| routing | vLLM prefix-cache hit rate | turns on the previous turn's replica | "
-          "session | affinity | unmatched | spill | wall s |")  # fmt: skip
+    print(
+        "| routing | vLLM prefix-cache hit rate | turns on the previous turn's replica | "
+        "session | affinity | unmatched | spill | wall s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for routing, rs in runs.items():
         med = {k: statistics.median(r.get(k, 0.0) for r in rs) for k in rs[0]}
-        print(f"| {routing} | {med['hit_rate']:.3f} | {med['same_replica']:.3f} | "
-              f"{med.get('session', 0):.3f} | {med.get('affinity', 0):.3f} | "
-              f"{med.get('unmatched', 0):.3f} | "
-              f"{med.get('spill', 0):.3f} | {med['wall_s']:.1f} |")  # fmt: skip
+        print(
+            f"| {routing} | {med['hit_rate']:.3f} | {med['same_replica']:.3f} | "
+            f"{med.get('session', 0):.3f} | {med.get('affinity', 0):.3f} | "
+            f"{med.get('unmatched', 0):.3f} | "
+            f"{med.get('spill', 0):.3f} | {med['wall_s']:.1f} |"
+        )
 
 
 async def part_learn(args: argparse.Namespace) -> None:
@@ -170,8 +182,13 @@ async def part_learn(args: argparse.Namespace) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "model", seed=0)
-        serve = tiny_serve_config(model, replicas=2, max_model_len=512, transports=(tmp,),
-                                  adapter_cache_dir=str(Path(tmp) / "replica-cache"))  # fmt: skip
+        serve = tiny_serve_config(
+            model,
+            replicas=2,
+            max_model_len=512,
+            transports=(tmp,),
+            adapter_cache_dir=str(Path(tmp) / "replica-cache"),
+        )
         async with launch_replicas(serve) as replicas:
             urls = ",".join(r.url for r in replicas)
             for seed in args.seeds:
@@ -187,14 +204,20 @@ async def part_learn(args: argparse.Namespace) -> None:
                 ratios = [r["ratio"] for r in records if "ratio" in r]
                 rows.append((seed, first, last, tool_first, tool_last, min(ratios), max(ratios),
                              time.perf_counter() - t0))  # fmt: skip
-    print(f"\ncalculator tool environment, tiny model, {args.steps} steps per seed; means of the "
-          "first and last 5 steps\n")  # fmt: skip
-    print("| seed | reward first 5 | reward last 5 | tool_call first 5 | tool_call last 5 | "
-          "ratio min | ratio max | wall s |")  # fmt: skip
+    print(
+        f"\ncalculator tool environment, tiny model, {args.steps} steps per seed; means of the "
+        "first and last 5 steps\n"
+    )
+    print(
+        "| seed | reward first 5 | reward last 5 | tool_call first 5 | tool_call last 5 | "
+        "ratio min | ratio max | wall s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for seed, f, la, tf, tl, rmin, rmax, wall in rows:
-        print(f"| {seed} | {f:.3f} | {la:.3f} | {tf:.3f} | {tl:.3f} | {rmin:.4f} | {rmax:.4f} | "
-              f"{wall:.0f} |")  # fmt: skip
+        print(
+            f"| {seed} | {f:.3f} | {la:.3f} | {tf:.3f} | {tl:.3f} | {rmin:.4f} | {rmax:.4f} | "
+            f"{wall:.0f} |"
+        )
 
 
 def verifiers_envs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -202,8 +225,13 @@ def verifiers_envs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     verifiers' null harness in process (asyncgrpo-chat) and as its program per episode."""
 
     def v1(harness: str) -> dict[str, Any]:
-        local = {"agent": {"harness": {"id": harness}, "runtime": {"type": "subprocess"},
-                           "max_turns": args.turns}}  # fmt: skip
+        local = {
+            "agent": {
+                "harness": {"id": harness},
+                "runtime": {"type": "subprocess"},
+                "max_turns": args.turns,
+            }
+        }
         return {"verifiers": "vf-v1-calculator", "args": local, "python": args.vf4_python}
 
     return {
@@ -221,8 +249,9 @@ async def run_verifiers(urls: list[str], model: str, name: str, args: argparse.N
 
     tok = load_tokenizer(model)
     gen = GenerationConfig(num_generations=args.g, max_completion_length=args.tokens)
-    env = load_environment(verifiers_envs(args)[name], {"max_episode_tokens": 512},
-                           tokenizer=tok, generation=gen)  # fmt: skip
+    env = load_environment(
+        verifiers_envs(args)[name], {"max_episode_tokens": 512}, tokenizer=tok, generation=gen
+    )
     async with aiohttp.ClientSession() as s:
         for url in urls:
             async with s.post(url + "/reset_prefix_cache") as r:
@@ -245,8 +274,10 @@ async def run_verifiers(urls: list[str], model: str, name: str, args: argparse.N
             stats = client.stats()
         wall = time.perf_counter() - t0
     h1, q1 = await prefix_cache(urls)
-    turns = [sum(m and (i == 0 or not s.policy_mask()[i - 1])
-                 for i, m in enumerate(s.policy_mask())) for s in samples]  # fmt: skip
+    turns = [
+        sum(m and (i == 0 or not s.policy_mask()[i - 1]) for i, m in enumerate(s.policy_mask()))
+        for s in samples
+    ]
     return {
         "wall_s": wall,
         "first_group_s": t1 - t0,
@@ -283,14 +314,18 @@ async def part_verifiers(args: argparse.Namespace) -> None:
         f"model turns (<= {args.tokens} tokens each), max_inflight {args.inflight}, median of "
         f"{args.rounds} rounds\n"
     )
-    print("| environment | episodes/s after the first group | first group s | vLLM prefix-cache "
-          "hit rate | model turns per episode | groups lost | wall s |")  # fmt: skip
+    print(
+        "| environment | episodes/s after the first group | first group s | vLLM prefix-cache "
+        "hit rate | model turns per episode | groups lost | wall s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-        print(f"| {name} | {med['episodes_per_s']:.2f} | {med['first_group_s']:.1f} | "
-              f"{med['hit_rate']:.3f} | "
-              f"{med['turns']:.2f} | {med['lost']:.0f} | {med['wall_s']:.1f} |")  # fmt: skip
+        print(
+            f"| {name} | {med['episodes_per_s']:.2f} | {med['first_group_s']:.1f} | "
+            f"{med['hit_rate']:.3f} | "
+            f"{med['turns']:.2f} | {med['lost']:.0f} | {med['wall_s']:.1f} |"
+        )
 
 
 def main() -> None:

@@ -71,12 +71,17 @@ CANNED = json.dumps(
         "created": 0,
         "model": "bench",
         "choices": [
-            {"index": 0, "text": " 42", "logprobs": None, "finish_reason": "length",
-             "token_ids": [52, 50]}
+            {
+                "index": 0,
+                "text": " 42",
+                "logprobs": None,
+                "finish_reason": "length",
+                "token_ids": [52, 50],
+            }
         ],
         "usage": {"prompt_tokens": 300, "completion_tokens": 2, "total_tokens": 302},
     }
-).encode()  # fmt: skip
+).encode()
 
 
 def cpu_s(pid: int) -> float:
@@ -242,9 +247,14 @@ async def part_overhead(baselines: list[str] | None = None) -> list[list[str]]:
     up_port, relay_port, px_port = (free_port() for _ in range(3))
     rng = random.Random(0)
     body = json.dumps(
-        {"model": "bench-v1", "prompt": [rng.randrange(50000) for _ in range(300)],
-         "max_tokens": 2, "logprobs": 0, "return_token_ids": True}
-    ).encode()  # fmt: skip
+        {
+            "model": "bench-v1",
+            "prompt": [rng.randrange(50000) for _ in range(300)],
+            "max_tokens": 2,
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+    ).encode()
     rows = []
     med = statistics.median
     with subprocess_server([PY, __file__, "--_canned-upstream", str(up_port)]):
@@ -256,8 +266,11 @@ async def part_overhead(baselines: list[str] | None = None) -> list[list[str]]:
         with contextlib.ExitStack() as stack:
             stack.enter_context(subprocess_server(relay_argv))
             pids = {"proxy": stack.enter_context(subprocess_server([*proxy_argv, str(px_port)]))}
-            paths = {"direct": upstream, "relay": f"http://127.0.0.1:{relay_port}",
-                     "proxy": f"http://127.0.0.1:{px_port}"}  # fmt: skip
+            paths = {
+                "direct": upstream,
+                "relay": f"http://127.0.0.1:{relay_port}",
+                "proxy": f"http://127.0.0.1:{px_port}",
+            }
             for baseline in baselines or []:  # its own code first on the path: run from it
                 name, port = os.path.basename(os.path.abspath(baseline)), free_port()
                 env = {**os.environ, "PYTHONPATH": os.path.abspath(baseline)}
@@ -307,13 +320,21 @@ async def part_overhead(baselines: list[str] | None = None) -> list[list[str]]:
                             share = med(
                                 a / b for a, b in zip(rps[name], rps["direct"], strict=True)
                             )
-                        row = [f"{inflight}", name, f"{rate:.0f}", f"{p50[name]:.3f}",
-                               f"{p99[name]:.3f}"]  # fmt: skip
+                        row = [
+                            f"{inflight}",
+                            name,
+                            f"{rate:.0f}",
+                            f"{p50[name]:.3f}",
+                            f"{p99[name]:.3f}",
+                        ]
                         if name == "direct":
                             row += ["", "", ""]
                         else:
-                            row += [f"{p50[name] - p50['direct']:+.3f}", f"{100 * share:.0f} %",
-                                    f"{cpu[name] / total * 1e6:.0f}" if name in cpu else ""]  # fmt: skip
+                            row += [
+                                f"{p50[name] - p50['direct']:+.3f}",
+                                f"{100 * share:.0f} %",
+                                f"{cpu[name] / total * 1e6:.0f}" if name in cpu else "",
+                            ]
                         rows.append(row)
     return rows
 
@@ -364,8 +385,10 @@ def rss_mib(pid: int, field: str = "VmRSS") -> float:
 
 def trailer_flood(port: int) -> str:
     """One chunked request followed by FLOOD_TRAILER_BYTES of trailer fields; its status."""
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
-            b"Content-Type: application/json\r\nConnection: close\r\n\r\n2\r\n{}\r\n0\r\n")  # fmt: skip
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Type: application/json\r\nConnection: close\r\n\r\n2\r\n{}\r\n0\r\n"
+    )
     piece = b"".join(b"X-T%d: %s\r\n" % (i, b"a" * 8000) for i in range(125))  # 1 MB
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
         try:
@@ -388,8 +411,10 @@ def one_byte_chunks(port: int) -> str:
     wire = bytearray(6 * len(body))
     for i, part in enumerate((b"1", b"\r", b"\n", None, b"\r", b"\n")):
         wire[i::6] = body if part is None else part * len(body)
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
-            b"Content-Type: application/json\r\nConnection: close\r\n\r\n")  # fmt: skip
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Type: application/json\r\nConnection: close\r\n\r\n"
+    )
     with socket.create_connection(("127.0.0.1", port), timeout=300) as sock:
         sock.sendall(head + wire + b"0\r\n\r\n")
         answer = sock.recv(64)
@@ -417,8 +442,9 @@ async def name_flood(url: str) -> tuple[dict[int, int], int]:
         for i in range(FLOOD_NAMES):
             name = f"{i:04d}" + "n" * (FLOOD_NAME_BYTES - 4)
             body = json.dumps({"model": name, "prompt": [1, 2, 3], "max_tokens": 1}).encode()
-            async with s.post(url + "/v1/completions", data=body,
-                              headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+            async with s.post(
+                url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            ) as r:
                 await r.read()
                 statuses[r.status] = statuses.get(r.status, 0) + 1
         async with s.get(url + "/metrics") as r:
@@ -432,8 +458,9 @@ async def part_hostile(
     """(d) and (e) for this checkout's proxy and each of ``baselines``, each a fresh proxy."""
     up_port = free_port()
     rng = random.Random(0)
-    small = json.dumps({"model": "bench-v1", "prompt": [rng.randrange(50000) for _ in range(300)],
-                        "max_tokens": 2}).encode()  # fmt: skip
+    small = json.dumps(
+        {"model": "bench-v1", "prompt": [rng.randrange(50000) for _ in range(300)], "max_tokens": 2}
+    ).encode()
     bodies = stall_bodies()
     stall_rows, flood_rows = [], []
     checkouts = {
@@ -457,9 +484,18 @@ async def part_hostile(
                     await wait_http(url + "/health")
                     await measure_small(url, small)
                     took, lat = await stall_one(url, big, small)
-                stall_rows.append([name, kind, f"{len(big) / 2**20:.1f}", f"{took:.2f}",
-                                   str(len(lat)), f"{pct(lat, 0.5):.1f}", f"{pct(lat, 0.99):.1f}",
-                                   f"{lat[-1] * 1e3:.1f}"])  # fmt: skip
+                stall_rows.append(
+                    [
+                        name,
+                        kind,
+                        f"{len(big) / 2**20:.1f}",
+                        f"{took:.2f}",
+                        str(len(lat)),
+                        f"{pct(lat, 0.5):.1f}",
+                        f"{pct(lat, 0.99):.1f}",
+                        f"{lat[-1] * 1e3:.1f}",
+                    ]
+                )
             port = free_port()
             with subprocess_server([*argv, str(port)], env, cwd) as proc:
                 url = f"http://127.0.0.1:{port}"
@@ -476,10 +512,20 @@ async def part_hostile(
                 await wait_http(url + "/health")
                 await measure_small(url, small)
                 chunked, peak, slowest = await chunk_flood(url, port, proc.pid)
-            flood_rows.append([name, f"{start:.0f}", status, f"{after_trailers:.0f}",
-                               " ".join(f"{k}x{v}" for k, v in sorted(statuses.items())),
-                               f"{after_names:.0f}", f"{metrics / 2**20:.2f}", chunked,
-                               f"{peak:.0f}", f"{slowest:.0f}"])  # fmt: skip
+            flood_rows.append(
+                [
+                    name,
+                    f"{start:.0f}",
+                    status,
+                    f"{after_trailers:.0f}",
+                    " ".join(f"{k}x{v}" for k, v in sorted(statuses.items())),
+                    f"{after_names:.0f}",
+                    f"{metrics / 2**20:.2f}",
+                    chunked,
+                    f"{peak:.0f}",
+                    f"{slowest:.0f}",
+                ]
+            )
     return stall_rows, flood_rows
 
 
@@ -558,8 +604,15 @@ async def part_routing(upstreams: list[str]) -> list[list[str]]:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     model = make_tiny_model(tmp / "model", seed=0)
-    config = ServeConfig(model=str(model), replicas=2, dtype="float32", max_model_len=1024,
-                         kv_cache_gib=1, max_staleness=2, log_dir=str(tmp / "logs"))  # fmt: skip
+    config = ServeConfig(
+        model=str(model),
+        replicas=2,
+        dtype="float32",
+        max_model_len=1024,
+        kv_cache_gib=1,
+        max_staleness=2,
+        log_dir=str(tmp / "logs"),
+    )
     async with launch_replicas(config) as replicas:
         return await run([r.url for r in replicas])
 
@@ -610,10 +663,12 @@ def part_parse(n: int = 100_000) -> list[list[str]]:
     )
     rows = []
     for name, protocol in (("proxy's callbacks", _Recorder), ("on_message_complete only", _Bare)):
-        req_s = timeit.timeit(lambda p=protocol: httptools.HttpRequestParser(p()).feed_data(request),
-                              number=n)  # fmt: skip
-        ans_s = timeit.timeit(lambda p=protocol: httptools.HttpResponseParser(p()).feed_data(answer),
-                              number=n)  # fmt: skip
+        req_s = timeit.timeit(
+            lambda p=protocol: httptools.HttpRequestParser(p()).feed_data(request), number=n
+        )
+        ans_s = timeit.timeit(
+            lambda p=protocol: httptools.HttpResponseParser(p()).feed_data(answer), number=n
+        )
         rows.append([name, f"{req_s / n * 1e6:.2f}", f"{ans_s / n * 1e6:.2f}"])
     return rows
 
@@ -631,43 +686,87 @@ def table(title: str, header: list[str], rows: list[list[str]]) -> str:
 async def main(args: argparse.Namespace) -> None:
     if args.part in ("routing", "all"):
         rows = await part_routing(args.upstream or [])
-        print(table(
-            f"(a) routing: {PROMPTS} prompts x G={G}, {INFLIGHT} in flight, shared "
-            f"{TEMPLATE_TOKENS}-token template, 128-256 own tokens, max_tokens={MAX_TOKENS}",
-            ["routing", "block", "affinity", "unmatched", "spilled", "prefix hit rate", "wall s"],
-            rows,
-        ), flush=True)  # fmt: skip
+        print(
+            table(
+                f"(a) routing: {PROMPTS} prompts x G={G}, {INFLIGHT} in flight, shared "
+                f"{TEMPLATE_TOKENS}-token template, 128-256 own tokens, max_tokens={MAX_TOKENS}",
+                [
+                    "routing",
+                    "block",
+                    "affinity",
+                    "unmatched",
+                    "spilled",
+                    "prefix hit rate",
+                    "wall s",
+                ],
+                rows,
+            ),
+            flush=True,
+        )
     if args.part in ("overhead", "all"):
         rows = await part_overhead(args.baseline)
-        print(table(
-            f"(b) overhead vs a canned upstream (300-token prompt body); 1 in flight: "
-            f"{OVERHEAD_REQUESTS_1} requests per path in turns of {OVERHEAD_BLOCK_1}; 256 in "
-            f"flight: medians of {OVERHEAD_ROUNDS} rounds of {OVERHEAD_REQUESTS_256}",
-            ["in flight", "path", "req/s", "p50 ms", "p99 ms", "added p50 ms", "of direct",
-             "proxy CPU us/req"],
-            rows,
-        ), flush=True)  # fmt: skip
+        print(
+            table(
+                f"(b) overhead vs a canned upstream (300-token prompt body); 1 in flight: "
+                f"{OVERHEAD_REQUESTS_1} requests per path in turns of {OVERHEAD_BLOCK_1}; 256 in "
+                f"flight: medians of {OVERHEAD_ROUNDS} rounds of {OVERHEAD_REQUESTS_256}",
+                [
+                    "in flight",
+                    "path",
+                    "req/s",
+                    "p50 ms",
+                    "p99 ms",
+                    "added p50 ms",
+                    "of direct",
+                    "proxy CPU us/req",
+                ],
+                rows,
+            ),
+            flush=True,
+        )
     if args.part in ("hostile", "all"):
         stall, floods = await part_hostile(args.baseline)
-        print(table(
-            "(d) stall: small requests (300-token prompt, one at a time) while one ~32 MiB body "
-            "goes through the proxy; ms",
-            ["path", "body", "MiB", "big s", "small n", "p50 ms", "p99 ms", "max ms"], stall,
-        ), flush=True)  # fmt: skip
-        print(table(
-            f"(e) floods: proxy RSS (MiB) at start, after {FLOOD_TRAILER_BYTES / 1e6:.0f} MB of "
-            f"trailers on one request, after {FLOOD_NAMES} requests of {FLOOD_NAME_BYTES // 1024}"
-            f" KB model names; size of /metrics then; a {FLOOD_CHUNKED_BYTES / 1e6:.0f} MB body "
-            "in 1-byte chunks: status, peak RSS, slowest /health meanwhile",
-            ["path", "start MiB", "trailers: status", "MiB", "names: statuses", "MiB",
-             "/metrics MiB", "chunks: status", "peak MiB", "/health max ms"], floods,
-        ), flush=True)  # fmt: skip
+        print(
+            table(
+                "(d) stall: small requests (300-token prompt, one at a time) while one ~32 MiB body "
+                "goes through the proxy; ms",
+                ["path", "body", "MiB", "big s", "small n", "p50 ms", "p99 ms", "max ms"],
+                stall,
+            ),
+            flush=True,
+        )
+        print(
+            table(
+                f"(e) floods: proxy RSS (MiB) at start, after {FLOOD_TRAILER_BYTES / 1e6:.0f} MB of "
+                f"trailers on one request, after {FLOOD_NAMES} requests of {FLOOD_NAME_BYTES // 1024}"
+                f" KB model names; size of /metrics then; a {FLOOD_CHUNKED_BYTES / 1e6:.0f} MB body "
+                "in 1-byte chunks: status, peak RSS, slowest /health meanwhile",
+                [
+                    "path",
+                    "start MiB",
+                    "trailers: status",
+                    "MiB",
+                    "names: statuses",
+                    "MiB",
+                    "/metrics MiB",
+                    "chunks: status",
+                    "peak MiB",
+                    "/health max ms",
+                ],
+                floods,
+            ),
+            flush=True,
+        )
     if args.part in ("parse", "all"):
-        print(table(
-            "(c) llhttp (httptools) parse of one request (7 headers, (b)'s body) and one answer "
-            "(4 headers), us each, parser creation included",
-            ["callbacks", "request us", "answer us"], part_parse(),
-        ), flush=True)  # fmt: skip
+        print(
+            table(
+                "(c) llhttp (httptools) parse of one request (7 headers, (b)'s body) and one answer "
+                "(4 headers), us each, parser creation included",
+                ["callbacks", "request us", "answer us"],
+                part_parse(),
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

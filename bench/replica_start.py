@@ -46,9 +46,15 @@ async def start_once(model: Path, logs: Path, value: str | None) -> tuple[float,
             async with VLLMClient(replica.url) as client:
                 base = (await client.models())[0]
                 t0 = time.monotonic()
-                body = await client.completions({"model": base, "prompt": [5, 6, 7],
-                                                 "max_tokens": 8, "temperature": 0,
-                                                 "logprobs": 0})  # fmt: skip
+                body = await client.completions(
+                    {
+                        "model": base,
+                        "prompt": [5, 6, 7],
+                        "max_tokens": 8,
+                        "temperature": 0,
+                        "logprobs": 0,
+                    }
+                )
                 first = time.monotonic() - t0
         return healthy, first, processes, body["choices"][0]["logprobs"]["token_logprobs"]
     finally:
@@ -64,17 +70,23 @@ async def main(rounds: int) -> None:
         for r in range(rounds):
             for name, value in VARIANTS.items():
                 runs[name].append(await start_once(model, Path(tmp) / f"logs-{r}", value))
-                print(f"round {r + 1}: {name}: healthy after {runs[name][-1][0]:.1f} s",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"round {r + 1}: {name}: healthy after {runs[name][-1][0]:.1f} s",
+                    file=sys.stderr,
+                )
     reference = runs[next(iter(VARIANTS))][0][3]
-    print(f"\n{'variant':<24}{'healthy s (mean, min-max)':>28}{'first completion s':>21}"
-          f"{'processes':>11}  same logprobs")  # fmt: skip
+    print(
+        f"\n{'variant':<24}{'healthy s (mean, min-max)':>28}{'first completion s':>21}"
+        f"{'processes':>11}  same logprobs"
+    )
     for name, results in runs.items():
         healthy = [h for h, _, _, _ in results]
         first = statistics.fmean(f for _, f, _, _ in results)
         same = all(lp == reference for _, _, _, lp in results)
-        print(f"{name:<24}{statistics.fmean(healthy):>13.1f} ({min(healthy):.1f}-{max(healthy):.1f})"
-              f"{first:>21.1f}{results[0][2]:>11}  {same}")  # fmt: skip
+        print(
+            f"{name:<24}{statistics.fmean(healthy):>13.1f} ({min(healthy):.1f}-{max(healthy):.1f})"
+            f"{first:>21.1f}{results[0][2]:>11}  {same}"
+        )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,9 @@ def parse_recipe(text: str) -> tuple[str, dict[str, Any]]:
     pairs = [p for p in rest.split(",") if p]
     if not name.replace("_", "").isalnum() or any("=" not in p for p in pairs):
         raise argparse.ArgumentTypeError(f"{text!r}: give demo or NAME:FIELD=VALUE[,FIELD=VALUE]")
-    return name, {k.removeprefix("trainer."): yaml.safe_load(v)
-                  for k, v in (p.split("=", 1) for p in pairs)}  # fmt: skip
+    return name, {
+        k.removeprefix("trainer."): yaml.safe_load(v) for k, v in (p.split("=", 1) for p in pairs)
+    }
 
 
 def means(rewards: list[float]) -> list[float]:
@@ -72,22 +73,31 @@ def run_one(model: Path, recipe: dict[str, Any], staleness: int, steps: int, see
     settings = demo_recipe() | recipe
     records: list[dict[str, float]] = []
     t0 = time.monotonic()
-    rewards = simulate(model, staleness=staleness, steps=steps, seed=seed, records=records,
-                       **settings)  # fmt: skip
+    rewards = simulate(
+        model, staleness=staleness, steps=steps, seed=seed, records=records, **settings
+    )
     curves = {
         name: [float(r.get(metric, math.nan)) for r in records]
-        for name, metric in (("entropy", "entropy"), ("kl", "kl"),
-                             ("w_max", "off_policy/weight_max"), ("grad_norm", "grad_norm"),
-                             ("update_norm", "collapse/update_norm"),
-                             ("adapter_norm", "collapse/adapter_norm"),
-                             ("adv_abs_max", "advantages/abs_max"),
-                             ("alarm", "collapse/alarm"),
-                             ("update_scale", "collapse/update_scale"),
-                             ("update_kl", "collapse/update_kl"),
-                             ("spike_clip", "collapse/spike_clip"))
-    }  # fmt: skip
-    return {"settings": settings, "reward": rewards, "curves": curves,
-            "wall_s": time.monotonic() - t0}  # fmt: skip
+        for name, metric in (
+            ("entropy", "entropy"),
+            ("kl", "kl"),
+            ("w_max", "off_policy/weight_max"),
+            ("grad_norm", "grad_norm"),
+            ("update_norm", "collapse/update_norm"),
+            ("adapter_norm", "collapse/adapter_norm"),
+            ("adv_abs_max", "advantages/abs_max"),
+            ("alarm", "collapse/alarm"),
+            ("update_scale", "collapse/update_scale"),
+            ("update_kl", "collapse/update_kl"),
+            ("spike_clip", "collapse/spike_clip"),
+        )
+    }
+    return {
+        "settings": settings,
+        "reward": rewards,
+        "curves": curves,
+        "wall_s": time.monotonic() - t0,
+    }
 
 
 def figures(row: dict[str, Any]) -> dict[str, Any]:
@@ -105,40 +115,56 @@ def figures(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(rows: list[dict[str, Any]], recipes: list[str]) -> None:
-    print("\n| recipe | staleness | seed | step>=0.5 | step>=0.9 | kept | last-5 | entropy max "
-          "| update max |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print(
+        "\n| recipe | staleness | seed | step>=0.5 | step>=0.9 | kept | last-5 | entropy max "
+        "| update max |\n|---|---|---|---|---|---|---|---|---|"
+    )
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in sorted(rows, key=lambda r: (recipes.index(r["recipe"]), r["staleness"], r["seed"])):
         f = figures(row)
         groups.setdefault((row["recipe"], row["staleness"]), []).append(f)
         kept_ = "-" if f["kept"] is None else f"{f['kept']:.3f}"
-        print(f"| {row['recipe']} | {row['staleness']} | {row['seed']} | {f['step'] or 'never'} | "
-              f"{f['step90'] or 'never'} | {kept_} | {f['last']:.3f} | {f['entropy_max']:.2f} | "
-              f"{f['update_max']:.3f} |")  # fmt: skip
-    print("\n| recipe | staleness | seeds | reached 0.9 | kept >= 0.8 | lowest kept | "
-          "median step>=0.5 | last-5 median | last-5 min |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+        print(
+            f"| {row['recipe']} | {row['staleness']} | {row['seed']} | {f['step'] or 'never'} | "
+            f"{f['step90'] or 'never'} | {kept_} | {f['last']:.3f} | {f['entropy_max']:.2f} | "
+            f"{f['update_max']:.3f} |"
+        )
+    print(
+        "\n| recipe | staleness | seeds | reached 0.9 | kept >= 0.8 | lowest kept | "
+        "median step>=0.5 | last-5 median | last-5 min |\n|---|---|---|---|---|---|---|---|---|"
+    )
     for (recipe, k), fs in groups.items():
         ks = [f["kept"] for f in fs if f["kept"] is not None]
         last = [f["last"] for f in fs]
-        print(f"| {recipe} | {k} | {len(fs)} | {len(ks)} | {sum(x >= KEPT_BAR for x in ks)} | "
-              f"{min(ks, default=math.nan):.3f} | "
-              f"{statistics.median(f['step'] or math.inf for f in fs):g} | "
-              f"{statistics.median(last):.3f} | {min(last):.3f} |")  # fmt: skip
+        print(
+            f"| {recipe} | {k} | {len(fs)} | {len(ks)} | {sum(x >= KEPT_BAR for x in ks)} | "
+            f"{min(ks, default=math.nan):.3f} | "
+            f"{statistics.median(f['step'] or math.inf for f in fs):g} | "
+            f"{statistics.median(last):.3f} | {min(last):.3f} |"
+        )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
-    p.add_argument("--recipe", type=parse_recipe, action="append", dest="recipes",
-                   help="'demo' (examples/tiny_cpu.yaml's settings) or NAME:FIELD=VALUE,... "
-                        "(TrainerConfig fields on top of the demo's); repeat to compare")  # fmt: skip
+    p.add_argument(
+        "--recipe",
+        type=parse_recipe,
+        action="append",
+        dest="recipes",
+        help="'demo' (examples/tiny_cpu.yaml's settings) or NAME:FIELD=VALUE,... "
+        "(TrainerConfig fields on top of the demo's); repeat to compare",
+    )
     p.add_argument("--staleness", type=ints, default=[4], help="versions behind, per sample")
     p.add_argument("--seeds", type=ints, default=list(range(8)))
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--out", type=Path, default=OUT)
-    p.add_argument("--jobs", type=int, default=1,
-                   help="runs in parallel (processes of one thread each: the results do not "
-                        "depend on it)")  # fmt: skip
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs in parallel (processes of one thread each: the results do not depend on it)",
+    )
     p.add_argument("--report", action="store_true", help="only print the tables")
     args = p.parse_args()
     recipes = dict(args.recipes or [("demo", {})])
@@ -158,12 +184,18 @@ def main() -> None:
         model = args.out / "model"
         if not (model / "config.json").exists():
             make_tiny_model(model, seed=0)  # the tests' tiny_model
-        todo = [(f"{name}-k{k}-s{seed}-n{args.steps}", name, k, seed)
-                for name in recipes for k in args.staleness for seed in args.seeds]  # fmt: skip
+        todo = [
+            (f"{name}-k{k}-s{seed}-n{args.steps}", name, k, seed)
+            for name in recipes
+            for k in args.staleness
+            for seed in args.seeds
+        ]
         todo = [t for t in todo if t[0] not in done]
         with ProcessPoolExecutor(args.jobs) as pool:  # each run on one thread: jobs = cores
-            futures = {pool.submit(run_one, model, recipes[name], k, args.steps, seed): key
-                       for key, name, k, seed in todo}  # fmt: skip
+            futures = {
+                pool.submit(run_one, model, recipes[name], k, args.steps, seed): key
+                for key, name, k, seed in todo
+            }
             for future in as_completed(futures):
                 key = futures[future]
                 _, name, k, seed = next(t for t in todo if t[0] == key)
@@ -173,10 +205,19 @@ def main() -> None:
                     f.write(json.dumps(row) + "\n")
                 done[key] = row
                 fg = figures(row)
-                print(f"{key}: step>=0.5 {fg['step']} kept {fg['kept']} "
-                      f"last-5 {fg['last']:.3f} ({row['wall_s']:.0f} s)", flush=True)  # fmt: skip
-    wanted = [r for r in done.values() if r["recipe"] in recipes and r["steps"] == args.steps
-              and r["staleness"] in args.staleness and r["seed"] in args.seeds]  # fmt: skip
+                print(
+                    f"{key}: step>=0.5 {fg['step']} kept {fg['kept']} "
+                    f"last-5 {fg['last']:.3f} ({row['wall_s']:.0f} s)",
+                    flush=True,
+                )
+    wanted = [
+        r
+        for r in done.values()
+        if r["recipe"] in recipes
+        and r["steps"] == args.steps
+        and r["staleness"] in args.staleness
+        and r["seed"] in args.seeds
+    ]
     report(wanted, list(recipes))
 
 

@@ -114,10 +114,15 @@ Job = tuple[str, list[str]]  # run name, config overrides on top of the example'
 
 
 async def train_on_one_fleet(
-    example: Path, model: Path, out: Path, jobs: list[Job], *,
-    fleet_overrides: list[str], max_minutes: float | None,
+    example: Path,
+    model: Path,
+    out: Path,
+    jobs: list[Job],
+    *,
+    fleet_overrides: list[str],
+    max_minutes: float | None,
     done: Callable[[str, Path, float, list[float]], None],
-) -> None:  # fmt: skip
+) -> None:
     """Train each job of ``jobs`` in turn (``example`` with its overrides, ``model``, under
     ``out/runs/NAME``, a fresh start) against one fleet of replicas started once from
     ``example`` with ``fleet_overrides`` (size its LoRA slots: the widest max_staleness, the
@@ -150,10 +155,17 @@ async def train_on_one_fleet(
             run_dir = out / "runs" / name
             if run_dir.exists():  # an interrupted attempt: start fresh, never resume it
                 shutil.rmtree(run_dir)
-            cfg = TrainingConfig.from_yaml(example, [
-                f"model={model}", f"output_dir={out / 'runs'}", f"run_name={name}",
-                "serve.replicas=0", f"proxy.upstreams=[{','.join(urls)}]", *overrides,
-            ])  # fmt: skip
+            cfg = TrainingConfig.from_yaml(
+                example,
+                [
+                    f"model={model}",
+                    f"output_dir={out / 'runs'}",
+                    f"run_name={name}",
+                    "serve.replicas=0",
+                    f"proxy.upstreams=[{','.join(urls)}]",
+                    *overrides,
+                ],
+            )
             load_start = os.getloadavg()[0]
             t0 = time.monotonic()
             result = await run_training(cfg)
@@ -169,28 +181,50 @@ async def measure(args: argparse.Namespace, todo: list[tuple[str, int, str, int]
     jobs: list[Job] = []
     for recipe, k, correction, seed in todo:
         off_policy, _, cap = correction.partition("@")
-        jobs.append((key(recipe, k, correction, seed), [
-            f"seed={seed}", f"trainer.max_staleness={k}",
-            f"trainer.off_policy={'decoupled' if correction == SYNC else off_policy}",
-            *([f"trainer.importance_cap={cap}"] if cap else []),
-            *([f"trainer.max_steps={args.steps}"] if args.steps else []),
-            *args.overrides[recipe],
-        ]))  # fmt: skip
+        jobs.append(
+            (
+                key(recipe, k, correction, seed),
+                [
+                    f"seed={seed}",
+                    f"trainer.max_staleness={k}",
+                    f"trainer.off_policy={'decoupled' if correction == SYNC else off_policy}",
+                    *([f"trainer.importance_cap={cap}"] if cap else []),
+                    *([f"trainer.max_steps={args.steps}"] if args.steps else []),
+                    *args.overrides[recipe],
+                ],
+            )
+        )
     cells = {key(*c): c for c in todo}
 
     def done(name: str, run_dir: Path, wall: float, load: list[float]) -> None:
         recipe, k, correction, seed = cells[name]
         row = summarize(read_metrics(run_dir))
-        row.update(key=name, recipe=recipe, overrides=list(args.overrides[recipe]),
-                   staleness=k, correction=correction, seed=seed, wall_s=wall, load=load,
-                   time=time.time(), commit=args.commit)  # fmt: skip
+        row.update(
+            key=name,
+            recipe=recipe,
+            overrides=list(args.overrides[recipe]),
+            staleness=k,
+            correction=correction,
+            seed=seed,
+            wall_s=wall,
+            load=load,
+            time=time.time(),
+            commit=args.commit,
+        )
         with (out / "results.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(line(row), flush=True)
 
     widest = max(k for _, k, _, _ in todo)
-    await train_on_one_fleet(EXAMPLE, model, out, jobs, max_minutes=args.max_minutes,
-                             fleet_overrides=[f"trainer.max_staleness={widest}"], done=done)  # fmt: skip
+    await train_on_one_fleet(
+        EXAMPLE,
+        model,
+        out,
+        jobs,
+        max_minutes=args.max_minutes,
+        fleet_overrides=[f"trainer.max_staleness={widest}"],
+        done=done,
+    )
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -264,10 +298,12 @@ def wfmt(w: float) -> str:
 
 def line(row: dict[str, Any]) -> str:
     f = figures(row)
-    return (f"{row['key']:<18} reward {f['first']:.3f} -> {f['last']:.3f}  step>=0.5 "
-            f"{f['step'] or '-':>3}  {f['s_step']:.2f} s/step  stale {f['stale']:.2f}  "
-            f"w max {wfmt(row['weight_max'])}  ratio [{row['ratio_min']:.6f}, "
-            f"{row['ratio_max']:.6f}] on {row['ratio_steps']} steps  wall {row['wall_s']:.0f} s")  # fmt: skip
+    return (
+        f"{row['key']:<18} reward {f['first']:.3f} -> {f['last']:.3f}  step>=0.5 "
+        f"{f['step'] or '-':>3}  {f['s_step']:.2f} s/step  stale {f['stale']:.2f}  "
+        f"w max {wfmt(row['weight_max'])}  ratio [{row['ratio_min']:.6f}, "
+        f"{row['ratio_max']:.6f}] on {row['ratio_steps']} steps  wall {row['wall_s']:.0f} s"
+    )
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -286,21 +322,26 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
 def report_recipe(rows: dict[str, dict[str, Any]], path: Path) -> None:
     order = {c: i for i, c in enumerate([SYNC, *CORRECTIONS])}
     groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    for row in sorted(rows.values(), key=lambda r: (r["staleness"], order.get(r["correction"], 9),
-                                                    r["seed"])):  # fmt: skip
+    for row in sorted(
+        rows.values(), key=lambda r: (r["staleness"], order.get(r["correction"], 9), r["seed"])
+    ):
         groups.setdefault((row["staleness"], row["correction"]), []).append(row)
-    print("\n| max_staleness | correction | seed | reward first 5 -> last 5 | step>=0.5 | "
-          "s to 0.5 | step>=0.9 | kept | s/step | stale | w max | cut |")  # fmt: skip
+    print(
+        "\n| max_staleness | correction | seed | reward first 5 -> last 5 | step>=0.5 | "
+        "s to 0.5 | step>=0.9 | kept | s/step | stale | w max | cut |"
+    )
     print("|---" * 12 + "|")
     for (k, correction), members in groups.items():
         for row in members:
             f = figures(row)
             secs = f"{f['secs']:.0f}" if f["secs"] else "-"
             kept_ = f"{f['kept']:.3f}" if f["kept"] is not None else "-"
-            print(f"| {k} | {correction} | {row['seed']} | {f['first']:.3f} -> {f['last']:.3f} | "
-                  f"{f['step'] or 'never'} | {secs} | {f['step90'] or 'never'} | {kept_} | "
-                  f"{f['s_step']:.2f} | {f['stale']:.2f} | {wfmt(row['weight_max'])} | "
-                  f"{row['cut']:.4f} |")  # fmt: skip
+            print(
+                f"| {k} | {correction} | {row['seed']} | {f['first']:.3f} -> {f['last']:.3f} | "
+                f"{f['step'] or 'never'} | {secs} | {f['step90'] or 'never'} | {kept_} | "
+                f"{f['s_step']:.2f} | {f['stale']:.2f} | {wfmt(row['weight_max'])} | "
+                f"{row['cut']:.4f} |"
+            )
     print()
     for (k, correction), members in groups.items():
         fs = [figures(r) for r in members]
@@ -319,11 +360,13 @@ def stability(fs: list[dict[str, Any]]) -> str:
     reach = sum(f["step90"] is not None for f in fs)
     keep = sum(f["kept"] is not None and f["kept"] >= KEPT_BAR for f in fs)
     ok = "yes" if keep == len(fs) else "no"
-    return (f"{len(fs)} seeds: reached {KEEP:g} {reach} of {len(fs)}, kept >= {KEPT_BAR:g} "
-            f"{keep} of {len(fs)} ({ok}); lowest kept "
-            f"{min((f['kept'] for f in fs if f['kept'] is not None), default=math.nan):.3f}; "
-            f"last-5 min {min(f['last'] for f in fs):.3f}; median step>=0.5 "
-            f"{statistics.median(steps):g}, median s to 0.5 {statistics.median(secs):.1f}")  # fmt: skip
+    return (
+        f"{len(fs)} seeds: reached {KEEP:g} {reach} of {len(fs)}, kept >= {KEPT_BAR:g} "
+        f"{keep} of {len(fs)} ({ok}); lowest kept "
+        f"{min((f['kept'] for f in fs if f['kept'] is not None), default=math.nan):.3f}; "
+        f"last-5 min {min(f['last'] for f in fs):.3f}; median step>=0.5 "
+        f"{statistics.median(steps):g}, median s to 0.5 {statistics.median(secs):.1f}"
+    )
 
 
 def compare(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
@@ -342,8 +385,10 @@ def compare(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
         for what, unit in (("step", "steps"), ("secs", "s")):
             mine = statistics.median(f[what] or math.inf for f in fs)
             theirs = statistics.median(f[what] or math.inf for f in ref)
-            print(f"  {recipe} max_staleness {k}: median {mine:.1f} {unit} vs {theirs:.1f} = "
-                  f"{mine / theirs:.2f}x ({len(fs)} vs {len(ref)} seeds)")  # fmt: skip
+            print(
+                f"  {recipe} max_staleness {k}: median {mine:.1f} {unit} vs {theirs:.1f} = "
+                f"{mine / theirs:.2f}x ({len(fs)} vs {len(ref)} seeds)"
+            )
 
 
 def verdict(groups: dict[tuple[int, str], list[dict[str, Any]]]) -> None:
@@ -363,11 +408,13 @@ def verdict(groups: dict[tuple[int, str], list[dict[str, Any]]]) -> None:
         med_s = statistics.median(f["step"] or math.inf for f in s)
         med_t = statistics.median(f["step"] or math.inf for f in t)
         ok_last = all(f["last"] >= 0.9 for f in t)
-        print(f"max_staleness 4, decoupled, seeds {seeds}: every last-5 reward >= 0.9: "
-              f"{'yes' if ok_last else 'no'} (synchronous: "
-              f"{sum(f['last'] >= 0.9 for f in s)} of {len(s)}); median step>=0.5 {med_t:g} vs "
-              f"synchronous {med_s:g} = {med_t / med_s:.2f}x "
-              f"({'<=' if med_t / med_s <= 1.25 else '>'} 1.25x)")  # fmt: skip
+        print(
+            f"max_staleness 4, decoupled, seeds {seeds}: every last-5 reward >= 0.9: "
+            f"{'yes' if ok_last else 'no'} (synchronous: "
+            f"{sum(f['last'] >= 0.9 for f in s)} of {len(s)}); median step>=0.5 {med_t:g} vs "
+            f"synchronous {med_s:g} = {med_t / med_s:.2f}x "
+            f"({'<=' if med_t / med_s <= 1.25 else '>'} 1.25x)"
+        )
 
 
 def plot(groups: dict[tuple[int, str], list[dict[str, Any]]], path: Path) -> None:
@@ -380,8 +427,7 @@ def plot(groups: dict[tuple[int, str], list[dict[str, Any]]], path: Path) -> Non
     import matplotlib.pyplot as plt
 
     ks = sorted({k for k, _ in groups if k > 0})
-    fig, axes = plt.subplots(max(1, len(ks)), 2, figsize=(11, 3.2 * max(1, len(ks))),
-                             squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(max(1, len(ks)), 2, figsize=(11, 3.2 * max(1, len(ks))), squeeze=False)
     colours = {SYNC: "black", "none": "tab:red", "decoupled": "tab:blue", "tis": "tab:green"}
     for row_axes, k in zip(axes, ks or [0], strict=True):
         for (gk, correction), members in groups.items():
@@ -395,11 +441,18 @@ def plot(groups: dict[tuple[int, str], list[dict[str, Any]]], path: Path) -> Non
             lo = [min(c[i] for c in curves) for i in range(n)]
             hi = [max(c[i] for c in curves) for i in range(n)]
             steps = list(range(1, n + 1))
-            clock = [statistics.median(sum(r["step_s"][: i + 1]) for r in members)
-                     for i in range(n)]  # fmt: skip
+            clock = [
+                statistics.median(sum(r["step_s"][: i + 1]) for r in members) for i in range(n)
+            ]
             for ax, xs in zip(row_axes, (steps, clock), strict=True):
-                ax.plot(xs, middle, style, color=colours.get(correction, "grey"), linewidth=1.3,
-                        label=f"{label} ({len(members)} seeds)")  # fmt: skip
+                ax.plot(
+                    xs,
+                    middle,
+                    style,
+                    color=colours.get(correction, "grey"),
+                    linewidth=1.3,
+                    label=f"{label} ({len(members)} seeds)",
+                )
                 ax.fill_between(xs, lo, hi, color=colours.get(correction, "grey"), alpha=0.12)
         row_axes[0].set_title(f"max_staleness {k}: reward by step (median, min-max)")
         row_axes[1].set_title(f"max_staleness {k}: reward by training time")
@@ -419,17 +472,29 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
     p.add_argument("--staleness", type=ints, default=STALENESS, help="max_staleness values")
-    p.add_argument("--corrections", type=lambda v: v.split(","), default=CORRECTIONS,
-                   help="trainer.off_policy values, NAME@CAP for another importance_cap "
-                        "(max_staleness 0 runs once for all)")  # fmt: skip
+    p.add_argument(
+        "--corrections",
+        type=lambda v: v.split(","),
+        default=CORRECTIONS,
+        help="trainer.off_policy values, NAME@CAP for another importance_cap "
+        "(max_staleness 0 runs once for all)",
+    )
     p.add_argument("--seeds", type=ints, default=SEEDS, help="training seeds")
-    p.add_argument("--recipe", type=parse_recipe, action="append", dest="recipes",
-                   help="'demo' (examples/tiny_cpu.yaml as it is; the default) or "
-                        "NAME:KEY=VALUE[,KEY=VALUE]: the demo's recipe with these config "
-                        "overrides, for every max_staleness and seed alike; repeat to compare "
-                        "recipes in one run")  # fmt: skip
-    p.add_argument("--baseline", default=None,
-                   help="a recipe name: compare every other recipe's time to 0.5 with it")  # fmt: skip
+    p.add_argument(
+        "--recipe",
+        type=parse_recipe,
+        action="append",
+        dest="recipes",
+        help="'demo' (examples/tiny_cpu.yaml as it is; the default) or "
+        "NAME:KEY=VALUE[,KEY=VALUE]: the demo's recipe with these config "
+        "overrides, for every max_staleness and seed alike; repeat to compare "
+        "recipes in one run",
+    )
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="a recipe name: compare every other recipe's time to 0.5 with it",
+    )
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo's)")
     add_sweep_args(p, OUT, PLOT)
     run_sweep(p, DEMO, grid=grid, key=key, measure=measure, report=report)
@@ -439,8 +504,12 @@ def add_sweep_args(p: argparse.ArgumentParser, out: Path, plot: Path) -> None:
     """The options every sweep bench (this one, bench/arithmetic.py) shares."""
     p.add_argument("--out", type=Path, default=out, help="results.jsonl, run directories")
     p.add_argument("--plot", type=Path, default=plot, help="where the PNG goes")
-    p.add_argument("--max-minutes", type=float, default=None,
-                   help="start no run after this many minutes (continue later)")  # fmt: skip
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="start no run after this many minutes (continue later)",
+    )
     p.add_argument("--rerun", action="store_true", help="measure runs already in results.jsonl")
     p.add_argument("--report", action="store_true", help="only print the tables and the plot")
 
@@ -466,8 +535,9 @@ def run_sweep(
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args.out = args.out.resolve()
-    args.commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                 capture_output=True, text=True).stdout.strip()  # fmt: skip
+    args.commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.jsonl"
     if not args.report:

@@ -171,27 +171,50 @@ async def part_sync(args: argparse.Namespace, work: Path) -> None:
     ]
     store_dir = work / "store"
     serve = tiny_serve_config(
-        model, replicas=2, runs=2, max_staleness=1, log_dir=str(work / "logs"), nice=args.nice,
-        transports=(str(store_dir),), adapter_cache_dir=str(work / "replica-cache"),
-    )  # fmt: skip
+        model,
+        replicas=2,
+        runs=2,
+        max_staleness=1,
+        log_dir=str(work / "logs"),
+        nice=args.nice,
+        transports=(str(store_dir),),
+        adapter_cache_dir=str(work / "replica-cache"),
+    )
     ways = ("pause, load, resume (before)", "load while serving (asyncgrpo)")
     spans: dict[str, list[tuple[float, float, float, float, float]]] = {w: [] for w in ways}
     async with launch_replicas(serve) as replicas:
         with proxy_process([r.url for r in replicas], work / "proxy.log") as url:
             async with VLLMClient(url) as client:
                 store = AdapterStore(open_transport(str(store_dir)))
-                loaders = dict(zip(ways, (pausing_loader(client), ProxyLoader(client, fetching=True)),
-                                   strict=True))  # fmt: skip
-                b = AdapterSync(store=store, source=TransportSource(store), prefix="benchb",
-                                loader=loaders[ways[1]], max_staleness=1)  # fmt: skip
-                a = AdapterSync(store=store, source=TransportSource(store), prefix="bencha",
-                                loader=loaders[ways[1]], max_staleness=1)  # fmt: skip
+                loaders = dict(
+                    zip(
+                        ways,
+                        (pausing_loader(client), ProxyLoader(client, fetching=True)),
+                        strict=True,
+                    )
+                )
+                b = AdapterSync(
+                    store=store,
+                    source=TransportSource(store),
+                    prefix="benchb",
+                    loader=loaders[ways[1]],
+                    max_staleness=1,
+                )
+                a = AdapterSync(
+                    store=store,
+                    source=TransportSource(store),
+                    prefix="bencha",
+                    loader=loaders[ways[1]],
+                    max_staleness=1,
+                )
                 await b.sync(0, adapters[1], step=0)
                 chunks_file = work / "chunks.json"
                 seconds = args.warmup_s + args.rounds * len(ways) * (args.gap + 3) + 10
                 ctx = multiprocessing.get_context("spawn")
-                proc = ctx.Process(target=stream_process, args=(
-                    url, b.name(0), args.inflight, seconds, str(chunks_file)))  # fmt: skip
+                proc = ctx.Process(
+                    target=stream_process,
+                    args=(url, b.name(0), args.inflight, seconds, str(chunks_file)),
+                )
                 proc.start()
                 try:
                     await asyncio.sleep(args.warmup_s)  # vLLM's first batches are slow
@@ -230,11 +253,13 @@ async def part_sync(args: argparse.Namespace, work: Path) -> None:
     def rate(windows: list[tuple[float, float]]) -> float:
         return sum(tokens(chunks, s, e) for s, e in windows) / sum(e - s for s, e in windows)
 
-    print(f"\n(a) run B streams {args.inflight} completions at a time ({PROMPT_TOKENS}-token "
-          f"prompts, {MAX_TOKENS} tokens each, its own process) while run A syncs every "
-          f"{args.gap:g} s; 2 float32 vLLM replicas of the tiny model (nice {args.nice}) behind one "
-          f"proxy process; {args.rounds - 1} syncs per way after one warm-up round, the ways in "
-          "turns")  # fmt: skip
+    print(
+        f"\n(a) run B streams {args.inflight} completions at a time ({PROMPT_TOKENS}-token "
+        f"prompts, {MAX_TOKENS} tokens each, its own process) while run A syncs every "
+        f"{args.gap:g} s; 2 float32 vLLM replicas of the tiny model (nice {args.nice}) behind one "
+        f"proxy process; {args.rounds - 1} syncs per way after one warm-up round, the ways in "
+        "turns"
+    )
     print(
         "| A's sync                       | A sync p50 ms | A load p50 ms | B tok/s before | "
         "B tok/s during sync | during / before | B tok/s during load | during load / before |"
@@ -249,9 +274,11 @@ async def part_sync(args: argparse.Namespace, work: Path) -> None:
         loading = rate([(l0, l1) for *_, l0, l1 in rows])
         sync_ms = statistics.median([(t1 - t0) * 1e3 for _, t0, t1, *_ in rows])
         load_ms = statistics.median([(l1 - l0) * 1e3 for *_, l0, l1 in rows])
-        print(f"| {way:<30} | {sync_ms:>13.1f} | {load_ms:>13.1f} | {before:>14.0f} | "
-              f"{during:>19.0f} | {during / before:>15.0%} | {loading:>19.0f} | "
-              f"{loading / before:>20.0%} |")  # fmt: skip
+        print(
+            f"| {way:<30} | {sync_ms:>13.1f} | {load_ms:>13.1f} | {before:>14.0f} | "
+            f"{during:>19.0f} | {during / before:>15.0%} | {loading:>19.0f} | "
+            f"{loading / before:>20.0%} |"
+        )
 
 
 # -- (b) N runs sharing two replicas, against each run alone -------------------------------------
@@ -330,36 +357,51 @@ async def part_sweep(args: argparse.Namespace, work: Path) -> None:
     counts = sorted({int(n) for n in args.runs.split(",")})
     model = make_tiny_model(work / "model")
     staleness = recipe()["trainer"]["max_staleness"]
-    serve = tiny_serve_config(model, replicas=2, runs=max(counts), max_staleness=staleness,
-                              log_dir=str(work / "logs"), max_model_len=512,
-                              transports=(str(work / "runs"),),
-                              adapter_cache_dir=str(work / "replica-cache"))  # fmt: skip
+    serve = tiny_serve_config(
+        model,
+        replicas=2,
+        runs=max(counts),
+        max_staleness=staleness,
+        log_dir=str(work / "logs"),
+        max_model_len=512,
+        transports=(str(work / "runs"),),
+        adapter_cache_dir=str(work / "replica-cache"),
+    )
     rows = []
     async with launch_replicas(serve) as replicas:
         with proxy_process([r.url for r in replicas], work / "proxy.log") as url:
             alone: list[dict[str, float]] = []
             for seed in range(max(counts)):  # each point alone on the two replicas
                 cfg = run_config(work, model, url, f"alone-{seed}", seed, args.steps)
-                alone.append(measure(await train_together([cfg], work),
-                                     args.warmup_steps))  # fmt: skip
+                alone.append(measure(await train_together([cfg], work), args.warmup_steps))
                 print(f"alone seed {seed}: {alone[-1]}", flush=True)
             for n in counts:
                 if n == 1:
                     shared = alone[0]
                 else:
-                    cfgs = [run_config(work, model, url, f"shared{n}-{seed}", seed, args.steps)
-                            for seed in range(n)]  # fmt: skip
+                    cfgs = [
+                        run_config(work, model, url, f"shared{n}-{seed}", seed, args.steps)
+                        for seed in range(n)
+                    ]
                     runs = await train_together(cfgs, work)
                     shared = measure(runs, args.warmup_steps)
                     print(f"{n} shared: {shared}", flush=True)
                 own = alone[:n]
-                rows.append((n, shared, sum(a["total"] for a in own),
-                             statistics.median(a["step"] for a in own)))  # fmt: skip
-    print(f"\n(b) the demo recipe (examples/tiny_cpu.yaml: tiny model, 32 samples/step, G=8, "
-          f"max_staleness {staleness}, a sync every step), {args.steps} steps per run, {args.warmup_steps} warm-up steps left out; "
-          "shared: N `asyncgrpo train` processes at once through one proxy process in front of "
-          "2 float32 vLLM replicas; own fleets: each of the N runs alone on those 2 replicas, one "
-          "after the other (what N fleets of 2 replicas would give)")  # fmt: skip
+                rows.append(
+                    (
+                        n,
+                        shared,
+                        sum(a["total"] for a in own),
+                        statistics.median(a["step"] for a in own),
+                    )
+                )
+    print(
+        f"\n(b) the demo recipe (examples/tiny_cpu.yaml: tiny model, 32 samples/step, G=8, "
+        f"max_staleness {staleness}, a sync every step), {args.steps} steps per run, {args.warmup_steps} warm-up steps left out; "
+        "shared: N `asyncgrpo train` processes at once through one proxy process in front of "
+        "2 float32 vLLM replicas; own fleets: each of the N runs alone on those 2 replicas, one "
+        "after the other (what N fleets of 2 replicas would give)"
+    )
     print(
         "| runs | replicas shared | total tok/s | per-run median step s | slowest/fastest run "
         "| Jain | replicas own fleets | total tok/s own fleets | median step s own fleets |"
@@ -369,9 +411,11 @@ async def part_sweep(args: argparse.Namespace, work: Path) -> None:
         "|------|---------------------|------------------------|--------------------------|"
     )
     for n, shared, own_total, own_step in rows:
-        print(f"| {n:>4} | {2:>15} | {shared['total']:>11.0f} | {shared['step']:>21.2f} | "
-              f"{shared['min_max']:>19.2f} | {shared['jain']:>4.2f} | {2 * n:>19} | "
-              f"{own_total:>22.0f} | {own_step:>24.2f} |")  # fmt: skip
+        print(
+            f"| {n:>4} | {2:>15} | {shared['total']:>11.0f} | {shared['step']:>21.2f} | "
+            f"{shared['min_max']:>19.2f} | {shared['jain']:>4.2f} | {2 * n:>19} | "
+            f"{own_total:>22.0f} | {own_step:>24.2f} |"
+        )
 
 
 # -- main ------------------------------------------------------------------------------------------

@@ -36,8 +36,13 @@ from transport import pct, start_moto, write_adapter
 ROUNDS, WARMUP = 20, 2
 BUCKET = "bench-bucket"  # start_moto creates it
 S3_ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"}
-PARTS_KEYS = ("perf/weight_sync_s", "perf/weight_sync/publish_s", "perf/weight_sync/fetch_s",
-              "perf/weight_sync/load_s", "perf/weight_sync/unload_s")  # fmt: skip
+PARTS_KEYS = (
+    "perf/weight_sync_s",
+    "perf/weight_sync/publish_s",
+    "perf/weight_sync/fetch_s",
+    "perf/weight_sync/load_s",
+    "perf/weight_sync/unload_s",
+)
 
 
 def row(label: str, seconds: list[float]) -> str:
@@ -58,9 +63,13 @@ async def part_a(args: argparse.Namespace, work: Path, s3_url: str) -> None:
     adapter = make_lora_adapter(model, work / "adapter", r=1, alpha=2)
     shared = work / "shared"
     serve = tiny_serve_config(
-        model, replicas=2, log_dir=str(work / "logs"), transports=(str(shared), s3_url),
-        adapter_cache_dir=str(work / "replica-cache"), max_staleness=1,
-    )  # fmt: skip
+        model,
+        replicas=2,
+        log_dir=str(work / "logs"),
+        transports=(str(shared), s3_url),
+        adapter_cache_dir=str(work / "replica-cache"),
+        max_staleness=1,
+    )
     async with launch_replicas(serve) as replicas:
         proxy_cfg = ProxyConfig(
             upstreams=tuple(r.url for r in replicas), port=0, lora_roots=(str(work / "cache"),)
@@ -74,10 +83,15 @@ async def part_a(args: argparse.Namespace, work: Path, s3_url: str) -> None:
                 "fetch, S3 loopback": (s3_store, TransportSource(s3_store), True),
             }
             syncs = {
-                label: AdapterSync(store=store, source=source, prefix=f"bench{i}",
-                                   loader=ProxyLoader(client, fetching=fetching), max_staleness=1)
+                label: AdapterSync(
+                    store=store,
+                    source=source,
+                    prefix=f"bench{i}",
+                    loader=ProxyLoader(client, fetching=fetching),
+                    max_staleness=1,
+                )
                 for i, (label, (store, source, fetching)) in enumerate(variants.items())
-            }  # fmt: skip
+            }
             results: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
             try:
                 for i in range(args.warmup + args.rounds):
@@ -89,8 +103,10 @@ async def part_a(args: argparse.Namespace, work: Path, s3_url: str) -> None:
             finally:
                 for sync in syncs.values():
                     await sync.unload_all()
-    print(f"\n(a) one sync end to end, tiny model, 2 float32 vLLM replicas behind the proxy, "
-          f"{args.rounds} syncs per variant after {args.warmup} warm-up, in turns")  # fmt: skip
+    print(
+        f"\n(a) one sync end to end, tiny model, 2 float32 vLLM replicas behind the proxy, "
+        f"{args.rounds} syncs per variant after {args.warmup} warm-up, in turns"
+    )
     print(f"| {'variant / phase':<34} | {'p50 ms':>8} | {'p95 ms':>8} |")
     print(f"|{'-' * 36}|{'-' * 10}|{'-' * 10}|")
     for label, parts in results.items():
@@ -130,15 +146,19 @@ async def part_b(args: argparse.Namespace, work: Path, s3_url: str) -> None:
                 results.setdefault(f"{label}: publish", []).append(t1 - t0)
                 results.setdefault(f"{label}: 2 replicas fetch+verify", []).append(t2 - t1)
                 results.setdefault(f"{label}: publish + fetch", []).append(t2 - t0)
-    print(f"\n(b) Qwen2.5-1.5B-shaped LoRA r=1 all-linear ({size / 1e6:.2f} MB), "
-          f"publish then two replica-side fetchers at once, {args.rounds} rounds")  # fmt: skip
+    print(
+        f"\n(b) Qwen2.5-1.5B-shaped LoRA r=1 all-linear ({size / 1e6:.2f} MB), "
+        f"publish then two replica-side fetchers at once, {args.rounds} rounds"
+    )
     print(f"| {'variant / phase':<34} | {'p50 ms':>8} | {'p95 ms':>8} |")
     print(f"|{'-' * 36}|{'-' * 10}|{'-' * 10}|")
     for label, seconds in results.items():
         print(row(label, seconds))
-    print("(loading it needs Qwen2.5-1.5B in two vLLM replicas: ~2x3 GB bf16 plus KV on a 2-core "
-          "CPU host, not run here; the load itself is vLLM's ~15 ms per adapter on the tiny "
-          "model, see (a))")  # fmt: skip
+    print(
+        "(loading it needs Qwen2.5-1.5B in two vLLM replicas: ~2x3 GB bf16 plus KV on a 2-core "
+        "CPU host, not run here; the load itself is vLLM's ~15 ms per adapter on the tiny "
+        "model, see (a))"
+    )
 
 
 async def run(args: argparse.Namespace) -> None:

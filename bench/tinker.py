@@ -75,9 +75,17 @@ def make_samples(n: int, g: int, vocab: int) -> list[Sample]:
     for k in range(0, n, g):
         prompt = rng.integers(0, vocab, PROMPT).tolist()
         for _ in range(g):
-            out.append(Sample(prompt_ids=prompt, completion_ids=rng.integers(0, vocab, COMPLETION).tolist(),
-                              logprobs=(-rng.uniform(4, 7, COMPLETION)).tolist(), reward=0.0,
-                              advantage=float(rng.uniform(-1, 1)), version=0, group_id=f"g{k}"))  # fmt: skip
+            out.append(
+                Sample(
+                    prompt_ids=prompt,
+                    completion_ids=rng.integers(0, vocab, COMPLETION).tolist(),
+                    logprobs=(-rng.uniform(4, 7, COMPLETION)).tolist(),
+                    reward=0.0,
+                    advantage=float(rng.uniform(-1, 1)),
+                    version=0,
+                    group_id=f"g{k}",
+                )
+            )
     return out
 
 
@@ -89,8 +97,9 @@ def arrays(s: Sample) -> tuple[list[int], list[int], list[float], list[float]]:
     return full[:-1], full[1:], pad + list(s.logprobs), pad + adv
 
 
-async def _proxy_rate(url: str, model: str, prompt: list[int], n: int, calls: int,
-                      concurrency: int) -> float:  # fmt: skip
+async def _proxy_rate(
+    url: str, model: str, prompt: list[int], n: int, calls: int, concurrency: int
+) -> float:
     import aiohttp
     import anyio
 
@@ -124,12 +133,17 @@ def sampling(model: Path, rounds: int, calls: int = 32, n: int = 4, concurrency:
 
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]
     with start_blocking_portal() as portal, contextlib.ExitStack() as stack:
-        replicas = stack.enter_context(portal.wrap_async_context_manager(
-            launch_replicas(tiny_serve_config(model, replicas=2))))  # fmt: skip
-        proxy = stack.enter_context(portal.wrap_async_context_manager(serve_proxy(
-            ProxyConfig(upstreams=tuple(r.url for r in replicas), port=0))))  # fmt: skip
-        config = TinkerConfig(model=str(model), port=0, dtype="float32", proxy_url=proxy,
-                              work_dir=tempfile.mkdtemp())  # fmt: skip
+        replicas = stack.enter_context(
+            portal.wrap_async_context_manager(launch_replicas(tiny_serve_config(model, replicas=2)))
+        )
+        proxy = stack.enter_context(
+            portal.wrap_async_context_manager(
+                serve_proxy(ProxyConfig(upstreams=tuple(r.url for r in replicas), port=0))
+            )
+        )
+        config = TinkerConfig(
+            model=str(model), port=0, dtype="float32", proxy_url=proxy, work_dir=tempfile.mkdtemp()
+        )
         url = stack.enter_context(portal.wrap_async_context_manager(serve_tinker(config)))
         service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
         sampler = service.create_sampling_client(base_model=str(model)).result()
@@ -150,8 +164,9 @@ def sampling(model: Path, rounds: int, calls: int = 32, n: int = 4, concurrency:
 
         rates: dict[str, list[float]] = {"proxy": [], "sdk": []}
         for _ in range(rounds + 1):  # the first round warms up
-            rates["proxy"].append(portal.call(_proxy_rate, proxy, str(model), prompt, n, calls,
-                                              concurrency))  # fmt: skip
+            rates["proxy"].append(
+                portal.call(_proxy_rate, proxy, str(model), prompt, n, calls, concurrency)
+            )
             rates["sdk"].append(sdk_rate())
         service.close("success").result()
     print(f"\nsample: {calls} calls of n={n}, {concurrency} in flight, 16 tokens, {rounds} rounds")
@@ -181,20 +196,34 @@ def _native(model: Path, urls: list[str], out: Path, steps: int) -> list[dict[st
     from asyncgrpo.run.training import run_training
 
     example = Path(__file__).resolve().parent.parent / "examples" / "tiny_cpu.yaml"
-    cfg = TrainingConfig.from_yaml(example, [
-        f"model={model}", f"output_dir={out}", "run_name=native", f"trainer.max_steps={steps}",
-        "trainer.save_steps=0", "serve.replicas=0", f"proxy.upstreams=[{','.join(urls)}]",
-        "eval=null",
-    ])  # fmt: skip
+    cfg = TrainingConfig.from_yaml(
+        example,
+        [
+            f"model={model}",
+            f"output_dir={out}",
+            "run_name=native",
+            f"trainer.max_steps={steps}",
+            "trainer.save_steps=0",
+            "serve.replicas=0",
+            f"proxy.upstreams=[{','.join(urls)}]",
+            "eval=null",
+        ],
+    )
     result = anyio.run(run_training, cfg)
     rows = []
     for r in read_metrics(result.run_dir):
         if "perf/step_s" not in r:
             continue
-        rows.append({"step": r["perf/step_s"], "forward_backward": r["perf/fwd_bwd_s"],
-                     "optim_step": r["perf/train_step_s"] - r["perf/fwd_bwd_s"],
-                     "publish+load": r.get("perf/weight_sync_s", math.nan),
-                     "sample": r["perf/rollout_wait_s"], "reward": r.get("reward", math.nan)})  # fmt: skip
+        rows.append(
+            {
+                "step": r["perf/step_s"],
+                "forward_backward": r["perf/fwd_bwd_s"],
+                "optim_step": r["perf/train_step_s"] - r["perf/fwd_bwd_s"],
+                "publish+load": r.get("perf/weight_sync_s", math.nan),
+                "sample": r["perf/rollout_wait_s"],
+                "reward": r.get("reward", math.nan),
+            }
+        )
     return rows
 
 
@@ -218,8 +247,9 @@ def _sdk(base_url: str, model: Path, steps: int) -> list[dict[str, float]]:
         texts = [ex.PROMPTS[(step * groups + i) % len(ex.PROMPTS)] for i in range(groups)]
         prompts = [tokenizer.encode(t) for t in texts]
         params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=step)
-        futures = [sampler.sample(types.ModelInput.from_ints(p), group_size, params)
-                   for p in prompts]  # fmt: skip
+        futures = [
+            sampler.sample(types.ModelInput.from_ints(p), group_size, params) for p in prompts
+        ]
         results = [f.result().sequences for f in futures]
         t2 = time.perf_counter()
         data, rewards = [], []
@@ -251,15 +281,27 @@ def loop(model: Path, steps: int) -> None:
 
     out = Path(tempfile.mkdtemp())
     with start_blocking_portal() as portal, contextlib.ExitStack() as stack:
-        serve = tiny_serve_config(model, replicas=2, max_staleness=4, runs=2,
-                                  transports=(str(out),), log_dir=str(out / "replica-logs"),
-                                  adapter_cache_dir=str(out / "replica-adapters"))  # fmt: skip
+        serve = tiny_serve_config(
+            model,
+            replicas=2,
+            max_staleness=4,
+            runs=2,
+            transports=(str(out),),
+            log_dir=str(out / "replica-logs"),
+            adapter_cache_dir=str(out / "replica-adapters"),
+        )
         replicas = stack.enter_context(portal.wrap_async_context_manager(launch_replicas(serve)))
         urls = [r.url for r in replicas]
         native = _native(model, urls, out / "runs", steps)
-        config = TinkerConfig(model=str(model), port=0, dtype="float32", lora_alpha=2.0,
-                              upstreams=tuple(urls), work_dir=str(out / "tinker"),
-                              max_lora_rank=8)  # fmt: skip
+        config = TinkerConfig(
+            model=str(model),
+            port=0,
+            dtype="float32",
+            lora_alpha=2.0,
+            upstreams=tuple(urls),
+            work_dir=str(out / "tinker"),
+            max_lora_rank=8,
+        )
         url = stack.enter_context(portal.wrap_async_context_manager(serve_tinker(config)))
         sdk = _sdk(url, model, steps)
     parts = ["step", "forward_backward", "optim_step", "publish+load", "sample"]
@@ -284,23 +326,48 @@ def main() -> None:
 
     model = make_tiny_model(Path(tempfile.mkdtemp()) / "model")
     samples = make_samples(args.samples, G, 300)
-    trainer = Trainer(model, lora=LoraConfig(r=1), seed=0,
-                      trainer=TrainerConfig(learning_rate=LR, samples_per_step=args.samples,
-                                            dtype="float32"))  # fmt: skip
+    trainer = Trainer(
+        model,
+        lora=LoraConfig(r=1),
+        seed=0,
+        trainer=TrainerConfig(learning_rate=LR, samples_per_step=args.samples, dtype="float32"),
+    )
     engine = Engine(model, dtype="float32", lora_alpha=2.0)
     engine.create("bench", LoraSpec(rank=1, seed=0, train_mlp=True, train_attn=True))
-    wire = [WireDatum(tokens=np.asarray(i), inputs={"target_tokens": np.asarray(t),
-                      "logprobs": np.asarray(q, np.float32), "advantages": np.asarray(a, np.float32)})
-            for i, t, q, a in map(arrays, samples)]  # fmt: skip
-    request = FwdBwdRequest(model_id="bench", seq_id=1, loss_fn="importance_sampling",
-                            loss_fn_config={}, forward_only=False, data=wire)  # fmt: skip
+    wire = [
+        WireDatum(
+            tokens=np.asarray(i),
+            inputs={
+                "target_tokens": np.asarray(t),
+                "logprobs": np.asarray(q, np.float32),
+                "advantages": np.asarray(a, np.float32),
+            },
+        )
+        for i, t, q, a in map(arrays, samples)
+    ]
+    request = FwdBwdRequest(
+        model_id="bench",
+        seq_id=1,
+        loss_fn="importance_sampling",
+        loss_fn_config={},
+        forward_only=False,
+        data=wire,
+    )
     singles = [dataclasses.replace(request, data=[d]) for d in wire]
-    step = AdamStep(learning_rate=LR, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
-                    grad_clip_norm=0.0)  # fmt: skip
-    data = [types.Datum(model_input=types.ModelInput.from_ints(i),
-                        loss_fn_inputs={"target_tokens": t, "logprobs": TensorData(data=q, dtype="float32"),
-                                        "advantages": TensorData(data=a, dtype="float32")})
-            for i, t, q, a in map(arrays, samples)]  # fmt: skip
+    step = AdamStep(
+        learning_rate=LR, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0
+    )
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(i),
+            loss_fn_inputs={
+                "target_tokens": t,
+                "logprobs": TensorData(data=q, dtype="float32"),
+                "advantages": TensorData(data=a, dtype="float32"),
+            },
+        )
+        for i, t, q, a in map(arrays, samples)
+    ]
     adam = types.AdamParams(learning_rate=LR, eps=1e-8)
     config = TinkerConfig(model=str(model), port=0, dtype="float32", lora_alpha=2.0)
     with (
@@ -312,11 +379,15 @@ def main() -> None:
         variants = {
             "native": lambda: trainer.step(samples),
             "engine": lambda: (engine.forward_backward(request), engine.optim_step("bench", step)),
-            "per-datum": lambda: ([engine.forward_backward(r) for r in singles],
-                                  engine.optim_step("bench", step)),
-            "sdk": lambda: (client.forward_backward(data, "importance_sampling").result(),
-                            client.optim_step(adam).result()),
-        }  # fmt: skip
+            "per-datum": lambda: (
+                [engine.forward_backward(r) for r in singles],
+                engine.optim_step("bench", step),
+            ),
+            "sdk": lambda: (
+                client.forward_backward(data, "importance_sampling").result(),
+                client.optim_step(adam).result(),
+            ),
+        }
         times: dict[str, list[float]] = {k: [] for k in variants}
         for _ in range(args.rounds + 1):  # the first round warms up
             for name, run in variants.items():

@@ -45,8 +45,13 @@ def _start(
         env["OMP_NUM_THREADS"] = str(threads)
     log = work / "service.log"
     with log.open("w") as sink:
-        job = subprocess.Popen([sys.executable, *args], stdout=sink, stderr=subprocess.STDOUT,
-                               env=env, start_new_session=True)  # fmt: skip
+        job = subprocess.Popen(
+            [sys.executable, *args],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         for line in log.read_text().splitlines():
@@ -64,10 +69,13 @@ def _batch(datums: int, length: int, vocab: int) -> list:
     rng = np.random.default_rng(0)
     out = []
     for _ in range(datums):
-        inputs = {"target_tokens": rng.integers(0, vocab, length).tolist(),
-                  "logprobs": TensorData.from_numpy(-rng.uniform(4, 7, length).astype(np.float32)),
-                  "advantages": TensorData.from_numpy(np.full(length, rng.uniform(-1, 1),
-                                                              dtype=np.float32))}  # fmt: skip
+        inputs = {
+            "target_tokens": rng.integers(0, vocab, length).tolist(),
+            "logprobs": TensorData.from_numpy(-rng.uniform(4, 7, length).astype(np.float32)),
+            "advantages": TensorData.from_numpy(
+                np.full(length, rng.uniform(-1, 1), dtype=np.float32)
+            ),
+        }
         ids = rng.integers(0, vocab, length).tolist()
         out.append(types.Datum(model_input=types.ModelInput.from_ints(ids), loss_fn_inputs=inputs))
     return out
@@ -105,19 +113,29 @@ def main() -> None:
     parser.add_argument("--datums", type=int, default=32)
     parser.add_argument("--length", type=int, default=128, help="tokens per datum")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="torch threads of the 1-process variant")  # fmt: skip
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads of the 1-process variant",
+    )
     parser.add_argument("--hidden-size", type=int, default=128, help="of the tiny model")
     parser.add_argument("--layers", type=int, default=2, help="of the tiny model")
     args = parser.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     os.environ.setdefault("TINKER_API_KEY", "tml-loopback-bench")
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny_model(Path(tmp) / "model", hidden_size=args.hidden_size,
-                                num_layers=args.layers, num_heads=args.hidden_size // 64)  # fmt: skip
+        model = make_tiny_model(
+            Path(tmp) / "model",
+            hidden_size=args.hidden_size,
+            num_layers=args.layers,
+            num_heads=args.hidden_size // 64,
+        )
         data = _batch(args.datums, args.length, vocab=384)
-        print(f"{args.datums} datums x {args.length} tokens, hidden {args.hidden_size}, "
-              f"{args.layers} layers, {os.cpu_count()} cores; s per forward_backward+optim_step")  # fmt: skip
+        print(
+            f"{args.datums} datums x {args.length} tokens, hidden {args.hidden_size}, "
+            f"{args.layers} layers, {os.cpu_count()} cores; s per forward_backward+optim_step"
+        )
         variants = [(1, args.threads), (1, 1), (args.ranks, None)]
         for ranks, threads in dict.fromkeys(variants):
             times = _variant(model, ranks, threads, data, args.rounds)

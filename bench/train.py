@@ -196,9 +196,13 @@ def run_asyncgrpo(
         "checkpoint": mean("perf/checkpoint_s"),
     }
     row["parts"]["other"] = statistics.fmean(step_s) - sum(row["parts"].values())
-    row["gen_tok_s"] = statistics.fmean(
-        r["rollout/generated_tok_s"] for r in records if r.get("rollout/generated_tok_s")
-    ) if any(r.get("rollout/generated_tok_s") for r in records) else math.nan  # fmt: skip
+    row["gen_tok_s"] = (
+        statistics.fmean(
+            r["rollout/generated_tok_s"] for r in records if r.get("rollout/generated_tok_s")
+        )
+        if any(r.get("rollout/generated_tok_s") for r in records)
+        else math.nan
+    )
     row["config"] = cfg
     return row
 

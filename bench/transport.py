@@ -132,9 +132,13 @@ async def run(args: argparse.Namespace) -> None:
             proc, endpoint = start_moto()
             servers.callback(lambda: (proc.terminate(), proc.wait(10)))
             s3 = S3Transport(
-                CONTAINER, "bench", endpoint=endpoint, region="us-east-1",
-                access_key_id="bench", secret_access_key="bench",
-            )  # fmt: skip
+                CONTAINER,
+                "bench",
+                endpoint=endpoint,
+                region="us-east-1",
+                access_key_id="bench",
+                secret_access_key="bench",
+            )
             variants.append(("s3 (moto)", s3))
         if "azure" in backends:
             conn = servers.enter_context(azurite(EMULATORS, CONTAINER))

@@ -75,8 +75,10 @@ class ReplicaStarts:
             else:
                 by_test[nodeid] += 1
         total_s = sum(self.healthy_s.values())
-        lines = [f"vLLM replica starts: {len(self.spawned)} ({total_s:.0f} s from spawn to "
-                 f"healthy, summed; journal {self.path})"]  # fmt: skip
+        lines = [
+            f"vLLM replica starts: {len(self.spawned)} ({total_s:.0f} s from spawn to "
+            f"healthy, summed; journal {self.path})"
+        ]
         for module, count in sorted(by_module.items(), key=lambda kv: (-kv[1], kv[0])):
             fixtures = f", {in_setup[module]} by fixtures" if in_setup[module] else ""
             lines.append(f"  {count:3d}  {module}{fixtures}")
@@ -247,6 +249,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 return f"{pid} ({' '.join(psutil.Process(pid).cmdline())[:300]})"
             return f"{pid} (gone)"
 
-        print("\nERROR: vLLM processes outlived the test session: "
-              + "; ".join(map(described, orphans)))  # fmt: skip
+        print(
+            "\nERROR: vLLM processes outlived the test session: "
+            + "; ".join(map(described, orphans))
+        )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

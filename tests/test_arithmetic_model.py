@@ -79,8 +79,11 @@ def test_reduced_build_loads_in_transformers_and_peft_with_its_chat_template(
     config = AutoConfig.from_pretrained(reduced_model)
     assert config.model_type == "qwen2" and config.hidden_size // config.num_attention_heads == 64
     tok = AutoTokenizer.from_pretrained(reduced_model)
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 47 + 85?"}],
-                                   add_generation_prompt=True, tokenize=False)  # fmt: skip
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 47 + 85?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     assert text == A.chat_prompt("What is 47 + 85?")
     assert text == "<|im_start|>user\nWhat is 47 + 85?<|im_end|>\n<|im_start|>assistant\n"
     assert tok.tokenize("1234") == ["1", "2", "3", "4"]  # a digit is a token
@@ -128,17 +131,30 @@ async def test_a_vllm_replica_serves_the_reduced_build_with_a_lora_adapter(
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(reduced_model)
-    prompt = tok(tok.apply_chat_template([{"role": "user", "content": "What is 47 + 85?"}],
-                                         add_generation_prompt=True, tokenize=False),
-                 add_special_tokens=False)["input_ids"]  # fmt: skip
-    config = tiny_serve_config(reduced_model, replicas=1, max_model_len=256,
-                               log_dir=str(tmp_path / "logs"))  # fmt: skip
+    prompt = tok(
+        tok.apply_chat_template(
+            [{"role": "user", "content": "What is 47 + 85?"}],
+            add_generation_prompt=True,
+            tokenize=False,
+        ),
+        add_special_tokens=False,
+    )["input_ids"]
+    config = tiny_serve_config(
+        reduced_model, replicas=1, max_model_len=256, log_dir=str(tmp_path / "logs")
+    )
     async with launch_replicas(config) as replicas, VLLMClient(replicas[0].url) as client:
         await client.load_lora_adapter("arith", str(adapter))
         body = await client.completions(
-            {"model": "arith", "prompt": prompt, "max_tokens": 12, "temperature": 1.0,
-             "logprobs": 0, "return_token_ids": True, "seed": 0}
-        )  # fmt: skip
+            {
+                "model": "arith",
+                "prompt": prompt,
+                "max_tokens": 12,
+                "temperature": 1.0,
+                "logprobs": 0,
+                "return_token_ids": True,
+                "seed": 0,
+            }
+        )
     choice = body["choices"][0]
     tokens, served = choice["token_ids"], choice["logprobs"]["token_logprobs"]
     assert len(tokens) == len(served) > 0

@@ -27,10 +27,21 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_a_short_run_under_faults_loses_nothing(tmp_path: Path) -> None:
     out = tmp_path / "chaos"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "chaos.py"), "--short", "--seed", "0",
-         "--out", str(out), "--timeout-min", "12"],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "bench" / "chaos.py"),
+            "--short",
+            "--seed",
+            "0",
+            "--out",
+            str(out),
+            "--timeout-min",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     log = done.stdout[-6000:] + done.stderr[-3000:]
     assert done.returncode == 0, log
     result = json.loads((out / "chaos-seed0" / "result.json").read_text())

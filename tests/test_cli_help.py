@@ -31,8 +31,13 @@ STARTS_REPLICAS = {"demo", "train", "rollout", "launch", "eval", "check-serving"
 
 
 def _help(*command: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "asyncgrpo", *command, "--help"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncgrpo", *command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -78,8 +83,9 @@ def ran(scratch: Path) -> Ran:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
 
     def run(words: list[str]) -> subprocess.CompletedProcess:
-        return subprocess.run(words, cwd=scratch, env=env, capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
+        return subprocess.run(
+            words, cwd=scratch, env=env, capture_output=True, text=True, timeout=300
+        )
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         texts = dict(zip(COMMANDS, pool.map(lambda c: _help(c), COMMANDS), strict=True))
@@ -120,8 +126,10 @@ def test_the_option_help_of_check_serving_says_what_output_dir_holds() -> None:
 
 def test_the_top_level_help_names_every_backend_of_launch() -> None:
     text = _help()
-    for line in (text[text.index("- asyncgrpo launch ") :].split("\n- asyncgrpo eval")[0],
-                 text[text.index("    launch ") :].split("\n    eval")[0]):  # fmt: skip
+    for line in (
+        text[text.index("- asyncgrpo launch ") :].split("\n- asyncgrpo eval")[0],
+        text[text.index("    launch ") :].split("\n    eval")[0],
+    ):
         assert all(name in line for name in ("Hugging Face Jobs", "Ray", "SkyPilot", "local")), line
 
 
@@ -153,17 +161,24 @@ def test_the_readme_commands_run_as_typed_after_the_line_that_says_how_they_are_
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     (tmp_path / ".venv").symlink_to(Path(sys.prefix))
     script = "\n".join(
-        ["set -e", *(f"{c} --dry-run" if c.startswith("asyncgrpo train") and "--dry-run" not in c
-                     else c for c in commands)]
-    )  # fmt: skip
+        [
+            "set -e",
+            *(
+                f"{c} --dry-run" if c.startswith("asyncgrpo train") and "--dry-run" not in c else c
+                for c in commands
+            ),
+        ]
+    )
     bare = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     bare["PATH"] = "/usr/local/bin:/usr/bin:/bin"
-    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=bare, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, env=bare, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.count("recipe OK") == 2
     assert (tmp_path / "runs" / "tiny-model" / "config.json").is_file()
     # without the line, as the newcomer typed them: neither is found
-    unfound = subprocess.run(["bash", "-c", "asyncgrpo --help"], cwd=tmp_path, env=bare,
-                             capture_output=True, text=True)  # fmt: skip
+    unfound = subprocess.run(
+        ["bash", "-c", "asyncgrpo --help"], cwd=tmp_path, env=bare, capture_output=True, text=True
+    )
     assert unfound.returncode == 127

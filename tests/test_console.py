@@ -59,10 +59,10 @@ def test_help_text_shows_what_a_user_types_not_rest_markup(capsys: pytest.Captur
     from asyncgrpo.cli.main import main
     from asyncgrpo.console import plain_help
 
-    assert plain_help("``asyncgrpo plot RUN_DIR``: see :mod:`asyncgrpo.run.progress`, "
-                      ":func:`~asyncgrpo.run.training.run_training`") == (
-        "asyncgrpo plot RUN_DIR: see asyncgrpo.run.progress, asyncgrpo.run.training.run_training"
-    )  # fmt: skip
+    assert plain_help(
+        "``asyncgrpo plot RUN_DIR``: see :mod:`asyncgrpo.run.progress`, "
+        ":func:`~asyncgrpo.run.training.run_training`"
+    ) == ("asyncgrpo plot RUN_DIR: see asyncgrpo.run.progress, asyncgrpo.run.training.run_training")
     for argv in (["--help"], ["launch", "--help"]):
         with pytest.raises(SystemExit):
             main(argv)
@@ -94,7 +94,12 @@ try:
 except KeyboardInterrupt:
     print("interrupted")
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "interrupted" and done.exists()

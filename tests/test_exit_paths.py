@@ -101,16 +101,19 @@ def test_train_config_error(tmp_path: Path, debug: bool) -> None:
 
 @pytest.mark.parametrize("env", [{}, DEBUG])
 def test_rollout_config_error(tmp_path: Path, env: dict[str, str]) -> None:
-    p = run([*ASYNCGRPO, "rollout", TINY_CONFIG, "generation.temperature=hot"], tmp_path,
-            _env(**env))  # fmt: skip
+    p = run(
+        [*ASYNCGRPO, "rollout", TINY_CONFIG, "generation.temperature=hot"], tmp_path, _env(**env)
+    )
     check(p, 2, "generation.temperature='hot': expected a number", debug=bool(env))
 
 
 @pytest.mark.parametrize("debug", [False, True])
 def test_launch_config_error(tmp_path: Path, debug: bool) -> None:
     flag = ["--debug"] if debug else []
-    p = run([*ASYNCGRPO, "launch", TINY_CONFIG, "--backend", "local", "--replicas", "0", *flag],
-            tmp_path)  # --debug after the subcommand works too  # fmt: skip
+    p = run(
+        [*ASYNCGRPO, "launch", TINY_CONFIG, "--backend", "local", "--replicas", "0", *flag],
+        tmp_path,
+    )  # --debug after the subcommand works too
     check(p, 2, "launch.replicas=0: set it to 1 or more", debug=debug)
 
 
@@ -199,16 +202,28 @@ def test_train_dry_run_refuses_an_unknown_transport_scheme(tmp_path: Path) -> No
 
 def test_serve_refuses_an_unknown_transport_scheme_before_vllm_starts(tmp_path: Path) -> None:
     started = time.monotonic()
-    p = run([*SERVE, "--model", str(tmp_path), "--transport", "ftp://x", "--log-dir",
-             str(tmp_path / "logs")], tmp_path, timeout=60)  # fmt: skip
+    p = run(
+        [
+            *SERVE,
+            "--model",
+            str(tmp_path),
+            "--transport",
+            "ftp://x",
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        tmp_path,
+        timeout=60,
+    )
     assert time.monotonic() - started < 5
     check(p, 2, "--transport: " + FTP)
     assert not (tmp_path / "logs").exists()  # no replica was started
 
 
 def test_launch_refuses_an_unknown_transport_scheme_before_any_job(tmp_path: Path) -> None:
-    p = run([*ASYNCGRPO, "launch", TINY_CONFIG, "--backend", "local", "transport_url=ftp://x"],
-            tmp_path)  # fmt: skip
+    p = run(
+        [*ASYNCGRPO, "launch", TINY_CONFIG, "--backend", "local", "transport_url=ftp://x"], tmp_path
+    )
     check(p, 2, "transport_url: " + FTP)
     assert not (tmp_path / "runs" / "tiny-cpu-launch").exists()
 
@@ -232,16 +247,24 @@ def test_the_arithmetic_recipe_in_a_fresh_directory_names_its_build_command(
     tmp_path: Path,
 ) -> None:
     p = run([*ASYNCGRPO, "train", str(REPO / "examples" / "arithmetic.yaml")], tmp_path)
-    check(p, 2, "model='runs/arithmetic-model': no such directory here",
-          "build the arithmetic test model there with "
-          "`python -m asyncgrpo.testing.arithmetic runs/arithmetic-model`")  # fmt: skip
+    check(
+        p,
+        2,
+        "model='runs/arithmetic-model': no such directory here",
+        "build the arithmetic test model there with "
+        "`python -m asyncgrpo.testing.arithmetic runs/arithmetic-model`",
+    )
     assert not (tmp_path / "runs" / "arithmetic").exists()  # nothing started
 
 
 def test_a_missing_model_of_ones_own_is_not_offered_the_tiny_model(tmp_path: Path) -> None:
     p = run([*ASYNCGRPO, "train", TINY_CONFIG, "model=models/my-qwen"], tmp_path)
-    line = check(p, 2, "model='models/my-qwen': no such directory here",
-                 "set model to an existing model directory or a Hugging Face id")  # fmt: skip
+    line = check(
+        p,
+        2,
+        "model='models/my-qwen': no such directory here",
+        "set model to an existing model directory or a Hugging Face id",
+    )
     assert "asyncgrpo.testing.tiny" not in line
 
 
@@ -269,34 +292,54 @@ def test_train_with_a_vllm_the_plugin_does_not_support(
     tmp_path: Path, tiny_model: Path, old_vllm: str, debug: bool
 ) -> None:
     flag = ["--debug"] if debug else []
-    p = run([*ASYNCGRPO, *flag, "train", TINY_CONFIG, f"model={tiny_model}"], tmp_path,
-            _env((old_vllm,)))  # fmt: skip
+    p = run(
+        [*ASYNCGRPO, *flag, "train", TINY_CONFIG, f"model={tiny_model}"],
+        tmp_path,
+        _env((old_vllm,)),
+    )
     check(p, 1, *OLD_VLLM_CAUSE, debug=debug)
 
 
 def test_rollout_with_a_vllm_the_plugin_does_not_support(
     tmp_path: Path, tiny_model: Path, old_vllm: str
 ) -> None:
-    p = run([*ASYNCGRPO, "rollout", TINY_CONFIG, f"model={tiny_model}"], tmp_path,
-            _env((old_vllm,)))  # fmt: skip
+    p = run(
+        [*ASYNCGRPO, "rollout", TINY_CONFIG, f"model={tiny_model}"], tmp_path, _env((old_vllm,))
+    )
     check(p, 1, *OLD_VLLM_CAUSE)
 
 
 def test_launch_fails_with_the_replica_jobs_own_line_before_the_trainer_starts(
     tmp_path: Path, tiny_model: Path, old_vllm: str
 ) -> None:
-    p = run([*ASYNCGRPO, "launch", TINY_CONFIG, "--backend", "local", "--poll-s", "0.5",
-             f"model={tiny_model}"], tmp_path, _env((old_vllm,)))  # fmt: skip
-    line = check(p, 1, "replica job tiny-cpu-replica-", "failed before it was healthy",
-                 *OLD_VLLM_CAUSE)  # fmt: skip
+    p = run(
+        [
+            *ASYNCGRPO,
+            "launch",
+            TINY_CONFIG,
+            "--backend",
+            "local",
+            "--poll-s",
+            "0.5",
+            f"model={tiny_model}",
+        ],
+        tmp_path,
+        _env((old_vllm,)),
+    )
+    line = check(
+        p, 1, "replica job tiny-cpu-replica-", "failed before it was healthy", *OLD_VLLM_CAUSE
+    )
     assert "trainer" not in line
     launch_dir = tmp_path / "runs" / "tiny-cpu-launch"
     assert not (launch_dir / "trainer").exists()  # the trainer job never started
 
 
 def test_demo_with_a_vllm_the_plugin_does_not_support(tmp_path: Path, old_vllm: str) -> None:
-    p = run([*ASYNCGRPO, "demo", "--output-dir", "out", "--max-steps", "1"], tmp_path,
-            _env((old_vllm,), **DEBUG))  # fmt: skip
+    p = run(
+        [*ASYNCGRPO, "demo", "--output-dir", "out", "--max-steps", "1"],
+        tmp_path,
+        _env((old_vllm,), **DEBUG),
+    )
     check(p, 1, *OLD_VLLM_CAUSE, debug=True)
 
 
@@ -307,11 +350,30 @@ def test_serve_quotes_vllms_root_cause_in_one_line(tmp_path: Path, tiny_model: P
     worker's own line from far above, and the log it names must still exist afterwards."""
     env = _env()
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the worker's own process
-    p = run([*SERVE, "--model", str(tiny_model), "--replicas", "1", "--kv-cache-gib", "100000",
-             "--log-dir", "logs"], tmp_path, env)  # fmt: skip
-    line = check(p, 1, "vLLM replica 0", "root cause: (Worker pid=",
-                 "ValueError: Available memory on node", "requested memory for kv (100000.0 GiB)",
-                 "full log: logs/replica-0.log")  # fmt: skip
+    p = run(
+        [
+            *SERVE,
+            "--model",
+            str(tiny_model),
+            "--replicas",
+            "1",
+            "--kv-cache-gib",
+            "100000",
+            "--log-dir",
+            "logs",
+        ],
+        tmp_path,
+        env,
+    )
+    line = check(
+        p,
+        1,
+        "vLLM replica 0",
+        "root cause: (Worker pid=",
+        "ValueError: Available memory on node",
+        "requested memory for kv (100000.0 GiB)",
+        "full log: logs/replica-0.log",
+    )
     assert "See root cause above" not in line  # the engine's pointer adds nothing
     log = tmp_path / "logs" / "replica-0.log"
     assert log.is_file()
@@ -322,10 +384,19 @@ def test_serve_quotes_vllms_root_cause_in_one_line(tmp_path: Path, tiny_model: P
 def test_check_serving_whose_replica_cannot_start(tmp_path: Path, old_vllm: str) -> None:
     """Its replicas load adapters by path (no plugin check): the stand-in vLLM has no API
     server, so the replica process itself exits and its own error is the line."""
-    p = run([*ASYNCGRPO, "--debug", "check-serving", "--replicas", "1", "--output-dir", "out"],
-            tmp_path, _env((old_vllm,)))  # fmt: skip
-    check(p, 1, "vLLM replica 0", "exited with code 1 before becoming healthy",
-          "root cause: ModuleNotFoundError: No module named 'vllm.entrypoints'", debug=True)  # fmt: skip
+    p = run(
+        [*ASYNCGRPO, "--debug", "check-serving", "--replicas", "1", "--output-dir", "out"],
+        tmp_path,
+        _env((old_vllm,)),
+    )
+    check(
+        p,
+        1,
+        "vLLM replica 0",
+        "exited with code 1 before becoming healthy",
+        "root cause: ModuleNotFoundError: No module named 'vllm.entrypoints'",
+        debug=True,
+    )
 
 
 # -- a failed sync: status 1 -------------------------------------------------------------------
@@ -336,9 +407,20 @@ def test_train_whose_adapter_vllm_refuses(
     tmp_path: Path, tiny_model: Path, vllm_replicas: list[Replica]
 ) -> None:
     """LoRA on lm_head: vLLM refuses to load the version, and the sync stops the run."""
-    p = run([*ASYNCGRPO, "train", TINY_CONFIG, f"model={tiny_model}", "serve.replicas=0",
-             f"proxy.upstreams=[{vllm_replicas[0].url}]", "lora.target_modules=[lm_head]",
-             f"transport_url={tmp_path / 'store'}", "trainer.max_steps=1",
-             "trainer.max_staleness=0"],  # the session replicas hold 4 adapters
-            tmp_path, timeout=600)  # fmt: skip
+    p = run(
+        [
+            *ASYNCGRPO,
+            "train",
+            TINY_CONFIG,
+            f"model={tiny_model}",
+            "serve.replicas=0",
+            f"proxy.upstreams=[{vllm_replicas[0].url}]",
+            "lora.target_modules=[lm_head]",
+            f"transport_url={tmp_path / 'store'}",
+            "trainer.max_steps=1",
+            "trainer.max_staleness=0",
+        ],  # the session replicas hold 4 adapters
+        tmp_path,
+        timeout=600,
+    )
     check(p, 1, "could not be loaded on every replica", "lm_head")

@@ -117,8 +117,10 @@ def test_replicas_on_other_hosts_fetch_every_version_from_s3(
     (trainer_dir / "secret.txt").write_text("only the trainer host has this")
     probe = subprocess.run(
         _hidden(["ls", "-A", str(trainer_dir)], [trainer_dir, rollout_dir]),
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert probe.stdout.strip() == "", "the replicas' namespace still sees the trainer's files"
 
     s3_port = free_port()
@@ -134,8 +136,12 @@ def test_replicas_on_other_hosts_fetch_every_version_from_s3(
     py = sys.executable
 
     with _processes() as procs:
-        moto = _start(procs, [py, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)],
-                      tmp_path / "s3" / "log.txt", env)  # fmt: skip
+        moto = _start(
+            procs,
+            [py, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)],
+            tmp_path / "s3" / "log.txt",
+            env,
+        )
         _wait_http(f"http://127.0.0.1:{s3_port}/moto-api/", 60, moto, tmp_path / "s3" / "log.txt")
         urllib.request.urlopen(
             urllib.request.Request(f"http://127.0.0.1:{s3_port}/{BUCKET}", method="PUT")
@@ -158,20 +164,49 @@ def test_replicas_on_other_hosts_fetch_every_version_from_s3(
         proxy_port = free_port()
         proxy_url = f"http://127.0.0.1:{proxy_port}"
         proxy_log = tmp_path / "proxy" / "log.txt"
-        proxy = _start(procs, [py, "-m", "asyncgrpo.proxy", "--port", str(proxy_port),
-                               "--load-deadline-s", "3",
-                               *(a for url, _, _ in replica_urls for a in ("--upstream", url))],
-                       proxy_log, env)  # fmt: skip
+        proxy = _start(
+            procs,
+            [
+                py,
+                "-m",
+                "asyncgrpo.proxy",
+                "--port",
+                str(proxy_port),
+                "--load-deadline-s",
+                "3",
+                *(a for url, _, _ in replica_urls for a in ("--upstream", url)),
+            ],
+            proxy_log,
+            env,
+        )
         _wait_http(proxy_url + "/health", 60, proxy, proxy_log)
 
         # -- the old way: a path on the trainer's disk reaches no replica ----------------------
-        path_cfg = _config(trainer_dir / "path.yaml", tiny_model, trainer_dir / "path-run",
-                           proxy_url, max_steps=2, max_staleness=1)  # fmt: skip
+        path_cfg = _config(
+            trainer_dir / "path.yaml",
+            tiny_model,
+            trainer_dir / "path-run",
+            proxy_url,
+            max_steps=2,
+            max_staleness=1,
+        )
         failed = subprocess.run(
-            [py, "-m", "asyncgrpo.cli.main", "train", str(path_cfg), "serve.adapter_delivery=path",
-             "proxy.load_deadline_s=3", f"transport_url=s3://{BUCKET}/path-run"],
-            capture_output=True, text=True, timeout=600, env=env, cwd=trainer_dir,
-        )  # fmt: skip
+            [
+                py,
+                "-m",
+                "asyncgrpo.cli.main",
+                "train",
+                str(path_cfg),
+                "serve.adapter_delivery=path",
+                "proxy.load_deadline_s=3",
+                f"transport_url=s3://{BUCKET}/path-run",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+            cwd=trainer_dir,
+        )
         assert failed.returncode != 0
         assert "could not be loaded on every replica" in failed.stderr, failed.stderr[-3000:]
 
@@ -179,12 +214,20 @@ def test_replicas_on_other_hosts_fetch_every_version_from_s3(
         steps = {"max_steps": 6, "weight_sync_steps": 2, "max_staleness": 1, "save_steps": 0}
         t_cfg = _config(trainer_dir / "run.yaml", tiny_model, trainer_dir, proxy_url, **steps)
         r_cfg = _config(rollout_dir / "run.yaml", tiny_model, rollout_dir, proxy_url, **steps)
-        rollout = _start(procs, [py, "-m", "asyncgrpo.cli.main", "rollout", str(r_cfg)],
-                         rollout_dir / "log.txt", env)  # fmt: skip
+        rollout = _start(
+            procs,
+            [py, "-m", "asyncgrpo.cli.main", "rollout", str(r_cfg)],
+            rollout_dir / "log.txt",
+            env,
+        )
         trainer = subprocess.run(
             [py, "-m", "asyncgrpo.cli.main", "train", str(t_cfg), "--remote-rollouts"],
-            capture_output=True, text=True, timeout=900, env=env, cwd=trainer_dir,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=env,
+            cwd=trainer_dir,
+        )
         assert trainer.returncode == 0, trainer.stderr[-4000:]
         assert rollout.wait(timeout=120) == 0, (rollout_dir / "log.txt").read_text()[-3000:]
 

@@ -41,15 +41,22 @@ def test_a_parent_that_exits_right_after_starting_a_child_leaves_nothing_running
     """The parent exits while the child is still starting (before the child can set its
     parent-death signal, most runs): the child notices it has a new parent and does not run."""
     parent = subprocess.run(
-        [sys.executable, "-c",
-         "import os, subprocess, sys\n"
-         "from asyncgrpo.processes import parent_death_argv\n"
-         f"child = subprocess.Popen(parent_death_argv({SLEEP!r}), start_new_session=True,\n"
-         "                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
-         "print(child.pid, flush=True)\n"
-         "os._exit(0)\n"],
-        capture_output=True, text=True, check=True, timeout=60, env=ENV,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import os, subprocess, sys\n"
+            "from asyncgrpo.processes import parent_death_argv\n"
+            f"child = subprocess.Popen(parent_death_argv({SLEEP!r}), start_new_session=True,\n"
+            "                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+            "print(child.pid, flush=True)\n"
+            "os._exit(0)\n",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env=ENV,
+    )
     child = int(parent.stdout)
     try:
         assert _gone_within(child, 5), "the child outlived its parent"
@@ -106,8 +113,9 @@ def test_the_program_runs_as_if_started_directly(tmp_path: Path) -> None:
     argv = ["sh", "-c", SHOW, "sh", "a", "b c"]
     env = {"PATH": os.environ["PATH"], "X": "x"}
     direct = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True)
-    shimmed = subprocess.Popen(parent_death_argv(argv, env), cwd=tmp_path, env=env,
-                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    shimmed = subprocess.Popen(
+        parent_death_argv(argv, env), cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True
+    )
     out, _ = shimmed.communicate(timeout=30)
     assert shimmed.returncode == 0
     pid, *rest = out.splitlines()
@@ -130,13 +138,18 @@ def test_a_child_that_ignores_sigterm_is_killed_a_grace_after_its_parent_dies() 
     """The parent is SIGKILLed and cannot escalate: the keeper does, ``grace_s`` after the
     child's SIGTERM (without it the child would run on for its full two minutes)."""
     parent = subprocess.Popen(
-        [sys.executable, "-c",
-         "import subprocess, sys, time\n"
-         "from asyncgrpo.processes import parent_death_argv\n"
-         f"subprocess.Popen(parent_death_argv({STUBBORN!r}, grace_s=1.0), start_new_session=True)\n"
-         "time.sleep(120)\n"],
-        stdout=subprocess.PIPE, text=True, env=ENV,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "from asyncgrpo.processes import parent_death_argv\n"
+            f"subprocess.Popen(parent_death_argv({STUBBORN!r}, grace_s=1.0), start_new_session=True)\n"
+            "time.sleep(120)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
     try:

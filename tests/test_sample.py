@@ -57,8 +57,14 @@ def test_group_stats():
 def test_sample_checks_mask_and_versions() -> None:
     from asyncgrpo.sample import Sample
 
-    base = dict(prompt_ids=[1], completion_ids=[2, 3, 4], logprobs=[-1.0, 0.0, -1.0],
-                reward=1.0, advantage=0.0, group_id="g")  # fmt: skip
+    base = dict(
+        prompt_ids=[1],
+        completion_ids=[2, 3, 4],
+        logprobs=[-1.0, 0.0, -1.0],
+        reward=1.0,
+        advantage=0.0,
+        group_id="g",
+    )
     s = Sample(**base, version=2, completion_mask=[True, False, True], versions=[2, 2, 3])
     assert s.num_policy_tokens == 2 and s.token_versions() == [2, 2, 3]
     plain = Sample(**base, version=5)

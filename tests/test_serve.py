@@ -73,9 +73,15 @@ async def test_lora_logprobs_equal_transformers_peft(
             try:
                 assert name in await client.models()
                 body = await client.completions(
-                    {"model": name, "prompt": prompt, "max_tokens": 24, "temperature": temperature,
-                     "logprobs": 0, "return_token_ids": True}
-                )  # fmt: skip
+                    {
+                        "model": name,
+                        "prompt": prompt,
+                        "max_tokens": 24,
+                        "temperature": temperature,
+                        "logprobs": 0,
+                        "return_token_ids": True,
+                    }
+                )
             finally:
                 await client.unload_lora_adapter(name)
         choice = body["choices"][0]
@@ -118,13 +124,28 @@ def test_cli_starts_two_replicas_without_memory_flags_and_sigint_stops_every_pro
 ) -> None:
     """docs/serving.md's command as typed: no KV size, so it is chosen from the memory available
     (vLLM's own default, 92 % of the NUMA node per replica, cannot start two)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")
+    }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncgrpo.serve", "--model", str(tiny_model), "--replicas", "2",
-         "--log-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "asyncgrpo.serve",
+            "--model",
+            str(tiny_model),
+            "--replicas",
+            "2",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         # Blocks until both replicas are healthy (or the CLI dies).
         lines = [proc.stdout.readline(), proc.stdout.readline()]
@@ -156,13 +177,28 @@ def test_cli_killed_outright_leaves_no_vllm_process(
     SIGTERM as the CLI dies, and stops its engine core and worker. Before that: ``--nice 10``
     reaches every process of the replica, and its scheduler autogroup where the kernel has
     them (else CPU is shared per session whatever the nice)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")
+    }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncgrpo.serve", "--model", str(tiny_model), "--log-dir",
-         str(tmp_path), "--nice", "10"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "asyncgrpo.serve",
+            "--model",
+            str(tiny_model),
+            "--log-dir",
+            str(tmp_path),
+            "--nice",
+            "10",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     leftovers.append(psutil.Process(proc.pid))
     line = proc.stdout.readline()  # once the replica is healthy (or the CLI died)
     assert "ready: http://127.0.0.1:" in line, line
@@ -185,9 +221,12 @@ def test_cli_killed_outright_leaves_no_vllm_process(
 
 
 async def test_serve_register_adds_each_replica_caught_up_and_removes_it_on_stop(
-    vllm_replicas: list[Replica], tiny_model: Path, lora_adapter: Path,
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+    vllm_replicas: list[Replica],
+    tiny_model: Path,
+    lora_adapter: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """``python -m asyncgrpo.serve --register PROXY`` (its coroutine, on one of the session's
     replicas instead of a new one): once healthy the replica is added to the running proxy,
     which loads the adapter its fleet serves onto it before admitting it; when the command

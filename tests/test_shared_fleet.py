@@ -106,9 +106,13 @@ async def test_two_runs_share_two_replicas_and_a_third_that_does_not_fit_is_refu
         result = results[run]
         samples = [s for s in batches[of] if run == of or s.version > 0]  # v0s are all B = 0
         return await anyio.to_thread.run_sync(
-            served_logprob_errors, tiny_model, result.transport_url, result.adapter_prefix,
-            samples, tmp_path / f"check-{run}",
-        )  # fmt: skip
+            served_logprob_errors,
+            tiny_model,
+            result.transport_url,
+            result.adapter_prefix,
+            samples,
+            tmp_path / f"check-{run}",
+        )
 
     for name in ("a", "b"):
         versions = {s.version for s in batches[name]}

@@ -50,7 +50,9 @@ def test_the_module_runs_as_a_script_without_warnings() -> None:
 
     p = subprocess.run(
         [sys.executable, "-W", "error", "-m", "asyncgrpo.testing.tiny", "--help"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0 and p.stderr == "", p.stderr
     assert "OUT_DIR" in p.stdout and "``" not in p.stdout

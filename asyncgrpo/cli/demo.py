@@ -88,9 +88,15 @@ async def run_serving_check(output_dir: Path, replicas: int = 2) -> None:
             async with VLLMClient(r.url) as client:
                 await client.load_lora_adapter("demo-v1", str(adapter))
                 body = await client.completions(
-                    {"model": "demo-v1", "prompt": prompt, "max_tokens": 32, "temperature": 1.0,
-                     "logprobs": 0, "return_token_ids": True}
-                )  # fmt: skip
+                    {
+                        "model": "demo-v1",
+                        "prompt": prompt,
+                        "max_tokens": 32,
+                        "temperature": 1.0,
+                        "logprobs": 0,
+                        "return_token_ids": True,
+                    }
+                )
             choice = body["choices"][0]
             rows.append((r.index, choice["token_ids"], choice["logprobs"]["token_logprobs"]))
 
@@ -107,8 +113,10 @@ async def run_serving_check(output_dir: Path, replicas: int = 2) -> None:
         print(f"{row['replica']:>7} {row['tokens']:>6} {row['max_abs_diff']:>32.2e}")
     ok = all(row["max_abs_diff"] < TOLERANCE for row in results)
     await anyio.Path(output_dir / "logprob_check.json").write_text(json.dumps(results, indent=2))
-    print(f"\n{'OK' if ok else 'MISMATCH'}: served logprobs {'equal' if ok else 'differ from'} "
-          f"the trainer's within {TOLERANCE:g} ({time.monotonic() - started:.0f} s)")  # fmt: skip
+    print(
+        f"\n{'OK' if ok else 'MISMATCH'}: served logprobs {'equal' if ok else 'differ from'} "
+        f"the trainer's within {TOLERANCE:g} ({time.monotonic() - started:.0f} s)"
+    )
     if not ok:
         raise SystemExit(1)
 
@@ -124,8 +132,11 @@ def demo_config(output_dir: Path, max_steps: int | None = None) -> TrainingConfi
     if not EXAMPLE_CONFIG.exists():
         raise ConfigError(f"the demo config {EXAMPLE_CONFIG} is missing: run it from a checkout")
     output_dir = output_dir.resolve()
-    overrides = [f"model={output_dir / 'model'}", f"output_dir={output_dir.parent}",
-                 f"run_name={output_dir.name}"]  # fmt: skip
+    overrides = [
+        f"model={output_dir / 'model'}",
+        f"output_dir={output_dir.parent}",
+        f"run_name={output_dir.name}",
+    ]
     if max_steps is not None:
         overrides.append(f"trainer.max_steps={max_steps}")
     return TrainingConfig.from_yaml(EXAMPLE_CONFIG, overrides=overrides)
@@ -159,35 +170,47 @@ async def run_demo(output_dir: Path, max_steps: int | None = None) -> None:
         result = await run_training(cfg, progress=progress, on_step=keep_recent)
     samples = [s for batch in recent for s in batch]
     errors = await anyio.to_thread.run_sync(
-        served_logprob_errors, model, result.transport_url, result.adapter_prefix, samples,
+        served_logprob_errors,
+        model,
+        result.transport_url,
+        result.adapter_prefix,
+        samples,
         output_dir / "verify-cache",
-    )  # fmt: skip
+    )
     records = read_metrics(result.run_dir / METRICS_FILE)
     plot = await anyio.to_thread.run_sync(plot_run, result.run_dir)
     first, last = summarize(records, "reward")
     # the ratio exists on steps that trained on tokens of the trainer's current weights
     ratios = [r["ratio"] for r in records if not math.isnan(r.get("ratio", math.nan))]
     stale = statistics.fmean(r.get("sample/staleness_mean", 0.0) for r in records)
-    print(f"\n{'steps':>5} {'versions':>8} {'reward first 5':>14} {'reward last 5':>13} "
-          f"{'staleness':>9} {'ratio min':>9} {'ratio max':>9} {'wall s':>7}")  # fmt: skip
-    print(f"{result.steps:>5} {result.final_version + 1:>8} {first:>14.3f} {last:>13.3f} "
-          f"{stale:>9.2f} {min(ratios, default=math.nan):>9.5f} "
-          f"{max(ratios, default=math.nan):>9.5f} {time.monotonic() - started:>7.0f}")  # fmt: skip
+    print(
+        f"\n{'steps':>5} {'versions':>8} {'reward first 5':>14} {'reward last 5':>13} "
+        f"{'staleness':>9} {'ratio min':>9} {'ratio max':>9} {'wall s':>7}"
+    )
+    print(
+        f"{result.steps:>5} {result.final_version + 1:>8} {first:>14.3f} {last:>13.3f} "
+        f"{stale:>9.2f} {min(ratios, default=math.nan):>9.5f} "
+        f"{max(ratios, default=math.nan):>9.5f} {time.monotonic() - started:>7.0f}"
+    )
     print(
         f"(staleness: mean versions behind the trainer of the samples it trained on; ratio: "
         f"trainer over vLLM on tokens of its current weights, {len(ratios)} of "
         f"{len(records)} steps had some)"
     )
-    print(f"\nserved vs trainer logprobs (last 4 steps, {len(samples)} samples, each at its "
-          f"adapter version): max |diff| = {max(errors):.1e}")  # fmt: skip
+    print(
+        f"\nserved vs trainer logprobs (last 4 steps, {len(samples)} samples, each at its "
+        f"adapter version): max |diff| = {max(errors):.1e}"
+    )
     _print_audit(records)
     evals = read_evals(result.run_dir)
     if len(evals) >= 2:
         base, final = evals[0], evals[-1]
         k = cfg.eval.num_generations if cfg.eval else 1
-        print(f"held-out reward ({int(base['eval/prompts'])} prompts the trainer never saw, k={k}): "
-              f"base {base['eval/reward']:.3f} -> final {final['eval/reward']:.3f} (pass@1 "
-              f"{base.get('eval/pass@1', math.nan):.2f} -> {final.get('eval/pass@1', math.nan):.2f})")  # fmt: skip
+        print(
+            f"held-out reward ({int(base['eval/prompts'])} prompts the trainer never saw, k={k}): "
+            f"base {base['eval/reward']:.3f} -> final {final['eval/reward']:.3f} (pass@1 "
+            f"{base.get('eval/pass@1', math.nan):.2f} -> {final.get('eval/pass@1', math.nan):.2f})"
+        )
     print(f"metrics: {result.run_dir / METRICS_FILE}\nplot:    {plot}")
     if max(errors) > 1e-3:
         raise SystemExit("MISMATCH: a replica served something other than the trained policy")
@@ -199,5 +222,7 @@ def _print_audit(records: list[dict[str, float]]) -> None:
     if audited:
         tokens = sum(int(r["audit/tokens"]) for r in audited)
         worst = max(r["audit/max_abs_logprob_diff"] for r in audited)
-        print(f"served-policy audit (trainer.audit, after every sync): {len(audited)} audits, "
-              f"{tokens} tokens, max |diff| = {worst:.1e}")  # fmt: skip
+        print(
+            f"served-policy audit (trainer.audit, after every sync): {len(audited)} audits, "
+            f"{tokens} tokens, max |diff| = {worst:.1e}"
+        )

@@ -118,28 +118,50 @@ def add_parser(sub: Any) -> None:
     from asyncgrpo.cli.help import add_command
 
     p = add_command(
-        sub, "export", help="write a published adapter version as a PEFT directory",
+        sub,
+        "export",
+        help="write a published adapter version as a PEFT directory",
         description=__doc__ or "",
-        examples=[("asyncgrpo export runs/tiny-cpu exported/tiny-cpu",
-                   "the newest version of the run in runs/tiny-cpu"),
-                  ("asyncgrpo export runs/tiny-cpu exported/tiny-cpu-v1 --version 1 "
-                   "--base-model relative", "version 1, naming the base model by its path "
-                   "relative to exported/tiny-cpu-v1")],
-    )  # fmt: skip
+        examples=[
+            (
+                "asyncgrpo export runs/tiny-cpu exported/tiny-cpu",
+                "the newest version of the run in runs/tiny-cpu",
+            ),
+            (
+                "asyncgrpo export runs/tiny-cpu exported/tiny-cpu-v1 --version 1 "
+                "--base-model relative",
+                "version 1, naming the base model by its path relative to exported/tiny-cpu-v1",
+            ),
+        ],
+    )
     p.add_argument("source", help="run directory (<output_dir>/<run_name>) or transport URL")
     p.add_argument("dest", help="directory to create (absent or empty)")
-    p.add_argument("--version", type=int_in(0, MAX_VERSION), default=None,
-                   help="version (default: the newest)")  # fmt: skip
+    p.add_argument(
+        "--version", type=int_in(0, MAX_VERSION), default=None, help="version (default: the newest)"
+    )
     p.add_argument("--name", default=None, help="adapter name (default: the run's, policy.json)")
-    p.add_argument("--base-model", default="name", metavar="name|relative|as-trained|VALUE",
-                   help="how adapter_config.json names the base model: name (default: a Hub id "
-                   "as it is, a local model directory by its name), relative (its path relative "
-                   "to DIR), as-trained (the path it was trained from), or VALUE itself")  # fmt: skip
+    p.add_argument(
+        "--base-model",
+        default="name",
+        metavar="name|relative|as-trained|VALUE",
+        help="how adapter_config.json names the base model: name (default: a Hub id "
+        "as it is, a local model directory by its name), relative (its path relative "
+        "to DIR), as-trained (the path it was trained from), or VALUE itself",
+    )
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> None:
     from asyncgrpo.console import run_async
 
-    print(run_async(lambda: export(args.source, args.dest, version=args.version, name=args.name,
-                                   base_model=args.base_model)))  # fmt: skip
+    print(
+        run_async(
+            lambda: export(
+                args.source,
+                args.dest,
+                version=args.version,
+                name=args.name,
+                base_model=args.base_model,
+            )
+        )
+    )

@@ -31,25 +31,39 @@ def add_parser(sub: Any) -> None:
     from asyncgrpo.cli.help import add_command
 
     p = add_command(
-        sub, "launch",
+        sub,
+        "launch",
         help="start a run across machines (Hugging Face Jobs, Ray, SkyPilot) or local processes",
         description=__doc__ or "",
-        examples=[("asyncgrpo launch examples/tiny_cpu.yaml --backend local --dry-run",
-                   "every job's command, and every check the launch makes first; start nothing"),
-                  ("asyncgrpo launch examples/tiny_cpu.yaml --backend local",
-                   "replicas and trainer as separate local processes, in runs/tiny-cpu-launch")],
-    )  # fmt: skip
+        examples=[
+            (
+                "asyncgrpo launch examples/tiny_cpu.yaml --backend local --dry-run",
+                "every job's command, and every check the launch makes first; start nothing",
+            ),
+            (
+                "asyncgrpo launch examples/tiny_cpu.yaml --backend local",
+                "replicas and trainer as separate local processes, in runs/tiny-cpu-launch",
+            ),
+        ],
+    )
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", default=[], help="section.field=value overrides")
-    p.add_argument("--backend", choices=tuple(LAUNCH_BACKENDS), required=True,
-                   help="hf-jobs: Hugging Face Jobs; ray: Ray actors on a Ray cluster; skypilot: SkyPilot managed jobs (any "
-                        "cloud, Kubernetes, Slurm); local: separate process groups here")  # fmt: skip
-    p.add_argument("--dry-run", action="store_true",
-                   help="print every job spec (secret names only; skypilot: each task's YAML, "
-                        "also written under <output_dir>/<run_name>-launch/skypilot/), make "
-                        "every check the launch makes before its first job (recipe, "
-                        "transport_url, local paths remote jobs cannot read, secrets), and start "
-                        "nothing")  # fmt: skip
+    p.add_argument(
+        "--backend",
+        choices=tuple(LAUNCH_BACKENDS),
+        required=True,
+        help="hf-jobs: Hugging Face Jobs; ray: Ray actors on a Ray cluster; skypilot: SkyPilot managed jobs (any "
+        "cloud, Kubernetes, Slurm); local: separate process groups here",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print every job spec (secret names only; skypilot: each task's YAML, "
+        "also written under <output_dir>/<run_name>-launch/skypilot/), make "
+        "every check the launch makes before its first job (recipe, "
+        "transport_url, local paths remote jobs cannot read, secrets), and start "
+        "nothing",
+    )
     add_fields(p.add_argument_group("the launch section"), LaunchConfig, env_prefix=ENV_PREFIX)
     p.set_defaults(func=run)
 
@@ -80,8 +94,11 @@ def metrics_lines(metrics: dict[str, Path | None], launch_dir: Path) -> list[str
     """Where each run's ``metrics.jsonl`` is (run name -> path; None: on the trainer job's
     machine), and the command that plots them."""
     here = {run: path for run, path in metrics.items() if path is not None}
-    lines = [f"metrics of {run}: on its trainer job's machine, not on this host"
-             for run, path in metrics.items() if path is None]  # fmt: skip
+    lines = [
+        f"metrics of {run}: on its trainer job's machine, not on this host"
+        for run, path in metrics.items()
+        if path is None
+    ]
     if len(metrics) == 1 and here:
         (path,) = here.values()
         return [f"metrics: {_shown(path)} (plot: asyncgrpo plot {_shown(launch_dir)})"]
@@ -110,13 +127,19 @@ def launch_summary(handle: Any, records: list[dict[str, Any]], wall_s: float) ->
         here = handle.backend.metrics_path(job) is not None
         if here:  # paths as a user types them
             result = dataclasses.replace(
-                result, run_dir=Path(_shown(result.run_dir)),
+                result,
+                run_dir=Path(_shown(result.run_dir)),
                 adapter_dir=Path(_shown(result.adapter_dir)) if result.adapter_dir else None,
-            )  # fmt: skip
+            )
         ran = [r for r in records if r.get("run") == (run if many else None)]
-        summary = summary_lines(result, ran, wall_s, evals=evals,
-                                where="" if here else " (on the trainer job's machine)",
-                                max_steps=point.cfg.trainer.max_steps)  # fmt: skip
+        summary = summary_lines(
+            result,
+            ran,
+            wall_s,
+            evals=evals,
+            where="" if here else " (on the trainer job's machine)",
+            max_steps=point.cfg.trainer.max_steps,
+        )
         lines += [f"{run}: {line}" for line in summary] if many else summary
     if missing or len(handle.points) > 1:
         lines += metrics_lines(handle.metrics, handle.launch_dir)
@@ -148,12 +171,19 @@ def run(args: argparse.Namespace) -> None:
     async def main() -> None:
         handle = await launch(cfg, args.backend, on_progress=progress)
         async with handle:
-            trainers = "trainer started" if len(handle.trainers) == 1 else (
-                f"{len(handle.trainers)} trainers started, one per point: "
-                + "; ".join(f"{p.cfg.run_name} {p.label}" for p in handle.points)
-            )  # fmt: skip
-            print(f"replicas healthy at {', '.join(handle.urls)}; {trainers}; logs in "
-                  f"{handle.launch_dir}", flush=True)  # fmt: skip
+            trainers = (
+                "trainer started"
+                if len(handle.trainers) == 1
+                else (
+                    f"{len(handle.trainers)} trainers started, one per point: "
+                    + "; ".join(f"{p.cfg.run_name} {p.label}" for p in handle.points)
+                )
+            )
+            print(
+                f"replicas healthy at {', '.join(handle.urls)}; {trainers}; logs in "
+                f"{handle.launch_dir}",
+                flush=True,
+            )
             try:
                 records = await handle.wait()
             except LaunchError:  # what the failed runs wrote is still worth a look
@@ -163,8 +193,7 @@ def run(args: argparse.Namespace) -> None:
         done = "; ".join(last.values()) or "no progress lines"
         what = "trainer" if len(handle.trainers) == 1 else "every trainer"
         print(f"{what} completed ({done}); every job stopped", flush=True)
-        print("\n".join(launch_summary(handle, records, time.monotonic() - began)),
-              flush=True)  # fmt: skip
+        print("\n".join(launch_summary(handle, records, time.monotonic() - began)), flush=True)
 
     began = time.monotonic()
     try:

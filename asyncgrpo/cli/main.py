@@ -51,8 +51,9 @@ class CommandParser(ConfigParser):
         super().__init__(*args, **kwargs)
         # also after the subcommand (`asyncgrpo train CONFIG --debug`); unset here leaves the
         # top-level parser's value
-        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                          help=DEBUG_HELP)  # fmt: skip
+        self.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP
+        )
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         if self._intermixing:  # parse_known_intermixed_args calls back in here
@@ -92,11 +93,16 @@ def _train(args: argparse.Namespace) -> None:
         return
     if args.quiet:
         final = served_name(result.adapter_prefix, result.final_version)
-        did = "nothing to train (already at trainer.max_steps)" if result.up_to_date else (
-            f"trained {result.steps} steps")  # fmt: skip
+        did = (
+            "nothing to train (already at trainer.max_steps)"
+            if result.up_to_date
+            else (f"trained {result.steps} steps")
+        )
         peft = f" and, as a PEFT directory, in {result.adapter_dir}" if result.adapter_dir else ""
-        print(f"{did}; final adapter {final} in {result.transport_url}{peft}; metrics in "
-              f"{result.run_dir}")  # fmt: skip
+        print(
+            f"{did}; final adapter {final} in {result.transport_url}{peft}; metrics in "
+            f"{result.run_dir}"
+        )
         return
     wall = time.monotonic() - started
     print("\n".join(run_summary(result, wall, max_steps=cfg.trainer.max_steps)))
@@ -149,10 +155,12 @@ def _eval(args: argparse.Namespace) -> None:
         )
     k = cfg.eval.num_generations
     for m in results:
-        print(f"version {int(m['eval/version'])}: reward {m['eval/reward']:.3f}, pass@1 "
-              f"{m.get('eval/pass@1', float('nan')):.3f}, pass@{k} "
-              f"{m.get(f'eval/pass@{k}', float('nan')):.3f} over {int(m['eval/prompts'])} "
-              "prompts")  # fmt: skip
+        print(
+            f"version {int(m['eval/version'])}: reward {m['eval/reward']:.3f}, pass@1 "
+            f"{m.get('eval/pass@1', float('nan')):.3f}, pass@{k} "
+            f"{m.get(f'eval/pass@{k}', float('nan')):.3f} over {int(m['eval/prompts'])} "
+            "prompts"
+        )
     print(f"in {cfg.run_dir / EVAL_METRICS_FILE} (completions in {cfg.run_dir / EVAL_FILE})")
 
 
@@ -201,18 +209,25 @@ def _dry_run_flag(p: argparse.ArgumentParser, text: str) -> None:
 def _add_demo(sub: Any) -> None:
     """``asyncgrpo demo``."""
     demo = add_command(
-        sub, "demo", help="run the tiny CPU demo end to end",
+        sub,
+        "demo",
+        help="run the tiny CPU demo end to end",
         description="Build a tiny Qwen2 model here (no Hub access), start two vLLM replicas on "
         "CPU behind the proxy, train a LoRA adapter with async GRPO on a synthetic task, check "
         "that the logprobs vLLM served equal the trainer's, and leave metrics and a plot in "
         "--output-dir (about 3 minutes on 2 cores).",
-        examples=[("asyncgrpo demo --dry-run", "check the output directory and the demo's "
-                   "recipe, start nothing"),
-                  ("asyncgrpo demo --max-steps 10", "a shorter demo, in runs/demo")],
-    )  # fmt: skip
+        examples=[
+            (
+                "asyncgrpo demo --dry-run",
+                "check the output directory and the demo's recipe, start nothing",
+            ),
+            ("asyncgrpo demo --max-steps 10", "a shorter demo, in runs/demo"),
+        ],
+    )
     demo.add_argument("--output-dir", default="runs/demo", help="model, run directory, plot")
-    demo.add_argument("--max-steps", type=int_in(1, 100_000), default=None,
-                      help="override the demo's steps")  # fmt: skip
+    demo.add_argument(
+        "--max-steps", type=int_in(1, 100_000), default=None, help="override the demo's steps"
+    )
     _dry_run_flag(demo, "check the output directory and the demo's recipe, start nothing")
     demo.set_defaults(func=_demo)
 
@@ -220,44 +235,68 @@ def _add_demo(sub: Any) -> None:
 def _add_train(sub: Any) -> None:
     """``asyncgrpo train``."""
     train = add_command(
-        sub, "train", help="train from a YAML config",
+        sub,
+        "train",
+        help="train from a YAML config",
         description="Train a LoRA adapter with async GRPO as one YAML config says: start the "
         "vLLM replicas it names (or use the ones in proxy.upstreams), publish a new adapter "
         "version every trainer.weight_sync_steps, checkpoint, and end with a summary (reward, "
         "held-out result, final adapter and its PEFT directory, metrics). It resumes from the "
         "run's last checkpoint; every check of --dry-run runs first, before anything starts. "
         "Under torchrun --nproc-per-node N -m asyncgrpo train CONFIG it trains over N ranks.",
-        examples=[("asyncgrpo train examples/tiny_cpu.yaml --dry-run",
-                   "check the recipe: rewards, dataset, paths, replica flags; start nothing"),
-                  ("asyncgrpo train examples/tiny_cpu.yaml trainer.max_steps=100",
-                   "train (build the model first: python -m asyncgrpo.testing.tiny "
-                   "runs/tiny-model)")],
-    )  # fmt: skip
+        examples=[
+            (
+                "asyncgrpo train examples/tiny_cpu.yaml --dry-run",
+                "check the recipe: rewards, dataset, paths, replica flags; start nothing",
+            ),
+            (
+                "asyncgrpo train examples/tiny_cpu.yaml trainer.max_steps=100",
+                "train (build the model first: python -m asyncgrpo.testing.tiny runs/tiny-model)",
+            ),
+        ],
+    )
     _config_arguments(train)
-    train.add_argument("--remote-rollouts", action="store_true",
-                       help="take samples from `asyncgrpo rollout` processes via the transport")  # fmt: skip
-    _dry_run_flag(train, "check the recipe (rewards import, dataset parses, paths writable, "
-                  "replica flags, context, held-out rows) and exit")  # fmt: skip
-    train.add_argument("--quiet", action="store_true",
-                       help="no phases, no progress: one line at the end (for scripts)")  # fmt: skip
+    train.add_argument(
+        "--remote-rollouts",
+        action="store_true",
+        help="take samples from `asyncgrpo rollout` processes via the transport",
+    )
+    _dry_run_flag(
+        train,
+        "check the recipe (rewards import, dataset parses, paths writable, "
+        "replica flags, context, held-out rows) and exit",
+    )
+    train.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no phases, no progress: one line at the end (for scripts)",
+    )
     train.set_defaults(func=_train)
 
 
 def _add_rollout(sub: Any) -> None:
     """``asyncgrpo rollout``."""
     rollout = add_command(
-        sub, "rollout", help="run a rollout process for a split run",
+        sub,
+        "rollout",
+        help="run a rollout process for a split run",
         description="Generate rollouts for a run whose trainer takes them through the "
         "transport (asyncgrpo train CONFIG --remote-rollouts, elsewhere): it follows the "
         "trainer's published versions and ships scored samples until the trainer finishes.",
-        examples=[("asyncgrpo rollout examples/tiny_cpu.yaml --dry-run",
-                   "check the config, start nothing"),
-                  ("asyncgrpo rollout examples/tiny_cpu.yaml serve.replicas=0 "
-                   "'proxy.upstreams=[http://127.0.0.1:9000]'",
-                   "generate through the asyncgrpo proxy at that URL (python -m "
-                   "asyncgrpo.proxy), for a trainer started with --remote-rollouts and the same "
-                   "overrides")],
-    )  # fmt: skip
+        examples=[
+            (
+                "asyncgrpo rollout examples/tiny_cpu.yaml --dry-run",
+                "check the config, start nothing",
+            ),
+            (
+                "asyncgrpo rollout examples/tiny_cpu.yaml serve.replicas=0 "
+                "'proxy.upstreams=[http://127.0.0.1:9000]'",
+                "generate through the asyncgrpo proxy at that URL (python -m "
+                "asyncgrpo.proxy), for a trainer started with --remote-rollouts and the same "
+                "overrides",
+            ),
+        ],
+    )
     _config_arguments(rollout)
     _dry_run_flag(rollout, "check the config (rewards import, dataset parses, paths) and exit")
     rollout.set_defaults(func=_rollout)
@@ -266,21 +305,33 @@ def _add_rollout(sub: Any) -> None:
 def _add_eval(sub: Any) -> None:
     """``asyncgrpo eval``."""
     ev = add_command(
-        sub, "eval", help="evaluate published versions of a run on held-out prompts",
+        sub,
+        "eval",
+        help="evaluate published versions of a run on held-out prompts",
         description="Evaluate published adapter versions of a run (finished or running) on the "
         "held-out prompts of its config's eval section: k completions per prompt, reward, "
         "pass@1 and pass@k, written to the run directory beside its own evaluations. It uses "
         "the config's fleet (proxy.upstreams) or starts the replicas it names.",
-        examples=[("asyncgrpo eval examples/tiny_cpu.yaml --dry-run",
-                   "check the eval section and the held-out rows, start nothing"),
-                  ("asyncgrpo eval examples/tiny_cpu.yaml --all",
-                   "every published version of the run in runs/tiny-cpu")],
-    )  # fmt: skip
+        examples=[
+            (
+                "asyncgrpo eval examples/tiny_cpu.yaml --dry-run",
+                "check the eval section and the held-out rows, start nothing",
+            ),
+            (
+                "asyncgrpo eval examples/tiny_cpu.yaml --all",
+                "every published version of the run in runs/tiny-cpu",
+            ),
+        ],
+    )
     ev.add_argument("config", help="the run's YAML config (with an eval section)")
     ev.add_argument("overrides", nargs="*", help="section.field=value overrides")
     which = ev.add_mutually_exclusive_group()
-    which.add_argument("--version", type=int_in(0, MAX_VERSION), default=None,
-                       help="this version (default: newest)")  # fmt: skip
+    which.add_argument(
+        "--version",
+        type=int_in(0, MAX_VERSION),
+        default=None,
+        help="this version (default: newest)",
+    )
     which.add_argument("--base", action="store_true", help="version 0: the base model")
     which.add_argument("--all", action="store_true", help="every published version")
     _dry_run_flag(ev, "check the config and the held-out rows and exit")
@@ -290,12 +341,14 @@ def _add_eval(sub: Any) -> None:
 def _add_plot(sub: Any) -> None:
     """``asyncgrpo plot``."""
     plot = add_command(
-        sub, "plot", help="plot a run's metrics.jsonl to plot.png",
+        sub,
+        "plot",
+        help="plot a run's metrics.jsonl to plot.png",
         description="Draw reward, ratio, step time, staleness and the held-out results of a "
         "run (or of every run of a launch, a sweep's points side by side) to plot.png in its "
         "directory.",
         examples=[("asyncgrpo plot runs/tiny-cpu", "runs/tiny-cpu/plot.png")],
-    )  # fmt: skip
+    )
     plot.add_argument("run_dir", help="a run directory, or a launch's (a sweep: every point)")
     plot.set_defaults(func=_plot)
 
@@ -303,18 +356,26 @@ def _add_plot(sub: Any) -> None:
 def _add_check(sub: Any) -> None:
     """``asyncgrpo check-serving``."""
     check = add_command(
-        sub, "check-serving", help="served logprobs vs transformers + peft",
+        sub,
+        "check-serving",
+        help="served logprobs vs transformers + peft",
         description="Build a tiny model and a LoRA adapter, serve them on vLLM replicas, and "
         "compare every served token logprob with transformers + peft's (float32: equal within "
         "1e-4). What lets async GRPO trust the logprobs vLLM returns.",
-        examples=[("asyncgrpo check-serving --dry-run", "check the output directory"),
-                  ("asyncgrpo check-serving --replicas 1", "one replica, in runs/check-serving")],
-    )  # fmt: skip
-    check.add_argument("--output-dir", default="runs/check-serving",
-                       help="where the model, the adapter, the replicas' logs and "
-                       "logprob_check.json go (made if missing; a demo's own or empty)")  # fmt: skip
-    check.add_argument("--replicas", type=int_in(1, 32), default=2,
-                       help="vLLM replicas to check (1 to 32)")  # fmt: skip
+        examples=[
+            ("asyncgrpo check-serving --dry-run", "check the output directory"),
+            ("asyncgrpo check-serving --replicas 1", "one replica, in runs/check-serving"),
+        ],
+    )
+    check.add_argument(
+        "--output-dir",
+        default="runs/check-serving",
+        help="where the model, the adapter, the replicas' logs and "
+        "logprob_check.json go (made if missing; a demo's own or empty)",
+    )
+    check.add_argument(
+        "--replicas", type=int_in(1, 32), default=2, help="vLLM replicas to check (1 to 32)"
+    )
     _dry_run_flag(check, "check the output directory and exit")
     check.set_defaults(func=_check_serving)
 

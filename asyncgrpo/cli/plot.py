@@ -47,14 +47,20 @@ def _panels(staleness: list[int]) -> list[Panel]:
         ("reward", [("reward", "mean")], None),
         ("ratio on on-policy tokens (must stay ~1)", [("ratio", "mean r")], 1.0),
         ("step time [s]", [("perf/step_s", "step"), ("perf/fwd_bwd_s", "fwd+bwd")], None),
-        ("staleness [versions]",
-         [("sample/staleness_mean", "mean"), ("sample/staleness_max", "max")], None),
+        (
+            "staleness [versions]",
+            [("sample/staleness_mean", "mean"), ("sample/staleness_max", "max")],
+            None,
+        ),
         ("tokens by staleness (share)", per("tokens"), None),
         ("importance weight pi_trainer / pi_vllm: mean", per("weight_mean"), 1.0),
         ("importance weight: step maximum", per("weight_max"), 1.0),
-        ("tokens cut by the correction (share)",
-         [("off_policy/truncated", "truncated"), ("off_policy/masked", "masked")], None),
-    ]  # fmt: skip
+        (
+            "tokens cut by the correction (share)",
+            [("off_policy/truncated", "truncated"), ("off_policy/masked", "masked")],
+            None,
+        ),
+    ]
 
 
 def find_metrics(path: str | Path) -> dict[str, Path]:
@@ -83,8 +89,10 @@ def find_metrics(path: str | Path) -> dict[str, Path]:
         return found
     where = manifests[0].parent
     if not named:
-        raise ConfigError(f"the launch in {where} kept no {METRICS_FILE} on this host: its "
-                          "trainer jobs wrote theirs on their own machines")  # fmt: skip
+        raise ConfigError(
+            f"the launch in {where} kept no {METRICS_FILE} on this host: its "
+            "trainer jobs wrote theirs on their own machines"
+        )
     expected = ", ".join(str(m) for m in named.values())
     raise ConfigError(f"the launch in {where} has no {METRICS_FILE} yet (expected: {expected})")
 
@@ -151,9 +159,13 @@ def _eval_panels(axes: Any, evals: list[dict[str, Any]]) -> None:
         reward_ax.plot(xs, ys, marker="o", linewidth=1.2, label="held-out reward")
         _, sd = _series(evals, "eval/reward_std", x="eval/version")
         if len(sd) == len(ys):
-            reward_ax.fill_between(xs, [y - d for y, d in zip(ys, sd, strict=True)],
-                                   [y + d for y, d in zip(ys, sd, strict=True)], alpha=0.2,
-                                   label="± std over completions")  # fmt: skip
+            reward_ax.fill_between(
+                xs,
+                [y - d for y, d in zip(ys, sd, strict=True)],
+                [y + d for y, d in zip(ys, sd, strict=True)],
+                alpha=0.2,
+                label="± std over completions",
+            )
     _finish_panel(reward_ax, "held-out reward", bool(xs))
     ks = sorted({int(m.group(1)) for r in evals for k in r if (m := _PASS_AT.match(k))})
     drawn = False
@@ -185,8 +197,9 @@ def _lines(ax: Any, records: list[dict[str, Any]], keys: list[tuple[str, str]], 
             continue
         if len(xs) < len(records):  # sparse: NaN gaps break the line, points show lone values
             got = dict(zip(xs, ys, strict=True))
-            ax.plot(steps, [got.get(x, math.nan) for x in steps], label=label, linewidth=1.2,
-                    marker=".")  # fmt: skip
+            ax.plot(
+                steps, [got.get(x, math.nan) for x in steps], label=label, linewidth=1.2, marker="."
+            )
         else:
             ax.plot(xs, ys, label=label, linewidth=1.2)
         drawn = True

@@ -179,8 +179,12 @@ def _coerce_union(value: Any, tp: Any, where: str) -> Any:
     raise ConfigError(f"{where}={value!r}: expected {type_name(tp)}")
 
 
-_OPS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le),
-        "lt": ("<", operator.lt)}  # fmt: skip
+_OPS = {
+    "ge": (">=", operator.ge),
+    "gt": (">", operator.gt),
+    "le": ("<=", operator.le),
+    "lt": ("<", operator.lt),
+}
 
 
 def check_fields(obj: Any, section: str, **bounds: dict[str, float]) -> None:

@@ -95,10 +95,17 @@ def add_fields(parser: argparse.ArgumentParser, cls: type, *, env_prefix: str) -
         if f.metadata.get("secret"):
             default = env_name(env_prefix, name)
             parser.add_argument(
-                flag + "-env", dest=f"{name}__env", metavar="VAR", default=None,
-                help=_help(cls, f, f" Read from this environment variable (default {default}); "
-                           "never given on the command line."),
-            )  # fmt: skip
+                flag + "-env",
+                dest=f"{name}__env",
+                metavar="VAR",
+                default=None,
+                help=_help(
+                    cls,
+                    f,
+                    f" Read from this environment variable (default {default}); "
+                    "never given on the command line.",
+                ),
+            )
         elif f.metadata.get("argv_rest"):
             parser.add_argument(name, nargs=argparse.REMAINDER, help=_help(cls, f))
         elif is_list(tp):
@@ -108,16 +115,21 @@ def add_fields(parser: argparse.ArgumentParser, cls: type, *, env_prefix: str) -
         elif strip_none(tp) is bool:
             parser.add_argument(flag, dest=name, nargs="?", const="true", help=_help(cls, f))
             parser.add_argument(
-                "--no-" + flag[2:], dest=name, action="store_const", const="false",
+                "--no-" + flag[2:],
+                dest=name,
+                action="store_const",
+                const="false",
                 help=f"Same as {flag}=false.",
-            )  # fmt: skip
+            )
         else:
             choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else None
             metavar = _METAVARS.get(strip_none(tp), "VALUE")
             parser.add_argument(
-                flag, dest=name, help=_help(cls, f),
+                flag,
+                dest=name,
+                help=_help(cls, f),
                 metavar="{" + ",".join(map(str, choices)) + "}" if choices else metavar,
-            )  # fmt: skip
+            )
 
 
 def parse_args(

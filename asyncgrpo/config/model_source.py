@@ -34,8 +34,9 @@ def check_model(model: str) -> None:
         return
     why = _hub_problem(model)
     if why is not None:
-        raise ConfigError(f"model={model!r}: no such directory here, and {why}: "
-                          f"{missing_model_fix(model)}")  # fmt: skip
+        raise ConfigError(
+            f"model={model!r}: no such directory here, and {why}: {missing_model_fix(model)}"
+        )
 
 
 def missing_model_fix(model: str) -> str:

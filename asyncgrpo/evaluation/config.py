@@ -71,10 +71,19 @@ class EvalConfig:
         if self.holdout is not None and not 0 < self.holdout <= 0.5:
             raise ConfigError(f"eval.holdout={self.holdout}: must be in (0, 0.5]")
         check_fields(
-            self, "eval", ge={"num_generations": 1, "temperature": 0, "max_tokens": 1,
-                              "max_prompts": 1, "max_inflight": 1, "every": 0, "share_weight": 0.001},
+            self,
+            "eval",
+            ge={
+                "num_generations": 1,
+                "temperature": 0,
+                "max_tokens": 1,
+                "max_prompts": 1,
+                "max_inflight": 1,
+                "every": 0,
+                "share_weight": 0.001,
+            },
             le={"share_weight": 1000},
-        )  # fmt: skip
+        )
         if self.max_inflight < self.num_generations:
             raise ConfigError(
                 f"eval.max_inflight={self.max_inflight} < eval.num_generations="

@@ -138,8 +138,12 @@ class LaunchConfig:
     """--backend ray: the accelerator the trainer actor needs; None: any."""
 
     def __post_init__(self) -> None:
-        for name in ("replica_num_gpus", "trainer_num_gpus", "replica_num_cpus",
-                     "trainer_num_cpus"):  # fmt: skip
+        for name in (
+            "replica_num_gpus",
+            "trainer_num_gpus",
+            "replica_num_cpus",
+            "trainer_num_cpus",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"launch.{name}={getattr(self, name)}: must be >= 0")
         for name in ("replica_resources", "trainer_resources"):

@@ -64,12 +64,24 @@ class FrontProxy:
             nonlocal warned
             if anyio.current_time() - warned >= ADMIN_WARN_S:
                 warned = anyio.current_time()
-                logger.warning("could not %s replica %s %s %s yet (retrying): %s", action, url,
-                               where, self.name, error)  # fmt: skip
+                logger.warning(
+                    "could not %s replica %s %s %s yet (retrying): %s",
+                    action,
+                    url,
+                    where,
+                    self.name,
+                    error,
+                )
 
         try:
-            await update_proxy(front.url, self.admin_key, url, remove=action == "remove",
-                               interval_s=self.poll_s, on_retry=on_retry)  # fmt: skip
+            await update_proxy(
+                front.url,
+                self.admin_key,
+                url,
+                remove=action == "remove",
+                interval_s=self.poll_s,
+                on_retry=on_retry,
+            )
         except (ConfigError, ReplicaError) as exc:
             logger.error("could not %s replica %s %s %s: %s", action, url, where, self.name, exc)
 
@@ -104,5 +116,9 @@ class FrontProxy:
         for url in want:
             if url not in listed:
                 await self.update("add", url)
-        logger.info("%s, relaunched at %s, has the replicas serving: %s", self.name,
-                    front.url, ", ".join(want))  # fmt: skip
+        logger.info(
+            "%s, relaunched at %s, has the replicas serving: %s",
+            self.name,
+            front.url,
+            ", ".join(want),
+        )

@@ -39,11 +39,15 @@ async def wait_job_healthy(backend: Backend, job: Job, lcfg: LaunchConfig) -> No
         return job.url
 
     if not await wait_healthy(
-        url, timeout_s=lcfg.health_timeout_s, interval_s=lcfg.poll_s,
+        url,
+        timeout_s=lcfg.health_timeout_s,
+        interval_s=lcfg.poll_s,
         headers=backend.health_headers,
-    ):  # fmt: skip
-        what = (f"{not_healthy_in_time(lcfg)} (raise launch.health_timeout_s if the image or "
-                "model is large)")  # fmt: skip
+    ):
+        what = (
+            f"{not_healthy_in_time(lcfg)} (raise launch.health_timeout_s if the image or "
+            "model is large)"
+        )
         raise await job_failure(backend, job, what, lcfg.log_tail_lines)
     logger.info("%s healthy at %s", job.name, job.url)
 

@@ -60,8 +60,16 @@ from asyncgrpo.run.progress import describe_progress, parse_progress, parse_resu
 from asyncgrpo.store.run_documents import RunResult
 from asyncgrpo.transport import check_transport_url
 
-__all__ = ["LaunchHandle", "check_offline", "dry_run", "launch", "launch_dir", "make_backend",
-           "plan", "restart_delay"]  # fmt: skip
+__all__ = [
+    "LaunchHandle",
+    "check_offline",
+    "dry_run",
+    "launch",
+    "launch_dir",
+    "make_backend",
+    "plan",
+    "restart_delay",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -202,8 +210,9 @@ class LaunchHandle:
         self.progress: list[dict[str, Any]] = []
         self._on_progress = on_progress
         self._jobs = JobSet(backend, launch_dir)
-        self._front = FrontProxy(self._jobs, sweep=self.sweep, admin_key=backend.admin_key,
-                                 poll_s=cfg.launch.poll_s)  # fmt: skip
+        self._front = FrontProxy(
+            self._jobs, sweep=self.sweep, admin_key=backend.admin_key, poll_s=cfg.launch.poll_s
+        )
         self._replacer = ReplicaReplacer(self._jobs, self._front, cfg.launch, self._follow)
         self._owner = ExitStack()  #: the launch directory's lock, held until the launch ends
         #: run name -> (its trainer's result, its first and last evaluation), from its log
@@ -259,8 +268,10 @@ class LaunchHandle:
     def metrics(self) -> dict[str, Path | None]:
         """Run name -> its ``metrics.jsonl`` on this host (None: on the trainer job's machine),
         for each trainer job started."""
-        return {p.cfg.run_name: self.backend.metrics_path(t)
-                for p, t in zip(self.points, self.trainers, strict=False)}  # fmt: skip
+        return {
+            p.cfg.run_name: self.backend.metrics_path(t)
+            for p, t in zip(self.points, self.trainers, strict=False)
+        }
 
     async def logs(self, job: Job | str, lines: int | None = None) -> str:
         """The last ``lines`` log lines of ``job`` (a :class:`Job` or its name), from the
@@ -337,9 +348,11 @@ class LaunchHandle:
                             await followers[trainer.id].drained.wait()
                 tg.cancel_scope.cancel()
             if failure is None and failed:
-                failure = failed[0] if len(failed) == 1 else LaunchError(
-                    points_failure([str(f) for f in failed], len(trainers))
-                )  # fmt: skip
+                failure = (
+                    failed[0]
+                    if len(failed) == 1
+                    else LaunchError(points_failure([str(f) for f in failed], len(trainers)))
+                )
             if failure is not None:
                 raise failure
         finally:
@@ -371,14 +384,19 @@ class LaunchHandle:
         if job.spec.role == "replica" and job.replaced_by is None:
             self._replacer.note(job, was, status, tg)  # one the backend relaunched elsewhere
         elif self._front.moved(job, status.url):  # the front, relaunched elsewhere
-            logger.warning("%s (job %s) moved to %s; bringing its replicas up to date",
-                           self._front.name, job.name, status.url)  # fmt: skip
+            logger.warning(
+                "%s (job %s) moved to %s; bringing its replicas up to date",
+                self._front.name,
+                job.name,
+                status.url,
+            )
             job.url = status.url
             tg.start_soon(self._front.resync, self._jobs.serving_urls)
         job.url = job.url or status.url
         self._front.note(job)
-        decision = decide(job, status, sweep=self.sweep, restarts=self.restarts,
-                          budget=lcfg.replica_restarts)  # fmt: skip
+        decision = decide(
+            job, status, sweep=self.sweep, restarts=self.restarts, budget=lcfg.replica_restarts
+        )
         if decision.verdict == "replace":
             await self._replacer.replace(job, decision.why, tg)
         elif decision.verdict == "completed":

@@ -97,8 +97,9 @@ class RoleActor:
         self._log = cwd / LOG_NAME
         command = node_argv(argv, node_ip=node_ip, port=port, python=sys.executable)
         with self._log.open("ab") as out:
-            self._process = await start_group(command, stdout=out, stderr=out, cwd=cwd,
-                                              env={**os.environ, **env})  # fmt: skip
+            self._process = await start_group(
+                command, stdout=out, stderr=out, cwd=cwd, env={**os.environ, **env}
+            )
         return {
             "node_ip": node_ip,
             "port": port,

@@ -68,9 +68,13 @@ class ReplicaReplacer:
         (in ``tg``)."""
         moved = status.url is not None and job.url is not None and status.url != job.url
         if was == "running" and job.url is not None and (status.stage == "starting" or moved):
-            logger.warning("replica job %s (%s) is being relaunched by the backend (%s); "
-                           "training continues on the other replicas", job.name, job.id,
-                           status.message or status.stage)  # fmt: skip
+            logger.warning(
+                "replica job %s (%s) is being relaunched by the backend (%s); "
+                "training continues on the other replicas",
+                job.name,
+                job.id,
+                status.message or status.stage,
+            )
             tg.start_soon(self.front.update, "remove", job.url)
             job.url = None
             self._recovering.add(job.id)
@@ -86,8 +90,9 @@ class ReplicaReplacer:
         assert job.url is not None
         await self.jobs.save()  # with its new URL
         await self.front.update("add", job.url)
-        logger.info("replica job %s, relaunched, is in %s at %s", job.name, self.front.name,
-                    job.url)  # fmt: skip
+        logger.info(
+            "replica job %s, relaunched, is in %s at %s", job.name, self.front.name, job.url
+        )
 
     async def replace(self, dead: Job, why: str, tg: TaskGroup) -> None:
         """Start bringing up a replacement for ``dead`` (after its delay) in ``tg``; returns at
@@ -101,9 +106,15 @@ class ReplicaReplacer:
         logger.warning(
             "replica job %s (%s) %s; training continues on the other replicas; replacement "
             "%d of launch.replica_restarts=%d (%s) starts in %.0f s; its log: %s",
-            dead.name, dead.id, why, self.restarts, lcfg.replica_restarts, spec.name, delay,
+            dead.name,
+            dead.id,
+            why,
+            self.restarts,
+            lcfg.replica_restarts,
+            spec.name,
+            delay,
             dead.log_path,
-        )  # fmt: skip
+        )
         await self.jobs.save()
         if dead.url is not None:
             tg.start_soon(self.front.update, "remove", dead.url)
@@ -126,5 +137,8 @@ class ReplicaReplacer:
         await self.front.update("add", job.url)
         logger.info(
             "replica job %s (replacing %s) is in %s at %s",
-            job.name, dead.name, self.front.name, job.url,
-        )  # fmt: skip
+            job.name,
+            dead.name,
+            self.front.name,
+            job.url,
+        )

@@ -96,10 +96,11 @@ class ProxyClient(VLLMClient):
         if status < 400 or (status == 400 and "already an upstream" in body):
             return
         raise ReplicaHTTPError(
-            f"adding replica {url} to the proxy at {self.base_url} failed ({status}): "
-            f"{body[:500]}",
-            url=self.base_url + UPSTREAMS_PATH, status=status, body=body,
-        )  # fmt: skip
+            f"adding replica {url} to the proxy at {self.base_url} failed ({status}): {body[:500]}",
+            url=self.base_url + UPSTREAMS_PATH,
+            status=status,
+            body=body,
+        )
 
     async def remove_upstream(self, url: str) -> bool:
         """Take the replica at ``url`` out of this asyncgrpo proxy (admin route); False if the
@@ -111,8 +112,10 @@ class ProxyClient(VLLMClient):
             raise ReplicaHTTPError(
                 f"removing replica {url} from the proxy at {self.base_url} failed ({status}): "
                 f"{body[:500]}",
-                url=self.base_url + UPSTREAMS_PATH, status=status, body=body,
-            )  # fmt: skip
+                url=self.base_url + UPSTREAMS_PATH,
+                status=status,
+                body=body,
+            )
         return True
 
 

@@ -193,13 +193,27 @@ class ProxyConfig:
             )
         seconds = [n for n in self.__dataclass_fields__ if n.endswith("_s")]
         check_fields(
-            self, "proxy", gt=dict.fromkeys(seconds, 0), le={"port": 65535},
-            ge={"port": 0, "block_size": 1, "imbalance": 0, "imbalance_ratio": 1,
-                "max_tracked_blocks": 1, "max_body_bytes": 1024, "health_timeouts_to_open": 1,
+            self,
+            "proxy",
+            gt=dict.fromkeys(seconds, 0),
+            le={"port": 65535},
+            ge={
+                "port": 0,
+                "block_size": 1,
+                "imbalance": 0,
+                "imbalance_ratio": 1,
+                "max_tracked_blocks": 1,
+                "max_body_bytes": 1024,
+                "health_timeouts_to_open": 1,
                 "min_healthy_replicas": 0,
-                "max_attempts": 1, "max_connections": 1, "max_inflight_per_replica": 0,
-                "max_queued_per_run": 1, "max_runs": 1, "offload_body_bytes": 0},
-        )  # fmt: skip
+                "max_attempts": 1,
+                "max_connections": 1,
+                "max_inflight_per_replica": 0,
+                "max_queued_per_run": 1,
+                "max_runs": 1,
+                "offload_body_bytes": 0,
+            },
+        )
 
 
 def token_allowed(url: str, config: ProxyConfig) -> bool:

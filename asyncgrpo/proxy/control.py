@@ -173,15 +173,21 @@ async def _load_fleet(proxy: Proxy, path: str, body: bytes, name: str) -> Respon
     if rejected:
         up, status, data = rejected[0]
         stats.broadcasts["load", "rejected"] += 1
-        log.warning("adapter %s rejected by %s (HTTP %d); rolled back on %d replicas",
-                    name, up.url, status, len(ok))  # fmt: skip
+        log.warning(
+            "adapter %s rejected by %s (HTTP %d); rolled back on %d replicas",
+            name,
+            up.url,
+            status,
+            len(ok),
+        )
         return status, [(b"Content-Type", b"application/json"), (REPLICA_HEADER_B, up.url_b)], data
     if lagging:
         stats.broadcasts["load", "deadline"] += 1
         return error_answer(
-            504, f"adapter {name} not found on {[r[0].url for r in lagging]} within "
-            f"load_deadline_s={cfg.load_deadline_s}: storage has not caught up; rolled back"
-        )  # fmt: skip
+            504,
+            f"adapter {name} not found on {[r[0].url for r in lagging]} within "
+            f"load_deadline_s={cfg.load_deadline_s}: storage has not caught up; rolled back",
+        )
     stats.broadcasts["load", "unreachable"] += 1
     return error_answer(503, "no replica could be reached")
 
@@ -231,8 +237,11 @@ async def broadcast(proxy: Proxy, method: str, path_qs: str, body: bytes) -> Res
     async with pool.fleet_lock:
         results = await _post_all(proxy, path_qs, body)
         agreed = [(up, data) for up, status, data in results if status == 200]
-        failed = [{"url": up.url, "status": status, "body": data[:300].decode(errors="replace")}
-                  for up, status, data in results if status not in (0, 200)]  # fmt: skip
+        failed = [
+            {"url": up.url, "status": status, "body": data[:300].decode(errors="replace")}
+            for up, status, data in results
+            if status not in (0, 200)
+        ]
         if agreed and not failed and path in (api.PAUSE_PATH, api.RESUME_PATH):
             pool.paused_query = ("?" + query if query else "") if path == api.PAUSE_PATH else None
         for up, _ in agreed:
@@ -274,10 +283,18 @@ async def health(proxy: Proxy, method: str, path: str, body: bytes) -> Response:
     ups = pool.in_rotation()
     results = await asyncio.gather(*(pool.probe(u) for u in ups))
     serving = sum(ok is True and u.serving for u, ok in zip(ups, results, strict=True))
-    bad = [{"url": u.url, "circuit": u.circuit.value, "error": u.last_error}
-           for u, ok in zip(ups, results, strict=True) if ok is not True or not u.serving]  # fmt: skip
-    doc = {"status": "ok" if serving >= need else "unhealthy", "replicas": len(ups),
-           "serving": serving, "min_healthy_replicas": need, "unhealthy": bad}  # fmt: skip
+    bad = [
+        {"url": u.url, "circuit": u.circuit.value, "error": u.last_error}
+        for u, ok in zip(ups, results, strict=True)
+        if ok is not True or not u.serving
+    ]
+    doc = {
+        "status": "ok" if serving >= need else "unhealthy",
+        "replicas": len(ups),
+        "serving": serving,
+        "min_healthy_replicas": need,
+        "unhealthy": bad,
+    }
     return json_answer(200 if serving >= need else 503, doc)
 
 
@@ -340,8 +357,11 @@ async def runs_route(proxy: Proxy, method: str, target: str, body: bytes) -> Res
         return error_answer(exc.status, str(exc))
     name, token = doc.get("run"), doc.get("token")
     if not isinstance(name, str) or not NAME.fullmatch(name):
-        return error_answer(400, 'body must name the run, printable ASCII without spaces, at '
-                            f'most {MAX_NAME} characters: {{"run": "<adapter prefix>", ...}}')  # fmt: skip
+        return error_answer(
+            400,
+            "body must name the run, printable ASCII without spaces, at "
+            f'most {MAX_NAME} characters: {{"run": "<adapter prefix>", ...}}',
+        )
     if token is not None and (not isinstance(token, str) or not TOKEN.fullmatch(token)):
         return error_answer(400, "token must be 16 to 256 printable ASCII characters")
     if why := booking_refusal(runs.runs.get(name), token):
@@ -366,7 +386,7 @@ async def _register(proxy: Proxy, doc: dict[str, Any], name: str, token: str) ->
     if max_loras is None:
         return error_answer(
             503, "no replica in rotation said its --max-loras (GET /server_info): is LoRA on?"
-        )  # fmt: skip
+        )
     now = proxy.loop.time()
     if proxy.config.max_inflight_per_replica is None and max_seqs is not None:
         runs.per_replica = max_seqs
@@ -375,17 +395,38 @@ async def _register(proxy: Proxy, doc: dict[str, Any], name: str, token: str) ->
         log.warning("run %s sent nothing for run_lease_s: its LoRA slots are free", lapsed)
     if why := booking_refusal(runs.runs.get(name), token):  # registered while we awaited
         return error_answer(403, why)
-    why = runs.register(name, slots=slots, weight=weight, max_loras=max_loras,
-                        loaded=list(proxy.pool.adapters), now=now)  # fmt: skip
+    why = runs.register(
+        name,
+        slots=slots,
+        weight=weight,
+        max_loras=max_loras,
+        loaded=list(proxy.pool.adapters),
+        now=now,
+    )
     if why is not None:
         log.warning("refused: %s", why)
         return error_answer(409, why)
     runs.runs[name].token = token
     held = runs.holders(proxy.pool.adapters)
-    log.info("run %s holds %d LoRA slots (weight %g); %d of --max-loras %d held", name, slots,
-             weight, sum(held.values()), max_loras)  # fmt: skip
-    return json_answer(200, {"run": name, "lora_slots": slots, "weight": weight, "token": token,
-                             "max_loras": max_loras, "lora_slots_held": held})  # fmt: skip
+    log.info(
+        "run %s holds %d LoRA slots (weight %g); %d of --max-loras %d held",
+        name,
+        slots,
+        weight,
+        sum(held.values()),
+        max_loras,
+    )
+    return json_answer(
+        200,
+        {
+            "run": name,
+            "lora_slots": slots,
+            "weight": weight,
+            "token": token,
+            "max_loras": max_loras,
+            "lora_slots_held": held,
+        },
+    )
 
 
 _BROADCAST = (api.PAUSE_PATH, api.RESUME_PATH, api.RESET_PREFIX_CACHE_PATH)

@@ -58,9 +58,30 @@ class Forward(Exchange):
     sequences of its share from :meth:`submit` (or its turn) to its answer; ``session`` is the
     hash of its ``X-Session-ID``, if it has one."""
 
-    __slots__ = ("began", "body", "chains", "client", "cost", "decision", "due", "head", "held",
-                 "last_error", "lines", "method", "path", "proxy", "run", "sent", "session",
-                 "started", "streams", "timeout", "tried", "up")  # fmt: skip
+    __slots__ = (
+        "began",
+        "body",
+        "chains",
+        "client",
+        "cost",
+        "decision",
+        "due",
+        "head",
+        "held",
+        "last_error",
+        "lines",
+        "method",
+        "path",
+        "proxy",
+        "run",
+        "sent",
+        "session",
+        "started",
+        "streams",
+        "timeout",
+        "tried",
+        "up",
+    )
 
     def __init__(
         self,
@@ -98,10 +119,13 @@ class Forward(Exchange):
         if run is not None and proxy.runs.queue_full(run):
             self.run = None
             proxy.stats.rejected[429] += 1
-            return self._answer(error_answer(
-                429, f"run {run.name} has max_queued_per_run={proxy.runs.max_queued} requests "
-                "waiting for its turn (the replicas are saturated): retry later"
-            ))  # fmt: skip
+            return self._answer(
+                error_answer(
+                    429,
+                    f"run {run.name} has max_queued_per_run={proxy.runs.max_queued} requests "
+                    "waiting for its turn (the replicas are saturated): retry later",
+                )
+            )
         if run is None or proxy.runs.admit(run, self, self.cost, proxy.now):
             self.held, self.began = run is not None, proxy.now
             self.start()
@@ -154,14 +178,19 @@ class Forward(Exchange):
                 pass
         if up is None:
             proxy.stats.rejected[503] += 1
-            message = (f"no replica could serve the request (tried {len(self.tried)}): "
-                       f"{self.last_error or 'none in rotation'}")  # fmt: skip
+            message = (
+                f"no replica could serve the request (tried {len(self.tried)}): "
+                f"{self.last_error or 'none in rotation'}"
+            )
             self._answer(error_answer(503, message))
             return self._release()
         self.up = up
         self.tried.append(up.url)
-        up.h1.send(self, up.h1.request(self.method, self.path, self.lines, self.body),
-                   head_request=self.method == b"HEAD")  # fmt: skip
+        up.h1.send(
+            self,
+            up.h1.request(self.method, self.path, self.lines, self.body),
+            head_request=self.method == b"HEAD",
+        )
         self.sent = proxy.now
         self.due = proxy.loop.time() + self.timeout
         proxy.inflight.add(self)

@@ -171,8 +171,11 @@ class Connection(asyncio.Protocol):
         self.framing, self.body_calls = 0, self.body_calls + 1
         clients = self.clients
         if clients.buffered + len(data) > clients.max_buffered:
-            raise Refused(503, f"the proxy holds max_buffered_bytes={clients.max_buffered} of "
-                          "request bodies: retry later")  # fmt: skip
+            raise Refused(
+                503,
+                f"the proxy holds max_buffered_bytes={clients.max_buffered} of "
+                "request bodies: retry later",
+            )
         clients.buffered += len(data)
         self.held += len(data)
         req = self.req
@@ -349,8 +352,9 @@ class Connection(asyncio.Protocol):
                 return
             body = b"".join(req.body)
             forward = (method, req.target, b"".join(req.lines), body)
-            return self._generate(req, forward, read_generation(body, self.rules.max_body,
-                                                                block_size))  # fmt: skip
+            return self._generate(
+                req, forward, read_generation(body, self.rules.max_body, block_size)
+            )
         body = b"".join(req.body)
         forward = (method, req.target, b"".join(req.lines), body)
         if (handler := ROUTES.get((b"GET" if method == b"HEAD" else method, path))) is not None:
@@ -360,16 +364,21 @@ class Connection(asyncio.Protocol):
             self.work = Forward(proxy, self, forward, None)
         else:
             what = f"{method.decode()} {path.decode('latin-1')}"
-            return self.answer(error_answer(
-                404, f"{what} is not proxied: only GET, generation, tokenize and the broadcast "
-                "control calls are"
-            ))  # fmt: skip
+            return self.answer(
+                error_answer(
+                    404,
+                    f"{what} is not proxied: only GET, generation, tokenize and the broadcast "
+                    "control calls are",
+                )
+            )
         self.work.start()
 
     def _generate(
-        self, req: Request, forward: tuple[bytes, bytes, bytes, bytes | list[bytes | bytearray]],
+        self,
+        req: Request,
+        forward: tuple[bytes, bytes, bytes, bytes | list[bytes | bytearray]],
         intake: Intake,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Relay a generation request (or answer why not) once its body is read."""
         proxy = self.proxy
         if intake.status:
@@ -386,22 +395,34 @@ class Connection(asyncio.Protocol):
             )
         proxy.stats.route_seconds += intake.hash_s
         run = proxy.runs.run(intake.model, proxy.now, named=req.run)
-        self.work = Forward(proxy, self, forward, intake.chains, stream=intake.stream, run=run,
-                            cost=intake.cost, session=req.session)  # fmt: skip
+        self.work = Forward(
+            proxy,
+            self,
+            forward,
+            intake.chains,
+            stream=intake.stream,
+            run=run,
+            cost=intake.cost,
+            session=req.session,
+        )
         self.work.submit()  # now, or its run's turn while the replicas are saturated
 
     async def _offloaded(
-        self, req: Request, forward: tuple[bytes, bytes, bytes, bytes | list[bytes | bytearray]],
+        self,
+        req: Request,
+        forward: tuple[bytes, bytes, bytes, bytes | list[bytes | bytearray]],
         read: Awaitable[Intake],
-    ) -> None:  # fmt: skip
+    ) -> None:
         intake = await read
         if self.current is req and not self.closed:
             self._generate(req, forward, intake)
 
     async def _control(
-        self, handler: Callable[[Proxy, str, str, bytes], Awaitable[Response]], req: Request,
+        self,
+        handler: Callable[[Proxy, str, str, bytes], Awaitable[Response]],
+        req: Request,
         body: bytes,
-    ) -> None:  # fmt: skip
+    ) -> None:
         method = "GET" if req.method == b"HEAD" else req.method.decode()
         try:
             answer = await handler(self.proxy, method, req.target.decode("latin-1"), body)

@@ -99,8 +99,11 @@ class Offload:
                 (n,) = _ANSWER.unpack(await stdout.readexactly(_ANSWER.size))
                 intake = Intake(*pickle.loads(await stdout.readexactly(n)))
             except Exception as exc:  # the worker died (killed, out of memory) or misspoke
-                log.warning("the body reader process failed (%s: %s); restarting it",
-                            type(exc).__name__, exc)  # fmt: skip
+                log.warning(
+                    "the body reader process failed (%s: %s); restarting it",
+                    type(exc).__name__,
+                    exc,
+                )
                 self._kill()
                 return Intake(503, "the proxy could not read this request body: retry")
             except BaseException:  # cancelled half-way: the pipe is out of step
@@ -111,9 +114,13 @@ class Offload:
     async def _start(self) -> asyncio.subprocess.Process:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", __name__, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, env=env,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            __name__,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+        )
         return self._proc
 
     def _kill(self) -> None:

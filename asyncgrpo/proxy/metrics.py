@@ -42,9 +42,11 @@ class _Collector(Collector):
             yield family
         stats = proxy.stats
         yield SummaryMetricFamily(
-            _P + "route_seconds", "Time spent hashing prompts and choosing a replica.",
-            count_value=stats.route_count, sum_value=stats.route_seconds,
-        )  # fmt: skip
+            _P + "route_seconds",
+            "Time spent hashing prompts and choosing a replica.",
+            count_value=stats.route_count,
+            sum_value=stats.route_seconds,
+        )
 
 
 def _families(proxy: Proxy) -> list[_Family]:
@@ -102,30 +104,77 @@ def _run_families(proxy: Proxy) -> list[_Family]:
     runs = list(proxy.runs.runs.values())
     r = ("run",)
     return [
-        ("run_requests_total", "counter", "Generation requests of a run.",
-         r, [((x.name,), x.requests) for x in runs]),
-        ("run_sequences_total", "counter", "Sequences a run asked for (n per prompt).",
-         r, [((x.name,), x.sequences) for x in runs]),
-        ("run_inflight", "gauge", "A run's sequences in flight on the replicas.",
-         r, [((x.name,), x.inflight) for x in runs]),
-        ("run_waiting", "gauge", "A run's requests waiting for its turn (replicas saturated).",
-         r, [((x.name,), len(x.queue)) for x in runs]),
-        ("run_wait_seconds_total", "counter", "Time a run's requests waited for their turn.",
-         r, [((x.name,), x.waited_s) for x in runs]),
-        ("run_sequence_seconds_total", "counter",
-         "Sequence-seconds a run had in flight: its share of generation.",
-         r, [((x.name,), x.sequence_s) for x in runs]),
-        ("run_weight", "gauge", "A run's weight in the fair share.",
-         r, [((x.name,), x.weight) for x in runs]),
-        ("run_lora_slots", "gauge", "LoRA slots a registered run holds (max_staleness + 2).",
-         r, [((x.name,), x.slots) for x in runs if x.slots is not None]),
-        ("runs_folded_total", "counter",
-         f"Requests counted under run {OVERFLOW!r}: their run came past max_runs busy ones.",
-         (), [((), proxy.runs.folded)]),
-        ("share_capacity", "gauge",
-         "Sequences in flight before requests wait for their run's turn (0: they never wait).",
-         (), [((), proxy.runs.capacity or 0)]),
-    ]  # fmt: skip
+        (
+            "run_requests_total",
+            "counter",
+            "Generation requests of a run.",
+            r,
+            [((x.name,), x.requests) for x in runs],
+        ),
+        (
+            "run_sequences_total",
+            "counter",
+            "Sequences a run asked for (n per prompt).",
+            r,
+            [((x.name,), x.sequences) for x in runs],
+        ),
+        (
+            "run_inflight",
+            "gauge",
+            "A run's sequences in flight on the replicas.",
+            r,
+            [((x.name,), x.inflight) for x in runs],
+        ),
+        (
+            "run_waiting",
+            "gauge",
+            "A run's requests waiting for its turn (replicas saturated).",
+            r,
+            [((x.name,), len(x.queue)) for x in runs],
+        ),
+        (
+            "run_wait_seconds_total",
+            "counter",
+            "Time a run's requests waited for their turn.",
+            r,
+            [((x.name,), x.waited_s) for x in runs],
+        ),
+        (
+            "run_sequence_seconds_total",
+            "counter",
+            "Sequence-seconds a run had in flight: its share of generation.",
+            r,
+            [((x.name,), x.sequence_s) for x in runs],
+        ),
+        (
+            "run_weight",
+            "gauge",
+            "A run's weight in the fair share.",
+            r,
+            [((x.name,), x.weight) for x in runs],
+        ),
+        (
+            "run_lora_slots",
+            "gauge",
+            "LoRA slots a registered run holds (max_staleness + 2).",
+            r,
+            [((x.name,), x.slots) for x in runs if x.slots is not None],
+        ),
+        (
+            "runs_folded_total",
+            "counter",
+            f"Requests counted under run {OVERFLOW!r}: their run came past max_runs busy ones.",
+            (),
+            [((), proxy.runs.folded)],
+        ),
+        (
+            "share_capacity",
+            "gauge",
+            "Sequences in flight before requests wait for their run's turn (0: they never wait).",
+            (),
+            [((), proxy.runs.capacity or 0)],
+        ),
+    ]
 
 
 def runs_stats(proxy: Proxy) -> dict[str, Any]:

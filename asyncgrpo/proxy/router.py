@@ -129,8 +129,9 @@ def request_hashes(
         return [byte_hashes(model, chat_bytes(body)[: max_blocks * chunk], chunk)]
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return [byte_hashes(model, prompt[: max_blocks * chunk].encode()[: max_blocks * chunk],
-                            chunk)]  # fmt: skip
+        return [
+            byte_hashes(model, prompt[: max_blocks * chunk].encode()[: max_blocks * chunk], chunk)
+        ]
     if not isinstance(prompt, list) or not prompt:
         return []
     if isinstance(prompt[0], int):
@@ -206,8 +207,11 @@ class Router:
         self._available: dict[str, bool] = {}
         self._rr = 0
         self.decisions: dict[DecisionKind, int] = {
-            "session": 0, "affinity": 0, "spill": 0, "unmatched": 0
-        }  # fmt: skip
+            "session": 0,
+            "affinity": 0,
+            "spill": 0,
+            "unmatched": 0,
+        }
         self._sessions: OrderedDict[int, str] = OrderedDict()  # session -> its home replica
         self.session_moves = 0  # requests of known sessions sent away from home (gone, busy, retry)
 

@@ -30,8 +30,20 @@ from typing import Any, Protocol
 
 from asyncgrpo.vllm.api import parse_served_name
 
-__all__ = ["MAX_NAME", "MAX_WEIGHT", "MIN_WEIGHT", "NAME", "OVERFLOW", "TOKEN", "Run", "Runs", "Waiting",
-           "booking_refusal", "run_of", "sequences"]  # fmt: skip
+__all__ = [
+    "MAX_NAME",
+    "MAX_WEIGHT",
+    "MIN_WEIGHT",
+    "NAME",
+    "OVERFLOW",
+    "TOKEN",
+    "Run",
+    "Runs",
+    "Waiting",
+    "booking_refusal",
+    "run_of",
+    "sequences",
+]
 
 #: The run of requests beyond ``max_runs`` distinct runs (all busy): bounded memory, and a
 #: bounded number of ``run`` label values on ``/metrics``.
@@ -77,8 +89,19 @@ class Waiting(Protocol):
 class Run:
     """One run's registration, its requests now and its totals."""
 
-    __slots__ = ("inflight", "name", "queue", "requests", "seen", "sequence_s", "sequences",
-                 "slots", "token", "waited_s", "weight")  # fmt: skip
+    __slots__ = (
+        "inflight",
+        "name",
+        "queue",
+        "requests",
+        "seen",
+        "sequence_s",
+        "sequences",
+        "slots",
+        "token",
+        "waited_s",
+        "weight",
+    )
 
     def __init__(self, name: str, now: float) -> None:
         self.name = name
@@ -114,9 +137,13 @@ class Runs:
     """Every run the proxy has seen (at most ``max_runs`` at once), their slots and turns."""
 
     def __init__(
-        self, *, lease_s: float, max_runs: int = 1024, max_queued: int = 4096,
+        self,
+        *,
+        lease_s: float,
+        max_runs: int = 1024,
+        max_queued: int = 4096,
         queue_timeout_s: float = float("inf"),
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.lease_s = lease_s
         self.max_runs = max_runs
         self.max_queued = max_queued  #: requests of one run waiting their turn, at most
@@ -190,8 +217,12 @@ class Runs:
                 request, _, since = run.queue.popleft()
                 self.waiting -= 1
                 run.waited_s += now - since
-                request.dropped(503, f"waited over queue_timeout_s={self.queue_timeout_s:g} s "
-                                "for its run's turn: the replicas are saturated", close=False)  # fmt: skip
+                request.dropped(
+                    503,
+                    f"waited over queue_timeout_s={self.queue_timeout_s:g} s "
+                    "for its run's turn: the replicas are saturated",
+                    close=False,
+                )
 
     def evict(self, count: int, now: float) -> int:
         """Drop the ``count`` longest-waiting requests of the run with the most waiting (each
@@ -206,9 +237,12 @@ class Runs:
             self.waiting -= 1
             run.waited_s += now - since
             n += 1
-            request.dropped(503, "evicted while waiting for its run's turn: the proxy is at "
-                            "max_connections and this run holds the most waiting requests",
-                            close=True)  # fmt: skip
+            request.dropped(
+                503,
+                "evicted while waiting for its run's turn: the proxy is at "
+                "max_connections and this run holds the most waiting requests",
+                close=True,
+            )
         return n
 
     def done(self, run: Run, cost: int, seconds: float) -> None:
@@ -234,8 +268,10 @@ class Runs:
         self._pumping = True
         try:
             while self.waiting and (self.capacity is None or self.inflight < self.capacity):
-                run = min((r for r in self.runs.values() if r.queue),
-                          key=lambda r: (r.inflight / r.weight, r.queue[0][2]))  # fmt: skip
+                run = min(
+                    (r for r in self.runs.values() if r.queue),
+                    key=lambda r: (r.inflight / r.weight, r.queue[0][2]),
+                )
                 request, cost, since = run.queue.popleft()
                 self.waiting -= 1
                 run.waited_s += now - since
@@ -249,8 +285,11 @@ class Runs:
 
     def expire(self, now: float) -> list[str]:
         """Drop the registrations of runs silent for ``lease_s``; their names."""
-        lapsed = [r for r in self.runs.values()
-                  if r.slots is not None and r.idle() and now - r.seen > self.lease_s]  # fmt: skip
+        lapsed = [
+            r
+            for r in self.runs.values()
+            if r.slots is not None and r.idle() and now - r.seen > self.lease_s
+        ]
         for run in lapsed:
             run.slots, run.token = None, ""
         return [r.name for r in lapsed]
@@ -268,9 +307,15 @@ class Runs:
         return held
 
     def register(
-        self, name: str, *, slots: int, weight: float, max_loras: int, loaded: Iterable[str],
+        self,
+        name: str,
+        *,
+        slots: int,
+        weight: float,
+        max_loras: int,
+        loaded: Iterable[str],
         now: float,
-    ) -> str | None:  # fmt: skip
+    ) -> str | None:
         """Register run ``name`` (again: a restarted run replaces its old registration); the
         reason it does not fit, or None."""
         full = len(self.runs) >= self.max_runs
@@ -282,7 +327,7 @@ class Runs:
             return (
                 f"the proxy already tracks max_runs={self.max_runs} runs, each busy or "
                 "registered: wait for one to end"
-            )  # fmt: skip
+            )
         held = self.holders(loaded, besides=name)
         used = sum(held.values())
         if used + slots > max_loras:

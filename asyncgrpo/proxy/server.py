@@ -66,8 +66,13 @@ async def serve_proxy(config: ProxyConfig) -> AsyncIterator[str]:
             ) from exc
         host, port = server.sockets[0].getsockname()[:2]
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        log.info("proxy on %s over %d replicas (routing=%s, block_size=%s)",
-                 url, len(pool.upstreams), config.routing, pool.block_size)  # fmt: skip
+        log.info(
+            "proxy on %s over %d replicas (routing=%s, block_size=%s)",
+            url,
+            len(pool.upstreams),
+            config.routing,
+            pool.block_size,
+        )
         yield url
     finally:
         if server is not None:

@@ -41,8 +41,18 @@ class Proxy:
     few microseconds each), which also keeps ``now``, the loop's time at its last pass: a
     deadline far off needs no clock read."""
 
-    __slots__ = ("config", "inflight", "loop", "now", "offload", "pool", "router", "runs", "stats",
-                 "tasks")  # fmt: skip
+    __slots__ = (
+        "config",
+        "inflight",
+        "loop",
+        "now",
+        "offload",
+        "pool",
+        "router",
+        "runs",
+        "stats",
+        "tasks",
+    )
 
     def __init__(self, config: ProxyConfig, loop: asyncio.AbstractEventLoop) -> None:
         self.config = config
@@ -55,9 +65,11 @@ class Proxy:
         )
         self.pool = UpstreamPool(config, self.router, self.spawn)
         self.runs = Runs(
-            lease_s=config.run_lease_s, max_runs=config.max_runs,
-            max_queued=config.max_queued_per_run, queue_timeout_s=config.queue_timeout_s,
-        )  # fmt: skip
+            lease_s=config.run_lease_s,
+            max_runs=config.max_runs,
+            max_queued=config.max_queued_per_run,
+            queue_timeout_s=config.queue_timeout_s,
+        )
         self.runs.per_replica = config.max_inflight_per_replica or None
         self.stats = ProxyStats()
         self.offload = Offload()  # reads large generation bodies off the event loop
@@ -104,5 +116,6 @@ _KINDS = {404: "NotFoundError", 409: "ConflictError", 500: "InternalServerError"
 def error_answer(status: int, message: str) -> Response:
     """An OpenAI-style error, so SDK clients show the message."""
     kind = _KINDS.get(status, "BadRequestError")
-    return json_answer(status, {"error": {"message": message, "type": kind, "param": None,
-                                          "code": status}})  # fmt: skip
+    return json_answer(
+        status, {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    )

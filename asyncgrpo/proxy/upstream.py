@@ -244,13 +244,22 @@ class UpstreamPool:
         n = up.expire_inflight() if expire else 0
         log.warning(
             "replica %s out of rotation for %.1f s (%s); %d in-flight requests expired",
-            up.url, wait, up.last_error, n,
-        )  # fmt: skip
+            up.url,
+            wait,
+            up.last_error,
+            n,
+        )
 
     # -- calls to one replica, health ----------------------------------------------------------
 
-    async def call(self, up: Upstream, method: str, path_qs: str, body: bytes | None = None,
-                   timeout_s: float = 0) -> tuple[int, bytes]:  # fmt: skip
+    async def call(
+        self,
+        up: Upstream,
+        method: str,
+        path_qs: str,
+        body: bytes | None = None,
+        timeout_s: float = 0,
+    ) -> tuple[int, bytes]:
         """One control call under ``timeout_s`` (default ``broadcast_timeout_s``); raises
         OSError (TimeoutError too)."""
         timeout_s = timeout_s or self.config.broadcast_timeout_s
@@ -398,8 +407,11 @@ class UpstreamPool:
     async def settings(self) -> dict[str, int | None]:
         """What the proxy sizes itself by, from the fleet's ``/server_info``: ``block_size``,
         ``max_loras``, ``max_num_seqs``, each the smallest any replica says (None: none says)."""
-        readers = {"block_size": api.block_size_of, "max_loras": api.lora_slots_of,
-                   "max_num_seqs": api.max_num_seqs_of}  # fmt: skip
+        readers = {
+            "block_size": api.block_size_of,
+            "max_loras": api.lora_slots_of,
+            "max_num_seqs": api.max_num_seqs_of,
+        }
 
         async def one(up: Upstream) -> Any:
             timeout_s = self.config.health_timeout_s

@@ -109,9 +109,12 @@ class GenerationConfig:
                 f"generation.top_k={self.top_k}: use -1 to disable or a positive integer"
             )
         check_fields(
-            self, "generation", ge={"max_completion_length": 1, "min_p": 0},
-            gt={"top_p": 0, "repetition_penalty": 0}, le={"top_p": 1, "min_p": 1},
-        )  # fmt: skip
+            self,
+            "generation",
+            ge={"max_completion_length": 1, "min_p": 0},
+            gt={"top_p": 0, "repetition_penalty": 0},
+            le={"top_p": 1, "min_p": 1},
+        )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 
@@ -166,11 +169,19 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         check_fields(
-            self, "rollout", gt={"request_timeout_s": 0}, le={"share_weight": 1000},
-            ge={"retries": 0, "retry_backoff_s": 0, "share_weight": 0.001,
-            **dict.fromkeys(("max_inflight", "queue_maxsize",
-                             "reward_max_threads", "score_concurrency"), 1)},
-        )  # fmt: skip
+            self,
+            "rollout",
+            gt={"request_timeout_s": 0},
+            le={"share_weight": 1000},
+            ge={
+                "retries": 0,
+                "retry_backoff_s": 0,
+                "share_weight": 0.001,
+                **dict.fromkeys(
+                    ("max_inflight", "queue_maxsize", "reward_max_threads", "score_concurrency"), 1
+                ),
+            },
+        )
         if isinstance(self.reward_funcs, str):
             self.reward_funcs = [self.reward_funcs]
         if isinstance(self.environment, dict):

@@ -334,9 +334,12 @@ class MultiTurnEnv(Environment):
         if room < 1:
             return []
         first = await policy.complete(
-            task.prompt_ids, n=g, seed=self.seed(task, 0), max_tokens=room,
+            task.prompt_ids,
+            n=g,
+            seed=self.seed(task, 0),
+            max_tokens=room,
             session=self.session(task),
-        )  # fmt: skip
+        )
         results: list[Episode | None] = [None] * len(first)
 
         async def one(i: int) -> None:

@@ -235,8 +235,11 @@ class PolicyClient:
         self.retries_total += 1
         if self._not_served_warned != model:
             self._not_served_warned = model
-            logger.warning("%s; waiting up to %.0f s for it to be served or for the next "
-                           "policy", error, self.adapter_wait_s)  # fmt: skip
+            logger.warning(
+                "%s; waiting up to %.0f s for it to be served or for the next policy",
+                error,
+                self.adapter_wait_s,
+            )
 
         async def moved_on() -> bool | None:
             return True if self._policy()[0] != model else None

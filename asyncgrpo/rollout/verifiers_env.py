@@ -59,12 +59,16 @@ def parse_tool_calls(text: str) -> list[dict[str, Any]]:
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
             continue
         args = call.get("arguments", {})
-        calls.append({
-            "id": f"call_{i}",
-            "type": "function",
-            "function": {"name": call["name"],
-                         "arguments": args if isinstance(args, str) else json.dumps(args)},
-        })  # fmt: skip
+        calls.append(
+            {
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {
+                    "name": call["name"],
+                    "arguments": args if isinstance(args, str) else json.dumps(args),
+                },
+            }
+        )
     return calls
 
 
@@ -113,9 +117,11 @@ class _Play:
                 f"the episode reached max_episode_tokens={env.max_episode_tokens}"
             )
         turns = await self.policy.complete(
-            self.traj.ids, seed=env.seed(self.task, self.index, self.traj.model_turns),
-            max_tokens=room, session=env.session(self.task),
-        )  # fmt: skip
+            self.traj.ids,
+            seed=env.seed(self.task, self.index, self.traj.model_turns),
+            max_tokens=room,
+            session=env.session(self.task),
+        )
         if not turns:  # counted by the policy client; verifiers ends the episode here
             raise _NoLogprobs("a model turn came back without usable logprobs")
         turn = self.last = turns[0]
@@ -125,18 +131,33 @@ class _Play:
         if calls:
             answer["tool_calls"] = calls
         self.sent = [*messages, answer]
-        return ChatCompletion.model_validate({
-            "id": f"asyncgrpo-{self.task.index}-{self.index}", "object": "chat.completion",
-            "created": 0, "model": self.policy.model, "prompt_token_ids": turn.prompt_ids,
-            "choices": [{
-                "index": 0, "message": {"role": "assistant", "content": turn.text,
-                                        "tool_calls": calls or None},
-                "finish_reason": "length" if turn.finish_reason == "length" else "stop",
-                "token_ids": turn.token_ids,
-                "logprobs": {"content": [{"token": "", "logprob": lp, "bytes": None,
-                                          "top_logprobs": []} for lp in turn.logprobs]},
-            }],
-        })  # fmt: skip
+        return ChatCompletion.model_validate(
+            {
+                "id": f"asyncgrpo-{self.task.index}-{self.index}",
+                "object": "chat.completion",
+                "created": 0,
+                "model": self.policy.model,
+                "prompt_token_ids": turn.prompt_ids,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {
+                            "role": "assistant",
+                            "content": turn.text,
+                            "tool_calls": calls or None,
+                        },
+                        "finish_reason": "length" if turn.finish_reason == "length" else "stop",
+                        "token_ids": turn.token_ids,
+                        "logprobs": {
+                            "content": [
+                                {"token": "", "logprob": lp, "bytes": None, "top_logprobs": []}
+                                for lp in turn.logprobs
+                            ]
+                        },
+                    }
+                ],
+            }
+        )
 
 
 def _said(messages: list[Message]) -> list[tuple[Any, Any]]:
@@ -219,8 +240,10 @@ class VerifiersEnv(Environment):
         """Raise ``ConfigError`` unless ``verifiers`` and the environment module ``name`` are
         installed (found, not imported: importing loads the environment)."""
         module = name.replace("-", "_").split("/")[-1]
-        needs = [("verifiers", "pip install 'asyncgrpo[envs]'"),
-                 (module, f"install the environment's package (module {module!r})")]  # fmt: skip
+        needs = [
+            ("verifiers", "pip install 'asyncgrpo[envs]'"),
+            (module, f"install the environment's package (module {module!r})"),
+        ]
         for what, hint in needs:
             try:
                 found = importlib.util.find_spec(what) is not None

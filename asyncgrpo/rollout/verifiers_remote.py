@@ -84,9 +84,10 @@ class RemoteV1Env(PlayedEnv):
         self.name, self.python, self.args = name, python, dict(args or {})
         self.episode_timeout_s, self.start_timeout_s = episode_timeout_s, start_timeout_s
         self.turns = ChatTurns(
-            tokenizer=tokenizer, max_tokens=generation.max_completion_length,
+            tokenizer=tokenizer,
+            max_tokens=generation.max_completion_length,
             max_episode_tokens=max_episode_tokens,
-        )  # fmt: skip
+        )
         self.fields: list[str] = []
         self._process: anyio.abc.Process | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -102,9 +103,12 @@ class RemoteV1Env(PlayedEnv):
         # its venv's bin first: verifiers finds uv (its harness programs' runner) there
         path = os.pathsep.join([os.path.dirname(self.python), os.environ.get("PATH", "")])
         process = await start_group(
-            [self.python, str(WORKER)], stdin=-1, stdout=-1, stderr=None,
+            [self.python, str(WORKER)],
+            stdin=-1,
+            stdout=-1,
+            stderr=None,
             env={**os.environ, "PATH": path},
-        )  # fmt: skip
+        )
         self._process = process
         try:
             await self._send({"op": "load", "name": self.name, "args": self.args})
@@ -168,9 +172,14 @@ class RemoteV1Env(PlayedEnv):
         else:
             try:
                 got, calls = await self.turns.answer(seat, msg["messages"], msg.get("tools"))
-                reply.update(text=got.text, prompt_ids=got.prompt_ids,
-                             completion_ids=got.token_ids, logprobs=got.logprobs,
-                             finish_reason=got.finish_reason, tool_calls=calls)  # fmt: skip
+                reply.update(
+                    text=got.text,
+                    prompt_ids=got.prompt_ids,
+                    completion_ids=got.token_ids,
+                    logprobs=got.logprobs,
+                    finish_reason=got.finish_reason,
+                    tool_calls=calls,
+                )
             except TurnRefused as exc:
                 reply.update(error=str(exc), status=exc.status)
             except AsyncGRPOError as exc:  # the replicas': raised after the episode

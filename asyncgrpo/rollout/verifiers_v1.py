@@ -54,8 +54,9 @@ class TurnClient(vf.Client):
     ) -> Any:
         seat = self.seats.get(session_id or "")
         if seat is None:
-            raise vf.ProviderError(f"no episode of asyncgrpo's plays trace {session_id!r}",
-                                   status_code=400)  # fmt: skip
+            raise vf.ProviderError(
+                f"no episode of asyncgrpo's plays trace {session_id!r}", status_code=400
+            )
         messages, tools = chat_request(dialect, body)
         try:
             got, calls = await self.turns.answer(seat, messages, tools)

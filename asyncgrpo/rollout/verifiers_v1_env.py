@@ -70,9 +70,10 @@ class VerifiersV1Env(PlayedEnv):
         self.episode_timeout_s = episode_timeout_s
         self._task_cls = type(self.env.taskset).task_type()
         turns = ChatTurns(
-            tokenizer=tokenizer, max_tokens=generation.max_completion_length,
+            tokenizer=tokenizer,
+            max_tokens=generation.max_completion_length,
             max_episode_tokens=max_episode_tokens,
-        )  # fmt: skip
+        )
         self.client = TurnClient(turns)
         self._config: Any = None
 

@@ -156,13 +156,18 @@ def response(answer: dict[str, Any], model: str) -> Any:
     length = answer.get("finish_reason") == "length"
     prompt_ids, completion_ids = answer["prompt_ids"], answer["completion_ids"]
     made = vf.Response(
-        id=f"asyncgrpo-{secrets.token_hex(4)}", created=0, model=model,
+        id=f"asyncgrpo-{secrets.token_hex(4)}",
+        created=0,
+        model=model,
         message=vf.AssistantMessage(content=answer.get("text") or None, tool_calls=tool_calls),
         finish_reason="length" if length else ("tool_calls" if calls else "stop"),
         usage=vf.Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(completion_ids)),
-        tokens=vf.TurnTokens(prompt_ids=prompt_ids, completion_ids=completion_ids,
-                             completion_logprobs=answer["logprobs"]),
-    )  # fmt: skip
+        tokens=vf.TurnTokens(
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+            completion_logprobs=answer["logprobs"],
+        ),
+    )
     made.raw = serialize_completion(made, model)
     return made
 
@@ -271,15 +276,21 @@ class _PipeClient(vf.Client):
         self.calls = 0
 
     async def get_response(
-        self, dialect: Any, body: dict, sampling: Any, session_id: str | None = None,
-        turn: Any = None, headers: Any = None,
-    ) -> Any:  # fmt: skip
+        self,
+        dialect: Any,
+        body: dict,
+        sampling: Any,
+        session_id: str | None = None,
+        turn: Any = None,
+        headers: Any = None,
+    ) -> Any:
         messages, tools = chat_request(dialect, body)
         self.calls += 1
         call = self.calls
         future = self.waiting[call] = asyncio.get_running_loop().create_future()
-        self.send({"op": "call", "id": call, "trace": session_id, "messages": messages,
-                   "tools": tools})  # fmt: skip
+        self.send(
+            {"op": "call", "id": call, "trace": session_id, "messages": messages, "tools": tools}
+        )
         try:
             answer = await future
         finally:
@@ -303,8 +314,9 @@ async def _serve(env: Any, config: Any, client: _PipeClient, send: Callable[[dic
 
         try:
             task = task_cls(task_cls.data_type().model_validate(row), env.taskset.config.task)
-            played = await env.run_episode(task, vf.ModelContext(model="policy", client=config),
-                                           on_trace=seat)  # fmt: skip
+            played = await env.run_episode(
+                task, vf.ModelContext(model="policy", client=config), on_trace=seat
+            )
             send({"op": "done", "id": eid, **outcome(played)})
         except asyncio.CancelledError:
             send({"op": "done", "id": eid, "error": "cancelled", "traces": []})

@@ -165,8 +165,10 @@ async def open_fleet(
                 tg.start_soon(_still_starting, serve, started, phase)
                 replicas = await stack.enter_async_context(launch_replicas(serve))
                 tg.cancel_scope.cancel()
-            phase(f"{n} replica{'s' if n != 1 else ''} healthy after "
-                  f"{time.monotonic() - started:.0f} s")  # fmt: skip
+            phase(
+                f"{n} replica{'s' if n != 1 else ''} healthy after "
+                f"{time.monotonic() - started:.0f} s"
+            )
             urls = [r.url for r in replicas] + urls
         url = await stack.enter_async_context(
             serve_proxy(dataclasses.replace(proxy, upstreams=tuple(urls)))

@@ -34,8 +34,13 @@ if TYPE_CHECKING:
     from asyncgrpo.run.progress import RunProgress
     from asyncgrpo.run.sync import AdapterSync
 
-__all__ = ["EvalsDuringTraining", "RunEvaluator", "evals_during_training", "evaluate_published",
-           "pick_versions"]  # fmt: skip
+__all__ = [
+    "EvalsDuringTraining",
+    "RunEvaluator",
+    "evals_during_training",
+    "evaluate_published",
+    "pick_versions",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +49,14 @@ class RunEvaluator:
     """Evaluates served versions of one run and keeps the results in its run directory."""
 
     def __init__(
-        self, cfg: TrainingConfig, *, base_url: str, api_key: str | None, writer: MetricsWriter,
+        self,
+        cfg: TrainingConfig,
+        *,
+        base_url: str,
+        api_key: str | None,
+        writer: MetricsWriter,
         prefix: str,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.cfg = cfg
         self.base_url = base_url
         self.api_key = api_key
@@ -64,26 +74,39 @@ class RunEvaluator:
         return len(self._prompts)
 
     async def __call__(
-        self, model: str, version: int, *, step: int,
+        self,
+        model: str,
+        version: int,
+        *,
+        step: int,
         on_graded: Callable[[int, int], None] | None = None,
-    ) -> dict[str, float]:  # fmt: skip
+    ) -> dict[str, float]:
         """Evaluate ``model`` (adapter ``version``), record it, and return its metrics;
         ``on_graded(done, total)`` hears of each prompt graded."""
         await self.prepare()
         assert self._prompts is not None
         report = await evaluate(
-            self.cfg, base_url=self.base_url, api_key=self.api_key, model=model,
-            version=version, prompts=self._prompts, tokenizer=self._tokenizer, run=self.run,
+            self.cfg,
+            base_url=self.base_url,
+            api_key=self.api_key,
+            model=model,
+            version=version,
+            prompts=self._prompts,
+            tokenizer=self._tokenizer,
+            run=self.run,
             on_graded=on_graded,
-        )  # fmt: skip
+        )
         await anyio.to_thread.run_sync(lambda: write_report(self.cfg.run_dir, report, step=step))
         self.writer.mirror(report.metrics, step=step)
         m = report.metrics
         logger.info(
             "eval of version %d: reward %.3f, pass@1 %.3f over %d prompts in %.1f s",
-            version, m["eval/reward"], m.get("eval/pass@1", float("nan")),
-            int(m["eval/prompts"]), m["eval/seconds"],
-        )  # fmt: skip
+            version,
+            m["eval/reward"],
+            m.get("eval/pass@1", float("nan")),
+            int(m["eval/prompts"]),
+            m["eval/seconds"],
+        )
         return report.metrics
 
 
@@ -112,8 +135,11 @@ class EvalsDuringTraining:
             return
         if self._running is not None:
             self.skipped.append(version)
-            logger.info("eval of version %d skipped: version %d is still being evaluated",
-                        version, self._running)  # fmt: skip
+            logger.info(
+                "eval of version %d skipped: version %d is still being evaluated",
+                version,
+                self._running,
+            )
             return
         name = self.sync.pin(version)  # now: the next sync may not retire it
         self._running, self._idle = version, anyio.Event()
@@ -225,9 +251,12 @@ async def evaluate_published(
             loader = ProxyLoader(client, fetching=fetching)
             with MetricsWriter(cfg.run_dir, jsonl=False) as writer:
                 evaluator = RunEvaluator(
-                    cfg, base_url=endpoint.url, api_key=endpoint.api_key, writer=writer,
+                    cfg,
+                    base_url=endpoint.url,
+                    api_key=endpoint.api_key,
+                    writer=writer,
                     prefix=prefix,
-                )  # fmt: skip
+                )
                 results = []
                 for v in chosen:
                     name = served_name(prefix, v)

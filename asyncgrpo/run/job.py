@@ -40,8 +40,9 @@ async def train(cfg) -> None:
 
     result = await run_training(cfg, progress=JobLines(cfg.trainer.max_steps))
     final = served_name(result.adapter_prefix, result.final_version)
-    print(f"trained {result.steps} steps; final adapter {final} in {result.transport_url}",
-          flush=True)  # fmt: skip
+    print(
+        f"trained {result.steps} steps; final adapter {final} in {result.transport_url}", flush=True
+    )
     # the launcher's summary: the same as `asyncgrpo train`'s
     print(result_line(result, read_evals(result.run_dir)), flush=True)
 
@@ -58,8 +59,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         description=plain_help(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("overrides", nargs="*", default=[],
-                        help="section.field=value overrides")  # fmt: skip
+    parser.add_argument("overrides", nargs="*", default=[], help="section.field=value overrides")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     args = parse_command_line(lambda: parser.parse_args(argv), PROG)
     logging.basicConfig(

@@ -60,8 +60,12 @@ def run_dir_lock(run_dir: Path, command: str, *, setting: str = "output_dir") ->
             pass
         os.close(fd)
     try:
-        doc = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
-               "started": time.time()}  # fmt: skip
+        doc = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "command": command,
+            "started": time.time(),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(doc) + "\n").encode(), 0)
         yield path

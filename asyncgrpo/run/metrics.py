@@ -130,8 +130,9 @@ class MetricsWriter:
         try:
             append_whole(self.path, "".join(self._unwritten))
         except OSError as exc:
-            logger.warning("%s: %d lines kept for the next write: %s", self.path,
-                           len(self._unwritten), exc)  # fmt: skip
+            logger.warning(
+                "%s: %d lines kept for the next write: %s", self.path, len(self._unwritten), exc
+            )
             return
         self._unwritten.clear()
 

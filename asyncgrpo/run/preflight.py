@@ -192,12 +192,16 @@ def _local_replicas(cfg: TrainingConfig) -> list[str]:
     if cfg.serve.replicas:
         serve = replica_config(cfg)
         argv = serve.command(port=8000)
-        flags = {"max_lora_rank": int(_flag(argv, "--max-lora-rank") or 0),
-                 "max_loras": int(_flag(argv, "--max-loras") or 0)}  # fmt: skip
+        flags = {
+            "max_lora_rank": int(_flag(argv, "--max-lora-rank") or 0),
+            "max_loras": int(_flag(argv, "--max-loras") or 0),
+        }
         check_lora_capacity(
-            {"lora_config": flags}, lora_rank=cfg.lora.r, max_staleness=tr.max_staleness,
+            {"lora_config": flags},
+            lora_rank=cfg.lora.r,
+            max_staleness=tr.max_staleness,
             pinned=cfg.serve.pinned_versions,
-        )  # fmt: skip
+        )
         lines.append(
             f"replicas: {cfg.serve.replicas} local, LoRA rank {cfg.lora.r} <= --max-lora-rank "
             f"{flags['max_lora_rank']}, {flags['max_loras']} LoRA slots >= max_staleness "
@@ -397,15 +401,19 @@ async def preflight_fleet(
     transport. ``say`` hears what agreed. Returns whether the replicas fetch."""
     info = await _slow_named(client.server_info(), client, "GET /server_info")
     check_lora_capacity(
-        info, lora_rank=cfg.lora.r,
-        max_staleness=cfg.trainer.max_staleness, pinned=cfg.serve.pinned_versions,
-    )  # fmt: skip
+        info,
+        lora_rank=cfg.lora.r,
+        max_staleness=cfg.trainer.max_staleness,
+        pinned=cfg.serve.pinned_versions,
+    )
     agreed = await anyio.to_thread.run_sync(
         lambda: check_serving_agrees(
-            info, cfg, trainer_dtype=trainer_dtype,
+            info,
+            cfg,
+            trainer_dtype=trainer_dtype,
             trainer_shape=lambda: _trainer_shape(cfg.model),
         )
-    )  # fmt: skip
+    )
     for line in agreed:
         if say is not None:
             say(line)

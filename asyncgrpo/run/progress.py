@@ -148,8 +148,9 @@ class JobLines:
         print(text, file=self.stream or sys.stdout, flush=True)
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
-        print(progress_line(step, self.max_steps, metrics), file=self.stream or sys.stdout,
-              flush=True)  # fmt: skip
+        print(
+            progress_line(step, self.max_steps, metrics), file=self.stream or sys.stdout, flush=True
+        )
 
 
 def as_progress(progress: RunProgress | StepCallback | None) -> RunProgress:
@@ -197,8 +198,14 @@ class ConsoleProgress:
         if self._bar is None:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self.max_steps, initial=step - 1, desc="training",
-                             unit="step", file=self.stream, dynamic_ncols=True)  # fmt: skip
+            self._bar = tqdm(
+                total=self.max_steps,
+                initial=step - 1,
+                desc="training",
+                unit="step",
+                file=self.stream,
+                dynamic_ncols=True,
+            )
         self._bar.set_postfix_str("  ".join(_fields(record)), refresh=False)
         self._bar.update(step - self._bar.n)
 
@@ -241,9 +248,11 @@ def _held_out(evals: Sequence[Mapping[str, Any]]) -> list[str]:
 
     prompts = at(last, "eval/prompts", "{:.0f}")
     if first is last:
-        return [f"held-out reward: {at(last, 'eval/reward', '{:.3f}')} (version "
-                f"{at(last, 'eval/version', '{:.0f}')}, {prompts} prompts; pass@1 "
-                f"{at(last, 'eval/pass@1', '{:.2f}')})"]  # fmt: skip
+        return [
+            f"held-out reward: {at(last, 'eval/reward', '{:.3f}')} (version "
+            f"{at(last, 'eval/version', '{:.0f}')}, {prompts} prompts; pass@1 "
+            f"{at(last, 'eval/pass@1', '{:.2f}')})"
+        ]
     return [
         f"held-out reward: {at(first, 'eval/reward', '{:.3f}')} (version "
         f"{at(first, 'eval/version', '{:.0f}')}) -> {at(last, 'eval/reward', '{:.3f}')} "
@@ -318,8 +327,9 @@ def run_summary(result: RunResult, wall_s: float, *, max_steps: int | None = Non
 
     metrics = result.run_dir / METRICS_FILE
     records = read_metrics(metrics) if metrics.is_file() else []
-    return summary_lines(result, records, wall_s, evals=read_evals(result.run_dir),
-                         max_steps=max_steps)  # fmt: skip
+    return summary_lines(
+        result, records, wall_s, evals=read_evals(result.run_dir), max_steps=max_steps
+    )
 
 
 #: How a launched trainer job reports its result to the launcher: one line at its end.

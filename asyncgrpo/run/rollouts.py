@@ -79,8 +79,9 @@ async def run_rollouts(
             channel = RolloutChannel(transport)
             ledger = Ledger(cfg.run_dir / SHIPPED_FILE, enabled=cfg.logging.jsonl)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_follow_policy, store, client, poll_interval_s, tg.cancel_scope,
-                              report)  # fmt: skip
+                tg.start_soon(
+                    _follow_policy, store, client, poll_interval_s, tg.cancel_scope, report
+                )
                 while samples := await client.get(cfg.generation.num_generations):
                     ledger.shipped(await _append(channel, samples), samples)
                     shipped += len(samples)

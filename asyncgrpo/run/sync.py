@@ -310,8 +310,9 @@ class AdapterSync:
             await self.loader.unload(self.name(version))
         except ReplicaError as exc:
             if not (isinstance(exc, ReplicaHTTPError) and exc.status == 404):
-                logger.warning("unloading %s failed (tried again later): %s",
-                               self.name(version), exc)  # fmt: skip
+                logger.warning(
+                    "unloading %s failed (tried again later): %s", self.name(version), exc
+                )
                 return
         self.loaded.remove(version)
         await self.source.forget(self.prefix, version)

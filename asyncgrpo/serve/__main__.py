@@ -59,16 +59,19 @@ class Registration:
 
 def _register_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--register", metavar="URL",
+        "--register",
+        metavar="URL",
         help="Base URL of a running asyncgrpo proxy to add each replica to once it is healthy "
-             "(and remove it from on exit). The replicas must be reachable from the proxy at "
-             "their URL: set --host to an address it can reach.",
-    )  # fmt: skip
+        "(and remove it from on exit). The replicas must be reachable from the proxy at "
+        "their URL: set --host to an address it can reach.",
+    )
     parser.add_argument(
-        "--register-key-env", metavar="VAR", default=None,
+        "--register-key-env",
+        metavar="VAR",
+        default=None,
         help="Environment variable holding the proxy's admin key (default "
-             f"{REGISTER_KEY_ENV}); never given on the command line.",
-    )  # fmt: skip
+        f"{REGISTER_KEY_ENV}); never given on the command line.",
+    )
 
 
 def parse(argv: Sequence[str] | None = None) -> ServeConfig:
@@ -79,20 +82,27 @@ def parse(argv: Sequence[str] | None = None) -> ServeConfig:
 def _parse(argv: Sequence[str] | None) -> tuple[ServeConfig, Registration | None, bool]:
     """The config, the proxy to register with, and ``--debug``."""
     config, args = parse_args(
-        ServeConfig, argv, prog=PROG, description=plain_help(__doc__), env_prefix=ENV_PREFIX,
+        ServeConfig,
+        argv,
+        prog=PROG,
+        description=plain_help(__doc__),
+        env_prefix=ENV_PREFIX,
         extra=_register_flags,
-    )  # fmt: skip
+    )
     if config.replicas < 1:
-        raise UsageError(f"--replicas={config.replicas}: start 1 or more", prog=PROG,
-                         debug=args.debug)  # fmt: skip
+        raise UsageError(
+            f"--replicas={config.replicas}: start 1 or more", prog=PROG, debug=args.debug
+        )
     try:
         for url in config.transports:  # here, not 30 s later in every vLLM process
             check_transport_url(url)
     except ConfigError as exc:
         raise UsageError(f"--transport: {exc}", prog=PROG, debug=args.debug) from exc
     try:
-        for flag, value in (("--log-dir", config.log_dir),
-                            ("--adapter-cache-dir", config.adapter_cache_dir)):  # fmt: skip
+        for flag, value in (
+            ("--log-dir", config.log_dir),
+            ("--adapter-cache-dir", config.adapter_cache_dir),
+        ):
             if value is not None:  # a directory vLLM could not write fails it minutes later
                 check_writable(Path(value), f"{flag} {value}")
     except ConfigError as exc:
@@ -127,8 +137,11 @@ def _registration(
 async def _serve(config: ServeConfig, registration: Registration | None) -> None:
     async with launch_replicas(config) as replicas:
         for r in replicas:
-            print(f"replica {r.index} ready: {r.url} (pid {r.pid}, log {r.log_path}, "
-                  f"{r.started_s:.1f} s)", flush=True)  # fmt: skip
+            print(
+                f"replica {r.index} ready: {r.url} (pid {r.pid}, log {r.log_path}, "
+                f"{r.started_s:.1f} s)",
+                flush=True,
+            )
         if registration is None:
             await anyio.sleep_forever()
         try:
@@ -143,12 +156,14 @@ async def _join(registration: Registration, replicas: Sequence[Replica], timeout
     """Add every replica to the proxy; the proxy answers once each is up to date."""
 
     def on_retry(error: str) -> None:
-        logger.warning("the proxy at %s cannot take a replica yet (retrying): %s",
-                       registration.proxy, error)  # fmt: skip
+        logger.warning(
+            "the proxy at %s cannot take a replica yet (retrying): %s", registration.proxy, error
+        )
 
     for r in replicas:
-        if not await update_proxy(registration.proxy, registration.key, r.url,
-                                  timeout_s=timeout_s, on_retry=on_retry):  # fmt: skip
+        if not await update_proxy(
+            registration.proxy, registration.key, r.url, timeout_s=timeout_s, on_retry=on_retry
+        ):
             raise ReplicaError(
                 f"the proxy at {registration.proxy} did not take replica {r.index} ({r.url}) "
                 f"within {timeout_s:.0f} s (serve.startup_timeout_s)"
@@ -178,22 +193,32 @@ async def stay_joined(
                 listed = None  # the list takes the client key: send the joins themselves
             missing = [r for r in replicas if listed is None or r.url not in listed]
             if listed is not None and missing:
-                logger.warning("the proxy at %s no longer lists %s (restarted?); joining again",
-                               registration.proxy, ", ".join(r.url for r in missing))  # fmt: skip
+                logger.warning(
+                    "the proxy at %s no longer lists %s (restarted?); joining again",
+                    registration.proxy,
+                    ", ".join(r.url for r in missing),
+                )
             for r in missing:
                 try:
-                    joined = await update_proxy(registration.proxy, registration.key, r.url,
-                                                timeout_s=timeout_s)  # fmt: skip
+                    joined = await update_proxy(
+                        registration.proxy, registration.key, r.url, timeout_s=timeout_s
+                    )
                 except ReplicaError as exc:
                     joined, error = False, str(exc)
                 else:
                     error = f"not taken within {timeout_s:.0f} s"
                 if not joined:
-                    logger.warning("replica %d could not join %s again (%s); trying again",
-                                   r.index, registration.proxy, error)  # fmt: skip
+                    logger.warning(
+                        "replica %d could not join %s again (%s); trying again",
+                        r.index,
+                        registration.proxy,
+                        error,
+                    )
                 elif listed is not None:
-                    print(f"replica {r.index} joined the proxy at {registration.proxy} again",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"replica {r.index} joined the proxy at {registration.proxy} again",
+                        flush=True,
+                    )
 
 
 async def _leave(registration: Registration, replicas: list[Replica]) -> None:

@@ -134,12 +134,24 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         check_fields(
-            self, "serve", ge={"replicas": 0, "runs": 1, "max_staleness": 0, "nice": 0, "port": 1,
-            "max_model_len": 1, "kv_cache_gib": 1, "pinned_versions": 0, "adapter_max_total_bytes": 1,
-            "adapter_max_files": 1, "adapter_max_manifest_bytes": 1},
+            self,
+            "serve",
+            ge={
+                "replicas": 0,
+                "runs": 1,
+                "max_staleness": 0,
+                "nice": 0,
+                "port": 1,
+                "max_model_len": 1,
+                "kv_cache_gib": 1,
+                "pinned_versions": 0,
+                "adapter_max_total_bytes": 1,
+                "adapter_max_files": 1,
+                "adapter_max_manifest_bytes": 1,
+            },
             le={"nice": 19, "port": 65535},
             gt={"startup_timeout_s": 0, "gpu_memory_utilization": 0},
-        )  # fmt: skip
+        )
         need = self.max_staleness + 2 + self.pinned_versions
         if self.max_loras is not None and self.max_loras < need:
             raise ConfigError(

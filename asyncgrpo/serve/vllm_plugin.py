@@ -213,15 +213,17 @@ class AdapterRoutes:
         from starlette.responses import JSONResponse
 
         fetcher, missing = _fetcher_of(request), isinstance(self.internals, str)
-        return JSONResponse({
-            "plugin": PLUGIN_NAME,
-            "ok": not missing,
-            "error": self.internals if missing else None,
-            "replica": request.app.state.asyncgrpo_replica,
-            "transports": fetcher.roots,
-            "cached": [p.name for p in fetcher.cached()],
-            "loading": sorted(self.loading),
-        })  # fmt: skip
+        return JSONResponse(
+            {
+                "plugin": PLUGIN_NAME,
+                "ok": not missing,
+                "error": self.internals if missing else None,
+                "replica": request.app.state.asyncgrpo_replica,
+                "transports": fetcher.roots,
+                "cached": [p.name for p in fetcher.cached()],
+                "loading": sorted(self.loading),
+            }
+        )
 
     async def _body(self, request: Request) -> dict[str, Any] | Response:
         """The request's JSON object, or the error answer: 501 without vLLM's internals, 400
@@ -247,8 +249,9 @@ class AdapterRoutes:
         except NotFound as exc:
             return _error(409, f"{api.ADAPTER_NOT_PUBLISHED}: {exc}", api.ADAPTER_NOT_PUBLISHED)
         except IntegrityError as exc:
-            log.error("replica %s refused adapter %s version %s: %s",
-                      replica, ref.name, ref.version, exc)  # fmt: skip
+            log.error(
+                "replica %s refused adapter %s version %s: %s", replica, ref.name, ref.version, exc
+            )
             return _error(
                 422,
                 f"replica {replica} refused adapter {ref.name} version {ref.version}: {exc}",

@@ -42,8 +42,13 @@ from asyncgrpo.transport import Transport
 from asyncgrpo.transport.base import join_key
 from asyncgrpo.vllm.api import served_name
 
-__all__ = ["AdapterStore", "AdapterVersion", "check_adapter_name", "describe_versions",
-           "parse_version"]  # fmt: skip
+__all__ = [
+    "AdapterStore",
+    "AdapterVersion",
+    "check_adapter_name",
+    "describe_versions",
+    "parse_version",
+]
 
 log = logging.getLogger(__name__)
 

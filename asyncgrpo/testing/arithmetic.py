@@ -61,8 +61,12 @@ LEVELS: dict[str, tuple[str, tuple[int, int], tuple[int, int]]] = {
 }
 LEVEL_WEIGHTS: dict[str, float] = {"add2": 1, "mul2": 1, "add3": 1, "mul3": 1, "add4": 1}
 OPS: dict[str, Callable[[int, int], int]] = {"+": operator.add, "*": operator.mul}
-TEMPLATES = ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b} = ?",
-             "Calculate {a} {op} {b}.")  # fmt: skip
+TEMPLATES = (
+    "What is {a} {op} {b}?",
+    "Compute {a} {op} {b}.",
+    "{a} {op} {b} = ?",
+    "Calculate {a} {op} {b}.",
+)
 #: One problem in HELD_OUT_BUCKETS is held out (by a hash of its operands and operation).
 HELD_OUT_BUCKETS = 16
 
@@ -222,9 +226,11 @@ def make_tokenizer(out: Path, seed: int, vocab_size: int) -> Any:
         corpus += [p.text(rng.randrange(len(TEMPLATES))), worked(p)]
     bpe = Tokenizer(models.BPE(unk_token=None))
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True),
-         pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )  # fmt: skip
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(SPECIAL_TOKENS),
@@ -235,23 +241,28 @@ def make_tokenizer(out: Path, seed: int, vocab_size: int) -> Any:
     bpe.train_from_iterator(corpus, trainer=trainer)
     bpe.add_special_tokens(list(SPECIAL_TOKENS))
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        bos_token=None, unk_token=None,
-    )  # fmt: skip
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
     return tokenizer
 
 
-def _batch(tokenizer: Any, problems: Sequence[Problem], answers: Sequence[str],
-           templates: Sequence[int]) -> tuple[Any, Any, Any]:  # fmt: skip
+def _batch(
+    tokenizer: Any, problems: Sequence[Problem], answers: Sequence[str], templates: Sequence[int]
+) -> tuple[Any, Any, Any]:
     """Right-padded ids, attention mask and labels (the assistant turn only)."""
     import torch
 
     prompts = [chat_prompt(p.text(t)) for p, t in zip(problems, templates, strict=True)]
     heads = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    tails = tokenizer([a + tokenizer.eos_token for a in answers],
-                      add_special_tokens=False)["input_ids"]  # fmt: skip
+    tails = tokenizer([a + tokenizer.eos_token for a in answers], add_special_tokens=False)[
+        "input_ids"
+    ]
     width = max(len(h) + len(t) for h, t in zip(heads, tails, strict=True))
     pad = tokenizer.pad_token_id
     ids, labels, mask = [], [], []
@@ -263,8 +274,9 @@ def _batch(tokenizer: Any, problems: Sequence[Problem], answers: Sequence[str],
     return torch.tensor(ids), torch.tensor(mask), torch.tensor(labels)
 
 
-def train_model(out: Path, settings: BuildSettings, log: Callable[[str], None] = print,
-                eval_every: int = 0) -> Any:  # fmt: skip
+def train_model(
+    out: Path, settings: BuildSettings, log: Callable[[str], None] = print, eval_every: int = 0
+) -> Any:
     """Write the tokenizer and a model trained on the (noisy) corpus to ``out``; returns the
     model, in eval mode. ``eval_every``: log greedy and temperature-1 accuracy on 20 held-out
     problems per level every so many steps (how many steps a build needs; the training itself
@@ -275,18 +287,25 @@ def train_model(out: Path, settings: BuildSettings, log: Callable[[str], None] =
     s = settings
     tokenizer = make_tokenizer(out, s.seed, s.vocab_size)
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size, num_hidden_layers=s.num_layers,
-        num_attention_heads=s.hidden_size // 64, num_key_value_heads=s.hidden_size // 64,
-        max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=None,
+        vocab_size=len(tokenizer),
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_layers,
+        num_attention_heads=s.hidden_size // 64,
+        num_key_value_heads=s.hidden_size // 64,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.pad_token_id, dtype="float32",
-    )  # fmt: skip
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
     torch.manual_seed(s.seed)
     model = Qwen2ForCausalLM(config)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.learning_rate, weight_decay=0.01,
-                                  betas=(0.9, 0.98))  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=s.learning_rate, weight_decay=0.01, betas=(0.9, 0.98)
+    )
 
     def lr_at(step: int) -> float:
         if step < s.warmup_steps:
@@ -309,8 +328,7 @@ def train_model(out: Path, settings: BuildSettings, log: Callable[[str], None] =
         optimizer.step()
         scheduler.step()
         if (step + 1) % max(1, s.steps // 10) == 0 or step + 1 == s.steps:
-            log(f"step {step + 1}/{s.steps}  loss {loss.item():.3f}  "
-                f"{time.monotonic() - t0:.0f} s")  # fmt: skip
+            log(f"step {step + 1}/{s.steps}  loss {loss.item():.3f}  {time.monotonic() - t0:.0f} s")
         if eval_every and (step + 1) % eval_every == 0:
             model.eval()
             probe = heldout_rows(20)
@@ -321,28 +339,44 @@ def train_model(out: Path, settings: BuildSettings, log: Callable[[str], None] =
     return model.eval()
 
 
-def accuracy(model: Any, tokenizer: Any, rows: Sequence[dict[str, Any]], *, temperature: float,
-             samples: int = 1, seed: int = 0, max_new_tokens: int = 64) -> dict[str, float]:  # fmt: skip
+def accuracy(
+    model: Any,
+    tokenizer: Any,
+    rows: Sequence[dict[str, Any]],
+    *,
+    temperature: float,
+    samples: int = 1,
+    seed: int = 0,
+    max_new_tokens: int = 64,
+) -> dict[str, float]:
     """Share of exactly right answers per level and overall (``all``): greedy when
     ``temperature`` is 0, else ``samples`` draws per row. The answer is read from ``\\boxed{}``
     as an integer (the build's check; RL runs score with the math reward)."""
     import torch
 
     torch.manual_seed(seed)
-    prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True,
-                                             tokenize=False) for r in rows]  # fmt: skip
+    prompts = [
+        tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+        for r in rows
+    ]
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, add_special_tokens=False, return_tensors="pt", padding=True)
     right: dict[str, list[float]] = {}
     with torch.no_grad():
         for _ in range(samples):
             gen = model.generate(
-                **enc, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                temperature=temperature if temperature > 0 else None, top_k=None, top_p=None,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-            )  # fmt: skip
-            texts = tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1] :],
-                                           skip_special_tokens=True)  # fmt: skip
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None,
+                top_k=None,
+                top_p=None,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            texts = tokenizer.batch_decode(
+                gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True
+            )
             for row, text in zip(rows, texts, strict=True):
                 ok = final_answer(text) == row["answer"]
                 right.setdefault(row["level"], []).append(float(ok))
@@ -352,9 +386,13 @@ def accuracy(model: Any, tokenizer: Any, rows: Sequence[dict[str, Any]], *, temp
 
 
 def make_arithmetic_model(
-    path: str | Path, settings: BuildSettings | None = None, *,
-    log: Callable[[str], None] = print, measure: bool = True, eval_every: int = 0,
-) -> Path:  # fmt: skip
+    path: str | Path,
+    settings: BuildSettings | None = None,
+    *,
+    log: Callable[[str], None] = print,
+    measure: bool = True,
+    eval_every: int = 0,
+) -> Path:
     """Train the model and write it, its tokenizer, ``train.jsonl``, ``heldout.jsonl`` and
     ``build.json`` to ``path``. Deterministic for a settings' seed (on one machine kind and
     thread count). ``measure``: also compute the held-out accuracies (greedy; sampled at
@@ -365,8 +403,9 @@ def make_arithmetic_model(
 
     s = settings or BuildSettings()
     if s.hidden_size % 64:
-        raise ValueError("hidden_size must be a multiple of 64: vLLM's CPU attention needs "
-                         "head_dim 64")  # fmt: skip
+        raise ValueError(
+            "hidden_size must be a multiple of 64: vLLM's CPU attention needs head_dim 64"
+        )
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -378,15 +417,20 @@ def make_arithmetic_model(
     heldout = heldout_rows(s.heldout_per_level)
     _write_jsonl(out / "heldout.jsonl", heldout)
     _write_jsonl(out / "train.jsonl", train_rows(s.train_prompts))
-    report: dict[str, Any] = {"settings": asdict(s), "train_s": round(train_s, 1),
-                              "torch": torch.__version__, "threads": torch.get_num_threads()}  # fmt: skip
+    report: dict[str, Any] = {
+        "settings": asdict(s),
+        "train_s": round(train_s, 1),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
     if measure:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(out)
         report["heldout_greedy"] = accuracy(model, tokenizer, heldout, temperature=0)
-        report["heldout_t1"] = accuracy(model, tokenizer, heldout, temperature=1.0,
-                                        samples=s.t1_samples)  # fmt: skip
+        report["heldout_t1"] = accuracy(
+            model, tokenizer, heldout, temperature=1.0, samples=s.t1_samples
+        )
         log(f"held-out accuracy, greedy: {_levels(report['heldout_greedy'])}")
         log(f"held-out pass@1 at temperature 1: {_levels(report['heldout_t1'])}")
     report["build_s"] = round(time.monotonic() - t0, 1)
@@ -402,8 +446,12 @@ def _write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def cached_arithmetic_model(cache_root: str | Path, settings: BuildSettings | None = None,
-                            *, log: Callable[[str], None] = print) -> Path:  # fmt: skip
+def cached_arithmetic_model(
+    cache_root: str | Path,
+    settings: BuildSettings | None = None,
+    *,
+    log: Callable[[str], None] = print,
+) -> Path:
     """:func:`make_arithmetic_model`, built once under ``cache_root`` per settings, this
     module's source and the torch, transformers and tokenizers versions."""
     from importlib.metadata import version
@@ -433,15 +481,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("out_dir", type=Path)
     defaults = BuildSettings()
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--steps", type=int, default=defaults.steps,
-                        help="training steps (fewer: a weaker model, sooner)")  # fmt: skip
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=defaults.steps,
+        help="training steps (fewer: a weaker model, sooner)",
+    )
     parser.add_argument(
         "--reduced",
         action="store_true",
         help="the tests' build: seconds, and a model that has learnt nothing",
     )
-    parser.add_argument("--no-cache", action="store_true",
-                        help="build into OUT_DIR directly, not through the checkout's cache")  # fmt: skip
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="build into OUT_DIR directly, not through the checkout's cache",
+    )
     args = parser.parse_args(argv)
     settings = REDUCED if args.reduced else BuildSettings(seed=args.seed, steps=args.steps)
     if args.no_cache:
@@ -454,9 +509,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             shutil.rmtree(args.out_dir)
         path = Path(shutil.copytree(built, args.out_dir, ignore=shutil.ignore_patterns(DONE)))
     build = json.loads((path / "build.json").read_text())
-    print(json.dumps({"model": str(path), "build_s": build["build_s"],
-                      "heldout_greedy": build.get("heldout_greedy", {}).get("all"),
-                      "heldout_t1": build.get("heldout_t1", {}).get("all")}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "model": str(path),
+                "build_s": build["build_s"],
+                "heldout_greedy": build.get("heldout_greedy", {}).get("all"),
+                "heldout_t1": build.get("heldout_t1", {}).get("all"),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -79,10 +79,20 @@ def azurite_binary(install_dir: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (stamp.is_file() and binary.exists()):
             subprocess.run(
-                [npm, "install", "--no-audit", "--no-fund", "--loglevel=error", "--prefix",
-                 str(install_dir), f"azurite@{AZURITE_VERSION}"],
-                check=True, timeout=600, stdout=subprocess.DEVNULL,
-            )  # fmt: skip
+                [
+                    npm,
+                    "install",
+                    "--no-audit",
+                    "--no-fund",
+                    "--loglevel=error",
+                    "--prefix",
+                    str(install_dir),
+                    f"azurite@{AZURITE_VERSION}",
+                ],
+                check=True,
+                timeout=600,
+                stdout=subprocess.DEVNULL,
+            )
             stamp.touch()
     return binary
 
@@ -96,10 +106,21 @@ def azurite(install_dir: Path, container: str) -> Iterator[str]:
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="azurite-") as workdir:
         proc = subprocess.Popen(
-            [str(binary), "--blobHost", "127.0.0.1", "--blobPort", str(port),
-             "--inMemoryPersistence", "--skipApiVersionCheck", "--loose", "--silent"],
-            cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )  # fmt: skip
+            [
+                str(binary),
+                "--blobHost",
+                "127.0.0.1",
+                "--blobPort",
+                str(port),
+                "--inMemoryPersistence",
+                "--skipApiVersionCheck",
+                "--loose",
+                "--silent",
+            ],
+            cwd=workdir,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         try:
             _wait_listening(port, proc, "azurite")
             conn = (
@@ -119,10 +140,24 @@ def fake_gcs_server(bucket: str) -> Iterator[str]:
 
     port = _free_port()
     proc = subprocess.Popen(
-        [str(_get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-         "-backend", "memory", "-public-host", f"127.0.0.1:{port}", "-log-level", "error"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            str(_get_binary_path()),
+            "-scheme",
+            "http",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(port),
+            "-backend",
+            "memory",
+            "-public-host",
+            f"127.0.0.1:{port}",
+            "-log-level",
+            "error",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         _wait_listening(port, proc, "fake-gcs-server")
         url = f"http://127.0.0.1:{port}"

@@ -94,9 +94,11 @@ def make_tool_model(
     pad = tokenizer.pad_token_id
     ids = torch.tensor([i + [pad] * (width - len(i)) for i, _ in episodes])
     labels = torch.tensor(
-        [[t if m else -100 for t, m in zip(i, k, strict=True)] + [-100] * (width - len(i))
-         for i, k in episodes]
-    )  # fmt: skip
+        [
+            [t if m else -100 for t, m in zip(i, k, strict=True)] + [-100] * (width - len(i))
+            for i, k in episodes
+        ]
+    )
     attention = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i, _ in episodes])
 
     torch.manual_seed(seed)

@@ -72,9 +72,11 @@ def _rank_main(config: TinkerConfig) -> None:
     ignoring SIGINT/SIGTERM: they exit when rank 0 tells them to or is gone."""
     from asyncgrpo.trainer.distributed import DataParallel
 
-    dp = DataParallel.from_env(timeout_s=config.dp_timeout_s,
-                               timeout_setting="tinker.dp_timeout_s",
-                               aftermath="The service stops; start it again")  # fmt: skip
+    dp = DataParallel.from_env(
+        timeout_s=config.dp_timeout_s,
+        timeout_setting="tinker.dp_timeout_s",
+        aftermath="The service stops; start it again",
+    )
     try:
         if dp is None or dp.is_main:
             asyncio.run(_serve(config, dp))

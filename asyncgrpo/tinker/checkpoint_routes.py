@@ -31,21 +31,29 @@ def _time(seconds: float | None) -> datetime | None:
 
 
 def _checkpoint(run_id: str, checkpoint: Checkpoint) -> types.Checkpoint:
-    return types.Checkpoint(checkpoint_id=checkpoint.checkpoint_id, checkpoint_type=checkpoint.kind,
-                            time=_time(checkpoint.created), tinker_path=checkpoint.path(run_id),
-                            size_bytes=checkpoint.size_bytes,
-                            user_metadata=checkpoint.user_metadata,
-                            expires_at=_time(checkpoint.expires_at))  # fmt: skip
+    return types.Checkpoint(
+        checkpoint_id=checkpoint.checkpoint_id,
+        checkpoint_type=checkpoint.kind,
+        time=_time(checkpoint.created),
+        tinker_path=checkpoint.path(run_id),
+        size_bytes=checkpoint.size_bytes,
+        user_metadata=checkpoint.user_metadata,
+        expires_at=_time(checkpoint.expires_at),
+    )
 
 
 def _run(run: Run) -> types.TrainingRun:
     last = {kind: run.latest(kind) for kind in ("training", "sampler")}
     return types.TrainingRun(
-        training_run_id=run.run_id, base_model=run.base_model, model_owner=OWNER, is_lora=True,
-        lora_rank=run.rank, last_request_time=_time(run.last_request),
+        training_run_id=run.run_id,
+        base_model=run.base_model,
+        model_owner=OWNER,
+        is_lora=True,
+        lora_rank=run.rank,
+        last_request_time=_time(run.last_request),
         last_checkpoint=last["training"] and _checkpoint(run.run_id, last["training"]),
         last_sampler_checkpoint=last["sampler"] and _checkpoint(run.run_id, last["sampler"]),
-    )  # fmt: skip
+    )
 
 
 def _page(request: web.Request, default_limit: int) -> tuple[int, int]:
@@ -69,8 +77,11 @@ async def list_runs(request: web.Request) -> web.Response:
     limit, offset = _page(request, 20)
     runs = await request.app[SERVICE].states.index.runs()
     cursor = types.Cursor(offset=offset, limit=limit, total_count=len(runs))
-    return answer(types.TrainingRunsResponse(
-        training_runs=[_run(r) for r in runs[offset : offset + limit]], cursor=cursor))  # fmt: skip
+    return answer(
+        types.TrainingRunsResponse(
+            training_runs=[_run(r) for r in runs[offset : offset + limit]], cursor=cursor
+        )
+    )
 
 
 async def get_run(request: web.Request) -> web.Response:
@@ -81,18 +92,25 @@ async def get_run(request: web.Request) -> web.Response:
 async def list_checkpoints(request: web.Request) -> web.Response:
     run = await request.app[SERVICE].states.index.run(adapter_name(request.match_info["run_id"]))
     listed = sorted(run.checkpoints, key=lambda c: c.created)
-    return answer(types.CheckpointsListResponse(
-        checkpoints=[_checkpoint(run.run_id, c) for c in listed]))  # fmt: skip
+    return answer(
+        types.CheckpointsListResponse(checkpoints=[_checkpoint(run.run_id, c) for c in listed])
+    )
 
 
 async def list_user_checkpoints(request: web.Request) -> web.Response:
     limit, offset = _page(request, 100)
     runs = await request.app[SERVICE].states.index.runs()
-    every = sorted(((r.run_id, c) for r in runs for c in r.checkpoints),
-                   key=lambda rc: rc[1].created, reverse=True)  # fmt: skip
+    every = sorted(
+        ((r.run_id, c) for r in runs for c in r.checkpoints),
+        key=lambda rc: rc[1].created,
+        reverse=True,
+    )
     cursor = types.Cursor(offset=offset, limit=limit, total_count=len(every))
-    return answer(types.CheckpointsListResponse(
-        checkpoints=[_checkpoint(*rc) for rc in every[offset : offset + limit]], cursor=cursor))  # fmt: skip
+    return answer(
+        types.CheckpointsListResponse(
+            checkpoints=[_checkpoint(*rc) for rc in every[offset : offset + limit]], cursor=cursor
+        )
+    )
 
 
 async def delete_checkpoint(request: web.Request) -> web.Response:
@@ -113,17 +131,26 @@ async def set_ttl(request: web.Request) -> web.Response:
 
 
 async def publish(request: web.Request) -> web.Response:
-    raise WireError("publishing is not served: this service has one user (whoever holds its "
-                    "key), who can read every checkpoint already; share the tinker:// path")  # fmt: skip
+    raise WireError(
+        "publishing is not served: this service has one user (whoever holds its "
+        "key), who can read every checkpoint already; share the tinker:// path"
+    )
 
 
 async def weights_info(request: web.Request) -> web.Response:
     body = await read_body(request, _WeightsInfoRequest)
     run, _ = await request.app[SERVICE].states.index.resolve(body.tinker_path)
     config = request.app[CONFIG]
-    return answer(types.WeightsInfoResponse(
-        base_model=run.base_model or config.served_name, is_lora=True, lora_rank=run.rank,
-        train_unembed=False, train_mlp=run.train_mlp, train_attn=run.train_attn))  # fmt: skip
+    return answer(
+        types.WeightsInfoResponse(
+            base_model=run.base_model or config.served_name,
+            is_lora=True,
+            lora_rank=run.rank,
+            train_unembed=False,
+            train_mlp=run.train_mlp,
+            train_attn=run.train_attn,
+        )
+    )
 
 
 class _WeightsInfoRequest(pydantic.BaseModel):

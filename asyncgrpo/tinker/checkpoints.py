@@ -43,17 +43,21 @@ def parse_path(path: str) -> tuple[str, Kind, str]:
     """``(run_id, kind, name)`` of a checkpoint path; WireError naming the form if not one."""
     found = _PATH.fullmatch(path)
     if found is None or found.group(2) not in SEGMENTS:
-        raise WireError(f"{path!r} is not a checkpoint path: give one that save_state or "
-                        "save_weights_for_sampler returned (tinker://<training_run_id>/weights/"
-                        "<name> or tinker://<training_run_id>/sampler_weights/<name>)")  # fmt: skip
+        raise WireError(
+            f"{path!r} is not a checkpoint path: give one that save_state or "
+            "save_weights_for_sampler returned (tinker://<training_run_id>/weights/"
+            "<name> or tinker://<training_run_id>/sampler_weights/<name>)"
+        )
     return found.group(1), SEGMENTS[found.group(2)], found.group(3)
 
 
 def check_ttl(ttl_seconds: int | None) -> None:
     """WireError naming the range unless ``ttl_seconds`` is None or 1 s to 10 years."""
     if ttl_seconds is not None and not 1 <= ttl_seconds <= MAX_TTL_S:
-        raise WireError(f"ttl_seconds={ttl_seconds}: give 1 to {MAX_TTL_S} (10 years), or None "
-                        "for a checkpoint that never expires")  # fmt: skip
+        raise WireError(
+            f"ttl_seconds={ttl_seconds}: give 1 to {MAX_TTL_S} (10 years), or None "
+            "for a checkpoint that never expires"
+        )
 
 
 @dataclass
@@ -108,14 +112,21 @@ def _run_of(data: dict[str, Any], where: str) -> Run:
     """The run an index entry holds; IntegrityError naming it when it is not one (anyone who
     can write the store chose its bytes)."""
     try:
-        for name, kind in (("run_id", str), ("rank", int), ("created", float),
-                           ("last_request", float)):  # fmt: skip
+        for name, kind in (
+            ("run_id", str),
+            ("rank", int),
+            ("created", float),
+            ("last_request", float),
+        ):
             if not isinstance(data.get(name), int | float if kind is float else kind):
                 raise TypeError(f"{name} is not a {kind.__name__}")
         checkpoints = [Checkpoint(**c) for c in data.pop("checkpoints", [])]
         for c in checkpoints:
-            if not (isinstance(c.name, str) and isinstance(c.where, int)
-                    and isinstance(c.created, int | float)):  # fmt: skip
+            if not (
+                isinstance(c.name, str)
+                and isinstance(c.where, int)
+                and isinstance(c.created, int | float)
+            ):
                 raise TypeError(f"checkpoint {c.name!r} is malformed")
         return Run(**data, checkpoints=checkpoints)
     except (TypeError, ValueError, AttributeError) as exc:
@@ -129,8 +140,9 @@ Deleter = Callable[[str, Checkpoint], Awaitable[None]]
 class CheckpointIndex:
     """Runs and checkpoints in the transport; ``delete_files`` removes a checkpoint's files."""
 
-    def __init__(self, transport: Transport, delete_files: Deleter,
-                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+    def __init__(
+        self, transport: Transport, delete_files: Deleter, clock: Callable[[], float] = time.time
+    ) -> None:
         self.transport = transport
         self.delete_files = delete_files
         self.clock = clock
@@ -163,13 +175,15 @@ class CheckpointIndex:
             await self._write(run)
         return run
 
-    async def start_run(self, run_id: str, base_model: str, rank: int, *, train_mlp: bool,
-                        train_attn: bool) -> None:  # fmt: skip
+    async def start_run(
+        self, run_id: str, base_model: str, rank: int, *, train_mlp: bool, train_attn: bool
+    ) -> None:
         """Record a new training run (a run already recorded keeps its checkpoints)."""
         async with self._lock:
             now = self.clock()
-            run = await self._read(run_id) or Run(run_id, base_model, rank, train_mlp,
-                                                  train_attn, created=now, last_request=now)  # fmt: skip
+            run = await self._read(run_id) or Run(
+                run_id, base_model, rank, train_mlp, train_attn, created=now, last_request=now
+            )
             run.last_request = now
             await self._write(run)
 
@@ -182,8 +196,9 @@ class CheckpointIndex:
                 raise NotFound(f"no training run {run_id!r} in the index")
             if ttl_seconds is not None:
                 checkpoint.expires_at = checkpoint.created + ttl_seconds
-            run.checkpoints = [c for c in run.checkpoints
-                               if (c.kind, c.name) != (checkpoint.kind, checkpoint.name)]  # fmt: skip
+            run.checkpoints = [
+                c for c in run.checkpoints if (c.kind, c.name) != (checkpoint.kind, checkpoint.name)
+            ]
             run.checkpoints.append(checkpoint)
             run.last_request = self.clock()
             await self._write(run)
@@ -194,14 +209,19 @@ class CheckpointIndex:
         async with self._lock:
             run = await self._read(run_id)
             if run is None:
-                raise NotFound(f"no training run {run_id!r} on this service: give a "
-                               "training client's model_id (list_training_runs lists them)")  # fmt: skip
+                raise NotFound(
+                    f"no training run {run_id!r} on this service: give a "
+                    "training client's model_id (list_training_runs lists them)"
+                )
             return await self._expire(run)
 
     async def runs(self) -> list[Run]:
         """Every run, newest first."""
-        ids = [info.key.rsplit("/", 1)[-1].removesuffix(".json")
-               async for info in self.transport.list(PREFIX + "/") if info.key.endswith(".json")]  # fmt: skip
+        ids = [
+            info.key.rsplit("/", 1)[-1].removesuffix(".json")
+            async for info in self.transport.list(PREFIX + "/")
+            if info.key.endswith(".json")
+        ]
         runs = []
         for run_id in ids:
             try:
@@ -222,9 +242,11 @@ class CheckpointIndex:
         checkpoint = run.find(kind, name)
         if checkpoint is None:
             saver = "save_state" if kind == "training" else "save_weights_for_sampler"
-            raise NotFound(f"no checkpoint at {path!r} (never saved, deleted, or past its TTL): "
-                           f"save it with {saver}, or list_checkpoints({run_id!r}) for the "
-                           "ones there are")  # fmt: skip
+            raise NotFound(
+                f"no checkpoint at {path!r} (never saved, deleted, or past its TTL): "
+                f"save it with {saver}, or list_checkpoints({run_id!r}) for the "
+                "ones there are"
+            )
         return run, checkpoint
 
     async def delete(self, path: str) -> None:
@@ -233,8 +255,11 @@ class CheckpointIndex:
         run, checkpoint = await self.resolve(path)
         async with self._lock:
             fresh = await self._read(run.run_id) or run
-            fresh.checkpoints = [c for c in fresh.checkpoints
-                                 if (c.kind, c.name) != (checkpoint.kind, checkpoint.name)]  # fmt: skip
+            fresh.checkpoints = [
+                c
+                for c in fresh.checkpoints
+                if (c.kind, c.name) != (checkpoint.kind, checkpoint.name)
+            ]
             await self._write(fresh)
         await self.delete_files(run.run_id, checkpoint)
 

@@ -127,16 +127,34 @@ class TinkerConfig:
     __repr__ = redacted_repr  # the generated repr would print credentials in transport_url
 
     def __post_init__(self) -> None:
-        check_fields(self, "tinker", ge={"max_lora_rank": 1, "max_context_length": 2, "port": 0,
-                                         "token_budget": 1,
-                                         "max_body_bytes": 1024, "sampler_keep": 1,
-                                         "max_training_clients": 1, "max_datums": 1,
-                                         "max_queued_per_client": 1, "max_connections": 1,
-                                         "replicas": 0, "kv_cache_gib": 1, "max_model_len": 1,
-                                         "max_loras": 1},
-                     le={"port": 65535}, gt={"lora_alpha": 0, "session_timeout_s": 0,
-                                                      "dp_timeout_s": 0, "head_timeout_s": 0,
-                                                      "client_idle_timeout_s": 0})  # fmt: skip
+        check_fields(
+            self,
+            "tinker",
+            ge={
+                "max_lora_rank": 1,
+                "max_context_length": 2,
+                "port": 0,
+                "token_budget": 1,
+                "max_body_bytes": 1024,
+                "sampler_keep": 1,
+                "max_training_clients": 1,
+                "max_datums": 1,
+                "max_queued_per_client": 1,
+                "max_connections": 1,
+                "replicas": 0,
+                "kv_cache_gib": 1,
+                "max_model_len": 1,
+                "max_loras": 1,
+            },
+            le={"port": 65535},
+            gt={
+                "lora_alpha": 0,
+                "session_timeout_s": 0,
+                "dp_timeout_s": 0,
+                "head_timeout_s": 0,
+                "client_idle_timeout_s": 0,
+            },
+        )
         if not self.model:
             raise ConfigError("tinker.model is empty: give the base model's directory (--model)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -144,8 +162,9 @@ class TinkerConfig:
                 f"tinker.dtype={self.dtype!r}: use auto, float32, bfloat16 or float16"
             )
         if self.adapter_delivery not in ("auto", "fetch", "path"):
-            raise ConfigError(f"tinker.adapter_delivery={self.adapter_delivery!r}: use auto, "
-                              "fetch or path")  # fmt: skip
+            raise ConfigError(
+                f"tinker.adapter_delivery={self.adapter_delivery!r}: use auto, fetch or path"
+            )
         if self.proxy_url and (self.replicas or self.upstreams):
             raise ConfigError(
                 "tinker.proxy_url and tinker.replicas/upstreams both given: sample through the "

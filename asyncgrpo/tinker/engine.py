@@ -92,8 +92,15 @@ def target_modules(model: torch.nn.Module, *, mlp: bool, attn: bool) -> list[str
 
 
 class Engine:
-    def __init__(self, model_path: str | Path, *, dtype: str, lora_alpha: float,
-                 token_budget: int = 4096, device: torch.device | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str,
+        lora_alpha: float,
+        token_budget: int = 4096,
+        device: torch.device | None = None,
+    ) -> None:
         self.model: Any = load_policy(model_path, LoraConfig(r=1), dtype=dtype, device=device)
         #: tokens per packed forward of ``forward_backward``: bounds its activations and logits
         self.token_budget = token_budget
@@ -114,14 +121,20 @@ class Engine:
         targets = target_modules(base, mlp=spec.train_mlp, attn=spec.train_attn)
         if not targets:
             raise LossInputError("train_mlp and train_attn are both False: LoRA needs one")
-        config = PeftLoraConfig(task_type="CAUSAL_LM", r=spec.rank, lora_alpha=self.lora_alpha,
-                                target_modules=targets, lora_dropout=0.0)  # fmt: skip
+        config = PeftLoraConfig(
+            task_type="CAUSAL_LM",
+            r=spec.rank,
+            lora_alpha=self.lora_alpha,
+            target_modules=targets,
+            lora_dropout=0.0,
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed if spec.seed is not None else 0)
             self.model.add_adapter(model_id, config)
         params = [p for n, p in self.model.named_parameters() if f".{model_id}." in n]
-        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12,
-                                      weight_decay=0.0)  # fmt: skip
+        optimizer = torch.optim.AdamW(
+            params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0
+        )
         self._clients[model_id] = _Client(spec=spec, params=params, optimizer=optimizer)
 
     def remove(self, model_id: str) -> None:
@@ -147,11 +160,15 @@ class Engine:
         spec = check_loss(request.loss_fn, request.loss_fn_config)
         for i, datum in enumerate(request.data):
             check_inputs(request.loss_fn, int(datum.tokens.size), datum.inputs, i)
-            for what, arr in (("model_input", datum.tokens),
-                              ("target_tokens", datum.inputs["target_tokens"])):  # fmt: skip
+            for what, arr in (
+                ("model_input", datum.tokens),
+                ("target_tokens", datum.inputs["target_tokens"]),
+            ):
                 if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-                    raise LossInputError(f"datum {i}: {what} has a token id outside the "
-                                         f"model's vocabulary [0, {self.vocab_size})")  # fmt: skip
+                    raise LossInputError(
+                        f"datum {i}: {what} has a token id outside the "
+                        f"model's vocabulary [0, {self.vocab_size})"
+                    )
             if datum.target_spans is not None and datum.input_spans is not None:
                 check_tiling(datum.input_spans, int(datum.tokens.size), "model_input", i)
                 check_tiling(datum.target_spans, int(datum.tokens.size), "loss_fn_inputs", i)
@@ -173,9 +190,12 @@ class Engine:
         targets = np.concatenate([d.inputs["target_tokens"] for d in data])
         targets_t = torch.as_tensor(targets, device=device).long()
         with autocast(self.model, device):
-            out = self.model(input_ids=ids.unsqueeze(0),
-                             position_ids=restarting_positions(lens).to(device).unsqueeze(0),
-                             use_cache=False, **varlen_kwargs(lens, device))  # fmt: skip
+            out = self.model(
+                input_ids=ids.unsqueeze(0),
+                position_ids=restarting_positions(lens).to(device).unsqueeze(0),
+                use_cache=False,
+                **varlen_kwargs(lens, device),
+            )
         logits = out.logits[0].float()
         lse = torch.logsumexp(logits, dim=-1)
         logp = logits.gather(-1, targets_t.unsqueeze(-1)).squeeze(-1) - lse
@@ -221,8 +241,11 @@ class Engine:
         outputs: list[dict[str, np.ndarray]] = [dict(empty) for _ in request.data]
         losses = [0.0] * len(request.data)
         nonempty = [i for i, n in enumerate(lengths) if n]  # nothing to forward for no tokens
-        rows = plan_rows([lengths[i] for i in nonempty], token_budget=self.token_budget,
-                         budget_setting="tinker.token_budget")  # fmt: skip
+        rows = plan_rows(
+            [lengths[i] for i in nonempty],
+            token_budget=self.token_budget,
+            budget_setting="tinker.token_budget",
+        )
         with torch.set_grad_enabled(not request.forward_only):
             for row in rows:
                 indices = [nonempty[k] for k in row]
@@ -234,13 +257,18 @@ class Engine:
         """One AdamW step of the client's accumulated gradient, which is then cleared."""
         client = self._activate(model_id)
         for group in client.optimizer.param_groups:
-            group.update(lr=step.learning_rate, betas=(step.beta1, step.beta2), eps=step.eps,
-                         weight_decay=step.weight_decay)  # fmt: skip
+            group.update(
+                lr=step.learning_rate,
+                betas=(step.beta1, step.beta2),
+                eps=step.eps,
+                weight_decay=step.weight_decay,
+            )
         grads = [p.grad for p in client.params if p.grad is not None]
         norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
         if step.grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(client.params, step.grad_clip_norm,
-                                                 torch.tensor(norm))  # fmt: skip
+            torch.nn.utils.clip_grads_with_norm_(
+                client.params, step.grad_clip_norm, torch.tensor(norm)
+            )
         client.optimizer.step()
         client.optimizer.zero_grad(set_to_none=True)
         client.steps += 1
@@ -248,18 +276,26 @@ class Engine:
 
     def save_adapter(self, model_id: str, directory: Path) -> Path:
         """Write the client's adapter as a plain PEFT directory (what vLLM loads); its path."""
-        self.model.save_pretrained(str(directory), selected_adapters=[model_id],
-                                   safe_serialization=True)  # fmt: skip
+        self.model.save_pretrained(
+            str(directory), selected_adapters=[model_id], safe_serialization=True
+        )
         return directory / model_id  # peft writes a named adapter under its name
 
     def save_state(self, model_id: str, directory: Path) -> None:
         """Write the client's adapter, AdamW state and step count into ``directory``."""
         client = self._clients[model_id]
-        names = [n.replace(f".{model_id}.", ".{adapter}.") for n, p in self.model.named_parameters()
-                 if f".{model_id}." in n]  # fmt: skip
-        state = {"format": _STATE_FORMAT, "rank": client.spec.rank,
-                 "adapter": {n: p.detach().cpu() for n, p in zip(names, client.params, strict=True)},
-                 "optimizer": client.optimizer.state_dict(), "steps": client.steps}  # fmt: skip
+        names = [
+            n.replace(f".{model_id}.", ".{adapter}.")
+            for n, p in self.model.named_parameters()
+            if f".{model_id}." in n
+        ]
+        state = {
+            "format": _STATE_FORMAT,
+            "rank": client.spec.rank,
+            "adapter": {n: p.detach().cpu() for n, p in zip(names, client.params, strict=True)},
+            "optimizer": client.optimizer.state_dict(),
+            "steps": client.steps,
+        }
         directory.mkdir(parents=True, exist_ok=True)
         torch.save(state, directory / STATE_FILE)
 
@@ -272,22 +308,28 @@ class Engine:
         """:meth:`load_state` of a state already read (:func:`read_state`): what data-parallel
         ranks receive from rank 0, which alone reads the file."""
         client = self._clients[model_id]
-        names = [n.replace(f".{model_id}.", ".{adapter}.") for n, p in self.model.named_parameters()
-                 if f".{model_id}." in n]  # fmt: skip
+        names = [
+            n.replace(f".{model_id}.", ".{adapter}.")
+            for n, p in self.model.named_parameters()
+            if f".{model_id}." in n
+        ]
         saved = state.get("adapter", {})
         if (
             state.get("format") != _STATE_FORMAT
             or set(saved) != set(names)
             or any(saved[n].shape != p.shape for n, p in zip(names, client.params, strict=True))
         ):
-            raise StateError(f"the saved state (LoRA rank {state.get('rank')}) does not fit this "
-                             f"client (rank {client.spec.rank}, its layers): load it into a "
-                             "client made with the same rank, train_mlp and train_attn")  # fmt: skip
+            raise StateError(
+                f"the saved state (LoRA rank {state.get('rank')}) does not fit this "
+                f"client (rank {client.spec.rank}, its layers): load it into a "
+                "client made with the same rank, train_mlp and train_attn"
+            )
         with torch.no_grad():
             for n, p in zip(names, client.params, strict=True):
                 p.copy_(saved[n])
-        client.optimizer = torch.optim.AdamW(client.params, lr=1e-4, betas=(0.9, 0.95),
-                                             eps=1e-12, weight_decay=0.0)  # fmt: skip
+        client.optimizer = torch.optim.AdamW(
+            client.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0
+        )
         if optimizer:
             client.optimizer.load_state_dict(state["optimizer"])
             client.steps = int(state["steps"])

@@ -39,8 +39,10 @@ HEAD_LINE_BYTES = 8190
 HEAD_FIELDS = 64
 #: Seconds an answered connection keeps reading (and dropping) a body the route did not read.
 LINGER_S = 2.0
-_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
-            b"Content-Length: 21\r\nConnection: close\r\n\r\ntoo many connections\n")  # fmt: skip
+_REFUSED = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
+    b"Content-Length: 21\r\nConnection: close\r\n\r\ntoo many connections\n"
+)
 
 
 class Connections:
@@ -151,7 +153,7 @@ async def listen(
     idle_timeout_s: float,
 ) -> AsyncIterator[int]:
     """Serve ``app`` on ``host:port`` under these limits for the block; yields the bound
-    port."""  # fmt: skip
+    port."""
     handler_args: dict[str, Any] = {
         "access_log": None, "keepalive_timeout": idle_timeout_s, "lingering_time": LINGER_S,
         "max_line_size": HEAD_LINE_BYTES, "max_field_size": HEAD_LINE_BYTES,
@@ -159,8 +161,9 @@ async def listen(
     }  # fmt: skip
     runner = web.AppRunner(app, handle_signals=False, **handler_args)
     await runner.setup()
-    clients = Connections(connection_cap(max_connections, "tinker.max_connections"),
-                          head_timeout_s, idle_timeout_s)  # fmt: skip
+    clients = Connections(
+        connection_cap(max_connections, "tinker.max_connections"), head_timeout_s, idle_timeout_s
+    )
     loop = asyncio.get_running_loop()
     server = runner.server
     assert server is not None

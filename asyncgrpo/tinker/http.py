@@ -76,14 +76,20 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.headers.get("Origin") is not None:
         raise refuse(web.HTTPForbidden, "requests from web pages (an Origin header) are refused")
     if is_loopback(config.host) and not host_is_local(request.host):
-        raise refuse(web.HTTPForbidden, "this service listens on loopback and answers only Host "
-                     "localhost or a loopback address (a guard against DNS rebinding)")  # fmt: skip
+        raise refuse(
+            web.HTTPForbidden,
+            "this service listens on loopback and answers only Host "
+            "localhost or a loopback address (a guard against DNS rebinding)",
+        )
     if config.api_key:
         # bytes as they came (aiohttp keeps undecodable ones as surrogates: a 500 before)
         given = request.headers.get("X-API-Key", "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given, config.api_key.encode()):
-            raise refuse(web.HTTPUnauthorized, "missing or wrong API key: set TINKER_API_KEY "
-                          "to the key this service was started with")  # fmt: skip
+            raise refuse(
+                web.HTTPUnauthorized,
+                "missing or wrong API key: set TINKER_API_KEY "
+                "to the key this service was started with",
+            )
     try:
         return await handler(request)
     except web.HTTPException:
@@ -96,8 +102,7 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     except QueueFull as exc:  # the SDK retries a 429 after a pause
         raise refuse(web.HTTPTooManyRequests, str(exc)) from None
     except Exception as exc:  # the service's own failure: its log says what, the client why not
-        logger.error("%s failed: %s", one_line(request.path),
-                     server_failure(exc, logged=True))  # fmt: skip
+        logger.error("%s failed: %s", one_line(request.path), server_failure(exc, logged=True))
         raise refuse(web.HTTPInternalServerError, server_failure(exc)) from None
 
 
@@ -118,8 +123,10 @@ async def read_bytes(request: web.Request, limit: int) -> bytes:
                 chunks.append(chunk)
     except TimeoutError:
         request.protocol.force_close()
-        raise refuse(web.HTTPRequestTimeout, f"{request.path}: the body did not arrive within "
-                     "client_idle_timeout_s") from None  # fmt: skip
+        raise refuse(
+            web.HTTPRequestTimeout,
+            f"{request.path}: the body did not arrive within client_idle_timeout_s",
+        ) from None
     return b"".join(chunks)
 
 
@@ -128,9 +135,11 @@ def _too_large(request: web.Request, limit: int) -> web.HTTPException:
         f"{request.path}: request body over {limit} bytes, the most this route takes"
     )
     refused = web.HTTPRequestEntityTooLarge(
-        max_size=limit, actual_size=request.content_length or limit + 1, text=message,
+        max_size=limit,
+        actual_size=request.content_length or limit + 1,
+        text=message,
         content_type="text/plain",
-    )  # fmt: skip
+    )
     refused.force_close()  # the connection closes (after LINGER_S of dropping what is sent)
     return refused
 
@@ -181,8 +190,11 @@ def answer(value: Any) -> web.Response:
 def training_model(service: TinkerService, model_id: str) -> TrainingModel:
     found = service.models.get(model_id)
     if found is None:
-        raise refuse(web.HTTPNotFound, f"no training client {model_id!r} on this service: "
-                      "create one with create_lora_training_client")  # fmt: skip
+        raise refuse(
+            web.HTTPNotFound,
+            f"no training client {model_id!r} on this service: "
+            "create one with create_lora_training_client",
+        )
     service.touch(found.session_id)  # a request is a sign of life as a heartbeat is
     return found
 

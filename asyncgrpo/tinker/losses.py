@@ -194,8 +194,9 @@ def check_loss(name: str, config: Mapping[str, object] | None) -> LossSpec:
     for key, value in (config or {}).items():
         if key not in spec.config:
             accepted = ", ".join(spec.config) or "none"
-            raise LossInputError(f"loss_fn_config key {key!r} is not read by {name} (it reads: "
-                                 f"{accepted})")  # fmt: skip
+            raise LossInputError(
+                f"loss_fn_config key {key!r} is not read by {name} (it reads: {accepted})"
+            )
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
             raise LossInputError(f"loss_fn_config[{key!r}]={value!r}: give a number")
         if key in ("kl_coeff", "beta") and value < 0:
@@ -216,12 +217,15 @@ def check_inputs(name: str, length: int, inputs: Mapping[str, torch.Tensor], ind
     allowed = {"target_tokens", *spec.required, *spec.optional}
     missing = [k for k in ("target_tokens", *spec.required) if k not in inputs]
     if missing:
-        raise LossInputError(f"datum {index}: loss {name} needs loss_fn_inputs "
-                             f"{', '.join(missing)}")  # fmt: skip
+        raise LossInputError(
+            f"datum {index}: loss {name} needs loss_fn_inputs {', '.join(missing)}"
+        )
     extra = sorted(set(inputs) - allowed)
     if extra:
-        raise LossInputError(f"datum {index}: loss {name} does not read {', '.join(extra)}; "
-                             f"it reads {', '.join(sorted(allowed))}")  # fmt: skip
+        raise LossInputError(
+            f"datum {index}: loss {name} does not read {', '.join(extra)}; "
+            f"it reads {', '.join(sorted(allowed))}"
+        )
     for key, tensor in sorted(inputs.items()):
         if tuple(tensor.shape) != (length,):
             raise LossInputError(

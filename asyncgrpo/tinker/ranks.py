@@ -139,8 +139,9 @@ class RankedEngine:
     def __getattr__(self, name: str) -> Any:
         if name in _LOCAL:
             return getattr(self.engine, name)
-        raise AttributeError(f"RankedEngine has no {name!r} (a weight operation must be run on "
-                             "every rank)")  # fmt: skip
+        raise AttributeError(
+            f"RankedEngine has no {name!r} (a weight operation must be run on every rank)"
+        )
 
     def _run(self, messages: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Any]:
         """Every rank applies its message; the ranks' results. Rank 0's own failure is raised
@@ -156,9 +157,11 @@ class RankedEngine:
             raise mine
         for rank, result in enumerate(results or []):
             if isinstance(result, str) and rank:
-                raise RankError(f"rank {rank} failed {messages[rank][0]} where rank 0 did not "
-                                f"({result}): the ranks' adapters may differ, so the service "
-                                "stops")  # fmt: skip
+                raise RankError(
+                    f"rank {rank} failed {messages[rank][0]} where rank 0 did not "
+                    f"({result}): the ranks' adapters may differ, so the service "
+                    "stops"
+                )
         results[0] = mine  # type: ignore[index]
         return results  # type: ignore[return-value]
 
@@ -189,9 +192,13 @@ class RankedEngine:
         """Each rank's token-balanced share of the datums; the outputs in the request's order."""
         self.engine.check(request)  # a bad request goes to no rank
         shards = shard_datums([int(d.tokens.size) for d in request.data], self.dp.world_size)
-        messages = [("forward_backward",
-                     (dataclasses.replace(request, data=[request.data[i] for i in shard]),))
-                    for shard in shards]  # fmt: skip
+        messages = [
+            (
+                "forward_backward",
+                (dataclasses.replace(request, data=[request.data[i] for i in shard]),),
+            )
+            for shard in shards
+        ]
         return merge_results(len(request.data), shards, self._run(messages))
 
     def close(self) -> None:

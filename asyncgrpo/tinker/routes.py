@@ -60,9 +60,12 @@ async def healthz(request: web.Request) -> web.Response:
 async def capabilities(request: web.Request) -> web.Response:
     config = request.app[CONFIG]
     sampleable = request.app[SERVICE].sampler is not None
-    model = types.SupportedModel(model_name=config.served_name, trainable=True,
-                                 sampleable=sampleable,
-                                 max_context_length=config.max_context_length)  # fmt: skip
+    model = types.SupportedModel(
+        model_name=config.served_name,
+        trainable=True,
+        sampleable=sampleable,
+        max_context_length=config.max_context_length,
+    )
     return answer(types.GetServerCapabilitiesResponse(supported_models=[model]))
 
 
@@ -70,12 +73,16 @@ async def client_config(request: web.Request) -> web.Response:
     # API keys only (no JWT exchange), plain httpx, one fwd/bwd chunk at a time in order, each
     # chunk within this service's limits on datums and bytes
     config = request.app[CONFIG]
-    return answer(types.ClientConfigResponse(pjwt_auth_enabled=False, use_pyqwest_transport=False,
-                                            parallel_fwdbwd_chunks=False,
-                                            proto_compress_fwdbwd=False,
-                                            fwdbwd_max_chunk_len=config.max_datums,
-                                            fwdbwd_max_chunk_bytes_count=min(
-                                                SDK_CHUNK_BYTES, config.max_body_bytes // 4)))  # fmt: skip
+    return answer(
+        types.ClientConfigResponse(
+            pjwt_auth_enabled=False,
+            use_pyqwest_transport=False,
+            parallel_fwdbwd_chunks=False,
+            proto_compress_fwdbwd=False,
+            fwdbwd_max_chunk_len=config.max_datums,
+            fwdbwd_max_chunk_bytes_count=min(SDK_CHUNK_BYTES, config.max_body_bytes // 4),
+        )
+    )
 
 
 async def dynamic_config(request: web.Request) -> web.Response:
@@ -109,14 +116,18 @@ async def telemetry(request: web.Request) -> web.Response:
 
 def _check_base(config: TinkerConfig, base_model: str | None) -> None:
     if base_model is not None and base_model != config.served_name:
-        raise WireError(f"base_model {base_model!r} is not served here: use "
-                        f"{config.served_name!r} (get_server_capabilities lists it)")  # fmt: skip
+        raise WireError(
+            f"base_model {base_model!r} is not served here: use "
+            f"{config.served_name!r} (get_server_capabilities lists it)"
+        )
 
 
 def _check_rank(config: TinkerConfig, rank: int) -> None:
     if not 1 <= rank <= config.max_lora_rank:
-        raise WireError(f"rank={rank}: this service trains LoRA ranks 1 to "
-                        f"{config.max_lora_rank} (its --max-lora-rank); ask for a smaller rank")  # fmt: skip
+        raise WireError(
+            f"rank={rank}: this service trains LoRA ranks 1 to "
+            f"{config.max_lora_rank} (its --max-lora-rank); ask for a smaller rank"
+        )
 
 
 def _check_create(config: TinkerConfig, body: types.CreateModelRequest) -> LoraSpec:
@@ -124,23 +135,30 @@ def _check_create(config: TinkerConfig, body: types.CreateModelRequest) -> LoraS
     lora = body.lora_config or types.LoraConfig(rank=config.max_lora_rank)
     _check_rank(config, lora.rank)
     if body.optimizer_config.type != "adamw":
-        raise WireError(f"optimizer {body.optimizer_config.type!r} is not served here: use the "
-                        "default AdamOptimizerConfig")  # fmt: skip
+        raise WireError(
+            f"optimizer {body.optimizer_config.type!r} is not served here: use the "
+            "default AdamOptimizerConfig"
+        )
     if lora.seed is not None and not 0 <= lora.seed < 2**64:  # torch's range
         raise WireError(f"seed={lora.seed}: give a seed from 0 to 2**64 - 1")
     if not (lora.train_mlp or lora.train_attn):
-        raise WireError("train_mlp and train_attn are both False: LoRA here trains the MLP "
-                        "and/or attention layers (the LM head is never trained)")  # fmt: skip
-    return LoraSpec(rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
-                    train_attn=lora.train_attn)  # fmt: skip
+        raise WireError(
+            "train_mlp and train_attn are both False: LoRA here trains the MLP "
+            "and/or attention layers (the LM head is never trained)"
+        )
+    return LoraSpec(
+        rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp, train_attn=lora.train_attn
+    )
 
 
 async def create_model(request: web.Request) -> web.Response:
     service, config = request.app[SERVICE], request.app[CONFIG]
     body = await read_body(request, types.CreateModelRequest)
     if not service.is_open(body.session_id):
-        raise refuse(web.HTTPNotFound, f"session {body.session_id!r} is not open on this "
-                      "service: make a new ServiceClient")  # fmt: skip
+        raise refuse(
+            web.HTTPNotFound,
+            f"session {body.session_id!r} is not open on this service: make a new ServiceClient",
+        )
     spec = _check_create(config, body)
     model_id = f"{body.session_id}_m{body.model_seq_id}"
     if model_id in service.models:  # the SDK retried: the same client
@@ -166,8 +184,10 @@ async def add_client(service: TinkerService, model: TrainingModel, spec: LoraSpe
 
     def check_live() -> None:
         if not service.is_live(model):
-            raise WireError(f"the session of training client {model.model_id!r} ended while "
-                            "the client was being made: make a new ServiceClient")  # fmt: skip
+            raise WireError(
+                f"the session of training client {model.model_id!r} ended while "
+                "the client was being made: make a new ServiceClient"
+            )
 
     try:
         if service.sampler is not None:  # refused, naming --max-loras, if the fleet is full
@@ -190,9 +210,16 @@ async def get_info(request: web.Request) -> web.Response:
     body = await read_body(request, types.GetInfoRequest)
     model = training_model(service, body.model_id)
     data = types.ModelData(arch="lora", model_name=config.served_name, tokenizer_id=config.model)
-    return answer(types.GetInfoResponse(type="get_info", model_data=data, model_id=model.model_id,
-                                       is_lora=True, lora_rank=model.rank,
-                                       model_name=config.served_name))  # fmt: skip
+    return answer(
+        types.GetInfoResponse(
+            type="get_info",
+            model_data=data,
+            model_id=model.model_id,
+            is_lora=True,
+            lora_rank=model.rank,
+            model_name=config.served_name,
+        )
+    )
 
 
 async def forward_backward(request: web.Request) -> web.Response:
@@ -212,8 +239,9 @@ async def forward_backward(request: web.Request) -> web.Response:
     service.check_room(model.model_id)
 
     def read() -> FwdBwdRequest:
-        fwdbwd = read_fwdbwd(parse_fwdbwd(body), max_datums=config.max_datums,
-                             max_tokens=config.max_context_length)  # fmt: skip
+        fwdbwd = read_fwdbwd(
+            parse_fwdbwd(body), max_datums=config.max_datums, max_tokens=config.max_context_length
+        )
         fwdbwd = dataclasses.replace(fwdbwd, model_id=model.adapter)
         service.engine.check(fwdbwd)
         return fwdbwd
@@ -223,9 +251,12 @@ async def forward_backward(request: web.Request) -> web.Response:
 
     def job() -> FwdBwdResult:
         result = service.engine.forward_backward(fwdbwd)
-        gap = sampler_gap(fwdbwd.loss_fn, [d.inputs for d in fwdbwd.data],
-                          [d.trained for d in fwdbwd.data],
-                          [o["logprobs"] for o in result.outputs])  # fmt: skip
+        gap = sampler_gap(
+            fwdbwd.loss_fn,
+            [d.inputs for d in fwdbwd.data],
+            [d.trained for d in fwdbwd.data],
+            [o["logprobs"] for o in result.outputs],
+        )
         if not fwdbwd.forward_only:
             service.gaps.setdefault(model.model_id, SamplerGap()).add(gap)
         result.metrics.update(gap.metrics())
@@ -242,9 +273,14 @@ async def optim_step(request: web.Request) -> web.Response:
     params = body.optim_params
     if not isinstance(params, types.AdamParams):
         raise WireError("optim_step takes AdamParams here (the only optimizer served)")
-    step = AdamStep(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2,
-                    eps=params.eps, weight_decay=params.weight_decay,
-                    grad_clip_norm=params.grad_clip_norm)  # fmt: skip
+    step = AdamStep(
+        learning_rate=params.learning_rate,
+        beta1=params.beta1,
+        beta2=params.beta2,
+        eps=params.eps,
+        weight_decay=params.weight_decay,
+        grad_clip_norm=params.grad_clip_norm,
+    )
 
     def job() -> dict[str, Any]:
         metrics = service.engine.optim_step(model.adapter, step)
@@ -260,11 +296,13 @@ async def retrieve_future(request: web.Request) -> web.Response:
     try:
         outcome = await service.futures.wait(body.request_id, POLL_S)
     except KeyError:
-        raise refuse(web.HTTPNotFound, f"no request {body.request_id!r} on this service "
-                      "(it restarted, or the id is another server's)") from None  # fmt: skip
+        raise refuse(
+            web.HTTPNotFound,
+            f"no request {body.request_id!r} on this service "
+            "(it restarted, or the id is another server's)",
+        ) from None
     if outcome is None:
-        return answer({"type": "try_again", "request_id": body.request_id,
-                      "queue_state": "active"})  # fmt: skip
+        return answer({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})
     if outcome.error is not None:
         return answer({"error": outcome.error, "category": outcome.category})
     if isinstance(outcome.value, SampleResult):
@@ -290,9 +328,14 @@ async def save_weights(request: web.Request) -> web.Response:
         with tempfile.TemporaryDirectory(dir=work) as tmp:
             await in_thread(lambda: service.engine.save_state(model.adapter, Path(tmp)))()
             spec = service.engine.spec(model.adapter)
-            path = await service.states.save(model.adapter, name, Path(tmp), spec,
-                                             ttl_seconds=body.ttl_seconds,
-                                             user_metadata=body.user_metadata)  # fmt: skip
+            path = await service.states.save(
+                model.adapter,
+                name,
+                Path(tmp),
+                spec,
+                ttl_seconds=body.ttl_seconds,
+                user_metadata=body.user_metadata,
+            )
         logger.info("training client %s: state saved as %s", model.model_id, path)
         return {"path": path, "type": "save_weights"}
 
@@ -314,8 +357,11 @@ async def load_weights(request: web.Request) -> web.Response:
     elif body.session_id is not None and body.model_seq_id is not None:
         _check_base(config, body.base_model)
         if not service.is_open(body.session_id):
-            raise refuse(web.HTTPNotFound, f"session {body.session_id!r} is not open on this "
-                         "service: make a new ServiceClient")  # fmt: skip
+            raise refuse(
+                web.HTTPNotFound,
+                f"session {body.session_id!r} is not open on this "
+                "service: make a new ServiceClient",
+            )
         model_id = f"{body.session_id}:train:{body.model_seq_id}"  # the id the SDK derives
         model, new = (
             service.models.get(model_id) or TrainingModel(model_id, body.session_id, 0),
@@ -337,8 +383,10 @@ async def load_weights(request: web.Request) -> web.Response:
 
             def load_now() -> None:
                 if not service.engine.has(model.adapter):  # it ended while this waited
-                    raise WireError(f"training client {model.model_id!r} ended (its session "
-                                    "did) before its state was loaded")  # fmt: skip
+                    raise WireError(
+                        f"training client {model.model_id!r} ended (its session "
+                        "did) before its state was loaded"
+                    )
                 service.engine.load_state(model.adapter, state, optimizer=body.optimizer)
 
             load = in_thread(load_now)

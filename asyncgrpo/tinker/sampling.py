@@ -65,9 +65,18 @@ class SlotsFull(WireError):
 class Sampler:
     """The fleet side of the service: the proxy, the adapter store and what names are served."""
 
-    def __init__(self, client: ProxyClient, store: AdapterStore, *, base_model: str,
-                 cache_dir: Path, keep: int, fetching: bool = False,
-                 limits: Limits | None = None, max_loras: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: ProxyClient,
+        store: AdapterStore,
+        *,
+        base_model: str,
+        cache_dir: Path,
+        keep: int,
+        fetching: bool = False,
+        limits: Limits | None = None,
+        max_loras: int | None = None,
+    ) -> None:
         self.client = client
         self.fetching = fetching  #: replicas fetch each version from the transport themselves
         self.store = store
@@ -106,8 +115,12 @@ class Sampler:
                 if victim is None:
                     self._tokens.pop(model_id, None)
                     raise SlotsFull(self._full(model_id, slots)) from exc
-                logger.info("giving back the slot of %s (an ended client's version, least "
-                            "recently sampled) for %s", victim, model_id)  # fmt: skip
+                logger.info(
+                    "giving back the slot of %s (an ended client's version, least "
+                    "recently sampled) for %s",
+                    victim,
+                    model_id,
+                )
                 await self._evict(victim)
         if orphan:
             self._orphans[model_id] = None
@@ -138,8 +151,11 @@ class Sampler:
     async def release(self, model_id: str) -> None:
         """The client's versions leave the replicas, its paths and sampling sessions this
         service (a sample of one is then NotFound), its LoRA slots go back to the proxy."""
-        mine = {n for n in [*self.paths.values(), *self.sessions.values()]
-                if (parse_served_name(n) or ("", 0))[0] == model_id}  # fmt: skip
+        mine = {
+            n
+            for n in [*self.paths.values(), *self.sessions.values()]
+            if (parse_served_name(n) or ("", 0))[0] == model_id
+        }
         self.paths = {p: n for p, n in self.paths.items() if n not in mine}
         self.sessions = {s: n for s, n in self.sessions.items() if n not in mine}
         self.owners = {s: o for s, o in self.owners.items() if s in self.sessions}
@@ -157,13 +173,19 @@ class Sampler:
     def _sync(self, model_id: str) -> AdapterSync:
         sync = self._syncs.get(model_id)
         if sync is None:
-            source = (TransportSource(self.store) if self.fetching
-                      else LocalCacheSource(self.store, self.cache_dir))  # fmt: skip
+            source = (
+                TransportSource(self.store)
+                if self.fetching
+                else LocalCacheSource(self.store, self.cache_dir)
+            )
             sync = self._syncs[model_id] = AdapterSync(
-                store=self.store, source=source,
-                loader=ProxyLoader(self.client, fetching=self.fetching), prefix=model_id,
-                max_staleness=self.keep - 1, base_model=self.base_model,
-            )  # fmt: skip
+                store=self.store,
+                source=source,
+                loader=ProxyLoader(self.client, fetching=self.fetching),
+                prefix=model_id,
+                max_staleness=self.keep - 1,
+                base_model=self.base_model,
+            )
         return sync
 
     async def publish(self, model_id: str, local_dir: Path, step: int) -> str:
@@ -173,8 +195,7 @@ class Sampler:
         sync = self._sync(model_id)
         async with self._lock(model_id):
             await self._drop_restored(model_id, sync)  # within the keep + 1 slots booked
-            version = max(await self.store.latest(model_id) or 0,
-                          self._last.get(model_id, 0)) + 1  # fmt: skip
+            version = max(await self.store.latest(model_id) or 0, self._last.get(model_id, 0)) + 1
             self._last[model_id] = version
             await sync.sync(version, local_dir, step=step)
         return sync.name(version)
@@ -237,8 +258,9 @@ class Sampler:
             return self.sessions[session]
         if path is not None:
             if path not in self.paths:
-                raise UnknownSampler(f"no sampler weights at {path!r}: save them first with "
-                                     "save_weights_for_sampler")  # fmt: skip
+                raise UnknownSampler(
+                    f"no sampler weights at {path!r}: save them first with save_weights_for_sampler"
+                )
             return self.paths[path]
         return self.base_model
 
@@ -267,9 +289,12 @@ class Sampler:
             tg.start_soon(call, "samples", completions_body(served, ask))
             tg.start_soon(call, "targets", target_body(served, ask))
         result = sample_result(answers["samples"], ask)
-        return SampleResult(sequences=result.sequences, prompt_logprobs=result.prompt_logprobs,
-                            topk_prompt=result.topk_prompt,
-                            target=target_result(answers["targets"], ask))  # fmt: skip
+        return SampleResult(
+            sequences=result.sequences,
+            prompt_logprobs=result.prompt_logprobs,
+            topk_prompt=result.topk_prompt,
+            target=target_result(answers["targets"], ask),
+        )
 
 
 def replica_refusal(exc: ReplicaHTTPError) -> Exception:
@@ -277,14 +302,20 @@ def replica_refusal(exc: ReplicaHTTPError) -> Exception:
     too long, else the status only (vLLM's text goes to this service's log, not the client)."""
     logger.warning("a replica refused a sample request: %s", exc)
     if api.context_length_refusal(exc.status, exc.body):
-        return WireError("the prompt and max_tokens are more tokens than the replicas' "
-                         "--max-model-len: shorten the prompt, lower max_tokens, or start the "
-                         "service with a larger --max-model-len")  # fmt: skip
+        return WireError(
+            "the prompt and max_tokens are more tokens than the replicas' "
+            "--max-model-len: shorten the prompt, lower max_tokens, or start the "
+            "service with a larger --max-model-len"
+        )
     if 400 <= exc.status < 500:
-        return WireError(f"the replicas refused this sample request ({exc.status}); the "
-                         "service's log has their answer")  # fmt: skip
-    return RuntimeError(f"the replicas failed this sample request ({exc.status}); the "
-                        "service's log has their answer")  # fmt: skip
+        return WireError(
+            f"the replicas refused this sample request ({exc.status}); the "
+            "service's log has their answer"
+        )
+    return RuntimeError(
+        f"the replicas failed this sample request ({exc.status}); the "
+        "service's log has their answer"
+    )
 
 
 async def replicas_fetch(client: ProxyClient, transport_url: str, delivery: str) -> bool:
@@ -315,22 +346,40 @@ async def _server_info(client: ProxyClient) -> Any:
 
 @contextlib.asynccontextmanager
 async def open_sampler(
-    proxy_url: str, admin_key: str | None, store: AdapterStore, *, base_model: str,
-    work_dir: Path, keep: int, delivery: str = "path",
-) -> AsyncIterator[Sampler]:  # fmt: skip
+    proxy_url: str,
+    admin_key: str | None,
+    store: AdapterStore,
+    *,
+    base_model: str,
+    work_dir: Path,
+    keep: int,
+    delivery: str = "path",
+) -> AsyncIterator[Sampler]:
     """A :class:`Sampler` on the proxy at ``proxy_url``, publishing to ``store`` (replicas
     fetching from it or loading this host's copies, by ``delivery``); every client's versions
     unloaded and slots given back at the end."""
     async with ProxyClient(proxy_url, api_key=admin_key, timeout_s=600) as client:
         fetching = await replicas_fetch(client, store.transport.url, delivery)
-        logger.info("replicas %s", "fetch sampler weights from " + store.transport.url
-                    if fetching else "load sampler weights from copies on this host")  # fmt: skip
+        logger.info(
+            "replicas %s",
+            "fetch sampler weights from " + store.transport.url
+            if fetching
+            else "load sampler weights from copies on this host",
+        )
         info = await _server_info(client)
-        limits = Limits(max_model_len=api.max_model_len_of(info),
-                        max_logprobs=api.max_logprobs_of(info))  # fmt: skip
-        sampler = Sampler(client, store, base_model=base_model, cache_dir=work_dir / "cache",
-                          keep=keep, fetching=fetching, limits=limits,
-                          max_loras=api.lora_slots_of(info))  # fmt: skip
+        limits = Limits(
+            max_model_len=api.max_model_len_of(info), max_logprobs=api.max_logprobs_of(info)
+        )
+        sampler = Sampler(
+            client,
+            store,
+            base_model=base_model,
+            cache_dir=work_dir / "cache",
+            keep=keep,
+            fetching=fetching,
+            limits=limits,
+            max_loras=api.lora_slots_of(info),
+        )
         try:
             yield sampler
         finally:

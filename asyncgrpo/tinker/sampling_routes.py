@@ -37,8 +37,10 @@ logger = logging.getLogger(__name__)
 
 def _sampler(service: TinkerService) -> Sampler:
     if service.sampler is None:
-        raise WireError("this service samples nothing: start it with --proxy-url (the asyncgrpo "
-                        "proxy in front of vLLM replicas of its model)")  # fmt: skip
+        raise WireError(
+            "this service samples nothing: start it with --proxy-url (the asyncgrpo "
+            "proxy in front of vLLM replicas of its model)"
+        )
     return service.sampler
 
 
@@ -49,12 +51,13 @@ async def _resolve(service: TinkerService, **names: str | None) -> str:
     if path is not None and names.get("session") is None:
         run, checkpoint = await service.states.index.resolve(path)
         if checkpoint.kind != "sampler":
-            raise WireError(f"{path!r} is a save_state checkpoint: sample a path "
-                            "save_weights_for_sampler returned (.../sampler_weights/<name>)")  # fmt: skip
+            raise WireError(
+                f"{path!r} is a save_state checkpoint: sample a path "
+                "save_weights_for_sampler returned (.../sampler_weights/<name>)"
+            )
         sampler.paths.setdefault(path, served_name(run.run_id, checkpoint.where))
     try:
-        return sampler.resolve(session=names.get("session"), path=path,
-                               base=names.get("base"))  # fmt: skip
+        return sampler.resolve(session=names.get("session"), path=path, base=names.get("base"))
     except UnknownSampler as exc:
         raise refuse(web.HTTPNotFound, str(exc)) from None
 
@@ -84,8 +87,10 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
             path = await _index(service, model.adapter, body, served)
             sampler.paths[path] = served
             return {"path": path, "type": "save_weights_for_sampler"}
-        return {"sampling_session_id": sampler.new_session(served, model.session_id),
-                "type": "save_weights_for_sampler"}  # fmt: skip
+        return {
+            "sampling_session_id": sampler.new_session(served, model.session_id),
+            "type": "save_weights_for_sampler",
+        }
 
     return answer(
         {
@@ -102,8 +107,14 @@ async def _index(service: TinkerService, run_id: str, body: Any, served: str) ->
     version = (parse_served_name(served) or (run_id, 0))[1]
     info = await service.sampler.store.info(run_id, version)
     await service.states.start_run(run_id, service.engine.spec(run_id))
-    checkpoint = Checkpoint(kind="sampler", name=body.path, where=version, created=time.time(),
-                            size_bytes=info.size_bytes, user_metadata=body.user_metadata)  # fmt: skip
+    checkpoint = Checkpoint(
+        kind="sampler",
+        name=body.path,
+        where=version,
+        created=time.time(),
+        size_bytes=info.size_bytes,
+        user_metadata=body.user_metadata,
+    )
     return await service.states.index.add(run_id, checkpoint, body.ttl_seconds)
 
 
@@ -124,13 +135,16 @@ async def asample(request: web.Request) -> web.Response:
     sampler = _sampler(service)
     _check_base(request, body.base_model)
     ask = check_sample(body, sampler.limits, service.engine.vocab_size)
-    served = await _resolve(service, session=body.sampling_session_id, path=body.model_path,
-                            base=body.base_model)  # fmt: skip
+    served = await _resolve(
+        service, session=body.sampling_session_id, path=body.model_path, base=body.base_model
+    )
     owner = sampler.owners.get(body.sampling_session_id or "")
     if body.record_stability_info and owner is None:
-        raise WireError("record_stability_info needs a sampling client of a ServiceClient's "
-                        "session (its records belong to that session): make it with "
-                        "save_weights_and_get_sampling_client or create_sampling_client")  # fmt: skip
+        raise WireError(
+            "record_stability_info needs a sampling client of a ServiceClient's "
+            "session (its records belong to that session): make it with "
+            "save_weights_and_get_sampling_client or create_sampling_client"
+        )
     if owner is not None:
         service.touch(owner)  # sampling is a sign of life of the session too
     ids = [f"seq-{secrets.token_hex(8)}" for _ in range(body.num_samples)]
@@ -141,8 +155,9 @@ async def asample(request: web.Request) -> web.Response:
             samples = [
                 (i, s.tokens, s.logprobs) for i, s in zip(ids, result.sequences, strict=True)
             ]
-            service.records.record(owner, np.asarray(ask.prompt, np.int64), samples,
-                                   time.monotonic())  # fmt: skip
+            service.records.record(
+                owner, np.asarray(ask.prompt, np.int64), samples, time.monotonic()
+            )
         return result
 
     rid = service.spawn(job)
@@ -153,5 +168,10 @@ async def get_sampler(request: web.Request) -> web.Response:
     sampler = _sampler(request.app[SERVICE])
     sid = request.match_info["sampler_id"]
     await _resolve(request.app[SERVICE], session=sid)
-    return answer(types.GetSamplerResponse(sampler_id=sid, base_model=request.app[CONFIG].served_name,
-                                           model_path=sampler.path_of(sid)))  # fmt: skip
+    return answer(
+        types.GetSamplerResponse(
+            sampler_id=sid,
+            base_model=request.app[CONFIG].served_name,
+            model_path=sampler.path_of(sid),
+        )
+    )

@@ -33,9 +33,13 @@ logger = logging.getLogger(__name__)
 
 def load_engine(config: TinkerConfig, dp: DataParallel | None = None) -> Engine:
     """The service's engine on this rank's device (each rank loads the base model itself)."""
-    return Engine(config.model, dtype=config.dtype, lora_alpha=config.lora_alpha,
-                  token_budget=config.token_budget,
-                  device=dp.device() if dp is not None else None)  # fmt: skip
+    return Engine(
+        config.model,
+        dtype=config.dtype,
+        lora_alpha=config.lora_alpha,
+        token_budget=config.token_budget,
+        device=dp.device() if dp is not None else None,
+    )
 
 
 @contextlib.asynccontextmanager
@@ -57,8 +61,11 @@ async def _serve_engine(config: TinkerConfig, engine: Any) -> AsyncIterator[str]
     work = Path(config.work_dir).resolve()
     transport = open_transport(config.transport_url or str(work / "store"))
     adapters = AdapterStore(transport)
-    states = StateStore(transport, CheckpointIndex(transport, files_deleter(transport, adapters)),
-                        config.served_name)  # fmt: skip
+    states = StateStore(
+        transport,
+        CheckpointIndex(transport, files_deleter(transport, adapters)),
+        config.served_name,
+    )
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(transport.aclose)
         sampler = None
@@ -67,15 +74,25 @@ async def _serve_engine(config: TinkerConfig, engine: Any) -> AsyncIterator[str]
             fleet = _own_fleet(config, engine.dtype_name, work, transport.url)
             proxy_url, admin_key = await stack.enter_async_context(fleet), None
         if proxy_url:
-            sampler = await stack.enter_async_context(open_sampler(
-                proxy_url, admin_key, adapters,
-                base_model=config.model, work_dir=work, keep=config.sampler_keep,
-                delivery=config.adapter_delivery,
-            ))  # fmt: skip
-        service = TinkerService(engine, states, sampler,
-                                session_timeout_s=config.session_timeout_s,
-                                max_clients=config.max_training_clients,
-                                max_queued=config.max_queued_per_client)  # fmt: skip
+            sampler = await stack.enter_async_context(
+                open_sampler(
+                    proxy_url,
+                    admin_key,
+                    adapters,
+                    base_model=config.model,
+                    work_dir=work,
+                    keep=config.sampler_keep,
+                    delivery=config.adapter_delivery,
+                )
+            )
+        service = TinkerService(
+            engine,
+            states,
+            sampler,
+            session_timeout_s=config.session_timeout_s,
+            max_clients=config.max_training_clients,
+            max_queued=config.max_queued_per_client,
+        )
         async with _serving(config, service) as url:
             yield url
 
@@ -85,12 +102,19 @@ def replica_config(config: TinkerConfig, dtype: str, work: Path, transport_url: 
     (so the served policy is the trained one), its rank bound, slots for its sampler versions,
     allowed to fetch from its transport."""
     return ServeConfig(
-        model=config.model, replicas=config.replicas, lora_rank=config.max_lora_rank,
-        max_staleness=config.sampler_keep - 1, runs=2, max_loras=config.max_loras, dtype=dtype,
-        kv_cache_gib=config.kv_cache_gib, max_model_len=config.max_model_len,
-        log_dir=str(work / "replica-logs"), transports=(transport_url,),
+        model=config.model,
+        replicas=config.replicas,
+        lora_rank=config.max_lora_rank,
+        max_staleness=config.sampler_keep - 1,
+        runs=2,
+        max_loras=config.max_loras,
+        dtype=dtype,
+        kv_cache_gib=config.kv_cache_gib,
+        max_model_len=config.max_model_len,
+        log_dir=str(work / "replica-logs"),
+        transports=(transport_url,),
         adapter_cache_dir=str(work / "replica-adapters"),
-    )  # fmt: skip
+    )
 
 
 @contextlib.asynccontextmanager
@@ -110,10 +134,14 @@ async def _serving(config: TinkerConfig, service: TinkerService) -> AsyncIterato
     async with anyio.create_task_group() as tg:
         await tg.start(service.run)
         try:
-            async with listen(build_app(config, service), config.host, config.port,
-                              max_connections=config.max_connections,
-                              head_timeout_s=config.head_timeout_s,
-                              idle_timeout_s=config.client_idle_timeout_s) as port:  # fmt: skip
+            async with listen(
+                build_app(config, service),
+                config.host,
+                config.port,
+                max_connections=config.max_connections,
+                head_timeout_s=config.head_timeout_s,
+                idle_timeout_s=config.client_idle_timeout_s,
+            ) as port:
                 host = f"[{config.host}]" if ":" in config.host else config.host
                 yield f"http://{host}:{port}"
         finally:

@@ -93,8 +93,7 @@ def adapter_name(model_id: str) -> str:
 
 def expired_sessions(sessions: Iterable[Session], now: float, timeout_s: float) -> list[str]:
     """The open sessions whose last sign of life is more than ``timeout_s`` before ``now``."""
-    return [s.session_id for s in sessions
-            if not s.finished and now - s.last_heartbeat > timeout_s]  # fmt: skip
+    return [s.session_id for s in sessions if not s.finished and now - s.last_heartbeat > timeout_s]
 
 
 def with_provenance(
@@ -118,8 +117,9 @@ def with_provenance(
             records.resolve(datum.input_spans, datum.tokens, session_id, i, now, what="model_input")
             targets = datum.inputs["target_tokens"]
             # prompt targets carry no loss; rl_loop pads them with 0, so they are not compared
-            recorded = records.resolve(datum.target_spans, targets, session_id, i, now,
-                                       check_prompt=False)  # fmt: skip
+            recorded = records.resolve(
+                datum.target_spans, targets, session_id, i, now, check_prompt=False
+            )
             off = np.flatnonzero((np.asarray(inputs["advantages"]) != 0) & (trained == 0))
             if off.size:
                 raise ProvenanceError(
@@ -142,9 +142,16 @@ class TinkerService:
     if the SDK had finished it; ``max_clients``: the most training clients alive at once;
     ``max_queued``: the most requests one client has queued."""
 
-    def __init__(self, engine: Any, states: Any, sampler: Any = None, *,
-                 session_timeout_s: float = 30.0, max_clients: int = 16,
-                 max_queued: int = 64) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: Any,
+        states: Any,
+        sampler: Any = None,
+        *,
+        session_timeout_s: float = 30.0,
+        max_clients: int = 16,
+        max_queued: int = 64,
+    ) -> None:
         self.engine = engine
         self.states = states
         self.sampler = sampler
@@ -185,12 +192,16 @@ class TinkerService:
         when its session is no longer open (it ended while the request waited: nothing would
         ever remove the client)."""
         if not self.is_open(model.session_id):
-            raise WireError(f"session {model.session_id!r} ended before training client "
-                            f"{model.model_id!r} was made: make a new ServiceClient")  # fmt: skip
+            raise WireError(
+                f"session {model.session_id!r} ended before training client "
+                f"{model.model_id!r} was made: make a new ServiceClient"
+            )
         if model.model_id not in self.models and len(self.models) >= self.max_clients:
-            raise WireError(f"this service already holds {len(self.models)} training clients, "
-                            f"its max_training_clients (--max-training-clients): close a "
-                            "ServiceClient whose clients are done, or raise the cap")  # fmt: skip
+            raise WireError(
+                f"this service already holds {len(self.models)} training clients, "
+                f"its max_training_clients (--max-training-clients): close a "
+                "ServiceClient whose clients are done, or raise the cap"
+            )
         self.models[model.model_id] = model
 
     def end_session(self, session_id: str, why: str, *, drop_queued: bool = False) -> None:
@@ -233,8 +244,9 @@ class TinkerService:
         life since ``since``: each may be a program that ended without closing its
         ServiceClient, whose slots come back when it expires."""
         holders = {m.session_id for m in self.models.values()} - {besides}
-        return sorted(s for s in holders
-                      if self.is_open(s) and self.sessions[s].last_heartbeat < since)  # fmt: skip
+        return sorted(
+            s for s in holders if self.is_open(s) and self.sessions[s].last_heartbeat < since
+        )
 
     async def book_slots(self, model: TrainingModel) -> None:
         """Book a new client's LoRA slots on the proxy. While the replicas' slots are taken by
@@ -254,10 +266,14 @@ class TinkerService:
                 if not (silent or self._leaving) or time.monotonic() > deadline:
                     raise
                 if not waited:
-                    logger.info("training client %s waits for LoRA slots: sessions %s hold them "
-                                "and have not spoken since it asked (they expire %g s after "
-                                "their last heartbeat)", model.model_id, ", ".join(silent),
-                                self.session_timeout_s)  # fmt: skip
+                    logger.info(
+                        "training client %s waits for LoRA slots: sessions %s hold them "
+                        "and have not spoken since it asked (they expire %g s after "
+                        "their last heartbeat)",
+                        model.model_id,
+                        ", ".join(silent),
+                        self.session_timeout_s,
+                    )
                     waited = True
                 await anyio.sleep(0.5)
                 self.expire_now()
@@ -301,8 +317,10 @@ class TinkerService:
     def check_room(self, client: str) -> None:
         """QueueFull when ``client`` has ``max_queued`` requests queued already."""
         if self._queue.count(client) >= self.max_queued:
-            raise QueueFull(f"training client {client!r} has {self.max_queued} requests queued, "
-                            "this service's max_queued_per_client: wait for their results")  # fmt: skip
+            raise QueueFull(
+                f"training client {client!r} has {self.max_queued} requests queued, "
+                "this service's max_queued_per_client: wait for their results"
+            )
 
     def submit(self, client: str, job: Job, *, bounded: bool = False) -> str:
         """Queue ``job`` under ``client``; its request id, pending until the job ran.
@@ -346,8 +364,10 @@ class TinkerService:
         the replicas answer."""
         if label == "sampling":
             if self._sampling >= MAX_SAMPLING:
-                raise QueueFull(f"this service has {MAX_SAMPLING} sample requests in flight: "
-                                "wait for their results")  # fmt: skip
+                raise QueueFull(
+                    f"this service has {MAX_SAMPLING} sample requests in flight: "
+                    "wait for their results"
+                )
             self._sampling += 1
         rid = self.futures.new()
         self._tasks.start_soon(self._finish, label, rid, job)

@@ -34,8 +34,10 @@ def parse_state_path(path: str) -> tuple[str, str]:
     """``(run_id, name)`` of a ``save_state`` path; WireError naming the form if not one."""
     run_id, kind, name = parse_path(path)
     if kind != "training":
-        raise WireError(f"{path!r} holds sampler weights (no optimizer state): load a path "
-                        "save_state returned (tinker://<model_id>/weights/<name>)")  # fmt: skip
+        raise WireError(
+            f"{path!r} holds sampler weights (no optimizer state): load a path "
+            "save_state returned (tinker://<model_id>/weights/<name>)"
+        )
     return run_id, name
 
 
@@ -67,12 +69,24 @@ class StateStore:
 
     async def start_run(self, model_id: str, spec: LoraSpec) -> None:
         """Record the client's run in the index (listed from then on)."""
-        await self.index.start_run(model_id, self.base_model, spec.rank,
-                                   train_mlp=spec.train_mlp, train_attn=spec.train_attn)  # fmt: skip
+        await self.index.start_run(
+            model_id,
+            self.base_model,
+            spec.rank,
+            train_mlp=spec.train_mlp,
+            train_attn=spec.train_attn,
+        )
 
-    async def save(self, model_id: str, name: str, local_dir: Path, spec: LoraSpec, *,
-                   ttl_seconds: int | None = None,
-                   user_metadata: dict[str, str] | None = None) -> str:  # fmt: skip
+    async def save(
+        self,
+        model_id: str,
+        name: str,
+        local_dir: Path,
+        spec: LoraSpec,
+        *,
+        ttl_seconds: int | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> str:
         """Save ``local_dir`` as the client's state ``name`` (of a LoRA of ``spec``) and index
         it (in place of an older save of that name); its ``tinker://`` path."""
         if "/" in name or not name:
@@ -85,8 +99,14 @@ class StateStore:
         await self.start_run(model_id, spec)
         run = await self.index.run(model_id)
         replaced = run.find("training", name)
-        checkpoint = Checkpoint(kind="training", name=name, where=step, created=time.time(),
-                                size_bytes=size, user_metadata=user_metadata)  # fmt: skip
+        checkpoint = Checkpoint(
+            kind="training",
+            name=name,
+            where=step,
+            created=time.time(),
+            size_bytes=size,
+            user_metadata=user_metadata,
+        )
         path = await self.index.add(model_id, checkpoint, ttl_seconds)
         if replaced is not None:  # the older save of that name is no longer reachable
             await self.index.delete_files(model_id, replaced)
@@ -97,6 +117,7 @@ class StateStore:
         saved from. NotFound naming the fix for a path unknown, deleted or expired."""
         parse_state_path(path)
         run, checkpoint = await self.index.resolve(path)
-        spec = LoraSpec(rank=run.rank, seed=None, train_mlp=run.train_mlp,
-                        train_attn=run.train_attn)  # fmt: skip
+        spec = LoraSpec(
+            rank=run.rank, seed=None, train_mlp=run.train_mlp, train_attn=run.train_attn
+        )
         return (await self._store(run.run_id).load(checkpoint.where, dest))[0], spec

@@ -18,14 +18,31 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from asyncgrpo.tinker.provenance import Span
 
-__all__ = ["FwdBwdRequest", "FwdBwdResult", "SampleResult", "SampledSeq", "TargetLogprobs",
-           "TopK", "WireDatum", "WireError", "decode_fwdbwd", "encode_fwdbwd", "encode_sample",
-           "fwdbwd_json", "fwdbwd_shape", "parse_fwdbwd", "read_fwdbwd"]  # fmt: skip
+__all__ = [
+    "FwdBwdRequest",
+    "FwdBwdResult",
+    "SampleResult",
+    "SampledSeq",
+    "TargetLogprobs",
+    "TopK",
+    "WireDatum",
+    "WireError",
+    "decode_fwdbwd",
+    "encode_fwdbwd",
+    "encode_sample",
+    "fwdbwd_json",
+    "fwdbwd_shape",
+    "parse_fwdbwd",
+    "read_fwdbwd",
+]
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
 
-_DTYPES = {pb.DTYPE_FLOAT32: np.dtype(np.float32), pb.DTYPE_INT64: np.dtype(np.int64),
-           pb.DTYPE_INT32: np.dtype(np.int32)}  # fmt: skip
+_DTYPES = {
+    pb.DTYPE_FLOAT32: np.dtype(np.float32),
+    pb.DTYPE_INT64: np.dtype(np.int64),
+    pb.DTYPE_INT32: np.dtype(np.int32),
+}
 
 
 class WireError(ValueError):
@@ -104,8 +121,9 @@ class SampleResult:
 
 def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
     if msg.HasField("sparse_csr"):
-        raise WireError(f"{where} is a sparse tensor: send one value per input token (a 1-D "
-                        "dense tensor)")  # fmt: skip
+        raise WireError(
+            f"{where} is a sparse tensor: send one value per input token (a 1-D dense tensor)"
+        )
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise WireError(f"{where} has dtype {pb.DType.Name(msg.dtype)}: send float32 or int64")
@@ -122,15 +140,19 @@ def _tokens(chunks: Any, index: int, max_tokens: int | None) -> np.ndarray:
     parts = []
     for chunk in chunks:
         if chunk.WhichOneof("chunk") != "encoded_text":
-            raise WireError(f"datum {index}: only token chunks (EncodedTextChunk) are served "
-                            "here; images and audio are not")  # fmt: skip
+            raise WireError(
+                f"datum {index}: only token chunks (EncodedTextChunk) are served "
+                "here; images and audio are not"
+            )
         parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
     size = sum(p.size for p in parts)
     if not size:  # a datum of no tokens trains nothing and cost a Python pass of its own
         raise WireError(f"datum {index} has no tokens: give model_input at least one token")
     if max_tokens is not None and size > max_tokens:
-        raise WireError(f"datum {index} has {size} tokens, more than this service's "
-                        f"max_context_length {max_tokens}")  # fmt: skip
+        raise WireError(
+            f"datum {index} has {size} tokens, more than this service's "
+            f"max_context_length {max_tokens}"
+        )
     return np.concatenate(parts).astype(np.int64)
 
 
@@ -191,13 +213,17 @@ def fwdbwd_shape(body: bytes, *, max_datums: int) -> tuple[str, int]:
             model_id = bytes(value)
         elif number == 3:
             if datums >= max_datums:
-                raise WireError(f"forward_backward has more than {max_datums} datums, this "
-                                "service's max_datums: send fewer per request")  # fmt: skip
+                raise WireError(
+                    f"forward_backward has more than {max_datums} datums, this "
+                    "service's max_datums: send fewer per request"
+                )
             n = len(_fields(value, MAX_DATUM_PARTS, f"datum {datums}"))
             parts += n
             if parts > MAX_REQUEST_PARTS:
-                raise WireError(f"forward_backward's datums have more than {MAX_REQUEST_PARTS} "
-                                "parts (token chunks, inputs, spans) in all: send fewer")  # fmt: skip
+                raise WireError(
+                    f"forward_backward's datums have more than {MAX_REQUEST_PARTS} "
+                    "parts (token chunks, inputs, spans) in all: send fewer"
+                )
             datums += 1
     try:
         return model_id.decode(), datums
@@ -230,8 +256,10 @@ def read_fwdbwd(
     """A parsed request (:func:`parse_fwdbwd`) as plain arrays; WireError for more than
     ``max_datums`` datums, a datum of no tokens or of more than ``max_tokens``."""
     if max_datums is not None and len(msg.data) > max_datums:
-        raise WireError(f"forward_backward got {len(msg.data)} datums, more than this "
-                        f"service's max_datums {max_datums}: send fewer per request")  # fmt: skip
+        raise WireError(
+            f"forward_backward got {len(msg.data)} datums, more than this "
+            f"service's max_datums {max_datums}: send fewer per request"
+        )
     config: dict[str, float] = dict(msg.loss_fn_config)
     for key, value in msg.loss_fn_config_v2.items():
         if value.WhichOneof("value") == "text":
@@ -239,8 +267,10 @@ def read_fwdbwd(
         config[key] = value.number
     data = []
     for i, datum in enumerate(msg.data):
-        inputs = {k: _tensor(v, f"datum {i} loss_fn_inputs[{k!r}]")
-                  for k, v in datum.loss_fn_inputs.items()}  # fmt: skip
+        inputs = {
+            k: _tensor(v, f"datum {i} loss_fn_inputs[{k!r}]")
+            for k, v in datum.loss_fn_inputs.items()
+        }
         input_spans, target_spans = (
             _spans(datum.model_input_spans),
             _spans(datum.loss_fn_input_spans),
@@ -260,8 +290,14 @@ def read_fwdbwd(
         )
     if not data:
         raise WireError("forward_backward got no data: send at least one Datum")
-    return FwdBwdRequest(model_id=msg.model_id, seq_id=msg.seq_id, loss_fn=msg.loss_fn,
-                         loss_fn_config=config, forward_only=msg.forward_only, data=data)  # fmt: skip
+    return FwdBwdRequest(
+        model_id=msg.model_id,
+        seq_id=msg.seq_id,
+        loss_fn=msg.loss_fn,
+        loss_fn_config=config,
+        forward_only=msg.forward_only,
+        data=data,
+    )
 
 
 def _spans(msgs: Any) -> tuple[Span, ...] | None:
@@ -309,10 +345,18 @@ def encode_fwdbwd(result: FwdBwdResult) -> bytes:
 def fwdbwd_json(result: FwdBwdResult) -> dict[str, Any]:
     """``result`` as the JSON ``ForwardBackwardOutput`` (for clients that do not ask for
     protobuf)."""
-    outputs = [{k: {"data": v.ravel().tolist(), "dtype": "float32", "shape": list(v.shape)}
-                for k, v in o.items()} for o in result.outputs]  # fmt: skip
-    return {"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs,
-            "metrics": result.metrics}  # fmt: skip
+    outputs = [
+        {
+            k: {"data": v.ravel().tolist(), "dtype": "float32", "shape": list(v.shape)}
+            for k, v in o.items()
+        }
+        for o in result.outputs
+    ]
+    return {
+        "loss_fn_output_type": "ArrayRecord",
+        "loss_fn_outputs": outputs,
+        "metrics": result.metrics,
+    }
 
 
 _STOP = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
@@ -332,9 +376,11 @@ def encode_sample(result: SampleResult) -> bytes:
     """The SDK's protobuf ``SampleResponse`` of ``result``."""
     msg = pb.SampleResponse()
     for seq in result.sequences:
-        out = msg.sequences.add(stop_reason=_STOP[seq.stop_reason],
-                                tokens=np.ascontiguousarray(seq.tokens, dtype=np.int32).tobytes(),
-                                logprobs=np.ascontiguousarray(seq.logprobs, dtype=np.float32).tobytes())  # fmt: skip
+        out = msg.sequences.add(
+            stop_reason=_STOP[seq.stop_reason],
+            tokens=np.ascontiguousarray(seq.tokens, dtype=np.int32).tobytes(),
+            logprobs=np.ascontiguousarray(seq.logprobs, dtype=np.float32).tobytes(),
+        )
         if seq.topk is not None:
             out.topk_sampled_logprobs.CopyFrom(_topk_msg(seq.topk))
     if result.prompt_logprobs is not None:

@@ -40,8 +40,14 @@ class LoraConfig:
     and `ratio` drifts from 1."""
 
     def __post_init__(self) -> None:
-        check_fields(self, "lora", ge={"r": 1, "dropout": 0}, le={"r": 512}, gt={"alpha": 0},
-                     lt={"dropout": 1})  # fmt: skip
+        check_fields(
+            self,
+            "lora",
+            ge={"r": 1, "dropout": 0},
+            le={"r": 512},
+            gt={"alpha": 0},
+            lt={"dropout": 1},
+        )
         if isinstance(self.target_modules, list) and not self.target_modules:
             raise ConfigError("lora.target_modules is empty: use 'all-linear' or list module names")
 
@@ -228,19 +234,47 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         check_fields(
-            self, "trainer",
+            self,
+            "trainer",
             gt=dict.fromkeys(
-                ("learning_rate", "max_grad_norm", "epsilon", "epsilon_high", "dp_timeout_s",
-                 "peak_flops", "collapse_drop", "collapse_lr_factor", "adam_epsilon",
-                 "max_update_kl", "max_update_rms", "spike_clip_z", "spike_clip_decay"), 0
+                (
+                    "learning_rate",
+                    "max_grad_norm",
+                    "epsilon",
+                    "epsilon_high",
+                    "dp_timeout_s",
+                    "peak_flops",
+                    "collapse_drop",
+                    "collapse_lr_factor",
+                    "adam_epsilon",
+                    "max_update_kl",
+                    "max_update_rms",
+                    "spike_clip_z",
+                    "spike_clip_decay",
+                ),
+                0,
             ),
             lt={"collapse_lr_factor": 1, "adam_beta1": 1, "adam_beta2": 1, "spike_clip_decay": 1},
-            ge={"warmup_steps": 0, "weight_decay": 0, "adam_beta1": 0, "adam_beta2": 0, "samples_per_step": 1, "token_budget": 1,
-                "gradient_accumulation_steps": 1, "max_steps": 1, "max_staleness": 0,
-                "weight_sync_steps": 1, "save_steps": 0, "update_kl_history": 0, "beta": 0, "collapse_window": 1, "spike_clip_warmup": 1,
-                "collapse_min_gain": 0},
+            ge={
+                "warmup_steps": 0,
+                "weight_decay": 0,
+                "adam_beta1": 0,
+                "adam_beta2": 0,
+                "samples_per_step": 1,
+                "token_budget": 1,
+                "gradient_accumulation_steps": 1,
+                "max_steps": 1,
+                "max_staleness": 0,
+                "weight_sync_steps": 1,
+                "save_steps": 0,
+                "update_kl_history": 0,
+                "beta": 0,
+                "collapse_window": 1,
+                "spike_clip_warmup": 1,
+                "collapse_min_gain": 0,
+            },
             le={"collapse_drop": 1},
-        )  # fmt: skip
+        )
         cap = self.importance_cap
         if cap is not None and not (math.isfinite(cap) and cap > 1):
             raise ConfigError(

@@ -79,8 +79,9 @@ class DataParallel:
             return None
         rank = int(os.environ["RANK"])
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        dp = cls(rank=rank, world_size=world_size, local_rank=local_rank, timeout_s=timeout_s,
-                 **wording)  # fmt: skip
+        dp = cls(
+            rank=rank, world_size=world_size, local_rank=local_rank, timeout_s=timeout_s, **wording
+        )
         if not dist.is_initialized():
             backend = "gloo"
             if torch.cuda.is_available():
@@ -142,15 +143,15 @@ class DataParallel:
         own (the Tinker service's operations, each rank's share of a request)."""
         out: list[Any] = [None]
         sent = list(objs) if self.is_main and objs is not None else None
-        self._collective("passing on rank 0's next operation",
-                         lambda: dist.scatter_object_list(out, sent, src=0))  # fmt: skip
+        self._collective(
+            "passing on rank 0's next operation", lambda: dist.scatter_object_list(out, sent, src=0)
+        )
         return out[0]
 
     def gather_objects(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` on rank 0, in rank order (None on the other ranks)."""
         box: list[Any] | None = [None] * self.world_size if self.is_main else None
-        self._collective("gathering results on rank 0",
-                         lambda: dist.gather_object(obj, box, dst=0))  # fmt: skip
+        self._collective("gathering results on rank 0", lambda: dist.gather_object(obj, box, dst=0))
         return box
 
     # -- tensors ------------------------------------------------------------------------------

@@ -236,8 +236,13 @@ def stat_keys(buckets: int) -> list[str]:
     keys = ["count", "kl", "entropy", "clip/low", "clip/high", "clip/region", "on_policy",
             "on_policy/weight", "kl_ref", "kl_ref/count"]  # fmt: skip
     for s in range(buckets):
-        keys += [f"s{s}/tokens", f"s{s}/weight", f"s{s}/truncated", f"s{s}/masked",
-                 f"s{s}/weight_max"]  # fmt: skip
+        keys += [
+            f"s{s}/tokens",
+            f"s{s}/weight",
+            f"s{s}/truncated",
+            f"s{s}/masked",
+            f"s{s}/weight_max",
+        ]
     return keys
 
 
@@ -286,8 +291,17 @@ def grpo_loss(
     else:
         loss = (loss_t * normaliser.to(loss_t.dtype)).sum()
     with torch.no_grad():
-        sums = _sums(logp.detach(), behaviour_logp, advantages, objective, terms, entropy,
-                     staleness, on_policy, buckets)  # fmt: skip
+        sums = _sums(
+            logp.detach(),
+            behaviour_logp,
+            advantages,
+            objective,
+            terms,
+            entropy,
+            staleness,
+            on_policy,
+            buckets,
+        )
     return loss, sums
 
 
@@ -324,8 +338,9 @@ def _sums(
     }
     lag = torch.zeros(n, dtype=torch.long) if staleness is None else staleness.to(torch.long)
     bucket = lag.to(logp.device).clamp(0, buckets - 1)
-    per = torch.stack([torch.ones_like(weight), weight, terms.truncated.to(dt),
-                       terms.masked.to(dt)])  # fmt: skip
+    per = torch.stack(
+        [torch.ones_like(weight), weight, terms.truncated.to(dt), terms.masked.to(dt)]
+    )
     totals = per.new_zeros(4, buckets).index_add_(1, bucket, per).tolist()
     maxes = weight.new_full((buckets,), -math.inf).scatter_reduce(0, bucket, weight, "amax")
     for s in range(buckets):

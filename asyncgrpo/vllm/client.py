@@ -63,9 +63,13 @@ class VLLMClient:
         url = self.base_url + path
         try:
             async with self.session.request(
-                method, url, json=json_body, params=params, headers=self._headers,
+                method,
+                url,
+                json=json_body,
+                params=params,
+                headers=self._headers,
                 timeout=self._timeout,
-            ) as resp:  # fmt: skip
+            ) as resp:
                 return resp.status, await resp.text()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ReplicaError(f"{method} {url} failed: {exc!r}") from exc
@@ -79,8 +83,10 @@ class VLLMClient:
     def _refused(self, method: str, path: str, status: int, body: str) -> NoReturn:
         raise ReplicaHTTPError(
             f"{method} {self.base_url}{path} -> {status}: {body[:500]}",
-            url=self.base_url + path, status=status, body=body,
-        )  # fmt: skip
+            url=self.base_url + path,
+            status=status,
+            body=body,
+        )
 
     async def health(self) -> bool:
         try:
@@ -116,8 +122,10 @@ class VLLMClient:
             )
         raise ReplicaHTTPError(
             f"loading adapter {name!r} from {path} on {self.base_url} failed ({status}): {text[:500]}",
-            url=self.base_url + api.LOAD_LORA_PATH, status=status, body=text,
-        )  # fmt: skip
+            url=self.base_url + api.LOAD_LORA_PATH,
+            status=status,
+            body=text,
+        )
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self._ok("POST", api.UNLOAD_LORA_PATH, json_body={"lora_name": name})
@@ -135,8 +143,10 @@ class VLLMClient:
             )
         raise ReplicaHTTPError(
             f"loading adapter {name!r} from {uri} on {self.base_url} failed ({status}): {text[:800]}",
-            url=self.base_url + api.PLUGIN_LOAD_PATH, status=status, body=text,
-        )  # fmt: skip
+            url=self.base_url + api.PLUGIN_LOAD_PATH,
+            status=status,
+            body=text,
+        )
 
     async def unload_fetched_adapter(self, name: str) -> None:
         """Unload ``name`` and drop the replica's cached copy (plugin route)."""

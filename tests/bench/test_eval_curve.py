@@ -23,8 +23,9 @@ def write_run(run_dir: Path, held: dict[int, float], offset: float) -> None:
             w.log({"reward": step / 100 + offset, "perf/step_s": 0.5}, step=step)
     with (run_dir / EVAL_METRICS_FILE).open("w") as f:
         for version, reward in held.items():
-            f.write(json.dumps({"step": version, "eval/version": version,
-                                "eval/reward": reward}) + "\n")  # fmt: skip
+            f.write(
+                json.dumps({"step": version, "eval/version": version, "eval/reward": reward}) + "\n"
+            )
 
 
 def test_the_curve_report_pairs_version_v_with_step_v_plus_1(tmp_path):
@@ -37,13 +38,29 @@ def test_the_curve_report_pairs_version_v_with_step_v_plus_1(tmp_path):
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "eval.py"), "--curve", "--report", "--seeds", "0,1",
-         "--staleness", "0,4", "--out", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "bench" / "eval.py"),
+            "--curve",
+            "--report",
+            "--seeds",
+            "0,1",
+            "--staleness",
+            "0,4",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {line.split("|")[1].strip(): line for line in out.stdout.splitlines()
-            if line.startswith("| 5 |") or line.startswith("| 10 |")}  # fmt: skip
+    rows = {
+        line.split("|")[1].strip(): line
+        for line in out.stdout.splitlines()
+        if line.startswith("| 5 |") or line.startswith("| 10 |")
+    }
     # version 5: held-out 0.2 and 0.4 at staleness 0; training reward of step 6: 0.06 and 0.16
     assert (
         "| 5 | 0.300 [0.200, 0.400] (2) | 0.110 | 0.100 [0.100, 0.100] (1) | 0.060 |" in rows["5"]

@@ -15,10 +15,22 @@ def test_gpu_check_reduced_runs_and_reports():
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--reduced", "--steps", "1",
-         "--peak-flops", "1e11", "--vllm", "off"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_check.py"),
+            "--reduced",
+            "--steps",
+            "1",
+            "--peak-flops",
+            "1e11",
+            "--vllm",
+            "off",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert "mode: reduced" in text

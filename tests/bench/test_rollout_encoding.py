@@ -17,10 +17,23 @@ def test_rollout_encoding_bench_runs_and_roundtrips():
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "rollout_encoding.py"), "--samples", "4",
-         "--prompt", "8", "--completion", "16", "--rounds", "1"],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "bench" / "rollout_encoding.py"),
+            "--samples",
+            "4",
+            "--prompt",
+            "8",
+            "--completion",
+            "16",
+            "--rounds",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     for name in ("agrb (binary)", "jsonl", "agrb + zlib-1", "jsonl + zlib-1"):
         assert name in out.stdout

@@ -90,8 +90,9 @@ def test_a_config_file_with_a_removed_key_says_what_replaced_it(tmp_path) -> Non
     data["rollout"]["max_inflight_per_replica"] = 3
     config.write_text(yaml.safe_dump(data))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([*TRAIN[:4], str(config), "--dry-run"], capture_output=True, text=True,
-                       env=env, timeout=120)  # fmt: skip
+    p = subprocess.run(
+        [*TRAIN[:4], str(config), "--dry-run"], capture_output=True, text=True, env=env, timeout=120
+    )
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1, p.stderr
     assert "rollout.max_inflight_per_replica was removed" in lines[0], lines[0]
@@ -130,9 +131,11 @@ def test_serve_register_reads_the_admin_key_from_the_environment(monkeypatch) ->
         (["--register", "p:1"], "write the proxy's URL"),
         (["--register", "http://p:1", "--register-key-env", "UNSET_X"], "UNSET_X: that variable"),
         (["--register-key-env", "MY_ADMIN"], "without --register"),
-        (["--register", "http://p:1", "--host", "0.0.0.0", "--api-key-env", "MY_ADMIN"],
-         "bind the address the proxy reaches"),
-    ]:  # fmt: skip
+        (
+            ["--register", "http://p:1", "--host", "0.0.0.0", "--api-key-env", "MY_ADMIN"],
+            "bind the address the proxy reaches",
+        ),
+    ]:
         with pytest.raises(UsageError, match=message) as info:
             _parse(["--model", "m", *argv])
         assert info.value.prog == "python -m asyncgrpo.serve"
@@ -145,16 +148,22 @@ def test_precedence_file_then_environment_then_flags(tmp_path, monkeypatch) -> N
     monkeypatch.setenv("ASYNCGRPO_PROXY_IMBALANCE", "4")
     monkeypatch.setenv("ASYNCGRPO_PROXY_API_KEY", "from-env")
     config, _ = parse_args(
-        ProxyConfig, ["--config", str(path), "--port", "5"], prog="p", description=None,
+        ProxyConfig,
+        ["--config", str(path), "--port", "5"],
+        prog="p",
+        description=None,
         env_prefix="ASYNCGRPO_PROXY_",
-    )  # fmt: skip
+    )
     assert (config.port, config.imbalance, config.routing) == (5, 4, "round_robin")
     assert config.upstreams == ("http://a:1",) and config.api_key == "from-env"
     monkeypatch.setenv("MY_TOKEN", "tok")
     config, _ = parse_args(
-        ProxyConfig, ["--upstream-api-key-env", "MY_TOKEN"], prog="p", description=None,
+        ProxyConfig,
+        ["--upstream-api-key-env", "MY_TOKEN"],
+        prog="p",
+        description=None,
         env_prefix="ASYNCGRPO_PROXY_",
-    )  # fmt: skip
+    )
     assert config.upstream_api_key == "tok"
 
 
@@ -167,9 +176,13 @@ def test_secrets_have_no_flag_and_help_works() -> None:
     }
     for module, doc in docs.items():
         out = subprocess.run(
-            [sys.executable, "-m", module, "--help"], capture_output=True, text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60, check=True,
-        ).stdout  # fmt: skip
+            [sys.executable, "-m", module, "--help"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            timeout=60,
+            check=True,
+        ).stdout
         assert "--api-key-env VAR" in out and "--api-key " not in out
         # each flag's help is its field's docstring, whitespace folded
         assert doc in " ".join(out.split())
@@ -186,8 +199,9 @@ def test_the_parser_raises_and_names_the_subcommand() -> None:
         parser.parse_args(["go", "--n", "x"])
     assert (info.value.prog, info.value.debug) == ("tool go", None)
     with pytest.raises(UsageError, match="--port='x': expected an integer") as info:
-        parse_args(ProxyConfig, ["--port", "x", "--debug"], prog="p", description=None,
-                   env_prefix="P_")  # fmt: skip
+        parse_args(
+            ProxyConfig, ["--port", "x", "--debug"], prog="p", description=None, env_prefix="P_"
+        )
     assert (info.value.prog, info.value.debug) == ("p", True)
 
 
@@ -222,22 +236,41 @@ STATUSES = [
 ]
 
 
-@pytest.mark.parametrize(("command", "status", "line", "absent"), STATUSES,
-                         ids=[" ".join(c[2:]) for c, *_ in STATUSES])  # fmt: skip
+@pytest.mark.parametrize(
+    ("command", "status", "line", "absent"), STATUSES, ids=[" ".join(c[2:]) for c, *_ in STATUSES]
+)
 def test_each_commands_parser_exits_2_with_one_line(
     tmp_path: Path, command: list[str], status: int, line: str, absent: str | None
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCGRPO_")}
-    p = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                       env={**env, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    p = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        env={**env, "PYTHONPATH": str(ROOT)},
+    )
     assert p.returncode == status, p.stderr
     assert p.stderr.strip().splitlines() == [p.stderr.strip()], p.stderr  # one line
     assert line in p.stderr and (absent is None or absent not in p.stderr), p.stderr
 
 
-@pytest.mark.parametrize("command", [[*ASYNCGRPO, "--help"], [*ASYNCGRPO, "train", "--help"],
-                                     [*ASYNCGRPO, "launch", "--help"], [*JOB, "--help"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "command",
+    [
+        [*ASYNCGRPO, "--help"],
+        [*ASYNCGRPO, "train", "--help"],
+        [*ASYNCGRPO, "launch", "--help"],
+        [*JOB, "--help"],
+    ],
+)
 def test_help_still_exits_0(command: list[str]) -> None:
-    p = subprocess.run(command, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    p = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert p.returncode == 0 and p.stdout.startswith("usage: "), p.stderr

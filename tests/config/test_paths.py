@@ -47,8 +47,12 @@ def test_the_readmes_sweep_points_name_the_model_the_user_built(here: Path) -> N
 
 def test_each_path_field_and_what_is_not_a_path(here: Path) -> None:
     (here / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
-    data = {"model": "runs/tiny-model", "dataset": {"path": "prompts.jsonl"},
-            "transport_url": "store", "serve": {"log_dir": "logs", "adapter_cache_dir": "~/c"}}  # fmt: skip
+    data = {
+        "model": "runs/tiny-model",
+        "dataset": {"path": "prompts.jsonl"},
+        "transport_url": "store",
+        "serve": {"log_dir": "logs", "adapter_cache_dir": "~/c"},
+    }
     cfg = TrainingConfig.from_dict(data)
     assert cfg.model == str(here / "runs" / "tiny-model")
     assert cfg.dataset.path == str(here / "prompts.jsonl")
@@ -67,8 +71,9 @@ def test_each_path_field_and_what_is_not_a_path(here: Path) -> None:
 
 def test_once_a_loaded_config_travels_its_paths_stay_put(here: Path, tmp_path_factory) -> None:
     """Loaded again in another directory (a launched job's), or round-tripped, nothing moves."""
-    cfg = TrainingConfig.from_dict({"model": "runs/tiny-model", "dataset": {"prompts": ["hi"]},
-                                    "transport_url": "store"})  # fmt: skip
+    cfg = TrainingConfig.from_dict(
+        {"model": "runs/tiny-model", "dataset": {"prompts": ["hi"]}, "transport_url": "store"}
+    )
     assert TrainingConfig.from_dict(cfg.to_dict()) == cfg
     elsewhere = tmp_path_factory.mktemp("job")
     loaded = load_config([], {"ASYNCGRPO_CONFIG": job_config(cfg)})

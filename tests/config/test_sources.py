@@ -34,9 +34,10 @@ def test_a_misspelt_key_names_the_close_match_from_every_source(tmp_path) -> Non
     env = {"ASYNCGRPO_TRAINER__LEARNIG_RATE": "0.1"}
     with pytest.raises(
         ConfigError,
-        match=r"^ASYNCGRPO_TRAINER__LEARNIG_RATE is set, but " + typo
+        match=r"^ASYNCGRPO_TRAINER__LEARNIG_RATE is set, but "
+        + typo
         + r"; did you mean ASYNCGRPO_TRAINER__LEARNING_RATE\?$",
-    ):  # fmt: skip
+    ):
         TrainingConfig.from_yaml(path, environ=env)
     with pytest.raises(ConfigError, match=r"valid keys are: [a-z0-9_, ]*$"):
         TrainingConfig.from_yaml(path, ["trainer.zzzzzz=1"], environ={})  # nothing close
@@ -50,7 +51,11 @@ def test_variables_that_name_no_section_or_are_empty_are_not_refused(tmp_path) -
 
     path = tmp_path / "run.yaml"
     path.write_text("model: m\ndataset: {prompts: [hi]}\n")
-    env = {"ASYNCGRPO_CONFIG": "x", "ASYNCGRPO_DEBUG": "1", "ASYNCGRPO_TRAINER__LEARNIG_RATE": "",
-           "ASYNCGRPO_NOSECTION__X": "1"}  # fmt: skip
+    env = {
+        "ASYNCGRPO_CONFIG": "x",
+        "ASYNCGRPO_DEBUG": "1",
+        "ASYNCGRPO_TRAINER__LEARNIG_RATE": "",
+        "ASYNCGRPO_NOSECTION__X": "1",
+    }
     assert TrainingConfig.from_yaml(path, environ=env).model == "m"
     assert env_overrides(ProxyConfig, {}, "ASYNCGRPO_PROXY_", {"ASYNCGRPO_PROXY__X": "1"}) == {}

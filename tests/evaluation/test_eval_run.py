@@ -34,8 +34,13 @@ def test_held_out_prompts_must_not_be_training_prompts(tmp_path, tiny_model):
     cfg = _config(tmp_path, tiny_model, [], 'eval.prompts=["name a fruit", "name a color"]')
     with pytest.raises(ConfigError, match="1 of 2 held-out prompts are also in the training"):
         eval_prompts(cfg, tokenizer)
-    cfg = _config(tmp_path, tiny_model, [], 'eval.prompts=["name a fruit", "name a color"]',
-                  "eval.check_disjoint=false")  # fmt: skip
+    cfg = _config(
+        tmp_path,
+        tiny_model,
+        [],
+        'eval.prompts=["name a fruit", "name a color"]',
+        "eval.check_disjoint=false",
+    )
     assert [p.prompt for p in eval_prompts(cfg, tokenizer)] == ["name a fruit", "name a color"]
     cfg = _config(tmp_path, tiny_model, [], "eval.holdout=0.25", "eval.max_prompts=1")
     assert len(eval_prompts(cfg, tokenizer)) == 1
@@ -71,8 +76,14 @@ async def test_a_run_evaluates_base_and_final_on_prompts_it_never_trains_on(
 ):
     from asyncgrpo.run.training import run_training
 
-    cfg = _config(tmp_path, tiny_model, [r.url for r in vllm_replicas], "trainer.max_steps=3",
-                  "eval.holdout=0.25", "eval.num_generations=2")  # fmt: skip
+    cfg = _config(
+        tmp_path,
+        tiny_model,
+        [r.url for r in vllm_replicas],
+        "trainer.max_steps=3",
+        "eval.holdout=0.25",
+        "eval.num_generations=2",
+    )
     held = [p.prompt for p in eval_prompts(cfg, load_tokenizer(tiny_model))]
     assert len(held) == 2
     trained: set[str] = set()
@@ -100,9 +111,12 @@ async def test_a_run_evaluates_base_and_final_on_prompts_it_never_trains_on(
     from asyncgrpo.run.progress import run_summary
 
     summary = run_summary(result, 1.0)
-    assert any(line.startswith("held-out reward: ") and "(version 0) -> " in line
-               and f"(version {result.final_version}) over 2 prompts" in line
-               for line in summary), summary  # fmt: skip
+    assert any(
+        line.startswith("held-out reward: ")
+        and "(version 0) -> " in line
+        and f"(version {result.final_version}) over 2 prompts" in line
+        for line in summary
+    ), summary
     # `asyncgrpo eval` shows what it does while it does it
     from asyncgrpo.run.evaluation import evaluate_published
 
@@ -142,12 +156,20 @@ async def test_evaluations_during_training_run_on_pinned_versions_beside_the_tra
     gate.touch()  # open for the base model's evaluation
     monkeypatch.setenv(GATE_ENV, str(gate))
     cfg = _config(
-        tmp_path, tiny_model, [r.url for r in vllm_replicas], "trainer.max_steps=10",
-        "trainer.max_staleness=1", "trainer.samples_per_step=8", "generation.num_generations=4",
-        "generation.max_completion_length=8", "trainer.save_steps=0", "eval.holdout=0.25",
-        "eval.num_generations=2", "eval.every=2",
+        tmp_path,
+        tiny_model,
+        [r.url for r in vllm_replicas],
+        "trainer.max_steps=10",
+        "trainer.max_staleness=1",
+        "trainer.samples_per_step=8",
+        "generation.num_generations=4",
+        "generation.max_completion_length=8",
+        "trainer.save_steps=0",
+        "eval.holdout=0.25",
+        "eval.num_generations=2",
+        "eval.every=2",
         'eval.reward_funcs=["asyncgrpo.testing.rewards:gated_digit_fraction"]',
-    )  # fmt: skip
+    )
     seen: dict[int, set[int]] = {}  # version trained on -> versions loaded on a replica
 
     async def loaded() -> set[int]:

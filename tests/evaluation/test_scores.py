@@ -34,8 +34,10 @@ def test_pass_at_k_refuses_impossible_counts():
 def test_summary_counts_a_nan_reward_as_a_failure_and_keys_the_parts():
     graded = [
         Graded(rewards=[1.0, 0.0], per_func={"digits": [1.0, 0.0]}, completion_tokens=[3, 5]),
-        Graded(rewards=[math.nan, 0.0], per_func={"digits": [math.nan, 0.0]}, completion_tokens=[2, 2]),
-    ]  # fmt: skip
+        Graded(
+            rewards=[math.nan, 0.0], per_func={"digits": [math.nan, 0.0]}, completion_tokens=[2, 2]
+        ),
+    ]
     m = summarize(graded, k=2, threshold=1.0)
     assert m["eval/prompts"] == 2 and m["eval/completions"] == 4
     assert m["eval/reward"] == pytest.approx(1 / 3)  # NaN skipped in the mean

@@ -87,8 +87,11 @@ class FakeHub(ThreadedApp):
     def admin_calls(self, job: FakeJob) -> list[tuple[str, str, bool]]:
         """(method, url, authorized) of each call to ``job``'s ``/proxy/upstreams``."""
         path = f"/exposed/{job.id}/proxy/upstreams"
-        return [(r["method"], r["body"]["url"], r["authorized"])
-                for r in self.requests if r["path"] == path]  # fmt: skip
+        return [
+            (r["method"], r["body"]["url"], r["authorized"])
+            for r in self.requests
+            if r["path"] == path
+        ]
 
     # -- server ------------------------------------------------------------------------------
 

@@ -71,20 +71,28 @@ class FakeSkyApi:
     def _encoded(self, request_id: str) -> dict[str, Any]:
         name, value = self._results[request_id]
         request = requests_lib.Request(
-            request_id=request_id, name=server_constants.REQUEST_NAME_PREFIX + name, entrypoint=sdk.status,
-            request_body=payloads.RequestBody(), status=requests_lib.RequestStatus.SUCCEEDED,
-            created_at=time.time(), user_id="fake-user",
-        )  # fmt: skip
+            request_id=request_id,
+            name=server_constants.REQUEST_NAME_PREFIX + name,
+            entrypoint=sdk.status,
+            request_body=payloads.RequestBody(),
+            status=requests_lib.RequestStatus.SUCCEEDED,
+            created_at=time.time(),
+            user_id="fake-user",
+        )
         request.set_return_value(value)
         return json.loads(request.encode().model_dump_json())
 
     def _record(self, job: FakeJob) -> responses.ManagedJobRecord:
         ips = [(job.ip, job.ip)] if job.ip and job.status == "RUNNING" else None
         return responses.ManagedJobRecord(
-            job_id=job.job_id, job_name=job.name, task_id=0, task_name=job.name,
-            status=ManagedJobStatus(job.status), recovery_count=job.recovery_count,
+            job_id=job.job_id,
+            job_name=job.name,
+            task_id=0,
+            task_name=job.name,
+            status=ManagedJobStatus(job.status),
+            recovery_count=job.recovery_count,
             internal_external_ips=ips,
-        )  # fmt: skip
+        )
 
     def _launch(self, body: dict[str, Any]) -> str:
         self.launched.append(body)
@@ -111,12 +119,18 @@ class FakeSkyApi:
             def log_message(self, *args: object) -> None:
                 pass
 
-            def _send(self, code: int, body: bytes, request_id: str | None = None,
-                      content_type: str = "application/json") -> None:  # fmt: skip
+            def _send(
+                self,
+                code: int,
+                body: bytes,
+                request_id: str | None = None,
+                content_type: str = "application/json",
+            ) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", content_type)
-                self.send_header(server_constants.API_VERSION_HEADER,
-                                 str(server_constants.API_VERSION))  # fmt: skip
+                self.send_header(
+                    server_constants.API_VERSION_HEADER, str(server_constants.API_VERSION)
+                )
                 self.send_header(server_constants.VERSION_HEADER, sky.__version__)
                 if request_id is not None:
                     self.send_header("X-Skypilot-Request-ID", request_id)
@@ -128,8 +142,13 @@ class FakeSkyApi:
                 url = urlsplit(self.path)
                 api.calls.append(f"GET {url.path}")
                 if url.path == "/api/health":
-                    health = {"status": "healthy", "api_version": server_constants.API_VERSION,
-                              "version": sky.__version__, "commit": "fake", "user": None}  # fmt: skip
+                    health = {
+                        "status": "healthy",
+                        "api_version": server_constants.API_VERSION,
+                        "version": sky.__version__,
+                        "commit": "fake",
+                        "user": None,
+                    }
                     self._send(200, json.dumps(health).encode())
                 elif url.path == "/enabled_clouds":
                     self._send(200, b"{}", api._request("enabled_clouds", api.enabled))

@@ -49,13 +49,23 @@ def launch_cmd(config: Path, *args: str) -> list[str]:
 
 
 def test_dry_run_prints_every_spec_and_sends_no_request(tmp_path: Path, hub: FakeHub) -> None:
-    cmd = launch_cmd(write_config(tmp_path), "--dry-run", "--replicas", "3",
-                     "--replica-flavor", "l4x1", "launch.timeout=2h")  # fmt: skip
+    cmd = launch_cmd(
+        write_config(tmp_path),
+        "--dry-run",
+        "--replicas",
+        "3",
+        "--replica-flavor",
+        "l4x1",
+        "launch.timeout=2h",
+    )
     out = subprocess.run(cmd, env=env(hub, tmp_path), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert [line.split()[0] for line in text.splitlines() if line.endswith(("-0", "-1", "-2",
-            "trainer")) and " job " in line] == ["replica", "replica", "replica", "trainer"]  # fmt: skip
+    assert [
+        line.split()[0]
+        for line in text.splitlines()
+        if line.endswith(("-0", "-1", "-2", "trainer")) and " job " in line
+    ] == ["replica", "replica", "replica", "trainer"]
     assert text.count("flavor:  l4x1") == 3 and text.count("flavor:  a100-large") == 1
     # the trainer's proxy listens behind the gateway too: the launcher adds replacements to it
     assert text.count("timeout: 7200 s") == 4 and text.count("ports:   8000") == 4
@@ -68,10 +78,12 @@ def test_dry_run_prints_every_spec_and_sends_no_request(tmp_path: Path, hub: Fak
 
 @pytest.mark.parametrize(
     ("change", "refusal"),
-    [({"transport_url": None}, "transport_url is unset: jobs share no disk"),
-     ({"model": "LOCAL"}, "is a local path, which the jobs cannot read")],
+    [
+        ({"transport_url": None}, "transport_url is unset: jobs share no disk"),
+        ({"model": "LOCAL"}, "is a local path, which the jobs cannot read"),
+    ],
     ids=["no-transport", "local-model"],
-)  # fmt: skip
+)
 def test_a_dry_run_refuses_what_the_launch_would(
     tmp_path: Path, hub: FakeHub, change: dict, refusal: str
 ) -> None:
@@ -85,8 +97,13 @@ def test_a_dry_run_refuses_what_the_launch_would(
     data.update(change)
     data = {k: v for k, v in data.items() if v is not None}
     config.write_text(yaml.safe_dump(data))
-    out = subprocess.run(launch_cmd(config, "--dry-run"), env=env(hub, tmp_path),
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        launch_cmd(config, "--dry-run"),
+        env=env(hub, tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and refusal in lines[0], out.stderr
@@ -97,8 +114,16 @@ def test_a_dry_run_refuses_what_the_launch_would(
 def test_a_sweep_dry_run_shows_one_fleet_and_one_trainer_per_point(
     tmp_path: Path, hub: FakeHub
 ) -> None:
-    cmd = launch_cmd(write_config(tmp_path), "--dry-run", "--replicas", "2", "--sweep", LR,
-                     "--sweep", "lora.r=4,8")  # fmt: skip
+    cmd = launch_cmd(
+        write_config(tmp_path),
+        "--dry-run",
+        "--replicas",
+        "2",
+        "--sweep",
+        LR,
+        "--sweep",
+        "lora.r=4,8",
+    )
     out = subprocess.run(cmd, env=env(hub, tmp_path), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     text = out.stdout
@@ -156,20 +181,27 @@ def test_a_completed_launch_ends_with_trains_summary(tmp_path: Path, hub: FakeHu
     from asyncgrpo.run.progress import progress_line, result_line
     from asyncgrpo.store.run_documents import RunResult
 
-    result = RunResult(run_dir=Path("/job/runs/cli-run"), adapter_prefix="cli-run-ab12", steps=3,
-                       final_version=3, resumed_from_step=None,
-                       transport_url="hf://buckets/testns/asyncgrpo-runs/cli-run",
-                       adapter_dir=Path("/job/runs/cli-run/adapter"))  # fmt: skip
-    evals = [{"eval/version": 0, "eval/reward": 0.1, "eval/pass@1": 0.1, "eval/prompts": 4},
-             {"eval/version": 3, "eval/reward": 0.4, "eval/pass@1": 0.3, "eval/prompts": 4}]  # fmt: skip
+    result = RunResult(
+        run_dir=Path("/job/runs/cli-run"),
+        adapter_prefix="cli-run-ab12",
+        steps=3,
+        final_version=3,
+        resumed_from_step=None,
+        transport_url="hf://buckets/testns/asyncgrpo-runs/cli-run",
+        adapter_dir=Path("/job/runs/cli-run/adapter"),
+    )
+    evals = [
+        {"eval/version": 0, "eval/reward": 0.1, "eval/pass@1": 0.1, "eval/prompts": 4},
+        {"eval/version": 3, "eval/reward": 0.4, "eval/pass@1": 0.3, "eval/prompts": 4},
+    ]
     lines = [progress_line(s, 3, {"reward": s / 10}) for s in (1, 2, 3)]
     hub.scripts["replica"] = lambda: {"healthy_after_s": 0.1}
-    hub.scripts["trainer"] = lambda: {"logs": [*lines, "trained 3 steps",
-                                               result_line(result, evals)],
-                                      "complete_after_s": 0.3}  # fmt: skip
+    hub.scripts["trainer"] = lambda: {
+        "logs": [*lines, "trained 3 steps", result_line(result, evals)],
+        "complete_after_s": 0.3,
+    }
     cmd = launch_cmd(write_config(tmp_path), "--replicas", "1", "launch.poll_s=0.1")
-    done = subprocess.run(cmd, env=env(hub, tmp_path), capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(cmd, env=env(hub, tmp_path), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = done.stdout[done.stdout.index("trained 3 steps in ") :].splitlines()
     where = " (on the trainer job's machine)"

@@ -185,8 +185,11 @@ def test_a_spent_restart_budget_fails_the_launch_naming_the_job(
     hub.scripts["replica"] = lambda: {"fail_after_s": 0.5} if next(count) >= 1 else {}
     hub.scripts["trainer"] = lambda: {"logs": ["training"]}  # never completes by itself
     cfg = make_config(tmp_path, "launch.replica_restarts=1", "launch.replica_restart_backoff_s=0")
-    with pytest.raises(LaunchError, match=r"replica job fake-run-replica-2 \(\w+\) failed during "
-                       r"the run \(exit code 1\); launch.replica_restarts=1 replacements used"):  # fmt: skip
+    with pytest.raises(
+        LaunchError,
+        match=r"replica job fake-run-replica-2 \(\w+\) failed during "
+        r"the run \(exit code 1\); launch.replica_restarts=1 replacements used",
+    ):
         run_launch(cfg, hub, lambda handle: handle.wait())
     assert len(hub.created("replica")) == 3  # two at start, one replacement
     assert hub.cancelled() == {hub.created("replica")[0].id, hub.created("trainer")[0].id}
@@ -214,8 +217,11 @@ def test_a_replica_that_fails_to_start_surfaces_its_log_and_cancels_the_rest(
 
     def replica() -> dict:
         if next(count) == 1:
-            return {"healthy_after_s": None, "fail_after_s": 0.3,
-                    "logs": ["loading weights", "torch.OutOfMemoryError: CUDA out of memory"]}  # fmt: skip
+            return {
+                "healthy_after_s": None,
+                "fail_after_s": 0.3,
+                "logs": ["loading weights", "torch.OutOfMemoryError: CUDA out of memory"],
+            }
         return {"healthy_after_s": 0.0}
 
     hub.scripts["replica"] = replica
@@ -291,11 +297,16 @@ def test_a_sweep_shares_one_proxy_job_and_a_failed_point_lets_the_others_finish(
     hub.scripts["trainer"] = lambda: (
         {"logs": ["Traceback", "RuntimeError: out of memory"], "fail_after_s": 0.2}
         if next(points) == 0
-        else {"logs": [progress_line(s, 3, {"reward": s / 10}) for s in (1, 2, 3)],
-              "complete_when": added}
-    )  # fmt: skip
-    cfg = make_config(tmp_path, "launch.sweep=['trainer.learning_rate=1e-5,1e-4']",
-                      "launch.replica_restart_backoff_s=0")  # fmt: skip
+        else {
+            "logs": [progress_line(s, 3, {"reward": s / 10}) for s in (1, 2, 3)],
+            "complete_when": added,
+        }
+    )
+    cfg = make_config(
+        tmp_path,
+        "launch.sweep=['trainer.learning_rate=1e-5,1e-4']",
+        "launch.replica_restart_backoff_s=0",
+    )
 
     async def body(handle):
         with pytest.raises(LaunchError) as info:

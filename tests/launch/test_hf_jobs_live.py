@@ -48,16 +48,27 @@ class SmokeBackend(HfJobsBackend):
     """Hugging Face Jobs with a stand-in server for vLLM and an idle trainer; no transport."""
 
     def replica_spec(self, index: int) -> JobSpec:
-        return JobSpec(role="replica", name=f"asyncgrpo-smoke-replica-{index}",
-                       command=("python", "-c", SERVER), image="python:3.12-slim",
-                       flavor="cpu-basic", timeout_s=900, port=8000,
-                       labels={"asyncgrpo-role": "replica"})  # fmt: skip
+        return JobSpec(
+            role="replica",
+            name=f"asyncgrpo-smoke-replica-{index}",
+            command=("python", "-c", SERVER),
+            image="python:3.12-slim",
+            flavor="cpu-basic",
+            timeout_s=900,
+            port=8000,
+            labels={"asyncgrpo-role": "replica"},
+        )
 
     def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
-        return JobSpec(role="trainer", name="asyncgrpo-smoke-trainer",
-                       command=("python", "-c", "import time; time.sleep(900)"),
-                       image="python:3.12-slim", flavor="cpu-basic", timeout_s=900,
-                       labels={"asyncgrpo-role": "trainer"})  # fmt: skip
+        return JobSpec(
+            role="trainer",
+            name="asyncgrpo-smoke-trainer",
+            command=("python", "-c", "import time; time.sleep(900)"),
+            image="python:3.12-slim",
+            flavor="cpu-basic",
+            timeout_s=900,
+            labels={"asyncgrpo-role": "trainer"},
+        )
 
     def check(self) -> None:
         pass
@@ -68,15 +79,21 @@ class SmokeBackend(HfJobsBackend):
 
 
 def config(tmp_path: Path) -> TrainingConfig:
-    return TrainingConfig.from_dict({
-        "model": "Qwen/Qwen2.5-0.5B-Instruct",
-        "run_name": "asyncgrpo-smoke",
-        "output_dir": str(tmp_path),
-        "transport_url": "hf://buckets/someone/asyncgrpo-smoke/run",
-        "dataset": {"prompts": ["hi"]},
-        "launch": {"replicas": 1, "replica_flavor": "cpu-basic", "poll_s": 3,
-                   "health_timeout_s": 600},
-    })  # fmt: skip
+    return TrainingConfig.from_dict(
+        {
+            "model": "Qwen/Qwen2.5-0.5B-Instruct",
+            "run_name": "asyncgrpo-smoke",
+            "output_dir": str(tmp_path),
+            "transport_url": "hf://buckets/someone/asyncgrpo-smoke/run",
+            "dataset": {"prompts": ["hi"]},
+            "launch": {
+                "replicas": 1,
+                "replica_flavor": "cpu-basic",
+                "poll_s": 3,
+                "health_timeout_s": 600,
+            },
+        }
+    )
 
 
 def test_dry_run_then_a_cpu_basic_smoke_job_is_started_checked_and_cancelled(
@@ -85,8 +102,20 @@ def test_dry_run_then_a_cpu_basic_smoke_job_is_started_checked_and_cancelled(
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config(tmp_path).to_dict()))
     out = subprocess.run(
-        [sys.executable, "-m", "asyncgrpo.cli.main", "launch", str(path), "--backend", "hf-jobs",
-         "--dry-run"], capture_output=True, text=True, timeout=120)  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "asyncgrpo.cli.main",
+            "launch",
+            str(path),
+            "--backend",
+            "hf-jobs",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert os.environ["HF_TOKEN"] not in out.stdout + out.stderr
 

@@ -86,9 +86,12 @@ class ScriptedRoles(LocalBackend):
         )
 
     def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
-        return JobSpec(role="trainer", name=f"{self.cfg.run_name}-trainer",
-                       command=(sys.executable, "-c", TRAINER, ",".join(urls)),
-                       env={**self.transport_env, "TRANSPORT": self.transport_url})  # fmt: skip
+        return JobSpec(
+            role="trainer",
+            name=f"{self.cfg.run_name}-trainer",
+            command=(sys.executable, "-c", TRAINER, ",".join(urls)),
+            env={**self.transport_env, "TRANSPORT": self.transport_url},
+        )
 
 
 def config(tmp_path: Path, *overrides: str) -> TrainingConfig:
@@ -162,9 +165,12 @@ RELAUNCHED_TRAINER = textwrap.dedent("""
 
 class RelaunchedRoles(ScriptedRoles):
     def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
-        return JobSpec(role="trainer", name=f"{self.cfg.run_name}-trainer",
-                       command=(sys.executable, "-c", RELAUNCHED_TRAINER),
-                       env={**self.transport_env, "TRANSPORT": self.transport_url})  # fmt: skip
+        return JobSpec(
+            role="trainer",
+            name=f"{self.cfg.run_name}-trainer",
+            command=(sys.executable, "-c", RELAUNCHED_TRAINER),
+            env={**self.transport_env, "TRANSPORT": self.transport_url},
+        )
 
 
 def test_a_second_launch_of_a_run_finds_what_the_first_left_in_its_transport(
@@ -247,8 +253,12 @@ def test_a_launcher_killed_with_sigkill_takes_its_roles_and_s3_server_with_it(
     signals them when the launcher is killed outright (OOM killer, ``kill -9``, a CI runner
     cancelling): each gets SIGTERM, its clean way out, as its parent dies."""
     launch_dir = tmp_path / "launch"
-    data = {"model": str(tmp_path), "run_name": "local-run", "output_dir": str(tmp_path / "runs"),
-            "dataset": {"prompts": ["p"]}}  # fmt: skip
+    data = {
+        "model": str(tmp_path),
+        "run_name": "local-run",
+        "output_dir": str(tmp_path / "runs"),
+        "dataset": {"prompts": ["p"]},
+    }
     launcher = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, json.dumps(data), str(launch_dir)],
         stdout=subprocess.PIPE,
@@ -299,8 +309,13 @@ class ElasticRoles(ScriptedRoles):
     def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
         real = super(ScriptedRoles, self).trainer_spec(urls, cfg)  # the port and key it'd get
         script = (TRAINER_PROXY, str(real.port)) if real.port else ("import time; time.sleep(60)",)
-        return JobSpec(role="trainer", name=real.name, port=real.port,
-                       command=(sys.executable, "-c", *script), secrets=real.secrets)  # fmt: skip
+        return JobSpec(
+            role="trainer",
+            name=real.name,
+            port=real.port,
+            command=(sys.executable, "-c", *script),
+            secrets=real.secrets,
+        )
 
 
 def kill_machine(job_id: str) -> None:
@@ -374,8 +389,11 @@ def test_with_no_restarts_a_replica_killed_mid_run_stops_the_launch_naming_it(
             kill_replica(handle, 1)
             await handle.wait()
 
-    with pytest.raises(LaunchError, match=r"replica job local-run-replica-1 \(pid-\d+\) failed "
-                       r"during the run \(exit code -9\)"):  # fmt: skip
+    with pytest.raises(
+        LaunchError,
+        match=r"replica job local-run-replica-1 \(pid-\d+\) failed "
+        r"during the run \(exit code -9\)",
+    ):
         anyio.run(main)
     assert not (cfg.run_dir / "launch" / "local-run-replica-2.log").exists()
 
@@ -409,9 +427,12 @@ class SweepRoles(ScriptedRoles):
     def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
         real = LocalBackend.trainer_spec(self, urls, cfg)  # its name, port, storage
         assert cfg is not None and cfg.transport_url and real.port is None
-        return JobSpec(role="trainer", name=real.name,
-                       command=(sys.executable, "-c", SWEEP_TRAINER, *urls),
-                       env={**self.transport_env, "TRANSPORT": cfg.transport_url})  # fmt: skip
+        return JobSpec(
+            role="trainer",
+            name=real.name,
+            command=(sys.executable, "-c", SWEEP_TRAINER, *urls),
+            env={**self.transport_env, "TRANSPORT": cfg.transport_url},
+        )
 
 
 SWEEP = "launch.sweep=['trainer.learning_rate=1e-5,1e-4']"
@@ -479,8 +500,11 @@ def test_cancelling_a_sweep_stops_every_process_it_started(tmp_path: Path) -> No
     children = [int(log_field(launch_dir / f"local-run-replica-{i}.log", "child")) for i in (0, 1)]
     for pid in pids + children:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    assert not [p for p in psutil.process_iter(["cmdline"])
-                if str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+    assert not [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if str(tmp_path) in " ".join(p.info["cmdline"] or [])
+    ]
 
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
@@ -523,16 +547,24 @@ def launch_tiny(
                     assert time.monotonic() < deadline, f"no {what}: {err.read_text()[-3000:]}"
                     time.sleep(0.2)
 
-            until(f"step {kill_replica_at}", lambda: any(
-                r is not None and r["step"] >= kill_replica_at for r in map(parse_progress, (
-                    trainer_log.read_text().splitlines() if trainer_log.exists() else [])))
-            )  # fmt: skip
+            until(
+                f"step {kill_replica_at}",
+                lambda: any(
+                    r is not None and r["step"] >= kill_replica_at
+                    for r in map(
+                        parse_progress,
+                        (trainer_log.read_text().splitlines() if trainer_log.exists() else []),
+                    )
+                ),
+            )
             gate.unlink()
             jobs = json.loads((launch_dir / "jobs.json").read_text())["jobs"]
             job = next(j for j in jobs if j["name"] == "tiny-cpu-replica-1")
             kill_machine(job["id"])
-            until("the replacement in the trainer's proxy",
-                  lambda: "is in the trainer's proxy" in err.read_text())  # fmt: skip
+            until(
+                "the replacement in the trainer's proxy",
+                lambda: "is in the trainer's proxy" in err.read_text(),
+            )
             gate.touch()
         proc.wait(timeout=1500)
     finally:
@@ -567,8 +599,13 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_and_replaced(
     to the survivor), and the served-policy audit finds every replica, the replacement too,
     serving exactly the trainer's weights. The one test that loses a replica of a training run:
     docs/testing.md names where the rest of what a lost replica touches is tested."""
-    out = launch_tiny(tiny_model, tmp_path, "launch.replica_restart_backoff_s=0",
-                      f"trainer.max_steps={E2E_STEPS}", kill_replica_at=2)  # fmt: skip
+    out = launch_tiny(
+        tiny_model,
+        tmp_path,
+        "launch.replica_restart_backoff_s=0",
+        f"trainer.max_steps={E2E_STEPS}",
+        kill_replica_at=2,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     launch_dir = tmp_path / "tiny-cpu-launch"
     trainer_log = (launch_dir / "tiny-cpu-trainer.log").read_text()
@@ -591,8 +628,11 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_and_replaced(
     replicas = [r["replicas"] for r in records]
     assert replicas[:2] == [2, 2] and replicas[-1] == 2, replicas
     # the log says what happened
-    assert re.search(r"replica job tiny-cpu-replica-1 \(pid-\d+\) failed during the run "
-                     r"\(exit code -9\); training continues", out.stderr), out.stderr[-3000:]  # fmt: skip
+    assert re.search(
+        r"replica job tiny-cpu-replica-1 \(pid-\d+\) failed during the run "
+        r"\(exit code -9\); training continues",
+        out.stderr,
+    ), out.stderr[-3000:]
     assert "tiny-cpu-replica-2 (replacing tiny-cpu-replica-1) is in the trainer's proxy" in (
         out.stderr
     ), out.stderr[-3000:]
@@ -623,8 +663,11 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_and_replaced(
         own_cache = str(launch_dir / f"replica-{i}" / "adapters") + "/"
         assert all(path.startswith(own_cache) for _, path in loaded[i]), loaded[i]
         assert trainer_dir not in (launch_dir / f"replica-{i}" / "replica-0.log").read_text()
-    assert not [p for p in psutil.process_iter(["cmdline"])
-                if str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+    assert not [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if str(tmp_path) in " ".join(p.info["cmdline"] or [])
+    ]
 
 
 @pytest.mark.vllm
@@ -666,8 +709,11 @@ def test_the_docs_two_point_sweep_runs_as_typed_and_shares_one_replica(tmp_path:
         mine = [(n, p) for n, p in loaded if n.startswith(f"tiny-cpu-{i}-")]
         assert len(mine) >= 4, loaded  # v0 and a version per step
         assert all(f"tiny-cpu-{1 - i}" not in p for _, p in mine), mine
-    assert not [p for p in psutil.process_iter(["cmdline"])
-                if str(tmp_path) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+    assert not [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if str(tmp_path) in " ".join(p.info["cmdline"] or [])
+    ]
 
 
 #: A trainer that writes its metrics where a launched run's trainer does (``runs/<run>`` in its
@@ -686,8 +732,11 @@ METRICS_TRAINER = textwrap.dedent("""
 
 class MetricsRoles(ScriptedRoles):
     def trainer_spec(self, urls: list[str], cfg: TrainingConfig | None = None) -> JobSpec:
-        return JobSpec(role="trainer", name=f"{self.cfg.run_name}-trainer",
-                       command=(sys.executable, "-c", METRICS_TRAINER, self.cfg.run_name))  # fmt: skip
+        return JobSpec(
+            role="trainer",
+            name=f"{self.cfg.run_name}-trainer",
+            command=(sys.executable, "-c", METRICS_TRAINER, self.cfg.run_name),
+        )
 
 
 def test_the_launch_says_where_the_metrics_are_and_plot_finds_them_from_its_directory(
@@ -713,8 +762,13 @@ def test_the_launch_says_where_the_metrics_are_and_plot_finds_them_from_its_dire
     ]
     # from the launch directory, or the run's above it
     assert find_metrics(cfg.run_dir) == find_metrics(launch_dir) == {"local-run": where}
-    out = subprocess.run([sys.executable, "-m", "asyncgrpo.cli.main", "plot", str(launch_dir)],
-                         env=environ, capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncgrpo.cli.main", "plot", str(launch_dir)],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     png = where.parent / "plot.png"
     assert out.stdout.strip() == str(png)

@@ -23,10 +23,14 @@ def config(**extra) -> TrainingConfig:
 
 
 def test_replica_args_size_the_server_like_the_trainer_would() -> None:
-    cfg = config(lora={"r": 16}, trainer={"max_staleness": 3},
-                 serve={"max_model_len": 1024, "dtype": "bfloat16"})  # fmt: skip
-    args = replica_args(cfg, host="0.0.0.0", port=8000, transport_url="s3://b/p",
-                        api_key_env="HF_TOKEN")  # fmt: skip
+    cfg = config(
+        lora={"r": 16},
+        trainer={"max_staleness": 3},
+        serve={"max_model_len": 1024, "dtype": "bfloat16"},
+    )
+    args = replica_args(
+        cfg, host="0.0.0.0", port=8000, transport_url="s3://b/p", api_key_env="HF_TOKEN"
+    )
     pairs = dict(zip(args[2::2], args[3::2], strict=False))
     assert args[:2] == ["-m", "asyncgrpo.serve"]
     assert pairs["--lora-rank"] == "16" and pairs["--max-staleness"] == "3"
@@ -66,8 +70,14 @@ def test_trainer_config_and_secrets_round_trip_through_the_trainer_entry_point()
 
 
 def test_describe_names_secrets_but_never_shows_their_values() -> None:
-    spec = JobSpec(role="replica", name="r-0", command=("python3", "-m", "x"),
-                   env={"A": "1"}, secrets={"HF_TOKEN": "hf_topsecret"}, port=8000)  # fmt: skip
+    spec = JobSpec(
+        role="replica",
+        name="r-0",
+        command=("python3", "-m", "x"),
+        env={"A": "1"},
+        secrets={"HF_TOKEN": "hf_topsecret"},
+        port=8000,
+    )
     text = spec.describe()
     assert "HF_TOKEN" in text and "hf_topsecret" not in text and "hf_topsecret" not in repr(spec)
     assert "A=1" in text and "ports:   8000" in text
@@ -76,8 +86,11 @@ def test_describe_names_secrets_but_never_shows_their_values() -> None:
 def test_launch_section_validates() -> None:
     assert config(launch={"timeout": "90m"}).launch.timeout_s == 5400
     assert config(launch={"timeout": "120"}).launch.timeout_s == 120
-    for bad, field in [({"timeout": "soon"}, "launch.timeout"), ({"replicas": 0}, "launch.replicas"),
-                       ({"jobs_url_template": "https://x"}, "jobs_url_template")]:  # fmt: skip
+    for bad, field in [
+        ({"timeout": "soon"}, "launch.timeout"),
+        ({"replicas": 0}, "launch.replicas"),
+        ({"jobs_url_template": "https://x"}, "jobs_url_template"),
+    ]:
         with pytest.raises(ConfigError, match=field):
             config(launch=bad)
 

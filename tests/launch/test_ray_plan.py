@@ -106,19 +106,23 @@ def test_the_trainers_proxy_listens_on_its_node_and_gives_every_planned_replica_
 def test_a_node_fills_in_its_address_port_and_python() -> None:
     argv = ["python", "-m", "asyncgrpo.run.job", f"proxy.host={NODE_IP}", f"proxy.port={PORT}"]
     assert node_argv(argv, node_ip="10.1.2.3", port=41234, python="/opt/py") == [
-        "/opt/py", "-m", "asyncgrpo.run.job", "proxy.host=10.1.2.3", "proxy.port=41234",
-    ]  # fmt: skip
+        "/opt/py",
+        "-m",
+        "asyncgrpo.run.job",
+        "proxy.host=10.1.2.3",
+        "proxy.port=41234",
+    ]
 
 
 def test_resources_the_cluster_lacks_are_named_with_who_asks_and_the_field() -> None:
-    cfg = TrainingConfig.from_dict({"model": "m/m", "dataset": {"prompts": ["p"]},
-                                    "launch": {**LAUNCH, "replicas": 3}})  # fmt: skip
+    cfg = TrainingConfig.from_dict(
+        {"model": "m/m", "dataset": {"prompts": ["p"]}, "launch": {**LAUNCH, "replicas": 3}}
+    )
     requests = role_requests(cfg.launch)
     cluster = {"CPU": 64.0, "GPU": 2.0, "inference": 8.0, "trainer": 1.0}
     unmet = unmet_resources(requests, cluster)
     assert unmet[1] == "A10G (launch.replica_accelerator_type): the cluster has no node with it"
-    assert unmet[0] == ("GPU: 3 asked (3 replicas x 1; launch.replica_num_gpus), the cluster "
-                        "has 2")  # fmt: skip
+    assert unmet[0] == ("GPU: 3 asked (3 replicas x 1; launch.replica_num_gpus), the cluster has 2")
     assert len(unmet) == 2
     cluster |= {"GPU": 3.0, "accelerator_type:A10G": 3.0}
     assert unmet_resources(requests, cluster) == []
@@ -142,15 +146,26 @@ def cli(tmp_path: Path, *args: str, python: str = sys.executable) -> subprocess.
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump({"model": str(model), "run_name": "ray-run",
-                                    "output_dir": str(tmp_path / "runs"),
-                                    "dataset": {"prompts": ["p"]}}))  # fmt: skip
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(model),
+                "run_name": "ray-run",
+                "output_dir": str(tmp_path / "runs"),
+                "dataset": {"prompts": ["p"]},
+            }
+        )
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)
     return subprocess.run(
         [python, "-m", "asyncgrpo", "launch", str(path), "--backend", "ray", *args],
-        capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
 
 
 def one_line_refusal(done: subprocess.CompletedProcess, *words: str) -> None:
@@ -162,8 +177,9 @@ def one_line_refusal(done: subprocess.CompletedProcess, *words: str) -> None:
 
 
 def test_the_dry_run_shows_each_actor_and_its_resources_without_ray(tmp_path: Path) -> None:
-    done = cli(tmp_path, "--dry-run", "launch.replica_resources={inference: 1}",
-               "--replica-num-gpus", "0")  # fmt: skip
+    done = cli(
+        tmp_path, "--dry-run", "launch.replica_resources={inference: 1}", "--replica-num-gpus", "0"
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("replica actor ray-run-replica-") == 2
     assert "resources={'inference': 1.0}" in done.stdout and "num_gpus=0.0" in done.stdout

@@ -43,9 +43,15 @@ CONFIG = {
     "transport_url": "s3://asyncgrpo-runs/sky-run",
     "dataset": {"prompts": ["count to five", "name a color"]},
     "trainer": {"max_steps": 3, "max_staleness": 1},
-    "launch": {"replicas": 2, "infra": "aws/us-east-1", "use_spot": True, "poll_s": 0.05,
-               "health_timeout_s": 20, "replica_restart_backoff_s": 0},
-}  # fmt: skip
+    "launch": {
+        "replicas": 2,
+        "infra": "aws/us-east-1",
+        "use_spot": True,
+        "poll_s": 0.05,
+        "health_timeout_s": 20,
+        "replica_restart_backoff_s": 0,
+    },
+}
 
 
 def cli(
@@ -56,8 +62,12 @@ def cli(
     env = {**os.environ, **ENVIRON, **(environ or {}), "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [python, "-m", "asyncgrpo", "launch", str(path), "--backend", "skypilot", *args],
-        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
 
 
 @pytest.mark.parametrize("sweep", [False, True], ids=["single", "sweep"])
@@ -68,9 +78,10 @@ def test_dry_run_writes_tasks_that_skypilot_loads(tmp_path: Path, sweep: bool) -
     task_dir = tmp_path / "runs" / "sky-run-launch" / "skypilot"
     names = sorted(p.stem for p in task_dir.glob("*.yaml"))
     expected = ["sky-run-replica-0", "sky-run-replica-1"] + (
-        ["sky-run-0-trainer", "sky-run-1-trainer", "sky-run-proxy"] if sweep
+        ["sky-run-0-trainer", "sky-run-1-trainer", "sky-run-proxy"]
+        if sweep
         else ["sky-run-trainer"]
-    )  # fmt: skip
+    )
     assert names == sorted(expected)
     for path in task_dir.glob("*.yaml"):
         text = path.read_text()
@@ -175,10 +186,12 @@ def make_config(tmp_path: Path, **launch: object) -> TrainingConfig:
 
 @pytest.mark.parametrize(
     ("enabled", "infra", "words"),
-    [((), "aws", ["no enabled infra", "sky check"]),
-     (("kubernetes",), "aws/us-east-1", ["launch.infra", "aws is not enabled", "kubernetes"])],
+    [
+        ((), "aws", ["no enabled infra", "sky check"]),
+        (("kubernetes",), "aws/us-east-1", ["launch.infra", "aws is not enabled", "kubernetes"]),
+    ],
     ids=["none-enabled", "infra-not-enabled"],
-)  # fmt: skip
+)
 def test_infra_skypilot_has_not_enabled_is_refused_before_any_job(
     tmp_path: Path, sky_api: FakeSkyApi, enabled: tuple[str, ...], infra: str, words: list[str]
 ) -> None:
@@ -263,18 +276,27 @@ async def test_a_replica_skypilot_recovers_rejoins_the_proxy(
     key, admin = backend.replica_key, backend.admin_key
     assert admin is not None
     first, second, moved = (StandIn(f"127.0.0.{i}", port, key) for i in (2, 3, 4))
-    sky_api.ips = {"sky-run-replica-0": first.host, "sky-run-replica-1": second.host,
-                   "sky-run-trainer": "127.0.0.5"}  # fmt: skip
+    sky_api.ips = {
+        "sky-run-replica-0": first.host,
+        "sky-run-replica-1": second.host,
+        "sky-run-trainer": "127.0.0.5",
+    }
     for replica in (first, second):
         await replica.start()
     # the trainer job's proxy, as its spec configures it: the origins of recovered replicas
     spec = backend.trainer_spec([first.url, second.url])
     key_urls = next(a for a in spec.command if a.startswith("proxy.upstream_key_urls="))
     proxy_cfg = ProxyConfig(
-        upstreams=(first.url, second.url), host="127.0.0.5", port=port, api_key=admin,
-        admin_api_key=admin, upstream_api_key=key, block_size=16, health_interval_s=0.1,
+        upstreams=(first.url, second.url),
+        host="127.0.0.5",
+        port=port,
+        api_key=admin,
+        admin_api_key=admin,
+        upstream_api_key=key,
+        block_size=16,
+        health_interval_s=0.1,
         upstream_key_urls=tuple(key_urls.split("=", 1)[1].split(",")),
-    )  # fmt: skip
+    )
     async with (
         serve_proxy(proxy_cfg) as proxy_url,
         serve_proxy(

@@ -38,8 +38,13 @@ def test_a_managed_job_starts_runs_and_is_cancelled(tmp_path: Path) -> None:
     environ = {"AWS_ACCESS_KEY_ID": "unused", "AWS_SECRET_ACCESS_KEY": "unused"}
     backend = SkyPilotBackend(cfg, tmp_path, environ=environ)
     backend.check()  # an enabled infra, through the real API server
-    spec = JobSpec(role="replica", name="asyncgrpo-live-sleep", command=("sleep", "600"),
-                   timeout_s=900, port=8000)  # fmt: skip
+    spec = JobSpec(
+        role="replica",
+        name="asyncgrpo-live-sleep",
+        command=("sleep", "600"),
+        timeout_s=900,
+        port=8000,
+    )
 
     async def main() -> None:
         job = Job(spec, await backend.start(spec), tmp_path / "job.log")

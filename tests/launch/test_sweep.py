@@ -10,14 +10,20 @@ from asyncgrpo.launch.sweep import fleet_config, parse_sweep, sweep_points, unde
 
 
 def config(*sweep: str, **extra) -> TrainingConfig:
-    data = {"model": "m/m", "dataset": {"prompts": ["p"]}, "run_name": "lr",
-            "launch": {"sweep": list(sweep)}, **extra}  # fmt: skip
+    data = {
+        "model": "m/m",
+        "dataset": {"prompts": ["p"]},
+        "run_name": "lr",
+        "launch": {"sweep": list(sweep)},
+        **extra,
+    }
     return TrainingConfig.from_dict(data)
 
 
 def test_every_combination_is_a_run_of_its_own_with_storage_of_its_own() -> None:
-    cfg = config("trainer.learning_rate=1e-5,3e-5", "trainer.max_staleness=0,2",
-                 trainer={"max_steps": 7})  # fmt: skip
+    cfg = config(
+        "trainer.learning_rate=1e-5,3e-5", "trainer.max_staleness=0,2", trainer={"max_steps": 7}
+    )
     points = sweep_points(cfg, "s3://bucket/sweep/")
     assert [p.label for p in points] == [
         "trainer.learning_rate=1e-5 trainer.max_staleness=0",
@@ -28,7 +34,11 @@ def test_every_combination_is_a_run_of_its_own_with_storage_of_its_own() -> None
     assert [p.cfg.run_name for p in points] == ["lr-0", "lr-1", "lr-2", "lr-3"]
     assert [p.cfg.transport_url for p in points] == [f"s3://bucket/sweep/lr-{i}" for i in range(4)]
     assert [(p.cfg.trainer.learning_rate, p.cfg.trainer.max_staleness) for p in points] == [
-        (1e-5, 0), (1e-5, 2), (3e-5, 0), (3e-5, 2)]  # fmt: skip
+        (1e-5, 0),
+        (1e-5, 2),
+        (3e-5, 0),
+        (3e-5, 2),
+    ]
     assert all(p.cfg.trainer.max_steps == 7 and p.cfg.launch.sweep == [] for p in points)
     assert points[1].cfg.serve.max_staleness == 2  # each point's own derived settings
     fleet = fleet_config(cfg, points)  # windows 2 + 4 + 2 + 4

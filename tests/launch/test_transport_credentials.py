@@ -90,16 +90,28 @@ def test_gs_jobs_get_the_service_account_key_as_a_secret(tmp_path: Path, private
 @pytest.mark.parametrize(
     ("url", "environ", "secret_names", "plain"),
     [
-        ("az://c/run", {"AZURE_STORAGE_CONNECTION_STRING": CONN},
-         {"AZURE_STORAGE_CONNECTION_STRING"}, {}),
-        ("az://c/run", {"AZURE_STORAGE_ACCOUNT_NAME": "acct", "AZURE_STORAGE_ACCOUNT_KEY": ACCOUNT_KEY},
-         {"AZURE_STORAGE_ACCOUNT_KEY"}, {"AZURE_STORAGE_ACCOUNT_NAME": "acct"}),
-        ("abfss://c@acct.dfs.core.windows.net/run", {"AZURE_STORAGE_SAS_TOKEN": SAS},
-         {"AZURE_STORAGE_SAS_TOKEN"}, {}),
+        (
+            "az://c/run",
+            {"AZURE_STORAGE_CONNECTION_STRING": CONN},
+            {"AZURE_STORAGE_CONNECTION_STRING"},
+            {},
+        ),
+        (
+            "az://c/run",
+            {"AZURE_STORAGE_ACCOUNT_NAME": "acct", "AZURE_STORAGE_ACCOUNT_KEY": ACCOUNT_KEY},
+            {"AZURE_STORAGE_ACCOUNT_KEY"},
+            {"AZURE_STORAGE_ACCOUNT_NAME": "acct"},
+        ),
+        (
+            "abfss://c@acct.dfs.core.windows.net/run",
+            {"AZURE_STORAGE_SAS_TOKEN": SAS},
+            {"AZURE_STORAGE_SAS_TOKEN"},
+            {},
+        ),
         (f"https://acct.blob.core.windows.net/c/run?{SAS}", {}, set(), {}),
     ],
     ids=["connection-string", "account-and-key", "sas-variable", "sas-in-url"],
-)  # fmt: skip
+)
 def test_az_jobs_get_the_credential_they_open_the_container_with(
     tmp_path: Path, url: str, environ: dict, secret_names: set, plain: dict
 ) -> None:
@@ -121,11 +133,14 @@ def test_az_jobs_get_the_credential_they_open_the_container_with(
     [
         ("gs://bucket/run", {}, "GOOGLE_APPLICATION_CREDENTIALS"),
         ("az://c/run", {"AZURE_STORAGE_ACCOUNT_KEY": ACCOUNT_KEY}, "AZURE_STORAGE_ACCOUNT_NAME"),
-        ("az://c/run", {"AZURE_STORAGE_ACCOUNT_NAME": "acct", "AZURE_USE_AZURE_CLI": "true"},
-         "AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN or AZURE_STORAGE_CONNECTION_STRING"),
+        (
+            "az://c/run",
+            {"AZURE_STORAGE_ACCOUNT_NAME": "acct", "AZURE_USE_AZURE_CLI": "true"},
+            "AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN or AZURE_STORAGE_CONNECTION_STRING",
+        ),
     ],
     ids=["gs-nothing", "az-no-account", "az-cli-login-stays-here"],
-)  # fmt: skip
+)
 def test_a_launch_without_the_credential_names_it_before_any_job(
     tmp_path: Path, url: str, environ: dict, needle: str
 ) -> None:
@@ -138,8 +153,11 @@ def test_a_launch_without_the_credential_names_it_before_any_job(
 
 def test_a_gcloud_user_login_is_not_sent_to_jobs(tmp_path: Path, private_key: str) -> None:
     home = tmp_path / "home"
-    key_file(home / ".config" / "gcloud" / "application_default_credentials.json", private_key,
-             kind="authorized_user")  # fmt: skip
+    key_file(
+        home / ".config" / "gcloud" / "application_default_credentials.json",
+        private_key,
+        kind="authorized_user",
+    )
     with pytest.raises(ConfigError, match="service-account key file"):
         job_credentials("gs://bucket/run", {"HOME": str(home)})
     with pytest.raises(ConfigError, match="cannot be read"):

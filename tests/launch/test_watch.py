@@ -18,8 +18,10 @@ def job(role: Role, name: str = "run-job", id: str = "j1") -> Job:
 def test_a_running_job_needs_nothing_whatever_its_role() -> None:
     for role in ("replica", "proxy", "trainer"):
         for stage in ("starting", "running"):
-            assert decide(job(role), JobStatus(stage), sweep=True, restarts=0, budget=3).verdict \
-                == "running"  # fmt: skip
+            assert (
+                decide(job(role), JobStatus(stage), sweep=True, restarts=0, budget=3).verdict
+                == "running"
+            )
 
 
 def test_a_replica_that_ends_is_replaced_until_the_budget_is_spent() -> None:
@@ -28,11 +30,14 @@ def test_a_replica_that_ends_is_replaced_until_the_budget_is_spent() -> None:
     assert (first.verdict, first.why) == ("replace", "failed during the run (exit code -9)")
     spent = decide(job("replica"), failed, sweep=False, restarts=3, budget=3)
     assert spent.verdict == "fail"
-    assert spent.why == ("failed during the run (exit code -9); launch.replica_restarts=3 "
-                         "replacements used")  # fmt: skip
+    assert spent.why == (
+        "failed during the run (exit code -9); launch.replica_restarts=3 replacements used"
+    )
     # a replica that completes (it should serve until cancelled) is an end like any other
-    assert decide(job("replica"), JobStatus("completed"), sweep=False, restarts=0,
-                  budget=1).verdict == "replace"  # fmt: skip
+    assert (
+        decide(job("replica"), JobStatus("completed"), sweep=False, restarts=0, budget=1).verdict
+        == "replace"
+    )
     # no budget at all: the failure says nothing of replacements
     none = decide(job("replica"), failed, sweep=False, restarts=0, budget=0)
     assert none == type(none)("fail", "failed during the run (exit code -9)")
@@ -47,15 +52,20 @@ def test_why_the_launcher_gave_up_on_a_job_wins_over_its_stage() -> None:
 
 def test_a_trainer_completing_is_done_failing_fails_the_launch_or_one_point() -> None:
     trainer = job("trainer")
-    assert decide(trainer, JobStatus("completed"), sweep=False, restarts=0,
-                  budget=0).verdict == "completed"  # fmt: skip
-    assert decide(trainer, JobStatus("failed"), sweep=False, restarts=0, budget=3).verdict \
-        == "fail"  # fmt: skip
-    assert decide(trainer, JobStatus("canceled"), sweep=True, restarts=0, budget=3).verdict \
-        == "point_failed"  # fmt: skip
+    assert (
+        decide(trainer, JobStatus("completed"), sweep=False, restarts=0, budget=0).verdict
+        == "completed"
+    )
+    assert decide(trainer, JobStatus("failed"), sweep=False, restarts=0, budget=3).verdict == "fail"
+    assert (
+        decide(trainer, JobStatus("canceled"), sweep=True, restarts=0, budget=3).verdict
+        == "point_failed"
+    )
     # a sweep's proxy ending ends the launch: every point sends to it
-    assert decide(job("proxy"), JobStatus("completed"), sweep=True, restarts=0,
-                  budget=3).verdict == "fail"  # fmt: skip
+    assert (
+        decide(job("proxy"), JobStatus("completed"), sweep=True, restarts=0, budget=3).verdict
+        == "fail"
+    )
 
 
 def test_the_watch_is_over_once_every_trainer_ended_keeping_the_failed_points() -> None:

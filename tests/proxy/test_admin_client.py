@@ -30,8 +30,9 @@ async def test_adding_a_replica_retries_while_the_proxy_cannot_take_it_in() -> N
     retries: list[str] = []
     try:
         url = str(server.make_url("/")).rstrip("/")
-        assert await update_proxy(url, "adm", "http://r:1", interval_s=0.01,
-                                  on_retry=retries.append)  # fmt: skip
+        assert await update_proxy(
+            url, "adm", "http://r:1", interval_s=0.01, on_retry=retries.append
+        )
     finally:
         await server.close()
     assert len(retries) == 2 and "could not join" in retries[0]
@@ -49,15 +50,16 @@ async def test_adding_a_replica_retries_while_the_proxy_cannot_take_it_in() -> N
         ([(403, "admin routes are off")], True, ConfigError),
         ([(400, "bad url")], False, ReplicaHTTPError),
     ],
-)  # fmt: skip
+)
 async def test_adding_or_removing_a_replica_ends(
     answers: list[tuple[int, str]], remove: bool, outcome: object
 ) -> None:
     server = await _admin_route(list(answers), [])
     try:
         url = str(server.make_url("/")).rstrip("/")
-        call = update_proxy(url, "adm", "http://r:1", remove=remove, timeout_s=0.03,
-                            interval_s=0.01)  # fmt: skip
+        call = update_proxy(
+            url, "adm", "http://r:1", remove=remove, timeout_s=0.03, interval_s=0.01
+        )
         if isinstance(outcome, bool):
             assert await call is outcome
         else:

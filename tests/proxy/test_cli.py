@@ -66,9 +66,14 @@ def test_cli_serves_and_stops_cleanly_on_sigterm() -> None:
     port = free_port()
     key = "cli-test-key-123"
     p = _cli(
-        "--upstream", "http://127.0.0.1:9", "--host", "0.0.0.0", "--port", str(port),
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(port),
         env={"ASYNCGRPO_PROXY_API_KEY": key},
-    )  # fmt: skip
+    )
     try:
         assert p.stdout is not None
         line = p.stdout.readline()

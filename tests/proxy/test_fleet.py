@@ -115,8 +115,11 @@ class StandIn:
 
     async def info(self, request: web.Request) -> web.Response:
         """The plugin's answer, as far as the proxy reads it: the loads in progress."""
-        waiting = [n for n, gate in self.gates.items()
-                   if n in self.loading and self.loading[n].is_set() and not gate.is_set()]  # fmt: skip
+        waiting = [
+            n
+            for n, gate in self.gates.items()
+            if n in self.loading and self.loading[n].is_set() and not gate.is_set()
+        ]
         return web.json_response({"plugin": "asyncgrpo", "ok": True, "loading": waiting})
 
     async def unload(self, request: web.Request) -> web.Response:
@@ -197,8 +200,12 @@ async def test_a_member_lost_leaves_the_fleet_without_failing_a_sync(
     """Its machine goes just before a sync, before anything noticed: every broadcast of the
     sync succeeds on the fleet left."""
     a, b = fleet
-    cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, routing="round_robin",
-                      **{**FAST, "health_interval_s": 3600})  # fmt: skip
+    cfg = ProxyConfig(
+        upstreams=(a.url, b.url),
+        port=0,
+        routing="round_robin",
+        **{**FAST, "health_interval_s": 3600},
+    )
     async with serve_proxy(cfg) as base, aiohttp.ClientSession() as session:
         c = Client(session, base)
         assert (await c.load("v1"))[0] == 200
@@ -234,8 +241,10 @@ async def test_a_returner_catching_up_while_a_sync_runs_enters_with_the_new_vers
     async with serve_proxy(cfg) as base, aiohttp.ClientSession() as session:
         c = Client(session, base)
         assert (await c.load("v1"))[0] == 200
-        held = [asyncio.create_task(c.post("/v1/completions", {"model": "v1", "hold": True}))
-                for _ in range(2)]  # fmt: skip
+        held = [
+            asyncio.create_task(c.post("/v1/completions", {"model": "v1", "hold": True}))
+            for _ in range(2)
+        ]
         await asyncio.sleep(0.2)  # one on each
         a.hold.set()
         await b.stop()
@@ -351,8 +360,9 @@ async def test_a_load_taken_back_is_unloaded_from_a_replica_that_missed_the_take
 
 async def test_a_joiner_added_at_run_time_catches_up_then_serves(fleet: list[StandIn]) -> None:
     a, b = fleet
-    cfg = ProxyConfig(upstreams=(a.url,), port=0, routing="round_robin", admin_api_key=ADMIN,
-                      **FAST)  # fmt: skip
+    cfg = ProxyConfig(
+        upstreams=(a.url,), port=0, routing="round_robin", admin_api_key=ADMIN, **FAST
+    )
     async with serve_proxy(cfg) as base, aiohttp.ClientSession() as session:
         c = Client(session, base)
         assert (await c.load("v1"))[0] == 200
@@ -417,9 +427,14 @@ def stand_in_adapter(tmp_path: Path) -> Path:
 
 def one_attempt_sync(store: AdapterStore, client: VLLMClient, cache: Path) -> AdapterSync:
     """The trainer's sync of run ``run-x`` at ``max_staleness`` 0, loading by path, one try."""
-    return AdapterSync(store=store, source=LocalCacheSource(store, cache),
-                       loader=ProxyLoader(client), prefix="run-x", max_staleness=0,
-                       attempts=1)  # fmt: skip
+    return AdapterSync(
+        store=store,
+        source=LocalCacheSource(store, cache),
+        loader=ProxyLoader(client),
+        prefix="run-x",
+        max_staleness=0,
+        attempts=1,
+    )
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -431,8 +446,12 @@ async def test_the_trainers_sync_goes_through_when_a_replica_dies_in_the_middle_
     it."""
     a, b = fleet
     b.die_on_load = {"run-x-v1": when}
-    cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, lora_roots=(str(tmp_path),),
-                      **{**FAST, "health_interval_s": 3600})  # fmt: skip
+    cfg = ProxyConfig(
+        upstreams=(a.url, b.url),
+        port=0,
+        lora_roots=(str(tmp_path),),
+        **{**FAST, "health_interval_s": 3600},
+    )
     store, adapter = AdapterStore(str(tmp_path / "store")), stand_in_adapter(tmp_path)
     async with serve_proxy(cfg) as base, VLLMClient(base) as client:
         sync = one_attempt_sync(store, client, tmp_path / "cache")
@@ -455,8 +474,12 @@ async def test_an_unload_one_replica_failed_is_tried_again_at_the_next_retire(
     until it restarts: the proxy replays no unload to it. The trainer's sync tries again."""
     a, b = fleet
     b.fail_unload = {"run-x-v0": 1}
-    cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, lora_roots=(str(tmp_path),),
-                      **{**FAST, "health_interval_s": 3600})  # fmt: skip
+    cfg = ProxyConfig(
+        upstreams=(a.url, b.url),
+        port=0,
+        lora_roots=(str(tmp_path),),
+        **{**FAST, "health_interval_s": 3600},
+    )
     store, adapter = AdapterStore(str(tmp_path / "store")), stand_in_adapter(tmp_path)
     async with serve_proxy(cfg) as base, VLLMClient(base) as client:
         sync = one_attempt_sync(store, client, tmp_path / "cache")
@@ -479,8 +502,12 @@ async def test_a_pinned_version_stays_loaded_past_the_window_until_unpinned(
     """An evaluation pins the version it runs on: the trainer's retire passes over it, and
     the unpin unloads it once it has left the window (and not a version still in it)."""
     a, b = fleet
-    cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, lora_roots=(str(tmp_path),),
-                      **{**FAST, "health_interval_s": 3600})  # fmt: skip
+    cfg = ProxyConfig(
+        upstreams=(a.url, b.url),
+        port=0,
+        lora_roots=(str(tmp_path),),
+        **{**FAST, "health_interval_s": 3600},
+    )
     store, adapter = AdapterStore(str(tmp_path / "store")), stand_in_adapter(tmp_path)
     async with serve_proxy(cfg) as base, VLLMClient(base) as client:
         sync = one_attempt_sync(store, client, tmp_path / "cache")
@@ -507,8 +534,9 @@ async def test_a_request_naming_its_run_counts_for_that_run(fleet: list[StandIn]
         for headers in ({}, {"X-Asyncgrpo-Run": "run-x-eval"}, {"X-Asyncgrpo-Run": "run-x-eval"}):
             async with session.post(base + "/v1/completions", json=body, headers=headers) as r:
                 assert r.status == 200
-        async with session.post(base + "/v1/completions", json=body,
-                                headers={"X-Asyncgrpo-Run": "a b"}) as r:  # fmt: skip
+        async with session.post(
+            base + "/v1/completions", json=body, headers={"X-Asyncgrpo-Run": "a b"}
+        ) as r:
             assert r.status == 400 and "X-Asyncgrpo-Run" in await r.text()
         _, doc = await Client(session, base).get("/proxy/runs")
     runs = doc["runs"]  # type: ignore[index]
@@ -522,8 +550,9 @@ async def test_a_restarted_trainer_keeps_its_predecessors_fresh_versions_loaded(
     again: before it publishes version 6 it unloads what falls outside 6's window (3) and keeps
     4 and 5, which rollout processes request until they read the new policy (unloading them at
     once answered their requests 404 and ended them), retiring each as it ages out."""
-    cfg = ProxyConfig(upstreams=tuple(r.url for r in fleet), port=0,
-                      lora_roots=(str(tmp_path),), **FAST)  # fmt: skip
+    cfg = ProxyConfig(
+        upstreams=tuple(r.url for r in fleet), port=0, lora_roots=(str(tmp_path),), **FAST
+    )
     store, adapter = AdapterStore(str(tmp_path / "store")), stand_in_adapter(tmp_path)
     names = {f"run-x-v{v}" for v in range(8)}
 
@@ -534,8 +563,13 @@ async def test_a_restarted_trainer_keeps_its_predecessors_fresh_versions_loaded(
     async with serve_proxy(cfg) as base, VLLMClient(base) as client:
 
         def new_sync() -> AdapterSync:
-            return AdapterSync(store=store, source=LocalCacheSource(store, tmp_path / "cache"),
-                               loader=ProxyLoader(client), prefix="run-x", max_staleness=2)  # fmt: skip
+            return AdapterSync(
+                store=store,
+                source=LocalCacheSource(store, tmp_path / "cache"),
+                loader=ProxyLoader(client),
+                prefix="run-x",
+                max_staleness=2,
+            )
 
         killed = new_sync()
         for v in range(6):

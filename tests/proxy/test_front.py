@@ -340,13 +340,17 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
     now = datetime.datetime.now(datetime.UTC)
     san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
     cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now)
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.SubjectAlternativeName(san), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
-    )  # fmt: skip
+    )
     cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(
@@ -569,8 +573,11 @@ async def test_x_session_id_keeps_an_episodes_turns_on_one_replica() -> None:
             for turn in range(3):
                 for e in range(6):
                     ids = [7] * 8 + [e * 100 + k for k in range(6 + 5 * turn)]
-                    async with s.post(base + "/v1/completions", headers={"X-Session-ID": f"g{e}"},
-                                      json={"model": "m", "prompt": ids}) as r:  # fmt: skip
+                    async with s.post(
+                        base + "/v1/completions",
+                        headers={"X-Session-ID": f"g{e}"},
+                        json={"model": "m", "prompt": ids},
+                    ) as r:
                         assert r.status == 200
                         where.setdefault(e, set()).add(r.headers[REPLICA_HEADER])
             async with s.get(base + "/proxy/stats") as r:

@@ -174,9 +174,11 @@ def test_two_thousand_idle_connections_leave_health_and_files() -> None:
 
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     child = subprocess.Popen(
-        [sys.executable, "-c", _IDLE_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        [sys.executable, "-c", _IDLE_CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
+    )
     idle: list[socket.socket] = []
     try:
         assert child.stdout is not None and child.stdin is not None
@@ -240,9 +242,12 @@ async def test_only_allow_listed_runtime_replicas_get_the_upstream_token(
     start, allowed, outside = replicas
     allowed_port = allowed.url.rsplit(":", 1)[1]
     cfg = _config(
-        [start.url], upstream_api_key=TOKEN, admin_api_key="admin-key-456",
-        upstream_key_urls=(allowed.url,), health_interval_s=0.05,
-    )  # fmt: skip
+        [start.url],
+        upstream_api_key=TOKEN,
+        admin_api_key="admin-key-456",
+        upstream_key_urls=(allowed.url,),
+        health_interval_s=0.05,
+    )
     headers = {**ADMIN, "Content-Type": "application/json"}
     # The same replica under another name than the allow-list's is outside it too.
     renamed = f"http://localhost:{allowed_port}"
@@ -296,18 +301,27 @@ async def test_a_served_name_cannot_be_swapped(replicas: list[Recorder]) -> None
     uri = "s3://bucket/adapters/run/v3"
     cfg = _config([first.url], admin_api_key="admin-key-456", lora_roots=("/tmp",))
     refused = [
-        ("/v1/asyncgrpo/load", {"lora_name": "run-v3", "lora_uri": uri, "load_inplace": True},
-         "load_inplace"),
-        ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp/a", "load_inplace": 1},
-         "load_inplace"),
+        (
+            "/v1/asyncgrpo/load",
+            {"lora_name": "run-v3", "lora_uri": uri, "load_inplace": True},
+            "load_inplace",
+        ),
+        (
+            "/v1/load_lora_adapter",
+            {"lora_name": "a", "lora_path": "/tmp/a", "load_inplace": 1},
+            "load_inplace",
+        ),
         ("/v1/asyncgrpo/load", {"lora_name": "run-v2", "lora_uri": uri}, "'run-v3'"),
         ("/v1/asyncgrpo/load", {"lora_name": "other-v3", "lora_uri": uri}, "'run-v3'"),
         ("/v1/asyncgrpo/load", {"lora_name": "run-v3", "lora_uri": "s3://bucket/run"}, "v<N>"),
         ("/v1/asyncgrpo/load", {"lora_name": "run-v3", "lora_uri": uri + "0" * 5000}, "v<N>"),
         # a 5,000-digit version: int() would raise (a 500 with a traceback before)
-        ("/v1/asyncgrpo/load", {"lora_name": "run-v1", "lora_uri": "s3://b/run/v" + "9" * 5000},
-         "v<N>"),
-    ]  # fmt: skip
+        (
+            "/v1/asyncgrpo/load",
+            {"lora_name": "run-v1", "lora_uri": "s3://b/run/v" + "9" * 5000},
+            "v<N>",
+        ),
+    ]
     json_type = {"Content-Type": "application/json"}
     async with serve_proxy(cfg) as base:
         for path, body, message in refused:
@@ -376,8 +390,11 @@ async def test_run_labels_on_metrics_are_bounded(replicas: list[Recorder]) -> No
             assert (await _request(base, "POST", "/v1/completions", body, json_type))[0] == 200
         status, metrics = await _request(base, "GET", "/metrics")
     assert status == 200
-    labels = {line.split('run="')[1].split('"')[0] for line in metrics.decode().splitlines()
-              if line.startswith("asyncgrpo_proxy_run_requests_total{")}  # fmt: skip
+    labels = {
+        line.split('run="')[1].split('"')[0]
+        for line in metrics.decode().splitlines()
+        if line.startswith("asyncgrpo_proxy_run_requests_total{")
+    }
     assert len(labels) <= 16 and len(metrics) < 100_000
 
 
@@ -473,17 +490,21 @@ def test_a_body_in_one_byte_chunks_is_held_by_its_size(loop: str) -> None:
     if loop == "uvloop":
         pytest.importorskip("uvloop")
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHUNKED_CHILD, loop], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-c", _CHUNKED_CHILD, loop],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout is not None and child.stdin is not None
         base, pid_text = child.stdout.readline().split()
         pid = int(pid_text)
         host, port_text = base.removeprefix("http://").rsplit(":", 1)
         port = int(port_text)
-        head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
-                b"Content-Type: application/json\r\n")  # fmt: skip
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\n"
+        )
         # the body reader process starts at the first large body: not part of what is measured
         warm = b'{"model": "m", "prompt": "' + b"x" * 1_100_000 + b'"}'
         answer = _post(host, port, head + b"Content-Length: %d\r\n\r\n" % len(warm), warm)
@@ -492,14 +513,16 @@ def test_a_body_in_one_byte_chunks_is_held_by_its_size(loop: str) -> None:
         wire = _one_byte_chunks(body)
         before = _rss(pid, "VmRSS")
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            sent = pool.submit(_post, host, port, head + b"Transfer-Encoding: chunked\r\n\r\n",
-                               wire)  # fmt: skip
+            sent = pool.submit(
+                _post, host, port, head + b"Transfer-Encoding: chunked\r\n\r\n", wire
+            )
             took = []
             while not sent.done():
                 with socket.create_connection((host, port), timeout=30) as s:
                     t0 = time.perf_counter()
-                    s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n"
-                              b"Connection: close\r\n\r\n")  # fmt: skip
+                    s.sendall(
+                        b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+                    )
                     health = b""
                     while chunk := s.recv(65536):
                         health += chunk

@@ -162,8 +162,13 @@ def test_the_table_of_runs_is_bounded() -> None:
 
 
 pytestmark = pytest.mark.anyio
-INFO = {"vllm_config": {"cache_config": {"block_size": 16}, "lora_config": {"max_loras": 4},
-                        "scheduler_config": {"max_num_seqs": 2}}}  # fmt: skip
+INFO = {
+    "vllm_config": {
+        "cache_config": {"block_size": 16},
+        "lora_config": {"max_loras": 4},
+        "scheduler_config": {"max_num_seqs": 2},
+    }
+}
 
 
 @pytest.fixture
@@ -285,12 +290,17 @@ async def test_runs_register_their_lora_slots_and_one_that_does_not_fit_is_refus
             assert (await call("DELETE", {"run": "b-2", "token": token}))[0] == 200
             assert (await call("DELETE", {"run": "b-2", "token": token}))[0] == 404
             assert (await call("POST", {"run": "c-3", "lora_slots": 1}))[0] == 200
-            for bad in ({"lora_slots": 1}, {"run": "x", "lora_slots": 0},
-                        {"run": "x", "lora_slots": 1, "weight": -1},
-                        {"run": "x", "lora_slots": 1, "weight": 5e-324},
-                        {"run": "x", "lora_slots": 1, "weight": 1e300},
-                        {"run": "x" * 257, "lora_slots": 1}, {"run": "a b", "lora_slots": 1},
-                        {"run": "x", "lora_slots": 1, "token": "short"}, ["x"]):  # fmt: skip
+            for bad in (
+                {"lora_slots": 1},
+                {"run": "x", "lora_slots": 0},
+                {"run": "x", "lora_slots": 1, "weight": -1},
+                {"run": "x", "lora_slots": 1, "weight": 5e-324},
+                {"run": "x", "lora_slots": 1, "weight": 1e300},
+                {"run": "x" * 257, "lora_slots": 1},
+                {"run": "a b", "lora_slots": 1},
+                {"run": "x", "lora_slots": 1, "token": "short"},
+                ["x"],
+            ):
                 status, doc = await call("POST", bad)
                 assert status == 400, (bad, doc)
             status, doc = await call("GET", None)
@@ -374,8 +384,10 @@ async def _open(
     host, port = base.removeprefix("http://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     body = json.dumps({"model": model, "prompt": "x" * pad}).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n\r\n%s"
-                 % (host.encode(), len(body), body))  # fmt: skip
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n\r\n%s"
+        % (host.encode(), len(body), body)
+    )
     return reader, writer
 
 

@@ -441,8 +441,9 @@ async def test_an_adapter_no_replica_serves_is_waited_for(served, tiny_model, lo
             async with client:
                 await client.get(4)
         assert "HTTP 404 for model 'rollout-test-gone-v5'" in str(caught.value)
-        assert re.search(r"waited \d+ s for it to be served or for the next policy",
-                         str(caught.value)), caught.value  # fmt: skip
+        assert re.search(
+            r"waited \d+ s for it to be served or for the next policy", str(caught.value)
+        ), caught.value
 
 
 async def test_generates_under_a_loaded_lora_adapter(served, tiny_model, lora_adapter) -> None:

@@ -117,8 +117,9 @@ def test_combine_reward() -> None:
 def test_calculator_env_protocol_and_reward(tokenizer: Any) -> None:
     env = CalculatorEnv(tokenizer=tokenizer, generation=GenerationConfig(num_generations=2))
     row = calculator_tasks(1, seed=3)[0]
-    task = Prompt(index=0, epoch=0, prompt=row["prompt"], prompt_ids=[1],
-                  extra={"a": row["a"], "b": row["b"]})  # fmt: skip
+    task = Prompt(
+        index=0, epoch=0, prompt=row["prompt"], prompt_ids=[1], extra={"a": row["a"], "b": row["b"]}
+    )
     total = row["a"] + row["b"]
 
     async def play(*turns: str) -> tuple[list[Any], Any]:

@@ -25,8 +25,9 @@ class FailsOddPrompts(Environment):
     async def rollout(self, task: Prompt, policy: PolicyClient, index: int) -> Episode | None:
         if task.index % 2:
             raise EpisodeError(f"tool crashed on task {task.index}")
-        return Episode(prompt_ids=[1, 2], completion_ids=[3], logprobs=[-0.1], version=0,
-                       reward=float(index))  # fmt: skip
+        return Episode(
+            prompt_ids=[1, 2], completion_ids=[3], logprobs=[-0.1], version=0, reward=float(index)
+        )
 
 
 def test_a_failing_environment_costs_its_group_only(caplog: pytest.LogCaptureFixture) -> None:
@@ -34,12 +35,16 @@ def test_a_failing_environment_costs_its_group_only(caplog: pytest.LogCaptureFix
 
     async def main() -> tuple[list, dict[str, float]]:
         client = RolloutClient(
-            base_url="http://127.0.0.1:9", dataset=prompts,
+            base_url="http://127.0.0.1:9",
+            dataset=prompts,
             generation=GenerationConfig(num_generations=2, max_completion_length=4),
-            rollout=RolloutConfig(max_inflight=4), policy=("m", 0),
-            environment=FailsOddPrompts(tokenizer=None, generation=GenerationConfig(
-                num_generations=2, max_completion_length=4)),
-        )  # fmt: skip
+            rollout=RolloutConfig(max_inflight=4),
+            policy=("m", 0),
+            environment=FailsOddPrompts(
+                tokenizer=None,
+                generation=GenerationConfig(num_generations=2, max_completion_length=4),
+            ),
+        )
         async with client:
             samples = await client.get(6)
             tail = await client.get(1)

@@ -55,8 +55,12 @@ def task(row: dict[str, Any]) -> Prompt:
 
 def env(tokenizer: Any, **args: Any) -> VerifiersEnv:
     gen = GenerationConfig(num_generations=2, max_completion_length=16)
-    made = load_environment({"verifiers": VF, "args": args}, {"max_episode_tokens": 400},
-                            tokenizer=tokenizer, generation=gen)  # fmt: skip
+    made = load_environment(
+        {"verifiers": VF, "args": args},
+        {"max_episode_tokens": 400},
+        tokenizer=tokenizer,
+        generation=gen,
+    )
     assert isinstance(made, VerifiersEnv)
     return made
 

@@ -65,9 +65,12 @@ def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def remote(tokenizer: Any, name: str, args: dict[str, Any], **ours: Any) -> RemoteV1Env:
     gen = GenerationConfig(num_generations=2, max_completion_length=8)
-    env = load_environment({"verifiers": name, "args": args, "python": PYTHON},
-                           {"max_episode_tokens": 400, **ours}, tokenizer=tokenizer,
-                           generation=gen)  # fmt: skip
+    env = load_environment(
+        {"verifiers": name, "args": args, "python": PYTHON},
+        {"max_episode_tokens": 400, **ours},
+        tokenizer=tokenizer,
+        generation=gen,
+    )
     assert isinstance(env, RemoteV1Env)
     return env
 
@@ -184,12 +187,21 @@ def test_refusals_and_load_errors_come_back_as_one_line(tokenizer: Any, package:
     for args, match in [({}, r"'prime' runtime \(a sandbox\)"), (LOCAL, "not found")]:
         name = "vf-remote-calculator" if args == {} else "vf-no-such-env"
         with pytest.raises(ConfigError, match=match) as info:
-            anyio.run(play, remote(tokenizer, name, args), calculator_tasks(1)[0],
-                      Scripted(tokenizer, ["x"]), 1)  # fmt: skip
+            anyio.run(
+                play,
+                remote(tokenizer, name, args),
+                calculator_tasks(1)[0],
+                Scripted(tokenizer, ["x"]),
+                1,
+            )
         assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="not an executable file"):
-        load_environment({"verifiers": "x", "python": "/no/such/python"}, None,
-                         tokenizer=tokenizer, generation=GenerationConfig())  # fmt: skip
+        load_environment(
+            {"verifiers": "x", "python": "/no/such/python"},
+            None,
+            tokenizer=tokenizer,
+            generation=GenerationConfig(),
+        )
 
 
 def test_an_environment_process_that_dies_stops_the_run(tokenizer: Any, package: Path) -> None:

@@ -51,9 +51,12 @@ def importable(directory: Path) -> None:
 
 def load(tokenizer: Any, args: dict[str, Any], name: str = "vf-v1-calculator", **ours: Any) -> Any:
     gen = GenerationConfig(num_generations=2, max_completion_length=8)
-    return load_environment({"verifiers": name, "args": args},
-                            {"max_episode_tokens": 400, **ours}, tokenizer=tokenizer,
-                            generation=gen)  # fmt: skip
+    return load_environment(
+        {"verifiers": name, "args": args},
+        {"max_episode_tokens": 400, **ours},
+        tokenizer=tokenizer,
+        generation=gen,
+    )
 
 
 class Scripted:
@@ -112,8 +115,10 @@ def test_a_tool_episode_is_token_exact_and_scored_by_the_task(
         tool_ids = chat.ids(result, after=Turn([], said, [], 7, call, "stop"))
         second = ep.prompt_ids + said + tool_ids
         assert second in policy.prompts  # turn 2 = turn 1 + the model's ids + the tool's, once
-        last = [*tokenizer.encode(f"it is {a + b}", add_special_tokens=False),
-                tokenizer.eos_token_id]  # fmt: skip
+        last = [
+            *tokenizer.encode(f"it is {a + b}", add_special_tokens=False),
+            tokenizer.eos_token_id,
+        ]
         assert ep.prompt_ids + ep.completion_ids == second + last
         assert ep.completion_mask == [True] * len(said) + [False] * len(tool_ids) + [True] * len(
             last
@@ -220,10 +225,12 @@ def test_sandboxes_and_container_harnesses_are_refused_in_one_line(tokenizer: An
     cases = [
         ({}, r"'prime' runtime \(a sandbox\).*runtime.type: subprocess"),
         ({"agent": {"runtime": {"type": "docker"}}}, r"'docker' runtime"),
-        ({"agent": {"harness": {"id": "codex"}, "runtime": {"type": "subprocess"}}},
-         r"harness 'codex' needs a container"),
+        (
+            {"agent": {"harness": {"id": "codex"}, "runtime": {"type": "subprocess"}}},
+            r"harness 'codex' needs a container",
+        ),
         ({"agent": {"colour": 1}}, r"ValidationError"),
-    ]  # fmt: skip
+    ]
     for args, match in cases:
         with pytest.raises(ConfigError, match=match) as info:
             load(tokenizer, args)

@@ -50,8 +50,14 @@ def _train(
 ) -> tuple[subprocess.CompletedProcess, float]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "asyncgrpo", "train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncgrpo", "train", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return done, time.monotonic() - started
 
 
@@ -75,8 +81,9 @@ def test_a_misspelt_reward_is_refused_in_seconds_before_any_replica(
     tmp_path: Path, tiny_model: Path
 ) -> None:
     config = _config(tmp_path, tiny_model)
-    done, took = _train(str(config), "rollout.reward_funcs=[asyncgrpo.testing.rewards:digit_fractoin]",
-                        cwd=tmp_path)  # fmt: skip
+    done, took = _train(
+        str(config), "rollout.reward_funcs=[asyncgrpo.testing.rewards:digit_fractoin]", cwd=tmp_path
+    )
     _one_line(done, "reward function 'asyncgrpo.testing.rewards:digit_fractoin'", "no attribute")
     assert took < SECONDS, f"refused after {took:.1f} s"
     _nothing_started(tmp_path)
@@ -119,12 +126,18 @@ def silent_upstream() -> Iterator[str]:
 def test_a_second_train_on_a_run_directory_in_use_is_refused_naming_the_first(
     tmp_path: Path, tiny_model: Path, silent_upstream: str
 ) -> None:
-    config = _config(tmp_path, tiny_model, serve={"replicas": 0},
-                     proxy={"upstreams": [silent_upstream]})  # fmt: skip
+    config = _config(
+        tmp_path, tiny_model, serve={"replicas": 0}, proxy={"upstreams": [silent_upstream]}
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    first = subprocess.Popen([sys.executable, "-m", "asyncgrpo", "train", str(config)],
-                             cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = subprocess.Popen(
+        [sys.executable, "-m", "asyncgrpo", "train", str(config)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lock = tmp_path / "runs" / "tiny-cpu" / "run.lock"
     try:
         deadline = time.monotonic() + 60
@@ -133,8 +146,11 @@ def test_a_second_train_on_a_run_directory_in_use_is_refused_naming_the_first(
             assert time.monotonic() < deadline, "the first train never took its run directory"
             time.sleep(0.1)
         done, took = _train(str(config), cwd=tmp_path)
-        line = _one_line(done, f"run directory {tmp_path / 'runs' / 'tiny-cpu'} is in use by "
-                         f"asyncgrpo train (PID {first.pid} on host {socket.gethostname()}, since")  # fmt: skip
+        line = _one_line(
+            done,
+            f"run directory {tmp_path / 'runs' / 'tiny-cpu'} is in use by "
+            f"asyncgrpo train (PID {first.pid} on host {socket.gethostname()}, since",
+        )
         assert "another run_name or output_dir" in line
         assert took < SECONDS, f"refused after {took:.1f} s"
         # Ctrl-C: the first says what it does, then where a rerun starts
@@ -196,11 +212,19 @@ def test_a_run_already_at_max_steps_says_so_at_once_and_publishes_nothing(
         assert took < SECONDS, f"took {took:.1f} s"
     else:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        done = subprocess.run(_torchrun(str(config), "trainer.max_steps=40"), cwd=tmp_path,
-                              env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        done = subprocess.run(
+            _torchrun(str(config), "trainer.max_steps=40"),
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert done.returncode == 0, done.stderr[-3000:]
-    said = (f"nothing to train: the run's checkpoint is at step {at} (trainer.max_steps=40); "
-            "raise trainer.max_steps to train on (nothing was started or published)")  # fmt: skip
+    said = (
+        f"nothing to train: the run's checkpoint is at step {at} (trainer.max_steps=40); "
+        "raise trainer.max_steps to train on (nothing was started or published)"
+    )
     assert done.stdout.count(said) == 1, done.stdout  # rank 0 alone speaks
     assert "trained" not in done.stdout
     assert "final adapter: tiny-cpu-" in done.stdout and "-v2 in " in done.stdout
@@ -214,8 +238,21 @@ def test_serve_refuses_a_log_directory_it_cannot_write_before_vllm_starts(
 ) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "asyncgrpo.serve", "--model", str(tiny_model),
-                           "--log-dir", "/proc/replica-logs"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncgrpo.serve",
+            "--model",
+            str(tiny_model),
+            "--log-dir",
+            "/proc/replica-logs",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     _one_line(done, "--log-dir /proc/replica-logs: cannot create or write /proc/replica-logs")
     assert time.monotonic() - started < SECONDS

@@ -26,9 +26,13 @@ DEAD = "http://127.0.0.1:9"
 
 def run_config(upstream: str, **proxy: str) -> TrainingConfig:
     return TrainingConfig.from_dict(
-        {"model": "m", "dataset": {"prompts": ["p"]}, "serve": {"replicas": 0},
-         "proxy": {"upstreams": [upstream], **proxy}}
-    )  # fmt: skip
+        {
+            "model": "m",
+            "dataset": {"prompts": ["p"]},
+            "serve": {"replicas": 0},
+            "proxy": {"upstreams": [upstream], **proxy},
+        }
+    )
 
 
 @asynccontextmanager

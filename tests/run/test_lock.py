@@ -29,14 +29,17 @@ with run_dir_lock(Path(sys.argv[1]), "asyncgrpo train"):
 
 def test_the_second_owner_is_refused_naming_the_first_until_it_is_killed(tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "r"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE,
-                              text=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
         with pytest.raises(ConfigError) as refused, run_dir_lock(run_dir, "asyncgrpo train"):
             pass
-        assert (f"run directory {run_dir} is in use by asyncgrpo train (PID {holder.pid} on host "
-                f"{socket.gethostname()}, since ") in str(refused.value)  # fmt: skip
+        assert (
+            f"run directory {run_dir} is in use by asyncgrpo train (PID {holder.pid} on host "
+            f"{socket.gethostname()}, since "
+        ) in str(refused.value)
         holder.send_signal(signal.SIGKILL)  # however it ends, its lock goes with it
         holder.wait()
     finally:

@@ -152,9 +152,19 @@ def test_the_plot_draws_held_out_reward_and_pass_at_k_against_the_version(tmp_pa
     evals = [(0, 0, 0.1, 0.5), (4, 6, 0.3, 0.75), (6, 6, 0.4, 1.0)]  # version, step, r, pass@2
     with (tmp_path / EVAL_METRICS_FILE).open("w") as f:
         for version, step, reward, p2 in evals:
-            f.write(json.dumps({"step": step, "eval/version": version, "eval/reward": reward,
-                                "eval/reward_std": 0.1, "eval/pass@1": reward,
-                                "eval/pass@2": p2}) + "\n")  # fmt: skip
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "eval/version": version,
+                        "eval/reward": reward,
+                        "eval/reward_std": 0.1,
+                        "eval/pass@1": reward,
+                        "eval/pass@2": p2,
+                    }
+                )
+                + "\n"
+            )
     assert height(plot_run(tmp_path)) > without
     fig, axes = plt.subplots(1, 2)
     _eval_panels(axes, read_evals(tmp_path))
@@ -265,10 +275,16 @@ def test_a_full_disk_delays_rows_and_tears_none(tmp_path):
         pytest.skip("a tmpfs in a private mount namespace needs root")
     run = tmp_path / "run"
     run.mkdir()
-    script = (f"mount -t tmpfs -o size=1m full {run} && {sys.executable} -c "
-              f"'{FULL_DISK}' {run} && cp {run}/*.jsonl {tmp_path}/")  # fmt: skip
-    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    script = (
+        f"mount -t tmpfs -o size=1m full {run} && {sys.executable} -c "
+        f"'{FULL_DISK}' {run} && cp {run}/*.jsonl {tmp_path}/"
+    )
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "lines kept for the next write" in done.stderr
     rows = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]

@@ -141,16 +141,20 @@ def test_adapter_fetching_check_leaves_out_a_replica_that_could_not_be_reached()
 @pytest.mark.parametrize(
     ("replicas", "message"),
     [
-        ([plugin("http://a", "s3://b/runs"), {"url": "http://b", "status": 404, "body": "{}"}],
-         "http://b has no asyncgrpo adapter plugin.*VLLM_PLUGINS=asyncgrpo"),
-        ([plugin("http://a", "s3://b/runs-other")],
-         r"http://a may not fetch adapters from s3://b/runs/r1.*--transport s3://b/runs/r1"),
+        (
+            [plugin("http://a", "s3://b/runs"), {"url": "http://b", "status": 404, "body": "{}"}],
+            "http://b has no asyncgrpo adapter plugin.*VLLM_PLUGINS=asyncgrpo",
+        ),
+        (
+            [plugin("http://a", "s3://b/runs-other")],
+            r"http://a may not fetch adapters from s3://b/runs/r1.*--transport s3://b/runs/r1",
+        ),
         ([plugin("http://a")], "allows no transport"),
         ([plugin("http://a", "s3://b/runs", ok=False)], "vLLM 9 lacks it"),
         ([], "no replica"),
         ([{"url": "http://a", "status": 0, "body": "ConnectionRefusedError"}], "no replica"),
     ],
-)  # fmt: skip
+)
 def test_adapter_fetching_check_names_the_replica_and_the_fix(
     replicas: list[dict], message: str
 ) -> None:

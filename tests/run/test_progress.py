@@ -19,8 +19,13 @@ from asyncgrpo.store.run_documents import RunResult
 
 
 def test_round_trip_through_a_log_line() -> None:
-    metrics = {"reward": 0.25, "ratio": 1.0001, "perf/weight_sync_s": 0.4, "loss": 3.0,
-               "perf/step_s": math.nan}  # fmt: skip
+    metrics = {
+        "reward": 0.25,
+        "ratio": 1.0001,
+        "perf/weight_sync_s": 0.4,
+        "loss": 3.0,
+        "perf/step_s": math.nan,
+    }
     line = "2026-11-30 10:00:00 INFO x: " + progress_line(7, 40, metrics)
     record = parse_progress(line)
     assert record == {"step": 7, "max_steps": 40, "reward": 0.25, "ratio": 1.0001, "sync_s": 0.4}
@@ -51,8 +56,12 @@ def test_other_lines_are_not_progress() -> None:
 
 
 def test_a_step_line_shows_reward_staleness_version_and_step_time() -> None:
-    metrics = {"reward": 0.5, "sample/staleness_mean": 0.75, "adapter_version": 3.0,
-               "perf/step_s": 1.25}  # fmt: skip
+    metrics = {
+        "reward": 0.5,
+        "sample/staleness_mean": 0.75,
+        "adapter_version": 3.0,
+        "perf/step_s": 1.25,
+    }
     assert describe_progress(parse_progress(progress_line(4, 10, metrics)) or {}) == (
         "step 4/10  reward 0.500  staleness 0.75  v 3  step 1.25 s"
     )
@@ -89,8 +98,14 @@ def test_a_plain_callback_hears_the_steps_only() -> None:
 
 
 def _result(tmp_path: Path, steps: int, resumed: int | None) -> RunResult:
-    return RunResult(run_dir=tmp_path, adapter_prefix="tiny-ab12", steps=steps, final_version=4,
-                     resumed_from_step=resumed, transport_url="file:///s")  # fmt: skip
+    return RunResult(
+        run_dir=tmp_path,
+        adapter_prefix="tiny-ab12",
+        steps=steps,
+        final_version=4,
+        resumed_from_step=resumed,
+        transport_url="file:///s",
+    )
 
 
 def test_the_summary_of_a_fresh_run(tmp_path: Path) -> None:
@@ -154,13 +169,20 @@ def test_the_summary_names_the_held_out_result_the_peft_directory_and_the_metric
     tmp_path: Path,
 ) -> None:
     (tmp_path / "metrics.jsonl").write_text("")
-    result = RunResult(run_dir=tmp_path, adapter_prefix="tiny-ab12", steps=10, final_version=10,
-                       resumed_from_step=None, transport_url="file:///s",
-                       adapter_dir=tmp_path / "adapter")  # fmt: skip
+    result = RunResult(
+        run_dir=tmp_path,
+        adapter_prefix="tiny-ab12",
+        steps=10,
+        final_version=10,
+        resumed_from_step=None,
+        transport_url="file:///s",
+        adapter_dir=tmp_path / "adapter",
+    )
     records = [{"step": s, "reward": s / 10} for s in range(1, 11)]
-    evals = [{"eval/version": 0.0, "eval/reward": 0.125, "eval/pass@1": 0.1, "eval/prompts": 4.0},
-             {"eval/version": 10.0, "eval/reward": 0.5, "eval/pass@1": 0.4,
-              "eval/prompts": 4.0}]  # fmt: skip
+    evals = [
+        {"eval/version": 0.0, "eval/reward": 0.125, "eval/pass@1": 0.1, "eval/prompts": 4.0},
+        {"eval/version": 10.0, "eval/reward": 0.5, "eval/pass@1": 0.4, "eval/prompts": 4.0},
+    ]
     lines = summary_lines(result, records, 42.0, evals=evals)
     assert lines == [
         "trained 10 steps in 42 s",
@@ -177,15 +199,26 @@ def test_the_summary_names_the_held_out_result_the_peft_directory_and_the_metric
 def test_a_launched_jobs_result_line_gives_the_launcher_the_same_summary(tmp_path: Path) -> None:
     from asyncgrpo.run.progress import parse_result, result_line
 
-    result = RunResult(run_dir=tmp_path / "run", adapter_prefix="tiny-ab12", steps=3,
-                       final_version=3, resumed_from_step=None, transport_url="s3://b/run",
-                       adapter_dir=tmp_path / "run" / "adapter")  # fmt: skip
-    evals = [{"eval/version": 0, "eval/reward": 0.25, "model": "tiny-ab12-v0"},
-             {"eval/version": 1, "eval/reward": 0.3}, {"eval/version": 3, "eval/reward": 0.5}]  # fmt: skip
+    result = RunResult(
+        run_dir=tmp_path / "run",
+        adapter_prefix="tiny-ab12",
+        steps=3,
+        final_version=3,
+        resumed_from_step=None,
+        transport_url="s3://b/run",
+        adapter_dir=tmp_path / "run" / "adapter",
+    )
+    evals = [
+        {"eval/version": 0, "eval/reward": 0.25, "model": "tiny-ab12-v0"},
+        {"eval/version": 1, "eval/reward": 0.3},
+        {"eval/version": 3, "eval/reward": 0.5},
+    ]
     line = "2026-01-01 12:00:00 INFO x: " + result_line(result, evals)
     parsed = parse_result(line)
-    assert parsed == (result, [{"eval/version": 0, "eval/reward": 0.25},
-                               {"eval/version": 3, "eval/reward": 0.5}])  # fmt: skip
+    assert parsed == (
+        result,
+        [{"eval/version": 0, "eval/reward": 0.25}, {"eval/version": 3, "eval/reward": 0.5}],
+    )
     assert parse_result("trained 3 steps") is None
     remote = summary_lines(
         result, [], 1.0, evals=parsed[1], where=" (on the trainer job's machine)"

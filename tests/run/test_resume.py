@@ -22,8 +22,9 @@ async def test_the_trainer_resumes_from_the_newest_checkpoint_that_verifies(
 ) -> None:
     from asyncgrpo.trainer.loop import Trainer
 
-    cfg = TrainingConfig.from_dict({"model": str(tiny_model), "dataset": {"prompts": ["p"]},
-                                    "output_dir": str(tmp_path)})  # fmt: skip
+    cfg = TrainingConfig.from_dict(
+        {"model": str(tiny_model), "dataset": {"prompts": ["p"]}, "output_dir": str(tmp_path)}
+    )
     checkpoints = CheckpointStore(LocalTransport(tmp_path / "store"))
     trainer = Trainer.from_config(cfg, device="cpu")
     for step in (4, 8):

@@ -17,19 +17,33 @@ from asyncgrpo.run.endpoint import request_timeout
 from asyncgrpo.run.preflight import check_serving_agrees, preflight_fleet
 from asyncgrpo.trainer.audit import AuditTally
 
-SHAPE = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 64,
-         "num_hidden_layers": 2, "num_attention_heads": 4}  # fmt: skip
+SHAPE = {
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
 
 
 def info(**model_config: Any) -> dict[str, Any]:
     """A ``/server_info`` document: vLLM 0.32 dumps its config as JSON, torch dtypes and the
     Hugging Face config as their text."""
     hf = "Qwen2Config " + json.dumps({"architectures": ["Qwen2ForCausalLM"], **SHAPE}, indent=2)
-    base = {"model": "/models/tiny", "dtype": "torch.float32", "max_model_len": 512,
-            "hf_config": hf}  # fmt: skip
-    return {"vllm_config": {"model_config": {**base, **model_config},
-                            "lora_config": {"max_lora_rank": 8, "max_loras": 6}},
-            "vllm_env": {}, "system_env": {}}  # fmt: skip
+    base = {
+        "model": "/models/tiny",
+        "dtype": "torch.float32",
+        "max_model_len": 512,
+        "hf_config": hf,
+    }
+    return {
+        "vllm_config": {
+            "model_config": {**base, **model_config},
+            "lora_config": {"max_lora_rank": 8, "max_loras": 6},
+        },
+        "vllm_env": {},
+        "system_env": {},
+    }
 
 
 def cfg(*overrides: str) -> TrainingConfig:
@@ -40,8 +54,10 @@ def cfg(*overrides: str) -> TrainingConfig:
 
 def test_a_replica_that_agrees_is_reported() -> None:
     lines = check_serving_agrees(info(), cfg(), trainer_dtype="float32")
-    assert lines == ["dtype: float32 on the replicas and in the trainer",
-                     "context: 512 tokens on the replicas >= completions of 256"]  # fmt: skip
+    assert lines == [
+        "dtype: float32 on the replicas and in the trainer",
+        "context: 512 tokens on the replicas >= completions of 256",
+    ]
 
 
 def test_replicas_in_another_dtype_are_refused_naming_both_flags() -> None:
@@ -51,14 +67,18 @@ def test_replicas_in_another_dtype_are_refused_naming_both_flags() -> None:
     assert "the replicas serve bfloat16 (vLLM --dtype) but the trainer computes in float32" in text
     assert "--dtype float32" in text and "trainer.dtype=bfloat16" in text
     # with the audit off it trains on, warned
-    lines = check_serving_agrees(info(dtype="torch.bfloat16"), cfg("trainer.audit.action=off"),
-                                 trainer_dtype="float32")  # fmt: skip
+    lines = check_serving_agrees(
+        info(dtype="torch.bfloat16"), cfg("trainer.audit.action=off"), trainer_dtype="float32"
+    )
     assert lines[0].startswith("warning: the replicas serve bfloat16")
 
 
 def test_a_context_too_short_for_the_completions_is_refused_naming_max_model_len() -> None:
-    with pytest.raises(ConfigError, match=r"context is 256 tokens \(vLLM --max-model-len\).*"
-                       r"generation.max_completion_length=256"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"context is 256 tokens \(vLLM --max-model-len\).*"
+        r"generation.max_completion_length=256",
+    ):
         check_serving_agrees(info(max_model_len=256), cfg(), trainer_dtype="float32")
     with pytest.raises(ConfigError, match=r"needs 400 \+ generation.max_completion_length=256"):
         check_serving_agrees(info(), cfg("dataset.max_prompt_tokens=400"), trainer_dtype=None)
@@ -67,15 +87,20 @@ def test_a_context_too_short_for_the_completions_is_refused_naming_max_model_len
 def test_another_model_is_refused_and_the_same_one_elsewhere_is_not() -> None:
     other = {**SHAPE, "hidden_size": 896, "num_hidden_layers": 24}
     with pytest.raises(ConfigError) as refused:
-        check_serving_agrees(info(model="Qwen/Qwen2.5-0.5B"), cfg(), trainer_dtype=None,
-                             trainer_shape=lambda: other)  # fmt: skip
+        check_serving_agrees(
+            info(model="Qwen/Qwen2.5-0.5B"), cfg(), trainer_dtype=None, trainer_shape=lambda: other
+        )
     text = str(refused.value)
     assert (
         "the replicas serve model Qwen/Qwen2.5-0.5B, not the trainer's model=/models/tiny" in text
     )
     assert "hidden_size 64 != 896" in text and "--model /models/tiny" in text
-    lines = check_serving_agrees(info(model="/mnt/elsewhere/tiny"), cfg(), trainer_dtype=None,
-                                 trainer_shape=lambda: dict(SHAPE))  # fmt: skip
+    lines = check_serving_agrees(
+        info(model="/mnt/elsewhere/tiny"),
+        cfg(),
+        trainer_dtype=None,
+        trainer_shape=lambda: dict(SHAPE),
+    )
     assert (
         lines[0] == "served model: /mnt/elsewhere/tiny (the trainer loads /models/tiny; same shape)"
     )
@@ -84,8 +109,16 @@ def test_another_model_is_refused_and_the_same_one_elsewhere_is_not() -> None:
 def test_the_audit_says_what_it_compared() -> None:
     from asyncgrpo.sample import Sample
 
-    sample = Sample(prompt_ids=[1], completion_ids=[2, 3], logprobs=[-1.0, -1.0], reward=0.0,
-                    advantage=0.0, version=3, group_id="g", replica="http://r1")  # fmt: skip
+    sample = Sample(
+        prompt_ids=[1],
+        completion_ids=[2, 3],
+        logprobs=[-1.0, -1.0],
+        reward=0.0,
+        advantage=0.0,
+        version=3,
+        group_id="g",
+        replica="http://r1",
+    )
     tally = AuditTally()
     tally.add(sample, 3, [-1.5, -1.5])
     line = tally.verdict(1e-3, prefix="run-ab", dtype="float32")
@@ -122,6 +155,7 @@ def test_first_requests_wait_by_what_the_start_took_and_a_time_out_names_the_set
 
     with pytest.raises(ReplicaError) as late:
         anyio.run(main)
-    assert (f"GET /server_info through {silent_proxy} got no answer within 0 s" in str(late.value)
-            or "got no answer within 1 s" in str(late.value))  # fmt: skip
+    assert f"GET /server_info through {silent_proxy} got no answer within 0 s" in str(
+        late.value
+    ) or "got no answer within 1 s" in str(late.value)
     assert "raise serve.startup_timeout_s" in str(late.value)

@@ -57,8 +57,13 @@ def tiny_config(
 async def test_end_to_end_served_logprobs_equal_trainer_and_reward_rises(
     vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
 ) -> None:
-    cfg = tiny_config(tmp_path, tiny_model, [r.url for r in vllm_replicas], "trainer.max_steps=30",
-                      "trainer.max_staleness=0")  # fmt: skip
+    cfg = tiny_config(
+        tmp_path,
+        tiny_model,
+        [r.url for r in vllm_replicas],
+        "trainer.max_steps=30",
+        "trainer.max_staleness=0",
+    )
     batches: list[tuple[int, list[Sample]]] = []
     result = await run_training(cfg, on_step=lambda step, s, v: batches.append((v, list(s))))
 
@@ -74,20 +79,41 @@ async def test_end_to_end_served_logprobs_equal_trainer_and_reward_rises(
     versions = {s.version for _, batch in batches for s in batch}
     assert len(versions) >= 4, versions
     diffs = await anyio.to_thread.run_sync(
-        served_logprob_errors, tiny_model, result.transport_url, result.adapter_prefix,
-        [s for _, batch in batches for s in batch], tmp_path / "check-cache",
-    )  # fmt: skip
+        served_logprob_errors,
+        tiny_model,
+        result.transport_url,
+        result.adapter_prefix,
+        [s for _, batch in batches for s in batch],
+        tmp_path / "check-cache",
+    )
     assert len(diffs) == sum(len(b) for _, b in batches)
     assert max(diffs) < TOLERANCE, f"{sum(d >= TOLERANCE for d in diffs)} samples differ"
 
     records = read_metrics(result.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 31))
-    for key in ("perf/step_s", "perf/fwd_bwd_s", "perf/rollout_wait_s", "perf/weight_sync_s",
-                "sample/staleness_mean", "sample/staleness_max", "sample/dropped_stale_total",
-                "sample/rollout_queue_size", "rollout/backpressure_s", "rollout/score_block_s",
-                "rollout/inflight", "rollout/generated_tok_s", "batch/samples_per_row",
-                "batch/microbatches_per_step", "ratio", "kl", "entropy", "reward", "reward_std",
-                "rewards/digit_fraction", "adapter_version"):  # fmt: skip
+    for key in (
+        "perf/step_s",
+        "perf/fwd_bwd_s",
+        "perf/rollout_wait_s",
+        "perf/weight_sync_s",
+        "sample/staleness_mean",
+        "sample/staleness_max",
+        "sample/dropped_stale_total",
+        "sample/rollout_queue_size",
+        "rollout/backpressure_s",
+        "rollout/score_block_s",
+        "rollout/inflight",
+        "rollout/generated_tok_s",
+        "batch/samples_per_row",
+        "batch/microbatches_per_step",
+        "ratio",
+        "kl",
+        "entropy",
+        "reward",
+        "reward_std",
+        "rewards/digit_fraction",
+        "adapter_version",
+    ):
         assert key in records[-1], key
     # The served-policy audit ran after every sync and passed: float32 on both sides.
     audited = [r["audit/max_abs_logprob_diff"] for r in records if "audit/tokens" in r]
@@ -154,12 +180,18 @@ async def test_a_replica_serving_a_stale_version_is_caught(
     vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
 ) -> None:
     """With ``trainer.audit.action=warn`` the run trains on; its audit metrics name replica 1."""
-    cfg = tiny_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
-                      "trainer.max_steps=8", "trainer.weight_sync_steps=2",
-                      "proxy.routing=round_robin", "serve.adapter_delivery=path",
-                      "trainer.audit.action=warn",
-                      "rollout.reward_funcs=asyncgrpo.testing.rewards:always_fails,"
-                      "asyncgrpo.testing.rewards:digit_fraction")  # fmt: skip
+    cfg = tiny_config(
+        tmp_path,
+        tiny_model,
+        [r.url for r in vllm_replicas],
+        "trainer.max_steps=8",
+        "trainer.weight_sync_steps=2",
+        "proxy.routing=round_robin",
+        "serve.adapter_delivery=path",
+        "trainer.audit.action=warn",
+        "rollout.reward_funcs=asyncgrpo.testing.rewards:always_fails,"
+        "asyncgrpo.testing.rewards:digit_fraction",
+    )
     batches: list[tuple[int, list[Sample]]] = []
     result = await run_training(
         cfg,
@@ -167,9 +199,13 @@ async def test_a_replica_serving_a_stale_version_is_caught(
         loader_factory=lambda url: SkipOneReplica(VLLMClient(url), vllm_replicas),
     )
     diffs = await anyio.to_thread.run_sync(
-        served_logprob_errors, tiny_model, result.transport_url, result.adapter_prefix,
-        [s for _, batch in batches for s in batch], tmp_path / "check-cache",
-    )  # fmt: skip
+        served_logprob_errors,
+        tiny_model,
+        result.transport_url,
+        result.adapter_prefix,
+        [s for _, batch in batches for s in batch],
+        tmp_path / "check-cache",
+    )
     assert max(diffs) > 1e-2, "a replica served the previous version and nothing noticed"
     # The same run had a reward function that always raises: counted, never fatal.
     records = read_metrics(result.run_dir / "metrics.jsonl")
@@ -190,11 +226,18 @@ async def test_the_audit_stops_the_run_naming_the_replica_within_one_sync(
 ) -> None:
     """Replica 1 serves v0's weights under v1's name: the audit after the sync that follows
     the first steps on v1's samples stops the run with one line naming v1 and replica 1."""
-    cfg = tiny_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
-                      "trainer.max_steps=12", "trainer.weight_sync_steps=2",
-                      "trainer.max_staleness=0", "trainer.samples_per_step=8",
-                      "generation.request_mode=per_sample",
-                      "proxy.routing=round_robin", "serve.adapter_delivery=path")  # fmt: skip
+    cfg = tiny_config(
+        tmp_path,
+        tiny_model,
+        [r.url for r in vllm_replicas],
+        "trainer.max_steps=12",
+        "trainer.weight_sync_steps=2",
+        "trainer.max_staleness=0",
+        "trainer.samples_per_step=8",
+        "generation.request_mode=per_sample",
+        "proxy.routing=round_robin",
+        "serve.adapter_delivery=path",
+    )
     steps: list[int] = []
     with pytest.raises(AuditError) as caught:
         await run_training(
@@ -247,8 +290,12 @@ def test_interrupted_then_killed_trainer_resumes_each_step_once_and_leaves_no_sc
     the last line where a rerun resumes; no scratch directory is left. The rerun is then killed
     outright (SIGKILL: its scratch directory stays), and the next one resumes, trains to the
     end, and leaves each step once in metrics.jsonl and no scratch directory."""
-    config = _write_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
-                           trainer={"max_steps": 10, "save_steps": 3, "weight_sync_steps": 2})  # fmt: skip
+    config = _write_config(
+        tmp_path,
+        tiny_model,
+        [r.url for r in vllm_replicas],
+        trainer={"max_steps": 10, "save_steps": 3, "weight_sync_steps": 2},
+    )
     run_dir = tmp_path / "t"
     store = run_dir / "store"
     checkpoints = CheckpointStore(str(store))
@@ -259,12 +306,18 @@ def test_interrupted_then_killed_trainer_resumes_each_step_once_and_leaves_no_sc
         return [json.loads(line)["step"] for line in lines if line.endswith("}")]
 
     # 1. Ctrl-C once a step beyond the first checkpoint is logged
-    trainer = subprocess.Popen(_cli("train", str(config)), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    trainer = subprocess.Popen(
+        _cli("train", str(config)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
-        _until(trainer, "a step after a checkpoint", lambda: (
-            (ckpt := anyio.run(checkpoints.latest_checkpoint)) is not None
-            and max(logged(), default=0) > ckpt))  # fmt: skip
+        _until(
+            trainer,
+            "a step after a checkpoint",
+            lambda: (
+                (ckpt := anyio.run(checkpoints.latest_checkpoint)) is not None
+                and max(logged(), default=0) > ckpt
+            ),
+        )
         trainer.send_signal(signal.SIGINT)
         out, err = trainer.communicate(timeout=120)
     finally:
@@ -276,8 +329,11 @@ def test_interrupted_then_killed_trainer_resumes_each_step_once_and_leaves_no_sc
     kept = anyio.run(checkpoints.latest_checkpoint)
     stopped = max(logged())
     assert stopped > kept
-    said = re.search(r"interrupted at step (\d+): the checkpoint of step (\d+) is kept, and the "
-                     r"same command resumes from it(; steps (\d+)-(\d+) are trained again)?", out)  # fmt: skip
+    said = re.search(
+        r"interrupted at step (\d+): the checkpoint of step (\d+) is kept, and the "
+        r"same command resumes from it(; steps (\d+)-(\d+) are trained again)?",
+        out,
+    )
     assert said is not None, out[-3000:]
     at, ckpt = int(said[1]), int(said[2])
     assert ckpt == kept and at == stopped
@@ -288,8 +344,11 @@ def test_interrupted_then_killed_trainer_resumes_each_step_once_and_leaves_no_sc
     # 2. the rerun resumes and is killed outright after its next checkpoint
     trainer = subprocess.Popen(_cli("train", str(config)), stderr=subprocess.DEVNULL)
     try:
-        _until(trainer, "a checkpoint after the resume",
-               lambda: (anyio.run(checkpoints.latest_checkpoint) or 0) > kept)  # fmt: skip
+        _until(
+            trainer,
+            "a checkpoint after the resume",
+            lambda: (anyio.run(checkpoints.latest_checkpoint) or 0) > kept,
+        )
     finally:
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
@@ -307,8 +366,10 @@ def test_interrupted_then_killed_trainer_resumes_each_step_once_and_leaves_no_sc
     assert [line.split()[1] for line in steps] == [f"{s}/10" for s in range(resumed + 1, 11)]
     assert all(" reward " in line and " v " in line for line in steps), steps
     trained = f"{10 - resumed} step{'s' if 10 - resumed != 1 else ''}"
-    assert (f"trained {trained} in " in done.stdout
-            and f"(resumed from the checkpoint of step {resumed}; 10 steps in all)" in done.stdout)  # fmt: skip
+    assert (
+        f"trained {trained} in " in done.stdout
+        and f"(resumed from the checkpoint of step {resumed}; 10 steps in all)" in done.stdout
+    )
     assert f"PEFT directory: {run_dir / 'adapter'}" in done.stdout
     assert "\r" not in done.stdout  # no progress bar off a terminal
     after = anyio.run(AdapterStore(str(store)).versions, prefix)
@@ -326,15 +387,28 @@ def test_interrupted_then_killed_trainer_resumes_each_step_once_and_leaves_no_sc
 def test_split_mode_rollouts_ship_through_the_transport(
     vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
 ) -> None:
-    config = _write_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
-                           trainer={"max_steps": 4, "weight_sync_steps": 2,
-                                    "max_staleness": 1})  # fmt: skip
+    config = _write_config(
+        tmp_path,
+        tiny_model,
+        [r.url for r in vllm_replicas],
+        trainer={"max_steps": 4, "weight_sync_steps": 2, "max_staleness": 1},
+    )
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    rollout = subprocess.Popen(_cli("rollout", str(config)), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    rollout = subprocess.Popen(
+        _cli("rollout", str(config)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
-        trainer = subprocess.run(_cli("train", str(config), "--remote-rollouts"),
-                                 capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
+        trainer = subprocess.run(
+            _cli("train", str(config), "--remote-rollouts"),
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=env,
+        )
         assert trainer.returncode == 0, trainer.stderr[-3000:]
         out, err = rollout.communicate(timeout=120)
         assert rollout.returncode == 0, err[-3000:]
@@ -371,8 +445,11 @@ async def test_a_run_starts_its_own_replicas_trains_on_them_and_stops_them(
     batches: list[list[Sample]] = []
 
     def api_servers() -> list[psutil.Process]:
-        return [p for p in psutil.Process().children()
-                if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]  # fmt: skip
+        return [
+            p
+            for p in psutil.Process().children()
+            if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())
+        ]
 
     others = {p.pid for p in api_servers()}  # the session's replicas, when other tests started them
     servers: list[psutil.Process] = []
@@ -410,9 +487,13 @@ async def test_a_run_starts_its_own_replicas_trains_on_them_and_stops_them(
     assert ratios and all(abs(x - 1) < 1e-3 for x in ratios), ratios
     assert records[-1]["rollout/retries_total"] == 0
     diffs = await anyio.to_thread.run_sync(
-        served_logprob_errors, tiny_model, result.transport_url, result.adapter_prefix,
-        [s for batch in batches for s in batch], tmp_path / "check-cache",
-    )  # fmt: skip
+        served_logprob_errors,
+        tiny_model,
+        result.transport_url,
+        result.adapter_prefix,
+        [s for batch in batches for s in batch],
+        tmp_path / "check-cache",
+    )
     assert max(diffs) < TOLERANCE, f"{sum(d >= TOLERANCE for d in diffs)} samples differ"
     # its replica, a child of this process while the run trained, stopped with the run
     assert len(servers) == 1, servers
@@ -461,8 +542,12 @@ RUN_DIR_ENTRIES = {"metrics.jsonl", "store", "adapter-cache", "replica-logs", "r
 def test_train_on_a_terminal_shows_phases_a_progress_bar_and_a_summary(
     vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
 ) -> None:
-    config = _write_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
-                           trainer={"max_steps": 2, "save_steps": 0, "weight_sync_steps": 1})  # fmt: skip
+    config = _write_config(
+        tmp_path,
+        tiny_model,
+        [r.url for r in vllm_replicas],
+        trainer={"max_steps": 2, "save_steps": 0, "weight_sync_steps": 1},
+    )
     status, out = _on_a_terminal(_cli("train", str(config)), timeout_s=600)
     assert status == 0, out[-3000:]
     phases = [f"model {tiny_model}: found", "2 remote replica(s) behind the run's proxy",
@@ -500,14 +585,21 @@ def _rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
 def test_two_ranks_a_killed_rank_fails_the_job_and_a_restart_resumes(
     vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
 ) -> None:
-    config = _write_config(tmp_path, tiny_model, [r.url for r in vllm_replicas],
-                           trainer={"max_steps": 6, "save_steps": 2, "weight_sync_steps": 2,
-                                    "dp_timeout_s": 120})  # fmt: skip
+    config = _write_config(
+        tmp_path,
+        tiny_model,
+        [r.url for r in vllm_replicas],
+        trainer={"max_steps": 6, "save_steps": 2, "weight_sync_steps": 2, "dp_timeout_s": 120},
+    )
     store = tmp_path / "t" / "store"
     checkpoints = CheckpointStore(str(store))
     # 1. the real entry point, two ranks; rank 1 is killed after the first checkpoint
-    job = subprocess.Popen(_torchrun("-m", "asyncgrpo", "train", str(config)),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    job = subprocess.Popen(
+        _torchrun("-m", "asyncgrpo", "train", str(config)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 600
         while (anyio.run(checkpoints.latest_checkpoint) or 0) < 2:
@@ -532,9 +624,13 @@ def test_two_ranks_a_killed_rank_fails_the_job_and_a_restart_resumes(
     # 2. the restart resumes from the latest checkpoint; only rank 0 writes the transport
     writes = tmp_path / "writes.log"
     recorder = Path(__file__).with_name("torchrun_recording_writes.py")
-    done = subprocess.run(_torchrun(str(recorder), "train", str(config)), capture_output=True,
-                          text=True, timeout=900,
-                          env={**os.environ, "ASYNCGRPO_WRITE_LOG": str(writes)})  # fmt: skip
+    done = subprocess.run(
+        _torchrun(str(recorder), "train", str(config)),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "ASYNCGRPO_WRITE_LOG": str(writes)},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("6 steps in all") == 1  # rank 0 alone reports
     after = anyio.run(AdapterStore(str(store)).versions, prefix)

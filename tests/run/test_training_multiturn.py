@@ -42,13 +42,17 @@ async def test_multi_turn_training_serves_every_token_at_its_version(
     data.update(model=str(tiny_model), output_dir=str(tmp_path), run_name="mt")
     data["serve"] = {"replicas": 0}
     data["proxy"]["upstreams"] = [r.url for r in vllm_replicas]
-    data["dataset"] = {"prompts": [[{"role": "user", "content": f"talk {i}"}] for i in range(8)],
-                       "epochs": None}  # fmt: skip
-    data["rollout"] = {"environment": "asyncgrpo.testing.envs:ChatterEnv",
-                       # odd prompts' episodes hold their first reply for the next version
-                       "environment_args": {"max_turns": 3, "max_episode_tokens": 512,
-                                            "straddle_s": 60},
-                       "max_inflight": 16, "queue_maxsize": 16}  # fmt: skip
+    data["dataset"] = {
+        "prompts": [[{"role": "user", "content": f"talk {i}"}] for i in range(8)],
+        "epochs": None,
+    }
+    data["rollout"] = {
+        "environment": "asyncgrpo.testing.envs:ChatterEnv",
+        # odd prompts' episodes hold their first reply for the next version
+        "environment_args": {"max_turns": 3, "max_episode_tokens": 512, "straddle_s": 60},
+        "max_inflight": 16,
+        "queue_maxsize": 16,
+    }
     data["generation"].update(num_generations=4, max_completion_length=8)
     data["trainer"].update(samples_per_step=8, max_steps=5, max_staleness=1)
     cfg = TrainingConfig.from_dict(data)
@@ -60,9 +64,13 @@ async def test_multi_turn_training_serves_every_token_at_its_version(
     assert all(model_turns(s) == 3 for s in samples)  # >= 3 model turns, environment between
     spanning = [s for s in samples if len(set(s.token_versions())) > 1]
     errors = await anyio.to_thread.run_sync(
-        served_logprob_errors, tiny_model, result.transport_url, result.adapter_prefix, samples,
+        served_logprob_errors,
+        tiny_model,
+        result.transport_url,
+        result.adapter_prefix,
+        samples,
         tmp_path / "check-cache",
-    )  # fmt: skip
+    )
     assert len(errors) == len(samples) + len(spanning)  # one check per (sample, version)
     assert max(errors) < 1e-4, f"{sum(e >= 1e-4 for e in errors)} (sample, version) pairs differ"
     assert spanning, "no episode straddled a weight sync: the per-version check went untested"
@@ -77,12 +85,26 @@ def train_two_steps(
     """``asyncgrpo train EXAMPLE`` for 2 steps on the session's replicas; its metrics."""
     urls = ",".join(r.url for r in replicas)
     out = subprocess.run(
-        [sys.executable, "-m", "asyncgrpo.cli.main", "train", str(example), f"model={model}",
-         f"output_dir={out_dir}", "run_name=cli", "serve.replicas=0",
-         f"proxy.upstreams=[{urls}]", "trainer.max_steps=2",
-         f"dataset.path={ROOT / 'examples' / 'calculator_tasks.jsonl'}", *overrides],
-        capture_output=True, text=True, timeout=600, env={**os.environ},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "asyncgrpo.cli.main",
+            "train",
+            str(example),
+            f"model={model}",
+            f"output_dir={out_dir}",
+            "run_name=cli",
+            "serve.replicas=0",
+            f"proxy.upstreams=[{urls}]",
+            "trainer.max_steps=2",
+            f"dataset.path={ROOT / 'examples' / 'calculator_tasks.jsonl'}",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     records = read_metrics(out_dir / "cli" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
@@ -124,9 +146,13 @@ async def test_a_verifiers_multi_turn_env_trains_token_exactly(
     turns = [model_turns(s) for s in samples]
     assert all(1 <= t <= 3 for t in turns) and turns.count(3) >= len(turns) * 3 // 4, turns
     errors = await anyio.to_thread.run_sync(
-        served_logprob_errors, tiny_model, result.transport_url, result.adapter_prefix, samples,
+        served_logprob_errors,
+        tiny_model,
+        result.transport_url,
+        result.adapter_prefix,
+        samples,
         tmp_path / "check-cache",
-    )  # fmt: skip
+    )
     assert max(errors) < 1e-4, f"{sum(e >= 1e-4 for e in errors)} (sample, version) pairs differ"
     assert all(0.0 <= s.reward <= 1.5 for s in samples)
     assert any(s.reward > 0 for s in samples)  # the rubric's digit share, at least once

@@ -48,22 +48,32 @@ def _has_v1() -> bool:
 
 HAS_V1 = _has_v1()
 WAYS = [
-    pytest.param(None, id="in-process", marks=pytest.mark.skipif(
-        not HAS_V1, reason="verifiers 0.4 is not in this venv: make test-vf4 runs it there")),
-    pytest.param(VF4_PYTHON, id="own-venv", marks=pytest.mark.skipif(
-        HAS_V1 or not os.access(VF4_PYTHON, os.X_OK),
-        reason="this venv holds verifiers 0.4 itself, or there is no verifiers 0.4 venv at "
-        f"{VF4_PYTHON} (make install-vf4)")),
-]  # fmt: skip
+    pytest.param(
+        None,
+        id="in-process",
+        marks=pytest.mark.skipif(
+            not HAS_V1, reason="verifiers 0.4 is not in this venv: make test-vf4 runs it there"
+        ),
+    ),
+    pytest.param(
+        VF4_PYTHON,
+        id="own-venv",
+        marks=pytest.mark.skipif(
+            HAS_V1 or not os.access(VF4_PYTHON, os.X_OK),
+            reason="this venv holds verifiers 0.4 itself, or there is no verifiers 0.4 venv at "
+            f"{VF4_PYTHON} (make install-vf4)",
+        ),
+    ),
+]
 
 
 def installed(monkeypatch: pytest.MonkeyPatch, package: Path) -> None:
     """The package, as `pip install -e` of it would: here, in the environment process and in
     the tool servers verifiers starts."""
     monkeypatch.syspath_prepend(str(package))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        p for p in (str(package), os.environ.get("PYTHONPATH")) if p
-    ))  # fmt: skip
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(p for p in (str(package), os.environ.get("PYTHONPATH")) if p)
+    )
 
 
 def config(example: Path, python: str | None, replicas: list[Replica], **run: str) -> dict:
@@ -114,8 +124,14 @@ async def test_a_v1_tool_environment_trains_4_steps_token_exactly(
     every episode is two model turns or more around the tool's result, each turn's ids the
     ones vLLM sampled, the environment's ids between them masked."""
     installed(monkeypatch, PACKAGE)
-    data = config(EXAMPLE, python, [tool_replica], model=str(tool_model),
-                  output_dir=str(tmp_path), run_name="vf1")  # fmt: skip
+    data = config(
+        EXAMPLE,
+        python,
+        [tool_replica],
+        model=str(tool_model),
+        output_dir=str(tmp_path),
+        run_name="vf1",
+    )
     data["dataset"]["path"] = str(ROOT / "examples" / "calculator_tasks.jsonl")
     data["rollout"].update(max_inflight=16, queue_maxsize=16)
     # a tool call is <= 73 tokens (+ end of turn); at temperature 0.5 the fine-tuned model writes
@@ -136,9 +152,13 @@ async def test_a_v1_tool_environment_trains_4_steps_token_exactly(
         env = mask[first_end:].index(True)
         assert env > 0 and not any(mask[first_end : first_end + env])
     errors = await anyio.to_thread.run_sync(
-        served_logprob_errors, tool_model, result.transport_url, result.adapter_prefix, samples,
+        served_logprob_errors,
+        tool_model,
+        result.transport_url,
+        result.adapter_prefix,
+        samples,
         tmp_path / "check-cache",
-    )  # fmt: skip
+    )
     # each policy token's served logprob equals the trainer's on the ids it trained on: those
     # are the ids vLLM sampled, at the version each was sampled under
     assert max(errors) < 1e-4, f"{sum(e >= 1e-4 for e in errors)} (sample, version) pairs differ"
@@ -151,8 +171,10 @@ async def test_a_v1_tool_environment_trains_4_steps_token_exactly(
         assert r["batch/completion_tokens"] == sum(s.num_policy_tokens for s in batch)
     assert records[-1]["rollout/env_failures_total"] == 0
     way = "in process" if python is None else "in its own venv"
-    print(f"v1 {way}: max |logp error| {max(errors):.2e}, ratio {[round(x, 6) for x in ratios]}, "
-          f"model turns {sorted(turns)}, rewards {sorted(round(s.reward, 3) for s in samples)}")  # fmt: skip
+    print(
+        f"v1 {way}: max |logp error| {max(errors):.2e}, ratio {[round(x, 6) for x in ratios]}, "
+        f"model turns {sorted(turns)}, rewards {sorted(round(s.reward, 3) for s in samples)}"
+    )
 
 
 @pytest.mark.parametrize("python", WAYS)
@@ -167,8 +189,14 @@ async def test_a_single_turn_v1_environment_trains_with_its_rubric_reward(
     max_staleness 2: each sample one model turn, its reward the rubric's, the ratio ~1 at each token's version (the 40-step learning runs:
     docs/environments.md)."""
     installed(monkeypatch, DIGITS)
-    data = config(ROOT / "examples" / "vf_v1_digits.yaml", python, vllm_replicas,
-                  model=str(tiny_model), output_dir=str(tmp_path), run_name="digits")  # fmt: skip
+    data = config(
+        ROOT / "examples" / "vf_v1_digits.yaml",
+        python,
+        vllm_replicas,
+        model=str(tiny_model),
+        output_dir=str(tmp_path),
+        run_name="digits",
+    )
     data["rollout"].update(max_inflight=16, queue_maxsize=32)
     data["generation"].update(num_generations=4, max_completion_length=8)
     # asynchronous, as far as the session's replicas allow (--max-loras 4: max_staleness + 2)
@@ -180,9 +208,13 @@ async def test_a_single_turn_v1_environment_trains_with_its_rubric_reward(
     samples = [s for b in batches for s in b]
     assert result.steps == 4 and len(samples) == 32
     errors = await anyio.to_thread.run_sync(
-        served_logprob_errors, tiny_model, result.transport_url, result.adapter_prefix, samples,
+        served_logprob_errors,
+        tiny_model,
+        result.transport_url,
+        result.adapter_prefix,
+        samples,
         tmp_path / "check-cache",
-    )  # fmt: skip
+    )
     assert max(errors) < 1e-4, f"{sum(e >= 1e-4 for e in errors)} (sample, version) pairs differ"
     for s in samples:  # one turn, all of it the policy's, its reward the rubric's one part
         assert s.policy_mask() == [True] * len(s.completion_ids)

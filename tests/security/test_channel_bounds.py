@@ -27,12 +27,23 @@ VOCAB = 384  #: the tiny model's (asyncgrpo.testing.make_tiny_model)
 CONTEXT = 2048
 
 
-def _sample(tag: str, prompt: list[int] | None = None, completion: list[int] | None = None,
-            logprob: float = -1.0) -> Sample:  # fmt: skip
+def _sample(
+    tag: str,
+    prompt: list[int] | None = None,
+    completion: list[int] | None = None,
+    logprob: float = -1.0,
+) -> Sample:
     prompt = [1, 2, 3] if prompt is None else prompt
     completion = [4, 5] if completion is None else completion
-    return Sample(prompt_ids=prompt, completion_ids=completion, reward=1.0, advantage=0.5,
-                  logprobs=[logprob] * len(completion), version=0, group_id=tag)  # fmt: skip
+    return Sample(
+        prompt_ids=prompt,
+        completion_ids=completion,
+        reward=1.0,
+        advantage=0.5,
+        logprobs=[logprob] * len(completion),
+        version=0,
+        group_id=tag,
+    )
 
 
 #: What a storage writer can ship that decodes, and what the trainer did with it before.
@@ -53,8 +64,12 @@ def trainer(tiny_model: Path) -> object:
     from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
     from asyncgrpo.trainer.loop import Trainer
 
-    return Trainer(tiny_model, lora=LoraConfig(r=2, alpha=4.0), device="cpu",
-                   trainer=TrainerConfig(dtype="float32", token_budget=128))  # fmt: skip
+    return Trainer(
+        tiny_model,
+        lora=LoraConfig(r=2, alpha=4.0),
+        device="cpu",
+        trainer=TrainerConfig(dtype="float32", token_budget=128),
+    )
 
 
 def _cfg() -> TrainingConfig:
@@ -104,8 +119,9 @@ def test_context_length_is_generous_where_replicas_may_serve_longer() -> None:
 
     assert context_length(SimpleNamespace(max_position_embeddings=2048)) == 2048
     assert context_length(SimpleNamespace(n_positions=1024), max_model_len=4096) == 4096
-    scaled = SimpleNamespace(max_position_embeddings=32768,
-                             rope_scaling={"rope_type": "yarn", "factor": 4.0})  # fmt: skip
+    scaled = SimpleNamespace(
+        max_position_embeddings=32768, rope_scaling={"rope_type": "yarn", "factor": 4.0}
+    )
     assert context_length(scaled) == 131072
     assert context_length(SimpleNamespace()) is None
     assert context_length(SimpleNamespace(), max_model_len=100) == 100

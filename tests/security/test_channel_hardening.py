@@ -26,8 +26,15 @@ BATCH = "rollouts/batches/{:012d}.agrb"
 
 
 def _sample(tag: str) -> Sample:
-    return Sample(prompt_ids=[1, 2], completion_ids=[3, 4], logprobs=[-0.5, -0.25], reward=1.0,
-                  advantage=0.5, version=2, group_id=tag)  # fmt: skip
+    return Sample(
+        prompt_ids=[1, 2],
+        completion_ids=[3, 4],
+        logprobs=[-0.5, -0.25],
+        reward=1.0,
+        advantage=0.5,
+        version=2,
+        group_id=tag,
+    )
 
 
 def _agrb(header: bytes) -> bytes:
@@ -77,8 +84,9 @@ def test_a_memory_error_while_decoding_is_an_integrity_error(tmp_path: Path) -> 
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                         timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("IntegrityError cannot decode rollout batch: MemoryError")
 

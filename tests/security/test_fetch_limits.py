@@ -95,8 +95,12 @@ def test_a_replicas_limits_are_settings_and_reach_its_fetcher() -> None:
     from asyncgrpo.serve.adapter_fetch import limits_from_env
     from asyncgrpo.store.bundle import FetchLimits
 
-    config = ServeConfig(model="m", adapter_max_total_bytes=5 << 20, adapter_max_files=7,
-                         adapter_max_manifest_bytes=4096)  # fmt: skip
+    config = ServeConfig(
+        model="m",
+        adapter_max_total_bytes=5 << 20,
+        adapter_max_files=7,
+        adapter_max_manifest_bytes=4096,
+    )
     assert limits_from_env(config.env()) == FetchLimits(
         max_manifest_bytes=4096, max_files=7, max_total_bytes=5 << 20
     )

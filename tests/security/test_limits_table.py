@@ -22,20 +22,33 @@ UNITS = {"": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "s": 1, "ms": 1e-3}
 #: Settings each surface's rows must name (its config fields that bound what a client costs).
 REQUIRED = {
     "proxy": {
-        "proxy.max_body_bytes", "proxy.max_buffered_bytes", "proxy.offload_body_bytes",
-        "proxy.max_connections", "proxy.head_timeout_s", "proxy.client_idle_timeout_s",
-        "proxy.max_queued_per_run", "proxy.queue_timeout_s", "proxy.max_runs",
+        "proxy.max_body_bytes",
+        "proxy.max_buffered_bytes",
+        "proxy.offload_body_bytes",
+        "proxy.max_connections",
+        "proxy.head_timeout_s",
+        "proxy.client_idle_timeout_s",
+        "proxy.max_queued_per_run",
+        "proxy.queue_timeout_s",
+        "proxy.max_runs",
     },
     "tinker service": {
-        "tinker.max_connections", "tinker.head_timeout_s", "tinker.client_idle_timeout_s",
-        "tinker.max_body_bytes", "tinker.max_datums", "tinker.max_queued_per_client",
-        "tinker.max_context_length", "tinker.max_training_clients", "tinker.session_timeout_s",
+        "tinker.max_connections",
+        "tinker.head_timeout_s",
+        "tinker.client_idle_timeout_s",
+        "tinker.max_body_bytes",
+        "tinker.max_datums",
+        "tinker.max_queued_per_client",
+        "tinker.max_context_length",
+        "tinker.max_training_clients",
+        "tinker.session_timeout_s",
     },
     "replicas": {
-        "serve.adapter_max_manifest_bytes", "serve.adapter_max_files",
+        "serve.adapter_max_manifest_bytes",
+        "serve.adapter_max_files",
         "serve.adapter_max_total_bytes",
     },
-}  # fmt: skip
+}
 
 
 def _rows() -> list[dict[str, str]]:

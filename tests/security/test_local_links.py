@@ -42,8 +42,11 @@ async def test_a_linked_file_is_never_read(tmp_path: Path, outside: Path) -> Non
     transport = LocalTransport(tmp_path / "store")
     (tmp_path / "store" / "dir").mkdir()
     os.symlink(outside, tmp_path / "store" / "dir" / "key")
-    for read in (transport.get("dir/key"), transport.head("dir/key"),
-                 transport.get_file("dir/key", tmp_path / "copy")):  # fmt: skip
+    for read in (
+        transport.get("dir/key"),
+        transport.head("dir/key"),
+        transport.get_file("dir/key", tmp_path / "copy"),
+    ):
         with pytest.raises(TransportError, match="symbolic link") as info:
             await read
         assert not isinstance(info.value, NotFound)

@@ -50,9 +50,13 @@ async def test_a_replica_beyond_loopback_needs_its_key_on_every_route_but_health
 ) -> None:
     key = secrets.token_urlsafe(16)
     config = tiny_serve_config(
-        tiny_model, replicas=1, host="0.0.0.0", api_key=key, log_dir=str(tmp_path / "logs"),
+        tiny_model,
+        replicas=1,
+        host="0.0.0.0",
+        api_key=key,
+        log_dir=str(tmp_path / "logs"),
         adapter_cache_dir=str(tmp_path / "cache"),
-    )  # fmt: skip
+    )
     async with launch_replicas(config) as (replica,), aiohttp.ClientSession() as session:
         bases = [replica.url, *(f"http://{a}:{replica.port}" for a in _other_addresses())]
         for base in bases:
@@ -60,8 +64,7 @@ async def test_a_replica_beyond_loopback_needs_its_key_on_every_route_but_health
                 async with session.request(method, base + path, json=body) as r:
                     assert r.status == 401, f"{method} {base}{path} answered {r.status}"
                 for header in ({"Authorization": "Bearer wrong"}, {"Authorization": key}):
-                    async with session.request(method, base + path, json=body,
-                                               headers=header) as r:  # fmt: skip
+                    async with session.request(method, base + path, json=body, headers=header) as r:
                         assert r.status == 401, f"{method} {path} {header}: {r.status}"
             async with session.get(base + "/health") as r:
                 assert r.status == 200

@@ -23,8 +23,15 @@ pytestmark = pytest.mark.anyio
 
 
 def _sample(tag: str) -> Sample:
-    return Sample(prompt_ids=[1, 2], completion_ids=[3, 4], logprobs=[-0.5, -0.25], reward=1.0,
-                  advantage=0.5, version=2, group_id=tag)  # fmt: skip
+    return Sample(
+        prompt_ids=[1, 2],
+        completion_ids=[3, 4],
+        logprobs=[-0.5, -0.25],
+        reward=1.0,
+        advantage=0.5,
+        version=2,
+        group_id=tag,
+    )
 
 
 def _poisoned_batch() -> bytes:

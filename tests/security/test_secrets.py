@@ -32,11 +32,16 @@ KEYS = {"proxy": "proxy-key-5f1e", "upstream": "hf_upstream9c2d", "serve": "serv
 
 
 def _cfg(**extra: object) -> TrainingConfig:
-    return TrainingConfig.from_dict({
-        "model": "m/m", "dataset": {"prompts": ["p"]}, "transport_url": SAS_URL,
-        "proxy": {"api_key": KEYS["proxy"], "upstream_api_key": KEYS["upstream"]},
-        "serve": {"api_key": KEYS["serve"]}, **extra,
-    })  # fmt: skip
+    return TrainingConfig.from_dict(
+        {
+            "model": "m/m",
+            "dataset": {"prompts": ["p"]},
+            "transport_url": SAS_URL,
+            "proxy": {"api_key": KEYS["proxy"], "upstream_api_key": KEYS["upstream"]},
+            "serve": {"api_key": KEYS["serve"]},
+            **extra,
+        }
+    )
 
 
 def _leaks(text: str) -> list[str]:
@@ -100,14 +105,25 @@ def test_a_launch_passes_credentials_as_secrets_only(tmp_path: Path) -> None:
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "asyncgrpo.cli.main", *args], capture_output=True, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-m", "asyncgrpo.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        timeout=120,
+    )
 
 
 def test_launch_dry_run_shows_no_credential(tmp_path: Path, tiny_model: Path) -> None:
-    p = _cli("launch", str(EXAMPLE), "--backend", "local", "--dry-run", f"model={tiny_model}",
-             f"output_dir={tmp_path}", env={"ASYNCGRPO_TRANSPORT_URL": SAS_URL})  # fmt: skip
+    p = _cli(
+        "launch",
+        str(EXAMPLE),
+        "--backend",
+        "local",
+        "--dry-run",
+        f"model={tiny_model}",
+        f"output_dir={tmp_path}",
+        env={"ASYNCGRPO_TRANSPORT_URL": SAS_URL},
+    )
     assert p.returncode == 0, p.stderr
     assert "acct.blob.core.windows.net" in p.stdout or "ASYNCGRPO_SERVE_TRANSPORTS" in p.stdout
     assert _leaks(p.stdout + p.stderr) == []
@@ -115,9 +131,11 @@ def test_launch_dry_run_shows_no_credential(tmp_path: Path, tiny_model: Path) ->
 
 @pytest.mark.parametrize(
     ("override", "variable"),
-    [(f"proxy.api_key={KEYS['proxy']}", "ASYNCGRPO_PROXY__API_KEY"),
-     (f"serve.api_key={KEYS['serve']}", "ASYNCGRPO_SERVE__API_KEY")],
-)  # fmt: skip
+    [
+        (f"proxy.api_key={KEYS['proxy']}", "ASYNCGRPO_PROXY__API_KEY"),
+        (f"serve.api_key={KEYS['serve']}", "ASYNCGRPO_SERVE__API_KEY"),
+    ],
+)
 def test_a_secret_on_the_command_line_is_refused_in_one_line(override: str, variable: str) -> None:
     p = _cli("train", str(EXAMPLE), override, "--dry-run")
     lines = p.stderr.strip().splitlines()
@@ -159,12 +177,14 @@ def test_launch_dry_run_errors_show_no_credential(tmp_path: Path) -> None:
     from asyncgrpo.console import error_lines
     from asyncgrpo.launch.launcher import dry_run
 
-    cfg = TrainingConfig.from_yaml(EXAMPLE, overrides=[f"output_dir={tmp_path}"],
-                                   environ={"ASYNCGRPO_TRANSPORT_URL": SAS_URL})  # fmt: skip
+    cfg = TrainingConfig.from_yaml(
+        EXAMPLE, overrides=[f"output_dir={tmp_path}"], environ={"ASYNCGRPO_TRANSPORT_URL": SAS_URL}
+    )
     assert _leaks(dry_run(cfg, "hf-jobs")) == []
     local = f"file://{tmp_path}/store?sig={SIG}"
-    cfg = TrainingConfig.from_yaml(EXAMPLE, overrides=[f"output_dir={tmp_path}"],
-                                   environ={"ASYNCGRPO_TRANSPORT_URL": local})  # fmt: skip
+    cfg = TrainingConfig.from_yaml(
+        EXAMPLE, overrides=[f"output_dir={tmp_path}"], environ={"ASYNCGRPO_TRANSPORT_URL": local}
+    )
     with pytest.raises(ConfigError, match="share no disk") as info:
         dry_run(cfg, "hf-jobs")
     (line,) = error_lines("asyncgrpo", info.value)
@@ -204,7 +224,10 @@ def test_every_error_line_a_command_prints_is_redacted() -> None:
     """An error asyncgrpo did not word itself (a library's, quoting the URL it was given)."""
     from asyncgrpo.console import error_lines
 
-    for exc in (OSError(f"cannot reach {SAS_URL}"), ConfigError(f"bad {SAS_URL}"),
-                ValueError(f"signed url%3Fsig%3D{SIG}")):  # fmt: skip
+    for exc in (
+        OSError(f"cannot reach {SAS_URL}"),
+        ConfigError(f"bad {SAS_URL}"),
+        ValueError(f"signed url%3Fsig%3D{SIG}"),
+    ):
         (line,) = error_lines("asyncgrpo", exc)
         assert _leaks(line) == [] and "REDACTED" in line, line

@@ -24,10 +24,12 @@ from asyncgrpo.store.checkpoints import CheckpointStore
 from asyncgrpo.store.codec import decode_batch, encode_batch
 from asyncgrpo.transport.local import LocalTransport
 
-FUZZ = settings(max_examples=300, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
-STORE_FUZZ = settings(max_examples=120, deadline=None, database=None,
-                      suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+FUZZ = settings(
+    max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+STORE_FUZZ = settings(
+    max_examples=120, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
@@ -152,8 +154,19 @@ def test_a_channel_with_any_cursor_file_delivers_or_refuses(raw: bytes) -> None:
         transport = LocalTransport(root)
         producer = RolloutChannel(transport)
         for i in range(2):
-            await producer.append([Sample(prompt_ids=[1], completion_ids=[2], logprobs=[-1.0],
-                                          reward=1.0, advantage=0.0, version=0, group_id=f"{i}")])  # fmt: skip
+            await producer.append(
+                [
+                    Sample(
+                        prompt_ids=[1],
+                        completion_ids=[2],
+                        logprobs=[-1.0],
+                        reward=1.0,
+                        advantage=0.0,
+                        version=0,
+                        group_id=f"{i}",
+                    )
+                ]
+            )
         await transport.put("rollouts/cursors/trainer.json", raw)
         assert await RolloutChannel(transport).append([]) == 2  # no cursor moves a producer
         consumer = RolloutChannel(transport, poll_interval_s=0.01)
@@ -172,18 +185,30 @@ def test_a_channel_with_any_cursor_file_delivers_or_refuses(raw: bytes) -> None:
 
 # ---- manifests ----------------------------------------------------------------------------------
 file_entries = st.lists(
-    st.fixed_dictionaries({}, optional={"path": json_values | st.sampled_from(["a", "../x", "a/b", ""]),
-                                        "size": json_values, "sha256": json_values | st.just("0" * 64)}),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "path": json_values | st.sampled_from(["a", "../x", "a/b", ""]),
+            "size": json_values,
+            "sha256": json_values | st.just("0" * 64),
+        },
+    ),
     max_size=3,
-)  # fmt: skip
+)
 manifests = st.fixed_dictionaries(
     {},
-    optional={"format": st.just("asyncgrpo.bundle/1") | json_values, "files": file_entries | json_values,
-              "files_prefix": st.sampled_from(["files-1", "a/b", "..", ""]) | json_values,
-              "step": st.just(1) | json_values, "meta": st.just({}) | json_values,
-              "name": st.just("run") | json_values, "version": st.just(1) | json_values,
-              "created_at": st.just(0.0) | json_values, "lora": json_values},
-)  # fmt: skip
+    optional={
+        "format": st.just("asyncgrpo.bundle/1") | json_values,
+        "files": file_entries | json_values,
+        "files_prefix": st.sampled_from(["files-1", "a/b", "..", ""]) | json_values,
+        "step": st.just(1) | json_values,
+        "meta": st.just({}) | json_values,
+        "name": st.just("run") | json_values,
+        "version": st.just(1) | json_values,
+        "created_at": st.just(0.0) | json_values,
+        "lora": json_values,
+    },
+)
 
 
 @FUZZ

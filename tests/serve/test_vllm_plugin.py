@@ -47,9 +47,16 @@ async def _publish(tmp_path: Path, tiny_model: Path, name: str, version: int, se
 async def _served_logprob_error(url: str, model: str, tiny_model: Path, adapter: Path) -> float:
     async with VLLMClient(url) as client:
         body = await client.completions(
-            {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0,
-             "logprobs": 0, "return_token_ids": True, "seed": None}
-        )  # fmt: skip
+            {
+                "model": model,
+                "prompt": PROMPT,
+                "max_tokens": 8,
+                "temperature": 1.0,
+                "logprobs": 0,
+                "return_token_ids": True,
+                "seed": None,
+            }
+        )
     choice = body["choices"][0]
     ours = await anyio.to_thread.run_sync(
         lambda: reference_logprobs(tiny_model, adapter, PROMPT, choice["token_ids"])

@@ -42,14 +42,27 @@ def test_malformed_batch_is_integrity_error(junk: bytes) -> None:
 
 
 def test_multi_turn_fields_roundtrip_and_old_formats_are_refused() -> None:
-    multi = sample("m", n=4, version=2, completion_mask=[True, False, False, True],
-                   versions=[2, 2, 2, 3])  # fmt: skip
+    multi = sample(
+        "m", n=4, version=2, completion_mask=[True, False, False, True], versions=[2, 2, 2, 3]
+    )
     batch = [sample("a"), multi, sample("b", n=2, completion_mask=[True, True])]
     assert decode_batch(encode_batch(batch)) == batch
     # A batch from a release before masks (format 1): refused with what to do, not misread.
-    head = json.dumps([{"reward": 1.0, "advantage": 0.0, "version": 0, "group_id": "x",
-                        "temperature": 1.0, "rewards": {}, "finish_reason": None,
-                        "np": 1, "nc": 1}]).encode()  # fmt: skip
+    head = json.dumps(
+        [
+            {
+                "reward": 1.0,
+                "advantage": 0.0,
+                "version": 0,
+                "group_id": "x",
+                "temperature": 1.0,
+                "rewards": {},
+                "finish_reason": None,
+                "np": 1,
+                "nc": 1,
+            }
+        ]
+    ).encode()
     old = struct.pack("<4sBI", b"AGRB", 1, len(head)) + head + b"\0" * 12
     with pytest.raises(
         ConfigError, match=r"format v1, this asyncgrpo reads v2 and v3.*same release"
@@ -67,9 +80,22 @@ def test_format_2_batches_are_still_read_and_ids_are_checked() -> None:
     v2[4] = 2
     assert [s.sample_id for s in decode_batch(bytes(v2))] == [None, None]
     for bad_id in ("", 7, "x" * 129):
-        head = json.dumps([{"reward": 1.0, "advantage": 0.0, "version": 0, "group_id": "x",
-                            "temperature": 1.0, "rewards": {}, "finish_reason": None,
-                            "np": 1, "nc": 1, "i": bad_id}]).encode()  # fmt: skip
+        head = json.dumps(
+            [
+                {
+                    "reward": 1.0,
+                    "advantage": 0.0,
+                    "version": 0,
+                    "group_id": "x",
+                    "temperature": 1.0,
+                    "rewards": {},
+                    "finish_reason": None,
+                    "np": 1,
+                    "nc": 1,
+                    "i": bad_id,
+                }
+            ]
+        ).encode()
         data = struct.pack("<4sBI", b"AGRB", 3, len(head)) + head + b"\0" * 12
         with pytest.raises(IntegrityError, match="its id"):
             decode_batch(data)

@@ -107,9 +107,16 @@ async def test_an_exported_version_loads_in_vllm_as_a_directory(
         await client.load_lora_adapter(name, str(dest))  # vLLM's loader of --lora-modules
         try:
             body = await client.completions(
-                {"model": name, "prompt": prompt, "max_tokens": 8, "temperature": 1.0,
-                 "logprobs": 0, "return_token_ids": True, "seed": 0}
-            )  # fmt: skip
+                {
+                    "model": name,
+                    "prompt": prompt,
+                    "max_tokens": 8,
+                    "temperature": 1.0,
+                    "logprobs": 0,
+                    "return_token_ids": True,
+                    "seed": 0,
+                }
+            )
         finally:
             await client.unload_lora_adapter(name)
     choice = body["choices"][0]

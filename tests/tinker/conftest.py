@@ -95,6 +95,12 @@ def fleet(
     with start_blocking_portal() as portal, contextlib.ExitStack() as stack:
         proxy_cfg = ProxyConfig(upstreams=tuple(r.url for r in vllm_replicas), port=0)
         proxy_url = stack.enter_context(portal.wrap_async_context_manager(serve_proxy(proxy_cfg)))
-        config = TinkerConfig(model=str(tiny_model), port=0, max_lora_rank=8, proxy_url=proxy_url,
-                              work_dir=str(work), sampler_keep=1)  # fmt: skip
+        config = TinkerConfig(
+            model=str(tiny_model),
+            port=0,
+            max_lora_rank=8,
+            proxy_url=proxy_url,
+            work_dir=str(work),
+            sampler_keep=1,
+        )
         yield stack.enter_context(portal.wrap_async_context_manager(serve_tinker(config)))

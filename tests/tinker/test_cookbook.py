@@ -102,14 +102,24 @@ def _ready(proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> str:
 def _recipe(module: str, workspace: Path, log_dir: Path, *args: str) -> float:
     """Run ``tinker_cookbook.recipes.<module>`` from the workspace; its start time."""
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", f"tinker_cookbook.recipes.{module}", *args,
-                          f"log_path={log_dir}"], cwd=workspace, env=_env(log_dir.parent),
-                         capture_output=True, text=True, timeout=RECIPE_TIMEOUT_S)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", f"tinker_cookbook.recipes.{module}", *args, f"log_path={log_dir}"],
+        cwd=workspace,
+        env=_env(log_dir.parent),
+        capture_output=True,
+        text=True,
+        timeout=RECIPE_TIMEOUT_S,
+    )
     if out.returncode:
-        service_log = [line for line in SERVICE_LOG[0].read_text().splitlines()
-                       if "/api/v1/" not in line and "aiohttp.access" not in line]  # fmt: skip
-        raise AssertionError(f"{module} failed:\n{out.stderr[-3000:]}\n--- the service's log:\n"
-                             + "\n".join(service_log[-60:]))  # fmt: skip
+        service_log = [
+            line
+            for line in SERVICE_LOG[0].read_text().splitlines()
+            if "/api/v1/" not in line and "aiohttp.access" not in line
+        ]
+        raise AssertionError(
+            f"{module} failed:\n{out.stderr[-3000:]}\n--- the service's log:\n"
+            + "\n".join(service_log[-60:])
+        )
     return started
 
 
@@ -125,23 +135,51 @@ def test_sl_loop_rl_loop_and_rl_basic_run_unchanged_one_after_another(
 
     common = [f"base_url={service}", f"model_name={MODEL_NAME}", "lora_rank=8"]
     starts = [
-        _recipe("sl_loop", workspace, tmp_path / "sl", *common, "batch_size=16", "max_steps=3",
-                "save_every=0"),
+        _recipe(
+            "sl_loop",
+            workspace,
+            tmp_path / "sl",
+            *common,
+            "batch_size=16",
+            "max_steps=3",
+            "save_every=0",
+        ),
         # rl_loop's default loss, stable_reinforce: its sampling client records what it samples
-        _recipe("rl_loop", workspace, tmp_path / "rl", *common, "batch_size=4", "group_size=4",
-                "max_tokens=12", "max_steps=3", "save_every=0", "learning_rate=1e-3"),
+        _recipe(
+            "rl_loop",
+            workspace,
+            tmp_path / "rl",
+            *common,
+            "batch_size=4",
+            "group_size=4",
+            "max_tokens=12",
+            "max_steps=3",
+            "save_every=0",
+            "learning_rate=1e-3",
+        ),
         # rl_basic builds its dataset builder in code: naming the builder's class on the command
         # line is how chz takes its fields (batch and group size) from there too
-        _recipe("rl_basic", workspace, tmp_path / "basic", *common, f"dataset_builder={GSM8K}",
-                "dataset_builder.batch_size=4", "dataset_builder.group_size=4",
-                f"dataset_builder.model_name_for_tokenizer={MODEL_NAME}",
-                "dataset_builder.renderer_name=qwen3_instruct", "max_tokens=12", "max_steps=2",
-                "save_every=0"),
-    ]  # fmt: skip
+        _recipe(
+            "rl_basic",
+            workspace,
+            tmp_path / "basic",
+            *common,
+            f"dataset_builder={GSM8K}",
+            "dataset_builder.batch_size=4",
+            "dataset_builder.group_size=4",
+            f"dataset_builder.model_name_for_tokenizer={MODEL_NAME}",
+            "dataset_builder.renderer_name=qwen3_instruct",
+            "max_tokens=12",
+            "max_steps=2",
+            "save_every=0",
+        ),
+    ]
     waits = [line for line in SERVICE_LOG[0].read_text().splitlines() if "waits for LoRA" in line]
     rl_steps = [m["time/total"] for m in _metrics(tmp_path / "rl") if "time/total" in m]
-    print(f"recipes started {[round(s - starts[0], 1) for s in starts]} s after the first; "
-          f"rl_loop s/step {[round(t, 2) for t in rl_steps]}; slot waits: {waits or 'none'}")  # fmt: skip
+    print(
+        f"recipes started {[round(s - starts[0], 1) for s in starts]} s after the first; "
+        f"rl_loop s/step {[round(t, 2) for t in rl_steps]}; slot waits: {waits or 'none'}"
+    )
 
     sl = _metrics(tmp_path / "sl")
     assert len(sl) == 3 and all(math.isfinite(m["train_mean_nll"]) for m in sl), sl

@@ -56,9 +56,11 @@ def _data(vocab: int) -> list:
     rng = np.random.default_rng(0)
     data = []
     for n in LENGTHS:
-        inputs = {"target_tokens": rng.integers(0, vocab, n).tolist(),
-                  "logprobs": TensorData.from_numpy(-rng.uniform(1, 5, n).astype(np.float32)),
-                  "advantages": TensorData.from_numpy(rng.normal(0, 1, n).astype(np.float32))}  # fmt: skip
+        inputs = {
+            "target_tokens": rng.integers(0, vocab, n).tolist(),
+            "logprobs": TensorData.from_numpy(-rng.uniform(1, 5, n).astype(np.float32)),
+            "advantages": TensorData.from_numpy(rng.normal(0, 1, n).astype(np.float32)),
+        }
         ids = rng.integers(0, vocab, n).tolist()
         data.append(types.Datum(model_input=types.ModelInput.from_ints(ids), loss_fn_inputs=inputs))
     return data
@@ -75,12 +77,19 @@ def _train(url: str, model: str, vocab: int) -> dict:
     for _ in range(STEPS):
         out = client.forward_backward(data, "importance_sampling").result()
         client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        steps.append({"loss": out.metrics["loss:sum"],
-                      "outputs": [{k: v.to_numpy() for k, v in o.items()}
-                                  for o in out.loss_fn_outputs]})  # fmt: skip
+        steps.append(
+            {
+                "loss": out.metrics["loss:sum"],
+                "outputs": [{k: v.to_numpy() for k, v in o.items()} for o in out.loss_fn_outputs],
+            }
+        )
     final = client.forward(data, "importance_sampling").result()
-    steps.append({"loss": final.metrics["loss:sum"], "outputs": [
-        {k: v.to_numpy() for k, v in o.items()} for o in final.loss_fn_outputs]})  # fmt: skip
+    steps.append(
+        {
+            "loss": final.metrics["loss:sum"],
+            "outputs": [{k: v.to_numpy() for k, v in o.items()} for o in final.loss_fn_outputs],
+        }
+    )
     client.save_state("end").result()
     service.close("success").result()
     return {"steps": steps}
@@ -105,8 +114,9 @@ def one_process(tiny_model: Path, vocab: int, tmp_path_factory: pytest.TempPathF
     from asyncgrpo.tinker import TinkerConfig, serve_tinker
 
     work = tmp_path_factory.mktemp("one")
-    config = TinkerConfig(model=str(tiny_model), port=0, max_lora_rank=8, dtype="float32",
-                          work_dir=str(work))  # fmt: skip
+    config = TinkerConfig(
+        model=str(tiny_model), port=0, max_lora_rank=8, dtype="float32", work_dir=str(work)
+    )
     with (
         start_blocking_portal() as portal,
         portal.wrap_async_context_manager(serve_tinker(config)) as url,
@@ -120,9 +130,19 @@ def two_ranks(tiny_model: Path, vocab: int, tmp_path_factory: pytest.TempPathFac
     work = tmp_path_factory.mktemp("two")
     log = work / "torchrun.log"
     with log.open("w") as sink:
-        job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                "--nproc-per-node=2", *_command(tiny_model, work)],
-                               stdout=sink, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        job = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                *_command(tiny_model, work),
+            ],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     try:
         url = _wait_ready(job, log)
         out = _train(url, str(tiny_model), vocab)
@@ -132,8 +152,7 @@ def two_ranks(tiny_model: Path, vocab: int, tmp_path_factory: pytest.TempPathFac
         if job.poll() is None:
             job.kill()
             job.wait()
-    return {**out, "adapter": _adapter(work), "returncode": job.returncode,
-            "log": log.read_text()}  # fmt: skip
+    return {**out, "adapter": _adapter(work), "returncode": job.returncode, "log": log.read_text()}
 
 
 def test_two_ranks_give_the_outputs_of_one_process(one_process: dict, two_ranks: dict) -> None:
@@ -173,8 +192,14 @@ def hand_started_ranks(tiny_model: Path, tmp_path: Path) -> Iterator[list]:
         log = tmp_path / f"rank{rank}.log"
         with log.open("w") as sink:
             cmd = [sys.executable, *_command(tiny_model, tmp_path, "--dp-timeout-s", "8")]
-            jobs.append((subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT,
-                                          env=env, text=True), log))  # fmt: skip
+            jobs.append(
+                (
+                    subprocess.Popen(
+                        cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, text=True
+                    ),
+                    log,
+                )
+            )
     yield jobs
     for job, _ in jobs:
         if job.poll() is None:

@@ -28,16 +28,29 @@ def engine(tiny_model: Path) -> Engine:
 
 def _data(vocab: int) -> list[WireDatum]:
     rng = np.random.default_rng(0)
-    return [WireDatum(tokens=rng.integers(0, vocab, n), inputs={
-        "target_tokens": rng.integers(0, vocab, n),
-        "logprobs": -rng.uniform(1, 5, n).astype(np.float32),
-        "advantages": rng.uniform(-1, 1, n).astype(np.float32)}) for n in LENGTHS]  # fmt: skip
+    return [
+        WireDatum(
+            tokens=rng.integers(0, vocab, n),
+            inputs={
+                "target_tokens": rng.integers(0, vocab, n),
+                "logprobs": -rng.uniform(1, 5, n).astype(np.float32),
+                "advantages": rng.uniform(-1, 1, n).astype(np.float32),
+            },
+        )
+        for n in LENGTHS
+    ]
 
 
 def _run(engine: Engine, data: list[WireDatum], forward_only: bool):
     """Outputs, ``loss:sum`` and the adapter's gradient (then cleared) of one request."""
-    request = FwdBwdRequest(model_id="c", seq_id=0, loss_fn="ppo", loss_fn_config={},
-                            forward_only=forward_only, data=data)  # fmt: skip
+    request = FwdBwdRequest(
+        model_id="c",
+        seq_id=0,
+        loss_fn="ppo",
+        loss_fn_config={},
+        forward_only=forward_only,
+        data=data,
+    )
     result = engine.forward_backward(request)
     params = engine._clients["c"].params
     grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
@@ -83,8 +96,10 @@ def test_packed_forward_backward_equals_one_datum_at_a_time(
 
 def test_an_empty_datum_gets_empty_outputs(engine: Engine) -> None:
     data = _data(engine.vocab_size)[:2]
-    empty = WireDatum(tokens=np.zeros(0, np.int64), inputs={
-        k: np.zeros(0, v.dtype) for k, v in data[0].inputs.items()})  # fmt: skip
+    empty = WireDatum(
+        tokens=np.zeros(0, np.int64),
+        inputs={k: np.zeros(0, v.dtype) for k, v in data[0].inputs.items()},
+    )
     outputs, loss, _ = _run(engine, [data[0], empty, data[1]], forward_only=True)
     both, both_loss, _ = _run(engine, data, forward_only=True)
     assert outputs[1]["logprobs"].shape == (0,) and outputs[1]["elementwise_loss"].shape == (0,)

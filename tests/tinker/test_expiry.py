@@ -146,8 +146,9 @@ def test_a_client_that_does_not_fit_waits_for_a_quiet_session_to_expire() -> Non
         async with anyio.create_task_group() as tg:
             await tg.start(service.run)
             gone, alive, new = (service.new_session() for _ in range(3))
-            models = [TrainingModel(f"{s.session_id}_m0", s.session_id, 1)
-                      for s in (gone, alive, new)]  # fmt: skip
+            models = [
+                TrainingModel(f"{s.session_id}_m0", s.session_id, 1) for s in (gone, alive, new)
+            ]
 
             async def heartbeats() -> None:
                 while True:  # the waiting client's session heartbeats too, as the SDK's does

@@ -23,8 +23,15 @@ def _fleet(replicas: list, model: Path, work: Path, **overrides: object) -> Iter
     with start_blocking_portal() as portal, contextlib.ExitStack() as stack:
         proxy_cfg = ProxyConfig(upstreams=tuple(r.url for r in replicas), port=0)
         proxy_url = stack.enter_context(portal.wrap_async_context_manager(serve_proxy(proxy_cfg)))
-        config = TinkerConfig(model=str(model), port=0, max_lora_rank=8, proxy_url=proxy_url,
-                              work_dir=str(work), sampler_keep=1, **overrides)  # fmt: skip
+        config = TinkerConfig(
+            model=str(model),
+            port=0,
+            max_lora_rank=8,
+            proxy_url=proxy_url,
+            work_dir=str(work),
+            sampler_keep=1,
+            **overrides,
+        )
         yield stack.enter_context(portal.wrap_async_context_manager(serve_tinker(config)))
 
 
@@ -35,14 +42,17 @@ def test_replicas_fetch_sampler_weights_from_the_transport(
     from tinker import types
 
     work, store = tmp_path / "work", tmp_path / "transport"  # the replicas may fetch from it
-    with _fleet(vllm_replicas, tiny_model, work, transport_url=str(store),
-                adapter_delivery="fetch") as url:  # fmt: skip
+    with _fleet(
+        vllm_replicas, tiny_model, work, transport_url=str(store), adapter_delivery="fetch"
+    ) as url:
         service = tinker.ServiceClient(base_url=url)
         training = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
         tokenizer = training.get_tokenizer()
         ids = tokenizer.encode("12 + 7 = 19")
-        datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
-                            loss_fn_inputs={"target_tokens": ids[1:]})  # fmt: skip
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(ids[:-1]),
+            loss_fn_inputs={"target_tokens": ids[1:]},
+        )
         training.forward_backward([datum], "cross_entropy")
         training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
         sampler = training.save_weights_and_get_sampling_client().result()
@@ -64,6 +74,11 @@ def test_fetch_from_a_transport_the_replicas_may_not_read_is_refused_at_start(
 
     with tempfile.TemporaryDirectory() as elsewhere:  # outside what the replicas allow
         with pytest.raises(ConfigError, match=r"may not fetch adapters from .*--transport"):
-            with _fleet(vllm_replicas, tiny_model, tmp_path, transport_url=elsewhere,
-                        adapter_delivery="fetch"):  # fmt: skip
+            with _fleet(
+                vllm_replicas,
+                tiny_model,
+                tmp_path,
+                transport_url=elsewhere,
+                adapter_delivery="fetch",
+            ):
                 pass

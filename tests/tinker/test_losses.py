@@ -24,8 +24,9 @@ def test_cross_entropy_is_minus_weighted_logprob() -> None:
 
 
 def test_importance_sampling_is_minus_ratio_times_advantage() -> None:
-    loss = token_loss("importance_sampling", LOGP, {"logprobs": Q, "advantages": ADV,
-                                                    "target_tokens": TARGETS})  # fmt: skip
+    loss = token_loss(
+        "importance_sampling", LOGP, {"logprobs": Q, "advantages": ADV, "target_tokens": TARGETS}
+    )
     expected = [-math.exp(0.1) * 1.0, -math.exp(-0.2) * -2.0, -1.0 * 0.5]
     assert loss.tolist() == pytest.approx(expected, rel=1e-6)
 
@@ -43,8 +44,9 @@ def test_ppo_clips_the_ratio_pessimistically() -> None:
 
 def test_gradient_of_importance_sampling_is_minus_ratio_advantage() -> None:
     logp = LOGP.clone().requires_grad_(True)
-    token_loss("importance_sampling", logp, {"logprobs": Q, "advantages": ADV,
-                                             "target_tokens": TARGETS}).sum().backward()  # fmt: skip
+    token_loss(
+        "importance_sampling", logp, {"logprobs": Q, "advantages": ADV, "target_tokens": TARGETS}
+    ).sum().backward()
     assert logp.grad is not None
     assert logp.grad.tolist() == pytest.approx((-torch.exp(LOGP - Q) * ADV).tolist(), rel=1e-6)
 
@@ -58,8 +60,9 @@ def _grad(name: str, logp: torch.Tensor, inputs: dict, config: dict | None = Non
 
 # logp is -1 everywhere and q is set so that the ratios are 0.5, 2, 2 and 0.5
 LOGP1 = torch.full((4,), -1.0)
-Q_RATIOS = torch.tensor([-1 + math.log(2.0), -1 - math.log(2.0), -1 - math.log(2.0),
-                         -1 + math.log(2.0)])  # fmt: skip
+Q_RATIOS = torch.tensor(
+    [-1 + math.log(2.0), -1 - math.log(2.0), -1 - math.log(2.0), -1 + math.log(2.0)]
+)
 ADV_PM = torch.tensor([1.0, 1.0, -1.0, -1.0])
 
 
@@ -86,8 +89,12 @@ def test_dro_is_reward_minus_a_quadratic_penalty() -> None:
 def test_gspo_gives_every_token_the_sequence_ratio_and_its_own_gradient() -> None:
     logp = torch.full((3,), -1.0)
     q = torch.tensor([-1 - math.log(2.0), -1.0, -1 + math.log(2.0)])
-    inputs = {"logprobs": q, "advantages": torch.tensor([1.0, 1.0, -1.0]),
-              "sequence_ratio_mask": torch.tensor([0.0, 1.0, 1.0]), "target_tokens": TARGETS}  # fmt: skip
+    inputs = {
+        "logprobs": q,
+        "advantages": torch.tensor([1.0, 1.0, -1.0]),
+        "sequence_ratio_mask": torch.tensor([0.0, 1.0, 1.0]),
+        "target_tokens": TARGETS,
+    }
     # log ratios ln2, 0, -ln2; over the mask (positions 1, 2) their mean is -ln2/2: s = 2^-0.5
     s = 2**-0.5
     # A = 1: -min(s, clip(s)=0.8) = -s; A = -1: -min(-s, -0.8) = 0.8 (clipped)
@@ -99,8 +106,12 @@ def test_gspo_gives_every_token_the_sequence_ratio_and_its_own_gradient() -> Non
 def test_stable_reinforce_is_importance_sampling_plus_the_trust_term_on_sampled_tokens() -> None:
     logp = torch.tensor([-1.0, -2.0, -0.5])
     q = torch.tensor([-1.2, -2.0, -0.9])
-    inputs = {"logprobs": q, "advantages": torch.tensor([1.0, 0.0, 0.0]),
-              "trained": torch.tensor([1.0, 1.0, 0.0]), "target_tokens": TARGETS}  # fmt: skip
+    inputs = {
+        "logprobs": q,
+        "advantages": torch.tensor([1.0, 0.0, 0.0]),
+        "trained": torch.tensor([1.0, 1.0, 0.0]),
+        "target_tokens": TARGETS,
+    }
     r0 = math.exp(0.2)
     assert token_loss("stable_reinforce", logp, inputs).tolist() == pytest.approx([-r0, 0, 0])
     # kl_coeff 0.5: + 0.25 * (logp - q)^2 where sampled: 0.25 * 0.04 at 0; 0 at 1; not at 2
@@ -113,8 +124,11 @@ def test_stable_reinforce_is_importance_sampling_plus_the_trust_term_on_sampled_
 
 def test_ppo_takes_the_same_trust_term_with_kl_coeff() -> None:
     logp = torch.tensor([-1.0, -2.0])
-    inputs = {"logprobs": torch.tensor([-1.1, -1.0]), "advantages": torch.tensor([1.0, 0.0]),
-              "target_tokens": TARGETS[:2]}  # fmt: skip
+    inputs = {
+        "logprobs": torch.tensor([-1.1, -1.0]),
+        "advantages": torch.tensor([1.0, 0.0]),
+        "target_tokens": TARGETS[:2],
+    }
     plain = token_loss("ppo", logp, inputs).tolist()
     assert plain == pytest.approx([-math.exp(0.1), 0.0], rel=1e-6)
     # without provenance the trained positions are those with an advantage: position 1 has
@@ -128,8 +142,10 @@ def test_the_sampler_gap_is_the_cookbooks_kl_estimate_on_trained_tokens() -> Non
 
     from asyncgrpo.tinker.losses import sampler_gap
 
-    inputs = [{"logprobs": np.array([0.0, -1.0, -2.0]), "advantages": np.array([0.0, 1.0, 1.0])},
-              {"logprobs": np.array([-0.5]), "advantages": np.array([0.0])}]  # fmt: skip
+    inputs = [
+        {"logprobs": np.array([0.0, -1.0, -2.0]), "advantages": np.array([0.0, 1.0, 1.0])},
+        {"logprobs": np.array([-0.5]), "advantages": np.array([0.0])},
+    ]
     trained = [None, np.array([1.0])]
     logprobs = [np.array([-9.0, -1.5, -1.0]), np.array([-0.7])]
     gap = sampler_gap("importance_sampling", inputs, trained, logprobs)

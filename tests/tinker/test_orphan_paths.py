@@ -44,8 +44,14 @@ def test_an_ended_client_s_versions_load_back_one_at_a_time(tmp_path: Path) -> N
     from asyncgrpo.tinker.sampling import Sampler
 
     proxy = FakeProxy()
-    sampler = Sampler(proxy, AdapterStore(str(tmp_path)), base_model="base",  # type: ignore[arg-type]
-                      cache_dir=tmp_path / "cache", keep=1, fetching=True)  # fmt: skip
+    sampler = Sampler(
+        proxy,
+        AdapterStore(str(tmp_path)),
+        base_model="base",  # type: ignore[arg-type]
+        cache_dir=tmp_path / "cache",
+        keep=1,
+        fetching=True,
+    )
 
     async def body() -> None:
         await sampler.ensure_loaded("run-a-v1")
@@ -68,8 +74,15 @@ def test_ended_clients_slots_are_given_back_least_recently_used_first(tmp_path: 
     from asyncgrpo.tinker.sampling import Sampler, SlotsFull
 
     proxy = FakeProxy(max_loras=4)
-    sampler = Sampler(proxy, AdapterStore(str(tmp_path)), base_model="base",  # type: ignore[arg-type]
-                      cache_dir=tmp_path / "cache", keep=1, fetching=True, max_loras=4)  # fmt: skip
+    sampler = Sampler(
+        proxy,
+        AdapterStore(str(tmp_path)),
+        base_model="base",  # type: ignore[arg-type]
+        cache_dir=tmp_path / "cache",
+        keep=1,
+        fetching=True,
+        max_loras=4,
+    )
 
     async def body() -> None:
         await sampler.book("live")  # keep + 1 = 2 slots
@@ -82,8 +95,11 @@ def test_ended_clients_slots_are_given_back_least_recently_used_first(tmp_path: 
         assert proxy.served == {"old-a-v1", "old-c-v1"}
         await sampler.book("new")  # a new live client takes both ended clients' slots
         assert proxy.bookings == {"live": 2, "new": 2} and proxy.served == set()
-        with pytest.raises(SlotsFull, match=r"needs 2 \(--sampler-keep 1 \+ 1\).*--max-loras 4 "
-                                            r"are taken by 2 live training client"):  # fmt: skip
+        with pytest.raises(
+            SlotsFull,
+            match=r"needs 2 \(--sampler-keep 1 \+ 1\).*--max-loras 4 "
+            r"are taken by 2 live training client",
+        ):
             await sampler.book("third")
         await sampler.ensure_loaded("old-b-v2")  # sampled again: refused the same way, nothing
         # of the live clients is given back for an ended one

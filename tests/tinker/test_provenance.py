@@ -24,17 +24,20 @@ def _datum(advantages: list[float]) -> WireDatum:
     """rl_loop's layout: input = prompt + sampled[:-1]; targets = prompt[1:] + sampled."""
     return WireDatum(
         tokens=np.array([10, 11, 12, 20]),
-        inputs={"target_tokens": np.array([11, 12, 20, 21]),
-                "logprobs": np.zeros(4, np.float32),
-                "advantages": np.array(advantages, np.float32)},
+        inputs={
+            "target_tokens": np.array([11, 12, 20, 21]),
+            "logprobs": np.zeros(4, np.float32),
+            "advantages": np.array(advantages, np.float32),
+        },
         input_spans=(Span("prompt", "seq-a", 0, 3), Span("sampled", "seq-a", 0, 1)),
         target_spans=(Span("prompt", "seq-a", 1, 2), Span("sampled", "seq-a", 0, 2)),
-    )  # fmt: skip
+    )
 
 
 def _request(loss: str, datum: WireDatum) -> FwdBwdRequest:
-    return FwdBwdRequest(model_id="m", seq_id=0, loss_fn=loss, loss_fn_config={},
-                         forward_only=False, data=[datum])  # fmt: skip
+    return FwdBwdRequest(
+        model_id="m", seq_id=0, loss_fn=loss, loss_fn_config={}, forward_only=False, data=[datum]
+    )
 
 
 def test_stable_reinforce_reads_the_recorded_logprobs_and_trains_the_sampled_tokens() -> None:
@@ -47,8 +50,9 @@ def test_stable_reinforce_reads_the_recorded_logprobs_and_trains_the_sampled_tok
 def test_another_loss_takes_only_which_positions_were_sampled() -> None:
     """rl.train attaches spans to every datum whatever its loss; importance_sampling does not
     read records (the sequences need not have been recorded), only the sampled positions."""
-    (out,) = with_provenance(_request("importance_sampling", _datum([0, 0, 1, 1])),
-                             StabilityRecords(), "sess", now=1.0).data  # fmt: skip
+    (out,) = with_provenance(
+        _request("importance_sampling", _datum([0, 0, 1, 1])), StabilityRecords(), "sess", now=1.0
+    ).data
     assert out.inputs["logprobs"].tolist() == [0.0] * 4  # the datum's own, untouched
     assert out.trained is not None and out.trained.tolist() == [0.0, 0.0, 1.0, 1.0]
 

@@ -23,8 +23,9 @@ def test_fewer_datums_than_ranks_leave_ranks_empty() -> None:
 
 
 def _result(indices: list[int], loss: float) -> FwdBwdResult:
-    return FwdBwdResult(outputs=[{"logprobs": np.full(2, float(i))} for i in indices],
-                        metrics={"loss:sum": loss})  # fmt: skip
+    return FwdBwdResult(
+        outputs=[{"logprobs": np.full(2, float(i))} for i in indices], metrics={"loss:sum": loss}
+    )
 
 
 def test_outputs_come_back_in_the_request_order() -> None:

@@ -38,8 +38,9 @@ def _trained(service, model: str, rank: int = 2, steps: int = 2):
 
     training = service.create_lora_training_client(base_model=model, rank=rank, seed=1).result()
     ids = training.get_tokenizer().encode(TEXT)
-    datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
-                        loss_fn_inputs={"target_tokens": ids[1:]})  # fmt: skip
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]}
+    )
     for _ in range(steps):
         training.forward_backward([datum], "cross_entropy")
         training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
@@ -69,8 +70,11 @@ def test_saved_states_are_listed_and_found_by_path(clients, own) -> None:
     assert all(c.size_bytes and c.size_bytes > 0 for c in listed)
     run = rest.get_training_run(run_id).result()
     assert (run.training_run_id, run.base_model, run.lora_rank, run.is_lora) == (
-        run_id, own.model, 2, True
-    )  # fmt: skip
+        run_id,
+        own.model,
+        2,
+        True,
+    )
     assert run.last_checkpoint.tinker_path == second and run.last_sampler_checkpoint is None
     assert rest.get_training_run_by_tinker_path(first).result().training_run_id == run_id
     assert run_id in [
@@ -81,8 +85,12 @@ def test_saved_states_are_listed_and_found_by_path(clients, own) -> None:
     assert newest.cursor.total_count >= 2
     info = rest.get_weights_info_by_tinker_path(first).result()
     assert (info.base_model, info.is_lora, info.lora_rank, info.train_mlp, info.train_attn) == (
-        own.model, True, 2, True, True
-    )  # fmt: skip
+        own.model,
+        True,
+        2,
+        True,
+        True,
+    )
     with pytest.warns(FutureWarning):  # the SDK's deprecated spelling reaches the same routes
         assert service.create_rest_client().get_training_run(run_id).result().lora_rank == 2
 
@@ -112,8 +120,11 @@ def test_a_checkpoint_past_its_ttl_is_gone(clients, own, work) -> None:
     training, _ = _trained(service, own.model, steps=1)
     short = training.save_state("short", ttl_seconds=1).result().path
     kept = training.save_state("kept").result().path
-    (listed,) = [c for c in rest.list_checkpoints(training.model_id).result().checkpoints
-                 if c.tinker_path == short]  # fmt: skip
+    (listed,) = [
+        c
+        for c in rest.list_checkpoints(training.model_id).result().checkpoints
+        if c.tinker_path == short
+    ]
     assert listed.expires_at is not None
     rest.set_checkpoint_ttl_from_tinker_path(kept, 2).result()
     rest.set_checkpoint_ttl_from_tinker_path(kept, None).result()  # never expires again

@@ -45,8 +45,10 @@ def test_reward_rises_past_a_half_within_forty_steps_on_two_seeds_at_once(
         assert proc.returncode == 0, err[-3000:]
         rewards = json.loads(out.strip().splitlines()[-1])["rewards"]
         first = next((i for i, r in enumerate(rewards) if r > 0.5), None)
-        print(f"seed {seed}: first step above 0.5: {first}; rewards "
-              f"{' '.join(f'{r:.2f}' for r in rewards)}")  # fmt: skip
+        print(
+            f"seed {seed}: first step above 0.5: {first}; rewards "
+            f"{' '.join(f'{r:.2f}' for r in rewards)}"
+        )
         assert len(rewards) == STEPS
         assert first is not None, rewards
         assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.2, rewards

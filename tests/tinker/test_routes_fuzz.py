@@ -189,6 +189,9 @@ def test_a_path_with_a_line_break_is_quoted_back_on_one_line(http) -> None:
     client's or a log's reader may. Every refusal escapes what is not printable."""
     deep = b'{"x": ' + b"[" * 200 + b"]" * 200 + b"}"
     for sep in ("%1E", "%0A", "%E2%80%A8"):
-        r = http.put(f"/api/v1/training_runs/0/checkpoints/0/{sep}/ttl", content=deep,
-                     headers={"Content-Type": "application/json"})  # fmt: skip
+        r = http.put(
+            f"/api/v1/training_runs/0/checkpoints/0/{sep}/ttl",
+            content=deep,
+            headers={"Content-Type": "application/json"},
+        )
         assert r.status_code == 400 and len(r.text.strip().splitlines()) == 1, r.text[:300]

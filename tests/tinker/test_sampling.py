@@ -18,8 +18,9 @@ def _train(training, tokenizer, steps: int) -> None:
     from tinker import types
 
     ids = tokenizer.encode("12 + 7 = 19")
-    datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
-                        loss_fn_inputs={"target_tokens": ids[1:]})  # fmt: skip
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]}
+    )
     for _ in range(steps):
         training.forward_backward([datum], "cross_entropy")
         training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
@@ -43,8 +44,10 @@ def test_sampled_logprobs_equal_the_training_clients_forward(fleet, tiny_model: 
     gaps, moved = [], []
     for seq in response.sequences:
         full = prompt + list(seq.tokens)
-        datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                            loss_fn_inputs={"target_tokens": full[1:]})  # fmt: skip
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(full[:-1]),
+            loss_fn_inputs={"target_tokens": full[1:]},
+        )
         out = training.forward([datum], "cross_entropy").result()
         trained = out.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1 :]
         gaps.append(np.abs(trained - np.asarray(seq.logprobs)).max())
@@ -55,8 +58,10 @@ def test_sampled_logprobs_equal_the_training_clients_forward(fleet, tiny_model: 
     full = prompt + list(response.sequences[0].tokens)
     scored = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
     assert scored[0] is None
-    datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                        loss_fn_inputs={"target_tokens": full[1:]})  # fmt: skip
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={"target_tokens": full[1:]},
+    )
     forward = training.forward([datum], "cross_entropy").result()
     expected = forward.loss_fn_outputs[0]["logprobs"].to_numpy()
     assert np.abs(np.asarray(scored[1:]) - expected).max() <= 1e-4
@@ -184,19 +189,22 @@ def _rl_datum(prompt: list[int], seq, advantage: float):
     n_prompt = len(prompt)
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(prompt + tokens[:-1]),
-        loss_fn_inputs={"target_tokens": prompt[1:] + tokens,
-                        "logprobs": [0.0] * (n_prompt - 1) + list(seq.logprobs),
-                        "advantages": [0.0] * (n_prompt - 1) + [advantage] * len(tokens)},
-    )  # fmt: skip
+        loss_fn_inputs={
+            "target_tokens": prompt[1:] + tokens,
+            "logprobs": [0.0] * (n_prompt - 1) + list(seq.logprobs),
+            "advantages": [0.0] * (n_prompt - 1) + [advantage] * len(tokens),
+        },
+    )
     return datum.with_provenance(
-        model_input=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=n_prompt),
-                     types.SampledProvenanceSpan(sequence_id=seq.sequence_id,
-                                                 length=len(tokens) - 1)],
-        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1,
-                                                   length=n_prompt - 1),
-                        types.SampledProvenanceSpan(sequence_id=seq.sequence_id,
-                                                    length=len(tokens))],
-    )  # fmt: skip
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=n_prompt),
+            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(tokens) - 1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=n_prompt - 1),
+            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(tokens)),
+        ],
+    )
 
 
 def test_stable_reinforce_trains_on_what_the_sampler_recorded(fleet, tiny_model: Path) -> None:
@@ -219,9 +227,12 @@ def test_stable_reinforce_trains_on_what_the_sampler_recorded(fleet, tiny_model:
     assert len({s.sequence_id for s in seqs}) == 4
     data = [_rl_datum(prompt, s, a) for s, a in zip(seqs, [1.0, -1.0, 0.5, -0.5], strict=True)]
     # the datum's own logprobs are ignored: zeros here change nothing
-    blank = [dataclasses.replace(d, loss_fn_inputs={**d.loss_fn_inputs,
-                                                    "logprobs": [0.0] * d.model_input.length})
-             for d in data]  # fmt: skip
+    blank = [
+        dataclasses.replace(
+            d, loss_fn_inputs={**d.loss_fn_inputs, "logprobs": [0.0] * d.model_input.length}
+        )
+        for d in data
+    ]
     out = training.forward_backward(blank, "stable_reinforce").result()
     expected = 0.0
     for seq, datum, o in zip(seqs, data, out.loss_fn_outputs, strict=True):
@@ -234,8 +245,9 @@ def test_stable_reinforce_trains_on_what_the_sampler_recorded(fleet, tiny_model:
     assert step.metrics["kl_sample_train_v2:mean"] < 1e-6
     bad = data[0].loss_fn_inputs["target_tokens"].to_numpy().copy()
     bad[-1] = (bad[-1] + 1) % 300
-    tampered = dataclasses.replace(data[0], loss_fn_inputs={**data[0].loss_fn_inputs,
-                                                            "target_tokens": bad.tolist()})  # fmt: skip
+    tampered = dataclasses.replace(
+        data[0], loss_fn_inputs={**data[0].loss_fn_inputs, "target_tokens": bad.tolist()}
+    )
     with pytest.raises(tinker.BadRequestError, match=r"target_tokens\[\d+\] is .* sampled token"):
         training.forward_backward([tampered], "stable_reinforce").result()
     plain = training.save_weights_and_get_sampling_client().result()  # records nothing
@@ -255,16 +267,24 @@ def test_topk_and_target_prompt_logprobs_agree_with_the_prompt_logprobs(
 
     service = tinker.ServiceClient(base_url=fleet)
     sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
-    tokenizer = service.create_lora_training_client(base_model=str(tiny_model), rank=1).result(
-    ).get_tokenizer()  # fmt: skip
+    tokenizer = (
+        service.create_lora_training_client(base_model=str(tiny_model), rank=1)
+        .result()
+        .get_tokenizer()
+    )
     prompt = tokenizer.encode("3 + 4 = 7")
     n = len(prompt)
     # ask, at every position, for the prompt's own token and for token 5
     targets = np.stack([np.asarray(prompt[1:]), np.full(n - 1, 5)], axis=1).astype(np.int64)
-    out = sampler.sample(types.ModelInput.from_ints(prompt), 2,
-                         types.SamplingParams(max_tokens=3, seed=0), include_prompt_logprobs=True,
-                         topk_prompt_logprobs=3, topk_sample_logprobs=2,
-                         target_prompt_logprobs=tinker.TensorData.from_numpy(targets)).result()  # fmt: skip
+    out = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        2,
+        types.SamplingParams(max_tokens=3, seed=0),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=3,
+        topk_sample_logprobs=2,
+        target_prompt_logprobs=tinker.TensorData.from_numpy(targets),
+    ).result()
     own = np.asarray(out.prompt_logprobs[1:], dtype=np.float64)
     scored = out.target_prompt_logprobs.to_numpy()
     assert scored.shape == (n - 1, 2)
@@ -276,8 +296,9 @@ def test_topk_and_target_prompt_logprobs_agree_with_the_prompt_logprobs(
         assert mine == [pytest.approx(lp, abs=1e-4)] if mine else lp <= values[-1] + 1e-4
     for seq in out.sequences:
         assert len(seq.topk_logprobs) == len(seq.tokens)
-        for (token, lp), top in zip(zip(seq.tokens, seq.logprobs, strict=True), seq.topk_logprobs,
-                                    strict=True):  # fmt: skip
+        for (token, lp), top in zip(
+            zip(seq.tokens, seq.logprobs, strict=True), seq.topk_logprobs, strict=True
+        ):
             assert top[0][1] >= top[1][1] and top[0][1] >= lp - 1e-4
             if token == top[0][0]:
                 assert top[0][1] == pytest.approx(lp, abs=1e-4)
@@ -293,10 +314,18 @@ def test_requests_past_the_replicas_limits_are_bad_requests_naming_them(
     service = tinker.ServiceClient(base_url=fleet)
     sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
     prompt = types.ModelInput.from_ints([5, 6, 7])
-    with pytest.raises(tinker.BadRequestError, match=r"max_tokens=5000 make 5003: .*--max-model-"
-                                                     r"len is 1024.*lower max_tokens"):  # fmt: skip
+    with pytest.raises(
+        tinker.BadRequestError,
+        match=r"max_tokens=5000 make 5003: .*--max-model-"
+        r"len is 1024.*lower max_tokens",
+    ):
         sampler.sample(prompt, 1, types.SamplingParams(max_tokens=5000)).result()
     with pytest.raises(tinker.BadRequestError, match=r"at most 20 top logprobs .*--max-logprobs"):
-        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), topk_prompt_logprobs=50,
-                       include_prompt_logprobs=True).result()  # fmt: skip
+        sampler.sample(
+            prompt,
+            1,
+            types.SamplingParams(max_tokens=1),
+            topk_prompt_logprobs=50,
+            include_prompt_logprobs=True,
+        ).result()
     service.close("success").result()

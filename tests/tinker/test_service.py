@@ -93,8 +93,9 @@ def test_requests_from_web_pages_are_refused(served) -> None:
 
     async def body() -> None:
         async with httpx.AsyncClient() as client:
-            r = await client.get(f"{served.url}/api/v1/healthz",
-                                 headers={"Origin": "https://evil.example"})  # fmt: skip
+            r = await client.get(
+                f"{served.url}/api/v1/healthz", headers={"Origin": "https://evil.example"}
+            )
             assert r.status_code == 403
             assert (await client.get(f"{served.url}/api/v1/healthz")).json() == {"status": "ok"}
 

@@ -19,8 +19,13 @@ import pytest
 def _start(args: list[str]) -> tuple[subprocess.Popen[str], str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("TINKER_API_KEY", None)  # loopback: no key needed server-side
-    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("tinker service ready: "):
@@ -45,9 +50,12 @@ def test_the_command_serves_the_sdk_and_stops_on_sigterm(tiny_model: Path, comma
 
 
 def test_a_bad_flag_is_one_line_and_status_2() -> None:
-    r = subprocess.run([sys.executable, "-m", "asyncgrpo", "tinker", "--model", "m", "--host",
-                        "0.0.0.0"], capture_output=True, text=True, env={**os.environ,
-                        "TINKER_API_KEY": ""})  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "asyncgrpo", "tinker", "--model", "m", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TINKER_API_KEY": ""},
+    )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "asyncgrpo tinker: error: tinker.host='0.0.0.0' is reachable from other machines: set "
@@ -72,8 +80,11 @@ def _running(args: list[str], leftovers: list) -> Iterator[_Running]:
 
     proc, url = _start(args)
     leftovers.append(psutil.Process(proc.pid))
-    replicas = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                if "vllm" in " ".join(p.cmdline())]  # fmt: skip
+    replicas = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "vllm" in " ".join(p.cmdline())
+    ]
     running = _Running(proc, url, replicas)
     try:
         yield running
@@ -112,8 +123,9 @@ def _train_and_save(service, model: Path) -> tuple[str, list[int], list[int]]:
 
     training = service.create_lora_training_client(base_model=str(model), rank=8).result()
     ids = training.get_tokenizer().encode("12 + 7 = 19")
-    datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
-                        loss_fn_inputs={"target_tokens": ids[1:]})  # fmt: skip
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]}
+    )
     for _ in range(2):
         training.forward_backward([datum], "cross_entropy")
         training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
@@ -144,14 +156,19 @@ def test_a_sampler_path_samples_the_same_after_the_service_restarts(
         service = tinker.ServiceClient(base_url=first.url)
         path, prompt, scored = _train_and_save(service, tiny_model)  # sampled while live
         before = _greedy(service.create_sampling_client(model_path=path).result(), prompt, scored)
-        base = _greedy(service.create_sampling_client(base_model=str(tiny_model)).result(),
-                       prompt, scored)  # fmt: skip
+        base = _greedy(
+            service.create_sampling_client(base_model=str(tiny_model)).result(), prompt, scored
+        )
         service.close("success").result()
     _stopped_cleanly(first)
     assert (tmp_path / "work" / "replica-logs").is_dir()
     assert np.abs(before[2] - base[2]).max() > 1e-3  # the adapter, not the base model, serves
-    copies = [f for d in ("cache", "replica-adapters") for f in (tmp_path / "work" / d).rglob("*")
-              if f.is_file()]  # fmt: skip
+    copies = [
+        f
+        for d in ("cache", "replica-adapters")
+        for f in (tmp_path / "work" / d).rglob("*")
+        if f.is_file()
+    ]
     assert not copies, f"copies outside the transport outlived the stop: {copies}"
     with _running([*common, "--upstream", vllm_replicas[0].url], leftovers) as second:
         service = tinker.ServiceClient(base_url=second.url)
@@ -170,9 +187,21 @@ def test_a_sampler_path_samples_the_same_after_the_service_restarts(
 
 
 def test_replicas_beside_a_proxy_url_is_one_line_and_status_2() -> None:
-    r = subprocess.run([sys.executable, "-m", "asyncgrpo.tinker", "--model", "m", "--replicas",
-                        "1", "--proxy-url", "http://127.0.0.1:9"], capture_output=True,
-                       text=True)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncgrpo.tinker",
+            "--model",
+            "m",
+            "--replicas",
+            "1",
+            "--proxy-url",
+            "http://127.0.0.1:9",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "python -m asyncgrpo.tinker: error: tinker.proxy_url and tinker.replicas/upstreams both "

@@ -14,9 +14,10 @@ def _datum(tokenizer, text: str):
     from tinker import types
 
     ids = tokenizer.encode(text)
-    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
-                       loss_fn_inputs={"target_tokens": ids[1:],
-                                       "weights": [1.0] * (len(ids) - 1)})  # fmt: skip
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+    )
 
 
 def _client(service_client, served, rank: int = 4, seed: int = 0):
@@ -56,8 +57,11 @@ def test_each_loss_is_its_formula_over_the_forward_logprobs(service_client, serv
     rng = np.random.default_rng(0)
     q = (logp + rng.normal(0, 0.3, n)).astype(np.float32)
     adv = rng.normal(0, 1, n).astype(np.float32)
-    inputs = {"target_tokens": targets, "logprobs": TensorData.from_numpy(q),
-              "advantages": TensorData.from_numpy(adv)}  # fmt: skip
+    inputs = {
+        "target_tokens": targets,
+        "logprobs": TensorData.from_numpy(q),
+        "advantages": TensorData.from_numpy(adv),
+    }
     datum = types.Datum(model_input=base.model_input, loss_fn_inputs=inputs)
     ratio = np.exp(logp.astype(np.float64) - q)
     got = training.forward([datum], "importance_sampling").result().metrics["loss:sum"]
@@ -101,9 +105,14 @@ def _custom(name: str, q: np.ndarray, adv: np.ndarray, mask: np.ndarray, config:
 
 @pytest.mark.parametrize(
     ("name", "config"),
-    [("cispo", {}), ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
-     ("dro", {"beta": 0.5}), ("gspo", {}), ("ppo", {"kl_coeff": 0.3})],
-)  # fmt: skip
+    [
+        ("cispo", {}),
+        ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
+        ("dro", {"beta": 0.5}),
+        ("gspo", {}),
+        ("ppo", {"kl_coeff": 0.3}),
+    ],
+)
 def test_each_new_loss_matches_its_formula_in_value_and_gradient(
     service_client, served, name: str, config: dict
 ) -> None:
@@ -125,8 +134,11 @@ def test_each_new_loss_matches_its_formula_in_value_and_gradient(
     adv = rng.normal(0, 1, n).astype(np.float32)
     adv[0] = 0.0
     mask = (np.arange(n) >= 2).astype(np.float32)
-    inputs = {"target_tokens": base.loss_fn_inputs["target_tokens"],
-              "logprobs": TensorData.from_numpy(q), "advantages": TensorData.from_numpy(adv)}  # fmt: skip
+    inputs = {
+        "target_tokens": base.loss_fn_inputs["target_tokens"],
+        "logprobs": TensorData.from_numpy(q),
+        "advantages": TensorData.from_numpy(adv),
+    }
     if name == "gspo":
         inputs["sequence_ratio_mask"] = TensorData.from_numpy(mask)
     datum = types.Datum(model_input=base.model_input, loss_fn_inputs=inputs)
@@ -136,8 +148,10 @@ def test_each_new_loss_matches_its_formula_in_value_and_gradient(
     assert got == pytest.approx(want.metrics["loss:sum"], rel=1e-4, abs=1e-6)
     builtin.optim_step(step).result()
     custom.optim_step(step).result()
-    after = [c.forward([base], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
-             for c in (builtin, custom)]  # fmt: skip
+    after = [
+        c.forward([base], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        for c in (builtin, custom)
+    ]
     moved = np.abs(after[0] - logp.to_numpy()).max()
     assert moved > 1e-3  # the step did something, so the comparison below could fail
     assert np.abs(after[0] - after[1]).max() < 1e-3 * moved
@@ -154,15 +168,19 @@ def test_bad_input_is_refused_and_the_client_keeps_its_state(service_client, ser
     training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
     before = training.forward([good], "cross_entropy").result().metrics["loss:sum"]
     targets = good.loss_fn_inputs["target_tokens"]
-    short = types.Datum(model_input=good.model_input,
-                        loss_fn_inputs={"target_tokens": targets, "weights": [1.0] * 2})  # fmt: skip
+    short = types.Datum(
+        model_input=good.model_input,
+        loss_fn_inputs={"target_tokens": targets, "weights": [1.0] * 2},
+    )
     with pytest.raises(
         tinker.BadRequestError,
         match=r"weights'\] has shape \[2\] .* give one value per input token",
     ):
         training.forward_backward([short], "cross_entropy").result()
-    rl = types.Datum(model_input=good.model_input,
-                     loss_fn_inputs={"target_tokens": targets, "advantages": [1.0] * len(targets.data)})  # fmt: skip
+    rl = types.Datum(
+        model_input=good.model_input,
+        loss_fn_inputs={"target_tokens": targets, "advantages": [1.0] * len(targets.data)},
+    )
     with pytest.raises(tinker.BadRequestError, match="datum 0 has no provenance: loss stable_re"):
         training.forward_backward([rl], "stable_reinforce").result()
     with pytest.raises(tinker.BadRequestError, match="loss_fn_config key 'beta' is not read by"):

@@ -20,10 +20,12 @@ def test_a_sample_response_reads_back_in_the_sdk() -> None:
     from tinker.proto.response_conv import deserialize_sample_response
 
     result = SampleResult(
-        sequences=[SampledSeq(np.array([4, 5, 6]), np.array([-0.5, -1.5, -0.25]), "stop"),
-                   SampledSeq(np.array([7]), np.array([-2.0]), "length")],
+        sequences=[
+            SampledSeq(np.array([4, 5, 6]), np.array([-0.5, -1.5, -0.25]), "stop"),
+            SampledSeq(np.array([7]), np.array([-2.0]), "length"),
+        ],
         prompt_logprobs=np.array([np.nan, -1.0, -3.0], dtype=np.float32),
-    )  # fmt: skip
+    )
     response = deserialize_sample_response(encode_sample(result))
     assert [list(s.tokens) for s in response.sequences] == [[4, 5, 6], [7]]
     assert list(response.sequences[0].logprobs) == [-0.5, -1.5, -0.25]
@@ -36,10 +38,13 @@ def test_a_forward_backward_request_round_trips_through_the_sdks_encoder() -> No
     from tinker.proto.request_conv import forward_backward_request_to_proto
     from tinker.proto.response_conv import deserialize_forward_backward_output
 
-    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
-                        loss_fn_inputs={"target_tokens": [2, 3, 4],
-                                        "advantages": TensorData.from_numpy(
-                                            np.array([0.5, -1.0, 2.0], dtype=np.float32))})  # fmt: skip
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={
+            "target_tokens": [2, 3, 4],
+            "advantages": TensorData.from_numpy(np.array([0.5, -1.0, 2.0], dtype=np.float32)),
+        },
+    )
     request = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(
             data=[datum], loss_fn="ppo", loss_fn_config={"clip_low_threshold": 0.7}
@@ -52,9 +57,13 @@ def test_a_forward_backward_request_round_trips_through_the_sdks_encoder() -> No
     assert decoded.loss_fn_config == pytest.approx({"clip_low_threshold": 0.7})
     assert decoded.data[0].tokens.tolist() == [1, 2, 3]
     assert decoded.data[0].inputs["advantages"].tolist() == [0.5, -1.0, 2.0]
-    out = FwdBwdResult(outputs=[{"logprobs": np.array([-1.0, -2.0], dtype=np.float32)},
-                                {"logprobs": np.array([-3.0], dtype=np.float32)}],
-                       metrics={"loss:sum": 6.0})  # fmt: skip
+    out = FwdBwdResult(
+        outputs=[
+            {"logprobs": np.array([-1.0, -2.0], dtype=np.float32)},
+            {"logprobs": np.array([-3.0], dtype=np.float32)},
+        ],
+        metrics={"loss:sum": 6.0},
+    )
     back = deserialize_forward_backward_output(encode_fwdbwd(out))
     assert [o["logprobs"].tolist() for o in back.loss_fn_outputs] == [[-1.0, -2.0], [-3.0]]
     assert back.metrics == {"loss:sum": 6.0}
@@ -72,13 +81,19 @@ def test_provenance_spans_are_read_with_the_datum() -> None:
         model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
         loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "advantages": [0.0, 0.0, 1.0, 1.0]},
     ).with_provenance(
-        model_input=[types.PromptProvenanceSpan(sequence_id="s1", length=2),
-                     types.SampledProvenanceSpan(sequence_id="s1", length=2)],
-        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id="s1", offset=1, length=1),
-                        types.SampledProvenanceSpan(sequence_id="s1", length=3)],
-    )  # fmt: skip
-    plain = types.Datum(model_input=types.ModelInput.from_ints([1]),
-                        loss_fn_inputs={"target_tokens": [2], "advantages": [1.0]})  # fmt: skip
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id="s1", length=2),
+            types.SampledProvenanceSpan(sequence_id="s1", length=2),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id="s1", offset=1, length=1),
+            types.SampledProvenanceSpan(sequence_id="s1", length=3),
+        ],
+    )
+    plain = types.Datum(
+        model_input=types.ModelInput.from_ints([1]),
+        loss_fn_inputs={"target_tokens": [2], "advantages": [1.0]},
+    )
     request = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(
             data=[datum, plain], loss_fn="importance_sampling"

@@ -84,10 +84,20 @@ def simulate(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _simulate(model_dir, off_policy=off_policy, staleness=staleness, steps=steps,
-                         seed=seed, learning_rate=learning_rate, prompts=prompts, group=group,
-                         length=length, records=records, events=events or {},
-                         **overrides)  # fmt: skip
+        return _simulate(
+            model_dir,
+            off_policy=off_policy,
+            staleness=staleness,
+            steps=steps,
+            seed=seed,
+            learning_rate=learning_rate,
+            prompts=prompts,
+            group=group,
+            length=length,
+            records=records,
+            events=events or {},
+            **overrides,
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -147,10 +157,17 @@ def _simulate(
                 rows = range(k * group, (k + 1) * group)
                 advs = group_advantages([scores[i] for i in rows])
                 samples += [
-                    Sample(prompt_ids=prompt, completion_ids=ids[i], logprobs=lps[i],
-                           reward=scores[i], advantage=a, version=version, group_id=f"{step}-{k}")
+                    Sample(
+                        prompt_ids=prompt,
+                        completion_ids=ids[i],
+                        logprobs=lps[i],
+                        reward=scores[i],
+                        advantage=a,
+                        version=version,
+                        group_id=f"{step}-{k}",
+                    )
                     for i, a in zip(rows, advs, strict=True)
-                ]  # fmt: skip
+                ]
             with torch.no_grad():
                 for p, cur in zip(params, now, strict=True):
                     p.copy_(cur)
@@ -238,7 +255,12 @@ class When:
         self, event: Event, *, reach: float, window: int = 1, after: int = 0, count: int = 1
     ) -> None:
         self.event, self.reach, self.window, self.after, self.count = (
-            event, reach, window, after, count)  # fmt: skip
+            event,
+            reach,
+            window,
+            after,
+            count,
+        )
         self.rewards: list[float] = []
         self.steps: list[int] = []  #: the steps (0-based) it happened at
         self.reached: int | None = None

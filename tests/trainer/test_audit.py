@@ -21,9 +21,17 @@ A, B = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
 
 
 def _sample(tag: str, replica: str | None, n: int = 3, **kw) -> Sample:
-    return Sample(prompt_ids=[1, 2], completion_ids=list(range(10, 10 + n)),
-                  logprobs=kw.pop("logprobs", [-1.0] * n), reward=0.0, advantage=0.0,
-                  version=kw.pop("version", 0), group_id=tag, replica=replica, **kw)  # fmt: skip
+    return Sample(
+        prompt_ids=[1, 2],
+        completion_ids=list(range(10, 10 + n)),
+        logprobs=kw.pop("logprobs", [-1.0] * n),
+        reward=0.0,
+        advantage=0.0,
+        version=kw.pop("version", 0),
+        group_id=tag,
+        replica=replica,
+        **kw,
+    )
 
 
 def test_replica_key_is_one_metric_segment() -> None:
@@ -52,8 +60,9 @@ def test_recent_samples_bounded_per_replica_and_rotating() -> None:
 
 
 def test_by_version_splits_a_multi_turn_sample() -> None:
-    multi = _sample("m", A, n=4, version=2, versions=[2, 2, 3, 3],
-                    completion_mask=[True, False, True, True])  # fmt: skip
+    multi = _sample(
+        "m", A, n=4, version=2, versions=[2, 2, 3, 3], completion_mask=[True, False, True, True]
+    )
     env_only_v4 = _sample("e", A, n=2, version=1, versions=[1, 4], completion_mask=[True, False])
     plan = by_version([multi, env_only_v4, _sample("s", B, version=2)])
     assert {v: [s.group_id for s in g] for v, g in plan.items()} == {
@@ -69,8 +78,15 @@ def test_tally_metrics_per_replica_and_the_verdict_names_the_worst() -> None:
     tally.add(good, 0, [-1.0, -2.0005, -3.0])
     bad = _sample("b", B, version=3, logprobs=[-1.0, -2.0, -3.0])
     tally.add(bad, 3, [-1.2, -2.0, -3.05])
-    multi = _sample("m", B, n=3, version=3, versions=[3, 3, 4], completion_mask=[True, False, True],
-                    logprobs=[-1.0, 0.0, -1.0])  # fmt: skip
+    multi = _sample(
+        "m",
+        B,
+        n=3,
+        version=3,
+        versions=[3, 3, 4],
+        completion_mask=[True, False, True],
+        logprobs=[-1.0, 0.0, -1.0],
+    )
     tally.add(multi, 4, [-9.0, -9.0, -1.0])  # only the v4 token counts at v4
     m = tally.metrics()
     assert m["audit/tokens"] == 7
@@ -98,8 +114,9 @@ def test_a_nan_recomputed_logprob_fails_the_audit() -> None:
 
 def test_episode_names_the_replicas_that_served_it() -> None:
     def ep(replicas: list[str | None] | None) -> Episode:
-        return Episode(prompt_ids=[1], completion_ids=[2], logprobs=[0.0], version=0,
-                       replicas=replicas)  # fmt: skip
+        return Episode(
+            prompt_ids=[1], completion_ids=[2], logprobs=[0.0], version=0, replicas=replicas
+        )
 
     assert ep([A]).served_by == A
     assert ep([A, A, B, A]).served_by == f"{A}+{B}"
@@ -108,9 +125,13 @@ def test_episode_names_the_replicas_that_served_it() -> None:
 
 @pytest.mark.parametrize(
     ("key", "value", "message"),
-    [("action", "maybe", "trainer.audit.action='maybe'"), ("every", 0, "trainer.audit.every=0"),
-     ("samples", 0, "trainer.audit.samples=0"), ("tolerance", 0.0, "trainer.audit.tolerance=0")],
-)  # fmt: skip
+    [
+        ("action", "maybe", "trainer.audit.action='maybe'"),
+        ("every", 0, "trainer.audit.every=0"),
+        ("samples", 0, "trainer.audit.samples=0"),
+        ("tolerance", 0.0, "trainer.audit.tolerance=0"),
+    ],
+)
 def test_bad_audit_settings_are_one_line_errors(key: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         AuditConfig(**{key: value})
@@ -126,16 +147,23 @@ def test_tolerance_by_dtype() -> None:
 def _trainer(model_dir, **audit):
     from asyncgrpo.trainer.loop import Trainer
 
-    cfg = TrainerConfig(learning_rate=5e-2, token_budget=256, max_steps=5, dtype="float32",
-                        audit=AuditConfig(**audit))  # fmt: skip
+    cfg = TrainerConfig(
+        learning_rate=5e-2,
+        token_budget=256,
+        max_steps=5,
+        dtype="float32",
+        audit=AuditConfig(**audit),
+    )
     return Trainer(model_dir, lora=LoraConfig(r=4, alpha=8.0), trainer=cfg, device="cpu")
 
 
 def _served(trainer, samples, replica):
     """``samples`` as a replica would serve them: the trainer's current logprobs, tagged."""
     lps = trainer.logprobs(samples)
-    return [dataclasses.replace(s, logprobs=lp, replica=replica)
-            for s, lp in zip(samples, lps, strict=True)]  # fmt: skip
+    return [
+        dataclasses.replace(s, logprobs=lp, replica=replica)
+        for s, lp in zip(samples, lps, strict=True)
+    ]
 
 
 def test_logprobs_at_a_saved_version_and_the_weights_restored(tiny_model_dir, tmp_path) -> None:
@@ -149,8 +177,14 @@ def test_logprobs_at_a_saved_version_and_the_weights_restored(tiny_model_dir, tm
     after = [p.detach().clone() for p in trainer.params]
     assert trainer.logprobs(samples) != before  # the step moved the policy
     again = trainer.logprobs_at(samples, v0)
-    assert max(abs(a - b) for x, y in zip(again, before, strict=True)
-               for a, b in zip(x, y, strict=True)) < 1e-6  # fmt: skip
+    assert (
+        max(
+            abs(a - b)
+            for x, y in zip(again, before, strict=True)
+            for a, b in zip(x, y, strict=True)
+        )
+        < 1e-6
+    )
     assert all(torch.equal(p, q) for p, q in zip(trainer.params, after, strict=True))
     trainer.step(samples)  # the optimizer still drives the same parameters
 

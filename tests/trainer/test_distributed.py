@@ -32,8 +32,9 @@ def _step_samples(step: int):
 def _trainer_config(**overrides) -> TrainerConfig:
     # off_policy=none: the random behaviour logprobs put importance weights up to e^3 on
     # tokens, whose float32 noise AdamW then turns into ~1e-5 adapter differences
-    cfg = dict(learning_rate=5e-3, token_budget=96, max_steps=10, dtype="float32",
-               off_policy="none")  # fmt: skip
+    cfg = dict(
+        learning_rate=5e-3, token_budget=96, max_steps=10, dtype="float32", off_policy="none"
+    )
     cfg.update(overrides)
     return TrainerConfig(**cfg)
 
@@ -50,12 +51,23 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, world_size: int, port: int, model_dir: str, out: str, fsdp: bool):
     """One rank: rank 0 steps over fixed samples, the others follow; rank 0 saves the adapter."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     dp = DataParallel.from_env(timeout_s=60)
-    trainer = Trainer(model_dir, lora=LoraConfig(r=4, alpha=8.0), trainer=_trainer_config(fsdp=fsdp),
-                      seed=rank, device="cpu", dp=dp)  # fmt: skip
+    trainer = Trainer(
+        model_dir,
+        lora=LoraConfig(r=4, alpha=8.0),
+        trainer=_trainer_config(fsdp=fsdp),
+        seed=rank,
+        device="cpu",
+        dp=dp,
+    )
     if dp.is_main:
         metrics = [trainer.step(_step_samples(i)) for i in range(STEPS)]
         trainer.release()
@@ -73,8 +85,13 @@ def _run_ranks(model_dir: Path, tmp_path: Path, *, fsdp: bool = False) -> dict:
 
 @pytest.fixture(scope="module")
 def one_rank(tiny_model_dir) -> dict:
-    trainer = Trainer(tiny_model_dir, lora=LoraConfig(r=4, alpha=8.0), trainer=_trainer_config(),
-                      seed=0, device="cpu")  # fmt: skip
+    trainer = Trainer(
+        tiny_model_dir,
+        lora=LoraConfig(r=4, alpha=8.0),
+        trainer=_trainer_config(),
+        seed=0,
+        device="cpu",
+    )
     metrics = [trainer.step(_step_samples(i)) for i in range(STEPS)]
     return {"adapter": _adapter(trainer), "metrics": metrics}
 
@@ -89,9 +106,18 @@ def _assert_same(two: dict, one: dict) -> None:
         diff = float((two["adapter"][name] - value).abs().max())
         assert diff <= 5e-5, f"{name}: 2 ranks differ from 1 rank by {diff:.2e}"
     for m2, m1 in zip(two["metrics"], one["metrics"], strict=True):
-        for key in ("loss", "grad_norm", "ratio", "batch/completion_tokens", "batch/samples",
-                    "batch/tokens", "reward", "off_policy/weight_mean", "off_policy/weight_max",
-                    "off_policy/staleness_0/weight_max"):  # fmt: skip
+        for key in (
+            "loss",
+            "grad_norm",
+            "ratio",
+            "batch/completion_tokens",
+            "batch/samples",
+            "batch/tokens",
+            "reward",
+            "off_policy/weight_mean",
+            "off_policy/weight_max",
+            "off_policy/staleness_0/weight_max",
+        ):
             assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
         assert m2["batch/ranks"] == 2
 
@@ -118,8 +144,9 @@ def test_shards_balance_tokens_not_counts() -> None:
 
 
 def _dying_rank(rank: int, port: int, report: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     dp = DataParallel.from_env(timeout_s=20)
     if rank == 1:
         os._exit(9)  # dies without a word, as a killed process does

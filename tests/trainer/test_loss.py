@@ -53,9 +53,13 @@ def test_each_correction_matches_the_reference_loss_and_gradient(correction, cap
     objective = Objective(correction, cap, EPS_LO, EPS_HI)
     x = t64(logp).requires_grad_()
     loss_t, terms = per_token_loss(
-        x, t64(old), t64(adv), objective, proximal_logp=t64(prox),
+        x,
+        t64(old),
+        t64(adv),
+        objective,
+        proximal_logp=t64(prox),
         sequence_ids=torch.tensor(seq),
-    )  # fmt: skip
+    )
     loss_t.sum().backward()
     ref_loss, ref_grad = reference(logp, prox, old, adv, seq, correction, cap)
     torch.testing.assert_close(loss_t.detach(), t64(ref_loss), rtol=0, atol=1e-12)
@@ -75,8 +79,7 @@ def test_default_proximal_policy_is_the_current_one(correction):
     logp, _, old, adv, seq = _data(100, seed=1, spread=0.3)
     objective = Objective(correction, epsilon_low=EPS_LO, epsilon_high=EPS_HI)
     x = t64(logp).requires_grad_()
-    loss_t, terms = per_token_loss(x, t64(old), t64(adv), objective,
-                                   sequence_ids=torch.tensor(seq))  # fmt: skip
+    loss_t, terms = per_token_loss(x, t64(old), t64(adv), objective, sequence_ids=torch.tensor(seq))
     loss_t.sum().backward()
     _, ref_grad = reference(logp, logp, old, adv, seq, correction, DEFAULT_CAPS[correction])
     torch.testing.assert_close(x.grad, t64(ref_grad), rtol=0, atol=1e-12)
@@ -96,8 +99,14 @@ def test_on_fresh_tokens_the_corrections_coincide():
         results = []
         for correction in same:
             x = t64(logp).requires_grad_()
-            loss, _ = grpo_loss(x, t64(old), t64(adv), Objective(correction), num_tokens=200,
-                                sequence_ids=torch.tensor(seq))  # fmt: skip
+            loss, _ = grpo_loss(
+                x,
+                t64(old),
+                t64(adv),
+                Objective(correction),
+                num_tokens=200,
+                sequence_ids=torch.tensor(seq),
+            )
             loss.backward()
             results.append((float(loss.detach()), x.grad))
         for loss, grad in results[1:]:
@@ -112,9 +121,12 @@ def test_sequence_weight_is_the_product_over_the_completion():
     prox = old + t64([0.2, 0.4, 0.3, 0.3, 0.3])
     adv = t64([1.0, 1.0, -1.0, -1.0, -1.0])
     loss_t, terms = per_token_loss(
-        prox.clone().requires_grad_(), old, adv, Objective("mis_sequence"),
+        prox.clone().requires_grad_(),
+        old,
+        adv,
+        Objective("mis_sequence"),
         sequence_ids=torch.tensor([0, 0, 1, 1, 1]),
-    )  # fmt: skip
+    )
     assert loss_t.detach().tolist() == pytest.approx([-math.exp(0.6)] * 2 + [0.0] * 3)
     assert terms.masked.tolist() == [False, False, True, True, True]
     with pytest.raises(ValueError, match="sequence_ids"):
@@ -128,8 +140,9 @@ def test_a_corrupt_behaviour_logprob_is_dropped_not_spread():
     adv = t64([1.0, 1.0, -1.0])
     for correction in CORRECTIONS:
         x = t64([-1.0, -1.0, -1.0]).requires_grad_()
-        loss_t, terms = per_token_loss(x, old, adv, Objective(correction),
-                                       sequence_ids=torch.tensor([0, 1, 2]))  # fmt: skip
+        loss_t, terms = per_token_loss(
+            x, old, adv, Objective(correction), sequence_ids=torch.tensor([0, 1, 2])
+        )
         loss_t.sum().backward()
         dropped = correction in ("mis_token", "mis_sequence")
         assert bool(torch.isfinite(x.grad).all()) == dropped, correction
@@ -146,10 +159,17 @@ def test_stats_per_staleness_and_on_policy_ratio():
     adv = t64([1.0, -1.0, 0.5, 1.0, 1.0, -1.0])
     staleness = torch.tensor([0, 0, 0, 1, 1, 2])
     _, sums = grpo_loss(
-        logp.clone().requires_grad_(), old, adv, Objective("mis_token", cap=2.0), num_tokens=6,
-        staleness=staleness, on_policy=staleness == 0, buckets=2,
-        sequence_ids=torch.tensor([0, 0, 0, 1, 1, 2]), entropy=t64([1.5] * 6),
-    )  # fmt: skip
+        logp.clone().requires_grad_(),
+        old,
+        adv,
+        Objective("mis_token", cap=2.0),
+        num_tokens=6,
+        staleness=staleness,
+        on_policy=staleness == 0,
+        buckets=2,
+        sequence_ids=torch.tensor([0, 0, 0, 1, 1, 2]),
+        entropy=t64([1.5] * 6),
+    )
     assert set(sums) == set(stat_keys(2))
     m = finalize_stats(sums, buckets=2)
     w = [math.exp(v) for v in log_w]
@@ -172,8 +192,9 @@ def test_stats_per_staleness_and_on_policy_ratio():
     assert total["count"] == 12 and total["s1/weight_max"] == sums["s1/weight_max"]
     assert finalize_stats(total, 2)["off_policy/weight_mean"] == m["off_policy/weight_mean"]
     # a bucket without tokens reports its share (0) and nothing else
-    _, fresh = grpo_loss(logp, old, adv, Objective(), num_tokens=6, buckets=3,
-                         sequence_ids=torch.tensor([0] * 6))  # fmt: skip
+    _, fresh = grpo_loss(
+        logp, old, adv, Objective(), num_tokens=6, buckets=3, sequence_ids=torch.tensor([0] * 6)
+    )
     fm = finalize_stats(fresh, 3)
     assert fm["off_policy/staleness_2/tokens"] == 0.0
     assert "off_policy/staleness_2/weight_mean" not in fm
@@ -181,8 +202,9 @@ def test_stats_per_staleness_and_on_policy_ratio():
 
 def test_none_with_a_cap_reports_truncated_tokens_like_the_old_dual_clip():
     logp, _, old, adv, _ = _data(200, seed=4)
-    _, sums = grpo_loss(t64(logp), t64(old), t64(adv), Objective("none", 2.0, 0.2, 0.2),
-                        num_tokens=200)  # fmt: skip
+    _, sums = grpo_loss(
+        t64(logp), t64(old), t64(adv), Objective("none", 2.0, 0.2, 0.2), num_tokens=200
+    )
     r = [math.exp(a - b) for a, b in zip(logp, old, strict=True)]
     expected = sum(ri > 2.0 and a < 0 for ri, a in zip(r, adv, strict=True))
     assert expected > 0
@@ -216,8 +238,7 @@ def test_micro_batches_add_up_to_the_token_level_mean():
 def test_zero_advantage_tokens_give_no_gradient():
     logp, _, old, _, _ = _data(20, seed=2)
     x = torch.tensor(logp, requires_grad=True)
-    loss, sums = grpo_loss(x, torch.tensor(old), torch.zeros(20), Objective("none"),
-                           num_tokens=20)  # fmt: skip
+    loss, sums = grpo_loss(x, torch.tensor(old), torch.zeros(20), Objective("none"), num_tokens=20)
     loss.backward()
     assert float(loss.detach()) == 0.0
     assert torch.count_nonzero(x.grad) == 0

@@ -35,14 +35,18 @@ def multi_turn(samples: list[Sample], seed: int = 0) -> list[Sample]:
                 lps += [0.0] * e
                 mask += [False] * e
                 versions += [s.version + (turn > 0)] * e
-        out.append(dataclasses.replace(s, completion_ids=ids, logprobs=lps,
-                                       completion_mask=mask, versions=versions))  # fmt: skip
+        out.append(
+            dataclasses.replace(
+                s, completion_ids=ids, logprobs=lps, completion_mask=mask, versions=versions
+            )
+        )
     return out
 
 
 def _trainer(model_dir) -> Trainer:
-    cfg = TrainerConfig(learning_rate=5e-3, token_budget=4096, max_grad_norm=None,
-                        dtype="float32", max_staleness=4)  # fmt: skip
+    cfg = TrainerConfig(
+        learning_rate=5e-3, token_budget=4096, max_grad_norm=None, dtype="float32", max_staleness=4
+    )
     return Trainer(model_dir, lora=LoraConfig(r=4, alpha=8.0), trainer=cfg, seed=0, device="cpu")
 
 

@@ -32,8 +32,9 @@ def _trainer(model_dir, correction: str, **overrides) -> Trainer:
         max_staleness=2,
     )
     cfg |= overrides
-    trainer = Trainer(model_dir, lora=LoraConfig(r=2, alpha=4.0), trainer=TrainerConfig(**cfg),
-                      device="cpu")  # fmt: skip
+    trainer = Trainer(
+        model_dir, lora=LoraConfig(r=2, alpha=4.0), trainer=TrainerConfig(**cfg), device="cpu"
+    )
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():  # a non-zero B: with B = 0 every A gradient vanishes
         for p in trainer.params:
@@ -51,8 +52,9 @@ def _token_logprobs(model, sample) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("correction", list(DEFAULT_CAPS))
-def test_lora_gradients_of_each_correction_equal_the_reference(tiny_model_dir, tmp_path,
-                                                               correction):  # fmt: skip
+def test_lora_gradients_of_each_correction_equal_the_reference(
+    tiny_model_dir, tmp_path, correction
+):
     """Stale samples (versions 0-2, behaviour logprobs up to 2 nats off the trainer's) through
     ``Trainer.step`` (packed rows, micro-batches): the loss equals the reference formula's and
     every LoRA gradient equals sum_t dloss/dlogp_t * grad(logp_t), the coefficients from the
@@ -82,8 +84,9 @@ def test_lora_gradients_of_each_correction_equal_the_reference(tiny_model_dir, t
     prox = [x for lp in current for x in lp]
     adv = [s.advantage for s in samples for _ in s.completion_ids]
     seq = [i for i, s in enumerate(samples) for _ in s.completion_ids]
-    losses, coef = reference_loss(prox, prox, old, adv, seq, correction, cap,
-                                  eps_lo=EPS_LO, eps_hi=EPS_HI)  # fmt: skip
+    losses, coef = reference_loss(
+        prox, prox, old, adv, seq, correction, cap, eps_lo=EPS_LO, eps_hi=EPS_HI
+    )
     assert metrics["loss"] == pytest.approx(sum(losses) / n, abs=1e-6)
     reference = _trainer(tiny_model_dir, correction)
     logp = torch.cat([_token_logprobs(reference.model, s) for s in samples])
@@ -105,8 +108,10 @@ def test_staleness_is_counted_per_token_from_the_published_version(tiny_model_di
     trainer = _trainer(tiny_model_dir, "decoupled", max_staleness=2)
     samples = make_samples(9, seed=4)
     samples = [dataclasses.replace(s, version=5 + i % 3) for i, s in enumerate(samples)]
-    samples = [dataclasses.replace(s, logprobs=lp)
-               for s, lp in zip(samples, trainer.logprobs(samples), strict=True)]  # fmt: skip
+    samples = [
+        dataclasses.replace(s, logprobs=lp)
+        for s, lp in zip(samples, trainer.logprobs(samples), strict=True)
+    ]
     tokens = {v: sum(len(s.completion_ids) for s in samples if s.version == v) for v in (5, 6, 7)}
     n = sum(tokens.values())
     # never published: staleness counts from the newest sample, whose tokens are on-policy
@@ -136,8 +141,10 @@ def test_without_the_correction_stale_samples_stop_teaching(tiny_model):
     0.04-0.08 with ``none``, and 0.75-1.00 without staleness."""
     last5 = {}
     for correction in ("decoupled", "none"):
-        runs = [simulate(tiny_model, off_policy=correction, staleness=2, steps=30, seed=s)
-                for s in (0, 1)]  # fmt: skip
+        runs = [
+            simulate(tiny_model, off_policy=correction, staleness=2, steps=30, seed=s)
+            for s in (0, 1)
+        ]
         last5[correction] = statistics.fmean(statistics.fmean(r[-5:]) for r in runs)
     assert last5["decoupled"] > 0.6, last5
     assert last5["none"] < 0.3, last5
@@ -162,8 +169,15 @@ def test_learning_stays_learned_over_a_long_horizon(tiny_model, seed):
     run back for tens of steps (docs/testing.md)."""
     spikes = When(forced_spike(10.0), reach=0.3, count=3)
     records: list[dict[str, float]] = []
-    rewards = simulate(tiny_model, staleness=4, steps=100, seed=seed, records=records,
-                       events=dict.fromkeys(range(100), spikes), **demo_recipe())  # fmt: skip
+    rewards = simulate(
+        tiny_model,
+        staleness=4,
+        steps=100,
+        seed=seed,
+        records=records,
+        events=dict.fromkeys(range(100), spikes),
+        **demo_recipe(),
+    )
     assert len(spikes.steps) == 3, f"never took off: {[round(r, 2) for r in rewards]}"
     scales = [records[i]["collapse/update_scale"] for i in spikes.steps]
     assert min(scales) < 1.0, ("the trust region never shortened a spike", scales)
@@ -185,8 +199,15 @@ def test_a_gradient_spike_after_convergence_is_bounded(tiny_model):
     recipe = demo_recipe() | {"max_update_rms": 1.5}
     spike = When(random_spike(30.0), reach=0.9, window=3, after=5)
     records: list[dict[str, float]] = []
-    rewards = simulate(tiny_model, staleness=0, steps=48, seed=13, records=records,
-                       events=dict.fromkeys(range(48), spike), **recipe)  # fmt: skip
+    rewards = simulate(
+        tiny_model,
+        staleness=0,
+        steps=48,
+        seed=13,
+        records=records,
+        events=dict.fromkeys(range(48), spike),
+        **recipe,
+    )
     assert len(spike.steps) == 1, f"never converged: {[round(r, 2) for r in rewards]}"
     (at,) = spike.steps
     assert records[at]["collapse/update_scale"] < 0.1, records[at]
@@ -206,8 +227,15 @@ def test_a_collapsed_run_is_rolled_back_to_the_policy_that_earned_its_reward(tin
     records: list[dict[str, float]] = []
     recipe = demo_recipe() | {"collapse_action": "rollback"}
     broken = When(broken_adapter(1.0), reach=0.9, window=3, after=2)
-    rewards = simulate(tiny_model, staleness=4, steps=48, seed=5, records=records,
-                       events=dict.fromkeys(range(48), broken), **recipe)  # fmt: skip
+    rewards = simulate(
+        tiny_model,
+        staleness=4,
+        steps=48,
+        seed=5,
+        records=records,
+        events=dict.fromkeys(range(48), broken),
+        **recipe,
+    )
     assert len(broken.steps) == 1, f"never converged: {[round(r, 2) for r in rewards]}"
     (at,) = broken.steps
     fired = [i for i, r in enumerate(records) if r["collapse/alarm"] == 1.0 and i >= at]

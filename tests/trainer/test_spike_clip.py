@@ -65,17 +65,24 @@ def test_state_round_trips():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("spike_clip_z", 0.0), ("spike_clip_z", -1.0), ("spike_clip_z", math.nan),
-     ("spike_clip_decay", 1.0), ("spike_clip_decay", 0.0), ("spike_clip_warmup", 0)],
-)  # fmt: skip
+    [
+        ("spike_clip_z", 0.0),
+        ("spike_clip_z", -1.0),
+        ("spike_clip_z", math.nan),
+        ("spike_clip_decay", 1.0),
+        ("spike_clip_decay", 0.0),
+        ("spike_clip_warmup", 0),
+    ],
+)
 def test_bad_spike_clip_settings_name_the_field(field, value):
     with pytest.raises(ConfigError, match=rf"trainer\.{field}="):
         TrainerConfig(**{field: value})
 
 
 def _trainer(model_dir, **overrides) -> Trainer:
-    cfg = TrainerConfig(learning_rate=1e-3, token_budget=64, dtype="float32",
-                        max_grad_norm=None, **overrides)  # fmt: skip
+    cfg = TrainerConfig(
+        learning_rate=1e-3, token_budget=64, dtype="float32", max_grad_norm=None, **overrides
+    )
     return Trainer(model_dir, lora=LoraConfig(r=2, alpha=4.0), trainer=cfg, device="cpu")
 
 

@@ -122,9 +122,13 @@ def test_token_normaliser_against_the_written_out_means(loss_type):
     # two micro-batches, as the trainer splits a step: the sums add up to the step's loss
     total = 0.0
     for part in (seq_ids < 2, seq_ids >= 2):
-        norm = token_normaliser(loss_type, torch.tensor(lengths)[seq_ids[part]],
-                                num_tokens=sum(lengths), num_sequences=len(lengths),
-                                max_length=8)  # fmt: skip
+        norm = token_normaliser(
+            loss_type,
+            torch.tensor(lengths)[seq_ids[part]],
+            num_tokens=sum(lengths),
+            num_sequences=len(lengths),
+            max_length=8,
+        )
         total += float((per_token[part] * norm.double()).sum())
     assert total == pytest.approx(_naive_loss(loss_type, losses, 8), rel=1e-6)
 
@@ -203,11 +207,21 @@ def test_forget_recent_needs_a_full_window_again():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("collapse_window", 0), ("collapse_drop", 0.0), ("collapse_drop", 1.5),
-     ("collapse_lr_factor", 1.0), ("collapse_min_gain", -0.1), ("beta", -0.01),
-     ("scale_rewards", "std"), ("loss_type", "token"), ("collapse_action", "rollback_now"),
-     ("adam_beta1", 1.0), ("adam_beta2", -0.1), ("adam_epsilon", 0.0)],
-)  # fmt: skip
+    [
+        ("collapse_window", 0),
+        ("collapse_drop", 0.0),
+        ("collapse_drop", 1.5),
+        ("collapse_lr_factor", 1.0),
+        ("collapse_min_gain", -0.1),
+        ("beta", -0.01),
+        ("scale_rewards", "std"),
+        ("loss_type", "token"),
+        ("collapse_action", "rollback_now"),
+        ("adam_beta1", 1.0),
+        ("adam_beta2", -0.1),
+        ("adam_epsilon", 0.0),
+    ],
+)
 def test_bad_stability_config_names_the_field(field, value):
     with pytest.raises(ConfigError, match=f"trainer.{field}="):
         TrainerConfig(**{field: value})
@@ -219,8 +233,9 @@ def test_bad_stability_config_names_the_field(field, value):
 def _trainer(model_dir, **overrides) -> Trainer:
     cfg = dict(learning_rate=5e-3, token_budget=48, max_steps=50, dtype="float32")
     cfg |= overrides
-    return Trainer(model_dir, lora=LoraConfig(r=2, alpha=4.0), trainer=TrainerConfig(**cfg),
-                   device="cpu")  # fmt: skip
+    return Trainer(
+        model_dir, lora=LoraConfig(r=2, alpha=4.0), trainer=TrainerConfig(**cfg), device="cpu"
+    )
 
 
 def _on_policy(trainer: Trainer, samples):
@@ -248,8 +263,10 @@ def test_scale_rewards_reaches_the_loss(tiny_model_dir):
     rewards = [1.0, 1.0, 1.0, 0.97, 0.2, 0.4, 0.6, 0.8]
     ids = ["a"] * 4 + ["b"] * 4
     advs = _rollout_advantages(rewards, ids)
-    samples = [dataclasses.replace(s, reward=r, group_id=g, advantage=a)
-               for s, r, g, a in zip(samples, rewards, ids, advs, strict=True)]  # fmt: skip
+    samples = [
+        dataclasses.replace(s, reward=r, group_id=g, advantage=a)
+        for s, r, g, a in zip(samples, rewards, ids, advs, strict=True)
+    ]
     metrics = trainer.step(_on_policy(trainer, samples))
     centred = _naive(rewards, ids, "none")
     assert metrics["loss"] == pytest.approx(-statistics.fmean(centred), abs=1e-6)
@@ -267,8 +284,9 @@ def test_kl_penalty_is_zero_at_the_base_model_and_grows(tiny_model_dir):
 
 def _reward_samples(trainer: Trainer, reward: float):
     samples = make_samples(8, seed=3)
-    samples = [dataclasses.replace(s, reward=reward, group_id=f"g{i % 2}") for i, s in
-               enumerate(samples)]  # fmt: skip
+    samples = [
+        dataclasses.replace(s, reward=reward, group_id=f"g{i % 2}") for i, s in enumerate(samples)
+    ]
     return _on_policy(trainer, samples)
 
 
@@ -277,8 +295,13 @@ def _lora(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def test_rollback_restores_the_best_steps_adapter_and_lowers_the_lr(tiny_model_dir, caplog):
-    trainer = _trainer(tiny_model_dir, collapse_action="rollback", collapse_window=2,
-                       collapse_lr_factor=0.5, learning_rate=1e-2)  # fmt: skip
+    trainer = _trainer(
+        tiny_model_dir,
+        collapse_action="rollback",
+        collapse_window=2,
+        collapse_lr_factor=0.5,
+        learning_rate=1e-2,
+    )
     adapters = []
     for r in (0.0, 0.0, 1.0, 1.0):
         trainer.step(_reward_samples(trainer, r))
@@ -313,14 +336,21 @@ def test_rollback_restores_the_version_that_earned_the_best_reward(tiny_model_di
     """Samples two versions old: the best moving mean is the reward of the version that
     sampled it, so the rollback restores that version as published, not the adapter the
     trainer had when it saw the reward (with stale samples that one may already be broken)."""
-    trainer = _trainer(tiny_model_dir, collapse_action="rollback", collapse_window=2,
-                       collapse_lr_factor=0.5, learning_rate=1e-2, max_staleness=2)  # fmt: skip
+    trainer = _trainer(
+        tiny_model_dir,
+        collapse_action="rollback",
+        collapse_window=2,
+        collapse_lr_factor=0.5,
+        learning_rate=1e-2,
+        max_staleness=2,
+    )
     published, current = {}, {}
     for step, r in enumerate((0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0)):
         trainer.save_adapter(tmp_path / f"v{step}", version=step)
         published[step] = _lora(trainer)
-        samples = [dataclasses.replace(s, version=max(0, step - 2))
-                   for s in _reward_samples(trainer, r)]  # fmt: skip
+        samples = [
+            dataclasses.replace(s, version=max(0, step - 2)) for s in _reward_samples(trainer, r)
+        ]
         metrics = trainer.step(samples)
         current[step] = _lora(trainer)
     assert metrics["collapse/alarm"] == 1.0

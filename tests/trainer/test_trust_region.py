@@ -27,9 +27,15 @@ def test_token_kl_is_k3_of_the_logprob_change():
 
 @pytest.mark.parametrize(
     ("kl", "cap", "want"),
-    [(0.5, 1.0, 1.0), (1.0, 1.0, 1.0), (4.0, 1.0, 0.5), (400.0, 1.0, 0.05), (4.0, None, 1.0),
-     (math.nan, 1.0, 1.0)],
-)  # fmt: skip
+    [
+        (0.5, 1.0, 1.0),
+        (1.0, 1.0, 1.0),
+        (4.0, 1.0, 0.5),
+        (400.0, 1.0, 0.05),
+        (4.0, None, 1.0),
+        (math.nan, 1.0, 1.0),
+    ],
+)
 def test_kl_scale_takes_the_change_as_quadratic(kl, cap, want):
     assert kl_scale(kl, cap) == pytest.approx(want)
 
@@ -66,13 +72,17 @@ def _step(model_dir, *, stale: float = 0.0, **overrides) -> tuple[dict[str, floa
     samples = make_samples(8, seed=1)
     old = trainer.logprobs(samples)
     gen = torch.Generator().manual_seed(2)
-    behaviour = [(torch.tensor(lp) + stale * (torch.rand(len(lp), generator=gen) * 2 - 1))
-                 .tolist() for lp in old]  # fmt: skip
-    samples = [dataclasses.replace(s, logprobs=lp) for s, lp in zip(samples, behaviour,
-                                                                     strict=True)]  # fmt: skip
+    behaviour = [
+        (torch.tensor(lp) + stale * (torch.rand(len(lp), generator=gen) * 2 - 1)).tolist()
+        for lp in old
+    ]
+    samples = [
+        dataclasses.replace(s, logprobs=lp) for s, lp in zip(samples, behaviour, strict=True)
+    ]
     metrics = trainer.step(samples)
-    new, old, mu = ([x for lp in lps for x in lp] for lps in (trainer.logprobs(samples), old,
-                                                              behaviour))  # fmt: skip
+    new, old, mu = (
+        [x for lp in lps for x in lp] for lps in (trainer.logprobs(samples), old, behaviour)
+    )
     k3 = token_kl(torch.tensor(new, dtype=torch.float64), torch.tensor(old, dtype=torch.float64))
     weight = torch.exp(torch.tensor(old, dtype=torch.float64) - torch.tensor(mu))
     return metrics, float((weight * k3).sum() / weight.sum()), float(k3.mean())
@@ -120,12 +130,15 @@ def test_vocabulary_kl_sees_what_the_sampled_tokens_do_not(tiny_model_dir):
     each completion token's position (on-policy samples: the plain mean over tokens), as
     computed naively per unpacked sample; it differs from the sampled tokens' k3."""
     sampled, moved, _ = _step(tiny_model_dir, max_update_kl=1e9)
-    cfg = TrainerConfig(learning_rate=0.2, token_budget=64, dtype="float32", max_update_kl=1e9,
-                        update_kl="vocab")  # fmt: skip
+    cfg = TrainerConfig(
+        learning_rate=0.2, token_budget=64, dtype="float32", max_update_kl=1e9, update_kl="vocab"
+    )
     trainer = Trainer(tiny_model_dir, lora=LoraConfig(r=2, alpha=4.0), trainer=cfg, device="cpu")
     samples = make_samples(8, seed=1)
-    samples = [dataclasses.replace(s, logprobs=lp) for s, lp in zip(samples,
-               trainer.logprobs(samples), strict=True)]  # fmt: skip
+    samples = [
+        dataclasses.replace(s, logprobs=lp)
+        for s, lp in zip(samples, trainer.logprobs(samples), strict=True)
+    ]
     before = _vocab_logprobs(trainer, samples)
     metrics = trainer.step(samples)
     after = _vocab_logprobs(trainer, samples)
@@ -148,17 +161,25 @@ def test_history_measures_the_step_on_the_prompts_before_it_too(tiny_model_dir):
     the first step, with no history, is measured as without it."""
 
     def run(history: int):
-        cfg = TrainerConfig(learning_rate=0.2, token_budget=64, dtype="float32",
-                            max_update_kl=1e9, update_kl_history=history)  # fmt: skip
-        trainer = Trainer(tiny_model_dir, lora=LoraConfig(r=2, alpha=4.0), trainer=cfg,
-                          device="cpu")  # fmt: skip
+        cfg = TrainerConfig(
+            learning_rate=0.2,
+            token_budget=64,
+            dtype="float32",
+            max_update_kl=1e9,
+            update_kl_history=history,
+        )
+        trainer = Trainer(
+            tiny_model_dir, lora=LoraConfig(r=2, alpha=4.0), trainer=cfg, device="cpu"
+        )
         first, second = make_samples(8, seed=1), make_samples(8, seed=2)
         m1 = trainer.step(first)
         old = trainer.logprobs(first)
         m2 = trainer.step(second)
         new = trainer.logprobs(first)
-        flat = [torch.tensor([x for lp in lps for x in lp], dtype=torch.float64)
-                for lps in (old, new, [s.logprobs for s in first])]  # fmt: skip
+        flat = [
+            torch.tensor([x for lp in lps for x in lp], dtype=torch.float64)
+            for lps in (old, new, [s.logprobs for s in first])
+        ]
         weight = torch.exp(flat[0] - flat[2])
         moved = float((weight * token_kl(flat[1], flat[0])).sum() / weight.sum())
         return m1["collapse/update_kl"], m2["collapse/update_kl"], moved
@@ -177,10 +198,12 @@ def test_update_rms_bounds_each_coordinates_step_in_learning_rates(tiny_model_di
     def step(
         bound: float | None,
     ) -> tuple[dict[str, float], list[torch.Tensor], list[torch.Tensor]]:
-        cfg = TrainerConfig(learning_rate=0.2, token_budget=64, dtype="float32",
-                            max_update_rms=bound)  # fmt: skip
-        trainer = Trainer(tiny_model_dir, lora=LoraConfig(r=2, alpha=4.0), trainer=cfg,
-                          device="cpu")  # fmt: skip
+        cfg = TrainerConfig(
+            learning_rate=0.2, token_budget=64, dtype="float32", max_update_rms=bound
+        )
+        trainer = Trainer(
+            tiny_model_dir, lora=LoraConfig(r=2, alpha=4.0), trainer=cfg, device="cpu"
+        )
         before = [p.detach().clone() for p in trainer.params]
         metrics = trainer.step(make_samples(8, seed=1))
         return metrics, before, [p.detach().clone() for p in trainer.params]

@@ -109,9 +109,11 @@ def test_connection_string_gives_account_key_and_endpoint() -> None:
         "endpoint": "http://127.0.0.1:1/dev",
     }
     dev = azure_store_config(
-        AzureLocation("runs", ""), {"connection_string": "UseDevelopmentStorage=true"}, {},
+        AzureLocation("runs", ""),
+        {"connection_string": "UseDevelopmentStorage=true"},
+        {},
         on_azure=False,
-    )  # fmt: skip
+    )
     assert dev["account_name"] == AZURITE_ACCOUNT and dev["account_key"] == AZURITE_KEY
     sovereign = azure_store_config(
         AzureLocation("runs", ""),
@@ -168,13 +170,20 @@ async def test_sas_credential_works_and_never_reaches_an_error_message(azurite: 
 
     def transport(**perms: bool) -> AzureBlobTransport:
         sas = generate_container_sas(
-            AZURITE_ACCOUNT, "asyncgrpo-test", account_key=AZURITE_KEY,
-            permission=ContainerSasPermissions(**perms), expiry=expiry,
-        )  # fmt: skip
+            AZURITE_ACCOUNT,
+            "asyncgrpo-test",
+            account_key=AZURITE_KEY,
+            permission=ContainerSasPermissions(**perms),
+            expiry=expiry,
+        )
         return AzureBlobTransport(
-            "asyncgrpo-test", "sas-check", account_name=AZURITE_ACCOUNT, sas_token=sas,
-            endpoint=endpoint, max_retries=0,
-        )  # fmt: skip
+            "asyncgrpo-test",
+            "sas-check",
+            account_name=AZURITE_ACCOUNT,
+            sas_token=sas,
+            endpoint=endpoint,
+            max_retries=0,
+        )
 
     writer = transport(read=True, write=True, list=True, delete=True)
     await writer.put("a", b"1")

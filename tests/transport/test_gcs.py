@@ -53,7 +53,7 @@ def test_credentials_file_must_exist(tmp_path: Path) -> None:
             {}, {"GOOGLE_APPLICATION_CREDENTIALS": str(key)}, home=NO_HOME, on_gcp=False
         )
         == {}
-    )  # fmt: skip  (obstore reads the variable itself)
+    )  # (obstore reads the variable itself)
 
 
 @pytest.mark.parametrize(

@@ -302,8 +302,15 @@ async def test_a_full_disk_without_hard_links_leaves_no_truncated_manifest(
 def _batch_sample(tag: str):
     from asyncgrpo.sample import Sample
 
-    return Sample(prompt_ids=[1, 2], completion_ids=[3], logprobs=[-0.5], reward=1.0,
-                  advantage=0.5, version=1, group_id=tag)  # fmt: skip
+    return Sample(
+        prompt_ids=[1, 2],
+        completion_ids=[3],
+        logprobs=[-0.5],
+        reward=1.0,
+        advantage=0.5,
+        version=1,
+        group_id=tag,
+    )
 
 
 async def test_a_batch_whose_create_answer_was_lost_is_delivered_once(
@@ -367,13 +374,20 @@ async def test_error_hang_and_down_windows_are_ridden_out_by_retries(moto_endpoi
 
     # obstore's jittered backoff may wait as little as its initial 0.05 s between tries (20
     # tries took 2.3 s once): 200 tries cannot end inside the 2.5 s window; retry_timeout_s bounds
-    url = (f"s3://asyncgrpo-test/fp-{os.getpid()}?endpoint=http://127.0.0.1:{port}"
-           "&timeout_s=1&connect_timeout_s=1&max_retries=200&backoff_max_s=0.5&retry_timeout_s=30")  # fmt: skip
+    url = (
+        f"s3://asyncgrpo-test/fp-{os.getpid()}?endpoint=http://127.0.0.1:{port}"
+        "&timeout_s=1&connect_timeout_s=1&max_retries=200&backoff_max_s=0.5&retry_timeout_s=30"
+    )
     async with anyio.create_task_group() as tg:
         tg.start_soon(serve_fault_proxy, moto_endpoint, port, control)
         await anyio.sleep(0.5)
-        t = open_transport(url, access_key_id="testing", secret_access_key="testing",
-                           region="us-east-1", backoff_initial_s=0.05)  # fmt: skip
+        t = open_transport(
+            url,
+            access_key_id="testing",
+            secret_access_key="testing",
+            region="us-east-1",
+            backoff_initial_s=0.05,
+        )
         try:
             await t.put("a", b"1")
             for mode, share in (("errors", 1.0), ("hang", 0.0), ("down", 0.0)):
@@ -409,8 +423,11 @@ async def test_a_rollout_process_rides_out_a_storage_outage(transport_factory, p
     switched: list[int] = []
     moved = anyio.Event()
     client = SimpleNamespace(policy=("run-v0", 0))
-    client.set_policy = lambda name, version: (moved.set(), switched.append(version),
-                                               setattr(client, "policy", (name, version)))  # fmt: skip
+    client.set_policy = lambda name, version: (
+        moved.set(),
+        switched.append(version),
+        setattr(client, "policy", (name, version)),
+    )
     progress = SimpleNamespace(phase=lambda text: None)
     channel = RolloutChannel(t)
     async with anyio.create_task_group() as tg:

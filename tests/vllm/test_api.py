@@ -60,10 +60,20 @@ def test_what_the_proxy_took_for_a_run_it_still_takes() -> None:
 @pytest.mark.parametrize(
     "name",
     [
-        "Qwen/Qwen2.5-1.5B", "x-v", "-v3", "x-v3a", "x_v3", "x-V3", "x-v-1", "x-v01", "x-v00",
-        "x-v1 ", "x-v\u0661", "x-v" + "9" * 19,  # 19 digits: not a version
+        "Qwen/Qwen2.5-1.5B",
+        "x-v",
+        "-v3",
+        "x-v3a",
+        "x_v3",
+        "x-V3",
+        "x-v-1",
+        "x-v01",
+        "x-v00",
+        "x-v1 ",
+        "x-v\u0661",
+        "x-v" + "9" * 19,  # 19 digits: not a version
     ],
-)  # fmt: skip
+)
 def test_a_name_that_is_no_served_version_parses_to_none(name: str) -> None:
     assert parse_served_name(name) is None
 
@@ -178,9 +188,12 @@ def test_already_loaded_reads_vllms_refusal() -> None:
 
 @pytest.mark.parametrize(
     ("status", "body", "off"),
-    [(404, '{"detail":"Not Found"}', True), (404, "No adapter found for /p", False),
-     (400, "bad", False)],
-)  # fmt: skip
+    [
+        (404, '{"detail":"Not Found"}', True),
+        (404, "No adapter found for /p", False),
+        (400, "bad", False),
+    ],
+)
 def test_a_404_without_vllms_words_means_the_lora_routes_are_off(
     status: int, body: str, off: bool
 ) -> None:
@@ -196,14 +209,16 @@ def test_the_plugin_is_missing_on_a_404_that_is_not_a_missing_version() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('{"error": {"message": "run b-2 needs 2 LoRA slots", "code": 409}}',
-         "run b-2 needs 2 LoRA slots"),
+        (
+            '{"error": {"message": "run b-2 needs 2 LoRA slots", "code": 409}}',
+            "run b-2 needs 2 LoRA slots",
+        ),
         ('{"error": "plain"}', '{"error": "plain"}'),
         ("not json", "not json"),
         ("[1, 2]", "[1, 2]"),
         ("x" * 900, "x" * 500),
     ],
-)  # fmt: skip
+)
 def test_error_message(text: str, message: str) -> None:
     assert api.error_message(text) == message
 
@@ -219,9 +234,12 @@ def test_model_ids() -> None:
 def test_plugin_answers_of_a_replica_a_proxy_and_a_server_without_the_plugin() -> None:
     info = b'{"plugin": "asyncgrpo", "ok": true, "transports": ["s3://b"]}'
     assert api.plugin_answers("http://r:1", 200, info) == [
-        {"url": "http://r:1", "status": 200,
-         "info": {"plugin": "asyncgrpo", "ok": True, "transports": ["s3://b"]}}
-    ]  # fmt: skip
+        {
+            "url": "http://r:1",
+            "status": 200,
+            "info": {"plugin": "asyncgrpo", "ok": True, "transports": ["s3://b"]},
+        }
+    ]
     relayed = '{"replicas": [{"url": "http://r:1", "status": 404, "body": "{}"}]}'
     assert api.plugin_answers("http://p", 200, relayed) == [
         {"url": "http://r:1", "status": 404, "body": "{}"}
@@ -232,8 +250,13 @@ def test_plugin_answers_of_a_replica_a_proxy_and_a_server_without_the_plugin() -
 
 
 def test_server_info_readers() -> None:
-    doc = {"vllm_config": {"cache_config": {"block_size": 16}, "lora_config": {"max_loras": 4},
-                           "scheduler_config": {"max_num_seqs": True}}}  # fmt: skip
+    doc = {
+        "vllm_config": {
+            "cache_config": {"block_size": 16},
+            "lora_config": {"max_loras": 4},
+            "scheduler_config": {"max_num_seqs": True},
+        }
+    }
     assert api.block_size_of(doc) == 16 and api.lora_slots_of(doc) == 4
     assert api.max_num_seqs_of(doc) is None  # a bool is not a count
     assert api.block_size_of({"vllm_config": "a string in some versions"}) is None

@@ -102,9 +102,24 @@ class _Conn(asyncio.Protocol):
     """One pooled connection, idle or carrying one exchange; llhttp parses its answers.
     Interim (1xx) answers are skipped; bytes after the answer make it unusable."""
 
-    __slots__ = ("body", "connecting", "done", "exchange", "head_request", "headers", "keep",
-                 "parser", "pool", "request", "reused", "sink", "started", "status", "transport",
-                 "used")  # fmt: skip
+    __slots__ = (
+        "body",
+        "connecting",
+        "done",
+        "exchange",
+        "head_request",
+        "headers",
+        "keep",
+        "parser",
+        "pool",
+        "request",
+        "reused",
+        "sink",
+        "started",
+        "status",
+        "transport",
+        "used",
+    )
 
     def __init__(self, pool: H1Pool) -> None:
         self.pool = pool
@@ -247,8 +262,16 @@ class H1Pool:
         """One request: ``header_lines`` ("Name: value\\r\\n", validated) + Host, Authorization,
         Content-Length; ``body`` in pieces stays in pieces."""
         size = len(body) if isinstance(body, bytes) else sum(map(len, body))
-        head = (method, b" ", self.prefix, path_qs, b" HTTP/1.1\r\n", self.head, header_lines,
-                b"Content-Length: %d\r\n\r\n" % size)  # fmt: skip
+        head = (
+            method,
+            b" ",
+            self.prefix,
+            path_qs,
+            b" HTTP/1.1\r\n",
+            self.head,
+            header_lines,
+            b"Content-Length: %d\r\n\r\n" % size,
+        )
         if isinstance(body, bytes):
             return b"".join((*head, body))
         return [b"".join(head), *body]
@@ -299,9 +322,12 @@ class H1Pool:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 await loop.create_connection(
-                    lambda: conn, self.host, self.port, ssl=self.ssl,
+                    lambda: conn,
+                    self.host,
+                    self.port,
+                    ssl=self.ssl,
                     server_hostname=self.host if self.ssl else None,
-                )  # fmt: skip
+                )
         except OSError as exc:  # TimeoutError and ssl.SSLError included
             conn.connecting = None
             if (exchange := conn.detach()) is not None:

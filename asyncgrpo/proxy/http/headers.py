@@ -5,8 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from http import HTTPStatus
 
-__all__ = ["DROP_REQUEST_B", "DROP_RESPONSE_B", "REPLICA_HEADER", "REPLICA_HEADER_B",
-           "RUN_HEADER", "SESSION_HEADER", "head_lines"]  # fmt: skip
+__all__ = [
+    "DROP_REQUEST_B",
+    "DROP_RESPONSE_B",
+    "REPLICA_HEADER",
+    "REPLICA_HEADER_B",
+    "RUN_HEADER",
+    "SESSION_HEADER",
+    "head_lines",
+]
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the framing the next hop recomputes.
 _HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",

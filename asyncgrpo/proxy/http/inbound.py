@@ -16,8 +16,20 @@ from asyncgrpo.proxy.config import ProxyConfig, is_loopback
 from asyncgrpo.proxy.http.headers import DROP_REQUEST_B, RUN_HEADER, SESSION_HEADER
 from asyncgrpo.proxy.http.policy import host_is_local
 
-__all__ = ["ADMIN_PATHS", "HEAD_LIMIT", "MAX_FIELDS", "PIECE_BYTES", "RUNS_PATH", "TOO_LARGE",
-           "Refused", "Request", "Rules", "check_head", "check_trailer", "refusal"]  # fmt: skip
+__all__ = [
+    "ADMIN_PATHS",
+    "HEAD_LIMIT",
+    "MAX_FIELDS",
+    "PIECE_BYTES",
+    "RUNS_PATH",
+    "TOO_LARGE",
+    "Refused",
+    "Request",
+    "Rules",
+    "check_head",
+    "check_trailer",
+    "refusal",
+]
 
 #: Longest request head (request line and headers), trailers of a chunked body included.
 HEAD_LIMIT = 64 * 1024
@@ -77,9 +89,28 @@ class Rules:
 class Request:
     """One request as llhttp hands it over: head, then body piece by piece."""
 
-    __slots__ = ("auth", "body", "content_type", "expect", "fields", "head_size", "headers",
-                 "host", "hosts", "http11", "keep_alive", "length", "lines", "method", "origin",
-                 "run", "session", "size", "target", "te")  # fmt: skip
+    __slots__ = (
+        "auth",
+        "body",
+        "content_type",
+        "expect",
+        "fields",
+        "head_size",
+        "headers",
+        "host",
+        "hosts",
+        "http11",
+        "keep_alive",
+        "length",
+        "lines",
+        "method",
+        "origin",
+        "run",
+        "session",
+        "size",
+        "target",
+        "te",
+    )
 
     def __init__(self) -> None:
         self.method = self.target = b""
@@ -165,9 +196,9 @@ def check_head(req: Request, version: str, rules: Rules) -> None:
         raise Refused(405, "CONNECT is not supported: this is not a forward proxy")
     if req.target[:1] != b"/":  # absolute form (http://host/...), authority form, asterisk
         raise Refused(
-            400, "the request target must be a path (origin form, /...): this is not a "
-            "forward proxy"
-        )  # fmt: skip
+            400,
+            "the request target must be a path (origin form, /...): this is not a forward proxy",
+        )
     if req.te:
         if not req.http11:
             raise Refused(400, "Transfer-Encoding in an HTTP/1.0 request")
@@ -188,9 +219,10 @@ def check_head(req: Request, version: str, rules: Rules) -> None:
         and not rules.local_host(host)
     ):
         raise Refused(
-            403, "this proxy listens on loopback and answers only Host localhost or a loopback "
+            403,
+            "this proxy listens on loopback and answers only Host localhost or a loopback "
             "address (a guard against DNS rebinding)",
-        )  # fmt: skip
+        )
     path = req.target.partition(b"?")[0]
     admin = req.method not in _READ and (
         path in ADMIN_PATHS or (path == RUNS_PATH and rules.admin is not None)

@@ -105,9 +105,12 @@ def test_parser_keepalive_close_delimited_and_errors() -> None:
     p.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nshort")
     with pytest.raises(Disconnected, match="cut short"):
         p.eof()
-    for bad in (b"SSH-2.0-OpenSSH\r\n\r\n", b"HTTP/1.1 2xx OK\r\n\r\n",
-                b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n",
-                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):  # fmt: skip
+    for bad in (
+        b"SSH-2.0-OpenSSH\r\n\r\n",
+        b"HTTP/1.1 2xx OK\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    ):
         with pytest.raises(Disconnected):
             ResponseParser().feed(bad)
 

@@ -41,10 +41,23 @@ ADMIN = b"/proxy/upstreams"
         (_req(HOST, KEY, (b"Expect", b"x")), "1.1", 417, "Expect"),
         # what a web page can make a browser send without a CORS preflight
         (_req(HOST, KEY, (b"Origin", b"https://evil.example")), "1.1", 403, "Origin"),
-        (_req(HOST, KEY, (b"Content-Type", b"text/plain"), (b"Content-Length", b"2")), "1.1",
-         415, "application/json"),
-        (_req(HOST, KEY, (b"Content-Type", b"application/x-www-form-urlencoded"),
-              (b"Transfer-Encoding", b"chunked")), "1.1", 415, "application/json"),
+        (
+            _req(HOST, KEY, (b"Content-Type", b"text/plain"), (b"Content-Length", b"2")),
+            "1.1",
+            415,
+            "application/json",
+        ),
+        (
+            _req(
+                HOST,
+                KEY,
+                (b"Content-Type", b"application/x-www-form-urlencoded"),
+                (b"Transfer-Encoding", b"chunked"),
+            ),
+            "1.1",
+            415,
+            "application/json",
+        ),
         (_req((b"Host", b"evil.example:8000"), KEY), "1.1", 403, "DNS rebinding"),
         (_req((b"Host", b"127.0.0.1.evil.example"), KEY), "1.1", 403, "DNS rebinding"),
         # the admin routes take the admin key only, and are off without one
@@ -55,7 +68,7 @@ ADMIN = b"/proxy/upstreams"
         (_req(HOST, (b"Authorization", b"Bearer a"), target=ADMIN + b"?x"), "1.1", 200, ""),
         (_req(HOST, (b"Authorization", b"Bearer a")), "1.1", 401, "Bearer <key>"),
     ],
-)  # fmt: skip
+)
 def test_refused_heads(req: Request, version: str, status: int, message: str) -> None:
     rules = _rules(api_key="k", admin_api_key="a")
     if status == 200:
@@ -95,10 +108,13 @@ def test_accepted_heads() -> None:
         (b"GET / HTTP/1.1\r\nBad Header\r\n\r\n", 400, "malformed header"),
         (b"GET / HTTP/1.1\r\nX: a\x00\r\n\r\n", 400, "malformed header"),
         (b"GET / HTTP/1.7\r\n\r\n", 505, "HTTP version"),
-        (b"POST / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n", 400,
-         "both Content-Length and Transfer-Encoding"),
+        (
+            b"POST / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n",
+            400,
+            "both Content-Length and Transfer-Encoding",
+        ),
     ],
-)  # fmt: skip
+)
 def test_llhttp_refusals_are_named(raw: bytes, status: int, message: str) -> None:
     class Sink:
         in_head = True
@@ -120,8 +136,9 @@ def test_the_book_of_runs_takes_the_admin_key_for_writes_when_there_is_one() -> 
         with pytest.raises(Refused, match="admin key") as info:
             check_head(_req(HOST, KEY, method=method, target=runs), "1.1", keyed)
         assert info.value.status == 401
-        check_head(_req(HOST, (b"Authorization", b"Bearer a"), method=method, target=runs),
-                   "1.1", keyed)  # fmt: skip
+        check_head(
+            _req(HOST, (b"Authorization", b"Bearer a"), method=method, target=runs), "1.1", keyed
+        )
         # no admin key: the client key (or, on loopback without one, nothing), as before
         check_head(_req(HOST, KEY, method=method, target=runs), "1.1", _rules(api_key="k"))
         check_head(_req(HOST, method=method, target=runs), "1.1", _rules())

@@ -64,8 +64,13 @@ def _reference_depth(body: bytes) -> int:
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(st.sampled_from([b"[", b"]", b"{", b"}", b'"', b"\\", b"\\\\", b'\\"', b"a", b","]),
-                max_size=60), st.integers(0, 8))  # fmt: skip
+@given(
+    st.lists(
+        st.sampled_from([b"[", b"]", b"{", b"}", b'"', b"\\", b"\\\\", b'\\"', b"a", b","]),
+        max_size=60,
+    ),
+    st.integers(0, 8),
+)
 def test_depth_matches_a_byte_by_byte_scan(parts: list[bytes], limit: int) -> None:
     body = b"".join(parts)
     assert too_deep(body, limit) == (_reference_depth(body) > limit)
