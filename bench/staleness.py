@@ -66,7 +66,7 @@ CURVES = {  # per-step figures kept in results.jsonl: the collapse figures of do
     "adv_abs_mean": "advantages/abs_mean",
     "alarm": "collapse/alarm",
 }
-KEEP, KEPT_BAR = 0.9, 0.8  # issue 35: reach a 3-step mean of 0.9, never fall below 0.8 after
+KEEP, KEPT_BAR = 0.9, 0.8  # reach a 3-step mean of 0.9, never fall below 0.8 after
 SYNC = "any"  # the correction label of max_staleness 0 (all coincide there)
 
 
@@ -245,7 +245,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "reward": series("reward"),
         "step_s": series("perf/step_s"),
-        # per step, for the collapse figures of docs/trainer.md (issue 35)
+        # per step, for the collapse figures of docs/trainer.md
         "curves": {name: series(metric) for name, metric in CURVES.items()},
         "stale_mean": series("sample/staleness_mean"),
         "weight_max": max(
@@ -353,7 +353,7 @@ def report_recipe(rows: dict[str, dict[str, Any]], path: Path) -> None:
 
 
 def stability(fs: list[dict[str, Any]]) -> str:
-    """Issue 35's bar over a group of runs: every run reaches a 3-step mean of KEEP and none
+    """The bar over a group of runs: every run reaches a 3-step mean of KEEP and none
     falls below KEPT_BAR after it; with the median time to THRESHOLD beside it."""
     steps = [f["step"] or math.inf for f in fs]
     secs = [f["secs"] if f["secs"] is not None else math.inf for f in fs]

@@ -1,4 +1,4 @@
-"""Issue 34, finding 10, where the run resumes: a newest checkpoint that does not verify sends
+"""Where the run resumes: a newest checkpoint that does not verify sends
 the trainer back to the one before it (one log line), not to an error at every restart."""
 
 from __future__ import annotations

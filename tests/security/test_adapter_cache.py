@@ -1,4 +1,4 @@
-"""Issue 21, item 5: a replica's adapter cache cannot be prepared by someone else, and even
+"""A replica's adapter cache cannot be prepared by someone else, and even
 inside it only versions this process fetched and verified are served."""
 
 from __future__ import annotations

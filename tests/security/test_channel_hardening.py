@@ -1,4 +1,4 @@
-"""Issue 34, findings 7 and 9: no batch stops the trainer at every resume, whatever it raises
+"""No batch stops the trainer at every resume, whatever it raises
 when decoded; cursor files (and planted batch names) are checked, never trusted."""
 
 from __future__ import annotations

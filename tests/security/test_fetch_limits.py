@@ -1,4 +1,4 @@
-"""Issue 21, item 8: what one fetch may take is bounded before it starts, and a file is read no
+"""What one fetch may take is bounded before it starts, and a file is read no
 further than its manifest entry says; a storage writer cannot fill a reader's disk."""
 
 from __future__ import annotations

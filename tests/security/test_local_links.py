@@ -1,4 +1,4 @@
-"""Issue 21, item 9: a local transport follows no symbolic link under its root, and an
+"""A local transport follows no symbolic link under its root, and an
 integrity error never describes the file it read (its size, its hash)."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ async def test_an_integrity_error_names_the_file_and_the_manifest_not_what_was_r
     assert "700 bytes" in message  # what the manifest declares is fine to show
 
 
-# ---- issue 34, finding 11: no window between a check and the write ----------------------------
+# ---- no window between a check and the write ----------------------------
 _SWAPPER = """
 import os, sys, time
 root, outside, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])

@@ -1,4 +1,4 @@
-"""Issue 21, item 4: a replica reachable from other machines answers nothing but ``/health``
+"""A replica reachable from other machines answers nothing but ``/health``
 without its key. vLLM's own ``--api-key`` guards only ``/v1``-style paths, so its development
 routes (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``, ``/sleep``, ``/pause``, ...) were open."""
 

@@ -1,4 +1,4 @@
-"""Issue 21, item 11: a malformed rollout batch is moved aside and counted, never a wall the
+"""A malformed rollout batch is moved aside and counted, never a wall the
 trainer hits on every resume; names are matched whole, in ASCII; a bad name in a fetch URI is
 a clear refusal, not a server error."""
 

@@ -1,4 +1,4 @@
-"""Issue 21, item 7: secret fields and credentials inside URLs never leave their box: not to
+"""Secret fields and credentials inside URLs never leave their box: not to
 trackio, reprs, dry runs, command lines, other jobs' environment or error messages; secrets
 come only from the environment, and a secret of the wrong type is not echoed."""
 

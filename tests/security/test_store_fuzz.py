@@ -1,4 +1,4 @@
-"""Issue 34: Hypothesis fuzzing of what the stores read from storage anyone with write access
+"""Hypothesis fuzzing of what the stores read from storage anyone with write access
 may have written: rollout batches, bundle manifests (adapters, checkpoints) and cursor files.
 Whatever the bytes, a reader answers with its own error type (IntegrityError, NotFound; a
 foreign batch format: ConfigError), never a TypeError, a RecursionError or a hang."""

@@ -226,7 +226,7 @@ async def _load(url: str, body: dict) -> tuple[int, str]:
 async def test_a_served_name_cannot_be_given_other_weights(
     vllm_replicas: list[Replica], tiny_model: Path, tmp_path: Path
 ) -> None:
-    """Issue 21, item 6: ``load_inplace`` and a ``lora_name`` that is not the URI's version
+    """``load_inplace`` and a ``lora_name`` that is not the URI's version
     would swap the weights behind a name in use (vLLM keys its prefix cache by name); a bad
     adapter name in the URI is a 4xx, not a server error (item 11)."""
     url = vllm_replicas[0].url

@@ -94,7 +94,7 @@ async def test_tampered_checkpoint_not_loaded(store: CheckpointStore, tmp_path: 
     assert not (tmp_path / "r" / "step-000000007").exists()
 
 
-# ---- issue 34, finding 10: a resume survives one bad checkpoint --------------------------------
+# ---- a resume survives one bad checkpoint --------------------------------
 async def _three(store: CheckpointStore, tmp_path: Path) -> None:
     for step in (1, 2, 3):
         await store.save(step, trainer_state(tmp_path / f"s{step}", step), {"position": step * 10})

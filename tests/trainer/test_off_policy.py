@@ -192,7 +192,7 @@ def test_a_gradient_spike_after_convergence_is_bounded(tiny_model):
     every adapter coordinate by 30 learning rates (RMS) in a random direction, what AdamW does
     to a gradient in directions with little history after steps of near-zero gradient (seed 13
     of the simulation met two such spikes on one CPU, its 3-step mean reward fell to 0.777:
-    docs/trainer.md, "Issue 35 again"). The KL on the step's sampled tokens does not stop it:
+    docs/trainer.md, "Late collapse again"). The KL on the step's sampled tokens does not stop it:
     without max_update_rms the reward falls to near 0 (docs/testing.md). Bounding the step's
     RMS per coordinate at 1.5 learning rates shortens that step, and the run keeps its reward:
     the 3-step mean stays at 0.8 or more."""

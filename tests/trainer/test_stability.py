@@ -1,4 +1,4 @@
-"""The options against late collapse (issue 35): advantage scaling, loss normalisation, the KL
+"""The options against late collapse: advantage scaling, loss normalisation, the KL
 penalty to the base model, each against naive reference code; the collapse alarm step by step;
 and the alarm's actions through ``Trainer.step``."""
 
@@ -92,7 +92,7 @@ def test_centred_advantages_of_a_group_split_over_two_steps():
 
 
 def test_near_identical_rewards_get_full_size_advantages_only_with_group_scaling():
-    """The amplification of issue 35: a converged group (seven 1.0, one 0.97)."""
+    """The amplification behind late collapse: a converged group (seven 1.0, one 0.97)."""
     rewards = [1.0] * 7 + [0.97]
     advs = group_advantages(rewards)
     assert min(advs) < -2.4  # group: as large as in a group of rewards 0 and 1

@@ -298,7 +298,7 @@ async def test_a_full_disk_without_hard_links_leaves_no_truncated_manifest(
     ).read_bytes()
 
 
-# ---- the rollout channel exactly once across lost answers (issue 34, finding 8) ----------------
+# ---- the rollout channel exactly once across lost answers ----------------
 def _batch_sample(tag: str):
     from asyncgrpo.sample import Sample
 
