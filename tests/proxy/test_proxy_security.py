@@ -536,4 +536,7 @@ def test_a_body_in_one_byte_chunks_is_held_by_its_size(loop: str) -> None:
         child.wait()
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
     assert grown < 100e6, f"the proxy grew {grown / 1e6:.0f} MB for a 2 MB body"
-    assert len(took) >= 3 and max(took) < 0.25, [f"{t * 1000:.0f} ms" for t in took]
+    # the stall this catches lasted seconds; an answer also waits for the scheduler on a loaded
+    # machine (110-160 ms each at load 35, 251 ms once at load 18)
+    shown = [f"{t * 1000:.0f} ms" for t in took]
+    assert len(took) >= 3 and max(took) < 0.5, shown
