@@ -7,8 +7,9 @@ instead of failing the broadcast (it catches up before it returns); a broadcast 
 no replica is left or a live one refuses. A load is all or nothing over the fleet: retried on one
 replica only while it answers that the adapter is not there yet, up to ``load_deadline_s`` (then
 504, never 404: TRL reads 404 as "runtime LoRA updating is disabled"); any other refusal
-("already loaded" included: names are never reused) is rolled back on the replicas that accepted
-it. Rules and reasons: ``docs/proxy.md``, "Failures" and "Adapter broadcast".
+(a path load's "already loaded" included: the name may hold another adapter there) is rolled
+back on the replicas that accepted it; a plugin load's "already loaded" is a success, its name
+being the version its URI names. Rules and reasons: ``docs/proxy.md``, "Failures" and "Adapter broadcast".
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ async def _load_one(
         last = status, data = await _call(proxy, up, path, body, timeout_s)
         if status in (0, 200):
             return ("ok" if status else "unreachable"), status, data
+        if path == api.PLUGIN_LOAD_PATH and api.already_loaded(status, data):
+            # A plugin load's name is the version its URI names, and a version is never
+            # rewritten: the replica serves these weights already (a load sent again after the
+            # proxy that sent it first died with its answer, or after a trainer restart).
+            return "ok", 200, b"Success: the LoRA adapter was loaded already."
         if not api.adapter_not_there_yet(status, data):
             return "rejected", status, data
         return None  # lagging: again, until the deadline

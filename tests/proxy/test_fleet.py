@@ -64,6 +64,8 @@ class StandIn:
         app.router.add_get("/health", self.health)
         app.router.add_post("/v1/load_lora_adapter", self.load)
         app.router.add_post("/v1/unload_lora_adapter", self.unload)
+        app.router.add_post("/v1/asyncgrpo/load", self.load)  # the replica plugin's routes
+        app.router.add_post("/v1/asyncgrpo/unload", self.unload)
         app.router.add_post("/pause", self.pause)
         app.router.add_post("/resume", self.resume)
         app.router.add_post("/v1/completions", self.completions)
@@ -584,3 +586,31 @@ async def test_a_restarted_trainer_keeps_its_predecessors_fresh_versions_loaded(
         assert loaded() == {"run-x-v5", "run-x-v6", "run-x-v7"}
         await restarted.unload_all()
         assert loaded() == set()
+
+
+async def test_a_plugin_load_the_replicas_already_serve_succeeds_and_is_remembered(
+    fleet: list[StandIn],
+) -> None:
+    """The trainer's load sent again after the proxy that sent it first was killed with the
+    answer in flight (the fault schedule's proxy kill; before, the new proxy answered the
+    replicas' 400 "already loaded" and the trainer stopped): a plugin load's name is the version
+    its URI names, so the replicas serve these weights already. The load succeeds, nothing is
+    rolled back, and the new proxy replays it to a replica that restarts."""
+    a, b = fleet
+    name = "run-1a2b-v3"
+    a.adapters.add(name)  # loaded on both through the proxy that died
+    b.adapters.add(name)
+    cfg = ProxyConfig(upstreams=(a.url, b.url), port=0, **FAST)
+    async with serve_proxy(cfg) as base, aiohttp.ClientSession() as session:
+        c = Client(session, base)
+        body = {"lora_name": name, "lora_uri": "s3://bucket/run/adapters/run-1a2b/v3"}
+        status, text = await c.post("/v1/asyncgrpo/load", body)
+        assert status == 200, text
+        assert a.adapters == b.adapters == {name}
+        _, stats = await c.get("/proxy/stats")
+        assert name in stats["adapters"]  # type: ignore[index]
+        await b.stop()
+        await c.wait_circuit(b.url, "open")
+        await b.start()  # restarted: nothing loaded, brought up to date when it returns
+        await c.wait_circuit(b.url, "half_open", "closed")
+        assert b.adapters == {name}
