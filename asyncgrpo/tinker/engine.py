@@ -24,6 +24,7 @@ from asyncgrpo.tinker.losses import LossInputError, check_inputs, check_loss, to
 from asyncgrpo.tinker.provenance import check_tiling
 from asyncgrpo.tinker.wire import FwdBwdRequest, FwdBwdResult, WireDatum
 from asyncgrpo.trainer.attention import varlen_kwargs
+from asyncgrpo.trainer.checkpoint import save_torch
 from asyncgrpo.trainer.config import LoraConfig
 from asyncgrpo.trainer.model import autocast, load_policy, model_device
 from asyncgrpo.trainer.packing import plan_rows, restarting_positions
@@ -297,7 +298,7 @@ class Engine:
             "steps": client.steps,
         }
         directory.mkdir(parents=True, exist_ok=True)
-        torch.save(state, directory / STATE_FILE)
+        save_torch(state, directory / STATE_FILE)
 
     def load_state(self, model_id: str, directory: Path, *, optimizer: bool) -> None:
         """Restore a :meth:`save_state` into the client (its AdamW state too if ``optimizer``,

@@ -22,6 +22,7 @@ __all__ = [
     "STATE_FILE",
     "load_state_dict",
     "read_state",
+    "save_torch",
     "state_dict",
     "write_state",
 ]
@@ -97,8 +98,23 @@ def load_state_dict(
 def write_state(directory: Path, state: dict[str, Any]) -> None:
     """Write ``state`` as ``directory/trainer_state.pt`` (atomically: temporary name, rename)."""
     tmp = directory / f".{STATE_FILE}.tmp"
-    torch.save(state, tmp)
+    save_torch(state, tmp)
     os.replace(tmp, directory / STATE_FILE)
+
+
+def save_torch(obj: Any, path: Path) -> None:
+    """``torch.save`` through a Python file, so that a full disk raises ``OSError`` (ENOSPC),
+    which the trainer puts off to the next step. Given a path, torch's own writer reports it as
+    a ``RuntimeError`` ("unexpected pos 64 vs 0") that nothing can tell from a bug; given a
+    file, the write's ``OSError`` is raised, unless closing the archive after it raises that
+    ``RuntimeError`` over it: the ``OSError`` is what happened."""
+    with open(path, "wb") as f:
+        try:
+            torch.save(obj, f)
+        except RuntimeError as exc:
+            if isinstance(exc.__context__, OSError):
+                raise exc.__context__ from None
+            raise
 
 
 def read_state(directory: Path) -> dict[str, Any]:

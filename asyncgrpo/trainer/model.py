@@ -17,6 +17,7 @@ logprobs agree within 1e-5, and that the test notices a row whose samples see ea
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -252,10 +253,20 @@ def _entropy(scaled: torch.Tensor, lse: torch.Tensor, chunk: int = 4096) -> torc
 
 
 def save_adapter(model: Any, path: str | Path) -> Path:
-    """Write the adapter as ``adapter_model.safetensors`` + ``adapter_config.json`` in ``path``."""
+    """Write the adapter as ``adapter_model.safetensors`` + ``adapter_config.json`` in ``path``.
+
+    safetensors reports a failed write (a full disk) as a ``SafetensorError`` naming the OS
+    error: it is raised as that ``OSError``, which the trainer puts off to the next step."""
+    from safetensors import SafetensorError
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path), safe_serialization=True)
+    try:
+        model.save_pretrained(str(path), safe_serialization=True)
+    except SafetensorError as exc:
+        if (code := re.search(r"\(os error (\d+)\)", str(exc))) is None:
+            raise
+        raise OSError(int(code[1]), f"writing the adapter to {path}: {exc}") from exc
     return path
 
 
