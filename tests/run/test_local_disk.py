@@ -84,24 +84,9 @@ def test_a_checkpoint_or_adapter_on_a_full_disk_fails_with_an_oserror(tmp_path: 
     private mount namespace) fail with ENOSPC, which :class:`LocalDisk` puts off. torch's own
     writer said "unexpected pos 64 vs 0" (a RuntimeError), and the trainer stopped (found by
     ``bench/chaos.py --seed 1``'s disk-full fault); safetensors says ``SafetensorError``."""
-    import os
-    import shutil
-    import subprocess
-    import sys
+    from full_disk import on_full_disk
 
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        pytest.skip("a tmpfs in a private mount namespace needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    script = (
-        f"mount -t tmpfs -o size=1m full {disk} && {sys.executable} -c '{FULL_CHECKPOINT}' {disk}"
-    )
-    done = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = on_full_disk(tmp_path / "disk", FULL_CHECKPOINT)
     assert done.returncode == 0, done.stderr[-2000:]
     said = f"state OSError {errno.ENOSPC}\nadapter OSError {errno.ENOSPC}"
     assert done.stdout.strip() == said, done.stdout + done.stderr[-2000:]

@@ -266,25 +266,10 @@ def test_a_full_disk_delays_rows_and_tears_none(tmp_path):
     """A full disk (a real one: a 1 MiB tmpfs in a private mount namespace) under the metrics
     and the sample ledger: the rows that meet it are written with the next ones once there is
     room; none is missing, and no torn line sits between two whole ones."""
-    import os
-    import shutil
-    import subprocess
-    import sys
+    from full_disk import on_full_disk
 
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        pytest.skip("a tmpfs in a private mount namespace needs root")
     run = tmp_path / "run"
-    run.mkdir()
-    script = (
-        f"mount -t tmpfs -o size=1m full {run} && {sys.executable} -c "
-        f"'{FULL_DISK}' {run} && cp {run}/*.jsonl {tmp_path}/"
-    )
-    done = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = on_full_disk(run, FULL_DISK, then=f" && cp {run}/*.jsonl {tmp_path}/")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "lines kept for the next write" in done.stderr
     rows = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
