@@ -50,6 +50,9 @@ def test_a_short_run_under_faults_loses_nothing(tmp_path: Path) -> None:
     assert len(kinds) == 5 and all(row["next_step_s"] is not None for row in result["faults"]), log
     samples = result["samples"]
     assert samples["trained"] == result["steps"] * 32, samples
-    assert samples["rolled_back_steps"] >= 1, samples  # the trainer's kill cost redone steps
+    # the trainer's kill was survived by a resume (steps are redone only if it lands after a step
+    # not yet checkpointed: on a loaded machine it can land just after the checkpoint of step 10)
+    trainer_log = (out / "chaos-seed0" / "trainer-log" / "log.txt").read_text()
+    assert "resumed from the checkpoint of step" in trainer_log, trainer_log[-3000:]
     assert result["audits"]["audits"] >= result["steps"] // 2, result["audits"]
     assert "every invariant held" in done.stdout
