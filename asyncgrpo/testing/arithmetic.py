@@ -459,9 +459,16 @@ def cached_arithmetic_model(
     from asyncgrpo.testing.model_cache import cache_key, cached_dir
 
     s = settings or BuildSettings()
-    key = cache_key(("arithmetic-model", json.dumps(asdict(s), sort_keys=True),
-                     hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
-                     version("torch"), version("transformers"), version("tokenizers")))  # fmt: skip
+    key = cache_key(
+        (
+            "arithmetic-model",
+            json.dumps(asdict(s), sort_keys=True),
+            hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+            version("torch"),
+            version("transformers"),
+            version("tokenizers"),
+        )
+    )
     return cached_dir(cache_root, key, lambda out: make_arithmetic_model(out, s, log=log))
 
 

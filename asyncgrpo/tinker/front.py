@@ -155,10 +155,13 @@ async def listen(
     """Serve ``app`` on ``host:port`` under these limits for the block; yields the bound
     port."""
     handler_args: dict[str, Any] = {
-        "access_log": None, "keepalive_timeout": idle_timeout_s, "lingering_time": LINGER_S,
-        "max_line_size": HEAD_LINE_BYTES, "max_field_size": HEAD_LINE_BYTES,
+        "access_log": None,
+        "keepalive_timeout": idle_timeout_s,
+        "lingering_time": LINGER_S,
+        "max_line_size": HEAD_LINE_BYTES,
+        "max_field_size": HEAD_LINE_BYTES,
         "max_headers": HEAD_FIELDS,
-    }  # fmt: skip
+    }
     runner = web.AppRunner(app, handle_signals=False, **handler_args)
     await runner.setup()
     clients = Connections(
