@@ -75,6 +75,10 @@ def _rank_main(rank: int, world_size: int, port: int, model_dir: str, out: str, 
     else:
         assert trainer.follow() == STEPS
     dp.close()
+    # Leave without the interpreter's teardown: with FSDP, a rank's exit sometimes aborts in a
+    # C++ thread's destructor ("terminate called without an active exception", SIGABRT) after
+    # everything above is done and saved; what this test compares is the adapter.
+    os._exit(0)
 
 
 def _run_ranks(model_dir: Path, tmp_path: Path, *, fsdp: bool = False) -> dict:
