@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.testing.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
+from asyncgrpo.testing.tiny import chat_tokenizer
 
 #: Level name -> (operation, first operand range, second operand range), inclusive. Graded by
 #: the number of columns worked and by the operation; sampled with :data:`LEVEL_WEIGHTS`.
@@ -217,39 +217,11 @@ def final_answer(text: str) -> str | None:
 
 def make_tokenizer(out: Path, seed: int, vocab_size: int) -> Any:
     """A byte-level BPE over the task's own text, every digit its own token (as Qwen's)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     rng = random.Random(f"arithmetic:tokenizer:{seed}")
     corpus = []
     for p in draw_problems(rng, 3000, held_out=False):
         corpus += [p.text(rng.randrange(len(TEMPLATES))), worked(p)]
-    bpe = Tokenizer(models.BPE(unk_token=None))
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False),
-        ]
-    )
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
-        special_tokens=[],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(corpus, trainer=trainer)
-    bpe.add_special_tokens(list(SPECIAL_TOKENS))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        bos_token=None,
-        unk_token=None,
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(out)
-    return tokenizer
+    return chat_tokenizer(corpus, vocab_size, out, individual_digits=True)
 
 
 def _batch(

@@ -46,6 +46,43 @@ def _corpus(seed: int, lines: int = 2000) -> list[str]:
     return out
 
 
+def chat_tokenizer(
+    corpus: Sequence[str], vocab_size: int, out: Path, *, individual_digits: bool = False
+) -> Any:
+    """A byte-level BPE trained on ``corpus`` with the chat special tokens and template (a
+    ChatML subset, as Qwen's), saved to ``out``: every test model's tokenizer.
+    ``individual_digits`` splits numbers into one token per digit, as Qwen's does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if individual_digits
+        else byte_level
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        special_tokens=[],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(corpus, trainer=trainer)
+    bpe.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    return tokenizer
+
+
 def make_tiny_model(
     path: str | Path,
     seed: int = 0,
@@ -70,8 +107,7 @@ def make_tiny_model(
     ``hidden_size / num_heads == 64``.
     """
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from asyncgrpo.trainer.model import no_progress_bars
 
@@ -82,26 +118,7 @@ def make_tiny_model(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
 
-    bpe = Tokenizer(models.BPE(unk_token=None))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
-        special_tokens=[],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(_corpus(seed), trainer=trainer)
-    bpe.add_special_tokens(list(SPECIAL_TOKENS))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        bos_token=None,
-        unk_token=None,
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(out)
+    tokenizer = chat_tokenizer(_corpus(seed), vocab_size, out)
 
     config = Qwen2Config(
         vocab_size=len(tokenizer),
