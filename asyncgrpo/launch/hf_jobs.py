@@ -70,9 +70,7 @@ class HfJobsBackend(RemoteBackend):
 
         env = os.environ if environ is None else environ
         self.token = token or env.get(TOKEN_ENV) or get_token()
-        super().__init__(
-            cfg, launch_dir, environ, transport_url=cfg.transport_url, hub_token=self.token
-        )
+        super().__init__(cfg, launch_dir, environ=environ, hub_token=self.token)
         self.api = api if api is not None else HfApi(token=self.token)
         self.namespace = cfg.launch.namespace
         self._admin_key = None  # no key of its own: the token is (admin_key)

@@ -219,30 +219,20 @@ class RayBackend(RemoteBackend):
     secrets_as = "in their environment"
     shares_directories = True  # a directory every node mounts at the same path
 
-    def __init__(
-        self,
-        cfg: TrainingConfig,
-        launch_dir: Path,
-        *,
-        environ: Mapping[str, str] | None = None,
-        ray: Any = None,
-    ) -> None:
-        self._ray = ray
-        launch_dir = launch_dir.resolve()
+    import_sdk = staticmethod(import_ray)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.launch_dir = self.launch_dir.resolve()
         #: without transport_url: a directory of the launch (a one-host cluster shares it)
-        self.shared_dir = not cfg.transport_url
-        transport = cfg.transport_url or str(launch_dir / "store")
-        super().__init__(cfg, launch_dir, environ, transport_url=transport)
-        self.address = ray_address(cfg.launch, self.environ)
+        self.shared_dir = not self.cfg.transport_url
+        self.address = ray_address(self.cfg.launch, self.environ)
         self._actors: dict[str, _Actor] = {}
         self._launcher_ip: str | None = None
         self._connected = False
 
-    @property
-    def ray(self) -> Any:
-        if self._ray is None:
-            self._ray = import_ray()
-        return self._ray
+    def transport_for(self, cfg: TrainingConfig, launch_dir: Path) -> str | None:
+        return cfg.transport_url or str(launch_dir.resolve() / "store")
 
     # -- specs: actors on the cluster's nodes, the node's Python --------------------------------
 
@@ -288,7 +278,7 @@ class RayBackend(RemoteBackend):
         get there: secrets not set, resources the cluster lacks, a directory transport other
         hosts cannot share."""
         self.check_offline()
-        ray = self.ray
+        ray = self.sdk
         endpoint = gcs_endpoint(self.address)
         if endpoint is not None:  # Ray retries an address nothing answers at for minutes
             try:
@@ -338,7 +328,7 @@ class RayBackend(RemoteBackend):
 
     async def _get(self, ref: Any, wait_s: float = CALL_TIMEOUT_S) -> Any:
         """``ray.get(ref)`` in a worker thread, giving up after ``wait_s``."""
-        return await anyio.to_thread.run_sync(lambda: self.ray.get(ref, timeout=wait_s))
+        return await anyio.to_thread.run_sync(lambda: self.sdk.get(ref, timeout=wait_s))
 
     async def start(self, spec: JobSpec) -> str:
         """Create the actor and ask it to start the command; returns at once (the actor may
@@ -347,7 +337,7 @@ class RayBackend(RemoteBackend):
         workdir = self._workdir(spec)
         fallback = f"{self.cfg.run_name}/{workdir.name}"
         try:
-            handle = self.ray.remote(RoleActor).options(**options).remote()
+            handle = self.sdk.remote(RoleActor).options(**options).remote()
             started = handle.start.remote(
                 list(spec.command),
                 {**spec.env, **spec.secrets},
@@ -367,7 +357,7 @@ class RayBackend(RemoteBackend):
         error if the actor died first."""
         if actor.info is None:
             ready, _ = await anyio.to_thread.run_sync(
-                lambda: self.ray.wait([actor.started], timeout=0)
+                lambda: self.sdk.wait([actor.started], timeout=0)
             )
             if not ready:
                 return None
@@ -383,11 +373,11 @@ class RayBackend(RemoteBackend):
             if info is None:
                 return JobStatus("starting", message="waiting for its Ray actor")
             code = await self._get(actor.handle.returncode.remote())
-        except self.ray.exceptions.GetTimeoutError:
+        except self.sdk.exceptions.GetTimeoutError:
             return JobStatus(job.stage, job.url, "its Ray actor did not answer in time")
-        except self.ray.exceptions.RayTaskError as exc:  # start raised on the node
+        except self.sdk.exceptions.RayTaskError as exc:  # start raised on the node
             return JobStatus(ended, None, f"its Ray actor failed: {first_line(exc.cause)}")
-        except self.ray.exceptions.RayError as exc:
+        except self.sdk.exceptions.RayError as exc:
             return JobStatus(ended, None, f"its Ray actor died: {first_line(exc)}")
         port = job.spec.port or info["port"]  # a replica's is planned; else the node's pick
         url = f"http://{info['node_ip']}:{port}" if port else None
@@ -427,7 +417,7 @@ class RayBackend(RemoteBackend):
     async def follow_logs(self, job: Job, on_line: Callable[[str], None]) -> None:
         """Read the role's log from its actor until the process ended (or the actor died)."""
         actor = self._actors[job.id]
-        ray = self.ray
+        ray = self.sdk
         offset, pending = 0, ""
         try:
             await poll_until(lambda: self._info(actor), every=0.5)  # a poll of Ray, no event
@@ -451,7 +441,7 @@ class RayBackend(RemoteBackend):
         """Stop the actor's process group (SIGTERM, then SIGKILL after the grace), then kill
         the actor."""
         actor = self._actors[job.id]
-        ray = self.ray
+        ray = self.sdk
         try:
             if actor.info is not None or await self._info(actor) is not None:
                 await self._get(actor.handle.stop.remote(STOP_GRACE_S, job.name), STOP_GRACE_S + 15)
@@ -462,7 +452,7 @@ class RayBackend(RemoteBackend):
     async def aclose(self) -> None:
         if self._connected:
             self._connected = False
-            await anyio.to_thread.run_sync(self.ray.shutdown)
+            await anyio.to_thread.run_sync(self.sdk.shutdown)
 
 
 def _points(cfg: TrainingConfig) -> list[Any]:

@@ -10,9 +10,9 @@ import dataclasses
 import os
 import re
 import secrets as secrets_lib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError
@@ -55,19 +55,23 @@ class RemoteBackend:
 
     #: True where a directory transport can be shared (every node of a Ray cluster mounting it)
     shares_directories = False
+    #: the SDK the backend drives (Ray's, SkyPilot's), imported on first use with one line
+    #: saying how to install it when it is missing; ``sdk=`` at construction replaces it
+    import_sdk: ClassVar[Callable[[], Any] | None] = None
 
     def __init__(
         self,
         cfg: TrainingConfig,
         launch_dir: Path,
-        environ: Mapping[str, str] | None,
         *,
-        transport_url: str | None,
+        environ: Mapping[str, str] | None = None,
         hub_token: str | None = None,
+        sdk: Any = None,
     ) -> None:
-        """``transport_url``: where the jobs keep their state (a directory only where every
-        job's machine mounts it); ``hub_token``: the Hugging Face token the jobs get (default:
-        ``HF_TOKEN`` of ``environ``, for model and dataset downloads)."""
+        """``hub_token``: the Hugging Face token the jobs get (default: ``HF_TOKEN`` of
+        ``environ``, for model and dataset downloads); ``sdk``: a stand-in for the SDK."""
+        self._sdk = sdk
+        transport_url = self.transport_for(cfg, launch_dir)
         self.cfg = cfg
         self.launch_dir = launch_dir
         self.environ = dict(os.environ if environ is None else environ)
@@ -86,6 +90,17 @@ class RemoteBackend:
         self.replica_key = secrets_lib.token_urlsafe(32)
         elastic = cfg.launch.replica_restarts > 0
         self._admin_key = secrets_lib.token_urlsafe(32) if elastic else None
+
+    def transport_for(self, cfg: TrainingConfig, launch_dir: Path) -> str | None:
+        """Where the jobs keep their state: ``transport_url`` (a directory only where every
+        job's machine mounts it)."""
+        return cfg.transport_url
+
+    @property
+    def sdk(self) -> Any:
+        if self._sdk is None and self.import_sdk is not None:
+            self._sdk = type(self).import_sdk()
+        return self._sdk
 
     # -- what differs between backends (overridden) --------------------------------------------
 

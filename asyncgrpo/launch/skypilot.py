@@ -28,14 +28,13 @@ Secrets, given to SkyPilot as task secrets at launch (never in the task YAML or 
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.to_thread
 
-from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch.jobs import Job, JobSpec, JobStatus, Stage
 from asyncgrpo.launch.log_follower import follow_in_thread
@@ -99,17 +98,7 @@ class SkyPilotBackend(RemoteBackend):
 
     name = "skypilot"
     secrets_as = "as SkyPilot secrets"
-
-    def __init__(
-        self,
-        cfg: TrainingConfig,
-        launch_dir: Path,
-        *,
-        environ: Mapping[str, str] | None = None,
-        sky: Any = None,
-    ) -> None:
-        self.sky = sky if sky is not None else import_sky()
-        super().__init__(cfg, launch_dir, environ, transport_url=cfg.transport_url)
+    import_sdk = staticmethod(import_sky)
 
     def _key_urls(self, urls: list[str]) -> list[str] | None:
         return [any_host_origin(self.cfg.launch.port)]
@@ -119,7 +108,7 @@ class SkyPilotBackend(RemoteBackend):
         a setting SkyPilot refuses (an unknown ``infra``) is a :class:`ConfigError`."""
         overrides = list(spec.secrets.items()) if with_secrets else None
         try:
-            return self.sky.Task.from_yaml_config(
+            return self.sdk.Task.from_yaml_config(
                 task_config(spec, self.cfg.launch), secrets_overrides=overrides
             )
         except Exception as exc:  # SkyPilot's schema errors: ValueError and its own
@@ -142,7 +131,7 @@ class SkyPilotBackend(RemoteBackend):
         enabled (one request)."""
         self.check_offline()
         try:
-            enabled = self._call_sync(self.sky.client.sdk.enabled_clouds)
+            enabled = self._call_sync(self.sdk.client.sdk.enabled_clouds)
         except Exception as exc:  # no API server, a refused login: SkyPilot's own errors
             raise ConfigError(
                 f"SkyPilot could not list its enabled infra: {first_line(exc)}"
@@ -177,7 +166,7 @@ class SkyPilotBackend(RemoteBackend):
 
     def _call_sync(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
         """One SDK request and its result."""
-        return self.sky.get(fn(**kwargs))
+        return self.sdk.get(fn(**kwargs))
 
     async def _call(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
         return await anyio.to_thread.run_sync(lambda: self._call_sync(fn, **kwargs))
@@ -188,7 +177,7 @@ class SkyPilotBackend(RemoteBackend):
     async def start(self, spec: JobSpec) -> str:
         task = self.task(spec, with_secrets=True)
         try:
-            job_ids, _ = await self._call(self.sky.jobs.launch, task=task, name=spec.name)
+            job_ids, _ = await self._call(self.sdk.jobs.launch, task=task, name=spec.name)
         except Exception as exc:
             raise LaunchError(f"could not start {spec.role} job {spec.name}: {exc}") from exc
         if not job_ids:
@@ -198,7 +187,7 @@ class SkyPilotBackend(RemoteBackend):
     async def status(self, job: Job) -> JobStatus:
         try:
             records, *_ = await self._call(
-                self.sky.jobs.queue_v2, refresh=False, job_ids=[int(job.id)], fields=FIELDS
+                self.sdk.jobs.queue_v2, refresh=False, job_ids=[int(job.id)], fields=FIELDS
             )
         except Exception as exc:
             raise LaunchError(
@@ -217,7 +206,7 @@ class SkyPilotBackend(RemoteBackend):
 
     def _tail_sync(self, job: Job, lines: int) -> str:
         out = io.StringIO()
-        self.sky.jobs.tail_logs(job_id=int(job.id), follow=False, tail=lines, output_stream=out)
+        self.sdk.jobs.tail_logs(job_id=int(job.id), follow=False, tail=lines, output_stream=out)
         return "\n".join(out.getvalue().splitlines()[-lines:])
 
     async def log_tail(self, job: Job, lines: int) -> str:
@@ -238,12 +227,12 @@ class SkyPilotBackend(RemoteBackend):
                         emit(line)
                     return len(text)
 
-            self.sky.jobs.tail_logs(job_id=int(job.id), follow=True, output_stream=Lines())
+            self.sdk.jobs.tail_logs(job_id=int(job.id), follow=True, output_stream=Lines())
 
         await follow_in_thread(job, stream, on_line)
 
     async def cancel(self, job: Job) -> None:
-        await self._call(self.sky.jobs.cancel, job_ids=[int(job.id)])
+        await self._call(self.sdk.jobs.cancel, job_ids=[int(job.id)])
 
     async def aclose(self) -> None:
         pass

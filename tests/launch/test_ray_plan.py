@@ -55,7 +55,7 @@ def config(tmp_path: Path, **launch: object) -> TrainingConfig:
 def backend(tmp_path: Path, **launch: object) -> RayBackend:
     environ = {"AWS_ACCESS_KEY_ID": AWS_KEY, "AWS_SECRET_ACCESS_KEY": AWS_SECRET}
     cfg = config(tmp_path, **launch)
-    return RayBackend(cfg, cfg.run_dir / "launch", environ=environ, ray=object())
+    return RayBackend(cfg, cfg.run_dir / "launch", environ=environ, sdk=object())
 
 
 def test_each_actor_gets_its_roles_resources_no_ray_restarts_and_no_secret_in_its_runtime_env(

@@ -59,8 +59,8 @@ def backends(tmp_path: Path, url: str, environ: dict[str, str]) -> list:
     api = HfApi(endpoint="http://127.0.0.1:9", token=TOKEN)
     return [
         HfJobsBackend(cfg, where, api=api, token=TOKEN, environ=environ),
-        SkyPilotBackend(cfg, where, environ=environ, sky=object()),
-        RayBackend(cfg, where, environ=environ, ray=object()),
+        SkyPilotBackend(cfg, where, environ=environ, sdk=object()),
+        RayBackend(cfg, where, environ=environ, sdk=object()),
     ]
 
 
