@@ -31,6 +31,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -131,34 +132,28 @@ class ProxyLoader:
         return await self.client.models()
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class AdapterSync:
     """Runs the sync sequence for one run's adapter versions."""
 
-    def __init__(
-        self,
-        *,
-        store: AdapterStore,
-        source: AdapterSource,
-        loader: AdapterLoader,
-        prefix: str,
-        max_staleness: int,
-        base_model: str | None = None,
-        attempts: int = 3,
-        retry_backoff_s: float = 2.0,
-    ) -> None:
-        self.store = store
-        self.source = source
-        self.loader = loader
-        self.prefix = prefix
-        self.max_staleness = max_staleness
-        self.base_model = base_model
-        self.attempts = attempts
-        self.retry_backoff_s = retry_backoff_s
-        self.loaded: list[int] = []  #: versions this process loaded and has not unloaded
-        self.newest: int | None = None  #: the last version loaded everywhere
-        self.published: AdapterVersion | None = None  #: the last version this sync published
-        self._pins: Counter[int] = Counter()  #: versions kept loaded past the window
-        self._unloading = anyio.Lock()  #: the trainer's retire and an evaluation's end race
+    store: AdapterStore
+    source: AdapterSource
+    loader: AdapterLoader
+    prefix: str
+    max_staleness: int
+    base_model: str | None = None
+    attempts: int = 3
+    retry_backoff_s: float = 2.0
+    #: versions this process loaded and has not unloaded
+    loaded: list[int] = field(default_factory=list, init=False)
+    #: the last version loaded everywhere
+    newest: int | None = field(default=None, init=False)
+    #: the last version this sync published
+    published: AdapterVersion | None = field(default=None, init=False)
+    #: versions kept loaded past the window
+    _pins: Counter[int] = field(default_factory=Counter, init=False)
+    #: the trainer's retire and an evaluation's end race
+    _unloading: anyio.Lock = field(default_factory=anyio.Lock, init=False)
 
     def name(self, version: int) -> str:
         return served_name(self.prefix, version)

@@ -18,7 +18,7 @@ import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import anyio
@@ -137,40 +137,32 @@ def in_thread(fn: Callable[[], Any]) -> Job:
     return lambda: anyio.to_thread.run_sync(fn)
 
 
+@dataclass(eq=False, repr=False)
 class TinkerService:
     """``session_timeout_s``: a session with no heartbeat (nor request) for that long ends as
     if the SDK had finished it; ``max_clients``: the most training clients alive at once;
     ``max_queued``: the most requests one client has queued."""
 
-    def __init__(
-        self,
-        engine: Any,
-        states: Any,
-        sampler: Any = None,
-        *,
-        session_timeout_s: float = 30.0,
-        max_clients: int = 16,
-        max_queued: int = 64,
-    ) -> None:
-        self.engine = engine
-        self.states = states
-        self.sampler = sampler
-        self.session_timeout_s = session_timeout_s
-        self.max_clients = max_clients
-        self.max_queued = max_queued
-        self.futures = FutureTable()
-        self.sessions: dict[str, Session] = {}
-        self.models: dict[str, TrainingModel] = {}
-        #: sequences sampled with record_stability_info, for the losses that read them
-        self.records = StabilityRecords()
-        #: per training client, the sampler-vs-trainer gap of its datums since its last step
-        self.gaps: dict[str, SamplerGap] = {}
-        #: clients whose session ended and whose slots are on their way back
-        self._leaving: set[str] = set()
-        self._queue: FairQueue[tuple[str, Job]] = FairQueue()
-        self._waiting = anyio.Semaphore(0)
-        self._sampling = 0  # sampling jobs in flight
-        self._tasks: TaskGroup
+    engine: Any
+    states: Any
+    sampler: Any = None
+    _: KW_ONLY
+    session_timeout_s: float = 30.0
+    max_clients: int = 16
+    max_queued: int = 64
+    futures: FutureTable = field(default_factory=FutureTable, init=False)
+    sessions: dict[str, Session] = field(default_factory=dict, init=False)
+    models: dict[str, TrainingModel] = field(default_factory=dict, init=False)
+    #: sequences sampled with record_stability_info, for the losses that read them
+    records: StabilityRecords = field(default_factory=StabilityRecords, init=False)
+    #: per training client, the sampler-vs-trainer gap of its datums since its last step
+    gaps: dict[str, SamplerGap] = field(default_factory=dict, init=False)
+    #: clients whose session ended and whose slots are on their way back
+    _leaving: set[str] = field(default_factory=set, init=False)
+    _queue: FairQueue[tuple[str, Job]] = field(default_factory=FairQueue, init=False)
+    _waiting: anyio.Semaphore = field(default_factory=lambda: anyio.Semaphore(0), init=False)
+    _sampling: int = field(default=0, init=False)  # sampling jobs in flight
+    _tasks: TaskGroup = field(init=False)
 
     def new_session(self) -> Session:
         session = Session(session_id=f"s{secrets.token_hex(6)}", last_heartbeat=time.monotonic())
