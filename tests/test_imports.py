@@ -143,12 +143,12 @@ def test_imports_only_go_down() -> None:
 def test_an_upward_import_is_found() -> None:
     graph = {
         "asyncgrpo.config.training": {"asyncgrpo.run.training"},
-        "asyncgrpo.proxy.config": {"asyncgrpo.proxy.http.h1"},
+        "asyncgrpo.config.proxy": {"asyncgrpo.proxy.http.h1"},
         "asyncgrpo.run.training": {"asyncgrpo.config.training", "asyncgrpo.trainer.loop"},
     }
     assert upward_edges(graph) == [
         "asyncgrpo.config.training -> asyncgrpo.run.training",
-        "asyncgrpo.proxy.config -> asyncgrpo.proxy.http.h1",
+        "asyncgrpo.config.proxy -> asyncgrpo.proxy.http.h1",
     ]
 
 
@@ -222,8 +222,8 @@ def test_components_import_no_other_component_but_the_documented_exceptions() ->
 
 def test_an_import_between_components_is_found() -> None:
     graph = {
-        "asyncgrpo.serve.replicas": {"asyncgrpo.trainer.loop", "asyncgrpo.serve.config"},
-        "asyncgrpo.rollout.config": {"asyncgrpo.trainer.config"},
+        "asyncgrpo.serve.replicas": {"asyncgrpo.trainer.loop", "asyncgrpo.config.serve"},
+        "asyncgrpo.config.rollout": {"asyncgrpo.config.trainer"},
         "asyncgrpo.trainer.loop": {"asyncgrpo.store.adapters"},
     }
     assert component_edges(graph) == {("asyncgrpo.serve.replicas", "asyncgrpo.trainer.loop")}
