@@ -23,7 +23,7 @@ _EXPORTS = {
     "LaunchError": "asyncgrpo.errors",
     "NoHealthyReplica": "asyncgrpo.errors",
     "NotFound": "asyncgrpo.errors",
-    "ProxyConfig": "asyncgrpo.proxy.config",
+    "ProxyConfig": "asyncgrpo.config.proxy",
     "Replica": "asyncgrpo.serve",
     "ReplicaError": "asyncgrpo.errors",
     "RolloutChannel": "asyncgrpo.store.channel",

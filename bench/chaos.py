@@ -733,6 +733,7 @@ def check(run: Run, clean: list[dict[str, Any]], margin: float) -> dict[str, Any
     """Every invariant on the run's records; the figures of the report."""
     import anyio
 
+    from asyncgrpo.config.trainer import AUDIT_TOLERANCE
     from asyncgrpo.run.ledger import lineage
     from asyncgrpo.testing.invariants import (
         check_audits,
@@ -741,7 +742,6 @@ def check(run: Run, clean: list[dict[str, Any]], margin: float) -> dict[str, Any
         check_samples,
         check_versions,
     )
-    from asyncgrpo.trainer.config import AUDIT_TOLERANCE
 
     store = anyio.run(_store_records, f"http://127.0.0.1:{run.ports['s3']}")
     run_dir = run.trainer_dir / "chaos"

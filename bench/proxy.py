@@ -48,7 +48,7 @@ from pathlib import Path
 
 import aiohttp
 
-from asyncgrpo.proxy.config import ROUTING_POLICIES
+from asyncgrpo.config.proxy import ROUTING_POLICIES
 from asyncgrpo.proxy.router import make_policy
 from asyncgrpo.testing.vllm_metrics import prefix_cache
 

@@ -57,12 +57,12 @@ from types import ModuleType
 import numpy as np
 from anyio.from_thread import start_blocking_portal
 
+from asyncgrpo.config.trainer import LoraConfig, TrainerConfig
 from asyncgrpo.sample import Sample
 from asyncgrpo.testing import make_tiny_model
 from asyncgrpo.tinker import TinkerConfig, serve_tinker
 from asyncgrpo.tinker.engine import AdamStep, Engine, LoraSpec
 from asyncgrpo.tinker.wire import FwdBwdRequest, WireDatum
-from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 from asyncgrpo.trainer.loop import Trainer
 
 # ---- defaults -------------------------------------------------------------------------------

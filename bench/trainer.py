@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from asyncgrpo.config.trainer import LoraConfig, TrainerConfig
 from asyncgrpo.sample import Sample
-from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 from asyncgrpo.trainer.loop import Trainer
 
 # ---- defaults -------------------------------------------------------------------------------

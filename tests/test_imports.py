@@ -10,6 +10,7 @@ import ast
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -89,45 +90,66 @@ def test_a_cycle_is_found() -> None:
 
 
 # -- layers ---------------------------------------------------------------------------------
-#: The package's layers, lowest first: a module may import only from its own layer or below
-#: (docs/architecture.md). Every ``asyncgrpo.<package>.config`` belongs to the config layer.
-LAYERS: list[tuple[str, ...]] = [
-    ("errors", "lazy", "console", "processes", "parent_death", "retry", "sample"),
-    ("config",),
-    ("vllm",),
-    ("transport",),
-    ("store",),
-    ("trainer", "rollout", "proxy", "serve", "rewards", "evaluation"),
-    ("run", "tinker"),
-    ("launch",),
-    ("testing",),
-    ("cli", "__main__"),
+#: The package's layers, lowest first, each a name and its folders (packages under
+#: ``asyncgrpo/``, or base modules directly under it): a module is in its folder's layer and may
+#: import only from its own layer or below (docs/architecture.md has the same table).
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("errors", "lazy", "console", "processes", "parent_death", "retry", "sample")),
+    ("config", ("config",)),
+    ("vllm", ("vllm",)),
+    ("transport", ("transport",)),
+    ("store", ("store",)),
+    ("components", ("trainer", "rollout", "proxy", "serve", "rewards", "evaluation")),
+    ("run", ("run", "tinker")),
+    ("launch", ("launch",)),
+    ("testing", ("testing",)),
+    ("cli", ("cli", "__main__")),
 ]
 #: Modules directly under ``asyncgrpo/`` (the package's ``__init__`` counts as ``asyncgrpo``).
 MAX_LOOSE = 9
 
 
 def layer_of(module: str) -> int:
-    """The index in :data:`LAYERS` of an ``asyncgrpo`` module (``asyncgrpo`` itself: 0)."""
-    parts = module.split(".")
+    """The index in :data:`LAYERS` of an ``asyncgrpo`` module's folder (``asyncgrpo``: 0)."""
     if module == "asyncgrpo":
         return 0
-    if len(parts) >= 3 and parts[2] == "config":
-        return 1
-    for index, names in enumerate(LAYERS):
-        if parts[1] in names:
+    folder = module.split(".")[1]
+    for index, (_, folders) in enumerate(LAYERS):
+        if folder in folders:
             return index
-    raise AssertionError(f"{module} is in no layer: add its package to LAYERS")
+    raise AssertionError(f"{module} is in no layer: add its folder to LAYERS")
 
 
 def upward_edges(graph: dict[str, set[str]]) -> list[str]:
-    """Imports from a lower layer to a higher one, and from a config section into its own
-    component (the component is a layer above its section)."""
+    """Imports from a lower layer to a higher one (the root ``asyncgrpo`` maps every layer's
+    names lazily and imports none of them)."""
     return sorted(
         f"{a} -> {b}"
         for a, targets in graph.items()
         for b in targets
         if a != "asyncgrpo" and layer_of(b) > layer_of(a)
+    )
+
+
+def layer_graph(graph: dict[str, set[str]]) -> Counter[tuple[int, int]]:
+    """(importing layer, imported layer) -> how many module imports go from one to the other."""
+    return Counter(
+        (layer_of(a), layer_of(b))
+        for a, targets in graph.items()
+        if a != "asyncgrpo"
+        for b in targets
+    )
+
+
+def format_layer_graph(graph: dict[str, set[str]]) -> str:
+    """The layer graph, one line per pair of layers, upward imports marked ``UP``."""
+
+    def label(index: int) -> str:
+        return f"{index + 1:>2} {LAYERS[index][0]}"
+
+    return "\n".join(
+        f"  {label(a):<14} -> {label(b):<14} {n:>4}{'  UP' if b > a else ''}"
+        for (a, b), n in sorted(layer_graph(graph).items())
     )
 
 
@@ -137,47 +159,66 @@ def test_every_module_has_a_layer() -> None:
 
 
 def test_imports_only_go_down() -> None:
-    assert upward_edges(import_graph()) == []
+    """Prints the figures (``pytest tests/test_imports.py -q -s``): the imports from a lower
+    layer to a higher one (0), the layer graph, the imports between components."""
+    graph = import_graph()
+    upward = upward_edges(graph)
+    print(f"\nimports from a lower layer to a higher one: {len(upward)}")
+    print(f"imports from one component into another: {len(component_edges(graph))}")
+    print(f"the layer graph (importing -> imported, module imports):\n{format_layer_graph(graph)}")
+    assert upward == [], (
+        f"{len(upward)} imports go up the layers:\n  "
+        + "\n  ".join(upward)
+        + f"\nthe layer graph (importing -> imported, module imports):\n{format_layer_graph(graph)}"
+    )
 
 
 def test_an_upward_import_is_found() -> None:
     graph = {
         "asyncgrpo.config.training": {"asyncgrpo.run.training"},
-        "asyncgrpo.proxy.config": {"asyncgrpo.proxy.http.h1"},
+        "asyncgrpo.config.proxy": {"asyncgrpo.proxy.http.h1", "asyncgrpo.errors"},
         "asyncgrpo.run.training": {"asyncgrpo.config.training", "asyncgrpo.trainer.loop"},
     }
     assert upward_edges(graph) == [
+        "asyncgrpo.config.proxy -> asyncgrpo.proxy.http.h1",
         "asyncgrpo.config.training -> asyncgrpo.run.training",
-        "asyncgrpo.proxy.config -> asyncgrpo.proxy.http.h1",
+    ]
+    assert layer_graph(graph) == {(1, 0): 1, (1, 5): 1, (1, 6): 1, (6, 1): 1, (6, 5): 1}
+    assert [" ".join(line.split()) for line in format_layer_graph(graph).splitlines()] == [
+        "2 config -> 1 base 1",
+        "2 config -> 6 components 1 UP",
+        "2 config -> 7 run 1 UP",
+        "7 run -> 2 config 1",
+        "7 run -> 6 components 1",
     ]
 
 
 DOC = ROOT.parent / "docs" / "architecture.md"
 
 
-def doc_layers() -> list[tuple[str, ...]]:
-    """The layer table of docs/architecture.md: each row's packages and base modules."""
+def doc_layers() -> list[tuple[str, tuple[str, ...]]]:
+    """The layer table of docs/architecture.md: each row's name and its folders."""
     rows = []
     for line in DOC.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 4 and cells[0].isdigit():
-            names = []
-            for token in re.findall(r"`([^`]+)`", cells[2]):
-                if "<" in token or token.endswith("config.py"):
-                    continue  # a config section: the config layer's by rule, not by name
-                names.append(token.removeprefix("asyncgrpo/").removesuffix(".py").rstrip("/"))
-            rows.append(tuple(names))
+            folders = tuple(
+                token.removeprefix("asyncgrpo/").removesuffix(".py").rstrip("/")
+                for token in re.findall(r"`([^`]+)`", cells[2])
+            )
+            rows.append((cells[1], folders))
     return rows
 
 
 def test_the_documented_layer_table_is_the_one_enforced() -> None:
-    """docs/architecture.md's table and :data:`LAYERS` name the same layers in the same order:
-    a package moved or added on one side only fails here."""
-    assert [set(names) for names in doc_layers()] == [set(names) for names in LAYERS]
+    """docs/architecture.md's table and :data:`LAYERS` name the same layers with the same
+    folders in the same order: a package moved or added on one side only fails here."""
+    assert [(name, set(f)) for name, f in doc_layers()] == [(name, set(f)) for name, f in LAYERS]
 
 
 #: Imports from one component into another (layer 6), each with the reason docs/architecture.md
-#: gives (section 6 lists them); any other fails :func:`test_components_import_no_other_component`.
+#: gives: section 6 lists the same, and any other import between components fails
+#: :func:`test_components_import_no_other_component_but_the_documented_exceptions`.
 COMPONENT_EXCEPTIONS = {
     ("asyncgrpo.rollout.policy", "asyncgrpo.proxy.http.headers"): "the proxy's header names",
     ("asyncgrpo.evaluation.runner", "asyncgrpo.proxy.http.headers"): "the run header",
@@ -190,18 +231,12 @@ COMPONENT_EXCEPTIONS = {
 
 
 def component_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
-    """Imports from one component (its config section aside) into another."""
-    components = set(LAYERS[5])
+    """Imports from one component into another."""
+    _, components = LAYERS[5]
 
     def component(module: str) -> str | None:
         parts = module.split(".")
-        if (
-            len(parts) >= 2
-            and parts[1] in components
-            and not (len(parts) >= 3 and parts[2] == "config")
-        ):
-            return parts[1]
-        return None
+        return parts[1] if len(parts) >= 2 and parts[1] in components else None
 
     return {
         (a, b)
@@ -211,22 +246,60 @@ def component_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
     }
 
 
+def _module_of(path: str) -> str:
+    """``rollout/policy.py`` -> ``asyncgrpo.rollout.policy``."""
+    return "asyncgrpo." + path.removesuffix(".py").replace("/", ".")
+
+
+def doc_component_exceptions(text: str) -> set[tuple[str, str]]:
+    """The imports between components that section 6 of docs/architecture.md lists, one bullet
+    each importing module: ``- `a.py` imports `b.py` and `c.py`: the reason``."""
+    section = text[text.index("\n## 6. ") : text.index("\n## 7. ")]
+    found = set()
+    for bullet in section.split("\n- ")[1:]:
+        listed = re.match(r"`([^`]+)` imports (.+?): ", " ".join(bullet.split()))
+        if listed:  # the other bullets describe a component
+            importer, imported = listed.groups()
+            found |= {
+                (_module_of(importer), _module_of(b)) for b in re.findall(r"`([^`]+)`", imported)
+            }
+    return found
+
+
 def test_components_import_no_other_component_but_the_documented_exceptions() -> None:
-    assert component_edges(import_graph()) == set(COMPONENT_EXCEPTIONS)
-    text = " ".join(DOC.read_text().split())
-    for a, b in COMPONENT_EXCEPTIONS:
-        for module in (a, b):
-            path = module.removeprefix("asyncgrpo.").replace(".", "/") + ".py"
-            assert f"`{path}` imports" in text or f"`{path}`" in text, f"{path} not in {DOC.name}"
+    found = component_edges(import_graph())
+    listed = set(COMPONENT_EXCEPTIONS)
+    assert found == listed, (
+        f"imports between components not listed: {sorted(found - listed)}; "
+        f"listed but not imported: {sorted(listed - found)}"
+    )
+    documented = doc_component_exceptions(DOC.read_text())
+    assert documented == listed, (
+        f"docs/architecture.md section 6 lists {sorted(documented - listed)} besides the test's "
+        f"list and lacks {sorted(listed - documented)}"
+    )
 
 
 def test_an_import_between_components_is_found() -> None:
     graph = {
-        "asyncgrpo.serve.replicas": {"asyncgrpo.trainer.loop", "asyncgrpo.serve.config"},
-        "asyncgrpo.rollout.config": {"asyncgrpo.trainer.config"},
+        "asyncgrpo.serve.replicas": {"asyncgrpo.trainer.loop", "asyncgrpo.config.serve"},
+        "asyncgrpo.config.rollout": {"asyncgrpo.config.trainer"},
         "asyncgrpo.trainer.loop": {"asyncgrpo.store.adapters"},
     }
     assert component_edges(graph) == {("asyncgrpo.serve.replicas", "asyncgrpo.trainer.loop")}
+
+
+def test_the_documented_exceptions_are_read() -> None:
+    text = (
+        "\n## 6. Components\n\n- `rollout/policy.py` imports `proxy/http/headers.py`: a reason;\n"
+        "- `evaluation/runner.py` imports `rollout/dataset.py` and\n  `rollout/rewards.py`: a"
+        " reason.\n\n- `trainer/`: one step (`loss.py`: the loss).\n\n## 7. run\n"
+    )
+    assert doc_component_exceptions(text) == {
+        ("asyncgrpo.rollout.policy", "asyncgrpo.proxy.http.headers"),
+        ("asyncgrpo.evaluation.runner", "asyncgrpo.rollout.dataset"),
+        ("asyncgrpo.evaluation.runner", "asyncgrpo.rollout.rewards"),
+    }
 
 
 #: Where each heavy library may be imported (at module level or deferred): packages, or single
@@ -293,27 +366,31 @@ def _loaded_by(statement: str) -> set[str]:
     return set(out.stdout.split())
 
 
-COMPONENTS = ("proxy", "serve", "rollout", "trainer", "evaluation", "launch", "run", "cli", "store")
 HEAVY = ("aiohttp", "torch", "transformers")
 
 
 def _beyond_config(loaded: set[str]) -> list[str]:
-    """Loaded modules of the components other than their config sections and lazy packages."""
-    return sorted(
-        m
-        for m in loaded
-        if m.split(".")[:2][-1] in COMPONENTS
-        and m.startswith("asyncgrpo.")
-        and m.count(".") >= 2
-        and m.split(".")[2] != "config"
-    )
+    """Loaded ``asyncgrpo`` modules above the config layer (anything but ``config/`` and the
+    base modules)."""
+    return sorted(m for m in loaded if m.startswith("asyncgrpo.") and layer_of(m) > 1)
+
+
+SECTIONS = ("rollout", "trainer", "proxy", "serve", "launch", "evaluation", "store", "tinker")
 
 
 @pytest.mark.parametrize(
-    "statement", ["import asyncgrpo.config", "from asyncgrpo.config import TrainingConfig"]
+    "statement",
+    [
+        "import asyncgrpo.config",
+        "from asyncgrpo.config import TrainingConfig",
+        "import " + ", ".join(f"asyncgrpo.config.{section}" for section in SECTIONS),
+    ],
 )
 def test_loading_a_config_loads_no_component(statement: str) -> None:
+    """Prints the ``asyncgrpo`` modules each statement loads (``-s``)."""
     loaded = _loaded_by(statement)
+    ours = sorted(m for m in loaded if m == "asyncgrpo" or m.startswith("asyncgrpo."))
+    print(f"\n{statement}: {len(ours)} asyncgrpo modules loaded: {' '.join(ours)}")
     assert _beyond_config(loaded) == []
     assert [m for m in HEAVY if m in loaded] == []
 
@@ -325,6 +402,7 @@ def test_config_is_built_without_a_component() -> None:
         "TrainingConfig.from_yaml(example_path('examples/tiny_cpu.yaml'))"
     )
     loaded = _loaded_by(statement)
+    assert _beyond_config(loaded) == []
     assert [m for m in HEAVY if m in loaded] == []
 
 

@@ -22,8 +22,8 @@ from typing import Any
 import yaml
 
 from asyncgrpo.config.flags import add_fields
+from asyncgrpo.config.launch import LAUNCH_BACKENDS, LaunchConfig
 from asyncgrpo.config.training import ENV_PREFIX
-from asyncgrpo.launch.config import LAUNCH_BACKENDS, LaunchConfig
 
 
 def add_parser(sub: Any) -> None:

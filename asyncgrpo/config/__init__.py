@@ -1,7 +1,10 @@
-"""Configuration, the bottom layer: the loader and ``TrainingConfig``.
+"""Configuration, the bottom layer: the loader, every component's settings section and
+``TrainingConfig``.
 
-Every component's section is a keyword-only dataclass beside its component
-(``asyncgrpo.<component>.config``) that imports nothing above this layer; the loader raises
+Each section is a keyword-only dataclass in a module of this package named after its component
+(:mod:`.rollout`, :mod:`.trainer`, :mod:`.proxy`, :mod:`.serve`, :mod:`.launch`,
+:mod:`.evaluation`, :mod:`.store`, :mod:`.tinker`); the component packages re-export their own.
+Nothing here imports anything above this layer; the loader raises
 :class:`~asyncgrpo.errors.ConfigError` and never exits the process (the CLI turns errors into
 exit statuses). Names are imported lazily, so loading a config loads no component.
 
@@ -17,9 +20,19 @@ from __future__ import annotations
 from asyncgrpo.lazy import lazy_exports
 
 _EXPORTS = {
+    "AuditConfig": "asyncgrpo.config.trainer",
+    "DatasetConfig": "asyncgrpo.config.rollout",
+    "EvalConfig": "asyncgrpo.config.evaluation",
+    "FetchLimits": "asyncgrpo.config.store",
+    "GenerationConfig": "asyncgrpo.config.rollout",
+    "LaunchConfig": "asyncgrpo.config.launch",
     "LoggingConfig": "asyncgrpo.config.training",
-    "LoraConfig": "asyncgrpo.trainer.config",
-    "TrainerConfig": "asyncgrpo.trainer.config",
+    "LoraConfig": "asyncgrpo.config.trainer",
+    "ProxyConfig": "asyncgrpo.config.proxy",
+    "RolloutConfig": "asyncgrpo.config.rollout",
+    "ServeConfig": "asyncgrpo.config.serve",
+    "TinkerConfig": "asyncgrpo.config.tinker",
+    "TrainerConfig": "asyncgrpo.config.trainer",
     "TrainingConfig": "asyncgrpo.config.training",
     "example_path": "asyncgrpo.config.training",
     "run_transport_url": "asyncgrpo.config.training",

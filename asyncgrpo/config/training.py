@@ -1,8 +1,8 @@
 """The run's configuration: one ``TrainingConfig`` made of one section per component.
 
-Sections: ``dataset``, ``generation`` and ``rollout`` (``asyncgrpo.rollout.config``), ``proxy``
-(``asyncgrpo.proxy.config``), ``serve`` (``asyncgrpo.serve.config``), ``launch``
-(``asyncgrpo.launch.config``), ``lora`` and ``trainer`` (``asyncgrpo.trainer.config``), and
+Sections: ``dataset``, ``generation`` and ``rollout`` (``asyncgrpo.config.rollout``), ``proxy``
+(``asyncgrpo.config.proxy``), ``serve`` (``asyncgrpo.config.serve``), ``launch``
+(``asyncgrpo.config.launch``), ``lora`` and ``trainer`` (``asyncgrpo.config.trainer``), and
 here ``logging``. Every field is
 keyword-only and documented by the string below it (its ``--help``); every section validates
 itself in ``__post_init__`` and raises ``ConfigError`` naming the field and the fix, and
@@ -33,8 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo.config.coerce import check_fields, config_from_dict, to_dict
+from asyncgrpo.config.evaluation import EvalConfig
+from asyncgrpo.config.launch import LaunchConfig
 from asyncgrpo.config.paths import resolve_paths
+from asyncgrpo.config.proxy import ProxyConfig
 from asyncgrpo.config.redaction import redacted_repr
+from asyncgrpo.config.rollout import DatasetConfig, GenerationConfig, RolloutConfig
+from asyncgrpo.config.serve import ServeConfig
 from asyncgrpo.config.sources import (
     apply_overrides,
     env_overrides,
@@ -42,13 +47,8 @@ from asyncgrpo.config.sources import (
     read_yaml,
     refuse_file_secrets,
 )
+from asyncgrpo.config.trainer import LoraConfig, TrainerConfig
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.evaluation.config import EvalConfig
-from asyncgrpo.launch.config import LaunchConfig
-from asyncgrpo.proxy.config import ProxyConfig
-from asyncgrpo.rollout.config import DatasetConfig, GenerationConfig, RolloutConfig
-from asyncgrpo.serve.config import ServeConfig
-from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -158,9 +158,9 @@ class TrainingConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics."""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
-    """`asyncgrpo launch`: jobs, images, hardware (asyncgrpo.launch.config)."""
+    """`asyncgrpo launch`: jobs, images, hardware (asyncgrpo.config.launch)."""
     eval: EvalConfig | None = None
-    """Held-out evaluation of the base model and the final adapter (asyncgrpo.evaluation.config);
+    """Held-out evaluation of the base model and the final adapter (asyncgrpo.config.evaluation);
     None: none."""
 
     __repr__ = redacted_repr  # the generated repr would print credentials in transport_url

@@ -9,7 +9,7 @@ from __future__ import annotations
 from asyncgrpo.lazy import lazy_exports
 
 _EXPORTS = {
-    "EvalConfig": "asyncgrpo.evaluation.config",
+    "EvalConfig": "asyncgrpo.config.evaluation",
     "EvalReport": "asyncgrpo.evaluation.runner",
     "evaluate": "asyncgrpo.evaluation.runner",
     "pass_at_k": "asyncgrpo.evaluation.scores",

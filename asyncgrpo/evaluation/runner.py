@@ -20,18 +20,18 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import anyio
 
+from asyncgrpo.config.rollout import DatasetConfig, GenerationConfig, RolloutConfig
 from asyncgrpo.errors import ConfigError, EpisodeError
 from asyncgrpo.evaluation.scores import Graded, summarize
 from asyncgrpo.proxy.http.headers import RUN_HEADER
-from asyncgrpo.rollout.config import DatasetConfig, GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import Prompt, PromptDataset, read_rows, split_rows
 from asyncgrpo.rollout.environment import group_rewards, load_environment
 from asyncgrpo.rollout.policy import PolicyClient
 from asyncgrpo.rollout.rewards import RewardScorer
 
 if TYPE_CHECKING:
+    from asyncgrpo.config.evaluation import EvalConfig
     from asyncgrpo.config.training import TrainingConfig
-    from asyncgrpo.evaluation.config import EvalConfig
 
 __all__ = ["EvalReport", "eval_prompts", "eval_rows", "eval_run", "evaluate"]
 

@@ -12,7 +12,7 @@ from asyncgrpo.lazy import lazy_exports
 
 _EXPORTS = {
     "JobSpec": "asyncgrpo.launch.jobs",
-    "LaunchConfig": "asyncgrpo.launch.config",
+    "LaunchConfig": "asyncgrpo.config.launch",
     "LaunchHandle": "asyncgrpo.launch.launcher",
     "launch": "asyncgrpo.launch.launcher",
 }

@@ -10,8 +10,8 @@ import logging
 
 import anyio
 
+from asyncgrpo.config.launch import LaunchConfig
 from asyncgrpo.errors import LaunchError
-from asyncgrpo.launch.config import LaunchConfig
 from asyncgrpo.launch.failure import job_failure
 from asyncgrpo.launch.jobs import TERMINAL, Backend, Job
 from asyncgrpo.vllm.health import wait_healthy

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from asyncgrpo.config.launch import CONFIG_ENV
 from asyncgrpo.config.redaction import redact_text
-from asyncgrpo.launch.config import CONFIG_ENV
 
 if TYPE_CHECKING:
     from asyncgrpo.config.training import TrainingConfig

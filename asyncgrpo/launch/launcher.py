@@ -43,10 +43,10 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from asyncgrpo.config.launch import LAUNCH_BACKENDS
 from asyncgrpo.config.redaction import redact_text
 from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
-from asyncgrpo.launch.config import LAUNCH_BACKENDS
 from asyncgrpo.launch.failure import job_failure, points_failure
 from asyncgrpo.launch.front_proxy import FrontProxy
 from asyncgrpo.launch.health import wait_all_healthy, wait_job_healthy
@@ -73,7 +73,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: A name of :data:`~asyncgrpo.launch.config.LAUNCH_BACKENDS`.
+#: A name of :data:`~asyncgrpo.config.launch.LAUNCH_BACKENDS`.
 BackendName = str
 ProgressHook = Callable[[dict[str, Any]], None]
 #: Seconds the trainer's log may take to drain after its job completed.
@@ -81,7 +81,7 @@ DRAIN_S = 15.0
 
 
 def make_backend(name: str, cfg: TrainingConfig, launch_dir: Path, **options: Any) -> Backend:
-    """The backend ``name`` (:data:`~asyncgrpo.launch.config.LAUNCH_BACKENDS`) for ``cfg``."""
+    """The backend ``name`` (:data:`~asyncgrpo.config.launch.LAUNCH_BACKENDS`) for ``cfg``."""
     if name not in LAUNCH_BACKENDS:
         names = [repr(n) for n in sorted(LAUNCH_BACKENDS)]
         raise ConfigError(

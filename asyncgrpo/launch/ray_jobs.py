@@ -42,10 +42,10 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from asyncgrpo.config.launch import LaunchConfig
 from asyncgrpo.config.redaction import redact_text
 from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
-from asyncgrpo.launch.config import LaunchConfig
 from asyncgrpo.launch.jobs import Job, JobSpec, JobStatus, Role
 from asyncgrpo.launch.plan import trainer_metrics_path
 from asyncgrpo.launch.ray_actor import (

@@ -20,8 +20,8 @@ from collections.abc import Callable
 import anyio
 from anyio.abc import TaskGroup
 
+from asyncgrpo.config.launch import LaunchConfig
 from asyncgrpo.errors import LaunchError
-from asyncgrpo.launch.config import LaunchConfig
 from asyncgrpo.launch.failure import fetch_tail
 from asyncgrpo.launch.front_proxy import FrontProxy
 from asyncgrpo.launch.health import not_healthy_in_time, wait_job_healthy

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from asyncgrpo.launch.config import LaunchConfig
+from asyncgrpo.config.launch import LaunchConfig
 from asyncgrpo.launch.jobs import JobSpec
 
 __all__ = ["any_host_origin", "label_value", "task_config", "task_yaml"]

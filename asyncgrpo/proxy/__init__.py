@@ -12,7 +12,7 @@ from asyncgrpo.lazy import lazy_exports
 _EXPORTS = {
     "Decision": "asyncgrpo.proxy.router",
     "ProxyClient": "asyncgrpo.proxy.admin_client",
-    "ProxyConfig": "asyncgrpo.proxy.config",
+    "ProxyConfig": "asyncgrpo.config.proxy",
     "Router": "asyncgrpo.proxy.router",
     "request_hashes": "asyncgrpo.proxy.router",
     "serve_proxy": "asyncgrpo.proxy.server",

@@ -15,9 +15,9 @@ import signal
 from collections.abc import Sequence
 
 from asyncgrpo.config.flags import parse_args
+from asyncgrpo.config.proxy import ProxyConfig
 from asyncgrpo.console import parse_command_line, run_command
 from asyncgrpo.errors import UsageError
-from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.server import serve_proxy
 
 PROG = "python -m asyncgrpo.proxy"

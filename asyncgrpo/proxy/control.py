@@ -24,7 +24,7 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from asyncgrpo.proxy.config import split_url
+from asyncgrpo.config.proxy import split_url
 from asyncgrpo.proxy.http.h1 import Response
 from asyncgrpo.proxy.http.headers import REPLICA_HEADER_B
 from asyncgrpo.proxy.http.jsonbody import BodyError, decode_object

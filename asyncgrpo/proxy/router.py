@@ -19,8 +19,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from asyncgrpo.config.proxy import ROUTING_POLICIES
 from asyncgrpo.errors import NoHealthyReplica
-from asyncgrpo.proxy.config import ROUTING_POLICIES
 from asyncgrpo.proxy.policies.base import Decision, DecisionKind, RoutingPolicy
 
 __all__ = [

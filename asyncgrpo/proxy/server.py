@@ -11,8 +11,8 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from asyncgrpo.config.proxy import ProxyConfig
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.front import Clients, Connection
 from asyncgrpo.proxy.http.policy import connection_cap, raise_open_files
 from asyncgrpo.proxy.state import TICK_S, Proxy

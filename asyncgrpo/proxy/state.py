@@ -7,7 +7,7 @@ import json
 import logging
 from collections import Counter
 
-from asyncgrpo.proxy.config import ProxyConfig
+from asyncgrpo.config.proxy import ProxyConfig
 from asyncgrpo.proxy.http.h1 import Response
 from asyncgrpo.proxy.intake import Offload
 from asyncgrpo.proxy.router import Router

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from asyncgrpo.proxy.config import ProxyConfig, token_allowed
+from asyncgrpo.config.proxy import ProxyConfig, token_allowed
 from asyncgrpo.proxy.http.h1 import ConnectFailed, H1Pool
 from asyncgrpo.proxy.router import Router
 from asyncgrpo.retry import Backoff

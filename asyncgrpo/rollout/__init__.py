@@ -9,10 +9,10 @@ from __future__ import annotations
 from asyncgrpo.lazy import lazy_exports
 
 _EXPORTS = {
-    "DatasetConfig": "asyncgrpo.rollout.config",
+    "DatasetConfig": "asyncgrpo.config.rollout",
     "Environment": "asyncgrpo.rollout.environment",
     "Episode": "asyncgrpo.rollout.environment",
-    "GenerationConfig": "asyncgrpo.rollout.config",
+    "GenerationConfig": "asyncgrpo.config.rollout",
     "GroupScores": "asyncgrpo.rollout.rewards",
     "MultiTurnEnv": "asyncgrpo.rollout.environment",
     "PolicyClient": "asyncgrpo.rollout.policy",
@@ -20,7 +20,7 @@ _EXPORTS = {
     "PromptDataset": "asyncgrpo.rollout.dataset",
     "RewardScorer": "asyncgrpo.rollout.rewards",
     "RolloutClient": "asyncgrpo.rollout.client",
-    "RolloutConfig": "asyncgrpo.rollout.config",
+    "RolloutConfig": "asyncgrpo.config.rollout",
     "SingleTurnEnv": "asyncgrpo.rollout.environment",
     "Trajectory": "asyncgrpo.rollout.environment",
     "Turn": "asyncgrpo.rollout.policy",

@@ -34,8 +34,8 @@ import aiohttp
 import anyio
 import anyio.abc
 
+from asyncgrpo.config.rollout import GenerationConfig, RolloutConfig
 from asyncgrpo.errors import ConfigError, EpisodeError, ReplicaError, leaves
-from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import Prompt, PromptDataset
 from asyncgrpo.rollout.environment import Environment, Episode, group_rewards, load_environment
 from asyncgrpo.rollout.policy import PolicyClient

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.config.rollout import DatasetConfig
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.rollout.config import DatasetConfig
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import anyio
 
+from asyncgrpo.config.rollout import GenerationConfig
 from asyncgrpo.errors import ConfigError, ReplicaError
-from asyncgrpo.rollout.config import GenerationConfig
 from asyncgrpo.rollout.dataset import Prompt
 from asyncgrpo.rollout.policy import PolicyClient, Turn
 from asyncgrpo.rollout.rewards import GroupScores, RewardScorer

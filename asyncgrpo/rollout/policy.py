@@ -20,10 +20,10 @@ from typing import Any
 
 import aiohttp
 
+from asyncgrpo.config.rollout import GenerationConfig, RolloutConfig
 from asyncgrpo.errors import ReplicaError
 from asyncgrpo.proxy.http.headers import REPLICA_HEADER, SESSION_HEADER
 from asyncgrpo.retry import Backoff, RetryNow, poll_until, retry
-from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 from asyncgrpo.vllm.api import model_not_served
 
 logger = logging.getLogger(__name__)

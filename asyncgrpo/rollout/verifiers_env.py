@@ -26,8 +26,8 @@ from typing import Any
 
 import anyio
 
+from asyncgrpo.config.rollout import GenerationConfig
 from asyncgrpo.errors import AsyncGRPOError, ConfigError
-from asyncgrpo.rollout.config import GenerationConfig
 from asyncgrpo.rollout.dataset import Prompt, encode_prompt
 from asyncgrpo.rollout.environment import (
     ChatContinuation,

@@ -24,10 +24,10 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from asyncgrpo.config.rollout import GenerationConfig
 from asyncgrpo.errors import AsyncGRPOError, ConfigError, LaunchError, leaves
 from asyncgrpo.processes import start_group, stop_group
 from asyncgrpo.rollout.chat_turns import ChatTurns, PlayedEnv, Seat, TurnRefused, episode_of
-from asyncgrpo.rollout.config import GenerationConfig
 from asyncgrpo.rollout.dataset import Prompt
 from asyncgrpo.rollout.environment import Episode
 from asyncgrpo.rollout.policy import PolicyClient

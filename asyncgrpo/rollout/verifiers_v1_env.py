@@ -19,9 +19,9 @@ from typing import Any
 import anyio
 import verifiers.v1 as vf
 
+from asyncgrpo.config.rollout import GenerationConfig
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.rollout.chat_turns import ChatTurns, PlayedEnv, Seat, episode_of
-from asyncgrpo.rollout.config import GenerationConfig
 from asyncgrpo.rollout.dataset import Prompt
 from asyncgrpo.rollout.environment import Episode
 from asyncgrpo.rollout.policy import PolicyClient

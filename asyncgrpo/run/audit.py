@@ -19,10 +19,10 @@ from typing import Any
 
 import anyio
 
+from asyncgrpo.config.trainer import AuditConfig
 from asyncgrpo.errors import AuditError
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.audit import AuditTally, RecentSamples, by_version
-from asyncgrpo.trainer.config import AuditConfig
 
 __all__ = ["ServedPolicyAudit"]
 

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from asyncgrpo.config.proxy import ProxyConfig
 from asyncgrpo.config.training import run_transport_url
 from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.proxy.admin_client import ProxyClient
-from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.server import serve_proxy
 from asyncgrpo.serve import ServeConfig, launch_replicas
 

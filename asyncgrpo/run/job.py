@@ -14,8 +14,8 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 
+from asyncgrpo.config.launch import CONFIG_ENV
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.launch.config import CONFIG_ENV
 
 PROG = "python -m asyncgrpo.run.job"
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 from asyncgrpo.lazy import lazy_exports
 
 _EXPORTS = {
-    "ALLOWED_LORA_RANKS": "asyncgrpo.serve.config",
+    "ALLOWED_LORA_RANKS": "asyncgrpo.config.serve",
     "Replica": "asyncgrpo.serve.replicas",
-    "ServeConfig": "asyncgrpo.serve.config",
+    "ServeConfig": "asyncgrpo.config.serve",
     "launch_replicas": "asyncgrpo.serve.replicas",
-    "round_lora_rank": "asyncgrpo.serve.config",
+    "round_lora_rank": "asyncgrpo.config.serve",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -27,10 +27,10 @@ import anyio
 
 from asyncgrpo.config.flags import parse_args
 from asyncgrpo.config.paths import check_writable
+from asyncgrpo.config.serve import ServeConfig
 from asyncgrpo.console import parse_command_line, plain_help, run_async, run_command
 from asyncgrpo.errors import ConfigError, ReplicaError, UsageError
 from asyncgrpo.proxy.admin_client import ProxyClient, update_proxy
-from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.serve.replicas import Replica, launch_replicas
 from asyncgrpo.transport import check_transport_url
 

@@ -42,11 +42,11 @@ import anyio
 
 from asyncgrpo.config.coerce import config_from_dict
 from asyncgrpo.config.redaction import redact_text
+from asyncgrpo.config.serve import CACHE_DIR_ENV, LIMITS_ENV_PREFIX, TRANSPORTS_ENV
 from asyncgrpo.config.sources import env_overrides
+from asyncgrpo.config.store import FetchLimits
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.serve.config import CACHE_DIR_ENV, LIMITS_ENV_PREFIX, TRANSPORTS_ENV
 from asyncgrpo.store.adapters import AdapterStore, check_adapter_name, parse_version
-from asyncgrpo.store.config import FetchLimits
 from asyncgrpo.transport import Transport, open_transport
 from asyncgrpo.transport.base import check_key
 from asyncgrpo.vllm.api import served_name

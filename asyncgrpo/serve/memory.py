@@ -15,8 +15,8 @@ import logging
 import os
 from pathlib import Path
 
+from asyncgrpo.config.serve import ServeConfig
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.serve.config import ServeConfig
 
 logger = logging.getLogger(__name__)
 

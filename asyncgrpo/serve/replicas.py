@@ -24,6 +24,7 @@ import anyio.abc
 from anyio.abc import Process
 
 from asyncgrpo.config.model_source import check_model
+from asyncgrpo.config.serve import ServeConfig, is_loopback
 from asyncgrpo.errors import ReplicaStartError
 from asyncgrpo.processes import (
     free_port,
@@ -33,7 +34,6 @@ from asyncgrpo.processes import (
     start_group,
     stop_group,
 )
-from asyncgrpo.serve.config import ServeConfig, is_loopback
 from asyncgrpo.serve.memory import with_kv_cache_size
 from asyncgrpo.serve.vllm_support import check_plugin_support
 from asyncgrpo.vllm.api import SERVER_INFO_PATH

@@ -46,9 +46,9 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncgrpo.config.serve import PLUGIN_NAME
 from asyncgrpo.errors import IntegrityError, NotFound, TransportError
 from asyncgrpo.serve.adapter_fetch import AdapterFetcher, AdapterRef, SourceForbidden
-from asyncgrpo.serve.config import PLUGIN_NAME
 from asyncgrpo.vllm import api
 
 if TYPE_CHECKING:

@@ -38,6 +38,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from asyncgrpo.config.store import FetchLimits
 from asyncgrpo.errors import (
     AlreadyExists,
     ConfigError,
@@ -46,7 +47,6 @@ from asyncgrpo.errors import (
     TransportError,
     leaves,
 )
-from asyncgrpo.store.config import FetchLimits
 from asyncgrpo.store.documents import read_document
 from asyncgrpo.transport.base import Transport, check_key, join_key
 from asyncgrpo.transport.registry import open_transport

@@ -11,7 +11,7 @@ from __future__ import annotations
 from asyncgrpo.lazy import lazy_exports
 
 _EXPORTS = {
-    "TinkerConfig": "asyncgrpo.tinker.config",
+    "TinkerConfig": "asyncgrpo.config.tinker",
     "serve_tinker": "asyncgrpo.tinker.server",
 }
 

@@ -18,8 +18,8 @@ import signal
 from collections.abc import Sequence
 
 from asyncgrpo.config.flags import parse_args
+from asyncgrpo.config.tinker import API_KEY_ENV, TinkerConfig
 from asyncgrpo.console import parse_command_line, run_command
-from asyncgrpo.tinker.config import API_KEY_ENV, TinkerConfig
 
 PROG = "python -m asyncgrpo.tinker"
 ENV_PREFIX = "ASYNCGRPO_TINKER_"

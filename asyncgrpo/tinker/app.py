@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from asyncgrpo.config.tinker import TinkerConfig
 from asyncgrpo.tinker import checkpoint_routes, routes, sampling_routes
-from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.front import track
 from asyncgrpo.tinker.http import CONFIG, SERVICE, guard
 from asyncgrpo.tinker.service import TinkerService

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from asyncgrpo.config.trainer import LoraConfig
 from asyncgrpo.tinker.losses import LossInputError, check_inputs, check_loss, token_loss
 from asyncgrpo.tinker.provenance import check_tiling
 from asyncgrpo.tinker.wire import FwdBwdRequest, FwdBwdResult, WireDatum
 from asyncgrpo.trainer.attention import varlen_kwargs
 from asyncgrpo.trainer.checkpoint import save_torch
-from asyncgrpo.trainer.config import LoraConfig
 from asyncgrpo.trainer.model import autocast, load_policy, model_device
 from asyncgrpo.trainer.packing import plan_rows, restarting_positions
 

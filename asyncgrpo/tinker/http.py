@@ -18,10 +18,10 @@ import pydantic
 from aiohttp import web
 
 from asyncgrpo.config.bounded_json import JSONRefused, loads_object
+from asyncgrpo.config.serve import is_loopback
+from asyncgrpo.config.tinker import TinkerConfig
 from asyncgrpo.errors import NotFound
 from asyncgrpo.proxy.http.policy import host_is_local
-from asyncgrpo.serve.config import is_loopback
-from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.futures import server_failure
 from asyncgrpo.tinker.losses import LossInputError
 from asyncgrpo.tinker.provenance import ProvenanceError

@@ -14,8 +14,8 @@ import anyio
 from aiohttp import web
 from tinker import types
 
+from asyncgrpo.config.tinker import TinkerConfig
 from asyncgrpo.tinker.checkpoints import check_ttl
-from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.engine import AdamStep, LoraSpec
 from asyncgrpo.tinker.http import (
     CONFIG,

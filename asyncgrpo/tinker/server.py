@@ -10,13 +10,13 @@ from typing import Any
 
 import anyio
 
-from asyncgrpo.proxy.config import ProxyConfig
+from asyncgrpo.config.proxy import ProxyConfig
+from asyncgrpo.config.serve import ServeConfig
+from asyncgrpo.config.tinker import TinkerConfig
 from asyncgrpo.run.endpoint import open_fleet
-from asyncgrpo.serve.config import ServeConfig
 from asyncgrpo.store.adapters import AdapterStore
 from asyncgrpo.tinker.app import build_app
 from asyncgrpo.tinker.checkpoints import CheckpointIndex
-from asyncgrpo.tinker.config import TinkerConfig
 from asyncgrpo.tinker.engine import Engine
 from asyncgrpo.tinker.front import listen
 from asyncgrpo.tinker.ranks import RankedEngine

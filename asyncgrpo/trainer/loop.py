@@ -63,8 +63,8 @@ from asyncgrpo.trainer.step_metrics import StepTimer, batch_metrics, sample_metr
 from asyncgrpo.trainer.trust_region import UpdateBound
 
 if TYPE_CHECKING:
+    from asyncgrpo.config.trainer import LoraConfig, TrainerConfig
     from asyncgrpo.config.training import TrainingConfig
-    from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
     from asyncgrpo.trainer.distributed import DataParallel
 
 __all__ = ["ADAPTER_DIR", "STATE_FILE", "Trainer", "lr_factor"]

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 if TYPE_CHECKING:
-    from asyncgrpo.trainer.config import TrainerConfig
+    from asyncgrpo.config.trainer import TrainerConfig
 
 #: The default ``importance_cap`` of each correction (None: no cap).
 DEFAULT_CAPS: dict[str, float | None] = {

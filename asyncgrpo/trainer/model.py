@@ -31,7 +31,7 @@ from asyncgrpo.trainer.attention import register as register_varlen_sdpa
 from asyncgrpo.trainer.packing import PackedRow
 
 if TYPE_CHECKING:
-    from asyncgrpo.trainer.config import LoraConfig
+    from asyncgrpo.config.trainer import LoraConfig
 
 logger = logging.getLogger(__name__)
 

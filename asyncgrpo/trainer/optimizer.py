@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from asyncgrpo.trainer.config import TrainerConfig
+    from asyncgrpo.config.trainer import TrainerConfig
 
 __all__ = ["lr_factor", "make_optimizer", "optimizer_step"]
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from asyncgrpo.config.proxy import ProxyConfig
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.proxy.config import ProxyConfig
 
 
 def test_check_fields_names_the_rule_and_allows_none() -> None:
+    from asyncgrpo.config.trainer import TrainerConfig
     from asyncgrpo.serve import ServeConfig
-    from asyncgrpo.trainer.config import TrainerConfig
 
     with pytest.raises(ConfigError, match=r"^trainer\.max_steps=0: must be >= 1$"):
         TrainerConfig(max_steps=0)

@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from asyncgrpo.config.flags import parse_args
+from asyncgrpo.config.proxy import ProxyConfig
 from asyncgrpo.errors import UsageError
 from asyncgrpo.proxy.__main__ import parse as parse_proxy
-from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.serve.__main__ import parse as parse_serve
 
 ROOT = Path(__file__).resolve().parents[2]

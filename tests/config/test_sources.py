@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from asyncgrpo.config.proxy import ProxyConfig
 from asyncgrpo.config.sources import env_overrides
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.proxy.config import ProxyConfig
 
 
 def test_environment_list_and_errors() -> None:

@@ -10,10 +10,10 @@ import pytest
 
 from asyncgrpo.config.coerce import config_from_dict
 from asyncgrpo.config.fields import field_docs
+from asyncgrpo.config.rollout import RolloutConfig
+from asyncgrpo.config.trainer import LoraConfig, TrainerConfig
 from asyncgrpo.config.training import LoggingConfig, TrainingConfig
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.rollout.config import RolloutConfig
-from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 
 BASE = {"model": "some/model", "dataset": {"prompts": ["hi", "there"]}}
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"

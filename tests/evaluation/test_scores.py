@@ -8,9 +8,9 @@ from itertools import combinations
 import pytest
 
 from asyncgrpo.config import TrainingConfig
+from asyncgrpo.config.evaluation import EvalConfig
 from asyncgrpo.config.training import example_path
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.evaluation.config import EvalConfig
 from asyncgrpo.evaluation.scores import Graded, pass_at_k, summarize
 from asyncgrpo.rollout.dataset import split_rows
 

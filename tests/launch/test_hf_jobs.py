@@ -11,11 +11,11 @@ import pytest
 from fake_jobs_hub import NAMESPACE, TOKEN, FakeHub
 from huggingface_hub import HfApi
 
+from asyncgrpo.config.proxy import token_allowed
 from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError, LaunchError
 from asyncgrpo.launch import launch
 from asyncgrpo.launch.launcher import launch_dir as launch_dir_of
-from asyncgrpo.proxy.config import token_allowed
 from asyncgrpo.run.job import load_config
 from asyncgrpo.run.progress import progress_line
 

@@ -115,7 +115,7 @@ def test_replacements_get_the_token_where_the_first_replicas_live() -> None:
 
 
 def test_a_key_origin_with_host_star_matches_any_host_on_its_port_only() -> None:
-    from asyncgrpo.proxy.config import ProxyConfig, token_allowed
+    from asyncgrpo.config.proxy import ProxyConfig, token_allowed
 
     cfg = ProxyConfig(upstream_key_urls=("http://*:8000",))
     assert token_allowed("http://203.0.113.7:8000", cfg)

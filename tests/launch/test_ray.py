@@ -321,7 +321,7 @@ def role_sessions(model: Path) -> list[int]:
 #: actor is made as the launcher makes it (``actor_options``).
 PROBE_DRIVER = """
 import sys, time, ray
-from asyncgrpo.launch.config import LaunchConfig
+from asyncgrpo.config.launch import LaunchConfig
 from asyncgrpo.launch.jobs import JobSpec
 from asyncgrpo.launch.ray_actor import RoleActor
 from asyncgrpo.launch.ray_jobs import NAMESPACE, actor_options

@@ -106,7 +106,7 @@ async def test_only_a_replica_that_ran_counts_as_relaunched_by_its_backend(
 ) -> None:
     import anyio
 
-    from asyncgrpo.launch.config import LaunchConfig
+    from asyncgrpo.config.launch import LaunchConfig
     from asyncgrpo.launch.replacement import ReplicaReplacer
 
     front = _Front()

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.proxy import config as proxy_config
-from asyncgrpo.proxy.config import ROUTING_POLICIES, ProxyConfig
+from asyncgrpo.config import proxy as proxy_config
+from asyncgrpo.config.proxy import ROUTING_POLICIES, ProxyConfig
 from asyncgrpo.proxy.policies.base import RoutingPolicy
 from asyncgrpo.proxy.router import Router, make_policy, request_hashes
 

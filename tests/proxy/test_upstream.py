@@ -49,7 +49,7 @@ async def test_a_request_failing_at_its_deadline_stops_no_other_deadline(
     every later deadline: requests would hang until their clients gave up)."""
     import asyncio
 
-    from asyncgrpo.proxy.config import ProxyConfig
+    from asyncgrpo.config.proxy import ProxyConfig
     from asyncgrpo.proxy.state import Proxy
 
     proxy = Proxy(ProxyConfig(upstreams=("http://127.0.0.1:9",)), asyncio.get_running_loop())

@@ -20,11 +20,11 @@ import anyio
 import pytest
 from aiohttp import web
 
+from asyncgrpo.config.rollout import GenerationConfig, RolloutConfig
 from asyncgrpo.errors import ConfigError, ReplicaError
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
 from asyncgrpo.retry import poll_until
 from asyncgrpo.rollout.client import RolloutClient
-from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import PromptDataset, load_tokenizer
 from asyncgrpo.rollout.rewards import RewardScorer
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from asyncgrpo.config.rollout import DatasetConfig
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.rollout.config import DatasetConfig
 from asyncgrpo.rollout.dataset import PromptDataset, encode_prompt, load_tokenizer
 
 

@@ -8,8 +8,8 @@ from typing import Any
 import anyio
 import pytest
 
+from asyncgrpo.config.rollout import GenerationConfig
 from asyncgrpo.errors import ConfigError, ReplicaError
-from asyncgrpo.rollout.config import GenerationConfig
 from asyncgrpo.rollout.dataset import Prompt, load_tokenizer
 from asyncgrpo.rollout.environment import (
     ChatContinuation,

@@ -8,9 +8,9 @@ import logging
 import anyio
 import pytest
 
+from asyncgrpo.config.rollout import GenerationConfig, RolloutConfig
 from asyncgrpo.errors import EpisodeError
 from asyncgrpo.rollout.client import RolloutClient
-from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import Prompt
 from asyncgrpo.rollout.environment import Environment, Episode
 from asyncgrpo.rollout.policy import PolicyClient

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from asyncgrpo.config.rollout import GenerationConfig, RolloutConfig
 from asyncgrpo.proxy import ProxyConfig, serve_proxy
 from asyncgrpo.rollout.client import RolloutClient
-from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import Prompt, PromptDataset, load_tokenizer
 from asyncgrpo.rollout.environment import Episode
 from asyncgrpo.rollout.policy import PolicyClient, Turn

@@ -11,8 +11,8 @@ from typing import Any
 import anyio
 import pytest
 
+from asyncgrpo.config.rollout import GenerationConfig, RolloutConfig
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.dataset import Prompt, encode_prompt, load_tokenizer
 from asyncgrpo.rollout.environment import ChatContinuation, load_environment
 from asyncgrpo.rollout.policy import Turn

@@ -18,8 +18,8 @@ from typing import Any
 import anyio
 import pytest
 
+from asyncgrpo.config.rollout import GenerationConfig
 from asyncgrpo.errors import ConfigError, EpisodeError
-from asyncgrpo.rollout.config import GenerationConfig
 from asyncgrpo.rollout.dataset import Prompt, encode_prompt, load_tokenizer
 from asyncgrpo.rollout.environment import ChatContinuation, load_environment
 from asyncgrpo.rollout.policy import Turn

@@ -21,8 +21,8 @@ pytest.importorskip(
     "verifiers.v1", reason="verifiers 0.4 is not here: these tests run under make test-vf4"
 )
 
+from asyncgrpo.config.rollout import GenerationConfig
 from asyncgrpo.errors import ConfigError, EpisodeError
-from asyncgrpo.rollout.config import GenerationConfig
 from asyncgrpo.rollout.dataset import Prompt, encode_prompt, load_tokenizer
 from asyncgrpo.rollout.environment import ChatContinuation, load_environment
 from asyncgrpo.rollout.policy import Turn

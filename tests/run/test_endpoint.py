@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from asyncgrpo.config.proxy import ProxyConfig
 from asyncgrpo.config.training import TrainingConfig
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.proxy.config import ProxyConfig
 from asyncgrpo.proxy.server import serve_proxy
 from asyncgrpo.run.endpoint import open_endpoint, upstream_key
 

@@ -61,7 +61,7 @@ UNUSABLE = {
 @pytest.fixture(scope="module")
 def trainer(tiny_model: Path) -> object:
     """A trainer on the session's tiny model (vocabulary 384, context 2048)."""
-    from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
+    from asyncgrpo.config.trainer import LoraConfig, TrainerConfig
     from asyncgrpo.trainer.loop import Trainer
 
     return Trainer(

@@ -213,7 +213,7 @@ def test_a_transport_url_refused_is_shown_without_its_credentials(url: str) -> N
     "url", [f"http://user:{SIG}@replica:8000", f"http://replica:8000/?sig={SIG}"]
 )
 def test_a_replica_url_refused_is_shown_without_its_credentials(url: str) -> None:
-    from asyncgrpo.proxy.config import split_url
+    from asyncgrpo.config.proxy import split_url
 
     with pytest.raises(ValueError, match="no credentials") as info:
         split_url(url)

@@ -30,8 +30,8 @@ _TYPES = {
 
 def _routes() -> list[tuple[str, str]]:
     """``(method, path template)`` of every route the service serves."""
+    from asyncgrpo.config.tinker import TinkerConfig
     from asyncgrpo.tinker.app import build_app
-    from asyncgrpo.tinker.config import TinkerConfig
 
     app = build_app(TinkerConfig(model="m"), service=None)  # type: ignore[arg-type]
     out = []

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from asyncgrpo.config.trainer import LoraConfig, TrainerConfig
 from asyncgrpo.sample import Sample, group_advantages
-from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 from asyncgrpo.trainer.loop import Trainer
 
 DIGITS = 12  # token ids 0..11 earn reward

@@ -10,12 +10,12 @@ import anyio
 import pytest
 from trainer_helpers import make_samples
 
+from asyncgrpo.config.trainer import AuditConfig, LoraConfig, TrainerConfig
 from asyncgrpo.errors import AuditError, ConfigError
 from asyncgrpo.rollout.environment import Episode
 from asyncgrpo.run.audit import ServedPolicyAudit
 from asyncgrpo.sample import Sample
 from asyncgrpo.trainer.audit import AuditTally, RecentSamples, by_version, replica_key, spread
-from asyncgrpo.trainer.config import AuditConfig, LoraConfig, TrainerConfig
 
 A, B = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
 

@@ -16,8 +16,8 @@ import torch
 import torch.multiprocessing as mp
 from trainer_helpers import make_samples
 
+from asyncgrpo.config.trainer import LoraConfig, TrainerConfig
 from asyncgrpo.errors import RankError
-from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 from asyncgrpo.trainer.distributed import DataParallel, shard_samples
 from asyncgrpo.trainer.loop import Trainer
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from trainer_helpers import make_samples
 
-from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
+from asyncgrpo.config.trainer import LoraConfig, TrainerConfig
 from asyncgrpo.trainer.loop import Trainer, lr_factor
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from trainer_helpers import VOCAB, make_samples
 
+from asyncgrpo.config.trainer import LoraConfig, TrainerConfig
 from asyncgrpo.sample import Sample
-from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 from asyncgrpo.trainer.loop import Trainer
 from asyncgrpo.trainer.packing import build_row
 

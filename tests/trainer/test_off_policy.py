@@ -13,7 +13,7 @@ import torch
 from staleness_sim import When, broken_adapter, demo_recipe, forced_spike, random_spike, simulate
 from trainer_helpers import make_samples, reference_loss
 
-from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
+from asyncgrpo.config.trainer import LoraConfig, TrainerConfig
 from asyncgrpo.trainer.loop import Trainer
 from asyncgrpo.trainer.loss import DEFAULT_CAPS
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from trainer_helpers import make_samples
 
+from asyncgrpo.config.trainer import LoraConfig
 from asyncgrpo.trainer.attention import VARLEN_SDPA
-from asyncgrpo.trainer.config import LoraConfig
 from asyncgrpo.trainer.model import load_policy, row_logprobs
 from asyncgrpo.trainer.packing import build_row, pack_samples, plan_rows
 

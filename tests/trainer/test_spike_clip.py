@@ -11,8 +11,8 @@ import pytest
 import torch
 from trainer_helpers import make_samples
 
+from asyncgrpo.config.trainer import LoraConfig, TrainerConfig
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 from asyncgrpo.trainer.loop import Trainer
 from asyncgrpo.trainer.spike_clip import SpikeClip
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from trainer_helpers import make_samples
 
+from asyncgrpo.config.trainer import LoraConfig, TrainerConfig
 from asyncgrpo.errors import ConfigError
 from asyncgrpo.sample import centred_advantages, group_advantages, scale_advantages
 from asyncgrpo.trainer.collapse import CollapseDetector
-from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 from asyncgrpo.trainer.loop import Trainer
 from asyncgrpo.trainer.loss import Objective, grpo_loss, per_token_loss, token_normaliser
 

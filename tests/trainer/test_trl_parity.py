@@ -33,9 +33,9 @@ import torch
 
 pytest.importorskip("trl")
 
+from asyncgrpo.config.trainer import LoraConfig, TrainerConfig
 from asyncgrpo.rollout.rewards import RewardScorer
 from asyncgrpo.sample import Sample, group_advantages
-from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 from asyncgrpo.trainer.loop import Trainer
 
 PROMPTS = ["count to five", "name a color", "what is two plus two", "pick a number"]

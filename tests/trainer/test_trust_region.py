@@ -10,8 +10,8 @@ import pytest
 import torch
 from trainer_helpers import make_samples
 
+from asyncgrpo.config.trainer import LoraConfig, TrainerConfig
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.trainer.config import LoraConfig, TrainerConfig
 from asyncgrpo.trainer.loop import Trainer
 from asyncgrpo.trainer.trust_region import global_norm, kl_scale, shrink, token_kl
 

@@ -16,7 +16,7 @@ from typing import cast
 
 import httptools
 
-from asyncgrpo.proxy.config import split_url
+from asyncgrpo.config.proxy import split_url
 
 __all__ = ["ConnectFailed", "Disconnected", "Exchange", "H1Pool", "Request", "Response"]
 

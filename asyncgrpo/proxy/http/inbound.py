@@ -12,7 +12,7 @@ import hmac
 
 import httptools
 
-from asyncgrpo.proxy.config import ProxyConfig, is_loopback
+from asyncgrpo.config.proxy import ProxyConfig, is_loopback
 from asyncgrpo.proxy.http.headers import DROP_REQUEST_B, RUN_HEADER, SESSION_HEADER
 from asyncgrpo.proxy.http.policy import host_is_local
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from asyncgrpo.serve.config import is_loopback
+from asyncgrpo.config.serve import is_loopback
 
 __all__ = ["connection_cap", "host_is_local", "raise_open_files"]
 

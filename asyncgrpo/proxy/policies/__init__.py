@@ -1,5 +1,5 @@
 """The proxy's routing policies, one module each, on the interface of :mod:`.base`; named by
-``ROUTING_POLICIES`` in ``asyncgrpo/proxy/config.py`` (the values of ``ProxyConfig.routing``)."""
+``ROUTING_POLICIES`` in ``asyncgrpo/config/proxy.py`` (the values of ``ProxyConfig.routing``)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ counts) and asks its policy at three moments: :meth:`RoutingPolicy.choose` a rep
 in rotation (or leave it to the least-loaded), :meth:`RoutingPolicy.routed` once the request is
 sent there, :meth:`RoutingPolicy.finished` with its outcome; the ``added``, ``removed`` and
 ``availability_changed`` hooks hear the fleet change. A policy is pure like the router: no I/O,
-no clock reads. The policies are named in ``ROUTING_POLICIES`` (``asyncgrpo/proxy/config.py``),
+no clock reads. The policies are named in ``ROUTING_POLICIES`` (``asyncgrpo/config/proxy.py``),
 the values ``ProxyConfig.routing`` takes.
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httptools
 import pytest
 
-from asyncgrpo.proxy.config import ProxyConfig
+from asyncgrpo.config.proxy import ProxyConfig
 from asyncgrpo.proxy.http.inbound import PIECE_BYTES, Refused, Request, Rules, check_head, refusal
 
 

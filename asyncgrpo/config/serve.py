@@ -12,8 +12,8 @@ from typing import Literal
 from asyncgrpo.config.coerce import check_fields
 from asyncgrpo.config.redaction import redact_text, redacted_repr
 from asyncgrpo.config.sources import env_name
+from asyncgrpo.config.store import FetchLimits
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.store.config import FetchLimits
 
 _LIMITS = FetchLimits()
 

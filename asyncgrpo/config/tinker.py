@@ -7,8 +7,8 @@ from typing import Literal
 
 from asyncgrpo.config.coerce import check_fields
 from asyncgrpo.config.redaction import redacted_repr
+from asyncgrpo.config.serve import is_loopback
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.serve.config import is_loopback
 
 __all__ = ["TinkerConfig"]
 

@@ -9,8 +9,8 @@ from urllib.parse import urlsplit
 
 from asyncgrpo.config.coerce import check_fields
 from asyncgrpo.config.redaction import redact_url
+from asyncgrpo.config.serve import is_loopback
 from asyncgrpo.errors import ConfigError
-from asyncgrpo.serve.config import is_loopback
 
 __all__ = ["ROUTING_POLICIES", "ProxyConfig", "is_loopback", "token_allowed"]
 
