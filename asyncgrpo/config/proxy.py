@@ -89,7 +89,7 @@ class ProxyConfig:
     """The owner also keeps the request while its in-flight count is at most this multiple of
     the least-loaded replica's (relative bound for heavy load)."""
     max_tracked_blocks: int = 1_000_000
-    """LRU cap on tracked prefix blocks (~200 bytes each, see docs/proxy.md)."""
+    """LRU cap on tracked prefix blocks (about 150 bytes each)."""
     connect_timeout_s: float = 3.0
     """Connecting to a replica; a refused/slow connect retries."""
     request_timeout_s: float = 600.0

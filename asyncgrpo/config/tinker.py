@@ -57,7 +57,7 @@ class TinkerConfig:
     """Largest forward_backward body (the SDK's protobuf). The SDK splits a batch into
     requests of at most max_datums Datums and about 5 MB (this service tells it so), so this
     bounds only a request of a few very long Datums; every other route takes a small JSON
-    body (64 KiB; a sample request 64 KiB plus 16 bytes per token of max_context_length)."""
+    body (64 KiB; a sample request 64 KiB plus 32 bytes per token of max_context_length)."""
     max_datums: int = 1024
     """Most Datums in one forward_backward request (the SDK splits larger batches); a Datum
     with no tokens is refused."""
