@@ -3,7 +3,7 @@
 Without it, a rollout client in the trainer's process keeps its queue full while the trainer
 trains; at ``max_staleness=0`` every one of those samples is stale by the time it is read (the
 next sync has happened), so most generation is thrown away, and on shared CPUs it also slows the
-trainer down (docs/trainer.md, "Admission by staleness", has the figures).
+trainer down (docs/benchmarks.md, "The bar against the learning rate", has the figures).
 
 The trainer reads samples in order, ``per_version`` of them under each of its adapter versions
 (``samples_per_step * weight_sync_steps``), and accepts a sample up to ``max_staleness`` versions

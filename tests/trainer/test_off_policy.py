@@ -164,7 +164,7 @@ def test_learning_stays_learned_over_a_long_horizon(tiny_model, seed):
     region exists for, made: as the run takes off (the first step whose samples' mean reward
     reaches 0.3), three steps in a row each move the adapter 10 times as far as the optimizer
     says, while the samples that would show it are still 4 versions old (docs/trainer.md, "The
-    trust region on the step"). The trust region shortens them, and once the 3-step mean reward
+    trust region"). The trust region shortens them, and once the 3-step mean reward
     reaches 0.9 it never falls below 0.8. Without the trust region the same spikes throw the
     run back for tens of steps (docs/testing.md)."""
     spikes = When(forced_spike(10.0), reach=0.3, count=3)
@@ -192,8 +192,8 @@ def test_a_gradient_spike_after_convergence_is_bounded(tiny_model):
     every adapter coordinate by 30 learning rates (RMS) in a random direction, what AdamW does
     to a gradient in directions with little history after steps of near-zero gradient (seed 13
     of the simulation met two such spikes on one CPU, its 3-step mean reward fell to 0.777:
-    docs/trainer.md, "Late collapse again"). The KL on the step's sampled tokens does not stop it:
-    without max_update_rms the reward falls to near 0 (docs/testing.md). Bounding the step's
+    docs/benchmarks.md, "Stability and collapse"). The KL on the step's sampled tokens does not
+    stop it: without max_update_rms the reward falls to near 0 (docs/testing.md). Bounding the step's
     RMS per coordinate at 1.5 learning rates shortens that step, and the run keeps its reward:
     the 3-step mean stays at 0.8 or more."""
     recipe = demo_recipe() | {"max_update_rms": 1.5}
