@@ -7,7 +7,7 @@ episodes, and is still read)::
     | int32 token ids | float32 logprobs | int32 per-token versions | uint8 policy masks
 
 The header holds one row of scalar fields and lengths per sample. Binary rather than JSON
-because token ids and logprobs dominate a batch (docs/transport.md has the sizes and times,
+because token ids and logprobs dominate a batch (docs/benchmarks.md has the sizes and times,
 with the command that measures them). Logprobs are float32, exact for what vLLM returns.
 
 :func:`decode_batch` reads bytes anyone with write access to the storage may have written, so

@@ -135,7 +135,7 @@ async def test_a_v1_tool_environment_trains_4_steps_token_exactly(
     data["dataset"]["path"] = str(ROOT / "examples" / "calculator_tasks.jsonl")
     data["rollout"].update(max_inflight=16, queue_maxsize=16)
     # a tool call is <= 73 tokens (+ end of turn); at temperature 0.5 the fine-tuned model writes
-    # it every time (its wrong-token mass per episode <= 2e-5, docs/environments.md)
+    # it every time (its wrong-token mass per episode <= 2e-5, docs/benchmarks.md)
     data["generation"].update(num_generations=4, max_completion_length=80, temperature=0.5)
     data["trainer"].update(samples_per_step=8, max_steps=4)
     batches: list[list[Sample]] = []
@@ -187,7 +187,7 @@ async def test_a_single_turn_v1_environment_trains_with_its_rubric_reward(
 ) -> None:
     """examples/vf_v1_digits.yaml (the demo's task, its reward a v1 rubric) for 4 steps at
     max_staleness 2: each sample one model turn, its reward the rubric's, the ratio ~1 at each token's version (the 40-step learning runs:
-    docs/environments.md)."""
+    docs/benchmarks.md)."""
     installed(monkeypatch, DIGITS)
     data = config(
         ROOT / "examples" / "vf_v1_digits.yaml",
