@@ -1,5 +1,6 @@
 """VLLMClient's HTTP against a small aiohttp stand-in for vLLM (no replica started): what every
-request carries and what a generation returns."""
+request carries, what a generation returns, and the callers moved onto it (``/server_info``'s
+guard check, the prefix-cache counters)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 from aiohttp import web
 
 from asyncgrpo.errors import ReplicaError, ReplicaHTTPError
+from asyncgrpo.serve.replicas import dev_routes_open
+from asyncgrpo.testing.vllm_metrics import prefix_cache
 from asyncgrpo.vllm import api
 from asyncgrpo.vllm.client import TRANSPORT_ERRORS, VLLMClient
 
@@ -107,6 +110,23 @@ async def test_a_refused_connection_is_a_transport_error_for_the_caller() -> Non
             await client.post_completions({"prompt": [1]})
         with pytest.raises(ReplicaError, match="failed"):  # the one-shot calls wrap it
             await client.completions({"prompt": [1]})
+
+
+async def test_dev_routes_open_reads_the_status_of_server_info() -> None:
+    fake = FakeVLLM()
+    async with fake.serve() as url:
+        assert not await dev_routes_open(url)
+        assert "Authorization" not in fake.seen[-1]
+        fake.dev_status = 200
+        assert await dev_routes_open(url)
+    with pytest.raises(ReplicaError):
+        await dev_routes_open(_closed_port_url())
+
+
+async def test_prefix_cache_sums_the_replicas_counters() -> None:
+    fake, other = FakeVLLM(), FakeVLLM()
+    async with fake.serve() as a, other.serve() as b:
+        assert await prefix_cache([a.rstrip("/"), b.rstrip("/")]) == (6.0, 16.0)
 
 
 async def test_a_one_shot_completion_raises_the_answer_s_status() -> None:
