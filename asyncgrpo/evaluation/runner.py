@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import anyio
 
 from asyncgrpo.config.rollout import DatasetConfig, GenerationConfig, RolloutConfig
@@ -28,6 +27,7 @@ from asyncgrpo.rollout.dataset import Prompt, PromptDataset, read_rows, split_ro
 from asyncgrpo.rollout.environment import group_rewards, load_environment
 from asyncgrpo.rollout.policy import PolicyClient
 from asyncgrpo.rollout.rewards import RewardScorer
+from asyncgrpo.vllm.client import VLLMClient
 
 if TYPE_CHECKING:
     from asyncgrpo.config.evaluation import EvalConfig
@@ -196,16 +196,15 @@ async def evaluate(
     graded: list[Graded] = []
     rows: list[dict[str, Any]] = []
     limiter = anyio.CapacityLimiter(max(1, e.max_inflight // e.num_generations))
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    if run is not None:
-        headers[RUN_HEADER] = run
     t0 = time.perf_counter()
-    async with aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=rollout.request_timeout_s), headers=headers
-    ) as session:
+    async with VLLMClient(
+        base_url,
+        api_key=api_key,
+        headers=None if run is None else {RUN_HEADER: run},
+        timeout_s=rollout.request_timeout_s,
+    ) as client:
         policy = PolicyClient(
-            session=session,
-            base_url=base_url,
+            client=client,
             generation=gen,
             rollout=rollout,
             policy=lambda: (model, version),

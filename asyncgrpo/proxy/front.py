@@ -44,6 +44,7 @@ from asyncgrpo.proxy.http.inbound import (
 from asyncgrpo.proxy.intake import Intake, read_generation
 from asyncgrpo.proxy.runs import MAX_NAME, NAME
 from asyncgrpo.proxy.state import TICK_S, Proxy, error_answer
+from asyncgrpo.vllm import api
 
 __all__ = ["Clients", "Connection"]
 
@@ -60,8 +61,8 @@ FEED_BUDGET_S = 0.005
 #: as a joined one, so that a plain body's pieces are kept as they came, never copied.
 FEED_SLICE = PIECE_BYTES
 
-_GENERATE = frozenset({b"/v1/completions", b"/v1/chat/completions"})
-_PASS_POST = frozenset({b"/tokenize", b"/detokenize"})
+_GENERATE = frozenset(p.encode() for p in (api.COMPLETIONS_PATH, api.CHAT_COMPLETIONS_PATH))
+_PASS_POST = frozenset(p.encode() for p in (api.TOKENIZE_PATH, api.DETOKENIZE_PATH))
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 

@@ -354,7 +354,8 @@ class UpstreamPool:
                     return error
                 status, data = await self.call(up, "GET", api.MODELS_PATH)
                 if status != 200:
-                    return f"/v1/models: HTTP {status} {data[:200].decode(errors='replace')}"
+                    said = data[:200].decode(errors="replace")
+                    return f"{api.MODELS_PATH}: HTTP {status} {said}"
                 known = {**self.retired, **{n: path for n, (path, _) in self.adapters.items()}}
                 served = api.model_ids(data)
                 up.adapters = {name: known[name] for name in served if name in known}
@@ -368,7 +369,7 @@ class UpstreamPool:
                     return f"load {name}: HTTP {status} {data[:200].decode(errors='replace')}"
                 up.adapters[name] = endpoint
             for name in up.adapters.keys() - self.adapters.keys():
-                body = json.dumps({"lora_name": name}).encode()
+                body = json.dumps(api.unload_body(name)).encode()
                 status, data = await self.call(up, "POST", api.unload_path(up.adapters[name]), body)
                 if status not in (200, 404):
                     return f"unload {name}: HTTP {status} {data[:200].decode(errors='replace')}"

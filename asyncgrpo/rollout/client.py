@@ -30,7 +30,6 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import anyio
 import anyio.abc
 
@@ -42,6 +41,7 @@ from asyncgrpo.rollout.policy import PolicyClient
 from asyncgrpo.rollout.rewards import GroupScores, RewardScorer
 from asyncgrpo.rollout.window import AdmissionWindow
 from asyncgrpo.sample import Sample, group_advantages
+from asyncgrpo.vllm.client import VLLMClient
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class RolloutClient:
         self._dataset = dataset
         self._start_position = start_position
         self._advantage_eps = advantage_eps
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._api_key = api_key
         self._policy = policy
         self._adapter_wait_s = adapter_wait_s
         self._slots = _Slots(rollout.max_inflight)
@@ -169,7 +169,7 @@ class RolloutClient:
         #: this client's name in its samples' ids: a restarted rollout process (which starts
         #: its dataset over) or a second one never repeats an id
         self.producer = secrets.token_hex(4)
-        self._session: aiohttp.ClientSession | None = None
+        self._vllm: VLLMClient | None = None
         self._client: PolicyClient | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         # metrics
@@ -185,14 +185,15 @@ class RolloutClient:
     # ----------------------------------------------------------------- lifecycle
 
     async def __aenter__(self) -> RolloutClient:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
-            headers=self._headers,
+        # one pool for every request in flight, as many connections as they need (no limit)
+        self._vllm = VLLMClient(
+            self._base_url,
+            api_key=self._api_key,
+            timeout_s=self.config.request_timeout_s,
+            pool_limit=0,
         )
         self._client = PolicyClient(
-            session=self._session,
-            base_url=self._base_url,
+            client=self._vllm,
             generation=self.generation,
             rollout=self.config,
             policy=lambda: self._policy,
@@ -205,7 +206,7 @@ class RolloutClient:
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
-        assert self._tg is not None and self._session is not None
+        assert self._tg is not None and self._vllm is not None
         self._tg.cancel_scope.cancel()
         try:
             return await self._tg.__aexit__(*exc_info)
@@ -221,7 +222,7 @@ class RolloutClient:
             raise
         finally:
             with anyio.CancelScope(shield=True):
-                await self._session.close()
+                await self._vllm.aclose()
                 self._recv.close()
 
     # ----------------------------------------------------------------- public API

@@ -2,11 +2,11 @@
 adapter version.
 
 :class:`PolicyClient` speaks vLLM's OpenAI-compatible ``/v1/completions`` (through the proxy, or
-one replica) with token-id prompts and ``return_token_ids``, so what a turn returns is exactly
-what vLLM sampled: its token ids, their behaviour logprobs, the ids of the prompt vLLM saw, and
-the adapter version that was current when the request went out. A multi-turn environment sends
-the previous turn's ids (plus its own text, tokenized once) back as the next prompt, so nothing
-the policy produced is ever re-tokenised.
+one replica; the HTTP is :class:`~asyncgrpo.vllm.client.VLLMClient`'s) with token-id prompts and
+``return_token_ids``, so what a turn returns is exactly what vLLM sampled: its token ids, their
+behaviour logprobs, the ids of the prompt vLLM saw, and the adapter version that was current when
+the request went out. A multi-turn environment sends the previous turn's ids (plus its own text,
+tokenized once) back as the next prompt, so nothing the policy produced is ever re-tokenised.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from asyncgrpo.config.rollout import GenerationConfig, RolloutConfig
 from asyncgrpo.errors import ReplicaError
 from asyncgrpo.proxy.http.headers import REPLICA_HEADER, SESSION_HEADER
 from asyncgrpo.retry import Backoff, RetryNow, poll_until, retry
-from asyncgrpo.vllm.api import model_not_served
+from asyncgrpo.vllm.api import COMPLETIONS_PATH, model_not_served
+from asyncgrpo.vllm.client import TRANSPORT_ERRORS, VLLMClient
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ class _NotServed(ReplicaError):
 
 
 #: What a request retries after a wait: transport failures and the answers that say "later".
-_RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError, _Retryable)
+_RETRYABLE = (*TRANSPORT_ERRORS, _Retryable)
 
 
 class PolicyClient:
@@ -81,8 +80,7 @@ class PolicyClient:
     def __init__(
         self,
         *,
-        session: aiohttp.ClientSession,
-        base_url: str,
+        client: VLLMClient,
         generation: GenerationConfig,
         rollout: RolloutConfig,
         policy: Callable[[], tuple[str, int]],
@@ -91,9 +89,9 @@ class PolicyClient:
         self.generation = generation
         self.adapter_wait_s = adapter_wait_s
         self.config = rollout
-        self.base_url = base_url.rstrip("/")
-        self._url = f"{self.base_url}/v1/completions"
-        self._session = session
+        self.base_url = client.base_url
+        self._url = self.base_url + COMPLETIONS_PATH  # what errors and warnings name
+        self._vllm = client
         self._policy = policy
         self.inflight = 0
         self.tokens_total = 0
@@ -179,23 +177,17 @@ class PolicyClient:
                 body = self.body(
                     prompt_ids, model, n=n, seed=seed, max_tokens=max_tokens, stop=stop
                 )
-                async with self._session.post(self._url, json=body, headers=headers) as resp:
-                    if resp.status >= 500 or resp.status == 429:
-                        text = await resp.text()
-                        raise _Retryable(f"HTTP {resp.status}: {text[:300]}")
-                    if resp.status >= 400:
-                        text = await resp.text()
-                        if self._policy()[0] != model and number <= retries:
-                            raise RetryNow("the adapter was swapped (maybe unloaded) under it")
-                        error = (
-                            f"{self._url} answered HTTP {resp.status} for model {model!r}: "
-                            f"{text[:500]}"
-                        )
-                        if model_not_served(resp.status, text):
-                            raise _NotServed(error, model)
-                        raise ReplicaError(error)
-                    data = await resp.json()
-                    replica = resp.headers.get(REPLICA_HEADER)
+                status, data, answer = await self._vllm.post_completions(body, headers)
+                if status >= 500 or status == 429:
+                    raise _Retryable(f"HTTP {status}: {data[:300]}")
+                if status >= 400:
+                    if self._policy()[0] != model and number <= retries:
+                        raise RetryNow("the adapter was swapped (maybe unloaded) under it")
+                    error = f"{self._url} answered HTTP {status} for model {model!r}: {data[:500]}"
+                    if model_not_served(status, data):
+                        raise _NotServed(error, model)
+                    raise ReplicaError(error)
+                replica = answer.get(REPLICA_HEADER)
             finally:
                 self.inflight -= n
                 if not self.inflight and self._busy_since is not None:

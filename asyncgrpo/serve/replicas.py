@@ -18,14 +18,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import anyio
 import anyio.abc
 from anyio.abc import Process
 
 from asyncgrpo.config.model_source import check_model
 from asyncgrpo.config.serve import ServeConfig, is_loopback
-from asyncgrpo.errors import ReplicaStartError
+from asyncgrpo.errors import ReplicaError, ReplicaStartError
 from asyncgrpo.processes import (
     free_port,
     kill_tree,
@@ -36,7 +35,7 @@ from asyncgrpo.processes import (
 )
 from asyncgrpo.serve.memory import with_kv_cache_size
 from asyncgrpo.serve.vllm_support import check_plugin_support
-from asyncgrpo.vllm.api import SERVER_INFO_PATH
+from asyncgrpo.vllm.client import VLLMClient
 from asyncgrpo.vllm.health import wait_healthy
 
 logger = logging.getLogger(__name__)
@@ -167,20 +166,18 @@ async def _wait_healthy(replica: Replica, timeout_s: float, api_key: str | None)
 async def dev_routes_open(url: str) -> bool:
     """Whether the vLLM server at ``url`` answers a development route (``/server_info``)
     without a key. vLLM's ``--api-key`` guards only ``/v1``-style paths; asyncgrpo's plugin
-    guards the rest, so True means it did not load."""
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(url + SERVER_INFO_PATH, timeout=aiohttp.ClientTimeout(total=10)) as resp,
-    ):
-        return resp.status != 401
+    guards the rest, so True means it did not load. ReplicaError if it cannot be asked."""
+    async with VLLMClient(url, timeout_s=10) as client:
+        return await client.dev_routes_open()
 
 
 async def _refuse_open_routes(replica: Replica, host: str) -> None:
     """A replica other machines can reach must not answer development routes without the key."""
     try:
         is_open = await dev_routes_open(replica.url)
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise replica.failure(f"could not be checked for open development routes ({exc})") from exc
+    except ReplicaError as exc:  # the transport's words: the failure names the replica
+        why = exc.__cause__ or exc
+        raise replica.failure(f"could not be checked for open development routes ({why})") from exc
     if is_open:
         raise replica.failure(
             f"binds {host} but answers /server_info without the API key, so /collective_rpc, "

@@ -3,10 +3,9 @@ vLLM's prefix-cache counters (the independent measure of how well routing reuses
 
 from __future__ import annotations
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from asyncgrpo.vllm.api import METRICS_PATH
+from asyncgrpo.vllm.client import VLLMClient
 
 __all__ = ["prefix_cache", "samples"]
 
@@ -23,16 +22,16 @@ def samples(text: str) -> dict[str, float]:
 
 
 async def prefix_cache(urls: list[str]) -> tuple[float, float]:
-    """Sum of ``vllm:prefix_cache_hits_total`` and ``_queries_total`` over the replicas."""
+    """Sum of ``vllm:prefix_cache_hits_total`` and ``_queries_total`` over the replicas
+    (ReplicaHTTPError if one answers ``/metrics`` with an error)."""
     hits = queries = 0.0
-    async with aiohttp.ClientSession() as s:
-        for url in urls:
-            async with s.get(url + METRICS_PATH) as r:
-                text = await r.text()
-            for key, value in samples(text).items():
-                name = key.partition("{")[0]
-                if name == "vllm:prefix_cache_hits_total":
-                    hits += value
-                elif name == "vllm:prefix_cache_queries_total":
-                    queries += value
+    for url in urls:
+        async with VLLMClient(url, timeout_s=300) as client:  # aiohttp's default timeout
+            text = await client.metrics_text()
+        for key, value in samples(text).items():
+            name = key.partition("{")[0]
+            if name == "vllm:prefix_cache_hits_total":
+                hits += value
+            elif name == "vllm:prefix_cache_queries_total":
+                queries += value
     return hits, queries

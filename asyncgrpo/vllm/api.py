@@ -20,6 +20,8 @@ HEALTH_PATH = "/health"
 MODELS_PATH = "/v1/models"
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+TOKENIZE_PATH = "/tokenize"
+DETOKENIZE_PATH = "/detokenize"
 LOAD_LORA_PATH = "/v1/load_lora_adapter"
 UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
 METRICS_PATH = "/metrics"
@@ -121,6 +123,11 @@ def uri_refusal(name: str, uri: object) -> str | None:
     if name != want:
         return f"lora_name {name!r} must be {want!r}, the version lora_uri names"
     return None
+
+
+def unload_body(name: str) -> dict[str, str]:
+    """The body of an unload (vLLM's route or the plugin's): the served name, nothing else."""
+    return {"lora_name": name}
 
 
 def unload_path(load_path: str) -> str:

@@ -1,8 +1,10 @@
-"""The async client of one vLLM OpenAI server (or of the asyncgrpo proxy, which looks like one).
+"""The async client of one vLLM OpenAI server (or of the asyncgrpo proxy, which looks like one):
+the package's one HTTP client of vLLM's API.
 
 What the paths are and how vLLM's answers read is :mod:`asyncgrpo.vllm.api`; this module adds the
 HTTP. Errors name the server flag or environment variable to change, because that is what a user
-can act on.
+can act on. Rollouts and evaluations generate through :meth:`VLLMClient.post_completions`, whose
+transport failures (:data:`TRANSPORT_ERRORS`) are left to the caller's retry.
 """
 
 from __future__ import annotations
@@ -16,6 +18,17 @@ import aiohttp
 from asyncgrpo.errors import ConfigError, ReplicaError, ReplicaHTTPError
 from asyncgrpo.vllm import api
 
+__all__ = ["TRANSPORT_ERRORS", "VLLMClient"]
+
+#: A request that failed on its way rather than in the server's answer: no connection, one that
+#: broke, an answer cut short, a timeout. What a caller that retries retries (with the answers
+#: that say "later", 5xx and 429, which it reads itself).
+TRANSPORT_ERRORS: tuple[type[Exception], ...] = (
+    aiohttp.ClientConnectionError,
+    aiohttp.ClientPayloadError,
+    TimeoutError,
+)
+
 
 class VLLMClient:
     """Async client for one vLLM OpenAI server (or the asyncgrpo proxy in front of several)."""
@@ -27,13 +40,21 @@ class VLLMClient:
         api_key: str | None = None,
         session: aiohttp.ClientSession | None = None,
         timeout_s: float = 60.0,
+        headers: Mapping[str, str] | None = None,
+        pool_limit: int = 100,
     ) -> None:
+        """``headers``: sent with every request besides the key (the proxy's run header).
+        ``pool_limit``: connections the session this client makes keeps open at most (0: no
+        limit, for a rollout's hundreds of requests in flight); 100 is aiohttp's default."""
         self.base_url = base_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers.update(headers or {})
         self._session = session
         self._own_session = session is None
+        self._pool_limit = pool_limit
         self.timeout_s = timeout_s  #: what one request may take
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._completions_url = self.base_url + api.COMPLETIONS_PATH
 
     async def __aenter__(self) -> VLLMClient:
         return self
@@ -48,8 +69,14 @@ class VLLMClient:
 
     @property
     def session(self) -> aiohttp.ClientSession:
+        """The session requests go through: the one given, else one made on first use whose
+        defaults are this client's headers and timeout (so a generation adds none per request)."""
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._pool_limit),
+                headers=self._headers,
+                timeout=self._timeout,
+            )
         return self._session
 
     async def _request(
@@ -99,6 +126,13 @@ class VLLMClient:
         """The names served: the base model and every adapter version loaded."""
         return api.model_ids(await self._ok("GET", api.MODELS_PATH))
 
+    async def dev_routes_open(self) -> bool:
+        """Whether the server answers a development route (``/server_info``) to this client,
+        rather than 401. Asked without a key: vLLM's ``--api-key`` guards only ``/v1``-style
+        paths and asyncgrpo's plugin the rest, so True means the plugin did not load."""
+        status, _ = await self._request("GET", api.SERVER_INFO_PATH)
+        return status != 401
+
     async def server_info(self) -> dict[str, Any]:
         """``/server_info?config_format=json`` (needs ``VLLM_SERVER_DEV_MODE=1`` on the server)."""
         status, body = await self._request("GET", api.SERVER_INFO_JSON)
@@ -128,7 +162,7 @@ class VLLMClient:
         )
 
     async def unload_lora_adapter(self, name: str) -> None:
-        await self._ok("POST", api.UNLOAD_LORA_PATH, json_body={"lora_name": name})
+        await self._ok("POST", api.UNLOAD_LORA_PATH, json_body=api.unload_body(name))
 
     async def load_lora_adapter_from(self, name: str, uri: str) -> None:
         """Have the replica(s) fetch the published version at ``uri`` and load it as ``name``."""
@@ -150,7 +184,7 @@ class VLLMClient:
 
     async def unload_fetched_adapter(self, name: str) -> None:
         """Unload ``name`` and drop the replica's cached copy (plugin route)."""
-        await self._ok("POST", api.PLUGIN_UNLOAD_PATH, json_body={"lora_name": name})
+        await self._ok("POST", api.PLUGIN_UNLOAD_PATH, json_body=api.unload_body(name))
 
     async def adapter_plugin_info(self) -> list[dict[str, Any]]:
         """The plugin's answer of every replica behind this URL (one, or all behind a proxy):
@@ -168,4 +202,21 @@ class VLLMClient:
         return await self._ok("GET", api.METRICS_PATH)
 
     async def completions(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        """One completions request: its answer, or ReplicaError / ReplicaHTTPError."""
         return json.loads(await self._ok("POST", api.COMPLETIONS_PATH, json_body=payload))
+
+    async def post_completions(
+        self, payload: Mapping[str, Any], headers: Mapping[str, str] | None = None
+    ) -> tuple[int, Any, Mapping[str, str]]:
+        """``POST /v1/completions`` for a caller that retries (the rollouts' hot path): the
+        status, the body (its JSON below 400, else its text) and the answer's headers.
+        ``headers`` are this request's own (a session's affinity header). A transport failure
+        propagates as aiohttp raised it (:data:`TRANSPORT_ERRORS`)."""
+        if not self._own_session and self._headers:  # a given session lacks this client's
+            headers = {**self._headers, **(headers or {})}
+        async with self.session.post(
+            self._completions_url, json=payload, headers=headers, timeout=self._timeout
+        ) as resp:
+            if resp.status >= 400:
+                return resp.status, await resp.text(), resp.headers
+            return resp.status, await resp.json(), resp.headers
