@@ -145,39 +145,35 @@ class VLLMClient:
         return json.loads(body)
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
-        body = {"lora_name": name, "lora_path": path}
-        status, text = await self._request("POST", api.LOAD_LORA_PATH, json_body=body)
-        if status < 400:
-            return
-        if api.lora_routes_off(status, text):
-            raise ConfigError(
-                f"{self.base_url} has no runtime LoRA loading: start vLLM with --enable-lora and "
-                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
-            )
-        raise ReplicaHTTPError(
-            f"loading adapter {name!r} from {path} on {self.base_url} failed ({status}): {text[:500]}",
-            url=self.base_url + api.LOAD_LORA_PATH,
-            status=status,
-            body=text,
-        )
+        await self._load(api.LOAD_LORA_PATH, {"lora_name": name, "lora_path": path}, 500)
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self._ok("POST", api.UNLOAD_LORA_PATH, json_body=api.unload_body(name))
 
     async def load_lora_adapter_from(self, name: str, uri: str) -> None:
         """Have the replica(s) fetch the published version at ``uri`` and load it as ``name``."""
-        body = {"lora_name": name, "lora_uri": uri}
-        status, text = await self._request("POST", api.PLUGIN_LOAD_PATH, json_body=body)
+        await self._load(api.PLUGIN_LOAD_PATH, {"lora_name": name, "lora_uri": uri}, 800)
+
+    async def _load(self, path: str, body: dict[str, str], quoted: int) -> None:
+        """POST a load; a route the server lacks is a ConfigError saying how to start it."""
+        status, text = await self._request("POST", path, json_body=body)
         if status < 400:
             return
-        if api.plugin_missing(status, text):
+        if path == api.LOAD_LORA_PATH and api.lora_routes_off(status, text):
+            raise ConfigError(
+                f"{self.base_url} has no runtime LoRA loading: start vLLM with --enable-lora and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
+            )
+        if path == api.PLUGIN_LOAD_PATH and api.plugin_missing(status, text):
             raise ConfigError(
                 f"{self.base_url}: a replica has no asyncgrpo adapter plugin "
                 f"({api.PLUGIN_LOAD_PATH} answered 404): {api.PLUGIN_FIX}"
             )
+        source = body.get("lora_path") or body.get("lora_uri")
         raise ReplicaHTTPError(
-            f"loading adapter {name!r} from {uri} on {self.base_url} failed ({status}): {text[:800]}",
-            url=self.base_url + api.PLUGIN_LOAD_PATH,
+            f"loading adapter {body['lora_name']!r} from {source} on {self.base_url} failed "
+            f"({status}): {text[:quoted]}",
+            url=self.base_url + path,
             status=status,
             body=text,
         )

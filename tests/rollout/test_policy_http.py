@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from asyncgrpo.config.rollout import GenerationConfig, RolloutConfig
 from asyncgrpo.errors import ReplicaError
-from asyncgrpo.rollout.config import GenerationConfig, RolloutConfig
 from asyncgrpo.rollout.policy import PolicyClient
 from asyncgrpo.vllm.client import VLLMClient
 
