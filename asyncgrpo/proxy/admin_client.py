@@ -95,11 +95,12 @@ class ProxyClient(VLLMClient):
         status, body = await self._request("POST", UPSTREAMS_PATH, json_body={"url": url})
         if status < 400 or (status == 400 and "already an upstream" in body):
             return
-        raise ReplicaHTTPError(
-            f"adding replica {url} to the proxy at {self.base_url} failed ({status}): {body[:500]}",
-            url=self.base_url + UPSTREAMS_PATH,
-            status=status,
-            body=body,
+        self._refused(
+            "POST",
+            UPSTREAMS_PATH,
+            status,
+            body,
+            f"adding replica {url} to the proxy at {self.base_url}",
         )
 
     async def remove_upstream(self, url: str) -> bool:
@@ -109,13 +110,8 @@ class ProxyClient(VLLMClient):
         if status == 404:
             return False
         if status >= 400:
-            raise ReplicaHTTPError(
-                f"removing replica {url} from the proxy at {self.base_url} failed ({status}): "
-                f"{body[:500]}",
-                url=self.base_url + UPSTREAMS_PATH,
-                status=status,
-                body=body,
-            )
+            what = f"removing replica {url} from the proxy at {self.base_url}"
+            self._refused("DELETE", UPSTREAMS_PATH, status, body, what)
         return True
 
 

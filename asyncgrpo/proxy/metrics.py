@@ -35,7 +35,7 @@ class _Collector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         proxy = self.proxy
-        for name, kind, help_, labels, samples in [*_families(proxy), *_run_families(proxy)]:
+        for name, kind, help_, labels, samples in _families(proxy):
             family = _KIND[kind](_P + name, help_, labels=labels)
             for values, value in samples:
                 family.add_metric(values, value)
@@ -50,8 +50,10 @@ class _Collector(Collector):
 
 
 def _families(proxy: Proxy) -> list[_Family]:
+    """Per replica, per fleet and per training run (label ``run``: a model less its ``-v<N>``)."""
     router, stats, fleet = proxy.router, proxy.stats, proxy.pool.fleet
     ups = list(proxy.pool.upstreams.values())
+    runs = list(proxy.runs.runs.values())
     r = ("replica",)
     return [
         ("routed_total", "counter", "Generation requests routed to a replica.",
@@ -96,31 +98,23 @@ def _families(proxy: Proxy) -> list[_Family]:
          ("endpoint", "outcome"), [((e, o), n) for (e, o), n in sorted(stats.broadcasts.items())]),
         ("adapters_loaded", "gauge", "Adapters loaded through the proxy.",
          (), [((), len(proxy.pool.adapters))]),
-    ]  # fmt: skip
-
-
-def _run_families(proxy: Proxy) -> list[_Family]:
-    """Per training run (label ``run``: a request's model less its ``-v<N>``)."""
-    runs = list(proxy.runs.runs.values())
-    r = ("run",)
-    return [
         ("run_requests_total", "counter", "Generation requests of a run.",
-         r, [((x.name,), x.requests) for x in runs]),
+         ("run",), [((x.name,), x.requests) for x in runs]),
         ("run_sequences_total", "counter", "Sequences a run asked for (n per prompt).",
-         r, [((x.name,), x.sequences) for x in runs]),
+         ("run",), [((x.name,), x.sequences) for x in runs]),
         ("run_inflight", "gauge", "A run's sequences in flight on the replicas.",
-         r, [((x.name,), x.inflight) for x in runs]),
+         ("run",), [((x.name,), x.inflight) for x in runs]),
         ("run_waiting", "gauge", "A run's requests waiting for its turn (replicas saturated).",
-         r, [((x.name,), len(x.queue)) for x in runs]),
+         ("run",), [((x.name,), len(x.queue)) for x in runs]),
         ("run_wait_seconds_total", "counter", "Time a run's requests waited for their turn.",
-         r, [((x.name,), x.waited_s) for x in runs]),
+         ("run",), [((x.name,), x.waited_s) for x in runs]),
         ("run_sequence_seconds_total", "counter",
          "Sequence-seconds a run had in flight: its share of generation.",
-         r, [((x.name,), x.sequence_s) for x in runs]),
+         ("run",), [((x.name,), x.sequence_s) for x in runs]),
         ("run_weight", "gauge", "A run's weight in the fair share.",
-         r, [((x.name,), x.weight) for x in runs]),
+         ("run",), [((x.name,), x.weight) for x in runs]),
         ("run_lora_slots", "gauge", "LoRA slots a registered run holds (max_staleness + 2).",
-         r, [((x.name,), x.slots) for x in runs if x.slots is not None]),
+         ("run",), [((x.name,), x.slots) for x in runs if x.slots is not None]),
         ("runs_folded_total", "counter",
          f"Requests counted under run {OVERFLOW!r}: their run came past max_runs busy ones.",
          (), [((), proxy.runs.folded)]),

@@ -107,12 +107,16 @@ class VLLMClient:
             self._refused(method, path, status, body)
         return body
 
-    def _refused(self, method: str, path: str, status: int, body: str) -> NoReturn:
+    def _refused(
+        self, method: str, path: str, status: int, body: str, what: str = "", quoted: int = 500
+    ) -> NoReturn:
+        """An error answer as ReplicaHTTPError; ``what`` (e.g. "loading adapter 'x' from y on
+        URL") names the call in the message, else the method and URL do."""
+        said = (
+            f"{what} failed ({status})" if what else f"{method} {self.base_url}{path} -> {status}"
+        )
         raise ReplicaHTTPError(
-            f"{method} {self.base_url}{path} -> {status}: {body[:500]}",
-            url=self.base_url + path,
-            status=status,
-            body=body,
+            f"{said}: {body[:quoted]}", url=self.base_url + path, status=status, body=body
         )
 
     async def health(self) -> bool:
@@ -170,13 +174,8 @@ class VLLMClient:
                 f"({api.PLUGIN_LOAD_PATH} answered 404): {api.PLUGIN_FIX}"
             )
         source = body.get("lora_path") or body.get("lora_uri")
-        raise ReplicaHTTPError(
-            f"loading adapter {body['lora_name']!r} from {source} on {self.base_url} failed "
-            f"({status}): {text[:quoted]}",
-            url=self.base_url + path,
-            status=status,
-            body=text,
-        )
+        what = f"loading adapter {body['lora_name']!r} from {source} on {self.base_url}"
+        self._refused("POST", path, status, text, what, quoted)
 
     async def unload_fetched_adapter(self, name: str) -> None:
         """Unload ``name`` and drop the replica's cached copy (plugin route)."""
