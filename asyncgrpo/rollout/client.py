@@ -28,10 +28,11 @@ import math
 import secrets
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
+from anyio.streams.memory import MemoryObjectSendStream
 
 from asyncgrpo.config.rollout import GenerationConfig, RolloutConfig
 from asyncgrpo.errors import ConfigError, EpisodeError, ReplicaError, leaves
@@ -73,6 +74,21 @@ class _Generated:
     prompt: Prompt
     episodes: list[Episode]
     slots: int
+
+
+T = TypeVar("T")
+
+
+async def _send_timed(stream: MemoryObjectSendStream[T], item: T, blocked: _BlockClock) -> None:
+    """Send ``item``; the time a full stream makes it wait counts in ``blocked``."""
+    try:
+        stream.send_nowait(item)
+    except anyio.WouldBlock:
+        token = blocked.start()
+        try:
+            await stream.send(item)
+        finally:
+            blocked.stop(token)
 
 
 class _BlockClock:
@@ -365,14 +381,7 @@ class RolloutClient:
                 logger.warning("prompt %d: no usable episode; group dropped", prompt.index)
                 return
             item = _Generated(prompt, episodes, g)
-            try:
-                self._score_send.send_nowait(item)
-            except anyio.WouldBlock:
-                token = self._score_block.start()
-                try:
-                    await self._score_send.send(item)
-                finally:
-                    self._score_block.stop(token)
+            await _send_timed(self._score_send, item, self._score_block)
             handed_over = True
         finally:
             if not handed_over:
@@ -425,14 +434,7 @@ class RolloutClient:
                 replica=e.served_by,
                 sample_id=f"{self.producer}-{prompt.index}-{j}",
             )
-            try:
-                self._send.send_nowait(sample)
-            except anyio.WouldBlock:
-                token = self._backpressure.start()
-                try:
-                    await self._send.send(sample)
-                finally:
-                    self._backpressure.stop(token)
+            await _send_timed(self._send, sample, self._backpressure)
             self._samples_total += 1
             self._model_turns_total += e.model_turns
         self._lost(item.slots - k)
