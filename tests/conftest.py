@@ -27,13 +27,6 @@ from asyncgrpo.testing import tiny_serve_config
 _VLLM_LOGGING_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
 
 
-#: Every vLLM replica the tests start runs its model in the engine core's process rather than a
-#: worker of its own: one Python process fewer importing vLLM, about 13 s of a 31 s start, with
-#: the same logprobs to the bit (``bench/replica_start.py``). The tests about a replica's
-#: processes take it out of their environment; a variable set outside wins.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-
 def pytest_collection_finish(session: pytest.Session) -> None:
     if _VLLM_LOGGING_LEVEL is None:
         os.environ.pop("VLLM_LOGGING_LEVEL", None)
