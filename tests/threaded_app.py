@@ -1,15 +1,29 @@
-"""An aiohttp application served on 127.0.0.1 from a thread and event loop of its own.
-
-For stand-in servers that synchronous test code (``huggingface_hub``'s client, obstore) talks
-to: the fake Jobs Hub and the fault-injecting storage gateway.
+"""Stand-in aiohttp servers on 127.0.0.1: :func:`serving_app` in the test's own event loop, and
+:class:`ThreadedApp` from a thread and event loop of its own, for the servers that synchronous
+test code (``huggingface_hub``'s client, obstore) talks to: the fake Jobs Hub and the
+fault-injecting storage gateway.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 
 from aiohttp import web
+
+
+@contextlib.asynccontextmanager
+async def serving_app(app: web.Application) -> AsyncIterator[str]:
+    """``app`` served on a free loopback port while the block runs; yields its URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 
 class ThreadedApp:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from threaded_app import serving_app
 
 from asyncgrpo.config.rollout import GenerationConfig, RolloutConfig
 from asyncgrpo.errors import ReplicaError
@@ -54,13 +55,8 @@ class Scripted:
     async def serve(self) -> AsyncIterator[str]:
         app = web.Application()
         app.router.add_post("/v1/completions", self.handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        try:
-            yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-        finally:
-            await runner.cleanup()
+        async with serving_app(app) as url:
+            yield url
 
 
 @contextlib.asynccontextmanager

@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from threaded_app import serving_app
 
 from asyncgrpo.config.proxy import ProxyConfig
 from asyncgrpo.config.training import TrainingConfig
@@ -38,14 +39,8 @@ def run_config(upstream: str, **proxy: str) -> TrainingConfig:
 @asynccontextmanager
 async def plain_server() -> AsyncIterator[str]:
     """An HTTP server that is not a proxy (like vLLM, it has no /proxy/upstreams)."""
-    runner = web.AppRunner(web.Application())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serving_app(web.Application()) as url:
+        yield url
 
 
 async def upstreams_of(url: str) -> list[str]:

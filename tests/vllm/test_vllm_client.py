@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 from aiohttp import web
+from threaded_app import serving_app
 
 from asyncgrpo.errors import ReplicaError, ReplicaHTTPError
 from asyncgrpo.serve.replicas import dev_routes_open
@@ -56,14 +57,8 @@ class FakeVLLM:
         app.router.add_post(api.COMPLETIONS_PATH, self.completions)
         app.router.add_get(api.SERVER_INFO_PATH, self.server_info)
         app.router.add_get(api.METRICS_PATH, self.metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        try:
-            yield f"http://127.0.0.1:{runner.addresses[0][1]}/"
-        finally:
-            await runner.cleanup()
+        async with serving_app(app) as url:
+            yield url + "/"
 
 
 def _closed_port_url() -> str:
