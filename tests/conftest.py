@@ -38,15 +38,19 @@ class ReplicaStarts:
     """Every vLLM replica the session starts, in its own process or a subprocess's, read from
     the replica journal (``launch_replicas`` appends to the file :data:`JOURNAL_ENV` names)
     after each test phase, so that each start is put down to the test (and phase: a fixture's
-    start is a ``setup`` one) during which it happened."""
+    start is a ``setup`` one) during which it happened. Under pytest-xdist each worker keeps a
+    journal of its own and hands what it read to the controller, which reports them together."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | None) -> None:
+        self.journals = [str(path)] if path else []
         self.path = path
         self.offset = 0
-        self.spawned: dict[int, tuple[str, str]] = {}  # pid -> (test id, phase)
-        self.healthy_s: dict[int, float] = {}
+        self.spawned: dict[str, tuple[str, str]] = {}  # "journal:pid" -> (test id, phase)
+        self.healthy_s: dict[str, float] = {}
 
     def read(self, nodeid: str, phase: str) -> None:
+        if self.path is None:
+            return
         try:
             with self.path.open() as journal:
                 journal.seek(self.offset)
@@ -58,10 +62,19 @@ class ReplicaStarts:
                 break
             self.offset += len(line.encode())
             entry = json.loads(line)
+            pid = f"{self.path}:{entry['pid']}"
             if entry["event"] == "spawn":
-                self.spawned[entry["pid"]] = (nodeid, phase)
+                self.spawned[pid] = (_without_group(nodeid), phase)
             elif entry["event"] == "healthy":
-                self.healthy_s[entry["pid"]] = entry["seconds"]
+                self.healthy_s[pid] = entry["seconds"]
+
+    def export(self) -> dict:
+        return {"journals": self.journals, "spawned": self.spawned, "healthy_s": self.healthy_s}
+
+    def merge(self, exported: dict) -> None:
+        self.journals += exported["journals"]
+        self.spawned.update({k: tuple(v) for k, v in exported["spawned"].items()})
+        self.healthy_s.update(exported["healthy_s"])
 
     def report(self) -> list[str]:
         by_module: Counter[str] = Counter()
@@ -77,7 +90,7 @@ class ReplicaStarts:
         total_s = sum(self.healthy_s.values())
         lines = [
             f"vLLM replica starts: {len(self.spawned)} ({total_s:.0f} s from spawn to "
-            f"healthy, summed; journal {self.path})"
+            f"healthy, summed; journal {', '.join(self.journals) or 'none'})"
         ]
         for module, count in sorted(by_module.items(), key=lambda kv: (-kv[1], kv[0])):
             fixtures = f", {in_setup[module]} by fixtures" if in_setup[module] else ""
@@ -87,18 +100,65 @@ class ReplicaStarts:
         return lines
 
 
+def _without_group(nodeid: str) -> str:
+    """A test's id without the ``@group`` pytest-xdist's loadgroup appends to it."""
+    return nodeid.rpartition("@")[0] if nodeid.rfind("@") > nodeid.rfind("]") else nodeid
+
+
 _starts: ReplicaStarts | None = None
+
+
+def _xdist_controller(config: pytest.Config) -> bool:
+    return config.pluginmanager.hasplugin("dsession")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Journal every replica start of the session (the subprocesses' too: they inherit it)."""
     global _starts
+    if _xdist_controller(session.config):  # the workers journal; they report at their end
+        _starts = ReplicaStarts(None)
+        return
     factory = getattr(session.config, "_tmp_path_factory", None)
     if factory is None or os.environ.get(JOURNAL_ENV):
         return
     path = factory.getbasetemp() / "replica-starts.jsonl"
     os.environ[JOURNAL_ENV] = str(path)
     _starts = ReplicaStarts(path)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` (``make test``) every test that uses vLLM goes to one worker,
+    in the order collected: one shared pair of replicas for them all, and no test's replicas
+    start beside another's. The other tests run on the other workers meanwhile, a module at a
+    time (a module's fixtures are built once)."""
+    if not getattr(config.option, "loadgroup", False):  # set by pytest-xdist, in workers too
+        return
+    for item in items:
+        module = item.nodeid.split("::")[0].removeprefix("tests/").removesuffix(".py")
+        uses_vllm = item.get_closest_marker("vllm") or "vllm_replicas" in item.fixturenames
+        group = "vllm" if uses_vllm else module
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
+    """pytest-xdist's controller: stop before any test runs if the worker's tests came without
+    their groups, which would run vLLM tests on both workers at once, each with replicas."""
+    if ids and not all("@" in nodeid for nodeid in ids):
+        pytest.exit(
+            "pytest-xdist did not group the tests (--dist loadgroup): this pytest is too new "
+            "for it (pytest-xdist#1386); install the versions pyproject.toml's dev extra names",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """pytest-xdist's controller: a worker ended; add the replica starts it read."""
+    exported = getattr(node, "workeroutput", {}).get("replica_starts")
+    if _starts is not None and exported:
+        _starts.merge(exported)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -233,6 +293,9 @@ def _vllm_processes_under(root: str) -> list[int]:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if any vLLM process serving a test model outlived the session."""
     import time
+
+    if _starts is not None and hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["replica_starts"] = _starts.export()
 
     factory = getattr(session.config, "_tmp_path_factory", None)
     if factory is None:
