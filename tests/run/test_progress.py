@@ -142,6 +142,21 @@ def test_a_launched_jobs_lines_are_read_back_by_the_launcher() -> None:
     assert parse_progress(step) == {"step": 2, "max_steps": 5, "reward": 0.5}
 
 
+def _read_until(fd: int, text: str, timeout_s: float) -> str:
+    """What the terminal shows once ``text`` arrived (or the time ran out): the kernel hands a
+    pseudo-terminal's output to its reader asynchronously, so one read may see only part of
+    what was written (on a busy host, the first line alone)."""
+    import os
+    import select
+    import time
+
+    shown, deadline = "", time.monotonic() + timeout_s
+    while text not in shown and (left := deadline - time.monotonic()) > 0:
+        if select.select([fd], [], [], left)[0]:
+            shown += os.read(fd, 65536).decode()
+    return shown
+
+
 def test_a_terminal_of_no_width_gets_one_line_per_step() -> None:
     """Some CI and container pseudo-terminals report 0 columns: a bar sized to the width
     would draw nothing there."""
@@ -157,8 +172,7 @@ def test_a_terminal_of_no_width_gets_one_line_per_step() -> None:
             assert stream.isatty() and os.get_terminal_size(slave).columns == 0
             p.step(1, {"reward": 0.25})
             p.step(2, {"reward": 0.5})
-        os.set_blocking(master, False)
-        shown = os.read(master, 65536).decode()
+        shown = _read_until(master, "step 2/2  reward 0.500", timeout_s=10.0)
     finally:
         os.close(master)
         os.close(slave)
