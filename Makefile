@@ -8,8 +8,8 @@ OUT ?= runs/demo
 # Models the test sessions build once per checkout (the tool-calling model: minutes of CPU).
 TEST_CACHE ?= $(CURDIR)/.test-cache
 EXTRAS ?= train,serve-cpu,s3,gcs,azure,hf,math,fast,envs,wandb,tinker,dev
-# Packages go in with uv (pip bootstraps it into .venv): .venv takes under a minute where pip
-# took 3-7 (docs/testing.md). tools/uv_pip.py hands uv this machine's pip configuration (index
+# Packages go in with uv (pip bootstraps it into .venv): .venv takes 61 s where pip took 214
+# (bench/venv_install.py). tools/uv_pip.py hands uv this machine's pip configuration (index
 # mirror, find-links, constraints, CA bundle), which uv does not read itself. Bytecode is
 # compiled at install, as pip does, so that the first vLLM start does not pay for it.
 UV_PIP = $(PY) tools/uv_pip.py
