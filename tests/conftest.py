@@ -128,10 +128,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` (``make test TEST_WORKERS=N``) every test that uses vLLM goes to one worker,
-    in the order collected: one shared pair of replicas for them all, and no test's replicas
-    start beside another's. The other tests run on the other workers meanwhile, a module at a
-    time (a module's fixtures are built once)."""
+    """Under ``--dist loadgroup`` (``make test TEST_WORKERS=N``) every test that uses vLLM goes
+    to one worker, in the order collected: one shared pair of replicas for them all, and no
+    test's replicas start beside another's. The other tests run on the other workers meanwhile,
+    a module at a time (a module's fixtures are built once)."""
     if not getattr(config.option, "loadgroup", False):  # set by pytest-xdist, in workers too
         return
     for item in items:
