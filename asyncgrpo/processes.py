@@ -19,6 +19,7 @@ import contextlib
 import errno
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -157,11 +158,39 @@ async def _gone(process: Process, pids: list[int], timeout_s: float) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (for a child to bind)."""
+    """A TCP port free on ``host`` right now, for a child to bind later.
+
+    Chosen below the kernel's ephemeral range where there is room: a port in that range can be
+    handed to any socket on the host (a bind to port 0, every outgoing connection, vLLM's own
+    sockets) in the seconds before the child binds it, and the child then fails with "address
+    already in use". Ports this process handed out before are not given again."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    if low - 4096 >= 1024:
+        for port in random.sample(range(max(1024, low - 16384), low), 64):
+            if port in _handed_out:
+                continue
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port of Linux's ephemeral range (32768 where it cannot be read)."""
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def log_tail(path: Path, lines: int) -> str:

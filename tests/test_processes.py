@@ -228,3 +228,17 @@ def test_log_tail_is_the_last_lines_and_empty_for_a_log_that_never_came(tmp_path
     log.write_text("one\ntwo\nthree\n")
     assert log_tail(log, 2) == "two\nthree"
     assert log_tail(tmp_path / "missing.log", 2) == ""
+
+
+def test_free_ports_lie_below_the_ephemeral_range_bindable_and_never_twice() -> None:
+    """A port from the ephemeral range could be handed to another socket (an outgoing
+    connection, vLLM's own) before the child binds it: the chaos run's proxy once failed so."""
+    import socket
+
+    from asyncgrpo.processes import _ephemeral_low, free_port
+
+    ports = [free_port() for _ in range(40)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= p < _ephemeral_low() for p in ports), ports
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # still free for the child
