@@ -34,7 +34,7 @@ demo: install
 # Every test phase over 10 s is listed at the end with its time, then the vLLM replica starts
 # per module and test (docs/testing.md). TEST_WORKERS=N runs N pytest-xdist workers, every test
 # that uses vLLM on one of them in order, the others beside it (tests/conftest.py): for hosts with
-# more cores. On 2 cores the suite is CPU-bound and one process was as fast (docs/testing.md).
+# more cores. On 2 cores the suite is CPU-bound: two were no faster than one (docs/testing.md).
 TEST_WORKERS ?= 0
 test: install
 	ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=0 --durations-min=10
