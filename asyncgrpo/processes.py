@@ -167,7 +167,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     low = _ephemeral_low()
     if low - 4096 >= 1024:
-        for port in random.sample(range(max(1024, low - 16384), low), 64):
+        for port in _RANDOM.sample(range(max(1024, low - 16384), low), 64):
             if port in _handed_out:
                 continue
             with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -183,6 +183,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 _handed_out: set[int] = set()
+# Its own source: a caller that seeded ``random`` neither shifts nor repeats the ports.
+_RANDOM = random.SystemRandom()
 
 
 def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
