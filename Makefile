@@ -14,7 +14,7 @@ EXTRAS ?= train,serve-cpu,s3,gcs,azure,hf,math,fast,envs,wandb,tinker,dev
 # compiled at install, as pip does, so that the first vLLM start does not pay for it.
 UV_PIP = $(PY) tools/uv_pip.py
 
-.PHONY: install demo test lint bench test-skypilot test-ray install-vf4 test-vf4 install-cookbook test-cookbook
+.PHONY: install demo test lint bench install-skypilot test-skypilot install-ray test-ray install-vf4 test-vf4 install-cookbook test-cookbook install-extra
 
 install: $(STAMP)
 
@@ -43,11 +43,18 @@ test: install
 # tests run in a virtualenv of their own that sees the main one's packages after its own.
 SKY_VENV ?= .venv-skypilot
 SKY_PY := $(SKY_VENV)/bin/python
-test-skypilot: install
+SKY_STAMP := $(SKY_VENV)/.asyncgrpo-skypilot-installed
+
+install-skypilot: $(SKY_STAMP)
+
+$(SKY_STAMP): $(STAMP)
 	test -x $(SKY_PY) || $(PY) -m venv --without-pip $(SKY_VENV)
 	$(UV_PIP) install -q --compile-bytecode --python $(SKY_PY) 'skypilot>=0.14,<0.15'
 	$(PY) -c 'import os, sysconfig; print("import site; site.addsitedir(%r)" % os.path.abspath(sysconfig.get_paths()["purelib"]))' \
 		> "$$($(SKY_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-asyncgrpo-venv.pth"
+	touch $(SKY_STAMP)
+
+test-skypilot: install-skypilot
 	$(SKY_PY) -m pytest -p no:cacheprovider -q tests/launch/test_skypilot.py
 
 # Ray (with its state API, ray[default]) in a virtualenv of its own layered on the main one, as
@@ -55,12 +62,23 @@ test-skypilot: install
 # test starts a two-node local cluster and real launches (about 3.5 minutes on 2 quiet cores).
 RAY_VENV ?= .venv-ray
 RAY_PY := $(RAY_VENV)/bin/python
-test-ray: install
+RAY_STAMP := $(RAY_VENV)/.asyncgrpo-ray-installed
+
+install-ray: $(RAY_STAMP)
+
+$(RAY_STAMP): $(STAMP)
 	test -x $(RAY_PY) || $(PY) -m venv --without-pip $(RAY_VENV)
 	$(UV_PIP) install -q --compile-bytecode --python $(RAY_PY) 'ray[default]==2.60.0'
 	$(PY) -c 'import os, sysconfig; print("import site; site.addsitedir(%r)" % os.path.abspath(sysconfig.get_paths()["purelib"]))' \
 		> "$$($(RAY_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-asyncgrpo-venv.pth"
+	touch $(RAY_STAMP)
+
+test-ray: install-ray
 	PATH="$(CURDIR)/$(RAY_VENV)/bin:$$PATH" $(RAY_PY) -m pytest -p no:cacheprovider -q tests/launch/test_ray_plan.py tests/launch/test_ray.py
+
+# The four extra virtualenvs at once (`make -j4 install-extra`): downloads and unpacking
+# overlap, and .ci/run builds them in one step.
+install-extra: install-vf4 install-skypilot install-ray install-cookbook
 
 lint: install
 	$(VENV)/bin/ruff check asyncgrpo tests bench tools && $(VENV)/bin/ruff format --check asyncgrpo tests bench tools

@@ -26,6 +26,13 @@ from asyncgrpo.testing import tiny_serve_config
 #: would log errors only (tests read its INFO lines). Restore the variable once collection ends.
 _VLLM_LOGGING_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
 
+#: The tests' replicas run their model in the engine core's process (no worker process): each
+#: starts 8-13 s sooner and, given one OpenMP thread per bound core
+#: (``ServeConfig.env``), generates no slower (docs/testing.md, "Cheaper starts"). Tests about
+#: a replica's processes remove it; ``VLLM_ENABLE_V1_MULTIPROCESSING=1 make test`` runs every
+#: replica as vLLM starts it by default.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if _VLLM_LOGGING_LEVEL is None:

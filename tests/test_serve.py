@@ -59,6 +59,51 @@ def test_nice_is_0_to_19() -> None:
         ServeConfig(model="m", nice=-1)
 
 
+@pytest.mark.parametrize(
+    ("environment", "threads"),
+    [
+        ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "1"}, "1"),
+        ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0-3,6"}, "5"),
+        ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "auto"}, None),
+        ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "3-1"}, None),
+        ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, None),
+        (
+            {
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_CPU_OMP_THREADS_BIND": "0",
+                "OMP_NUM_THREADS": "2",
+            },
+            "2",
+        ),
+        ({"VLLM_CPU_OMP_THREADS_BIND": "1"}, None),
+    ],
+)
+def test_an_engine_running_its_model_gets_the_threads_of_its_bound_cores(
+    monkeypatch: pytest.MonkeyPatch, environment: dict[str, str], threads: str | None
+) -> None:
+    """vLLM binds OpenMP threads only in the worker process; with the engine core running the
+    model, the replica's environment carries the thread count that binding would have set."""
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert ServeConfig(model="m").env().get("OMP_NUM_THREADS") == threads
+
+
+def test_each_in_process_replica_gets_one_thread_on_its_own_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    cores = sorted(os.sched_getaffinity(0))
+    envs = [ServeConfig(model="m").env(i) for i in range(2)]
+    assert [e["VLLM_CPU_OMP_THREADS_BIND"] for e in envs] == [
+        str(cores[i % len(cores)]) for i in range(2)
+    ]
+    assert [e["OMP_NUM_THREADS"] for e in envs] == ["1", "1"]
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 async def test_lora_logprobs_equal_transformers_peft(
     vllm_replicas: list[Replica], tiny_model: Path, lora_adapter: Path, temperature: float

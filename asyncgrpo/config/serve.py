@@ -214,6 +214,9 @@ class ServeConfig:
         if self.spread_cpu_cores and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             cores = sorted(os.sched_getaffinity(0))
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[index % len(cores)])
+        threads = in_process_omp_threads(env)
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.kv_cache_gib is not None:
@@ -233,3 +236,26 @@ class ServeConfig:
             # Passed by environment, not argv, so it never shows in `ps` or our logs.
             env["VLLM_API_KEY"] = self.api_key
         return env
+
+
+def in_process_omp_threads(env: dict[str, str]) -> int | None:
+    """OpenMP threads for a replica whose engine core runs the model itself, or None to leave.
+
+    Without multiprocessing (``VLLM_ENABLE_V1_MULTIPROCESSING`` off) vLLM starts no worker
+    process, so the thread binding it applies there (``VLLM_CPU_OMP_THREADS_BIND``) never
+    happens and the engine core keeps an OpenMP thread per core. Two such replicas beside a
+    trainer then spin on each other's cores, several times slower (docs/testing.md). The bound
+    core list's size is the thread count vLLM's worker would have used.
+    """
+    if env.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0" or "OMP_NUM_THREADS" in env:
+        return None
+    cores = 0
+    for part in env.get("VLLM_CPU_OMP_THREADS_BIND", "").split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            return None  # 'auto', 'nobind', per-rank '|' lists: vLLM's own choice stands
+        span = int(last) - int(first) + 1 if dash else 1
+        if span < 1:
+            return None
+        cores += span
+    return cores or None

@@ -180,26 +180,28 @@ async def test_a_v1_tool_environment_trains_4_steps_token_exactly(
 @pytest.mark.parametrize("python", WAYS)
 async def test_a_single_turn_v1_environment_trains_with_its_rubric_reward(
     python: str | None,
-    vllm_replicas: list[Replica],
-    tiny_model: Path,
+    tool_replica: Replica,
+    tool_model: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """examples/vf_v1_digits.yaml (the demo's task, its reward a v1 rubric) for 4 steps at
-    max_staleness 2: each sample one model turn, its reward the rubric's, the ratio ~1 at each token's version (the 40-step learning runs:
-    docs/benchmarks.md)."""
+    max_staleness 2: each sample one model turn, its reward the rubric's, the ratio ~1 at each
+    token's version (the 40-step learning runs: docs/benchmarks.md). It trains the module's
+    tool-calling model (the tiny model fine-tuned, its tokenizer the same): `make test-vf4`
+    then starts one replica instead of three."""
     installed(monkeypatch, DIGITS)
     data = config(
         ROOT / "examples" / "vf_v1_digits.yaml",
         python,
-        vllm_replicas,
-        model=str(tiny_model),
+        [tool_replica],
+        model=str(tool_model),
         output_dir=str(tmp_path),
         run_name="digits",
     )
     data["rollout"].update(max_inflight=16, queue_maxsize=32)
     data["generation"].update(num_generations=4, max_completion_length=8)
-    # asynchronous, as far as the session's replicas allow (--max-loras 4: max_staleness + 2)
+    # asynchronous, as far as the replica allows (--max-loras 4: max_staleness + 2)
     data["trainer"].update(samples_per_step=8, max_steps=4, max_staleness=2)
     batches: list[list[Sample]] = []
     result = await run_training(
@@ -209,7 +211,7 @@ async def test_a_single_turn_v1_environment_trains_with_its_rubric_reward(
     assert result.steps == 4 and len(samples) == 32
     errors = await anyio.to_thread.run_sync(
         served_logprob_errors,
-        tiny_model,
+        tool_model,
         result.transport_url,
         result.adapter_prefix,
         samples,
