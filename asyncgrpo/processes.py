@@ -163,11 +163,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     Chosen below the kernel's ephemeral range where there is room: a port in that range can be
     handed to any socket on the host (a bind to port 0, every outgoing connection, vLLM's own
     sockets) in the seconds before the child binds it, and the child then fails with "address
-    already in use". Ports this process handed out before are not given again."""
+    already in use". Nor in the range Ray's workers bind by default (10002-19999), which
+    ``ray start --port`` refuses. Ports this process handed out before are not given again."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     low = _ephemeral_low()
-    if low - 4096 >= 1024:
-        for port in _RANDOM.sample(range(max(1024, low - 16384), low), 64):
+    room = [p for p in range(max(1024, low - 16384), low) if p not in RAY_WORKER_PORTS]
+    if len(room) >= 4096:
+        for port in _RANDOM.sample(room, 64):
             if port in _handed_out:
                 continue
             with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -182,6 +184,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+#: Ray's default worker ports (``--min-worker-port``, ``--max-worker-port``).
+RAY_WORKER_PORTS = range(10002, 20000)
 _handed_out: set[int] = set()
 # Its own source: a caller that seeded ``random`` neither shifts nor repeats the ports.
 _RANDOM = random.SystemRandom()

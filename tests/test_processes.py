@@ -235,10 +235,12 @@ def test_free_ports_lie_below_the_ephemeral_range_bindable_and_never_twice() -> 
     connection, vLLM's own) before the child binds it: the chaos run's proxy once failed so."""
     import socket
 
-    from asyncgrpo.processes import _ephemeral_low, free_port
+    from asyncgrpo.processes import RAY_WORKER_PORTS, _ephemeral_low, free_port
 
     ports = [free_port() for _ in range(40)]
     assert len(set(ports)) == len(ports)
     assert all(1024 <= p < _ephemeral_low() for p in ports), ports
+    # `ray start --port` refuses one in its workers' range (the Ray target's cluster once did)
+    assert not [p for p in ports if p in RAY_WORKER_PORTS], ports
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[-1]))  # still free for the child
