@@ -31,13 +31,19 @@ $(STAMP): pyproject.toml Makefile
 demo: install
 	$(VENV)/bin/asyncgrpo demo --output-dir $(OUT)
 
-# Every test phase over 10 s is listed at the end with its time, then the vLLM replica starts
-# per module and test (docs/testing.md). TEST_WORKERS=N runs N pytest-xdist workers, every test
-# that uses vLLM on one of them in order, the others beside it (tests/conftest.py): for hosts with
-# more cores. On 2 cores the suite is CPU-bound: two were no faster than one (docs/testing.md).
-TEST_WORKERS ?= 0
+# Two pytest sessions, both run whatever the first gives: the tests that start no vLLM replica on
+# TEST_WORKERS pytest-xdist workers (one process leaves a core of 2 idle: 423 s against 252 s),
+# then the vLLM tests in one process, one shared pair of replicas for them all and no test's
+# replicas starting beside other work. Each lists its test phases over 10 s with their times,
+# then the vLLM replica starts per module and test (docs/testing.md). A test that starts a
+# replica without the vllm mark fails (tests/conftest.py).
+TEST_WORKERS ?= 2
+PYTEST_RUN = ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) $(PY) -m pytest --durations=0 --durations-min=10
 test: install
-	ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=0 --durations-min=10
+	status=0; \
+	$(PYTEST_RUN) -m 'not vllm' -n $(TEST_WORKERS) --dist loadgroup || status=$$?; \
+	$(PYTEST_RUN) -m vllm || status=$$?; \
+	exit $$status
 
 # SkyPilot's SDK pins click<8.2 and uvicorn<0.36, below what the main virtualenv has, so its
 # tests run in a virtualenv of their own that sees the main one's packages after its own.
@@ -97,7 +103,11 @@ install-vf4: $(VF4_STAMP)
 
 $(VF4_STAMP): $(STAMP) examples/envs/vf_v1_calculator/pyproject.toml examples/envs/vf_v1_digits/pyproject.toml
 	test -x $(VF4_PY) || $(PY) -m venv --without-pip $(VF4)
-	$(UV_PIP) install -q --compile-bytecode --python $(VF4_PY) 'verifiers==0.4.0' uv
+	@# verifiers 0.4's dependencies would bring a newer transformers (and numpy) than .venv's:
+	@# held to .venv's, a tokenizer and the test models' cache key are the same in both venvs.
+	$(UV_PIP) freeze -q --python $(PY) | grep -E '^(transformers|tokenizers|huggingface-hub|safetensors|numpy|torch)==' \
+		> $(VF4)/base-versions.txt
+	$(UV_PIP) install -q --compile-bytecode --python $(VF4_PY) --constraint $(VF4)/base-versions.txt 'verifiers==0.4.0' uv
 	$(UV_PIP) install -q --compile-bytecode --python $(VF4_PY) --no-deps -e examples/envs/vf_v1_calculator -e examples/envs/vf_v1_digits
 	$(PY) -c 'import os, sysconfig; print("import site; site.addsitedir(%r)" % os.path.abspath(sysconfig.get_paths()["purelib"]))' \
 		> "$$($(VF4_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-asyncgrpo-base.pth"

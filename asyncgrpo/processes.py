@@ -167,7 +167,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     ``ray start --port`` refuses. Ports this process handed out before are not given again."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     low = _ephemeral_low()
-    room = [p for p in range(max(1024, low - 16384), low) if p not in RAY_WORKER_PORTS]
+    room = range(max(1024, low - 16384, RAY_WORKER_PORTS.stop), low)
     if len(room) >= 4096:
         for port in _RANDOM.sample(room, 64):
             if port in _handed_out:

@@ -55,15 +55,17 @@ class ReplicaStarts:
         self.spawned: dict[str, tuple[str, str]] = {}  # "journal:pid" -> (test id, phase)
         self.healthy_s: dict[str, float] = {}
 
-    def read(self, nodeid: str, phase: str) -> None:
+    def read(self, nodeid: str, phase: str) -> int:
+        """Read the journal's new lines; the number of replicas spawned since the last read."""
         if self.path is None:
-            return
+            return 0
         try:
             with self.path.open() as journal:
                 journal.seek(self.offset)
                 lines = journal.readlines()
         except FileNotFoundError:
-            return
+            return 0
+        spawned = 0
         for line in lines:
             if not line.endswith("\n"):  # still being written: read it next time
                 break
@@ -72,8 +74,10 @@ class ReplicaStarts:
             pid = f"{self.path}:{entry['pid']}"
             if entry["event"] == "spawn":
                 self.spawned[pid] = (_without_group(nodeid), phase)
+                spawned += 1
             elif entry["event"] == "healthy":
                 self.healthy_s[pid] = entry["seconds"]
+        return spawned
 
     def export(self) -> dict:
         return {"journals": self.journals, "spawned": self.spawned, "healthy_s": self.healthy_s}
@@ -139,12 +143,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     to one worker, in the order collected: one shared pair of replicas for them all, and no
     test's replicas start beside another's. The other tests run on the other workers meanwhile,
     a module at a time (a module's fixtures are built once)."""
+    for item in items:  # the shared pair's users are vLLM tests too (``-m vllm`` selects them)
+        if "vllm_replicas" in item.fixturenames and not item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.vllm)
     if not getattr(config.option, "loadgroup", False):  # set by pytest-xdist, in workers too
         return
     for item in items:
         module = item.nodeid.split("::")[0].removeprefix("tests/").removesuffix(".py")
-        uses_vllm = item.get_closest_marker("vllm") or "vllm_replicas" in item.fixturenames
-        group = "vllm" if uses_vllm else module
+        group = "vllm" if item.get_closest_marker("vllm") else module
         item.add_marker(pytest.mark.xdist_group(group))
 
 
@@ -152,6 +158,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
     """pytest-xdist's controller: stop before any test runs if the worker's tests came without
     their groups, which would run vLLM tests on both workers at once, each with replicas."""
+    config = getattr(node, "config", None)
+    if config is None or config.getoption("dist", None) != "loadgroup":
+        return
     if ids and not all("@" in nodeid for nodeid in ids):
         pytest.exit(
             "pytest-xdist did not group the tests (--dist loadgroup): this pytest is too new "
@@ -168,13 +177,25 @@ def pytest_testnodedown(node: object, error: object) -> None:
         _starts.merge(exported)
 
 
+def _unmarked(item: pytest.Item, started: int) -> None:
+    """Fail a test that started replicas without the ``vllm`` mark: ``make test`` runs the
+    tests without it on several workers at once, where its replicas would start beside others'
+    work (and ``-m "not vllm"`` promises a run without vLLM)."""
+    if started and not item.get_closest_marker("vllm"):
+        pytest.fail(
+            f"{_without_group(item.nodeid)} started {started} vLLM replica(s) without the vllm "
+            "mark: add @pytest.mark.vllm",
+            pytrace=False,
+        )
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     try:
         return (yield)
     finally:
         if _starts is not None:
-            _starts.read(item.nodeid, "setup")
+            _unmarked(item, _starts.read(item.nodeid, "setup"))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -183,7 +204,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         return (yield)
     finally:
         if _starts is not None:
-            _starts.read(item.nodeid, "call")
+            _unmarked(item, _starts.read(item.nodeid, "call"))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -192,7 +213,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
     finally:
         if _starts is not None:
-            _starts.read(item.nodeid, "teardown")
+            _unmarked(item, _starts.read(item.nodeid, "teardown"))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

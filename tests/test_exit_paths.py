@@ -381,6 +381,7 @@ def test_serve_quotes_vllms_root_cause_in_one_line(tmp_path: Path, tiny_model: P
     assert not any("requested memory for kv" in x and "ValueError" in x for x in tail)
 
 
+@pytest.mark.vllm  # a replica process is spawned (the stand-in's), which the mark promises
 def test_check_serving_whose_replica_cannot_start(tmp_path: Path, old_vllm: str) -> None:
     """Its replicas load adapters by path (no plugin check): the stand-in vLLM has no API
     server, so the replica process itself exits and its own error is the line."""

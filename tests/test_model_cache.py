@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from asyncgrpo.testing.model_cache import DONE, cache_key, cached_dir, tree_digest
 
 
@@ -36,3 +38,17 @@ def test_the_digest_follows_names_and_bytes(tmp_path: Path) -> None:
     assert tree_digest(tmp_path, "*.py") == before != tree_digest(tmp_path)
     (tmp_path / "a.py").write_text("x = 2\n")
     assert tree_digest(tmp_path, "*.py") != before
+
+
+def test_the_tool_model_key_follows_its_training_data_not_the_rest_of_the_package(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncgrpo.rollout.environment import ChatContinuation
+    from asyncgrpo.testing.tool_model import tool_model_key
+
+    key = tool_model_key(tiny_model)
+    assert tool_model_key(tiny_model) == key != tool_model_key(tiny_model, seed=1)
+    # A change to how a tool's result is rendered, in another module, changes what it learns.
+    text = ChatContinuation.text
+    monkeypatch.setattr(ChatContinuation, "text", lambda *a, **k: text(*a, **k) + " ")
+    assert tool_model_key(tiny_model) != key

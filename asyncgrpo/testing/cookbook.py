@@ -115,22 +115,14 @@ def make_boxed_model(
 
 def cached_boxed_model(base_dir: str | Path, cache_root: str | Path, *, seed: int = 0) -> Path:
     """:func:`make_boxed_model` of ``base_dir``, built once under ``cache_root`` per base model
-    files, seed, asyncgrpo sources and torch and transformers versions."""
+    files, seed, this module's source (the build reads no other of the package's code) and
+    torch and transformers versions."""
     from importlib.metadata import version
 
     from asyncgrpo.testing.model_cache import cache_key, cached_dir, tree_digest
 
-    package = Path(__file__).resolve().parents[1]
-    key = cache_key(
-        (
-            "boxed-model",
-            tree_digest(base_dir),
-            str(seed),
-            tree_digest(package, "*.py"),
-            version("torch"),
-            version("transformers"),
-        )
-    )
+    parts = ["boxed-model", tree_digest(base_dir), str(seed), Path(__file__).read_text()]
+    key = cache_key([*parts, version("torch"), version("transformers")])
     return cached_dir(cache_root, key, lambda out: make_boxed_model(base_dir, out, seed=seed))
 
 

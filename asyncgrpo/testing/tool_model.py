@@ -121,17 +121,31 @@ def make_tool_model(
     return out
 
 
-def cached_tool_model(base_dir: str | Path, cache_root: str | Path, *, seed: int = 0) -> Path:
-    """:func:`make_tool_model` of ``base_dir`` with its defaults, built once under
-    ``cache_root`` for the same base model files, seed, asyncgrpo sources and torch and
-    transformers versions (pytest sessions of one checkout then share one build)."""
+def tool_model_key(base_dir: str | Path, seed: int = 0) -> str:
+    """The cache key of :func:`make_tool_model`'s default build: what the build reads. That is
+    this module's source, the base model's files, the seed, the training episodes' token ids
+    and loss masks (whatever code renders them), and torch's and transformers' versions; an
+    edit elsewhere in the package does not rebuild it."""
     from importlib.metadata import version
 
-    from asyncgrpo.testing.model_cache import cache_key, cached_dir, tree_digest
+    from transformers import AutoTokenizer
 
-    package = Path(__file__).resolve().parents[1]
-    key = cache_key(("tool-model", tree_digest(base_dir), str(seed), tree_digest(package, "*.py"),
-                     version("torch"), version("transformers")))  # fmt: skip
+    from asyncgrpo.testing.envs import calculator_tasks
+    from asyncgrpo.testing.model_cache import cache_key, tree_digest
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    episodes = [_episode_ids(tokenizer, row) for row in calculator_tasks(64)]
+    parts = ["tool-model", Path(__file__).read_text(), tree_digest(base_dir), str(seed)]
+    return cache_key([*parts, json.dumps(episodes), version("torch"), version("transformers")])
+
+
+def cached_tool_model(base_dir: str | Path, cache_root: str | Path, *, seed: int = 0) -> Path:
+    """:func:`make_tool_model` of ``base_dir`` with its defaults, built once under
+    ``cache_root`` per :func:`tool_model_key` (pytest sessions of one checkout share one
+    build)."""
+    from asyncgrpo.testing.model_cache import cached_dir
+
+    key = tool_model_key(base_dir, seed)
     return cached_dir(cache_root, key, lambda out: make_tool_model(base_dir, out, seed=seed))
 
 

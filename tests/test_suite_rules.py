@@ -1,0 +1,65 @@
+"""The suite's own rules, as ``tests/conftest.py`` enforces them: a test that starts a vLLM replica
+carries the ``vllm`` mark (``make test`` runs the unmarked tests on several workers at once, and
+``-m "not vllm"`` promises no replica), and the shared pair's users are marked for it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from asyncgrpo.serve.replicas import JOURNAL_ENV
+
+CONFTEST = Path(__file__).resolve().parent / "conftest.py"
+
+# Each test appends to the replica journal what launch_replicas appends when it spawns one.
+TESTS = textwrap.dedent("""
+    import json, os
+    import pytest
+
+    def spawn(pid):
+        with open(os.environ["ASYNCGRPO_REPLICA_JOURNAL"], "a") as journal:
+            journal.write(json.dumps({"event": "spawn", "pid": pid}) + "\\n")
+
+    def test_unmarked_start():
+        spawn(101)
+
+    @pytest.mark.vllm
+    def test_marked_start():
+        spawn(102)
+
+    def test_no_start():
+        pass
+
+    def test_pair_user(vllm_replicas):
+        pass
+""")
+
+
+def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    shutil.copy(CONFTEST, tmp_path / "conftest.py")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    vllm: starts vLLM\n")
+    (tmp_path / "test_starts.py").write_text(TESTS)
+    env = {k: v for k, v in os.environ.items() if k != JOURNAL_ENV}
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rf", *args]
+    return subprocess.run(
+        argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_a_test_that_starts_a_replica_without_the_mark_fails_naming_it(tmp_path: Path) -> None:
+    out = _pytest(tmp_path, "-m", "not vllm")
+    assert "1 failed, 1 passed, 2 deselected" in out.stdout, out.stdout[-3000:]
+    assert (
+        "test_starts.py::test_unmarked_start started 1 vLLM replica(s) without the vllm mark"
+        in out.stdout
+    ), out.stdout[-3000:]
+
+
+def test_the_shared_pairs_users_are_vllm_tests(tmp_path: Path) -> None:
+    out = _pytest(tmp_path, "--collect-only", "-m", "vllm")
+    assert "2/4 tests collected (2 deselected)" in out.stdout, out.stdout[-3000:]
+    assert "test_pair_user" in out.stdout and "test_marked_start" in out.stdout
