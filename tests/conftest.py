@@ -139,10 +139,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` (``make test TEST_WORKERS=N``) every test that uses vLLM goes
-    to one worker, in the order collected: one shared pair of replicas for them all, and no
-    test's replicas start beside another's. The other tests run on the other workers meanwhile,
-    a module at a time (a module's fixtures are built once)."""
+    """The shared pair's users get the ``vllm`` mark, which ``make test``'s two sessions select
+    on (``-m 'not vllm'`` on workers, then ``-m vllm`` in one process). Under ``--dist
+    loadgroup`` over the whole suite, every vLLM test goes to one worker, in the order
+    collected: one shared pair of replicas for them all, and no test's replicas start beside
+    another's; the other tests run on the other workers, a module at a time (a module's
+    fixtures are built once)."""
     for item in items:  # the shared pair's users are vLLM tests too (``-m vllm`` selects them)
         if "vllm_replicas" in item.fixturenames and not item.get_closest_marker("vllm"):
             item.add_marker(pytest.mark.vllm)

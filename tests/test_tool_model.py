@@ -38,8 +38,10 @@ def test_the_tool_model_writes_each_episodes_tool_call_and_answer(
     tool_model: Path, tiny_model: Path
 ) -> None:
     wrong = _wrong_mass(tool_model, temperature=0.5)
-    # run/test_training_v1.py samples 32 episodes at 0.5 and needs a tool call in every one
-    assert max(wrong) <= 2e-5, sorted(wrong)[-5:]
+    # run/test_training_v1.py samples 32 episodes at 0.5 and needs a tool call in every one: at
+    # most 32 x 1e-4 (0.3 %) that any misses. Built here: 1.9e-5 (docs/benchmarks.md); another
+    # CPU's float results may move it, a build of half the steps does not pass (8.2e-2).
+    assert max(wrong) <= 1e-4, sorted(wrong)[-5:]
     assert max(_wrong_mass(tool_model, temperature=1.0)) < 0.1  # docs/benchmarks.md: 6.8e-2
     base = _wrong_mass(tiny_model, temperature=0.5)  # the random model it was tuned from
     assert min(base) > 0.99, sorted(base)[:5]
