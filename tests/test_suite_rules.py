@@ -16,13 +16,13 @@ from asyncgrpo.serve.replicas import JOURNAL_ENV
 CONFTEST = Path(__file__).resolve().parent / "conftest.py"
 
 # Each test appends to the replica journal what launch_replicas appends when it spawns one.
-TESTS = textwrap.dedent("""
+TESTS = textwrap.dedent(f"""
     import json, os
     import pytest
 
     def spawn(pid):
-        with open(os.environ["ASYNCGRPO_REPLICA_JOURNAL"], "a") as journal:
-            journal.write(json.dumps({"event": "spawn", "pid": pid}) + "\\n")
+        with open(os.environ["{JOURNAL_ENV}"], "a") as journal:
+            journal.write(json.dumps({{"event": "spawn", "pid": pid}}) + "\\n")
 
     def test_unmarked_start():
         spawn(101)
