@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +40,33 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         os.environ.pop("VLLM_LOGGING_LEVEL", None)
     else:
         os.environ["VLLM_LOGGING_LEVEL"] = _VLLM_LOGGING_LEVEL
+    if not hasattr(session.config, "workerinput"):  # a session without pytest-xdist workers
+        _install_emulators_early(item.nodeid for item in session.items)
+
+
+#: Where tests/transport/conftest.py installs the Azure emulator (git-ignored).
+_EMULATORS = Path(__file__).resolve().parents[1] / ".emulators"
+_emulator_install: threading.Thread | None = None
+
+
+def _install_emulators_early(nodeids: Iterator[str] | list[str]) -> None:
+    """On a fresh checkout, install Azurite (npm, 30-40 s, mostly waiting on the registry) in
+    the background as soon as the session is known to run transport tests: the other tests go
+    on meanwhile, where the ``azurite`` fixture's own install held a pytest-xdist worker idle.
+    The fixture waits on the same file lock, and installs again, saying why, if this failed."""
+    global _emulator_install
+    if _emulator_install is not None or not any(
+        nodeid.startswith("tests/transport/") for nodeid in nodeids
+    ):
+        return
+    from asyncgrpo.testing.emulators import azurite_binary
+
+    def install() -> None:
+        with contextlib.suppress(Exception):  # no npm, or npm failed: the fixture reports it
+            azurite_binary(_EMULATORS)
+
+    _emulator_install = threading.Thread(target=install, name="azurite-install", daemon=True)
+    _emulator_install.start()
 
 
 class ReplicaStarts:
@@ -159,16 +187,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
     """pytest-xdist's controller: stop before any test runs if the worker's tests came without
-    their groups, which would run vLLM tests on both workers at once, each with replicas."""
+    their groups, which would run vLLM tests on both workers at once, each with replicas.
+    Then begin what the session's tests install on first use (:func:`_install_emulators_early`)."""
     config = getattr(node, "config", None)
-    if config is None or config.getoption("dist", None) != "loadgroup":
-        return
-    if ids and not all("@" in nodeid for nodeid in ids):
-        pytest.exit(
-            "pytest-xdist did not group the tests (--dist loadgroup): this pytest is too new "
-            "for it (pytest-xdist#1386); install the versions pyproject.toml's dev extra names",
-            returncode=pytest.ExitCode.USAGE_ERROR,
-        )
+    if config is not None and config.getoption("dist", None) == "loadgroup":
+        if ids and not all("@" in nodeid for nodeid in ids):
+            pytest.exit(
+                "pytest-xdist did not group the tests (--dist loadgroup): this pytest is too new "
+                "for it (pytest-xdist#1386); install the versions pyproject.toml's dev extra names",
+                returncode=pytest.ExitCode.USAGE_ERROR,
+            )
+    _install_emulators_early(ids)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -323,6 +352,9 @@ def _vllm_processes_under(root: str) -> list[int]:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if any vLLM process serving a test model outlived the session."""
     import time
+
+    if _emulator_install is not None:  # npm must not outlive the session (its own timeout)
+        _emulator_install.join()
 
     if _starts is not None and hasattr(session.config, "workeroutput"):
         session.config.workeroutput["replica_starts"] = _starts.export()

@@ -586,14 +586,36 @@ def loaded_adapters(replica_dir: Path) -> list[tuple[str, str]]:
 E2E_STEPS = 14
 
 
+@pytest.mark.skipif(not HIDE, reason="a private mount namespace needs root and unshare")
+def test_a_replica_job_sees_the_trainers_directory_empty(tmp_path: Path) -> None:
+    """``launch.local_hide_trainer``: a replica job runs in a private mount namespace where the
+    trainer's directory is an empty tmpfs, so a path on the trainer's disk reaches no replica, as
+    on another machine (what makes the end-to-end run below show that every version reached the
+    replicas through the transport; a version a replica cannot load stops the run:
+    tests/test_exit_paths.py::test_train_whose_adapter_vllm_refuses)."""
+    cfg = config(tmp_path, "launch.local_hide_trainer=true")
+    backend = LocalBackend(cfg, cfg.run_dir / "launch")
+    anyio.run(backend.prepare)  # the mount point exists before any replica starts
+    trainer_dir = cfg.run_dir / "launch" / "trainer"
+    (trainer_dir / "secret.txt").write_text("only the trainer host has this")
+    command = backend.replica_spec(0).command
+    assert command[:2] == ("unshare", "--mount") and str(trainer_dir) in command[-1], command
+    assert "-m asyncgrpo.serve" in command[-1], command
+    ls = ["ls", "-A", str(trainer_dir)]
+    assert subprocess.run(ls, capture_output=True, text=True).stdout == "secret.txt\n"
+    hidden = subprocess.run(backend._hidden(*ls), capture_output=True, text=True, check=True)
+    assert hidden.stdout == ""
+
+
 @pytest.mark.vllm
 def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_and_replaced(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    """`asyncgrpo launch examples/tiny_cpu.yaml --backend local`: two replica processes and a
-    trainer process in their own directories, meeting only in the transport directory (as root,
-    the trainer's directory is an empty tmpfs to the replicas, so every adapter version must
-    reach them through the transport). Replica 1's machine is lost at step 2: the launcher
+    """`asyncgrpo launch examples/tiny_cpu.yaml --backend local`: an S3 protocol server (moto),
+    two replica processes and a trainer process in their own directories, meeting only in S3 (as
+    root, the trainer's directory is an empty tmpfs to the replicas, so every adapter version
+    must reach them from S3: each replica fetches and verifies it itself). Replica 1's machine
+    is lost at step 2: the launcher
     starts a replacement, which joins the trainer's proxy and is brought up to date; every step
     trains, ratio 1 where reported, no rollout request fails or is retried (the proxy sends it
     to the survivor), and the served-policy audit finds every replica, the replacement too,
@@ -603,6 +625,7 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_and_replaced(
         tiny_model,
         tmp_path,
         "launch.replica_restart_backoff_s=0",
+        "launch.local_transport=s3",
         f"trainer.max_steps={E2E_STEPS}",
         kill_replica_at=2,
     )
@@ -663,6 +686,11 @@ def test_tiny_run_end_to_end_as_separate_processes_a_replica_lost_and_replaced(
         own_cache = str(launch_dir / f"replica-{i}" / "adapters") + "/"
         assert all(path.startswith(own_cache) for _, path in loaded[i]), loaded[i]
         assert trainer_dir not in (launch_dir / f"replica-{i}" / "replica-0.log").read_text()
+    # S3 was the only medium: no transport directory, each replica fetching from the bucket
+    assert not (launch_dir / "store").exists()
+    for i in (0, 1, 2):
+        log = (launch_dir / f"replica-{i}" / "replica-0.log").read_text()
+        assert re.search(r"adapter plugin: fetching from \S*s3://", log), log[-3000:]
     assert not [
         p
         for p in psutil.process_iter(["cmdline"])
