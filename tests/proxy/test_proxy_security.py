@@ -536,7 +536,8 @@ def test_a_body_in_one_byte_chunks_is_held_by_its_size(loop: str) -> None:
         child.wait()
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
     assert grown < 100e6, f"the proxy grew {grown / 1e6:.0f} MB for a 2 MB body"
-    # the stall this catches lasted seconds; an answer also waits for the scheduler on a loaded
-    # machine (110-160 ms each at load 35, 251 ms once at load 18)
+    # the stall this catches lasted 3.3 s on a quiet machine; an answer also waits for the
+    # scheduler on a loaded one (110-160 ms each at load 35; beside another pytest-xdist
+    # worker's tests on 2 cores, 290-430 ms each and once 503 ms, 2026-12-06)
     shown = [f"{t * 1000:.0f} ms" for t in took]
-    assert len(took) >= 3 and max(took) < 0.5, shown
+    assert len(took) >= 3 and max(took) < 1.0, shown

@@ -61,8 +61,12 @@ def _env(home: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def service(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``python -m asyncgrpo.tinker`` with one replica, every default but what the tiny model
-    needs (float32, a 1 GiB KV cache, LoRA rank 8); its URL."""
+    """``python -m asyncgrpo.tinker`` with one replica it starts itself, every default but what
+    the tiny model needs (float32, a 1 GiB KV cache, LoRA rank 8); its URL. Stopped by SIGTERM,
+    it exits 0 and stops its replica with itself, leaving no process and no copy of a version
+    outside the transport."""
+    import psutil
+
     from asyncgrpo.testing.cookbook import MODEL_NAME
 
     work = tmp_path_factory.mktemp("service")
@@ -74,8 +78,14 @@ def service(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "--work-dir", str(work)]  # fmt: skip
     with log.open("w") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=_env(work))
+    replicas: list[psutil.Process] = []
     try:
         url = _ready(proc, log)
+        replicas += [
+            p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if "vllm" in " ".join(p.cmdline())
+        ]
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -85,6 +95,14 @@ def service(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, log.read_text()[-3000:]
+    assert replicas, "no vLLM replica under the service"
+    _, alive = psutil.wait_procs(replicas, timeout=30)
+    assert not alive, f"replicas outlived the service: {[p.pid for p in alive]}"
+    assert (work / "replica-logs").is_dir()
+    copies = [
+        f for d in ("cache", "replica-adapters") for f in (work / d).rglob("*") if f.is_file()
+    ]
+    assert not copies, f"copies outside the transport outlived the stop: {copies}"
 
 
 def _ready(proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> str:

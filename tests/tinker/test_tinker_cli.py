@@ -137,22 +137,20 @@ def _train_and_save(service, model: Path) -> tuple[str, list[int], list[int]]:
 def test_a_sampler_path_samples_the_same_after_the_service_restarts(
     tiny_model: Path, tmp_path: Path, leftovers: list, vllm_replicas: list
 ) -> None:
-    """``--replicas 1``: the service starts a vLLM replica itself (the run's fleet starter) and
-    stops it with itself, leaving no process. A ``save_weights_for_sampler`` path sampled
-    before a SIGTERM samples the same greedy tokens and logprobs on a fresh service process on
-    the same ``--transport``, in front of one of the session's replicas (``--upstream``), which
-    never held that version: it came back from the transport, since no process that held it is
-    left, nor a copy outside the transport (the service's or the replica's cache). A path never
-    saved is the SDK's ``NotFoundError`` naming it."""
+    """A ``save_weights_for_sampler`` path sampled before a SIGTERM, on a service in front of
+    one of the session's replicas (``--upstream``), samples the same greedy tokens and logprobs
+    on a fresh service process on the same ``--transport`` in front of the other replica, which
+    never held that version: it came back from the transport, since no service process that
+    held it is left, nor a copy outside the transport (the service's cache). A path never saved
+    is the SDK's ``NotFoundError`` naming it. ``--replicas 1`` (the service starts a replica
+    itself and stops it with itself, leaving no process): ``make test-cookbook``'s service,
+    tests/tinker/test_cookbook.py."""
     import tinker
 
     common = ["-m", "asyncgrpo.tinker", "--model", str(tiny_model), "--port", "0",
               "--max-lora-rank", "8", "--work-dir", str(tmp_path / "work"),
               "--transport", str(tmp_path / "store")]  # fmt: skip
-    args = [*common, "--replicas", "1", "--dtype", "float32", "--kv-cache-gib", "1",
-            "--max-model-len", "512"]  # fmt: skip
-    with _running(args, leftovers) as first:
-        assert first.replicas, "no vLLM replica under the service"
+    with _running([*common, "--upstream", vllm_replicas[1].url], leftovers) as first:
         service = tinker.ServiceClient(base_url=first.url)
         path, prompt, scored = _train_and_save(service, tiny_model)  # sampled while live
         before = _greedy(service.create_sampling_client(model_path=path).result(), prompt, scored)
@@ -161,7 +159,6 @@ def test_a_sampler_path_samples_the_same_after_the_service_restarts(
         )
         service.close("success").result()
     _stopped_cleanly(first)
-    assert (tmp_path / "work" / "replica-logs").is_dir()
     assert np.abs(before[2] - base[2]).max() > 1e-3  # the adapter, not the base model, serves
     copies = [
         f
