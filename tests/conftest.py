@@ -40,23 +40,26 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         os.environ.pop("VLLM_LOGGING_LEVEL", None)
     else:
         os.environ["VLLM_LOGGING_LEVEL"] = _VLLM_LOGGING_LEVEL
-    if not hasattr(session.config, "workerinput"):  # a session without pytest-xdist workers
-        _install_emulators_early(item.nodeid for item in session.items)
 
 
-#: Where tests/transport/conftest.py installs the Azure emulator (git-ignored).
-_EMULATORS = Path(__file__).resolve().parents[1] / ".emulators"
+#: The transport tests, and where tests/transport/conftest.py installs the Azure emulator.
+_TRANSPORT_TESTS = Path(__file__).resolve().parent / "transport"
+_EMULATORS = Path(__file__).resolve().parents[1] / ".emulators"  # git-ignored
 _emulator_install: threading.Thread | None = None
 
 
-def _install_emulators_early(nodeids: Iterator[str] | list[str]) -> None:
+def _install_emulators_early(config: pytest.Config) -> None:
     """On a fresh checkout, install Azurite (npm, 30-40 s, mostly waiting on the registry) in
-    the background as soon as the session is known to run transport tests: the other tests go
-    on meanwhile, where the ``azurite`` fixture's own install held a pytest-xdist worker idle.
-    The fixture waits on the same file lock, and installs again, saying why, if this failed."""
+    the background from the start of a session whose paths hold the transport tests: it
+    overlaps collection (a minute on a fresh clone) and the other tests, where the ``azurite``
+    fixture's own install held a pytest-xdist worker idle (pytest-xdist hands out the largest
+    modules first, the transport conformance suite among them). The fixture waits on the same
+    file lock, and installs again, saying why, if this failed. Nothing to do once installed."""
     global _emulator_install
-    if _emulator_install is not None or not any(
-        nodeid.startswith("tests/transport/") for nodeid in nodeids
+    here = config.invocation_params.dir
+    paths = [Path(here, arg.split("::")[0]).resolve() for arg in config.args]
+    if not any(
+        _TRANSPORT_TESTS.is_relative_to(p) or p.is_relative_to(_TRANSPORT_TESTS) for p in paths
     ):
         return
     from asyncgrpo.testing.emulators import azurite_binary
@@ -154,6 +157,8 @@ def _xdist_controller(config: pytest.Config) -> bool:
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Journal every replica start of the session (the subprocesses' too: they inherit it)."""
     global _starts
+    if not hasattr(session.config, "workerinput"):  # not a pytest-xdist worker
+        _install_emulators_early(session.config)
     if _xdist_controller(session.config):  # the workers journal; they report at their end
         _starts = ReplicaStarts(None)
         return
@@ -187,8 +192,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
     """pytest-xdist's controller: stop before any test runs if the worker's tests came without
-    their groups, which would run vLLM tests on both workers at once, each with replicas.
-    Then begin what the session's tests install on first use (:func:`_install_emulators_early`)."""
+    their groups, which would run vLLM tests on both workers at once, each with replicas."""
     config = getattr(node, "config", None)
     if config is not None and config.getoption("dist", None) == "loadgroup":
         if ids and not all("@" in nodeid for nodeid in ids):
@@ -197,7 +201,6 @@ def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
                 "for it (pytest-xdist#1386); install the versions pyproject.toml's dev extra names",
                 returncode=pytest.ExitCode.USAGE_ERROR,
             )
-    _install_emulators_early(ids)
 
 
 @pytest.hookimpl(optionalhook=True)
