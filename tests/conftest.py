@@ -194,13 +194,14 @@ def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
     """pytest-xdist's controller: stop before any test runs if the worker's tests came without
     their groups, which would run vLLM tests on both workers at once, each with replicas."""
     config = getattr(node, "config", None)
-    if config is not None and config.getoption("dist", None) == "loadgroup":
-        if ids and not all("@" in nodeid for nodeid in ids):
-            pytest.exit(
-                "pytest-xdist did not group the tests (--dist loadgroup): this pytest is too new "
-                "for it (pytest-xdist#1386); install the versions pyproject.toml's dev extra names",
-                returncode=pytest.ExitCode.USAGE_ERROR,
-            )
+    if config is None or config.getoption("dist", None) != "loadgroup":
+        return
+    if ids and not all("@" in nodeid for nodeid in ids):
+        pytest.exit(
+            "pytest-xdist did not group the tests (--dist loadgroup): this pytest is too new "
+            "for it (pytest-xdist#1386); install the versions pyproject.toml's dev extra names",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
 
 
 @pytest.hookimpl(optionalhook=True)
