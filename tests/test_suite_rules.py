@@ -57,6 +57,8 @@ def test_a_test_that_starts_a_replica_without_the_mark_fails_naming_it(tmp_path:
         "test_starts.py::test_unmarked_start started 1 vLLM replica(s) without the vllm mark"
         in out.stdout
     ), out.stdout[-3000:]
+    # a copy of the conftest beside no transport tests installs no Azure emulator (npm, 30 s)
+    assert not (tmp_path.parent / ".emulators").exists()
 
 
 def test_the_shared_pairs_users_are_vllm_tests(tmp_path: Path) -> None:
