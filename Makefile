@@ -31,18 +31,19 @@ $(STAMP): pyproject.toml Makefile
 demo: install
 	$(VENV)/bin/asyncgrpo demo --output-dir $(OUT)
 
-# Two pytest sessions, both run whatever the first gives: the tests that start no vLLM replica on
-# TEST_WORKERS pytest-xdist workers (one process leaves a core of 2 idle: 423 s against 252 s),
-# then the vLLM tests in one process, one shared pair of replicas for them all and no test's
-# replicas starting beside other work. Each lists its test phases over 10 s with their times,
-# then the vLLM replica starts per module and test (docs/testing.md). A test that starts a
-# replica without the vllm mark fails (tests/conftest.py).
+# Two pytest sessions on TEST_WORKERS pytest-xdist workers each, both run whatever the first gives:
+# the tests that start no vLLM replica (one process leaves a core of 2 idle: 423 s against 252 s),
+# then the vLLM tests: the shared pair's users in turn on one worker, one pair of replicas for
+# them all, the modules with replicas of their own on the other (555 s against 953 s in one
+# process, where replicas importing vLLM left a core idle). Each lists its test phases over 10 s
+# with their times, then the vLLM replica starts per module and test (docs/testing.md). A test
+# that starts a replica without the vllm mark fails (tests/conftest.py).
 TEST_WORKERS ?= 2
 PYTEST_RUN = ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) $(PY) -m pytest --durations=0 --durations-min=10
 test: install
 	status=0; \
 	$(PYTEST_RUN) -m 'not vllm' -n $(TEST_WORKERS) --dist loadgroup || status=$$?; \
-	$(PYTEST_RUN) -m vllm || status=$$?; \
+	$(PYTEST_RUN) -m vllm -n $(TEST_WORKERS) --dist loadgroup || status=$$?; \
 	exit $$status
 
 # SkyPilot's SDK pins click<8.2 and uvicorn<0.36, below what the main virtualenv has, so its

@@ -175,11 +175,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The shared pair's users get the ``vllm`` mark, which ``make test``'s two sessions select
-    on (``-m 'not vllm'`` on workers, then ``-m vllm`` in one process). Under ``--dist
-    loadgroup`` over the whole suite, every vLLM test goes to one worker, in the order
-    collected: one shared pair of replicas for them all, and no test's replicas start beside
-    another's; the other tests run on the other workers, a module at a time (a module's
-    fixtures are built once)."""
+    on (``-m 'not vllm'``, then ``-m vllm``, each on pytest-xdist workers). Under ``--dist
+    loadgroup`` the pair's users are one group, run on one worker in the order collected: one
+    shared pair of replicas for them all. Every other module is a group of its own, a vLLM
+    module's replicas starting and serving beside the pair's users on the other worker: one
+    worker is a queue of short tests on an idle pair, the other of replica starts and process
+    runs, and together they keep both cores busy (docs/testing.md, "Two sessions")."""
     for item in items:  # the shared pair's users are vLLM tests too (``-m vllm`` selects them)
         if "vllm_replicas" in item.fixturenames and not item.get_closest_marker("vllm"):
             item.add_marker(pytest.mark.vllm)
@@ -187,14 +188,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     for item in items:
         module = item.nodeid.split("::")[0].removeprefix("tests/").removesuffix(".py")
-        group = "vllm" if item.get_closest_marker("vllm") else module
+        group = "vllm-pair" if "vllm_replicas" in item.fixturenames else module
         item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
     """pytest-xdist's controller: stop before any test runs if the worker's tests came without
-    their groups, which would run vLLM tests on both workers at once, each with replicas."""
+    their groups, which would split the shared pair's users across workers, each starting a
+    pair of its own, and a module's tests, each building its module's fixtures."""
     config = getattr(node, "config", None)
     if config is None or config.getoption("dist", None) != "loadgroup":
         return
