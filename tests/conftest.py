@@ -186,10 +186,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.vllm)
     if not getattr(config.option, "loadgroup", False):  # set by pytest-xdist, in workers too
         return
+    groups: dict[pytest.Item, str] = {}
     for item in items:
         module = item.nodeid.split("::")[0].removeprefix("tests/").removesuffix(".py")
-        group = "vllm-pair" if "vllm_replicas" in item.fixturenames else module
-        item.add_marker(pytest.mark.xdist_group(group))
+        groups[item] = "vllm-pair" if "vllm_replicas" in item.fixturenames else module
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    items[:] = scheduling_order(items, groups)
+
+
+#: Groups handed out before all others, whatever their size (pytest-xdist hands out the groups
+#: with the most tests first): the tool-calling model's build, one test's setup (50-80 s on a
+#: fresh clone; the vLLM session needs the model). Handed out among the one-test groups at the
+#: end, it kept one worker busy while the other had nothing left to run.
+FIRST_GROUPS = ("test_tool_model",)
+
+
+def scheduling_order(items: list[pytest.Item], groups: dict[pytest.Item, str]) -> list[pytest.Item]:
+    """``items`` in the order pytest-xdist should hand out their groups: ``FIRST_GROUPS``, then
+    the groups with the most tests, each group's tests as collected. (``pytest_configure``
+    turns pytest-xdist's own reordering, by size alone, off.)"""
+    size = Counter(groups.values())
+    first_seen = {group: i for i, group in reversed(list(enumerate(groups.values())))}
+
+    def key(group: str) -> tuple[int, int, int]:
+        rank = FIRST_GROUPS.index(group) if group in FIRST_GROUPS else len(FIRST_GROUPS)
+        return rank, -size[group], first_seen[group]
+
+    return sorted(items, key=lambda item: key(groups[item]))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("dist", None) == "loadgroup":  # the order is scheduling_order's
+        config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -65,3 +65,22 @@ def test_the_shared_pairs_users_are_vllm_tests(tmp_path: Path) -> None:
     out = _pytest(tmp_path, "--collect-only", "-m", "vllm")
     assert "2/4 tests collected (2 deselected)" in out.stdout, out.stdout[-3000:]
     assert "test_pair_user" in out.stdout and "test_marked_start" in out.stdout
+
+
+def test_the_tool_model_build_is_handed_out_first_then_the_largest_groups(tmp_path: Path) -> None:
+    """pytest-xdist alone hands out the groups with the most tests first, so the one-test group
+    that builds the tool-calling model (a minute on a fresh clone) would come last; with one
+    worker the order it runs the tests in is the order the groups are handed out."""
+    record = tmp_path / "order.txt"
+    modules = {"test_small.py": 1, "test_tool_model.py": 1, "test_mid.py": 2, "test_big.py": 3}
+    for name, count in modules.items():
+        tag = name.removeprefix("test_").removesuffix(".py")
+        body = "".join(
+            f"def test_{i}():\n    open({str(record)!r}, 'a').write({tag!r} + '\\n')\n\n"
+            for i in range(count)
+        )
+        (tmp_path / name).write_text(body)
+    out = _pytest(tmp_path, "-n", "1", "--dist", "loadgroup", *modules)
+    assert "7 passed" in out.stdout, out.stdout[-3000:]
+    order = record.read_text().split()
+    assert order == ["tool_model", "big", "big", "big", "mid", "mid", "small"], order
