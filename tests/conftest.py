@@ -218,6 +218,12 @@ def scheduling_order(items: list[pytest.Item], groups: dict[pytest.Item, str]) -
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("dist", None) == "loadgroup":  # the order is scheduling_order's
         config.option.loadscopereorder = False
+    if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+        # Each worker's torch takes its share of the cores, not all of them: two workers'
+        # OpenMP threads on each core wait on each other (docs/testing.md, "Two sessions").
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(workers)))
 
 
 @pytest.hookimpl(optionalhook=True)
