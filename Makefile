@@ -5,8 +5,6 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.asyncgrpo-installed
 OUT ?= runs/demo
-# Models the test sessions build once per checkout (the tool-calling model: minutes of CPU).
-TEST_CACHE ?= $(CURDIR)/.test-cache
 EXTRAS ?= train,serve-cpu,s3,gcs,azure,hf,math,fast,envs,wandb,tinker,dev
 # Packages go in with uv (pip bootstraps it into .venv): .venv takes 61 s where pip took 214
 # (bench/venv_install.py). tools/uv_pip.py hands uv this machine's pip configuration (index
@@ -37,9 +35,11 @@ demo: install
 # them all, the modules with replicas of their own on the other (555 s against 953 s in one
 # process, where replicas importing vLLM left a core idle). Each lists its test phases over 10 s
 # with their times, then the vLLM replica starts per module and test (docs/testing.md). A test
-# that starts a replica without the vllm mark fails (tests/conftest.py).
+# that starts a replica without the vllm mark fails (tests/conftest.py). Test models (the
+# tool-calling one: 1.5 min of a core) and the Azure emulator go into ~/.cache/asyncgrpo once for
+# every checkout, keyed by what they are built from; ASYNCGRPO_TEST_CACHE=DIR names another.
 TEST_WORKERS ?= 2
-PYTEST_RUN = ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) $(PY) -m pytest --durations=0 --durations-min=10
+PYTEST_RUN = $(PY) -m pytest --durations=0 --durations-min=10
 test: install
 	status=0; \
 	$(PYTEST_RUN) -m 'not vllm' -n $(TEST_WORKERS) --dist loadgroup || status=$$?; \
@@ -115,7 +115,7 @@ $(VF4_STAMP): $(STAMP) examples/envs/vf_v1_calculator/pyproject.toml examples/en
 	touch $(VF4_STAMP)
 
 test-vf4: install-vf4
-	ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) PATH="$(CURDIR)/$(VF4)/bin:$$PATH" $(VF4_PY) -m pytest tests/rollout/test_verifiers_v1.py tests/run/test_training_v1.py
+	PATH="$(CURDIR)/$(VF4)/bin:$$PATH" $(VF4_PY) -m pytest tests/rollout/test_verifiers_v1.py tests/run/test_training_v1.py
 
 # tinker-cookbook 0.6.1 (Thinking Machines' recipes for the tinker SDK) in a virtualenv of its own
 # layered on .venv, as for verifiers 0.4: its recipes run unchanged against the Tinker-compatible
@@ -144,5 +144,5 @@ $(COOKBOOK_STAMP): $(STAMP)
 # one service with one vLLM replica of the tiny model, offline: 1.6 min with .venv-cookbook
 # and the test model built (install-cookbook and the model build add about a minute).
 test-cookbook: install-cookbook
-	ASYNCGRPO_REQUIRE_COOKBOOK=1 ASYNCGRPO_TEST_CACHE=$(TEST_CACHE) PATH="$(CURDIR)/$(COOKBOOK)/bin:$$PATH" \
+	ASYNCGRPO_REQUIRE_COOKBOOK=1 PATH="$(CURDIR)/$(COOKBOOK)/bin:$$PATH" \
 		$(COOKBOOK_PY) -m pytest -p no:cacheprovider -rP --durations=5 tests/tinker/test_cookbook.py

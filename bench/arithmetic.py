@@ -3,7 +3,7 @@ at several ``trainer.max_staleness`` values, several seeds each, held-out pass@1
 time, and where each setting's time goes.
 
 Every run is ``examples/arithmetic.yaml`` (the arithmetic test model of
-``asyncgrpo.testing.arithmetic``, built once per checkout; two float32 vLLM replicas behind
+``asyncgrpo.testing.arithmetic``, built once into the user's cache; two float32 vLLM replicas behind
 the proxy; the exact-answer math reward; the held-out set evaluated every few versions) with
 only ``seed`` and ``trainer.max_staleness`` changed, plus the overrides of a ``--recipe
 NAME:KEY=VALUE,...`` when recipes are compared (each recipe runs the same grid). One fleet is
@@ -164,8 +164,9 @@ def figures(row: dict[str, Any], times: list[float]) -> dict[str, Any]:
 # ---- measuring ---------------------------------------------------------------------------------
 def build_model(given: Path | None = None) -> Path:
     """``given`` (a directory ``python -m asyncgrpo.testing.arithmetic`` wrote), else the
-    checkout's cached build (made here if missing: minutes)."""
-    from asyncgrpo.testing.arithmetic import cached_arithmetic_model, default_cache_root
+    cached build (made here if missing: minutes)."""
+    from asyncgrpo.testing.arithmetic import cached_arithmetic_model
+    from asyncgrpo.testing.model_cache import default_cache_root
 
     model = given or cached_arithmetic_model(default_cache_root())
     build = json.loads((model / "build.json").read_text())
@@ -403,8 +404,8 @@ def main() -> None:
         "--model",
         type=Path,
         default=None,
-        help="an arithmetic model directory already built (default: the checkout's "
-        "cached build, made first if missing)",
+        help="an arithmetic model directory already built (default: the cached build in "
+        "~/.cache/asyncgrpo/test-models, made first if missing)",
     )
     add_sweep_args(p, OUT, PLOT)
     run_sweep(p, BASE, grid=grid, key=key, measure=measure, report=report)

@@ -4,7 +4,7 @@ emulators on loopback.
 The adapter has the exact tensor shapes of Qwen2.5-1.5B with LoRA r=1 on all linear layers
 (28 layers, hidden 1536, intermediate 8960, 12 query heads and 2 KV heads of 128), float32,
 saved with safetensors: 4.6 MB. Each cloud is a real protocol server in a subprocess on
-127.0.0.1: moto (S3), Azurite (Azure Blob, installed from npm into .emulators/ on first use),
+127.0.0.1: moto (S3), Azurite (Azure Blob, installed from npm into ~/.cache/asyncgrpo/emulators on first use),
 fake-gcs-server (GCS). Loopback, not a network: the figures are our overhead plus the
 emulator's, not WAN latency. GCS publish is not measured: fake-gcs-server refuses the XML API
 writes obstore makes, so the bench seeds each GCS version through the emulator's JSON API and
@@ -33,7 +33,6 @@ from pathlib import Path
 ROUNDS, WARMUP, RANK = 20, 2, 1
 BACKENDS = "local,s3,azure,gcs"
 CONTAINER = "bench-bucket"
-EMULATORS = Path(__file__).resolve().parents[1] / ".emulators"  # Azurite's npm install
 LAYERS, HIDDEN, INTERMEDIATE, KV_DIM = 28, 1536, 8960, 2 * 128
 SHAPES = {  # module: (in_features, out_features)
     "self_attn.q_proj": (HIDDEN, HIDDEN),
@@ -141,7 +140,7 @@ async def run(args: argparse.Namespace) -> None:
             )
             variants.append(("s3 (moto)", s3))
         if "azure" in backends:
-            conn = servers.enter_context(azurite(EMULATORS, CONTAINER))
+            conn = servers.enter_context(azurite(CONTAINER))
             variants.append(
                 ("azure (azurite)", AzureBlobTransport(CONTAINER, "bench", connection_string=conn))
             )

@@ -42,9 +42,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         os.environ["VLLM_LOGGING_LEVEL"] = _VLLM_LOGGING_LEVEL
 
 
-#: The transport tests, and where tests/transport/conftest.py installs the Azure emulator.
+#: The transport tests (tests/transport/conftest.py installs the Azure emulator for them).
 _TRANSPORT_TESTS = Path(__file__).resolve().parent / "transport"
-_EMULATORS = Path(__file__).resolve().parents[1] / ".emulators"  # git-ignored
 _emulator_install: threading.Thread | None = None
 
 
@@ -68,7 +67,7 @@ def _install_emulators_early(config: pytest.Config) -> None:
 
     def install() -> None:
         with contextlib.suppress(Exception):  # no npm, or npm failed: the fixture reports it
-            azurite_binary(_EMULATORS)
+            azurite_binary()
 
     _emulator_install = threading.Thread(target=install, name="azurite-install", daemon=True)
     _emulator_install.start()
@@ -311,20 +310,19 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tool_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model fine-tuned to call the calculator's add tool (its own weights: the
-    shared replicas cannot serve it). Built once per checkout where ``ASYNCGRPO_TEST_CACHE``
-    names a cache directory (``make test`` and ``make test-vf4`` both need it), and copied
-    under the session's temporary directory: the replica serving it names the session there,
-    so the orphan check at the session's end still finds it."""
+    shared replicas cannot serve it). Built once into the user's cache of test models
+    (``~/.cache/asyncgrpo/test-models``, or ``$ASYNCGRPO_TEST_CACHE``: ``make test``,
+    ``make test-vf4`` and every checkout share it), and copied under the session's temporary
+    directory: the replica serving it names the session there, so the orphan check at the
+    session's end still finds it."""
     import shutil
 
-    from asyncgrpo.testing.model_cache import DONE
-    from asyncgrpo.testing.tool_model import cached_tool_model, make_tool_model
+    from asyncgrpo.testing.model_cache import DONE, default_cache_root
+    from asyncgrpo.testing.tool_model import cached_tool_model
 
     out = tmp_path_factory.mktemp("tool") / "model"
-    if cache := os.environ.get("ASYNCGRPO_TEST_CACHE"):
-        built = cached_tool_model(tiny_model, cache, seed=0)
-        return Path(shutil.copytree(built, out, ignore=shutil.ignore_patterns(DONE)))
-    return make_tool_model(tiny_model, out, seed=0)
+    built = cached_tool_model(tiny_model, default_cache_root(), seed=0)
+    return Path(shutil.copytree(built, out, ignore=shutil.ignore_patterns(DONE)))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""The test-model cache: a build runs once per key, and only a complete build is reused."""
+"""The test-model cache: a build runs once per key, only a complete build is reused, and every
+checkout of a user shares one cache."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.testing.model_cache import DONE, cache_key, cached_dir, tree_digest
+from asyncgrpo.testing.model_cache import (
+    CACHE_ENV,
+    DONE,
+    cache_key,
+    cached_dir,
+    default_cache_root,
+    tree_digest,
+)
 
 
 def test_a_build_runs_once_per_key_and_an_incomplete_entry_is_rebuilt(tmp_path: Path) -> None:
@@ -52,3 +60,25 @@ def test_the_tool_model_key_follows_its_training_data_not_the_rest_of_the_packag
     text = ChatContinuation.text
     monkeypatch.setattr(ChatContinuation, "text", lambda *a, **k: text(*a, **k) + " ")
     assert tool_model_key(tiny_model) != key
+
+
+def test_the_cache_is_the_users_unless_one_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncgrpo.testing.emulators import AZURITE_VERSION, azurite_binary
+
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_root() == tmp_path / "home" / ".cache" / "asyncgrpo" / "test-models"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_root() == tmp_path / "xdg" / "asyncgrpo" / "test-models"
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+    assert default_cache_root() == tmp_path / "mine"
+    # the Azure emulator's npm install is found beside the models, not in the checkout
+    emulators = tmp_path / "xdg" / "asyncgrpo" / "emulators"
+    (emulators / "node_modules" / ".bin").mkdir(parents=True)
+    (emulators / "node_modules" / ".bin" / "azurite-blob").touch()
+    (emulators / f".azurite-{AZURITE_VERSION}").touch()
+    monkeypatch.setenv("PATH", str(tmp_path / "no-npm"))  # an install would fail
+    assert azurite_binary() == emulators / "node_modules" / ".bin" / "azurite-blob"

@@ -30,7 +30,7 @@ tokenizer with its chat template) that transformers, PEFT and vLLM load as they 
 level) and ``build.json`` (the settings, the time taken and the held-out accuracies).
 
 CLI: ``python -m asyncgrpo.testing.arithmetic DIR [--seed N] [--steps N] [--no-cache]``; built
-once per checkout into ``.test-cache/`` (or ``$ASYNCGRPO_TEST_CACHE``) and copied to ``DIR``."""
+once into the user's cache (``~/.cache/asyncgrpo/test-models``, or ``$ASYNCGRPO_TEST_CACHE``) and copied to ``DIR``."""
 
 from __future__ import annotations
 
@@ -39,7 +39,6 @@ import hashlib
 import json
 import math
 import operator
-import os
 import random
 import shutil
 import time
@@ -444,13 +443,6 @@ def cached_arithmetic_model(
     return cached_dir(cache_root, key, lambda out: make_arithmetic_model(out, s, log=log))
 
 
-def default_cache_root() -> Path:
-    """``$ASYNCGRPO_TEST_CACHE``, else the checkout's ``.test-cache`` (as ``make test``)."""
-    if env := os.environ.get("ASYNCGRPO_TEST_CACHE"):
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / ".test-cache"
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     from asyncgrpo.console import plain_help
 
@@ -474,14 +466,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--no-cache",
         action="store_true",
-        help="build into OUT_DIR directly, not through the checkout's cache",
+        help="build into OUT_DIR directly, not through the user's cache of test models",
     )
     args = parser.parse_args(argv)
     settings = REDUCED if args.reduced else BuildSettings(seed=args.seed, steps=args.steps)
     if args.no_cache:
         path = make_arithmetic_model(args.out_dir, settings)
     else:
-        from asyncgrpo.testing.model_cache import DONE
+        from asyncgrpo.testing.model_cache import DONE, default_cache_root
 
         built = cached_arithmetic_model(default_cache_root(), settings)
         if args.out_dir.exists():

