@@ -402,7 +402,13 @@ async def test_a_large_body_does_not_stall_the_other_clients(replicas: list[Reco
     """8 MB of 1.3 million one-token prompts: decoding and hashing it took seconds on the event
     loop, during which no other request was answered. Now it is read in a worker process; the
     small requests sent meanwhile are answered at once (the 50 ms bound is measured by
-    bench/proxy.py --part stall; this machine may be shared, so the bound here is looser)."""
+    bench/proxy.py --part stall).
+
+    What the event loop itself did while each small request waited is this thread's CPU time
+    (the loop, the proxy, the test's client and the stand-in replica all run on it): reading
+    the body here costs 1.4 s of it. Wall time alone also counts this process waiting for a
+    core: on 2 busy cores one small request of 445 once took 568 ms with the body read
+    elsewhere."""
     big = json.dumps({"model": "m", "prompt": [[7]] * 1_300_000}).encode()
     json_type = {"Content-Type": "application/json"}
     async with serve_proxy(_config([replicas[0].url])) as base:
@@ -410,14 +416,19 @@ async def test_a_large_body_does_not_stall_the_other_clients(replicas: list[Reco
         warm = json.dumps({"model": "m", "prompt": [[7]] * 300_000}).encode()
         assert (await _request(base, "POST", "/v1/completions", warm, json_type))[0] == 200
         sent = asyncio.create_task(_request(base, "POST", "/v1/completions", big, json_type))
-        took = []
-        while not sent.done():
-            t0 = time.perf_counter()
+        took, loop_cpu = [], []
+        while not sent.done():  # a small request, then 10 ms: the loop's whole time is seen
+            t0, c0 = time.perf_counter(), time.thread_time()
             assert (await _request(base, "GET", "/proxy/stats"))[0] == 200
-            took.append(time.perf_counter() - t0)
             await asyncio.sleep(0.01)
+            took.append(time.perf_counter() - t0)
+            loop_cpu.append(time.thread_time() - c0)
         assert (await sent)[0] == 200
-    assert len(took) >= 3 and max(took) < 0.5, [f"{t * 1000:.0f} ms" for t in took]
+    shown = [
+        f"{t * 1000:.0f} ms ({c * 1000:.0f} ms CPU)" for t, c in zip(took, loop_cpu, strict=True)
+    ]
+    assert len(took) >= 3 and max(loop_cpu) < 0.25, shown
+    assert sorted(took)[len(took) // 2] < 0.06, shown  # the median small request, and 10 ms
 
 
 _CHUNKED_CHILD = textwrap.dedent(
